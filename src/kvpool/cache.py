@@ -1,0 +1,343 @@
+"""KVCache: sequences -> page tables, with fork, copy-on-write, commit and a prefix cache."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.allocator import PageAllocator
+from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, UnknownSequence
+from kvpool.layout import KVLayout
+from kvpool.pool import KVPool
+from kvpool.prefix_cache import PrefixCache, PrefixNode
+
+
+@dataclass(slots=True)
+class _Sequence:
+    pages: list[int]  # page table: logical page i -> page id
+    num_tokens: int
+    token_ids: list[int] | None  # content, kept while it can still be cached by prefix
+    tree_node: PrefixNode | None = None  # deepest cached page of the committed prefix
+    num_tree_pages: int = 0  # logical pages [0, num_tree_pages) already walked in the tree
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the cache. Pages: free + cached + used == num_pages."""
+
+    num_pages: int
+    num_free_pages: int  # on the allocator's free list
+    num_cached_pages: int  # held only by the prefix cache: evictable
+    num_used_pages: int  # held by at least one live sequence
+    num_sequences: int
+    num_tokens: int  # filled slots in used pages (a shared slot counts once)
+    prefix_query_tokens: int  # cumulative tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # cumulative tokens served from it
+    num_evicted_pages: int
+    num_cow_copies: int
+    page_size: int
+
+    @property
+    def kv_utilization(self) -> float:
+        """Filled fraction of the slots in used pages (internal fragmentation is 1 - this)."""
+        slots = self.num_used_pages * self.page_size
+        return self.num_tokens / slots if slots else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up tokens served from the prefix cache."""
+        q = self.prefix_query_tokens
+        return self.prefix_hit_tokens / q if q else 0.0
+
+
+class KVCache:
+    """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
+    maps each sequence to its page table. Every mutating call checks first and then acts:
+    a call that raises has changed nothing."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
+                 prefix_caching: bool = False, reserve: int = 0,
+                 max_tokens_per_seq: int | None = None, scrub_on_free: bool = False):
+        if max_tokens_per_seq is not None and (
+                isinstance(max_tokens_per_seq, bool) or not isinstance(max_tokens_per_seq, int)
+                or max_tokens_per_seq <= 0):
+            raise ValueError(f"max_tokens_per_seq must be a positive int or None, "
+                             f"got {max_tokens_per_seq!r}")
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve)
+        self.pool = KVPool(layout, num_pages, device=device)
+        self.prefix_cache = PrefixCache(self.allocator, layout.page_size) if prefix_caching \
+            else None
+        self.max_tokens_per_seq = max_tokens_per_seq
+        self.scrub_on_free = scrub_on_free
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._num_cow_copies = 0
+
+    # ---- sequences ---------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
+                     num_tokens: int | None = None) -> int:
+        """Create a sequence holding `token_ids` (or `num_tokens` unknown tokens) and give it
+        pages. Returns how many leading tokens the prefix cache served (whole pages, never
+        the last token); their KV is already in the pool."""
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {seq_id!r} already exists")
+        n = _count(token_ids, num_tokens)
+        self._check_length(seq_id, n)
+        nodes = self._match(token_ids, n)
+        need = -(-n // self.page_size) - len(nodes)
+        self._check_room(need, nodes)
+        pc = self.prefix_cache
+        if pc and token_ids is not None:
+            pc.lock(nodes)
+            self._prefix_query_tokens += n
+            self._prefix_hit_tokens += len(nodes) * self.page_size
+        pages = [node.page for node in nodes] + self._allocate(need)
+        keep_ids = list(token_ids) if pc and token_ids is not None else None
+        tree_node = nodes[-1] if nodes else (pc.root if pc else None)
+        self._seqs[seq_id] = _Sequence(pages, n, keep_ids, tree_node, len(nodes))
+        return len(nodes) * self.page_size
+
+    def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
+               token_ids: Sequence[int] | None = None) -> list[int]:
+        """Grow a sequence by `num_tokens` (default 1, or `len(token_ids)`); returns the new
+        tokens' slots. A shared partial last page is copied first (copy-on-write)."""
+        seq = self._get(seq_id)
+        n = _count(token_ids, num_tokens, default=1)
+        start = seq.num_tokens
+        self._check_length(seq_id, start + n)
+        cow = self._needs_cow(seq, n)
+        need = -(-(start + n) // self.page_size) - len(seq.pages)
+        self._check_room(need + cow)
+        new_pages = self._allocate(need + cow)
+        if cow:
+            self._copy_on_write(seq, new_pages.pop())
+        seq.pages.extend(new_pages)
+        seq.num_tokens = start + n
+        if seq.token_ids is not None:
+            if token_ids is None:
+                seq.token_ids = None  # content unknown from here on: stop caching it
+            else:
+                seq.token_ids.extend(token_ids)
+        return self._slots(seq, start, start + n)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Create `child_id` sharing every page of `parent_id` (reference counts +1)."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise DuplicateSequence(f"sequence {child_id!r} already exists")
+        self.allocator.share(parent.pages)
+        token_ids = None if parent.token_ids is None else list(parent.token_ids)
+        self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, token_ids,
+                                         parent.tree_node, parent.num_tree_pages)
+
+    def commit(self, seq_id: Hashable) -> None:
+        """Declare the KV of every token the sequence holds written; with prefix caching its
+        full pages become matchable by later sequences."""
+        seq = self._get(seq_id)
+        pc = self.prefix_cache
+        if pc is None or seq.token_ids is None:
+            return
+        full = seq.num_tokens // self.page_size
+        if seq.num_tree_pages < full:
+            node, end = pc.insert(seq.tree_node, seq.token_ids, seq.pages,
+                                  seq.num_tree_pages, full)
+            seq.tree_node, seq.num_tree_pages = node, end
+            if end < full:
+                seq.token_ids = None  # nothing after a private copy can be cached below it
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Give back the sequence's references. Its cached pages stay in the prefix cache
+        (evictable once nobody else holds them)."""
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        freed = self.allocator.free(seq.pages)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq.pages)
+        if self.scrub_on_free and freed:
+            self.pool.scrub_pages(freed)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens the sequence holds."""
+        return self._get(seq_id).num_tokens
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        """The sequence's page table (a copy)."""
+        return list(self._get(seq_id).pages)
+
+    def slots(self, seq_id: Hashable) -> list[int]:
+        """The slot of each of the sequence's tokens."""
+        seq = self._get(seq_id)
+        return self._slots(seq, 0, seq.num_tokens)
+
+    def sequences(self) -> list[Hashable]:
+        """Ids of the live sequences, in creation order."""
+        return list(self._seqs)
+
+    def owners(self, page: int) -> list[Hashable]:
+        """Live sequences whose page table holds `page` (for debugging and metrics)."""
+        return [sid for sid, seq in self._seqs.items() if page in seq.pages]
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation could get: free ones plus evictable cached ones."""
+        cached = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.allocator.num_free + cached
+
+    def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
+                     num_tokens: int | None = None) -> int:
+        """Available pages `add_sequence` would consume: new pages plus evictable cached
+        pages its prefix hit would pin. Changes nothing."""
+        n = _count(token_ids, num_tokens)
+        nodes = self._match(token_ids, n)
+        pinned = self.prefix_cache.num_pinned_by(nodes) if nodes else 0
+        return -(-n // self.page_size) - len(nodes) + pinned
+
+    def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
+        """Pages `append(seq_id, num_tokens)` would take, copy-on-write included."""
+        seq = self._get(seq_id)
+        n = _count(None, num_tokens)
+        need = -(-(seq.num_tokens + n) // self.page_size) - len(seq.pages)
+        return need + self._needs_cow(seq, n)
+
+    def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
+        """Page tables `[batch, max_pages]` int32, rows padded with page id 0."""
+        tables = [self._get(sid).pages for sid in seq_ids]
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width)
+
+    def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
+                     ends: Sequence[int], *, device=None) -> torch.Tensor:
+        """Slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated."""
+        out: list[int] = []
+        for sid, start, end in zip(seq_ids, starts, ends, strict=True):
+            seq = self._get(sid)
+            if not 0 <= start <= end <= seq.num_tokens:
+                raise ValueError(f"token range [{start}, {end}) is outside sequence {sid!r} "
+                                 f"of {seq.num_tokens} tokens")
+            out.extend(self._slots(seq, start, end))
+        return torch.tensor(out, dtype=torch.int64, device=device)
+
+    def stats(self) -> CacheStats:
+        """Page counts, filled slots, prefix-cache and copy-on-write counters."""
+        full: set[int] = set()
+        partial: dict[int, int] = {}
+        ps = self.page_size
+        for seq in self._seqs.values():
+            nfull = seq.num_tokens // ps
+            full.update(seq.pages[:nfull])
+            if nfull < len(seq.pages):
+                partial[seq.pages[nfull]] = seq.num_tokens - nfull * ps
+        pc = self.prefix_cache
+        cached = pc.num_evictable if pc else 0
+        free = self.allocator.num_free
+        return CacheStats(
+            num_pages=self.allocator.num_pages, num_free_pages=free, num_cached_pages=cached,
+            num_used_pages=self.allocator.num_pages - free - cached,
+            num_sequences=len(self._seqs), num_tokens=len(full) * ps + sum(partial.values()),
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            num_evicted_pages=pc.num_evicted if pc else 0,
+            num_cow_copies=self._num_cow_copies, page_size=ps)
+
+    def check(self) -> None:
+        """Invariants: allocator conservation; each page's reference count equals the
+        sequences holding it plus one if the prefix cache holds it; page tables sized to
+        their tokens; the prefix tree consistent."""
+        self.allocator.check()
+        holders: Counter[int] = Counter()
+        for sid, seq in self._seqs.items():
+            want = -(-seq.num_tokens // self.page_size)
+            assert len(seq.pages) == want, (
+                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
+                f"expected {want}")
+            assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
+            holders.update(seq.pages)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
+            holders.update(self.prefix_cache.cached_pages())
+        for page in range(self.allocator.num_pages):
+            rc = self.allocator.refcount(page)
+            assert rc == holders[page], (
+                f"page {page} has refcount {rc} but {holders[page]} holders")
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}")
+        return seq
+
+    def _match(self, token_ids: Sequence[int] | None, n: int) -> list[PrefixNode]:
+        """Cached pages for a new sequence of `n` tokens, never covering the last token."""
+        pc = self.prefix_cache
+        if pc is None or token_ids is None or n == 0:
+            return []
+        return pc.match(token_ids, (n - 1) // self.page_size)
+
+    def _check_length(self, seq_id: Hashable, n: int) -> None:
+        limit = self.max_tokens_per_seq
+        if limit is not None and n > limit:
+            raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
+                                  f"over the limit of {limit}")
+
+    def _check_room(self, n: int, pinning: list[PrefixNode] = ()) -> None:
+        """Raise OutOfPages unless `n` pages can be had, counting cached pages that could be
+        evicted (except those in `pinning`, which a prefix hit is about to take)."""
+        alloc = self.allocator
+        if n <= alloc.num_free - alloc.reserve:
+            return
+        pc = self.prefix_cache
+        evictable = pc.num_evictable - pc.num_pinned_by(pinning) if pc else 0
+        if n > alloc.num_free - alloc.reserve + evictable:
+            raise OutOfPages(f"need {n} pages, {alloc.num_free} free "
+                             f"({alloc.reserve} reserved), {evictable} evictable")
+
+    def _allocate(self, n: int) -> list[int]:
+        short = n - (self.allocator.num_free - self.allocator.reserve)
+        if short > 0:
+            evicted = self.prefix_cache.evict(short)
+            if self.scrub_on_free:
+                self.pool.scrub_pages(evicted)
+        return self.allocator.allocate(n)
+
+    def _needs_cow(self, seq: _Sequence, n: int) -> bool:
+        return (n > 0 and seq.num_tokens % self.page_size != 0
+                and self.allocator.refcount(seq.pages[-1]) > 1)
+
+    def _copy_on_write(self, seq: _Sequence, new_page: int) -> None:
+        old = seq.pages[-1]
+        self.pool.copy_pages([old], [new_page])
+        self.allocator.free([old])  # others still hold it: never reaches 0 here
+        seq.pages[-1] = new_page
+        self._num_cow_copies += 1
+
+    def _slots(self, seq: _Sequence, start: int, end: int) -> list[int]:
+        ps = self.page_size
+        pages = seq.pages
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+
+def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
+    """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
+    if token_ids is not None:
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        if num_tokens is not None and num_tokens != len(token_ids):
+            raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
+        return len(token_ids)
+    if num_tokens is None:
+        return default
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    return num_tokens

@@ -1,0 +1,468 @@
+"""KVCache behaviour, one rule per test, with exact page ids (a fresh allocator hands out
+ids ascending from 0)."""
+
+import pytest
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.errors import (
+    DuplicateSequence,
+    KVPoolError,
+    OutOfPages,
+    SequenceTooLong,
+    UnknownSequence,
+)
+from kvpool.layout import KVLayout
+
+PS = 4
+
+
+def make_cache(num_pages=8, **kw):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=PS)
+    return KVCache(layout, num_pages, device="cpu", **kw)
+
+
+def fill(cache, seq_id, start=0, value=None):
+    """Write a distinct K value into every slot of the sequence from `start` on."""
+    slots = torch.tensor(cache.slots(seq_id)[start:])
+    base = float(value if value is not None else hash(seq_id) % 1000)
+    k = (base + torch.arange(len(slots), dtype=torch.float32))[:, None, None].expand(-1, 1, 2)
+    for layer in range(2):
+        cache.pool.write(layer, slots, k, -k)
+
+
+def read(cache, seq_id, layer=0):
+    """The K values of the sequence's tokens, read through its page table."""
+    k = cache.pool.k_cache(layer).reshape(-1, 1, 2)
+    return k[torch.tensor(cache.slots(seq_id))][:, 0, 0].tolist()
+
+
+def snapshot(cache):
+    s = cache.stats()
+    return (
+        {sid: (cache.pages(sid), cache.num_tokens(sid)) for sid in cache.sequences()},
+        [cache.allocator.refcount(p) for p in range(cache.allocator.num_pages)],
+        (s.num_free_pages, s.num_cached_pages, s.num_used_pages, s.num_tokens,
+         s.prefix_query_tokens, s.prefix_hit_tokens, s.num_evicted_pages, s.num_cow_copies),
+        cache.pool.kv.clone(),
+    )
+
+
+def assert_unchanged(before, cache):
+    after = snapshot(cache)
+    assert before[:3] == after[:3]
+    assert torch.equal(before[3].nan_to_num(), after[3].nan_to_num())
+    cache.check()
+
+
+# ---- page tables and slots ---------------------------------------------------------------
+
+def test_add_sequence_takes_whole_pages_ascending():
+    cache = make_cache()
+    assert cache.add_sequence("a", num_tokens=9) == 0
+    assert cache.pages("a") == [0, 1, 2]
+    assert cache.num_tokens("a") == 9
+
+
+def test_slots_follow_the_page_table():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=2)
+    cache.add_sequence("b", num_tokens=6)
+    assert cache.slots("b") == [4, 5, 6, 7, 8, 9]
+    assert cache.append("a", 3) == [2, 3, 12]
+    assert cache.pages("a") == [0, 3]
+
+
+def test_append_within_a_page_takes_no_page():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=1)
+    assert cache.append("a") == [1]
+    assert cache.allocator.num_free == 7
+
+
+def test_append_token_ids_sets_the_count():
+    cache = make_cache()
+    cache.add_sequence("a", [1, 2])
+    assert cache.append("a", token_ids=[3, 4, 5]) == [2, 3, 4]
+    assert cache.num_tokens("a") == 5
+
+
+def test_empty_sequence_holds_no_page():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=0)
+    assert cache.pages("a") == []
+    assert cache.append("a") == [0]
+
+
+def test_page_tables_are_padded_int32():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=9)
+    cache.add_sequence("b", num_tokens=1)
+    tables = cache.page_tables(["b", "a"])
+    assert tables.dtype == torch.int32
+    assert tables.tolist() == [[3, 0, 0], [0, 1, 2]]
+
+
+def test_slot_mapping_concatenates_token_ranges():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    cache.add_sequence("b", num_tokens=3)
+    mapping = cache.slot_mapping(["a", "b"], [4, 0], [6, 2])
+    assert mapping.dtype == torch.int64
+    assert mapping.tolist() == [4, 5, 8, 9]
+
+
+def test_slot_mapping_rejects_a_range_past_the_end():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=3)
+    with pytest.raises(ValueError, match=r"\[0, 4\).*3 tokens"):
+        cache.slot_mapping(["a"], [0], [4])
+
+
+def test_free_sequence_returns_its_pages():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=9)
+    cache.free_sequence("a")
+    assert cache.allocator.num_free == 8
+    assert cache.sequences() == []
+    cache.check()
+
+
+# ---- fork and copy-on-write --------------------------------------------------------------
+
+def test_fork_shares_every_page():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    cache.fork("a", "b")
+    assert cache.pages("b") == [0, 1]
+    assert [cache.allocator.refcount(p) for p in (0, 1)] == [2, 2]
+    assert sorted(cache.owners(1)) == ["a", "b"]
+    cache.check()
+
+
+def test_fork_then_append_copies_shared_partial_page():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    fill(cache, "a", value=100)
+    cache.fork("a", "b")
+    slots = cache.append("b")
+    assert cache.pages("b") == [0, 2]  # page 1 was shared and partial: copied to page 2
+    assert cache.pages("a") == [0, 1]
+    assert slots == [2 * PS + 2]
+    assert read(cache, "b")[:6] == read(cache, "a") == [100, 101, 102, 103, 104, 105]
+    assert read(cache, "b", layer=1)[:6] == read(cache, "a", layer=1)
+    assert cache.allocator.refcount(1) == 1 and cache.allocator.refcount(0) == 2
+    assert cache.stats().num_cow_copies == 1
+    cache.check()
+
+
+def test_append_on_exclusive_page_copies_nothing():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    assert cache.append("a") == [6]
+    assert cache.pages("a") == [0, 1]
+    assert cache.stats().num_cow_copies == 0
+
+
+def test_fork_then_append_on_full_page_takes_a_new_page_without_copy():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=8)
+    cache.fork("a", "b")
+    cache.append("b")
+    assert cache.pages("b") == [0, 1, 2]
+    assert cache.stats().num_cow_copies == 0
+
+
+def test_after_one_side_copies_the_other_writes_in_place():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    cache.fork("a", "b")
+    cache.append("a")
+    cache.append("b")
+    assert cache.pages("a") == [0, 2]
+    assert cache.pages("b") == [0, 1]
+    assert cache.stats().num_cow_copies == 1
+
+
+# ---- errors change nothing ---------------------------------------------------------------
+
+def test_unknown_sequence_is_a_typed_error():
+    cache = make_cache()
+    for call in (lambda: cache.append("x"), lambda: cache.free_sequence("x"),
+                 lambda: cache.fork("x", "y"), lambda: cache.commit("x"),
+                 lambda: cache.pages("x")):
+        with pytest.raises(UnknownSequence, match="'x'"):
+            call()
+
+
+def test_duplicate_sequence_is_a_typed_error_and_changes_nothing():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=5)
+    cache.add_sequence("b", num_tokens=1)
+    before = snapshot(cache)
+    with pytest.raises(DuplicateSequence):
+        cache.add_sequence("a", num_tokens=1)
+    with pytest.raises(DuplicateSequence):
+        cache.fork("a", "b")
+    assert_unchanged(before, cache)
+
+
+def test_sequence_too_long_names_the_limit_and_changes_nothing():
+    cache = make_cache(max_tokens_per_seq=10)
+    cache.add_sequence("a", num_tokens=9)
+    before = snapshot(cache)
+    with pytest.raises(SequenceTooLong, match="12 tokens.*limit of 10"):
+        cache.append("a", 3)
+    with pytest.raises(SequenceTooLong, match="11 tokens"):
+        cache.add_sequence("b", num_tokens=11)
+    assert_unchanged(before, cache)
+
+
+def test_out_of_pages_on_add_names_the_numbers_and_changes_nothing():
+    cache = make_cache(num_pages=4)
+    cache.add_sequence("a", num_tokens=9)
+    fill(cache, "a")
+    before = snapshot(cache)
+    with pytest.raises(OutOfPages, match="need 2 pages, 1 free"):
+        cache.add_sequence("b", num_tokens=5)
+    assert_unchanged(before, cache)
+
+
+def test_out_of_pages_on_copy_on_write_changes_nothing():
+    cache = make_cache(num_pages=2)
+    cache.add_sequence("a", num_tokens=6)
+    cache.fork("a", "b")
+    before = snapshot(cache)
+    with pytest.raises(OutOfPages, match="need 1 pages, 0 free"):
+        cache.append("b")
+    assert_unchanged(before, cache)
+
+
+def test_reserve_is_kept_back():
+    cache = make_cache(num_pages=4, reserve=1)
+    cache.add_sequence("a", num_tokens=12)
+    with pytest.raises(OutOfPages, match=r"1 reserved"):
+        cache.append("a", 1)
+
+
+def test_bad_counts_are_rejected():
+    cache = make_cache()
+    with pytest.raises(ValueError, match="non-negative int"):
+        cache.add_sequence("a", num_tokens=-1)
+    with pytest.raises(ValueError, match="non-negative int"):
+        cache.add_sequence("a", num_tokens=True)
+    with pytest.raises(ValueError, match="disagrees"):
+        cache.add_sequence("a", [1, 2], num_tokens=3)
+    with pytest.raises(TypeError, match="sequence of ints"):
+        cache.add_sequence("a", "hello")
+    assert cache.sequences() == []
+
+
+def test_errors_share_the_library_base_class():
+    cache = make_cache()
+    with pytest.raises(KVPoolError):
+        cache.append("nope")
+
+
+# ---- prefix cache ------------------------------------------------------------------------
+
+def prompt(n, base=0):
+    return list(range(base, base + n))
+
+
+def test_committed_full_pages_are_served_to_a_later_prompt():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(10))
+    fill(cache, "a", value=50)
+    cache.commit("a")
+    assert cache.add_sequence("b", prompt(10)) == 8
+    assert cache.pages("b") == [0, 1, 3]
+    assert read(cache, "b")[:8] == read(cache, "a")[:8]
+    s = cache.stats()
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (20, 8)
+    cache.check()
+
+
+def test_prefix_match_never_covers_the_last_token():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(8))
+    cache.commit("a")
+    assert cache.add_sequence("b", prompt(8)) == 4  # page 2 would hold the last token
+    assert cache.pages("b") == [0, 2]
+
+
+def test_uncommitted_pages_are_not_matched():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(10))
+    assert cache.add_sequence("b", prompt(10)) == 0
+
+
+def test_a_different_token_ends_the_match():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(12))
+    cache.commit("a")
+    other = prompt(12)
+    other[5] = 99
+    assert cache.add_sequence("b", other) == 4
+
+
+def test_appended_token_ids_extend_the_key():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(3))
+    cache.append("a", token_ids=[3, 4, 5])
+    cache.commit("a")
+    assert cache.add_sequence("b", prompt(7)) == 4
+
+
+def test_append_without_token_ids_stops_caching_the_sequence():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(3))
+    cache.append("a", 5)
+    cache.commit("a")
+    assert cache.prefix_cache.num_pages == 0
+
+
+def test_freed_sequence_leaves_its_committed_pages_cached():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(10))
+    cache.commit("a")
+    cache.free_sequence("a")
+    s = cache.stats()
+    assert (s.num_free_pages, s.num_cached_pages, s.num_used_pages) == (6, 2, 0)
+    assert cache.allocator.refcount(0) == 1
+    cache.check()
+
+
+def test_same_content_committed_twice_keeps_one_copy():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(8))
+    cache.add_sequence("b", prompt(8))
+    cache.commit("a")
+    cache.commit("b")
+    assert cache.prefix_cache.num_pages == 2
+    cache.free_sequence("b")
+    assert cache.allocator.num_free == 6  # b's private copies went straight back
+    cache.check()
+
+
+def test_forked_child_holds_pages_its_parent_commits_later():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(9))
+    cache.fork("a", "b")
+    cache.commit("a")
+    cache.free_sequence("a")
+    assert cache.stats().num_cached_pages == 0  # b still holds them
+    cache.free_sequence("b")
+    assert cache.stats().num_cached_pages == 2
+    cache.check()
+
+
+def test_eviction_runs_when_pages_run_out_least_recently_used_first():
+    cache = make_cache(num_pages=5, prefix_caching=True)
+    for sid, base in (("a", 0), ("b", 100)):
+        cache.add_sequence(sid, prompt(8, base))
+        cache.commit(sid)
+        cache.free_sequence(sid)
+    assert cache.add_sequence("hit", prompt(9, 0)) == 8  # a hit refreshes a's pages
+    cache.free_sequence("hit")
+    cache.add_sequence("c", num_tokens=9)
+    # one free page and two evicted: b's pages, the least recently used, leaf first
+    assert sorted(cache.pages("c")) == [2, 3, 4]
+    assert cache.stats().num_evicted_pages == 2
+    assert len(cache.prefix_cache.match(prompt(8, 0), 2)) == 2
+    assert cache.prefix_cache.match(prompt(8, 100), 2) == []
+    cache.check()
+
+
+def test_children_are_evicted_before_parents():
+    cache = make_cache(num_pages=4, prefix_caching=True)
+    cache.add_sequence("a", prompt(12))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("c", num_tokens=4)
+    assert cache.pages("c") == [3]  # the free page first
+    cache.add_sequence("d", num_tokens=4)
+    assert cache.pages("d") == [2]  # then the deepest cached page
+    cache.free_sequence("c")
+    assert cache.add_sequence("e", prompt(9)) == 8
+    cache.check()
+
+
+def test_eviction_skips_cached_pages_a_live_sequence_holds():
+    cache = make_cache(num_pages=4, prefix_caching=True)
+    for sid, base in (("a", 0), ("b", 100)):
+        cache.add_sequence(sid, prompt(5, base))
+        cache.commit(sid)
+        cache.free_sequence(sid)
+    assert cache.add_sequence("c", prompt(5, 0)) == 4  # holds a's page, the oldest
+    cache.add_sequence("d", num_tokens=8)  # one free page + one evicted: b's
+    assert len(cache.prefix_cache.match(prompt(5, 0), 1)) == 1
+    assert cache.prefix_cache.match(prompt(5, 100), 1) == []
+    cache.check()
+
+
+def test_pages_of_a_live_sequence_are_never_evicted():
+    cache = make_cache(num_pages=4, prefix_caching=True)
+    cache.add_sequence("a", prompt(12))
+    cache.commit("a")
+    before = snapshot(cache)
+    with pytest.raises(OutOfPages, match="need 2 pages, 1 free.*0 evictable"):
+        cache.add_sequence("b", num_tokens=8)
+    assert_unchanged(before, cache)
+
+
+def test_a_prefix_hit_pins_the_pages_it_reuses():
+    cache = make_cache(num_pages=3, prefix_caching=True)
+    cache.add_sequence("a", prompt(9))
+    cache.commit("a")
+    cache.free_sequence("a")
+    # b reuses both cached pages and needs one more: the only free page, no eviction
+    assert cache.pages_to_add(prompt(10)) == 3
+    assert cache.add_sequence("b", prompt(10)) == 8
+    assert cache.pages("b") == [0, 1, 2]
+    assert cache.stats().num_evicted_pages == 0
+
+
+def test_clear_drops_every_evictable_page():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(8))
+    cache.commit("a")
+    cache.add_sequence("b", prompt(8, 50))
+    cache.commit("b")
+    cache.free_sequence("a")
+    cache.prefix_cache.clear()
+    s = cache.stats()
+    assert (s.num_cached_pages, s.num_used_pages) == (0, 2)
+    cache.free_sequence("b")
+    cache.prefix_cache.clear()
+    assert cache.allocator.num_free == 8
+    cache.check()
+
+
+# ---- probes and stats --------------------------------------------------------------------
+
+def test_probes_predict_what_calls_take():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(6))
+    cache.fork("a", "b")
+    assert cache.pages_to_append("b", 1) == 1  # the copy of the shared partial page
+    assert cache.pages_to_append("b", 3) == 2
+    assert cache.pages_to_add(num_tokens=9) == 3
+    assert cache.num_available_pages == 6
+
+
+def test_stats_count_shared_slots_once():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    cache.fork("a", "b")
+    s = cache.stats()
+    assert (s.num_used_pages, s.num_tokens, s.num_sequences) == (2, 6, 2)
+    assert s.kv_utilization == 6 / 8
+
+
+def test_scrub_on_free_zeroes_freed_pages():
+    cache = make_cache(scrub_on_free=True)
+    cache.add_sequence("a", num_tokens=4)
+    fill(cache, "a", value=7)
+    cache.free_sequence("a")
+    assert torch.count_nonzero(cache.pool.kv[:, :, 0]) == 0

@@ -1,0 +1,174 @@
+"""Random operation sequences on KVCache, checking every invariant after every step.
+
+Each token's K value is an id unique to its content (the token ids up to and including it),
+as real KV is. After every step each live sequence, read through its page table, must give
+back exactly its own values: a wrong share or a missed copy-on-write shows up at once.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvpool.cache import KVCache
+from kvpool.errors import OutOfPages
+from kvpool.layout import KVLayout
+
+PAGE_SIZE = 4
+NUM_PAGES = 16
+VOCAB = 3
+# Prompts start from a few shared bases so that prefix hits, shared pages and evictions
+# of shared pages are common.
+BASES = ([0] * 16, [1, 2] * 8)
+prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES),
+                    st.integers(0, 16), st.lists(st.integers(0, VOCAB - 1), max_size=3))
+
+
+class CacheMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self, policy, prefix_caching):
+        super().__init__()
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                          page_size=PAGE_SIZE)
+        self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
+                             prefix_caching=prefix_caching)
+        self.tokens = {}  # seq id -> token ids the test gave it
+        self.value_ids = {}  # content prefix -> unique value
+        self.next_seq = 0
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def value(self, tokens, pos):
+        return self.value_ids.setdefault(tuple(tokens[:pos + 1]), len(self.value_ids) + 1)
+
+    def write(self, seq_id, start):
+        tokens = self.tokens[seq_id]
+        slots = self.cache.slots(seq_id)[start:]
+        if slots:
+            k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
+                             dtype=torch.float32).view(-1, 1, 1)
+            self.cache.pool.write(0, torch.tensor(slots), k, -k)
+
+    def snapshot(self):
+        c = self.cache
+        return (
+            {sid: (c.pages(sid), c.num_tokens(sid)) for sid in c.sequences()},
+            [c.allocator.refcount(p) for p in range(NUM_PAGES)],
+            c.stats(),
+            c.pool.kv.clone(),
+        )
+
+    def attempt(self, call):
+        """Run `call`; if it raises OutOfPages, assert that nothing changed."""
+        before = self.snapshot()
+        try:
+            return call(), True
+        except OutOfPages:
+            after = self.snapshot()
+            assert before[:3] == after[:3]
+            assert torch.equal(before[3].nan_to_num(), after[3].nan_to_num())
+            return None, False
+
+    # ---- rules ---------------------------------------------------------------------------
+
+    @rule(target=seqs, tokens=prompts, known=st.booleans())
+    def add(self, tokens, known):
+        seq_id = self.next_seq
+        self.next_seq += 1
+        call = (lambda: self.cache.add_sequence(seq_id, tokens)) if known else (
+            lambda: self.cache.add_sequence(seq_id, num_tokens=len(tokens)))
+        hit, ok = self.attempt(call)
+        if not ok:
+            return None
+        assert hit % PAGE_SIZE == 0 and hit < max(len(tokens), 1)
+        # unknown content gets values no other sequence can share
+        self.tokens[seq_id] = tokens if known else [("u", seq_id, i) for i in range(len(tokens))]
+        self.write(seq_id, hit)
+        return seq_id
+
+    @rule(seq=seqs, new=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          known=st.booleans())
+    def append(self, seq, new, known):
+        if seq not in self.tokens:
+            return
+        call = (lambda: self.cache.append(seq, token_ids=new)) if known else (
+            lambda: self.cache.append(seq, len(new)))
+        slots, ok = self.attempt(call)
+        if ok:
+            start = len(self.tokens[seq])
+            self.tokens[seq] = self.tokens[seq] + (
+                new if known else [("u", seq, start + i) for i in range(len(new))])
+            assert slots == self.cache.slots(seq)[start:]
+            self.write(seq, start)
+
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent):
+        if parent not in self.tokens:
+            return None
+        child = self.next_seq
+        self.next_seq += 1
+        self.cache.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        return child
+
+    @rule(seq=seqs)
+    def commit(self, seq):
+        if seq in self.tokens:
+            self.cache.commit(seq)
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq in self.tokens:
+            self.cache.free_sequence(seq)
+            del self.tokens[seq]
+
+    @precondition(lambda self: self.cache.prefix_cache is not None)
+    @rule()
+    def clear(self):
+        self.cache.prefix_cache.clear()
+        assert self.cache.stats().num_cached_pages == 0
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def structures_are_consistent(self):
+        self.cache.check()
+        s = self.cache.stats()
+        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == NUM_PAGES
+
+    @invariant()
+    def every_sequence_reads_its_own_values(self):
+        k = self.cache.pool.k_cache(0).reshape(-1)
+        for seq_id, tokens in self.tokens.items():
+            got = k[torch.tensor(self.cache.slots(seq_id), dtype=torch.long)].tolist()
+            assert got == [self.value(tokens, p) for p in range(len(tokens))], seq_id
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.cache.free_sequence(seq_id)
+        if self.cache.prefix_cache is not None:
+            self.cache.prefix_cache.clear()
+        assert self.cache.allocator.num_free == NUM_PAGES
+        self.cache.check()
+
+
+@pytest.mark.parametrize("policy", ["lifo", "first_fit"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_random_operations_keep_every_invariant(policy, prefix_caching):
+    class Machine(CacheMachine):
+        def __init__(self):
+            super().__init__(policy, prefix_caching)
+
+    Machine.TestCase.settings = settings(
+        max_examples=60, stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    Machine.TestCase().runTest()

@@ -1,0 +1,90 @@
+"""KVPool: one tensor, per-layer views, writes by slot, page copies for CoW and tiers."""
+
+import pytest
+import torch
+
+from kvpool.errors import InvalidPage
+from kvpool.layout import KVLayout
+from kvpool.pool import KVPool
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
+
+
+def make_pool(num_pages=5):
+    pool = KVPool(LAYOUT, num_pages, device="cpu")
+    pool.kv.zero_()
+    return pool
+
+
+def test_pool_is_one_tensor_of_the_documented_shape():
+    pool = make_pool()
+    assert pool.kv.shape == (3, 2, 5, 4, 2, 4)
+    assert pool.nbytes == 3 * 2 * 5 * 4 * 2 * 4 * 4 == 5 * LAYOUT.bytes_per_page
+
+
+def test_layer_views_share_the_pool_storage():
+    pool = make_pool()
+    pool.k_cache(1)[2, 3] = 1.0
+    pool.v_cache(2)[0, 0] = 2.0
+    assert pool.kv[1, 0, 2, 3].eq(1).all() and pool.kv[2, 1, 0, 0].eq(2).all()
+    assert pool.k_cache(0).shape == (5, 4, 2, 4)
+
+
+def test_write_puts_each_token_at_its_slot():
+    pool = make_pool()
+    k = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4)
+    pool.write(1, torch.tensor([5, 18]), k, -k)
+    assert torch.equal(pool.k_cache(1)[1, 1], k[0])  # slot 5 = page 1, offset 1
+    assert torch.equal(pool.v_cache(1)[4, 2], -k[1])  # slot 18 = page 4, offset 2
+    assert torch.count_nonzero(pool.kv[0]) == 0 and torch.count_nonzero(pool.kv[2]) == 0
+
+
+def test_copy_pages_copies_every_layer():
+    pool = make_pool()
+    pool.kv[:, :, 1] = torch.randn(3, 2, 4, 2, 4)
+    pool.copy_pages([1], [3])
+    assert torch.equal(pool.kv[:, :, 3], pool.kv[:, :, 1])
+    assert torch.count_nonzero(pool.kv[:, :, 2]) == 0
+
+
+def test_read_pages_then_write_pages_round_trips():
+    pool = make_pool()
+    pool.kv.normal_()
+    data = pool.read_pages([4, 0])
+    other = make_pool()
+    other.write_pages([1, 2], data)
+    assert torch.equal(other.kv[:, :, 1], pool.kv[:, :, 4])
+    assert torch.equal(other.kv[:, :, 2], pool.kv[:, :, 0])
+
+
+def test_write_pages_rejects_the_wrong_shape():
+    pool = make_pool()
+    with pytest.raises(ValueError, match=r"expected data of shape \(3, 2, 2, 4, 2, 4\)"):
+        pool.write_pages([0, 1], torch.zeros(3, 2, 1, 4, 2, 4))
+
+
+def test_scrub_pages_zeroes_only_those_pages():
+    pool = make_pool()
+    pool.kv.fill_(1.0)
+    pool.scrub_pages([2])
+    assert torch.count_nonzero(pool.kv[:, :, 2]) == 0
+    assert pool.kv[:, :, 3].eq(1).all()
+
+
+def test_out_of_range_page_ids_are_invalid_pages():
+    pool = make_pool()
+    with pytest.raises(InvalidPage, match=r"\[0, 5\).*max 5"):
+        pool.copy_pages([0], [5])
+    with pytest.raises(InvalidPage, match="min -1"):
+        pool.read_pages([-1])
+
+
+def test_copy_pages_needs_matching_lengths():
+    with pytest.raises(ValueError, match="got 2 and 1"):
+        make_pool().copy_pages([0, 1], [2])
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_pool_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="positive int"):
+        KVPool(LAYOUT, bad)
