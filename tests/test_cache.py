@@ -335,13 +335,17 @@ def test_freed_sequence_leaves_its_committed_pages_cached():
 
 def test_same_content_committed_twice_keeps_one_copy():
     cache = make_cache(prefix_caching=True)
-    cache.add_sequence("a", prompt(8))
-    cache.add_sequence("b", prompt(8))
+    cache.add_sequence("a", prompt(9))
+    cache.add_sequence("b", prompt(9) + [7, 7, 7])
+    fill(cache, "a", value=10)
+    fill(cache, "b", value=10)
     cache.commit("a")
     cache.commit("b")
-    assert cache.prefix_cache.num_pages == 2
-    cache.free_sequence("b")
-    assert cache.allocator.num_free == 6  # b's private copies went straight back
+    # b switches to a's cached copies of the two shared pages; its own go back at once
+    assert cache.pages("b") == [0, 1, 5]
+    assert cache.allocator.num_free == 8 - 4
+    assert cache.prefix_cache.num_pages == 3  # and b's third page hangs below a's second
+    assert read(cache, "b")[:8] == read(cache, "a")[:8]
     cache.check()
 
 

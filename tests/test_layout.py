@@ -110,9 +110,9 @@ def test_from_hf_config_dtype_and_page_size_arguments_override_the_config():
     assert (layout.dtype, layout.page_size) == (torch.float32, 32)
 
 
-def test_from_hf_config_defaults_to_float16_when_the_config_states_no_dtype():
+def test_from_hf_config_defaults_to_float32_when_the_config_states_no_dtype():
     config = {k: v for k, v in PRESETS["Llama-3-8B"].items() if k != "torch_dtype"}
-    assert KVLayout.from_hf_config(config).dtype == torch.float16
+    assert KVLayout.from_hf_config(config).dtype == torch.float32
 
 
 def test_from_hf_config_accepts_a_model_config():

@@ -139,18 +139,20 @@ class KVCache:
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the KV of every token the sequence holds written; with prefix caching its
-        full pages become matchable by later sequences."""
+        full pages become matchable by later sequences. Where the prefix cache already holds
+        the same content in another page, the sequence switches to that page and its own
+        copy is freed (one copy of each content)."""
         seq = self._get(seq_id)
         pc = self.prefix_cache
         if pc is None or seq.token_ids is None:
             return
         full = seq.num_tokens // self.page_size
         if seq.num_tree_pages < full:
-            node, end = pc.insert(seq.tree_node, seq.token_ids, seq.pages,
-                                  seq.num_tree_pages, full)
-            seq.tree_node, seq.num_tree_pages = node, end
-            if end < full:
-                seq.token_ids = None  # nothing after a private copy can be cached below it
+            seq.tree_node, freed = pc.insert(seq.tree_node, seq.token_ids, seq.pages,
+                                             seq.num_tree_pages, full)
+            seq.num_tree_pages = full
+            if self.scrub_on_free and freed:
+                self.pool.scrub_pages(freed)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache

@@ -16,7 +16,7 @@ from kvpool.config import ModelConfig
 
 ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
 
-DEFAULT_DTYPE = torch.float16  # for configs that state no dtype, as serving engines load them
+CONFIG_DEFAULT_DTYPE = torch.float32  # for configs that state no dtype, as the loader does
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 _MEMINFO = Path("/proc/meminfo")
@@ -34,7 +34,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = DEFAULT_DTYPE
+    dtype: torch.dtype = torch.float16
     page_size: int = 16
 
     def __post_init__(self) -> None:
@@ -64,9 +64,9 @@ class KVLayout:
     ) -> KVLayout:
         """The KV layout of a model, from its config (dict, config.json path, checkpoint folder,
         preset name or ModelConfig). The dtype is `dtype` if given, else the config's (`dtype`,
-        or `torch_dtype` before transformers 5), else float16."""
+        or `torch_dtype` before transformers 5), else float32 (as `load_model` does)."""
         model = _model_config(config)
-        dtype = dtype if dtype is not None else model.dtype or DEFAULT_DTYPE
+        dtype = dtype if dtype is not None else model.dtype or CONFIG_DEFAULT_DTYPE
         return cls(model.num_layers, model.num_kv_heads, model.head_dim, dtype, page_size)
 
 

@@ -87,32 +87,38 @@ class PrefixCache:
         for n in nodes:
             n.last_access = self._clock
 
-    def insert(self, node: PrefixNode, token_ids: Sequence[int], pages: Sequence[int],
-               first: int, last: int) -> tuple[PrefixNode, int]:
-        """Cache logical pages [first, last) of a live sequence (`pages` is its page table,
-        `node` the cached page before `first`); the tree takes a reference on each new one.
+    def insert(self, node: PrefixNode, token_ids: Sequence[int], pages: list[int],
+               first: int, last: int) -> tuple[PrefixNode, list[int]]:
+        """Cache logical pages [first, last) of a live sequence whose page table is `pages`
+        (`node` is the cached page before `first`); the tree takes a reference on each.
 
-        Stops early where the tree already caches the same tokens in another page: the
-        sequence's copy stays private to it. Returns the deepest node reached and the
-        logical page after it."""
+        Where the tree already caches the same tokens in another page, the sequence switches
+        to the cached page (updating `pages` in place) and drops its own copy. Returns the
+        deepest node reached and the ids of dropped copies that went back to the free list."""
         ps = self.page_size
-        new_pages = []
+        refcounts = self._refcounts
+        added: list[int] = []
+        switched: list[PrefixNode] = []
+        dropped: list[int] = []
         self._clock += 1
-        i = first
-        while i < last:
+        for i in range(first, last):
             key = tuple(token_ids[i * ps:(i + 1) * ps])
             child = node.children.get(key)
             if child is None:
                 child = PrefixNode(key, pages[i], node, {}, self._clock)
                 node.children[key] = child
                 self._node_of_page[pages[i]] = child
-                new_pages.append(pages[i])
+                added.append(pages[i])
             elif child.page != pages[i]:
-                break
+                switched.append(child)
+                dropped.append(pages[i])
+                pages[i] = child.page
             node = child
-            i += 1
-        self.allocator.share(new_pages)
-        return node, i
+        self.num_evictable -= [refcounts[n.page] for n in switched].count(1)
+        self.allocator.share(added + [n.page for n in switched])
+        for n in switched:
+            n.last_access = self._clock
+        return node, self.allocator.free(dropped)
 
     def release(self, pages: Sequence[int]) -> None:
         """A sequence has given back its references on `pages`: count the cached ones that

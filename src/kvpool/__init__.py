@@ -1,0 +1,48 @@
+"""kvpool: paged KV-cache memory for LLM inference.
+
+One pool of fixed-size pages allocated once, an allocator with reference counts, per-sequence
+page tables with fork and copy-on-write, a radix-tree prefix cache with LRU eviction, paged
+attention, Llama-family models on the paged cache, and an engine with continuous batching.
+"""
+
+from kvpool.allocator import AllocatorStats, PageAllocator
+from kvpool.cache import CacheStats, KVCache
+from kvpool.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from kvpool.errors import (
+    CheckpointError,
+    ConfigError,
+    DuplicateSequence,
+    InvalidPage,
+    KVPoolError,
+    OutOfPages,
+    SequenceTooLong,
+    UnknownSequence,
+)
+from kvpool.layout import KVLayout, MemoryPlan, plan_memory
+from kvpool.pool import KVPool
+from kvpool.prefix_cache import PrefixCache
+
+__all__ = [
+    "LLM",
+    "AllocatorStats",
+    "CacheStats",
+    "CheckpointError",
+    "CompletionOutput",
+    "ConfigError",
+    "DuplicateSequence",
+    "InvalidPage",
+    "KVCache",
+    "KVLayout",
+    "KVPool",
+    "KVPoolError",
+    "MemoryPlan",
+    "OutOfPages",
+    "PageAllocator",
+    "PrefixCache",
+    "RequestOutput",
+    "SamplingParams",
+    "SequenceTooLong",
+    "UnknownSequence",
+    "plan_memory",
+]
+__version__ = "0.1.0"

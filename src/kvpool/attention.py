@@ -1,0 +1,183 @@
+"""Paged attention: write new tokens' K/V into the pool by slot, and attend through page tables."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Decode gathers the K/V of a group of sequences into one scratch tensor; bounding its size keeps
+# the copy in cache and avoids faulting in fresh memory on every call (see benchmarks/attention.py).
+_DECODE_GROUP_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The per-step inputs of attention for a packed batch of sequences (one forward pass)."""
+
+    slot_mapping: torch.Tensor  # [total_query_tokens] int64: where each new token's K/V goes
+    page_tables: torch.Tensor  # [batch, max_pages] int32, padded with any valid page id
+    seq_lens: torch.Tensor  # [batch] int32: KV length of each sequence, new tokens included
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32: query token offsets, starting at 0
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store K and V `[n, num_kv_heads, head_dim]` of n tokens at `slots` `[n]` (int64) of one layer.
+
+    `k_cache`/`v_cache` are that layer's `[num_pages, page_size, num_kv_heads, head_dim]` views of the pool.
+    """
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slots.shape != k.shape[:1]:
+        raise ValueError(
+            f"write_kv expects k, v [n, {k_cache.shape[2]}, {k_cache.shape[3]}] and slots [n]; "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
+        )
+    # view (never reshape): a silent copy would drop the write.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries `[total_query_tokens, num_heads, head_dim]` over paged K/V.
+
+    Sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`, the last tokens of its `seq_lens[b]`
+    tokens. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype.
+    """
+    lens = seq_lens.tolist()
+    starts = cu_seqlens_q.tolist()
+    _check_shapes(q, k_cache, v_cache, page_tables, lens, starts)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if decode:
+        rows = torch.tensor([starts[b] for b in decode], device=q.device)
+        tables = page_tables.index_select(0, torch.tensor(decode, device=q.device))
+        decoded = _decode(q.index_select(0, rows), k_cache, v_cache, tables, [lens[b] for b in decode], scale, sliding_window)
+        out.index_copy_(0, rows, decoded)
+    for b in range(len(lens)):
+        if starts[b + 1] - starts[b] > 1:
+            out[starts[b] : starts[b + 1]] = _attend_sequence(
+                q[starts[b] : starts[b + 1]], k_cache, v_cache, page_tables[b], lens[b], scale, sliding_window
+            )
+    return out
+
+
+def _check_shapes(q, k_cache, v_cache, page_tables, lens, starts) -> None:
+    """Raise ValueError naming the shapes if the inputs do not describe one consistent batch."""
+    problem = None
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        problem = "expected q [tokens, heads, head_dim] and k/v caches [pages, page_size, kv_heads, head_dim]"
+    elif q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        problem = "head_dim must match and num_heads must be a multiple of num_kv_heads"
+    elif page_tables.dim() != 2 or len(lens) != page_tables.shape[0] or len(starts) != len(lens) + 1:
+        problem = "expected page_tables [batch, max_pages], seq_lens [batch], cu_seqlens_q [batch + 1]"
+    elif starts[0] != 0 or starts[-1] != q.shape[0]:
+        problem = f"cu_seqlens_q must run from 0 to {q.shape[0]} query tokens, got {starts[0]}..{starts[-1]}"
+    elif any(not 0 < e - s <= n for s, e, n in zip(starts, starts[1:], lens, strict=False)):
+        q_lens = [e - s for s, e in zip(starts, starts[1:], strict=False)]
+        problem = f"each sequence needs 1 <= q_len <= seq_len; q_lens {q_lens}, seq_lens {lens}"
+    elif max(lens) > page_tables.shape[1] * k_cache.shape[1]:
+        problem = f"seq_len {max(lens)} exceeds {page_tables.shape[1]} pages of {k_cache.shape[1]} tokens"
+    if problem:
+        raise ValueError(
+            f"paged_attention: {problem}; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+            f"v_cache {tuple(v_cache.shape)}, page_tables {tuple(page_tables.shape)}, batch {len(lens)}"
+        )
+
+
+def _first_visible(seq_len: int, q_len: int, window: int | None) -> int:
+    """Position of the oldest key any of the sequence's last q_len queries may attend to."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
+def _attend_sequence(q, k_cache, v_cache, pages, seq_len, scale, window) -> torch.Tensor:
+    """Attention of one sequence's q_len query tokens `[q_len, heads, head_dim]` over its K/V."""
+    q_len, page_size = q.shape[0], k_cache.shape[1]
+    first = _first_visible(seq_len, q_len, window)
+    first_page = first // page_size
+    ids = pages[first_page : -(-seq_len // page_size)]
+    # Gather only visible tokens, so unused slots (any bits, NaN included) never enter the math.
+    lo, hi = first - first_page * page_size, seq_len - first_page * page_size
+    k = k_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
+    v = v_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
+    mask = None
+    if window is not None or q_len != seq_len:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(first, seq_len, device=q.device)
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def _decode(q, k_cache, v_cache, page_tables, lens, scale, window) -> torch.Tensor:
+    """Attention of one query token per sequence, `q [batch, heads, head_dim]`, a group at a time.
+
+    Each group's visible pages are gathered into one scratch tensor, reused by every group.
+    """
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1:3]
+    firsts = [_first_visible(n, 1, window) for n in lens]
+    first_pages = [f // page_size for f in firsts]
+    widest = max(-(-n // page_size) - p for n, p in zip(lens, first_pages, strict=True))
+    page_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
+    group = min(batch, max(1, _DECODE_GROUP_BYTES // (widest * page_bytes)))
+    k_buf = k_cache.new_empty(group * widest, *k_cache.shape[1:])
+    v_buf = torch.empty_like(k_buf)
+    # GQA without copying K/V: the heads sharing a KV head become that head's query rows.
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.empty_like(grouped)
+    for i in range(0, batch, group):
+        rows = slice(i, i + group)
+        ids, mask = _visible_pages(page_tables[rows], lens[rows], firsts[rows], page_size)
+        k = _gather(k_cache, ids, k_buf, mask)
+        v = _gather(v_cache, ids, v_buf, mask)
+        mask = None if mask is None else mask[:, None, None, :]
+        out[rows] = F.scaled_dot_product_attention(grouped[rows], k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, num_heads, head_dim)
+
+
+def _visible_pages(page_tables, lens, firsts, page_size):
+    """Page ids `[batch, pages]` covering each sequence's visible tokens, padded to the widest,
+    and a `[batch, pages * page_size]` bool mask of visible tokens (None when all are visible)."""
+    device = page_tables.device
+    first_pages = [f // page_size for f in firsts]
+    num_pages = max(-(-n // page_size) - p for n, p in zip(lens, first_pages, strict=True))
+    first_page = torch.tensor(first_pages, device=device).unsqueeze(1)
+    # Columns past a sequence's own pages read a padding entry (a valid page id); masked below.
+    cols = (first_page + torch.arange(num_pages, device=device)).clamp_(max=page_tables.shape[1] - 1)
+    ids = page_tables.gather(1, cols)
+    span = num_pages * page_size
+    if all(f == p * page_size and n - f == span for n, f, p in zip(lens, firsts, first_pages, strict=True)):
+        return ids, None
+    key_pos = first_page * page_size + torch.arange(span, device=device)
+    visible = key_pos < torch.tensor(lens, device=device).unsqueeze(1)
+    visible &= key_pos >= torch.tensor(firsts, device=device).unsqueeze(1)
+    return ids, visible
+
+
+def _gather(cache, ids, buf, visible):
+    """Copy pages `ids [batch, pages]` into `buf`; return `[batch, kv_heads, tokens, head_dim]`."""
+    batch, num_pages = ids.shape
+    pages = torch.index_select(cache, 0, ids.flatten(), out=buf[: batch * num_pages])
+    tokens = pages.view(batch, num_pages * cache.shape[1], *cache.shape[2:])
+    if visible is not None:
+        # A masked score gets zero weight, but 0 * NaN is NaN: zero the hidden slots themselves.
+        tokens[~visible] = 0
+    return tokens.transpose(1, 2)

@@ -1,0 +1,18 @@
+"""The inference engine: LLM (generate and the step API), SamplingParams, the scheduler
+(continuous batching, chunked prefill, preemption) and sampling."""
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.request import CompletionOutput, RequestOutput
+from kvpool.engine.stats import EngineStats, StepRecord
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "RequestOutput",
+    "SamplingParams",
+    "StepRecord",
+]

@@ -1,0 +1,91 @@
+"""EngineConfig: the options of `LLM`, validated, and how the pool size is planned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.config import ModelConfig
+from kvpool.errors import OutOfPages
+from kvpool.layout import KVLayout, estimate_activation_bytes, format_bytes, plan_memory
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Keyword options of `LLM` (vLLM's names).
+
+    num_pages None plans the pool: on CUDA, `memory_fraction` of the device's free memory
+    after the weights, less activations; on the CPU, `kv_cache_memory` bytes, capped by
+    what fits in `memory_fraction` of the available RAM. max_model_len None: the model's
+    max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
+    requests that have no seed of their own.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    memory_fraction: float = 0.9
+    kv_cache_memory: int = 4 * GiB
+    prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: torch.dtype | None = None
+    device: str | torch.device | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive(name, getattr(self, name))
+        for name in ("num_pages", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        fraction = self.memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                0 < fraction <= 1):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """max_model_len, or the model's limit; over the model's limit is an error."""
+        limit = model.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        return self.max_model_len
+
+    def plan_num_pages(self, model: ModelConfig, layout: KVLayout, device: torch.device) -> int:
+        """num_pages, or the pages the memory budget holds (call after loading weights)."""
+        if self.num_pages is not None:
+            return self.num_pages
+        activations = estimate_activation_bytes(
+            model, layout.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.memory_fraction) - activations
+        else:
+            fits = plan_memory(model, memory_fraction=self.memory_fraction, dtype=layout.dtype,
+                               page_size=layout.page_size, activation_bytes=activations,
+                               device="cpu")
+            budget = min(self.kv_cache_memory, fits.budget_bytes)
+        num_pages = max(budget, 0) // layout.bytes_per_page
+        if num_pages == 0:
+            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device} holds "
+                             f"no page of {format_bytes(layout.bytes_per_page)}; pass num_pages "
+                             f"or a larger kv_cache_memory / memory_fraction")
+        return num_pages
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,241 @@
+"""LLM: the user-facing engine. `generate` runs a batch of prompts to completion; the
+step API (`add_request`, `step`, `abort`, `has_unfinished`) lets a server drive it."""
+
+from __future__ import annotations
+
+import time
+from collections import abc
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpool.cache import KVCache
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
+from kvpool.engine.runner import ModelRunner
+from kvpool.engine.sampling import Sampler
+from kvpool.engine.scheduler import ScheduledBatch, Scheduler
+from kvpool.engine.stats import EngineStats, StepRecord
+from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.layout import KVLayout
+from kvpool.models import load_model
+
+Prompt = str | abc.Sequence[int]  # text (needs a tokenizer) or token ids
+
+
+class LLM:
+    """A model, its paged KV cache and a continuous-batching scheduler.
+
+    `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
+    (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
+    max_num_batched_tokens, max_model_len, dtype, device, seed). `on_step` is called with a
+    StepRecord after every step. `cache` is the KVCache.
+    """
+
+    def __init__(self, model: str | Path, *,
+                 on_step: abc.Callable[[StepRecord], None] | None = None, **options):
+        self.config = EngineConfig(**options)
+        loaded = load_model(model, dtype=self.config.dtype, device=self.config.device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model_config = mc = loaded.config
+        device = next(self.model.parameters()).device
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.model.dtype,
+                          self.config.page_size)
+        self.max_model_len = self.config.resolve_max_model_len(mc)
+        num_pages = self.config.plan_num_pages(mc, layout, device)
+        self.cache = KVCache(layout, num_pages, device=device,
+                             prefix_caching=self.config.prefix_caching,
+                             max_tokens_per_seq=self.max_model_len)
+        eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
+        self.scheduler = Scheduler(
+            self.cache, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, watermark_pages=max(1, num_pages // 100),
+            eos_token_ids=eos)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.sampler = Sampler(torch.Generator(device).manual_seed(self.config.seed))
+        self.on_step = on_step
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self._next_request_id = 0
+        self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
+        self._elapsed = 0.0
+        self._first_step_time: float | None = None
+
+    # ---- batch API ---------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | abc.Sequence[Prompt],
+                 sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (texts or token id lists; one prompt alone too) to completion and
+        return one RequestOutput per prompt, in order. `sampling_params`: one for all, or
+        one per prompt. A request that could never fit (SequenceTooLong, OutOfPages) is
+        not run: its output has `error` set and finish_reason "error"; the others run.
+        Bad arguments raise before anything runs."""
+        if isinstance(prompts, str) or (prompts and all(_is_token(t) for t in prompts)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        requests = [self._new_request(p, sp, None) for p, sp in zip(prompts, params, strict=True)]
+        for request in requests:
+            try:
+                self.scheduler.check_fits(request)
+            except (SequenceTooLong, OutOfPages) as e:
+                request.error = e
+        pending = {r.request_id for r in requests if r.error is None}
+        for request in requests:
+            if request.error is None:
+                self._add(request)
+        with tqdm(total=len(requests), initial=len(requests) - len(pending), unit="req",
+                  desc="generate", disable=not use_tqdm) as bar:
+            while pending:
+                done = [r for r in self._step() if r.finished and r.request_id in pending]
+                pending.difference_update(r.request_id for r in done)
+                if done and use_tqdm:
+                    bar.update(len(done))
+                    bar.set_postfix_str(f"{self._num_generated_tokens / self._elapsed:.0f} tok/s")
+        return [self._output(r) for r in requests]
+
+    # ---- step API ----------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt; returns its request id. Raises SequenceTooLong or OutOfPages
+        (with the numbers) if it could never fit, ValueError for a bad prompt or id."""
+        request = self._new_request(prompt, sampling_params or SamplingParams(), request_id)
+        self.scheduler.check_fits(request)
+        self._add(request)
+        return request.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step (one forward); returns the requests that got new tokens."""
+        return [self._output(r) for r in self._step()]
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel an unfinished request: its samples finish with "abort" and their pages
+        come back at once. Returns its final output; None for an unknown or finished id."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and the pool's pages now."""
+        cs = self.cache.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_used_pages=cs.num_used_pages, num_cached_pages=cs.num_cached_pages,
+            num_free_pages=cs.num_free_pages, kv_utilization=cs.kv_utilization,
+            prefix_hit_rate=cs.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self._num_steps, num_prompt_tokens=self._num_prompt_tokens,
+            num_generated_tokens=self._num_generated_tokens, elapsed=self._elapsed)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _step(self) -> list[Request]:
+        """Schedule, run the forward, sample; returns the requests that advanced."""
+        start = time.perf_counter()
+        if self._first_step_time is None:
+            self._first_step_time = start
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits = self.runner.run(batch)
+        seqs, rows = self.scheduler.update(batch)
+        if len(rows) > len(logits):  # forked samples read their parent's row
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        requests = self.scheduler.postprocess(seqs, tokens)
+        for request in requests:
+            if request.finished:
+                del self._requests[request.request_id]
+        self._count(batch, len(seqs), start)
+        return requests
+
+    def _count(self, batch: ScheduledBatch, num_sampled: int, start: float) -> None:
+        end = time.perf_counter()
+        self._num_steps += 1
+        self._num_prompt_tokens += batch.num_tokens - batch.num_decode_tokens
+        self._num_generated_tokens += num_sampled
+        self._elapsed += end - start
+        if self.on_step is None:
+            return
+        free = self.cache.allocator.num_free
+        cached = self.cache.num_available_pages - free
+        self.on_step(StepRecord(
+            step=self._num_steps - 1, time=end - self._first_step_time, duration=end - start,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_batched_tokens=batch.num_tokens, num_decode_tokens=batch.num_decode_tokens,
+            num_used_pages=self.cache.allocator.num_pages - free - cached,
+            num_cached_pages=cached, num_free_pages=free,
+            num_preemptions=self.scheduler.num_preemptions))
+
+    def _new_request(self, prompt: Prompt, params: SamplingParams,
+                     request_id: str | None) -> Request:
+        """Validate and tokenize a prompt into a Request (not queued yet)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            while str(self._next_request_id) in self._requests:
+                self._next_request_id += 1
+            request_id = str(self._next_request_id)
+            self._next_request_id += 1
+        elif request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Request(request_id, *self._tokenize(prompt), params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass prompts as token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("a prompt must hold at least one token")
+        bad = [t for t in token_ids if not (_is_token(t) and t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[0]!r}")
+        return text, token_ids
+
+    def _add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = request
+
+    def _output(self, request: Request) -> RequestOutput:
+        """The request's state as a RequestOutput (text decoded when there is a tokenizer)."""
+        outputs = [self._completion(seq) for seq in request.seqs]
+        reason = "error" if request.error else "abort" if request.aborted else None
+        outputs += [CompletionOutput(i, [], "", reason)
+                    for i in range(len(outputs), request.params.n)]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             outputs, request.finished, request.error)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        token_ids = seq.output_token_ids
+        text = ""
+        if self.tokenizer is not None:
+            shown = token_ids[:-1] if seq.finish_reason == "stop" else token_ids
+            text = self.tokenizer.decode(shown)
+        return CompletionOutput(seq.index, token_ids, text, seq.finish_reason)
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _per_prompt(params: SamplingParams | abc.Sequence[SamplingParams] | None,
+                num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from None (defaults), one for all, or a list."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
+    return params

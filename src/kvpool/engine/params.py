@@ -1,0 +1,68 @@
+"""SamplingParams: how the tokens of one request are chosen and when they stop."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM's names).
+
+    temperature 0 is greedy (argmax); otherwise logits are divided by it, filtered by
+    `top_k` (0: off) then `top_p` (1.0: off), and a token is drawn. `seed` gives the request
+    its own random generator, so its samples do not depend on the rest of the batch.
+    Generation stops after `max_tokens` tokens, at a token of `stop_token_ids`, or at the
+    model's EOS unless `ignore_eos`. `n` samples share the prompt's pages (forked).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_int("n", self.n, minimum=1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        stop = self.stop_token_ids
+        if not isinstance(stop, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), "
+                             f"got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")

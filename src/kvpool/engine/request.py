@@ -1,0 +1,108 @@
+"""Requests and their sequences (one per sample), and the outputs the engine returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.engine.params import SamplingParams
+from kvpool.errors import KVPoolError
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is: in the waiting queue, running (holds pages), or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request: the prompt followed by the tokens generated so far.
+
+    `num_computed_tokens` leading tokens have their KV written in the cache; the cache's
+    sequence with id `seq_id` exists exactly while the status is RUNNING.
+    """
+
+    seq_id: int
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    generator: torch.Generator | None  # the request's seed, or None: the engine's generator
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None  # "stop", "length", "abort"
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.token_ids[len(self.request.prompt_token_ids):]
+
+    @property
+    def params(self) -> SamplingParams:
+        """The request's sampling settings."""
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        """True once stopped or aborted."""
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A prompt and its `params.n` sequences. Only the first exists until its prompt is
+    prefilled; the other samples are then forked from it and share its pages."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    error: KVPoolError | None = None  # why the request was refused
+    aborted: bool = False
+
+    @property
+    def forked(self) -> bool:
+        """True once all n samples exist."""
+        return len(self.seqs) == self.params.n
+
+    @property
+    def finished(self) -> bool:
+        """True when refused, aborted, or when every sample has finished."""
+        if self.error is not None or self.aborted:
+            return True
+        return self.forked and all(s.finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request. `token_ids` are the generated tokens, the stop or EOS token
+    included; `text` decodes them without the stop token ("" when there is no tokenizer).
+    `finish_reason`: None while running, "stop", "length", "abort" or "error"."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request: its prompt and one CompletionOutput per sample. `error` is
+    the KVPoolError that refused the request (SequenceTooLong, OutOfPages), else None."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: KVPoolError | None = None

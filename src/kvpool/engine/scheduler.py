@@ -1,0 +1,244 @@
+"""Scheduler: continuous batching over the paged KV cache, with chunked prefill, prefix
+reuse, forking of parallel samples and preemption by recompute.
+
+State is two deques of sequences: `waiting` (no pages) and `running` (pages in the cache,
+in admission order). Every step decodes the running sequences, continues their prefills,
+and admits waiting ones while seats, pages and the token budget allow; it never calls the
+model. Order is first come, first served: when the token budget runs out, the newest
+running sequences wait a step. A running sequence that cannot get a page preempts the most
+recently admitted one, which frees its pages and is recomputed later from its tokens
+(prompt and output kept). A prompt's pages are taken whole at admission; they are
+committed to the prefix cache once its last chunk is computed, and then after every decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.engine.request import Request, Sequence, SequenceStatus
+from kvpool.engine.sampling import stop_reason
+from kvpool.errors import OutOfPages, SequenceTooLong
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The work of one step: sequence i computes its tokens [starts[i], ends[i]).
+    `sampled[i]`: that chunk ends the sequence's tokens, so its last logits pick a token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    num_decode_tokens: int = 0  # tokens of sequences that grew by their last sampled token
+
+    def add(self, seq: Sequence, num_new_tokens: int, *, decode: bool) -> None:
+        """Schedule the next `num_new_tokens` uncomputed tokens of `seq`."""
+        start = seq.num_computed_tokens
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.ends.append(start + num_new_tokens)
+        self.sampled.append(start + num_new_tokens == seq.num_tokens)
+        self.num_decode_tokens += num_new_tokens if decode else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed by the step's forward."""
+        return sum(self.ends) - sum(self.starts)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences the model computes, and
+    keeps the cache's sequences in step with them.
+
+    `max_num_seqs` caps running sequences (a request not yet forked counts its n samples),
+    `max_num_batched_tokens` the tokens of one forward; admission leaves
+    `watermark_pages` available so that running decodes do not preempt at once.
+    """
+
+    def __init__(self, cache: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, watermark_pages: int, eos_token_ids: Collection[int]):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.watermark_pages = watermark_pages
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raise SequenceTooLong or OutOfPages if a sample of the request could never run,
+        even alone: its last token's KV is never needed, so it holds prompt + max_tokens - 1
+        tokens at most. More samples than max_num_seqs raise ValueError."""
+        num_prompt, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        if request.params.n > self.max_num_seqs:
+            raise ValueError(f"n={request.params.n} samples exceed max_num_seqs "
+                             f"{self.max_num_seqs}")
+        total = num_prompt + max_tokens
+        if total > self.max_model_len:
+            raise SequenceTooLong(
+                f"prompt of {num_prompt} tokens + max_tokens {max_tokens} = {total} tokens, "
+                f"over max_model_len {self.max_model_len}")
+        need = self.cache.layout.num_pages_for(total - 1)
+        have = self.cache.allocator.num_pages
+        if need > have:
+            raise OutOfPages(
+                f"prompt of {num_prompt} tokens + max_tokens {max_tokens} need {need} pages "
+                f"of {self.cache.page_size} tokens; the pool has {have}")
+
+    def add_request(self, request: Request) -> None:
+        """Queue the request's first sequence (its other samples fork from it later).
+        Call `check_fits` first."""
+        self.waiting.append(self._new_sequence(request, list(request.prompt_token_ids)))
+
+    def abort(self, request: Request) -> None:
+        """Finish every unfinished sample of the request with "abort"; pages come back now."""
+        request.aborted = True
+        for seq in request.seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                self._set_finished(seq, "abort")
+            elif seq.status is SequenceStatus.RUNNING:
+                self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's tokens: running sequences first (decodes and prefill chunks,
+        preempting the newest when pages run out), then waiting ones in order."""
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        queue, self.running = self.running, deque()
+        while queue and budget:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._can_grow(seq):
+                self._preempt(queue.pop() if queue else seq)
+                if seq.status is SequenceStatus.WAITING:
+                    break
+            else:
+                batch.add(seq, num_new, decode=self._grow(seq))
+                self.running.append(seq)
+                budget -= num_new
+        self.running.extend(queue)
+        seats = sum(self._seats(s) for s in self.running)
+        while self.waiting and budget and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.running and not self._can_admit(seq):
+                break
+            self.waiting.popleft()
+            seats += self._seats(seq)
+            seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.token_ids)
+            seq.status = SequenceStatus.RUNNING
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.add(seq, num_new, decode=False)
+            self.running.append(seq)
+            budget -= num_new
+        return batch
+
+    def update(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+        """After the forward: record the computed tokens, commit them to the cache, and fork
+        the samples of prompts just prefilled. Returns the sequences that sample a token now
+        and, for each, its row of the step's logits (forked samples share their parent's)."""
+        seqs, rows = [], []
+        row = 0
+        for seq, end, sampled in zip(batch.seqs, batch.ends, batch.sampled, strict=True):
+            seq.num_computed_tokens = end
+            if sampled:
+                self.cache.commit(seq.seq_id)
+                family = [seq] if seq.request.forked else [seq, *self._fork(seq)]
+                seqs += family
+                rows += [row] * len(family)
+                row += 1
+        return seqs, rows
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Request]:
+        """Append each sequence's sampled token and finish those that stop. Returns the
+        requests that advanced, in order."""
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.token_ids.append(token_id)
+            num_output = seq.num_tokens - len(seq.request.prompt_token_ids)
+            reason = stop_reason(token_id, num_output, seq.params, self.eos_token_ids)
+            if reason is not None:
+                self._finish(seq, reason)
+        return list(dict.fromkeys(seq.request for seq in seqs))
+
+    # ---- check / act -------------------------------------------------------------------
+
+    def _can_grow(self, seq: Sequence) -> bool:
+        """Can the cache take the sequence's last sampled token (its only token not yet in
+        the cache, if any)?"""
+        missing = seq.num_tokens - self.cache.num_tokens(seq.seq_id)
+        return not missing or (
+            self.cache.pages_to_append(seq.seq_id, missing) <= self.cache.num_available_pages)
+
+    def _grow(self, seq: Sequence) -> bool:
+        """Append the sequence's last sampled token to the cache; True if there was one."""
+        missing = seq.num_tokens - self.cache.num_tokens(seq.seq_id)
+        if missing:
+            self.cache.append(seq.seq_id, token_ids=seq.token_ids[-missing:])
+        return bool(missing)
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Pages for the whole sequence (after prefix hits) plus the watermark available?"""
+        need = self.cache.pages_to_add(seq.token_ids) + self.watermark_pages
+        return need <= self.cache.num_available_pages
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages and put it at the front of the queue, to recompute."""
+        self.cache.free_sequence(seq.seq_id)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- sequences ---------------------------------------------------------------------
+
+    def _seats(self, seq: Sequence) -> int:
+        """Running slots the sequence takes: its request's n until the samples are forked."""
+        return 1 if seq.request.forked else seq.params.n
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Create the request's other samples, sharing the parent's pages, after it."""
+        children = []
+        for _ in range(1, parent.params.n):
+            child = self._new_sequence(parent.request, list(parent.token_ids))
+            self.cache.fork(parent.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+            children.append(child)
+        return children
+
+    def _new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
+        index = len(request.seqs)
+        seed = request.params.seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(self.cache.pool.device).manual_seed(seed + index)
+        seq = Sequence(self._next_seq_id, request, index, token_ids, generator)
+        self._next_seq_id += 1
+        request.seqs.append(seq)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """A running sequence is done: its pages go back (committed ones stay cached)."""
+        self.cache.free_sequence(seq.seq_id)
+        self.running.remove(seq)
+        self._set_finished(seq, reason)
+
+    @staticmethod
+    def _set_finished(seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

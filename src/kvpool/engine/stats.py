@@ -1,0 +1,46 @@
+"""The engine's counters: a snapshot for users (EngineStats) and one record per step
+(StepRecord) for plots of the pool over time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters of an LLM since it was created. Pages: used + cached + free == the pool."""
+
+    num_running: int  # sequences holding pages
+    num_waiting: int  # sequences queued (new or preempted)
+    num_used_pages: int  # held by a live sequence
+    num_cached_pages: int  # held only by the prefix cache: evictable
+    num_free_pages: int
+    kv_utilization: float  # filled fraction of the slots in used pages
+    prefix_hit_rate: float  # prompt tokens served by the prefix cache / tokens looked up
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int  # tokens computed by prefill (recompute included, prefix hits not)
+    num_generated_tokens: int  # tokens sampled
+    elapsed: float  # seconds spent in steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of step time."""
+        return self.num_generated_tokens / self.elapsed if self.elapsed else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step did and the pool right after it (pages)."""
+
+    step: int  # 0 for the engine's first step
+    time: float  # seconds from the start of the first step to the end of this one
+    duration: float  # seconds of this step
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int  # tokens in the step's forward
+    num_decode_tokens: int  # of which decodes; the rest are prefill chunks
+    num_used_pages: int
+    num_cached_pages: int
+    num_free_pages: int
+    num_preemptions: int  # cumulative

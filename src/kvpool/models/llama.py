@@ -1,0 +1,133 @@
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) running on the paged KV cache.
+
+Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
+...), so safetensors load by name. One forward pass takes a packed batch: the new tokens of
+every sequence back to back, their positions, and the `AttentionMetadata` that says where
+their K/V go (slots) and which pages each sequence reads (page tables)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+from kvpool.config import ModelConfig
+from kvpool.models.layers import MLP, RMSNorm
+from kvpool.models.rotary import RotaryEmbedding, apply_rotary
+from kvpool.pool import KVPool, default_device
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
+    the layer's pages, attend through the page tables, project back."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = d**-0.5
+        self.sliding_window = config.sliding_window
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_bias, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
+                              meta.cu_seqlens_q, scale=self.scale,
+                              sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                pool: KVPool) -> torch.Tensor:
+        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, pool.k_cache(i), pool.v_cache(i))
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its output head (tied to the embedding when the config says so).
+
+    Parameters are allocated on `device` but not initialised: load a checkpoint into them
+    (`kvpool.models.loader`) or initialise them. The model never allocates pages; it writes
+    K/V only at the slots it is given and reads only through the page tables."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        device = torch.device(device) if device is not None else default_device()
+        self.config = config
+        self.dtype = dtype
+        with torch.device("meta"):  # skip the default init: weights are loaded next
+            self.model = LlamaModel(config, dtype)
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device)
+        self.rotary_emb = RotaryEmbedding(config, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, pool: KVPool,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """One packed step: input_ids and positions `[T]` int64 -> float32 logits
+        `[n, vocab_size]` of the tokens at `logits_indices` `[n]` (default: the last token of
+        each sequence, `meta.cu_seqlens_q[1:] - 1`)."""
+        if pool.kv.dtype != self.dtype:
+            raise ValueError(f"the pool holds {pool.kv.dtype} but the model computes in "
+                             f"{self.dtype}; build the KVLayout with dtype={self.dtype}")
+        rope = self.rotary_emb(positions, self.dtype)
+        hidden = self.model(input_ids, rope, meta, pool)
+        if logits_indices is None:
+            logits_indices = meta.cu_seqlens_q[1:] - 1
+        hidden = self.model.norm(hidden.index_select(0, logits_indices.long()))
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return F.linear(hidden, head.weight).float()

@@ -1,0 +1,164 @@
+"""Load a model: a local Hugging Face checkpoint folder (config.json + safetensors, optional
+tokenizer.json) or the built-in "tiny" preset (seeded random weights, byte tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvpool.config import PRESETS, ModelConfig
+from kvpool.errors import CheckpointError, ConfigError
+from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+TINY_PRESET = "tiny"
+TINY_SEED = 0
+TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
+_INDEX_FILE = "model.safetensors.index.json"
+_MAX_NAMES = 10  # weights listed per kind of problem
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run, its config, and its tokenizer (None if the folder has none)."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+
+
+def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
+               device=None) -> LoadedModel:
+    """Load a checkpoint folder or the "tiny" preset. dtype None: the config's (float32 if it
+    states none); device None: CUDA when available, else the CPU. Raises ConfigError for a
+    missing, malformed or unsupported config and CheckpointError for weights that do not
+    match it."""
+    if isinstance(model, str) and model in PRESETS:
+        return _load_preset(model, dtype, device)
+    folder = Path(model)
+    config = _with_generation_eos(ModelConfig.from_hf(folder), folder)
+    files = checkpoint_files(folder)
+    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
+    load_weights(net, files)
+    tokenizer_file = folder / "tokenizer.json"
+    tokenizer = None
+    if tokenizer_file.is_file():
+        tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
+    return LoadedModel(net.eval(), config, tokenizer)
+
+
+def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
+    """Add the end ids of generation_config.json: instruct models list their end-of-turn
+    tokens only there."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return config
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ConfigError(f"{path} is not a valid generation config: {e!r}") from None
+    extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
+    return replace(config, eos_token_ids=merged)
+
+
+def _load_preset(name: str, dtype: torch.dtype | None, device) -> LoadedModel:
+    if name != TINY_PRESET:
+        raise ConfigError(f"preset {name!r} is a geometry for memory planning only, it has no "
+                          f"weights; load_model takes {TINY_PRESET!r} or a checkpoint folder")
+    config = ModelConfig.from_hf(name)
+    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
+    init_random_weights(net, seed=TINY_SEED, std=TINY_INIT_STD)
+    return LoadedModel(net.eval(), config, ByteTokenizer())
+
+
+def init_random_weights(model: torch.nn.Module, *, seed: int, std: float) -> None:
+    """Reproducible weights on any device and dtype: matrices ~ N(0, std^2) drawn in float32 on
+    the CPU from one seeded generator in name order, norm scales 1, biases 0."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(model.state_dict().items()):
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif name.endswith(".bias"):
+                tensor.zero_()
+            else:
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names when sharded, else
+    model.safetensors, else every *.safetensors in the folder."""
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e!r}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {folder}")
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(f"{index} names weight files that do not exist: {', '.join(absent)}")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copy the checkpoint's tensors into the model by name, after checking that names and
+    shapes match exactly (a tied lm_head and rotary inv_freq buffers are skipped)."""
+    params = model.state_dict()
+    found = _checkpoint_shapes(files, tied=model.lm_head is None)
+    _check_weights(params, found, files[0].parent)
+    with torch.no_grad():
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                names = f.keys()
+                for name in names:
+                    if name in found and found[name][1] == file:
+                        params[name].copy_(f.get_tensor(name))
+
+
+def _checkpoint_shapes(files: list[Path], tied: bool) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """name -> (shape, file) of every tensor the model should load, read from headers only."""
+    found = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names = f.keys()
+            for name in names:
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                found[name] = (tuple(f.get_slice(name).get_shape()), file)
+    return found
+
+
+def _check_weights(params: dict[str, torch.Tensor], found: dict, folder: Path) -> None:
+    missing = sorted(params.keys() - found.keys())
+    unexpected = sorted(found.keys() - params.keys())
+    misshapen = [f"{name} has shape {found[name][0]} in the checkpoint, the config needs "
+                 f"{tuple(params[name].shape)}" for name in sorted(params.keys() & found.keys())
+                 if tuple(params[name].shape) != found[name][0]]
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {_first(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights: {_first(unexpected)}")
+    if misshapen:
+        problems.append(f"wrong shapes: {_first(misshapen)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} does not match its config.json: "
+                              + "; ".join(problems))
+
+
+def _first(items: list[str]) -> str:
+    """The first few items, comma-separated, and how many more there are."""
+    more = len(items) - _MAX_NAMES
+    return ", ".join(items[:_MAX_NAMES]) + (f" (and {more} more)" if more > 0 else "")

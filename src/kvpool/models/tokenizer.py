@@ -1,0 +1,56 @@
+"""Tokenizers: a checkpoint's tokenizer.json (through the `tokenizers` library) and the byte
+tokenizer of the built-in "tiny" model. Both map text <-> token ids and know the special ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+BYTE_BOS = 256
+BYTE_EOS = 257
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class HFTokenizer:
+    """A checkpoint's tokenizer.json. `encode` adds the special tokens its post-processor
+    declares (e.g. Llama's BOS); `decode` drops special tokens."""
+
+    def __init__(self, path: str | Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
+        self._tokenizer = _HFTokenizer.from_file(str(path))
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> token ids."""
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text, special tokens dropped."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255), plus BOS (256) and EOS (257)."""
+
+    bos_token_id = BYTE_BOS
+    eos_token_ids = (BYTE_EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> [BOS] + its UTF-8 bytes."""
+        return [BYTE_BOS, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD."""
+        return bytes(i for i in ids if i < BYTE_BOS).decode("utf-8", errors="replace")

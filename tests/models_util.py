@@ -1,0 +1,123 @@
+"""Helpers for the model tests: small random transformers checkpoints, and a runner that drives
+a kvpool model over a KVCache in packed steps (prefill, chunked prefill, batched decode)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import transformers
+
+from kvpool.attention import AttentionMetadata
+from kvpool.cache import KVCache
+from kvpool.layout import KVLayout
+from kvpool.models.llama import LlamaForCausalLM
+
+SMALL = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "llama-rope-llama3-biases": lambda: transformers.LlamaConfig(
+        **SMALL, attention_bias=True, mlp_bias=True,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "llama-rope-linear": lambda: transformers.LlamaConfig(
+        **SMALL, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
+    "mistral-window-8": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
+}
+
+
+def make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A small random float32 transformers model of CONFIGS[name]. Norm scales and biases
+    are randomised too (transformers initialises them to 1 and 0, which would hide bugs)."""
+    torch.manual_seed(seed)
+    config = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.normal_(1.0, 0.2)
+            elif param_name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **kwargs) -> Path:
+    """save_pretrained into `folder`; returns it."""
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+class PagedRunner:
+    """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
+    free pages are handed out in shuffled order, so page tables are scattered."""
+
+    def __init__(self, model: LlamaForCausalLM, *, num_pages: int = 128, page_size: int = 4,
+                 seed: int = 0):
+        config = model.config
+        layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+                          dtype=model.dtype, page_size=page_size)
+        self.model = model
+        self.cache = KVCache(layout, num_pages, device="cpu")
+        pages = self.cache.allocator.allocate(num_pages)
+        random.Random(seed).shuffle(pages)
+        self.cache.allocator.free(pages)
+        self.cache.pool.kv.fill_(float("nan"))  # unwritten slots must never be read
+
+    def step(self, chunks: dict[str, list[int]], *, all_logits: bool = False) -> torch.Tensor:
+        """One forward pass over the new tokens of each sequence (created on first sight).
+        Returns float32 logits: of every new token if `all_logits`, else of each last one."""
+        seq_ids = list(chunks)
+        starts, ends = [], []
+        for seq_id, tokens in chunks.items():
+            if seq_id in self.cache.sequences():
+                starts.append(self.cache.num_tokens(seq_id))
+                self.cache.append(seq_id, len(tokens))
+            else:
+                starts.append(0)
+                self.cache.add_sequence(seq_id, num_tokens=len(tokens))
+            ends.append(self.cache.num_tokens(seq_id))
+        q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
+        meta = AttentionMetadata(
+            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends),
+            page_tables=self.cache.page_tables(seq_ids),
+            seq_lens=torch.tensor(ends, dtype=torch.int32),
+            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+        )
+        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens])
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        logits_indices = torch.arange(len(input_ids)) if all_logits else None
+        return self.model(input_ids, positions, meta, self.cache.pool, logits_indices)
+
+    def greedy(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+        """Prefill all prompts in one pass, then decode all together; `max_tokens` greedy
+        tokens per sequence."""
+        out: dict[str, list[int]] = {seq_id: [] for seq_id in prompts}
+        chunks = prompts
+        for _ in range(max_tokens):
+            next_tokens = self.step(chunks).argmax(-1).tolist()
+            for seq_id, token in zip(prompts, next_tokens, strict=True):
+                out[seq_id].append(token)
+            chunks = {seq_id: [tokens[-1]] for seq_id, tokens in out.items()}
+        return out
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (no padding, never stops early)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits `[len(prompt), vocab]` of every position."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()

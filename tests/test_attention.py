@@ -1,0 +1,190 @@
+"""paged_attention and write_kv against a float64 reference on contiguous K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+
+# (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix,
+# a chunked-prefill chunk in the middle of a sequence, and decodes of other lengths.
+MIXED = [(37, 1), (20, 20), (45, 9), (33, 12), (1, 1), (16, 1), (64, 1)]
+
+
+def reference(q, keys, values, q_lens, scale, window=None):
+    """Float64 attention, one query at a time over its allowed keys; keys[b] is [seq_len, kvh, d]."""
+    out, row = [], 0
+    group = q.shape[1] // keys[0].shape[1]
+    for k, v, q_len in zip(keys, values, q_lens, strict=True):
+        seq_len = k.shape[0]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            heads = []
+            for h in range(q.shape[1]):
+                kh = k[lo : pos + 1, h // group].double()
+                vh = v[lo : pos + 1, h // group].double()
+                weights = torch.softmax(kh @ q[row + i, h].double() * scale, dim=0)
+                heads.append(weights @ vh)
+            out.append(torch.stack(heads))
+        row += q_len
+    return torch.stack(out)
+
+
+class Batch:
+    """A packed batch laid out in a shuffled paged cache, with the contiguous K/V it came from."""
+
+    def __init__(self, specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0, fill=0.0):
+        gen = torch.Generator().manual_seed(seed)
+        max_pages = max(-(-n // page_size) for n, _ in specs) + 1  # +1: a padding column
+        num_pages = sum(-(-n // page_size) for n, _ in specs) + 3  # +3: pages nobody owns
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        self.k_cache = torch.full(shape, fill, dtype=dtype)
+        self.v_cache = torch.full(shape, fill, dtype=dtype)
+        order = torch.randperm(num_pages, generator=gen).tolist()
+        self.page_tables = torch.full((len(specs), max_pages), order[-1], dtype=torch.int32)
+        self.keys, self.values = [], []
+        for b, (n, _) in enumerate(specs):
+            pages = [order.pop(0) for _ in range(-(-n // page_size))]
+            self.page_tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            slots = torch.tensor([pages[t // page_size] * page_size + t % page_size for t in range(n)])
+            k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+            write_kv(self.k_cache, self.v_cache, slots, k, v)
+            self.keys.append(k)
+            self.values.append(v)
+        self.q_lens = [q_len for _, q_len in specs]
+        self.seq_lens = torch.tensor([n for n, _ in specs], dtype=torch.int32)
+        starts = [0] + torch.tensor(self.q_lens).cumsum(0).tolist()
+        self.cu_seqlens_q = torch.tensor(starts, dtype=torch.int32)
+        self.q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
+        self.scale = 1 / math.sqrt(head_dim)
+
+    def attend(self, **kwargs):
+        return paged_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.page_tables,
+            self.seq_lens,
+            self.cu_seqlens_q,
+            **kwargs,
+        )
+
+    def reference(self, window=None, scale=None):
+        scale = self.scale if scale is None else scale
+        return reference(self.q, self.keys, self.values, self.q_lens, scale, window)
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size"),
+    [(4, 4, 64, 16), (8, 2, 128, 16), (7, 1, 64, 1), (14, 2, 128, 1)],
+    ids=["mha-d64-p16", "gqa4-d128-p16", "gqa7-d64-p1", "gqa7-d128-p1"],
+)
+def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, page_size):
+    batch = Batch(
+        MIXED,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=torch.float32,
+    )
+    assert relative_error(batch.attend(), batch.reference()) < 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 4, 17, 100])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_sliding_window_matches_reference(window, page_size):
+    batch = Batch(
+        MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32
+    )
+    out = batch.attend(sliding_window=window)
+    assert relative_error(out, batch.reference(window=window)) < 1e-5
+
+
+def test_mixed_batch_matches_reference_in_bfloat16():
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    out = batch.attend()
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, batch.reference()) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [[(24, 1), (40, 1), (16, 1), (33, 1), (50, 1)], [(24, 24), (40, 40), (17, 17)]],
+    ids=["decode", "prefill"],
+)
+def test_uniform_batches_match_reference(specs):
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    assert relative_error(batch.attend(), batch.reference()) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_nan_in_unused_slots_does_not_change_output(window):
+    kwargs = dict(heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    clean = Batch(MIXED, **kwargs).attend(sliding_window=window)
+    poisoned = Batch(MIXED, fill=float("nan"), **kwargs).attend(sliding_window=window)
+    assert torch.equal(clean, poisoned)
+
+
+def test_explicit_scale_is_used():
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    out = batch.attend(scale=0.3)
+    assert relative_error(out, batch.reference(scale=0.3)) < 1e-5
+
+
+def test_write_kv_writes_exactly_the_given_slots():
+    k_cache = torch.full((4, 16, 2, 8), float("nan"))
+    v_cache = torch.full((4, 16, 2, 8), float("nan"))
+    slots = torch.tensor([17, 3, 63, 40])
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    write_kv(k_cache, v_cache, slots, k, v)
+    flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
+    assert torch.equal(flat_k[slots], k)
+    assert torch.equal(flat_v[slots], v)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat_k[untouched].isnan().all()
+    assert flat_v[untouched].isnan().all()
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    cache = torch.zeros(4, 16, 2, 8)
+    with pytest.raises(ValueError, match="write_kv expects"):
+        write_kv(cache, cache.clone(), torch.tensor([0, 1]), torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
+
+
+def test_paged_attention_rejects_heads_not_a_multiple_of_kv_heads():
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    q = torch.zeros(8, 6, 64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention(
+            q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+        )
+
+
+def test_paged_attention_rejects_query_longer_than_sequence():
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    seq_lens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q_len <= seq_len"):
+        paged_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.page_tables, seq_lens, batch.cu_seqlens_q
+        )
+
+
+def test_metadata_keeps_its_field_names():
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        page_tables=torch.zeros(1, 1, dtype=torch.int32),
+        seq_lens=torch.ones(1, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+    )
+    assert meta.seq_lens.tolist() == [1]

@@ -1,0 +1,315 @@
+"""The engine end to end on a small random Llama checkpoint: greedy outputs equal
+transformers' whatever the pool size, prefix caching or chunking; seeded sampling; n
+samples sharing pages; abort; refused requests; stats."""
+
+import collections
+import random
+
+import pytest
+import torch
+import transformers
+
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.errors import OutOfPages, SequenceTooLong
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    hf_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """16 prompts of 2 to 70 tokens; four share a 40-token prefix."""
+    rng = random.Random(0)
+    shared = [rng.randrange(128) for _ in range(40)]
+    out = [[rng.randrange(128) for _ in range(rng.randint(2, 70))] for _ in range(12)]
+    out += [shared + [rng.randrange(128) for _ in range(k)] for k in (1, 5, 16, 23)]
+    rng.shuffle(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    """transformers' greedy continuation of each prompt, run alone without padding."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+            out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def _llm(checkpoint, **options):
+    return LLM(checkpoint, **{"num_pages": 128, **options})
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_drained(llm):
+    """Every request finished: invariants hold and only prefix-cached pages remain."""
+    llm.cache.check()
+    stats = llm.cache.stats()
+    assert stats.num_used_pages == 0 and stats.num_sequences == 0
+    assert not llm.has_unfinished()
+
+
+# ---- greedy equals transformers ----------------------------------------------------------
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"prefix_caching": False},
+    {"max_num_batched_tokens": 16, "max_num_seqs": 8},
+    {"max_num_batched_tokens": 7, "max_num_seqs": 4, "page_size": 4},
+], ids=["roomy", "no-prefix-caching", "chunked-16", "chunked-7"])
+def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options):
+    llm = _llm(checkpoint, **options)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    _assert_drained(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, prefix_caching):
+    llm = _llm(checkpoint, num_pages=12, page_size=8, prefix_caching=prefix_caching)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert _tokens(outputs) == expected
+    _assert_drained(llm)
+
+
+def _shared_prefix_group(prompts):
+    """The four prompts that share a 40-token prefix, and the others."""
+    prefix = collections.Counter(tuple(p[:40]) for p in prompts).most_common(1)[0][0]
+    shared = [p for p in prompts if tuple(p[:40]) == prefix]
+    assert len(shared) == 4
+    return shared, [p for p in prompts if tuple(p[:40]) != prefix]
+
+
+def test_greedy_outputs_with_prefix_hits_equal_transformers(checkpoint, prompts, expected):
+    llm = _llm(checkpoint, max_num_seqs=4)  # later prompts find earlier ones' pages cached
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    assert _tokens(outputs) == expected
+    _assert_drained(llm)
+
+
+def test_prefix_cache_serves_prompts_seen_before(checkpoint, prompts, expected):
+    _, distinct = _shared_prefix_group(prompts)
+    want = [e for p, e in zip(prompts, expected, strict=True) if p in distinct]
+    llm = _llm(checkpoint)
+    llm.generate(distinct, GREEDY, use_tqdm=False)
+    before = llm.stats()
+    again = llm.generate(distinct, GREEDY, use_tqdm=False)  # their full pages are cached
+    after = llm.stats()
+    assert _tokens(again) == want
+    assert after.prefix_hit_rate > before.prefix_hit_rate
+    computed = after.num_prompt_tokens - before.num_prompt_tokens
+    # only the tokens after each prompt's last full page (never its last token) are computed
+    assert computed == sum(len(p) - (len(p) - 1) // 16 * 16 for p in distinct)
+
+
+def test_prefix_cache_shares_a_prefix_between_requests_of_later_steps(checkpoint, prompts):
+    shared, _ = _shared_prefix_group(prompts)
+    llm = _llm(checkpoint, max_num_seqs=1)  # one request at a time
+    llm.generate(shared, GREEDY, use_tqdm=False)
+    # the first prompt is computed in full; the others reuse its two full pages of 16
+    assert llm.cache.stats().prefix_hit_tokens == 32 * (len(shared) - 1)
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    seeded = SamplingParams(max_tokens=8, seed=11, ignore_eos=True)
+    alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(seed=3)] * 3
+    batch = llm.generate(prompts[1:7] + [prompts[0]], [*others, seeded], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=8, seed=12, ignore_eos=True)
+    assert llm.generate([prompts[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint):
+    llm = _llm(checkpoint)
+    prompt = list(range(40))  # two full pages and a partial one
+    request_id = llm.add_request(prompt, SamplingParams(n=4, max_tokens=6, seed=0,
+                                                        ignore_eos=True))
+    (output,) = llm.step()  # prefill, fork, first token of each sample
+    assert [len(c.token_ids) for c in output.outputs] == [1, 1, 1, 1]
+    seq_ids = llm.cache.sequences()
+    tables = [llm.cache.pages(s) for s in seq_ids]
+    assert len(seq_ids) == 4 and all(t == tables[0] for t in tables) and len(tables[0]) == 3
+    refcounts = [llm.cache.allocator.refcount(p) for p in tables[0]]
+    assert refcounts == [5, 5, 4]  # 4 samples, plus the prefix cache on the full pages
+    while llm.has_unfinished():
+        outputs = llm.step()
+    (final,) = outputs
+    assert final.request_id == request_id and final.finished
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    samples = [tuple(c.token_ids) for c in final.outputs]
+    assert all(len(s) == 6 for s in samples) and len(set(samples)) > 1
+    assert llm.stats().num_generated_tokens == 24
+    _assert_drained(llm)
+
+
+def test_n_greedy_samples_are_identical(checkpoint, prompts, expected):
+    i = next(i for i, p in enumerate(prompts) if len(p) % 16)  # a partial last page
+    llm = _llm(checkpoint)
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    (output,) = llm.generate([prompts[i]], params, use_tqdm=False)
+    assert [c.token_ids for c in output.outputs] == [expected[i]] * 3
+    assert llm.cache.stats().num_cow_copies == 2  # the last sample writes in place
+
+
+def test_stop_token_ends_a_sample(checkpoint, prompts, expected):
+    llm = _llm(checkpoint)
+    stop = expected[0][4]
+    first = expected[0].index(stop)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(stop,))
+    (output,) = llm.generate([prompts[0]], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected[0][:first + 1]
+    assert output.outputs[0].finish_reason == "stop"
+
+
+# ---- step API, abort, refusals -----------------------------------------------------------
+
+def test_abort_frees_the_pages_at_once(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    keep = llm.add_request(prompts[0], params)
+    drop = llm.add_request(prompts[1], params, request_id="drop")
+    llm.step()
+    llm.step()
+    used = llm.cache.stats().num_used_pages
+    dropped_pages = -(-(len(prompts[1]) + 1) // 16)
+    output = llm.abort(drop)
+    assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert llm.cache.stats().num_used_pages == used - dropped_pages
+    assert len(llm.cache.sequences()) == 1
+    assert llm.abort(drop) is None  # already gone
+    while llm.has_unfinished():
+        finished = [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == [keep]
+    _assert_drained(llm)
+
+
+def test_abort_of_a_waiting_request(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    request_id = llm.add_request(prompts[0], SamplingParams(n=2))
+    output = llm.abort(request_id)
+    assert output.finished and [c.finish_reason for c in output.outputs] == ["abort"] * 2
+    assert not llm.has_unfinished()
+
+
+def test_impossible_requests_get_an_error_and_the_others_complete(checkpoint, expected,
+                                                                  prompts):
+    llm = _llm(checkpoint, num_pages=8, max_model_len=200)  # 8 pages: 128 tokens
+    too_long = SamplingParams(max_tokens=190, ignore_eos=True)
+    too_big = SamplingParams(max_tokens=120, ignore_eos=True)
+    params = [GREEDY, too_long, too_big, GREEDY]
+    outputs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[3]], params,
+                           use_tqdm=False)
+    assert _tokens(outputs[::3]) == [expected[0], expected[3]]
+    assert isinstance(outputs[1].error, SequenceTooLong) and "200" in str(outputs[1].error)
+    assert isinstance(outputs[2].error, OutOfPages) and "pool has 8" in str(outputs[2].error)
+    for refused in outputs[1:3]:
+        assert refused.finished and refused.outputs[0].finish_reason == "error"
+    with pytest.raises(SequenceTooLong):
+        llm.add_request(prompts[1], too_long)
+    _assert_drained(llm)
+
+
+def test_bad_prompts_raise_before_anything_runs(checkpoint):
+    llm = _llm(checkpoint)
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([[1, 2], []], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        llm.generate([[1, 128]], use_tqdm=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    assert not llm.has_unfinished()
+
+
+def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected):
+    llm = _llm(checkpoint, max_num_batched_tokens=40)
+    a = llm.add_request(prompts[0], GREEDY)
+    b = llm.add_request(prompts[1], GREEDY)
+    seen = {a: [], b: []}
+    while llm.has_unfinished():
+        for output in llm.step():
+            seen[output.request_id].append(len(output.outputs[0].token_ids))
+    assert seen[a] == seen[b] == list(range(1, MAX_TOKENS + 1))
+
+
+# ---- text, options, stats ----------------------------------------------------------------
+
+def test_tiny_model_generates_text_from_strings():
+    llm = LLM("tiny", num_pages=32)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outputs = llm.generate(["Hello", "The pool"], params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["Hello", "The pool"]
+    assert outputs[0].prompt_token_ids == [256, *b"Hello"]
+    for o in outputs:
+        token_ids = o.outputs[0].token_ids
+        assert len(token_ids) == 5 and o.outputs[0].text == llm.tokenizer.decode(token_ids)
+    (single,) = llm.generate("Hello", params, use_tqdm=False)  # one prompt alone
+    assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    first = single.outputs[0].token_ids[0]
+    stop = SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(first,))
+    (stopped,) = llm.generate("Hello", stop, use_tqdm=False)
+    assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].text == ""
+
+
+def test_num_pages_is_planned_from_the_kv_cache_memory_budget(checkpoint):
+    llm = LLM(checkpoint, kv_cache_memory=2**20, page_size=16)
+    # 2 layers x K and V x 2 heads x 16 dims x 4 bytes = 512 bytes per token
+    assert llm.cache.allocator.num_pages == 2**20 // (16 * 512)
+
+
+def test_options_are_validated(checkpoint):
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(checkpoint, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_model_len 1000 exceeds"):
+        LLM(checkpoint, max_model_len=1000)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        LLM(checkpoint, num_blocks=10)
+
+
+def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, prompts):
+    records = []
+    llm = LLM(checkpoint, num_pages=24, page_size=8, on_step=records.append)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_generated_tokens == MAX_TOKENS * len(prompts)
+    assert stats.num_steps == len(records) and stats.tokens_per_second > 0
+    assert stats.num_used_pages + stats.num_cached_pages + stats.num_free_pages == 24
+    assert (stats.num_running, stats.num_waiting, stats.num_used_pages) == (0, 0, 0)
+    assert all(r.num_used_pages + r.num_cached_pages + r.num_free_pages == 24 for r in records)
+    assert max(r.num_batched_tokens for r in records) <= 2048
+    prefill = sum(r.num_batched_tokens - r.num_decode_tokens for r in records)
+    assert prefill == stats.num_prompt_tokens
+    assert [r.step for r in records] == list(range(len(records)))
+    assert records[-1].num_preemptions == stats.num_preemptions

@@ -1,0 +1,270 @@
+"""The Llama-family decoder against transformers (the reference), the checkpoint loader's
+errors, and the built-in "tiny" preset and its byte tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from kvpool.attention import AttentionMetadata
+from kvpool.errors import CheckpointError, ConfigError
+from kvpool.layout import KVLayout
+from kvpool.models.loader import load_model
+from kvpool.models.tokenizer import ByteTokenizer
+from kvpool.pool import KVPool
+from models_util import (
+    CONFIGS,
+    PagedRunner,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+    save_hf_model,
+)
+
+PROMPT_LENGTHS = (3, 9, 17, 26)
+MAX_TOKENS = 32
+WEIGHTS = "model.safetensors"
+
+
+def prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 1) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"seq{i}": [rng.randrange(vocab_size) for _ in range(n)]
+            for i, n in enumerate(lengths)}
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is several times faster than two on a busy
+    2-core machine (no spinning threads fighting over the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    weights_a, weights_b = a.state_dict(), b.state_dict()
+    assert weights_a.keys() == weights_b.keys()
+    for name, tensor in weights_a.items():
+        assert torch.equal(tensor, weights_b[name]), name
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, the same checkpoint loaded by kvpool) for one architecture case."""
+    hf = make_hf_model(request.param)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf, load_model(folder, device="cpu").model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A saved small Llama checkpoint folder; tests copy it before breaking it."""
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture
+def broken(checkpoint, tmp_path):
+    """A fresh copy of the checkpoint folder to break."""
+    for path in checkpoint.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+# --- parity with transformers ---
+
+def test_packed_prefill_logits_match_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    logits = PagedRunner(model).step(batch, all_logits=True)
+    offset = 0
+    for prompt in batch.values():
+        ref = hf_logits(hf, prompt)
+        assert relative_error(logits[offset:offset + len(prompt)], ref) < 1e-4
+        offset += len(prompt)
+
+
+def test_batched_greedy_decode_on_scattered_pages_matches_transformers_generate(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    runner = PagedRunner(model)
+    ours = runner.greedy(batch, MAX_TOKENS)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+        pages = runner.cache.pages(seq_id)
+        assert pages != sorted(pages)  # the sequence really spans scattered pages
+    runner.cache.check()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window-8"])
+def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(name, tmp_path):
+    model = load_model(save_hf_model(make_hf_model(name), tmp_path), device="cpu").model
+    prompt = prompts(model.config.vocab_size, lengths=(22,))["seq0"]
+    whole = PagedRunner(model).step({"a": prompt}, all_logits=True)
+    runner = PagedRunner(model, seed=1)
+    runner.step({"a": prompt[:9]})
+    second = runner.step({"a": prompt[9:]}, all_logits=True)
+    torch.testing.assert_close(second, whole[9:], rtol=1e-5, atol=1e-5)
+
+
+def test_default_logits_are_those_of_each_sequences_last_token(pair):
+    _, model = pair
+    batch = prompts(model.config.vocab_size, lengths=(5, 11))
+    every = PagedRunner(model).step(batch, all_logits=True)
+    last = PagedRunner(model).step(batch)
+    torch.testing.assert_close(last, every[[4, 15]], rtol=1e-5, atol=1e-5)
+
+
+# --- loading ---
+
+def test_loaded_weights_take_the_configs_dtype_unless_overridden(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (broken / "config.json").write_text(json.dumps(config))
+    assert load_model(broken, device="cpu").model.dtype == torch.bfloat16
+    model = load_model(broken, dtype=torch.float16, device="cpu").model
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_config_without_dtype_loads_float32(broken):
+    config = json.loads((broken / "config.json").read_text())
+    del config["dtype"]
+    (broken / "config.json").write_text(json.dumps(config))
+    assert load_model(broken, device="cpu").model.dtype == torch.float32
+
+
+def test_pool_of_another_dtype_is_refused(checkpoint):
+    model = load_model(checkpoint, device="cpu").model
+    config = model.config
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
+                      dtype=torch.float16, page_size=4)
+    meta = AttentionMetadata(torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
+                             torch.tensor([1], dtype=torch.int32),
+                             torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="float16"):
+        model(torch.tensor([1]), torch.tensor([0]), meta, KVPool(layout, 1, device="cpu"))
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
+    hf = make_hf_model("llama")
+    single = load_model(save_hf_model(hf, tmp_path / "single"), device="cpu").model
+    sharded_dir = save_hf_model(hf, tmp_path / "sharded", max_shard_size="20KB")
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    sharded = load_model(sharded_dir, device="cpu").model
+    assert_same_weights(single, sharded)
+
+
+def test_missing_weight_is_named(broken):
+    tensors = load_file(broken / WEIGHTS)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"missing weights: model\.layers\.1\.mlp\.up_proj"):
+        load_model(broken, device="cpu")
+
+
+def test_unexpected_weight_is_named(broken):
+    tensors = load_file(broken / WEIGHTS)
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.0\.mlp\.extra"):
+        load_model(broken, device="cpu")
+
+
+def test_misshapen_weight_names_both_shapes(broken):
+    tensors = load_file(broken / WEIGHTS)
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(65,\) .*\(64,\)"):
+        load_model(broken, device="cpu")
+
+
+def test_rotary_inv_freq_buffers_in_a_checkpoint_are_ignored(broken):
+    tensors = load_file(broken / WEIGHTS)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, broken / WEIGHTS)
+    load_model(broken, device="cpu")
+
+
+def test_unknown_architecture_names_the_supported_ones(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(broken, device="cpu")
+
+
+def test_invalid_config_json_is_a_config_error(broken):
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model(broken, device="cpu")
+
+
+def test_missing_config_json_is_a_config_error(broken):
+    (broken / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config"):
+        load_model(broken, device="cpu")
+
+
+def test_folder_without_safetensors_is_a_checkpoint_error(broken):
+    (broken / WEIGHTS).unlink()
+    with pytest.raises(CheckpointError, match="no .*safetensors"):
+        load_model(broken, device="cpu")
+
+
+def test_tokenizer_json_is_loaded_with_the_configs_special_ids(broken):
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(broken / "tokenizer.json"))
+    config = json.loads((broken / "config.json").read_text())
+    config.update(bos_token_id=1, eos_token_id=[2, 0])
+    (broken / "config.json").write_text(json.dumps(config))
+    loaded = load_model(broken, device="cpu")
+    assert loaded.tokenizer.encode("hello world") == [1, 2]
+    assert loaded.tokenizer.decode([1, 2]) == "hello world"
+    assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_ids) == (1, (2, 0))
+
+
+def test_folder_without_tokenizer_json_has_no_tokenizer(checkpoint):
+    assert load_model(checkpoint, device="cpu").tokenizer is None
+
+
+# --- the tiny preset ---
+
+def test_tiny_preset_loads_identical_weights_every_time():
+    a, b = load_model("tiny", device="cpu"), load_model("tiny", device="cpu")
+    assert a.config.architecture == "LlamaForCausalLM"
+    assert isinstance(a.tokenizer, ByteTokenizer)
+    assert_same_weights(a.model, b.model)
+
+
+def test_tiny_preset_generates_varied_tokens():
+    tiny = load_model("tiny", device="cpu")
+    out = PagedRunner(tiny.model).greedy({"a": tiny.tokenizer.encode("Hello")}, 16)["a"]
+    assert len(set(out)) > 4
+
+
+def test_planning_presets_have_no_weights_to_load():
+    with pytest.raises(ConfigError, match="planning only"):
+        load_model("Llama-3-8B", device="cpu")
+
+
+def test_byte_tokenizer_round_trips_utf8_text():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("héllo, 世界")
+    assert ids[0] == 256 and all(0 <= i < 256 for i in ids[1:])
+    assert tokenizer.decode(ids + [257]) == "héllo, 世界"
+
+
+def test_byte_tokenizer_replaces_invalid_utf8():
+    assert ByteTokenizer().decode([0x68, 0xFF, 0x69]) == "h\ufffdi"
