@@ -7,15 +7,17 @@ import math
 import pytest
 import torch
 
+from kvpool import attention
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
 
-# (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix,
-# a chunked-prefill chunk in the middle of a sequence, and decodes of other lengths.
+# (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix, a chunk of a
+# chunked prefill (tokens 21..32 of a longer prompt: the rest of its page is unwritten), and
+# decodes of one token, of exactly one page, and of several pages.
 MIXED = [(37, 1), (20, 20), (45, 9), (33, 12), (1, 1), (16, 1), (64, 1)]
 
 
 def reference(q, keys, values, q_lens, scale, window=None):
-    """Float64 attention, one query at a time over its allowed keys; keys[b] is [seq_len, kvh, d]."""
+    """Float64 attention, one query at a time over its allowed keys; keys[b]: [seq_len, kvh, d]."""
     out, row = [], 0
     group = q.shape[1] // keys[0].shape[1]
     for k, v, q_len in zip(keys, values, q_lens, strict=True):
@@ -50,7 +52,9 @@ class Batch:
         for b, (n, _) in enumerate(specs):
             pages = [order.pop(0) for _ in range(-(-n // page_size))]
             self.page_tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            slots = torch.tensor([pages[t // page_size] * page_size + t % page_size for t in range(n)])
+            slots = torch.tensor(
+                [pages[t // page_size] * page_size + t % page_size for t in range(n)]
+            )
             k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
             v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
             write_kv(self.k_cache, self.v_cache, slots, k, v)
@@ -103,9 +107,7 @@ def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, pag
 @pytest.mark.parametrize("window", [1, 4, 17, 100])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_sliding_window_matches_reference(window, page_size):
-    batch = Batch(
-        MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32
-    )
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32)
     out = batch.attend(sliding_window=window)
     assert relative_error(out, batch.reference(window=window)) < 1e-5
 
@@ -125,6 +127,15 @@ def test_mixed_batch_matches_reference_in_bfloat16():
 def test_uniform_batches_match_reference(specs):
     batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
     assert relative_error(batch.attend(), batch.reference()) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_split_into_several_groups_matches_reference(monkeypatch, window):
+    monkeypatch.setattr(attention, "_DECODE_GROUP_BYTES", 1)  # one sequence per group
+    specs = [(24, 1), (40, 1), (3, 1), (33, 1)]
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    out = batch.attend(sliding_window=window)
+    assert relative_error(out, batch.reference(window=window)) < 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -159,7 +170,9 @@ def test_write_kv_writes_exactly_the_given_slots():
 def test_write_kv_rejects_mismatched_shapes():
     cache = torch.zeros(4, 16, 2, 8)
     with pytest.raises(ValueError, match="write_kv expects"):
-        write_kv(cache, cache.clone(), torch.tensor([0, 1]), torch.zeros(2, 3, 8), torch.zeros(2, 3, 8))
+        write_kv(
+            cache, cache.clone(), torch.tensor([0, 1]), torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)
+        )
 
 
 def test_paged_attention_rejects_heads_not_a_multiple_of_kv_heads():
@@ -188,3 +201,9 @@ def test_metadata_keeps_its_field_names():
         cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
     )
     assert meta.seq_lens.tolist() == [1]
+
+
+def test_paged_attention_rejects_empty_sliding_window():
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        batch.attend(sliding_window=0)
