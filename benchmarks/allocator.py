@@ -7,8 +7,10 @@ them back. Baselines, measured in the same run:
   stack   the floor: a bare Python list used as a stack of free ids, no reference counts
   deque   the common simple design: a deque of free ids and a list of reference counts
           (no checks beyond capacity; it does not validate ids, is not atomic, has no lock)
-Times are microseconds per cycle (median over repeats); ratios are against deque, taken
-within each repeat and then the median, so machine noise mostly cancels.
+Times are CPU microseconds per cycle (process time, which other processes on a shared
+machine disturb less than wall time), median over repeats. Ratios are against deque, taken
+within each repeat and then the median, so noise common to a repeat cancels.
+Targets: lifo at most 1.0x, first_fit at most 3x, neither growing with the pool size.
 """
 
 from __future__ import annotations
@@ -97,18 +99,19 @@ def measure(num_pages: int, cycles: int, repeats: int) -> dict[str, tuple[float,
     for _ in range(repeats):
         # Interleaved, so that a noisy moment slows every candidate of a repeat alike.
         for name, run in loops.items():
-            micros[name].append(timeit.Timer(run, timer=time.process_time).timeit(1) / cycles * 1e6)
+            seconds = timeit.Timer(run, timer=time.process_time).timeit(number=1)
+            micros[name].append(seconds / cycles * 1e6)
     result = {}
     for name, times in micros.items():
-        ratios = [t / base for t, base in zip(times, micros["deque"])]
+        ratios = [t / base for t, base in zip(times, micros["deque"], strict=True)]
         result[name] = (statistics.median(times), statistics.median(ratios))
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=20_000, help="cycles per measurement")
-    parser.add_argument("--repeats", type=int, default=7, help="measurements per candidate")
+    parser.add_argument("--cycles", type=int, default=2_000, help="cycles per measurement")
+    parser.add_argument("--repeats", type=int, default=25, help="measurements per candidate")
     args = parser.parse_args()
     names = list(CANDIDATES)
     print(f"allocate({BATCH}) + free({BATCH}): microseconds per cycle (ratio to deque)")
