@@ -2,7 +2,8 @@
 
 Each token's K value is an id unique to its content (the token ids up to and including it),
 as real KV is. After every step each live sequence, read through its page table, must give
-back exactly its own values: a wrong share or a missed copy-on-write shows up at once.
+back exactly its own values: a wrong share or a missed copy-on-write shows up at once. The
+tier variant evicts into a small host tier, so pages loaded back from it are checked too.
 """
 
 import pytest
@@ -21,9 +22,11 @@ from hypothesis.stateful import (
 from kvpool.cache import KVCache
 from kvpool.errors import OutOfPages
 from kvpool.layout import KVLayout
+from kvpool.tiers import HostTier
 
 PAGE_SIZE = 4
 NUM_PAGES = 16
+TIER_PAGES = 6
 VOCAB = 3
 # Prompts start from a few shared bases so that prefix hits, shared pages and evictions
 # of shared pages are common.
@@ -35,12 +38,13 @@ prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching):
+    def __init__(self, policy, prefix_caching, tier):
         super().__init__()
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
                           page_size=PAGE_SIZE)
+        self.tier = HostTier(TIER_PAGES) if tier else None
         self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
-                             prefix_caching=prefix_caching)
+                             prefix_caching=prefix_caching, tier=self.tier)
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}  # content prefix -> unique value
         self.next_seq = 0
@@ -60,10 +64,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     def snapshot(self):
         c = self.cache
+        tier = self.tier
         return (
             {sid: (c.pages(sid), c.num_tokens(sid)) for sid in c.sequences()},
             [c.allocator.refcount(p) for p in range(NUM_PAGES)],
             c.stats(),
+            (list(tier), tier.stats()) if tier else None,
             c.pool.kv.clone(),
         )
 
@@ -74,8 +80,8 @@ class CacheMachine(RuleBasedStateMachine):
             return call(), True
         except OutOfPages:
             after = self.snapshot()
-            assert before[:3] == after[:3]
-            assert torch.equal(before[3].nan_to_num(), after[3].nan_to_num())
+            assert before[:4] == after[:4]
+            assert torch.equal(before[4].nan_to_num(), after[4].nan_to_num())
             return None, False
 
     # ---- rules ---------------------------------------------------------------------------
@@ -132,6 +138,27 @@ class CacheMachine(RuleBasedStateMachine):
             del self.tokens[seq]
 
     @precondition(lambda self: self.cache.prefix_cache is not None)
+    @rule(tokens=prompts)
+    def finish(self, tokens):
+        """A whole request in one step: its prompt is added, written, committed and freed,
+        leaving its full pages cached (and, evicted, in the tier)."""
+        seq_id = self.next_seq
+        self.next_seq += 1
+        hit, ok = self.attempt(lambda: self.cache.add_sequence(seq_id, tokens))
+        if ok:
+            self.tokens[seq_id] = tokens
+            self.write(seq_id, hit)
+            self.every_sequence_reads_its_own_values()
+            self.cache.commit(seq_id)
+            self.cache.free_sequence(seq_id)
+            del self.tokens[seq_id]
+
+    @precondition(lambda self: self.cache.prefix_cache is not None)
+    @rule(num_pages=st.integers(1, 4))
+    def evict(self, num_pages):
+        self.cache.prefix_cache.evict(num_pages)
+
+    @precondition(lambda self: self.cache.prefix_cache is not None)
     @rule()
     def clear(self):
         self.cache.prefix_cache.clear()
@@ -162,11 +189,12 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.parametrize("policy", ["lifo", "first_fit"])
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_random_operations_keep_every_invariant(policy, prefix_caching):
+@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
+                                                      (True, True)])
+def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
     class Machine(CacheMachine):
         def __init__(self):
-            super().__init__(policy, prefix_caching)
+            super().__init__(policy, prefix_caching, tier)
 
     Machine.TestCase.settings = settings(
         max_examples=60, stateful_step_count=40, deadline=None,

@@ -21,6 +21,7 @@ from kvpool.errors import (
 from kvpool.layout import KVLayout, MemoryPlan, plan_memory
 from kvpool.pool import KVPool
 from kvpool.prefix_cache import PrefixCache
+from kvpool.tiers import DiskTier, HostTier, Tier
 
 __all__ = [
     "LLM",
@@ -29,7 +30,9 @@ __all__ = [
     "CheckpointError",
     "CompletionOutput",
     "ConfigError",
+    "DiskTier",
     "DuplicateSequence",
+    "HostTier",
     "InvalidPage",
     "KVCache",
     "KVLayout",
@@ -42,6 +45,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SequenceTooLong",
+    "Tier",
     "UnknownSequence",
     "plan_memory",
 ]

@@ -1,4 +1,5 @@
-"""KVCache: sequences -> page tables, with fork, copy-on-write, commit and a prefix cache."""
+"""KVCache: sequences -> page tables, with fork, copy-on-write, commit, a prefix cache and
+an optional tier that evicted prefix pages move to and are loaded back from."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, Unknow
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 from kvpool.prefix_cache import PrefixCache, PrefixNode
+from kvpool.tiers import ROOT_KEY, PageKey, Tier
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class CacheStats:
     num_evicted_pages: int
     num_cow_copies: int
     page_size: int
+    num_tier_loads: int = 0  # cumulative pages loaded back from the tier
+    num_tier_stores: int = 0  # cumulative evicted pages the tier took (all but failed writes)
 
     @property
     def kv_utilization(self) -> float:
@@ -56,21 +60,28 @@ class CacheStats:
 class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
-    a call that raises has changed nothing."""
+    a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
+    and a later prompt continuing their prefix loads them back instead of recomputing."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
-                 max_tokens_per_seq: int | None = None, scrub_on_free: bool = False):
+                 max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
+                 tier: Tier | None = None):
         if max_tokens_per_seq is not None and (
                 isinstance(max_tokens_per_seq, bool) or not isinstance(max_tokens_per_seq, int)
                 or max_tokens_per_seq <= 0):
             raise ValueError(f"max_tokens_per_seq must be a positive int or None, "
                              f"got {max_tokens_per_seq!r}")
+        if tier is not None and not prefix_caching:
+            raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
         self.layout = layout
         self.page_size = layout.page_size
         self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve)
         self.pool = KVPool(layout, num_pages, device=device)
-        self.prefix_cache = PrefixCache(self.allocator, layout.page_size) if prefix_caching \
+        self.tier = tier
+        self.prefix_cache = PrefixCache(
+            self.allocator, layout.page_size,
+            on_evict=self._store_in_tier if tier is not None else None) if prefix_caching \
             else None
         self.max_tokens_per_seq = max_tokens_per_seq
         self.scrub_on_free = scrub_on_free
@@ -78,6 +89,8 @@ class KVCache:
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
+        self._num_tier_loads = 0
+        self._num_tier_stores = 0
 
     # ---- sequences ---------------------------------------------------------------------
 
@@ -85,24 +98,29 @@ class KVCache:
                      num_tokens: int | None = None) -> int:
         """Create a sequence holding `token_ids` (or `num_tokens` unknown tokens) and give it
         pages. Returns how many leading tokens the prefix cache served (whole pages, never
-        the last token); their KV is already in the pool."""
+        the last token); their KV is already in the pool, loaded from the tier for pages
+        past the device's match."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
         n = _count(token_ids, num_tokens)
         self._check_length(seq_id, n)
         nodes = self._match(token_ids, n)
-        need = -(-n // self.page_size) - len(nodes)
+        need = -(-n // self.page_size) - len(nodes)  # tier hits take fresh pages too
         self._check_room(need, nodes)
+        loaded = self._fetch_from_tier(token_ids, n, nodes)
         pc = self.prefix_cache
+        hit = len(nodes) + len(loaded)
         if pc and token_ids is not None:
             pc.lock(nodes)
             self._prefix_query_tokens += n
-            self._prefix_hit_tokens += len(nodes) * self.page_size
+            self._prefix_hit_tokens += hit * self.page_size
         pages = [node.page for node in nodes] + self._allocate(need)
         keep_ids = list(token_ids) if pc and token_ids is not None else None
         tree_node = nodes[-1] if nodes else (pc.root if pc else None)
-        self._seqs[seq_id] = _Sequence(pages, n, keep_ids, tree_node, len(nodes))
-        return len(nodes) * self.page_size
+        if loaded:
+            tree_node = self._load_from_tier(tree_node, keep_ids, pages, len(nodes), loaded)
+        self._seqs[seq_id] = _Sequence(pages, n, keep_ids, tree_node, hit)
+        return hit * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]:
@@ -196,8 +214,9 @@ class KVCache:
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
-        """Available pages `add_sequence` would consume: new pages plus evictable cached
-        pages its prefix hit would pin. Changes nothing."""
+        """Available pages `add_sequence` would consume: new pages (tier hits included: they
+        are loaded into new pages) plus evictable cached pages its prefix hit would pin.
+        Changes nothing."""
         n = _count(token_ids, num_tokens)
         nodes = self._match(token_ids, n)
         pinned = self.prefix_cache.num_pinned_by(nodes) if nodes else 0
@@ -249,13 +268,16 @@ class KVCache:
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_evicted_pages=pc.num_evicted if pc else 0,
-            num_cow_copies=self._num_cow_copies, page_size=ps)
+            num_cow_copies=self._num_cow_copies, page_size=ps,
+            num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores)
 
     def check(self) -> None:
         """Invariants: allocator conservation; each page's reference count equals the
         sequences holding it plus one if the prefix cache holds it; page tables sized to
-        their tokens; the prefix tree consistent."""
+        their tokens; the prefix tree and the tier consistent."""
         self.allocator.check()
+        if self.tier is not None:
+            self.tier.check()
         holders: Counter[int] = Counter()
         for sid, seq in self._seqs.items():
             want = -(-seq.num_tokens // self.page_size)
@@ -286,6 +308,50 @@ class KVCache:
         if pc is None or token_ids is None or n == 0:
             return []
         return pc.match(token_ids, (n - 1) // self.page_size)
+
+    def _fetch_from_tier(self, token_ids: Sequence[int] | None, n: int,
+                         nodes: list[PrefixNode]) -> list[torch.Tensor]:
+        """The data of the pages continuing the device's match `nodes` in the tier, page by
+        page up to the first miss, never covering the last token. Only `get` touches the
+        tier, and only once the call is known to succeed."""
+        tier = self.tier
+        if tier is None or token_ids is None or n == 0:
+            return []
+        ps = self.page_size
+        page_shape = self.pool.kv[:, :, 0].shape
+        parent_key = nodes[-1].chain_key if nodes else ROOT_KEY
+        loaded = []
+        for i in range(len(nodes), (n - 1) // ps):
+            key = PageKey.of(parent_key, token_ids[i * ps:(i + 1) * ps])
+            data = tier.get(key)
+            if data is None or data.shape != page_shape:
+                break
+            loaded.append(data)
+            parent_key = key.chain_key
+        return loaded
+
+    def _load_from_tier(self, node: PrefixNode, token_ids: list[int], pages: list[int],
+                        first: int, loaded: list[torch.Tensor]) -> PrefixNode:
+        """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
+        sequence's page table and cache them below `node`; returns the deepest node."""
+        last = first + len(loaded)
+        self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
+        self._num_tier_loads += len(loaded)
+        # the device match stopped above these pages, so the tree has no copy to switch to
+        node, _ = self.prefix_cache.insert(node, token_ids, pages, first, last)
+        return node
+
+    def _store_in_tier(self, nodes: list[PrefixNode]) -> None:
+        """Copy evicted pages to the tier (called before they return to the free list). A
+        page the tier fails to store (disk full) is lost, as without a tier: eviction runs
+        inside calls that have passed their checks, and must not fail."""
+        data = self.pool.read_pages([node.page for node in nodes])
+        for i, node in enumerate(nodes):
+            try:
+                self.tier.put(node.page_key(), data[:, :, i])
+            except OSError:
+                continue
+            self._num_tier_stores += 1
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:
         limit = self.max_tokens_per_seq

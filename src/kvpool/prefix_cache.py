@@ -4,16 +4,18 @@ Each node below the root is one page: its key is the `page_size` token ids the p
 and the path from the root spells the whole prefix. The tree holds one reference on every
 page it caches; a page whose only reference is the tree's is evictable. Eviction takes
 least recently used leaves first (children before parents) from a heap with lazy deletion,
-so evicting k pages costs O(k log n), never a scan of the tree.
+so evicting k pages costs O(k log n), never a scan of the tree. Each node also carries the
+chain key of its whole prefix (see tiers.py), under which a tier stores it once evicted.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.allocator import PageAllocator
+from kvpool.tiers import ROOT_KEY, PageKey, chain_key
 
 
 @dataclass(slots=True, eq=False)
@@ -26,17 +28,26 @@ class PrefixNode:
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
     last_access: int = 0  # logical clock of the last match, insert or release
     heap_access: int = -1  # last_access of this node's live heap entry, -1 if none
+    chain_key: int = ROOT_KEY  # names the whole prefix through this page
+
+    def page_key(self) -> PageKey:
+        """The key a tier stores this page under."""
+        return PageKey(self.chain_key, self.parent.chain_key, self.key)
 
 
 class PrefixCache:
     """Radix tree of committed full pages with LRU eviction of unreferenced leaves.
 
     The tree only moves its own references through `allocator`; `KVCache` tells it when a
-    sequence takes (`lock`) or gives back (`release`) the pages of a path.
+    sequence takes (`lock`) or gives back (`release`) the pages of a path. `on_evict`, if
+    given, receives each batch of evicted nodes before their pages go back to the free list
+    (to copy them to a tier).
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, *,
+                 on_evict: Callable[[list[PrefixNode]], None] | None = None):
         self.allocator = allocator
+        self.on_evict = on_evict
         self._refcounts = allocator.refcounts  # read-only view, read on every hot path
         self.page_size = page_size
         self.root = PrefixNode(key=(), page=-1, parent=None)
@@ -105,7 +116,8 @@ class PrefixCache:
             key = tuple(token_ids[i * ps:(i + 1) * ps])
             child = node.children.get(key)
             if child is None:
-                child = PrefixNode(key, pages[i], node, {}, self._clock)
+                child = PrefixNode(key, pages[i], node, {}, self._clock,
+                                   chain_key=chain_key(node.chain_key, key))
                 node.children[key] = child
                 self._node_of_page[pages[i]] = child
                 added.append(pages[i])
@@ -139,7 +151,7 @@ class PrefixCache:
         """Evict up to `num_pages` evictable pages, least recently used leaves first; returns
         the page ids, which went back to the allocator's free list."""
         refcounts = self._refcounts
-        victims: list[int] = []
+        victims: list[PrefixNode] = []
         while len(victims) < num_pages and self._heap:
             access, _, node = heapq.heappop(self._heap)
             if node.heap_access != access:
@@ -148,9 +160,11 @@ class PrefixCache:
             if node.children or refcounts[node.page] != 1:
                 continue  # in use again, or has grown children: offered again later
             self._remove(node)
-            victims.append(node.page)
+            victims.append(node)
         self.num_evicted += len(victims)
-        return self.allocator.free(victims)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
+        return self.allocator.free([n.page for n in victims])
 
     def clear(self) -> list[int]:
         """Evict every evictable page; returns the freed page ids."""
@@ -193,6 +207,8 @@ class PrefixCache:
                 assert len(key) == self.page_size, f"page {child.page} key has {len(key)} tokens"
                 assert self._node_of_page.get(child.page) is child, (
                     f"page {child.page} missing from the page index")
+                assert child.chain_key == chain_key(node.chain_key, key), (
+                    f"page {child.page} has a stale chain key")
                 rc = self.allocator.refcount(child.page)
                 assert rc >= 1, f"cached page {child.page} has refcount {rc}"
                 if rc == 1:

@@ -1,0 +1,363 @@
+"""Tiers below the pool, alone and under KVCache, one rule per test, with exact page ids
+(a fresh allocator hands out ids ascending from 0; LIFO reuses the last freed first)."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.errors import OutOfPages
+from kvpool.layout import KVLayout
+from kvpool.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, chain_key
+
+PS = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=PS)
+TIERS = {
+    "host": lambda tmp_path: HostTier(8),
+    "disk": lambda tmp_path: DiskTier(tmp_path / "tier", 8),
+}
+
+
+def make_cache(tier, num_pages=4):
+    return KVCache(LAYOUT, num_pages, device="cpu", prefix_caching=True, tier=tier)
+
+
+def prompt(n, base=0):
+    return list(range(base, base + n))
+
+
+def page(value, dtype=torch.float32):
+    """One page of tier data `[num_layers, 2, page_size, kv_heads, head_dim]`."""
+    return torch.full((2, 2, PS, 1, 2), float(value), dtype=dtype)
+
+
+def fill(cache, seq_id, value):
+    """Write distinct K (and -K) values into every slot of the sequence, in both layers."""
+    slots = torch.tensor(cache.slots(seq_id))
+    for layer in range(2):
+        k = (value + 1000 * layer + torch.arange(len(slots), dtype=torch.float32))
+        k = k[:, None, None].expand(-1, 1, 2)
+        cache.pool.write(layer, slots, k, -k)
+
+
+def evict_prompt_to_tier(cache, tokens, value=100):
+    """Commit `tokens` with distinct KV, free it, then let a sequence of unknown content take
+    every page of the pool (overwriting them), which evicts the cached pages to the tier.
+    Returns the original KV of the prompt's full pages."""
+    cache.add_sequence("a", tokens)
+    fill(cache, "a", value)
+    full = len(tokens) // PS
+    original = cache.pool.read_pages(cache.pages("a")[:full]).clone()
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("x", num_tokens=cache.allocator.num_pages * PS)
+    fill(cache, "x", -5)
+    cache.free_sequence("x")
+    return original
+
+
+# ---- tiers under KVCache -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", TIERS)
+def test_page_evicted_from_the_device_comes_back_from_the_tier_with_identical_kv(
+        kind, tmp_path):
+    tier = TIERS[kind](tmp_path)
+    cache = make_cache(tier)
+    original = evict_prompt_to_tier(cache, prompt(9))
+    assert len(tier) == 2
+    assert cache.add_sequence("b", prompt(9)) == 8
+    assert cache.pages("b") == [3, 2, 1]  # fresh pages, LIFO from x's freed ones
+    assert torch.equal(cache.pool.read_pages([3, 2]), original)
+    s = cache.stats()
+    assert (s.num_evicted_pages, s.num_tier_stores, s.num_tier_loads) == (2, 2, 2)
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (18, 8)
+    cache.check()
+
+
+def test_reloaded_pages_are_cached_on_the_device_again():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    cache.add_sequence("b", prompt(9))
+    cache.free_sequence("b")
+    assert cache.add_sequence("c", prompt(9)) == 8  # a device hit: no second load
+    assert cache.pages("c")[:2] == [3, 2]
+    assert cache.stats().num_tier_loads == 2
+    assert tier.stats().num_hits == 2
+    cache.check()
+
+
+def test_tier_continues_the_device_match():
+    tier = HostTier(8)
+    cache = make_cache(tier, num_pages=5)
+    cache.add_sequence("a", prompt(13))
+    fill(cache, "a", 100)
+    original = cache.pool.read_pages([1, 2]).clone()
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("x", num_tokens=16)  # one free page + two evicted: the leaves 2, 1
+    assert [k.token_ids for k in tier] == [tuple(prompt(4, 8)), tuple(prompt(4, 4))]
+    cache.free_sequence("x")
+    assert cache.add_sequence("b", prompt(13)) == 12  # page 0 on the device, 1-2 from tier
+    assert cache.pages("b")[0] == 0
+    assert torch.equal(cache.pool.read_pages(cache.pages("b")[1:3]), original)
+    assert cache.stats().num_tier_loads == 2
+    cache.check()
+
+
+def test_tier_never_serves_the_last_token():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(8))
+    assert cache.add_sequence("b", prompt(8)) == 4  # page 1 would hold the last token
+    assert cache.stats().num_tier_loads == 1
+
+
+def test_same_page_tokens_under_another_prefix_are_not_served():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    other = prompt(4, 100) + prompt(5, 4)  # second page as a's, below another first page
+    assert cache.add_sequence("b", other) == 0
+    assert cache.stats().num_tier_loads == 0
+
+
+def test_a_page_evicted_twice_is_stored_once():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    cache.add_sequence("b", prompt(9))
+    cache.commit("b")
+    cache.free_sequence("b")
+    cache.add_sequence("x", num_tokens=16)
+    assert len(tier) == 2
+    assert cache.stats().num_tier_stores == 4
+    cache.check()
+
+
+def test_a_page_the_tier_cannot_store_is_lost_and_eviction_still_succeeds(tmp_path):
+    tier = DiskTier(tmp_path / "tier", 8)
+    cache = make_cache(tier)
+    cache.add_sequence("a", prompt(9))
+    cache.commit("a")
+    cache.free_sequence("a")
+    shutil.rmtree(tier.directory)  # every write fails from here on
+    assert cache.add_sequence("x", num_tokens=16) == 0
+    s = cache.stats()
+    assert (s.num_evicted_pages, s.num_tier_stores) == (2, 0)
+    assert len(tier) == 0
+    cache.free_sequence("x")
+    assert cache.add_sequence("b", prompt(9)) == 0
+
+
+def test_pages_to_add_counts_tier_hits_as_fresh_pages():
+    cache = make_cache(HostTier(8))
+    evict_prompt_to_tier(cache, prompt(9))
+    available = cache.num_available_pages
+    assert cache.pages_to_add(prompt(9)) == 3
+    cache.add_sequence("b", prompt(9))
+    assert available - cache.num_available_pages == 3
+
+
+def test_failed_add_sequence_with_a_tier_hit_changes_nothing():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    cache.add_sequence("y", num_tokens=8)  # two of the four pages: b's three do not fit
+    before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
+              cache.pool.kv.clone(), list(tier), tier.stats(), tier.store.clone())
+    with pytest.raises(OutOfPages, match="need 3 pages, 2 free"):
+        cache.add_sequence("b", prompt(9))
+    after = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
+             cache.pool.kv, list(tier), tier.stats(), tier.store)
+    assert before[:2] == after[:2] and before[3:5] == after[3:5]
+    assert torch.equal(before[2], after[2]) and torch.equal(before[5], after[5])
+    assert cache.sequences() == ["y"]
+    cache.free_sequence("y")
+    assert cache.add_sequence("b", prompt(9)) == 8  # the hit was real
+    cache.check()
+
+
+def test_a_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="prefix_caching=True"):
+        KVCache(LAYOUT, 4, device="cpu", tier=HostTier(4))
+
+
+# ---- HostTier ----------------------------------------------------------------------------
+
+def keys(n):
+    return [PageKey.of(ROOT_KEY, [i] * PS) for i in range(n)]
+
+
+def test_tier_drops_the_least_recently_used_page_beyond_capacity():
+    tier = HostTier(2)
+    k = keys(3)
+    tier.put(k[0], page(0))
+    tier.put(k[1], page(1))
+    assert torch.equal(tier.get(k[0]), page(0))  # k0 is now the most recently used
+    tier.put(k[2], page(2))
+    assert list(tier) == [k[0], k[2]]
+    assert k[1] not in tier and tier.get(k[1]) is None
+    assert torch.equal(tier.get(k[2]), page(2))
+    s = tier.stats()
+    assert (s.num_pages, s.num_stored, s.num_hits, s.num_misses, s.num_evictions) == (
+        2, 3, 2, 1, 1)
+    tier.check()
+
+
+def test_key_collision_is_a_miss():
+    tier = HostTier(4)
+    key = PageKey.of(ROOT_KEY, [1, 2, 3, 4])
+    tier.put(key, page(7))
+    other_tokens = PageKey(key.chain_key, ROOT_KEY, (9, 9, 9, 9))
+    other_parent = PageKey(key.chain_key, 12345, key.token_ids)
+    assert other_tokens not in tier and other_parent not in tier
+    assert tier.get(other_tokens) is None and tier.get(other_parent) is None
+    assert (tier.stats().num_hits, tier.stats().num_misses) == (0, 2)
+    assert torch.equal(tier.get(key), page(7))
+
+
+def test_host_tier_preallocates_its_store_once():
+    tier = HostTier(3)
+    assert tier.nbytes == 0
+    tier.put(keys(1)[0], page(1))
+    store = tier.store.data_ptr()
+    assert tier.nbytes == 3 * page(0).numel() * 4
+    for i, k in enumerate(keys(5)):
+        tier.put(k, page(i))
+    assert tier.store.data_ptr() == store
+    tier.check()
+
+
+def test_host_tier_get_returns_a_copy():
+    tier = HostTier(1)
+    k = keys(2)
+    tier.put(k[0], page(1))
+    data = tier.get(k[0])
+    tier.put(k[1], page(2))  # reuses the only slot
+    assert torch.equal(data, page(1))
+
+
+def test_host_tier_rejects_a_page_of_another_shape_and_changes_nothing():
+    tier = HostTier(1)
+    k = keys(2)
+    tier.put(k[0], page(1))
+    with pytest.raises(ValueError, match=r"shaped \(2, 2, 4, 1, 2\), got \(2, 2, 8, 1, 2\)"):
+        tier.put(k[1], torch.zeros(2, 2, 8, 1, 2))
+    assert list(tier) == [k[0]] and torch.equal(tier.get(k[0]), page(1))
+
+
+def test_clear_empties_the_tier():
+    tier = HostTier(3)
+    for i, k in enumerate(keys(3)):
+        tier.put(k, page(i))
+    tier.clear()
+    assert len(tier) == 0 and list(tier) == []
+    tier.put(keys(1)[0], page(5))
+    tier.check()
+
+
+@pytest.mark.parametrize("capacity", [0, -3, 2.5, True, None])
+def test_capacity_must_be_a_positive_int(capacity, tmp_path):
+    with pytest.raises(ValueError, match="capacity_pages must be a positive int"):
+        HostTier(capacity)
+    with pytest.raises(ValueError, match="capacity_pages must be a positive int"):
+        DiskTier(tmp_path, capacity)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works with CUDA")
+def test_pin_memory_needs_cuda():
+    with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+        HostTier(4, pin_memory=True)
+
+
+def test_chain_keys_are_the_same_in_every_process():
+    # chain_key is Python's hash of a tuple of ints, which hash randomization leaves alone
+    code = "print(hash((7, (1, 2, 3, 4))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "random"}).stdout
+    assert int(out) == chain_key(7, (1, 2, 3, 4))
+
+
+# ---- DiskTier ----------------------------------------------------------------------------
+
+def page_files(directory):
+    return sorted(f.name for f in directory.iterdir() if f.suffix == ".kvpage")
+
+
+def test_disk_tier_round_trip_and_clear_removes_files(tmp_path):
+    tier = DiskTier(tmp_path, 4)
+    k = keys(2)
+    tier.put(k[0], page(1, torch.float16))
+    tier.put(k[1], page(2, torch.float16))
+    assert page_files(tmp_path) == sorted([tier.path(k[0]).name, tier.path(k[1]).name])
+    data = tier.get(k[0])
+    assert data.dtype == torch.float16 and torch.equal(data, page(1, torch.float16))
+    tier.check()
+    tier.clear()
+    assert page_files(tmp_path) == [] and len(tier) == 0
+
+
+def test_disk_tier_eviction_removes_the_file(tmp_path):
+    tier = DiskTier(tmp_path, 1)
+    k = keys(2)
+    tier.put(k[0], page(1))
+    tier.put(k[1], page(2))
+    assert page_files(tmp_path) == [tier.path(k[1]).name]
+    assert tier.stats().num_evictions == 1
+
+
+def test_disk_tier_stores_a_view_as_its_own_page(tmp_path):
+    tier = DiskTier(tmp_path, 2)
+    pages = torch.arange(2 * 2 * 3 * 256 * 2, dtype=torch.float32).view(2, 2, 3, 256, 1, 2)
+    tier.put(keys(1)[0], pages[:, :, 1])
+    assert torch.equal(tier.get(keys(1)[0]), pages[:, :, 1])
+    assert tier.path(keys(1)[0]).stat().st_size < 2 * pages[:, :, 1].numel() * 4
+
+
+def test_disk_tier_reopened_rebuilds_its_index(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a page")
+    tier = DiskTier(tmp_path, 4)
+    k = keys(3)
+    for i in range(3):
+        tier.put(k[i], page(i))
+    again = DiskTier(tmp_path, 4)
+    assert list(again) == k
+    assert torch.equal(again.get(k[1]), page(1))
+    assert (tmp_path / "notes.txt").exists()
+    again.check()
+
+
+def test_disk_tier_reopened_smaller_drops_the_least_recently_used(tmp_path):
+    tier = DiskTier(tmp_path, 4)
+    k = keys(3)
+    for i in range(3):
+        tier.put(k[i], page(i))
+    tier.get(k[0])
+    smaller = DiskTier(tmp_path, 2)
+    assert list(smaller) == [k[2], k[0]]
+    assert page_files(tmp_path) == sorted(tier.path(x).name for x in (k[0], k[2]))
+
+
+def test_damaged_disk_page_is_a_miss_and_forgotten(tmp_path):
+    tier = DiskTier(tmp_path, 4)
+    k = keys(1)[0]
+    tier.put(k, page(1))
+    tier.path(k).write_bytes(b"garbage")
+    assert tier.get(k) is None
+    assert k not in tier and page_files(tmp_path) == []
+    assert tier.stats().num_misses == 1
+
+
+def test_disk_tier_directory_must_be_usable(tmp_path):
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        DiskTier(file, 4)
+    with pytest.raises(ValueError, match="cannot create tier directory"):
+        DiskTier(file / "sub", 4)
+    DiskTier(tmp_path / "new" / "dir", 4)
+    assert (tmp_path / "new" / "dir").is_dir()
