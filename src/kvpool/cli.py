@@ -10,7 +10,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvpool import bench
 from kvpool.config import PRESETS, ModelConfig
+from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
 from kvpool.layout import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -74,9 +76,51 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# C0 controls (but tab and newline) and DEL shown as their Unicode pictures, so that a random
+# model cannot send escape sequences to the terminal.
+CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kvpool generate`."""
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--model", default="tiny", metavar="PATH",
+                        help="checkpoint folder (with tokenizer.json) or 'tiny' (default: tiny)")
+    parser.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS",
+                        help="tokens to generate at most (default: 64)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="0 is greedy (default: 1.0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Stream the text generated for the prompt to stdout as its tokens arrive."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k)
+    llm = LLM(args.model, seed=args.seed)
+    llm.add_request(args.prompt, params)
+    shown = ""
+    while llm.has_unfinished():
+        for output in llm.step():
+            text = output.outputs[0].text
+            # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
+            if output.finished or not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):].translate(CONTROL_PICTURES))
+                sys.stdout.flush()
+                shown = text
+    print()
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command("how many KV pages, tokens and sequences fit next to a model",
                     add_plan_arguments, run_plan),
+    "bench": Command("throughput, latency and pool usage under a synthetic serving workload",
+                     bench.add_arguments, bench.run),
+    "generate": Command("stream a completion of one prompt", add_generate_arguments,
+                        run_generate),
 }
 
 

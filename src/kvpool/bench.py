@@ -1,0 +1,321 @@
+"""`kvpool bench`: a model under a synthetic serving workload, driven through the step API.
+
+Prompt and output lengths are long-tailed (lognormal, capped) like ShareGPT's; some prompts
+start with one of a few shared system prompts, so the prefix cache has something to hit.
+Each request is timed from its arrival: TTFT (arrival -> first generated token) and TPOT
+((finish - first token) / (output tokens - 1)). The pool is sampled after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from kvpool.engine import LLM, EngineStats, SamplingParams
+from kvpool.layout import format_bytes
+
+DEFAULT_NUM_REQUESTS = 200
+# Small enough that the default workload's peak demand exceeds it (and preempts).
+DEFAULT_NUM_PAGES = 384
+DEFAULT_PLOT = "kvpool-bench.png"
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """Lengths in tokens: lognormal with this median and sigma, clipped to [1, maximum]."""
+
+    median: int
+    sigma: float
+    maximum: int
+
+    def draw(self, rng: random.Random) -> int:
+        """One length (tokens)."""
+        return min(self.maximum, max(1, round(rng.lognormvariate(math.log(self.median),
+                                                                 self.sigma))))
+
+    def with_median(self, median: int) -> LogNormal:
+        """The same shape moved to `median`: the cap keeps its ratio to the median."""
+        if median < 1:
+            raise ValueError(f"a median length must be >= 1 token, got {median}")
+        return LogNormal(median, self.sigma, max(1, round(self.maximum * median / self.median)))
+
+
+PROMPT_LEN = LogNormal(median=100, sigma=1.0, maximum=1000)
+OUTPUT_LEN = LogNormal(median=50, sigma=1.0, maximum=400)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The shape of a synthetic workload. A fraction `shared_fraction` of the prompts start
+    with one of `num_system_prompts` system prompts of `system_prompt_len` (min, max) tokens;
+    every prompt then has a user part drawn from `prompt_len`. `request_rate` is the mean
+    arrivals per second (Poisson); infinity puts every arrival at t=0."""
+
+    num_requests: int = DEFAULT_NUM_REQUESTS
+    prompt_len: LogNormal = PROMPT_LEN
+    output_len: LogNormal = OUTPUT_LEN
+    shared_fraction: float = 0.3
+    num_system_prompts: int = 5
+    system_prompt_len: tuple[int, int] = (64, 256)
+    request_rate: float = math.inf
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 requests/s, got {self.request_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request of a workload: `arrival` in seconds after the start; `system_prompt` is
+    the index of the shared prompt it starts with, or None."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival: float
+    system_prompt: int | None
+
+
+def make_workload(workload: Workload, vocab_size: int) -> list[BenchRequest]:
+    """The requests of `workload`, in arrival order, with token ids in [0, vocab_size).
+    Lengths, system prompts and arrivals depend on the seed only, not on the vocabulary."""
+    rng = random.Random(workload.seed)
+    lo, hi = workload.system_prompt_len
+    system_lens = [rng.randint(lo, hi) for _ in range(workload.num_system_prompts)]
+    shapes, arrival = [], 0.0
+    for _ in range(workload.num_requests):
+        shared = rng.random() < workload.shared_fraction
+        system = rng.randrange(workload.num_system_prompts) if shared else None
+        shapes.append((system, workload.prompt_len.draw(rng), workload.output_len.draw(rng),
+                       arrival))
+        if math.isfinite(workload.request_rate):
+            arrival += rng.expovariate(workload.request_rate)
+    tokens = random.Random(workload.seed + 1)
+    systems = [_random_tokens(tokens, n, vocab_size) for n in system_lens]
+    return [BenchRequest((systems[s] if s is not None else []) +
+                         _random_tokens(tokens, user_len, vocab_size), output_len, t, s)
+            for s, user_len, output_len, t in shapes]
+
+
+def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """When one request arrived, got its first token and finished (seconds after the start),
+    and how many tokens it generated."""
+
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token (seconds)."""
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (seconds); None for a single token."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """What a run measured: per-request timings, the engine's stats after every step, and
+    the run's wall time (seconds)."""
+
+    timings: list[RequestTiming]
+    steps: list[EngineStats] = field(default_factory=list)
+    wall_time: float = 0.0
+
+
+def run_workload(llm: LLM, requests: list[BenchRequest], *,
+                 show_progress: bool = True) -> BenchResult:
+    """Add each request at its arrival time, step the engine until every request is done,
+    and time them. Progress (requests done, generated tok/s) goes to stderr."""
+    result = BenchResult([RequestTiming(r.arrival) for r in requests])
+    pending = deque(enumerate(requests))
+    index_of: dict[str, int] = {}
+    start = time.perf_counter()
+    _add_arrived(llm, pending, index_of, 0.0)  # a request that can never fit fails here
+    with tqdm(total=len(requests), unit="req", desc="bench", file=sys.stderr,
+              disable=not show_progress) as bar:
+        while pending or llm.has_unfinished():
+            now = time.perf_counter() - start
+            _add_arrived(llm, pending, index_of, now)
+            if not llm.has_unfinished():
+                time.sleep(pending[0][1].arrival - now)
+                continue
+            outputs = llm.step()
+            now = time.perf_counter() - start
+            result.steps.append(llm.stats())
+            for output in outputs:
+                timing = result.timings[index_of[output.request_id]]
+                timing.num_output_tokens = len(output.outputs[0].token_ids)
+                if timing.first_token is None and timing.num_output_tokens:
+                    timing.first_token = now
+                if output.finished:
+                    timing.finish = now
+                    bar.update(1)
+            rate = result.steps[-1].num_generated_tokens / now
+            bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+    result.wall_time = time.perf_counter() - start
+    return result
+
+
+def _add_arrived(llm: LLM, pending: deque[tuple[int, BenchRequest]],
+                 index_of: dict[str, int], now: float) -> None:
+    """Add the pending requests that have arrived by `now` (seconds after the start),
+    recording which request each engine request id is."""
+    while pending and pending[0][1].arrival <= now:
+        i, request = pending.popleft()
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
+        index_of[llm.add_request(request.prompt_token_ids, params)] = i
+
+
+def summary_rows(llm: LLM, requests: list[BenchRequest],
+                 result: BenchResult) -> list[tuple[str, str]]:
+    """(label, value) rows summarizing a run of `requests` on `llm`."""
+    final = result.steps[-1]
+    cache = llm.cache.stats()
+    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+    num_generated = sum(t.num_output_tokens for t in result.timings)
+    num_pages, page_size = cache.num_pages, cache.page_size
+    peak = max(s.num_used_pages for s in result.steps)
+    wall = result.wall_time
+    tpots = [t.tpot for t in result.timings if t.tpot is not None]
+    hit_rate = (f"{cache.prefix_hit_rate:.1%} ({cache.prefix_hit_tokens:,} of "
+                f"{cache.prefix_query_tokens:,} looked-up prompt tokens)"
+                if llm.cache.prefix_cache else "off")
+    return [
+        ("requests", f"{len(requests):,}"),
+        ("prompt tokens", f"{num_prompt:,} ({final.num_prompt_tokens:,} computed by prefill)"),
+        ("generated tokens", f"{num_generated:,}"),
+        ("wall time", f"{wall:.2f} s ({final.num_steps:,} steps)"),
+        ("generated tok/s", f"{num_generated / wall:,.1f}"),
+        ("total tok/s", f"{(num_prompt + num_generated) / wall:,.1f}"),
+        ("TTFT p50 / p99", _percentiles_ms([t.ttft for t in result.timings])),
+        ("TPOT p50 / p99", _percentiles_ms(tpots)),
+        ("peak pages used", f"{peak:,} ({peak / num_pages:.0%} of the pool)"),
+        ("pool pages", f"{num_pages:,} x {page_size} tokens = {num_pages * page_size:,} "
+                       f"tokens ({format_bytes(num_pages * llm.cache.layout.bytes_per_page)})"),
+        ("KV utilization", f"{np.mean([s.kv_utilization for s in result.steps]):.1%} "
+                           f"(filled slots of used pages, mean over steps)"),
+        ("prefix hit rate", hit_rate),
+        ("preemptions", f"{final.num_preemptions:,}"),
+    ]
+
+
+def _percentiles_ms(seconds: list[float]) -> str:
+    """"p50 / p99 ms" of durations in seconds; "n/a" when there are none."""
+    if not seconds:
+        return "n/a"
+    p50, p99 = np.percentile(seconds, [50, 99]) * 1000
+    return f"{p50:,.1f} / {p99:,.1f} ms"
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    """Rows as two columns, the labels padded to one width."""
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def plot_available() -> bool:
+    """True when matplotlib (the `plot` extra) can be imported."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_plot(result: BenchResult, path: str, title: str) -> None:
+    """Write a PNG of the pool's used, cached and free pages after each step (stacked areas).
+    Needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    used = [s.num_used_pages for s in result.steps]
+    cached = [s.num_cached_pages for s in result.steps]
+    free = [s.num_free_pages for s in result.steps]
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.stackplot(range(len(used)), used, cached, free, colors=["#d62728", "#1f77b4", "#dddddd"],
+                 labels=["used (live sequences)", "cached (prefix cache, evictable)", "free"])
+    ax.set(xlabel="step", ylabel="pages", title=title, xlim=(0, max(len(used) - 1, 1)),
+           ylim=(0, used[0] + cached[0] + free[0]))
+    fig.legend(loc="outside lower center", ncols=3)
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `kvpool bench`."""
+    parser.add_argument("--model", default="tiny", metavar="PATH",
+                        help="checkpoint folder or 'tiny' (default: tiny)")
+    parser.add_argument("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, metavar="N",
+                        help=f"requests in the workload (default: {DEFAULT_NUM_REQUESTS})")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN.median,
+                        metavar="TOKENS", help="median user prompt length, capped at 10x "
+                                               "(default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN.median,
+                        metavar="TOKENS", help="median output length, capped at 8x "
+                                               "(default: %(default)s)")
+    parser.add_argument("--request-rate", type=float, default=math.inf, metavar="PER_SECOND",
+                        help="Poisson arrivals per second (default: inf, all at t=0)")
+    parser.add_argument("--page-size", type=int, default=16, metavar="TOKENS",
+                        help="tokens per page (default: 16)")
+    parser.add_argument("--num-pages", type=int, default=DEFAULT_NUM_PAGES, metavar="PAGES",
+                        help=f"pool size (default: {DEFAULT_NUM_PAGES}, less than the default "
+                             f"workload's peak demand, so it preempts)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn the prefix cache off")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N",
+                        help="running sequences at most (default: the engine's)")
+    parser.add_argument("--max-num-batched-tokens", type=int, metavar="TOKENS",
+                        help="tokens per forward at most (default: the engine's)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the workload and the sampling (default: 0)")
+    plot = parser.add_mutually_exclusive_group()
+    plot.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
+                      help=f"PNG of the pool over the steps (default: {DEFAULT_PLOT}; "
+                           f"needs matplotlib)")
+    plot.add_argument("--no-plot", dest="plot", action="store_const", const=None,
+                      help="write no plot")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the workload, print the summary table and write the plot."""
+    workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
+                        OUTPUT_LEN.with_median(args.output_len),
+                        request_rate=args.request_rate, seed=args.seed)
+    options = {"max_num_seqs": args.max_num_seqs,
+               "max_num_batched_tokens": args.max_num_batched_tokens}
+    llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
+              prefix_caching=not args.no_prefix_caching, seed=args.seed,
+              **{name: value for name, value in options.items() if value is not None})
+    requests = make_workload(workload, llm.model_config.vocab_size)
+    result = run_workload(llm, requests)
+    rows = [("model", args.model), *summary_rows(llm, requests, result)]
+    plot = args.plot is not None and plot_available()
+    if args.plot is not None:
+        rows.append(("plot", args.plot if plot else "pip install 'kvpool[plot]' (matplotlib) "
+                                                    "for a PNG of the pool over the steps"))
+    print(format_table(rows))
+    if plot:
+        write_plot(result, args.plot, f"kvpool bench: {args.model}, {len(requests)} requests, "
+                                      f"{args.num_pages} pages of {args.page_size} tokens")
+    return 0

@@ -1,0 +1,161 @@
+"""`kvpool bench` and `kvpool generate`: the seeded, long-tailed workload with shared system
+prompts, the summary table, preemption on a small pool, the plot, streamed generation."""
+
+import os
+import re
+import statistics
+import sys
+
+import pytest
+
+from kvpool.bench import (
+    OUTPUT_LEN,
+    PROMPT_LEN,
+    BenchResult,
+    Workload,
+    make_workload,
+    write_plot,
+)
+from kvpool.cli import CONTROL_PICTURES, main
+from kvpool.engine import LLM, EngineStats, SamplingParams
+
+TINY_VOCAB = 258
+# 8 short requests: 494 prompt tokens, 111 generated, 16 pages for the largest.
+SMALL = ["--num-requests", "8", "--prompt-len", "16", "--output-len", "8"]
+SMALL_WORKLOAD = Workload(8, PROMPT_LEN.with_median(16), OUTPUT_LEN.with_median(8))
+ROWS = ["model", "requests", "prompt tokens", "generated tokens", "wall time", "generated tok/s",
+        "total tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "peak pages used", "pool pages",
+        "KV utilization", "prefix hit rate", "preemptions"]
+
+
+def bench_table(capsys, *argv: str) -> dict[str, str]:
+    """Run `kvpool bench ARGV` (which must succeed); its table as {label: value}."""
+    assert main(["bench", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines if "  " in line)
+
+
+def number(text: str) -> float:
+    """The first number in a table value, e.g. 1234.5 from "1,234.5 / 2,000.0 ms"."""
+    return float(re.match(r"[\d,.]+", text).group().replace(",", ""))
+
+
+def user_lengths(workload: Workload) -> list[int]:
+    return [len(r.prompt_token_ids) for r in make_workload(workload, TINY_VOCAB)]
+
+
+def test_workload_is_seeded():
+    assert make_workload(Workload(50, seed=3), 100) == make_workload(Workload(50, seed=3), 100)
+    assert make_workload(Workload(50, seed=3), 100) != make_workload(Workload(50, seed=4), 100)
+
+
+def test_workload_lengths_do_not_depend_on_the_vocabulary():
+    small, large = make_workload(Workload(50), TINY_VOCAB), make_workload(Workload(50), 32000)
+    assert [len(r.prompt_token_ids) for r in small] == [len(r.prompt_token_ids) for r in large]
+    assert [r.max_tokens for r in small] == [r.max_tokens for r in large]
+    assert max(t for r in small for t in r.prompt_token_ids) < TINY_VOCAB
+
+
+def test_workload_prompt_lengths_are_long_tailed_and_capped():
+    lengths = user_lengths(Workload(2000, shared_fraction=0.0))
+    assert 85 <= statistics.median(lengths) <= 115
+    assert statistics.mean(lengths) > 1.4 * statistics.median(lengths)
+    assert statistics.quantiles(lengths, n=100)[98] > 8 * statistics.median(lengths)
+    assert min(lengths) >= 1 and max(lengths) == PROMPT_LEN.maximum == 1000
+
+
+def test_workload_output_lengths_are_long_tailed_and_capped():
+    outputs = [r.max_tokens for r in make_workload(Workload(2000), TINY_VOCAB)]
+    assert 42 <= statistics.median(outputs) <= 58
+    assert statistics.mean(outputs) > 1.4 * statistics.median(outputs)
+    assert min(outputs) >= 1 and max(outputs) == OUTPUT_LEN.maximum == 400
+
+
+def test_workload_with_median_scales_the_cap():
+    assert PROMPT_LEN.with_median(10).maximum == 100
+    assert OUTPUT_LEN.with_median(5).maximum == 40
+
+
+def test_about_30_percent_of_prompts_start_with_one_of_5_system_prompts():
+    requests = make_workload(Workload(2000), TINY_VOCAB)
+    shared = [r for r in requests if r.system_prompt is not None]
+    assert 0.25 < len(shared) / len(requests) < 0.35
+    assert {r.system_prompt for r in shared} == set(range(5))
+    for index in range(5):
+        prompts = [r.prompt_token_ids for r in shared if r.system_prompt == index]
+        common = len(os.path.commonprefix(prompts))
+        assert 64 <= common <= 256 + 2  # random user parts rarely share a first token
+
+
+def test_workload_arrivals_all_at_zero_or_poisson():
+    assert {r.arrival for r in make_workload(Workload(20), TINY_VOCAB)} == {0.0}
+    arrivals = [r.arrival for r in make_workload(Workload(2000, request_rate=10.0), TINY_VOCAB)]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    assert 0.09 < arrivals[-1] / (len(arrivals) - 1) < 0.11
+
+
+def test_bench_prints_every_row_with_plausible_numbers(capsys):
+    table = bench_table(capsys, *SMALL, "--no-plot")
+    assert list(table) == ROWS
+    requests = make_workload(SMALL_WORKLOAD, TINY_VOCAB)
+    assert table["requests"] == "8"
+    assert number(table["prompt tokens"]) == sum(len(r.prompt_token_ids) for r in requests)
+    assert number(table["generated tokens"]) == sum(r.max_tokens for r in requests) == 111
+    assert number(table["wall time"]) > 0 and number(table["generated tok/s"]) > 0
+    assert number(table["total tok/s"]) > number(table["generated tok/s"])
+    for row in ("TTFT p50 / p99", "TPOT p50 / p99"):
+        p50, p99 = (float(x.replace(",", "")) for x in re.findall(r"[\d,.]+", table[row])[:2])
+        assert 0 < p50 <= p99
+    assert table["pool pages"].startswith("384 x 16 tokens = 6,144 tokens")
+    assert 0 < number(table["peak pages used"]) <= 384
+    assert 0 < number(table["KV utilization"]) <= 100
+    assert table["prefix hit rate"].endswith("looked-up prompt tokens)")
+    assert table["preemptions"] == "0"
+
+
+def test_bench_on_a_small_pool_preempts_and_still_generates_every_token(capsys, monkeypatch,
+                                                                       tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
+    table = bench_table(capsys, *SMALL, "--num-pages", "20", "--no-prefix-caching",
+                        "--plot", str(tmp_path / "pool.png"))
+    assert number(table["preemptions"]) > 0
+    assert number(table["generated tokens"]) == 111
+    assert number(table["peak pages used"]) <= 20
+    assert table["prefix hit rate"] == "off"
+    assert table["plot"].startswith("pip install 'kvpool[plot]'")
+    assert not (tmp_path / "pool.png").exists()
+
+
+def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
+    assert main(["bench", "--model", "no/such/folder", "--no-plot"]) == 2
+    assert main(["bench", *SMALL, "--num-pages", "4", "--no-plot"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kvpool bench: error: no config at 'no/such/folder'")
+    assert err[1].startswith("kvpool bench: error: prompt of 56 tokens + max_tokens 19 "
+                             "need 5 pages")
+    assert len(err) == 2
+
+
+def test_write_plot_draws_the_pool_over_the_steps(tmp_path):
+    pytest.importorskip("matplotlib")
+    steps = [EngineStats(0, 0, used, cached, 10 - used - cached, 0.5, 0.0, 0, i, 0, 0, 0.1)
+             for i, (used, cached) in enumerate([(2, 0), (6, 1), (3, 4)])]
+    path = tmp_path / "pool.png"
+    write_plot(BenchResult([], steps), str(path), "test")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_generate_streams_the_same_text_as_the_engine(capsys):
+    assert main(["generate", "--model", "tiny", "Hello", "--max-tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    params = SamplingParams(max_tokens=12, temperature=0)
+    text = LLM("tiny", num_pages=8).generate("Hello", params, use_tqdm=False)[0].outputs[0].text
+    assert text and out == text.translate(CONTROL_PICTURES) + "\n"
+    assert all(c.isprintable() for c in out[:-1])
+
+
+def test_generate_bad_model_is_one_line_with_exit_2(capsys):
+    assert main(["generate", "--model", "no/such/folder", "Hi"]) == 2
+    assert capsys.readouterr().err.startswith("kvpool generate: error: no config at")
+
