@@ -7,23 +7,17 @@ can fail checks first or undoes its own work before raising, so a failed call ch
 
 from __future__ import annotations
 
-from bisect import insort
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from heapq import heappop, heappush
-from itertools import chain
 from operator import not_
 from queue import SimpleQueue
 
 from kvpool.errors import InvalidPage, OutOfPages
+from kvpool.first_fit import FirstFitFreeList
 
 POLICIES = ("lifo", "first_fit")
 
-# first_fit keeps free ids in buckets of 2**_BUCKET_SHIFT consecutive ids: small enough that
-# inserting into a bucket is a short memmove, large enough that buckets rarely empty.
-_BUCKET_SHIFT = 6
-_BUCKET_SIZE = 1 << _BUCKET_SHIFT
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,9 +68,9 @@ class PageAllocator:
         self._policy = policy
         self._reserve = _as_int("reserve", reserve, 0, num_pages)
         self._first_fit = policy == "first_fit"
-        self._free: list[int] | _FirstFitFreeList
+        self._free: list[int] | FirstFitFreeList
         if self._first_fit:
-            self._free = _FirstFitFreeList(num_pages)
+            self._free = FirstFitFreeList(num_pages)
         else:
             # A stack whose top is the end of the list: stored descending, so that a fresh
             # allocator hands out 0, 1, 2, ... first.
@@ -315,72 +309,6 @@ class PageAllocator:
         """The OutOfPages message for a request of `n` pages."""
         usable = ", usable by this critical allocation" if critical else ""
         return f"need {n} pages, {len(self._free)} free ({self._reserve} reserved{usable})"
-
-
-class _FirstFitFreeList:
-    """Free page ids handed out lowest first: O(1) per id, plus O(log num_pages) per bucket
-    that empties or refills.
-
-    Ids live in buckets of `_BUCKET_SIZE` consecutive ids, each an ascending list; a heap holds
-    the numbers of the non-empty buckets, so the lowest free id leads the heap's top bucket.
-    """
-
-    __slots__ = ("_buckets", "_nonempty", "_size")
-
-    def __init__(self, num_pages: int) -> None:
-        self._buckets = [
-            list(range(start, min(start + _BUCKET_SIZE, num_pages)))
-            for start in range(0, num_pages, _BUCKET_SIZE)
-        ]
-        self._nonempty = list(range(len(self._buckets)))  # ascending, so already a heap
-        self._size = num_pages
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self._buckets)
-
-    def take(self, n: int) -> list[int]:
-        """Remove and return the `n` lowest free ids, ascending; needs `n <= len(self)`."""
-        buckets, nonempty = self._buckets, self._nonempty
-        ids: list[int] = []
-        while len(ids) < n:
-            bucket = buckets[nonempty[0]]
-            want = n - len(ids)
-            ids += bucket[:want]
-            del bucket[:want]
-            if not bucket:
-                heappop(nonempty)
-        self._size -= n
-        return ids
-
-    def extend(self, pages: list[int]) -> None:
-        """Add free ids (distinct, and not already free), like list.extend on the lifo stack."""
-        buckets, nonempty = self._buckets, self._nonempty
-        for page in pages:
-            bucket = buckets[page >> _BUCKET_SHIFT]
-            if not bucket:
-                heappush(nonempty, page >> _BUCKET_SHIFT)
-            insort(bucket, page)
-        self._size += len(pages)
-
-    def problems(self) -> list[str]:
-        """Every broken invariant of the buckets and the heap, described."""
-        problems = []
-        for number, bucket in enumerate(self._buckets):
-            if bucket != sorted(set(bucket)):
-                problems.append(f"bucket {number} is not ascending and distinct")
-            if any(page >> _BUCKET_SHIFT != number for page in bucket):
-                problems.append(f"bucket {number} holds ids of another bucket")
-        heap = self._nonempty
-        if sorted(heap) != [number for number, bucket in enumerate(self._buckets) if bucket]:
-            problems.append("the bucket heap does not list exactly the non-empty buckets")
-        if any(heap[(i - 1) // 2] > heap[i] for i in range(1, len(heap))):
-            problems.append("the bucket heap is not a heap")
-        if self._size != sum(map(len, self._buckets)):
-            problems.append(f"size {self._size} does not match the buckets")
-        return problems
 
 
 class _Lock(SimpleQueue):
