@@ -373,8 +373,8 @@ def test_eviction_runs_when_pages_run_out_least_recently_used_first():
     # one free page and two evicted: b's pages, the least recently used, leaf first
     assert sorted(cache.pages("c")) == [2, 3, 4]
     assert cache.stats().num_evicted_pages == 2
-    assert len(cache.prefix_cache.match(prompt(8, 0), 2)) == 2
-    assert cache.prefix_cache.match(prompt(8, 100), 2) == []
+    assert len(cache.prefix_cache.match(prompt(8, 0), 2).pages) == 2
+    assert cache.prefix_cache.match(prompt(8, 100), 2).pages == []
     cache.check()
 
 
@@ -400,8 +400,8 @@ def test_eviction_skips_cached_pages_a_live_sequence_holds():
         cache.free_sequence(sid)
     assert cache.add_sequence("c", prompt(5, 0)) == 4  # holds a's page, the oldest
     cache.add_sequence("d", num_tokens=8)  # one free page + one evicted: b's
-    assert len(cache.prefix_cache.match(prompt(5, 0), 1)) == 1
-    assert cache.prefix_cache.match(prompt(5, 100), 1) == []
+    assert len(cache.prefix_cache.match(prompt(5, 0), 1).pages) == 1
+    assert cache.prefix_cache.match(prompt(5, 100), 1).pages == []
     cache.check()
 
 

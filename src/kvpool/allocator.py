@@ -203,6 +203,45 @@ class PageAllocator:
             lock.put(None)
         return released
 
+    def retain(self, pages: list[int]) -> int:
+        """`share` for a caller that owns its page ids (a KVCache's page tables): each page
+        allocated and listed once. Validates nothing, so it costs one step per page; a wrong
+        id corrupts the counts, which `check()` reports. Returns how many of the pages had
+        exactly one reference before."""
+        refcounts = self._refcounts
+        ones = 0
+        lock = self._lock
+        lock.get()
+        try:
+            for page in pages:
+                count = refcounts[page]
+                refcounts[page] = count + 1
+                if count == 1:
+                    ones += 1
+        finally:
+            lock.put(None)
+        return ones
+
+    def release(self, pages: list[int]) -> list[int]:
+        """`free` for a caller that owns its page ids and holds a reference on each, listed
+        once. Validates nothing (see `retain`). Returns the ids that reached 0 and went back
+        to the free list: `pages` itself when all did."""
+        refcounts = self._refcounts
+        lock = self._lock
+        lock.get()
+        try:
+            held = False
+            for page in pages:
+                count = refcounts[page] - 1
+                refcounts[page] = count
+                if count:
+                    held = True
+            released = [page for page in pages if not refcounts[page]] if held else pages
+            self._free.extend(released)
+        finally:
+            lock.put(None)
+        return released
+
     def refcount(self, page: int) -> int:
         """How many holders page `page` has; 0 means it is free."""
         if type(page) is not int or page < 0 or page >= self._num_pages:

@@ -13,8 +13,8 @@ from kvpool.allocator import PageAllocator
 from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, UnknownSequence
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
-from kvpool.prefix_cache import PrefixCache, PrefixNode
-from kvpool.tiers import ROOT_KEY, PageKey, Tier
+from kvpool.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
+from kvpool.tiers import PageKey, Tier
 
 
 @dataclass(slots=True)
@@ -22,8 +22,8 @@ class _Sequence:
     pages: list[int]  # page table: logical page i -> page id
     num_tokens: int
     token_ids: list[int] | None  # content, kept while it can still be cached by prefix
-    tree_node: PrefixNode | None = None  # deepest cached page of the committed prefix
-    num_tree_pages: int = 0  # logical pages [0, num_tree_pages) already walked in the tree
+    tree_node: PrefixNode | None  # holds the last page of the cached path; None: no caching
+    num_tree_pages: int  # logical pages [0, num_tree_pages) are the cached path
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,26 +100,37 @@ class KVCache:
         pages. Returns how many leading tokens the prefix cache served (whole pages, never
         the last token); their KV is already in the pool, loaded from the tier for pages
         past the device's match."""
-        if seq_id in self._seqs:
+        seqs = self._seqs
+        if seq_id in seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
         n = _count(token_ids, num_tokens)
-        self._check_length(seq_id, n)
-        nodes = self._match(token_ids, n)
-        need = -(-n // self.page_size) - len(nodes)  # tier hits take fresh pages too
-        self._check_room(need, nodes)
-        loaded = self._fetch_from_tier(token_ids, n, nodes)
+        if self.max_tokens_per_seq is not None:
+            self._check_length(seq_id, n)
         pc = self.prefix_cache
-        hit = len(nodes) + len(loaded)
-        if pc and token_ids is not None:
-            pc.lock(nodes)
-            self._prefix_query_tokens += n
-            self._prefix_hit_tokens += hit * self.page_size
-        pages = [node.page for node in nodes] + self._allocate(need)
-        keep_ids = list(token_ids) if pc and token_ids is not None else None
-        tree_node = nodes[-1] if nodes else (pc.root if pc else None)
+        if pc is None:  # the fast path: the allocator checks and raises OutOfPages
+            seqs[seq_id] = _Sequence(self.allocator.allocate(-(-n // self.page_size)), n,
+                                     None, None, 0)
+            return 0
+        if token_ids is None:  # content unknown: nothing to match or cache
+            need = -(-n // self.page_size)
+            self._check_room(need, None)
+            seqs[seq_id] = _Sequence(self._allocate(need), n, None, None, 0)
+            return 0
+        ids = list(token_ids)  # a copy: the caller may reuse its list
+        match = self._match(ids, n)
+        pages = match.pages
+        need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
+        self._check_room(need, match)
+        loaded = self._fetch_from_tier(ids, n, match)
+        node = pc.lock(match)
+        hit = len(pages) + len(loaded)
+        self._prefix_query_tokens += n
+        self._prefix_hit_tokens += hit * self.page_size
+        first_new = len(pages)
+        pages += self._allocate(need)
         if loaded:
-            tree_node = self._load_from_tier(tree_node, keep_ids, pages, len(nodes), loaded)
-        self._seqs[seq_id] = _Sequence(pages, n, keep_ids, tree_node, hit)
+            node = self._load_from_tier(node, ids, pages, first_new, loaded)
+        seqs[seq_id] = _Sequence(pages, n, ids, node, hit)
         return hit * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -132,7 +143,7 @@ class KVCache:
         self._check_length(seq_id, start + n)
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        self._check_room(need + cow)
+        self._check_room(need + cow, None)
         new_pages = self._allocate(need + cow)
         if cow:
             self._copy_on_write(seq, new_pages.pop())
@@ -150,7 +161,7 @@ class KVCache:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequence(f"sequence {child_id!r} already exists")
-        self.allocator.share(parent.pages)
+        self.allocator.retain(parent.pages)
         token_ids = None if parent.token_ids is None else list(parent.token_ids)
         self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, token_ids,
                                          parent.tree_node, parent.num_tree_pages)
@@ -175,11 +186,12 @@ class KVCache:
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache
         (evictable once nobody else holds them)."""
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
-        freed = self.allocator.free(seq.pages)
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(seq.pages)
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}")
+        freed = self.allocator.release(seq.pages)
+        if seq.tree_node is not None:
+            self.prefix_cache.release(seq.pages, seq.tree_node, seq.num_tree_pages)
         if self.scrub_on_free and freed:
             self.pool.scrub_pages(freed)
 
@@ -218,9 +230,11 @@ class KVCache:
         are loaded into new pages) plus evictable cached pages its prefix hit would pin.
         Changes nothing."""
         n = _count(token_ids, num_tokens)
-        nodes = self._match(token_ids, n)
-        pinned = self.prefix_cache.num_pinned_by(nodes) if nodes else 0
-        return -(-n // self.page_size) - len(nodes) + pinned
+        total = -(-n // self.page_size)
+        if self.prefix_cache is None or token_ids is None:
+            return total
+        match = self._match(list(token_ids), n)
+        return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append(seq_id, num_tokens)` would take, copy-on-write included."""
@@ -302,26 +316,23 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _match(self, token_ids: Sequence[int] | None, n: int) -> list[PrefixNode]:
+    def _match(self, token_ids: list[int], n: int) -> PrefixMatch:
         """Cached pages for a new sequence of `n` tokens, never covering the last token."""
-        pc = self.prefix_cache
-        if pc is None or token_ids is None or n == 0:
-            return []
-        return pc.match(token_ids, (n - 1) // self.page_size)
+        return self.prefix_cache.match(token_ids, (n - 1) // self.page_size if n else 0)
 
-    def _fetch_from_tier(self, token_ids: Sequence[int] | None, n: int,
-                         nodes: list[PrefixNode]) -> list[torch.Tensor]:
+    def _fetch_from_tier(self, token_ids: list[int], n: int,
+                         match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's match `nodes` in the tier, page by
         page up to the first miss, never covering the last token. Only `get` touches the
         tier, and only once the call is known to succeed."""
         tier = self.tier
-        if tier is None or token_ids is None or n == 0:
+        if tier is None or n == 0:
             return []
         ps = self.page_size
         page_shape = self.pool.kv[:, :, 0].shape
-        parent_key = nodes[-1].chain_key if nodes else ROOT_KEY
+        parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
-        for i in range(len(nodes), (n - 1) // ps):
+        for i in range(len(match.pages), (n - 1) // ps):
             key = PageKey.of(parent_key, token_ids[i * ps:(i + 1) * ps])
             data = tier.get(key)
             if data is None or data.shape != page_shape:
@@ -341,14 +352,14 @@ class KVCache:
         node, _ = self.prefix_cache.insert(node, token_ids, pages, first, last)
         return node
 
-    def _store_in_tier(self, nodes: list[PrefixNode]) -> None:
+    def _store_in_tier(self, pages: list[int], keys: list[PageKey]) -> None:
         """Copy evicted pages to the tier (called before they return to the free list). A
         page the tier fails to store (disk full) is lost, as without a tier: eviction runs
         inside calls that have passed their checks, and must not fail."""
-        data = self.pool.read_pages([node.page for node in nodes])
-        for i, node in enumerate(nodes):
+        data = self.pool.read_pages(pages)
+        for i, key in enumerate(keys):
             try:
-                self.tier.put(node.page_key(), data[:, :, i])
+                self.tier.put(key, data[:, :, i])
             except OSError:
                 continue
             self._num_tier_stores += 1
@@ -359,21 +370,24 @@ class KVCache:
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
-    def _check_room(self, n: int, pinning: list[PrefixNode] = ()) -> None:
+    def _check_room(self, n: int, pinning: PrefixMatch) -> None:
         """Raise OutOfPages unless `n` pages can be had, counting cached pages that could be
         evicted (except those in `pinning`, which a prefix hit is about to take)."""
         alloc = self.allocator
         if n <= alloc.num_free - alloc.reserve:
             return
         pc = self.prefix_cache
-        evictable = pc.num_evictable - pc.num_pinned_by(pinning) if pc else 0
+        evictable = pc.num_evictable - (pc.num_pinned_by(pinning) if pinning else 0) if pc \
+            else 0
         if n > alloc.num_free - alloc.reserve + evictable:
             raise OutOfPages(f"need {n} pages, {alloc.num_free} free "
                              f"({alloc.reserve} reserved), {evictable} evictable")
 
     def _allocate(self, n: int) -> list[int]:
+        """`n` new pages, evicting cached ones if the free list is short (which the caller
+        has checked is enough); without a prefix cache the allocator raises OutOfPages."""
         short = n - (self.allocator.num_free - self.allocator.reserve)
-        if short > 0:
+        if short > 0 and self.prefix_cache is not None:
             evicted = self.prefix_cache.evict(short)
             if self.scrub_on_free:
                 self.pool.scrub_pages(evicted)

@@ -1,18 +1,27 @@
 """PrefixCache: a radix tree over committed full pages, keyed by the pages' token ids.
 
-Each node below the root is one page: its key is the `page_size` token ids the page holds,
-and the path from the root spells the whole prefix. The tree holds one reference on every
-page it caches; a page whose only reference is the tree's is evictable. Eviction takes
-least recently used leaves first (children before parents) from a heap with lazy deletion,
-so evicting k pages costs O(k log n), never a scan of the tree. Each node also carries the
-chain key of its whole prefix (see tiers.py), under which a tier stores it once evicted.
+Each node below the root holds a run of one or more pages (`pages`) and their token ids
+(`tokens`, `page_size` per page); the path from the root spells the whole prefix. A node
+is entered by its first page's tokens, so a lookup hashes one page per node and compares
+the rest of the node's tokens in one C-level list comparison: matching a long cached
+prefix costs a few Python operations per node, not per page. A node splits where two
+prefixes part, and where a match ends inside it, so that every page of a node was last
+used at the same time.
+
+The tree holds one reference on every page it caches; a page whose only reference is the
+tree's is evictable. Eviction takes pages from the tail of the least recently used leaf
+first (children before parents, so a node empties from its end), from a heap with lazy
+deletion: evicting k pages costs O(k + log n) per leaf touched, never a scan of the tree.
+A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
+computed only when a tier asks for them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpool.allocator import PageAllocator
 from kvpool.tiers import ROOT_KEY, PageKey, chain_key
@@ -20,19 +29,25 @@ from kvpool.tiers import ROOT_KEY, PageKey, chain_key
 
 @dataclass(slots=True, eq=False)
 class PrefixNode:
-    """One cached page: `key` is its token ids, `page` its page id."""
+    """A run of cached pages: `pages[i]` holds `tokens[i * page_size:(i + 1) * page_size]`."""
 
-    key: tuple[int, ...]
-    page: int
+    key: tuple[int, ...]  # the first page's tokens: this node's entry in parent.children
+    tokens: list[int]
+    pages: list[int]
     parent: PrefixNode | None
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
     last_access: int = 0  # logical clock of the last match, insert or release
     heap_access: int = -1  # last_access of this node's live heap entry, -1 if none
-    chain_key: int = ROOT_KEY  # names the whole prefix through this page
+    base_key: int | None = ROOT_KEY  # chain key of the prefix before pages[0]; None: unknown
 
-    def page_key(self) -> PageKey:
-        """The key a tier stores this page under."""
-        return PageKey(self.chain_key, self.parent.chain_key, self.key)
+
+class PrefixMatch(NamedTuple):
+    """The cached pages spelling a prefix: `pages`, the last `depth` of which are the first
+    pages of `node` (the root and 0 when nothing matched)."""
+
+    pages: list[int]
+    node: PrefixNode
+    depth: int
 
 
 class PrefixCache:
@@ -40,19 +55,20 @@ class PrefixCache:
 
     The tree only moves its own references through `allocator`; `KVCache` tells it when a
     sequence takes (`lock`) or gives back (`release`) the pages of a path. `on_evict`, if
-    given, receives each batch of evicted nodes before their pages go back to the free list
-    (to copy them to a tier).
+    given, receives the evicted page ids and their tier keys before the pages go back to the
+    free list (to copy them to a tier).
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, *,
-                 on_evict: Callable[[list[PrefixNode]], None] | None = None):
+                 on_evict: Callable[[list[int], list[PageKey]], None] | None = None):
         self.allocator = allocator
         self.on_evict = on_evict
         self._refcounts = allocator.refcounts  # read-only view, read on every hot path
         self.page_size = page_size
-        self.root = PrefixNode(key=(), page=-1, parent=None)
+        self.root = PrefixNode(key=(), tokens=[], pages=[], parent=None)
         self._node_of_page: dict[int, PrefixNode] = {}
-        self._heap: list[tuple[int, int, PrefixNode]] = []  # (last_access, page, node)
+        self._heap: list[tuple[int, int, PrefixNode]] = []  # (last_access, push no., node)
+        self._pushes = 0
         self._clock = 0
         self.num_evictable = 0  # cached pages whose only reference is the tree's
         self.num_evicted = 0
@@ -62,163 +78,323 @@ class PrefixCache:
         """Pages the tree holds a reference on (evictable or also used by sequences)."""
         return len(self._node_of_page)
 
+    @property
+    def num_nodes(self) -> int:
+        """Nodes below the root (each a run of pages)."""
+        return sum(1 for _ in self._nodes())
+
     def cached_pages(self) -> list[int]:
         """Ids of every page the tree caches."""
         return list(self._node_of_page)
 
-    def node_of(self, page: int) -> PrefixNode | None:
-        """The node caching `page`, or None."""
-        return self._node_of_page.get(page)
-
-    def match(self, token_ids: Sequence[int], max_pages: int) -> list[PrefixNode]:
-        """The cached path spelling the longest prefix of `token_ids`, at most `max_pages`
-        pages. Changes nothing."""
-        nodes = []
-        node = self.root
+    def match(self, token_ids: list[int], max_pages: int) -> PrefixMatch:
+        """The cached pages spelling the longest prefix of `token_ids` (a list), at most
+        `max_pages` pages. Changes nothing."""
         ps = self.page_size
-        for start in range(0, max_pages * ps, ps):
-            node = node.children.get(tuple(token_ids[start:start + ps]))
-            if node is None:
+        node, depth = self.root, 0
+        pages: list[int] = []
+        start, limit = 0, max_pages * ps
+        while start < limit:
+            child = node.children.get(tuple(token_ids[start:start + ps]))
+            if child is None:
                 break
-            nodes.append(node)
-        return nodes
+            tokens = child.tokens
+            end = start + len(tokens)
+            if end <= limit and token_ids[start:end] == tokens:
+                depth = len(child.pages)
+                pages += child.pages
+            else:  # the match ends inside this node: count its matching pages
+                depth = _common_pages(token_ids, start, tokens, min(end, limit), ps)
+                pages += child.pages[:depth]
+                end = limit  # stop
+            node, start = child, end
+        return PrefixMatch(pages, node, depth)
 
-    def num_pinned_by(self, nodes: Sequence[PrefixNode]) -> int:
-        """How many of `nodes` are evictable now, i.e. would stop being so if locked."""
+    def num_pinned_by(self, match: PrefixMatch) -> int:
+        """How many of the matched pages are evictable now, i.e. would stop being so if
+        locked."""
         refcounts = self._refcounts
-        return [refcounts[n.page] for n in nodes].count(1)
+        return [refcounts[page] for page in match.pages].count(1)
 
-    def lock(self, nodes: Sequence[PrefixNode]) -> None:
-        """A sequence takes a reference on each node's page (a prefix hit)."""
-        if not nodes:
-            return
-        self.num_evictable -= self.num_pinned_by(nodes)
-        self.allocator.share([n.page for n in nodes])
-        self._clock += 1
-        for n in nodes:
-            n.last_access = self._clock
+    def lock(self, match: PrefixMatch) -> PrefixNode:
+        """A sequence takes a reference on each matched page (a prefix hit), which refreshes
+        them. Returns the node whose last page is the last matched page."""
+        node = match.node
+        if not match.pages:
+            return node
+        if match.depth < len(node.pages):
+            node = self._split(node, match.depth)
+        self.num_evictable -= self.allocator.retain(match.pages)
+        self._touch(node)
+        return node
 
-    def insert(self, node: PrefixNode, token_ids: Sequence[int], pages: list[int],
+    def insert(self, node: PrefixNode, token_ids: list[int], pages: list[int],
                first: int, last: int) -> tuple[PrefixNode, list[int]]:
         """Cache logical pages [first, last) of a live sequence whose page table is `pages`
-        (`node` is the cached page before `first`); the tree takes a reference on each.
+        and whose cached path ends with `node`'s last page; the tree takes a reference on
+        each new page.
 
         Where the tree already caches the same tokens in another page, the sequence switches
         to the cached page (updating `pages` in place) and drops its own copy. Returns the
         deepest node reached and the ids of dropped copies that went back to the free list."""
         ps = self.page_size
-        refcounts = self._refcounts
-        added: list[int] = []
-        switched: list[PrefixNode] = []
+        clock = self._clock = self._clock + 1
         dropped: list[int] = []
-        self._clock += 1
-        for i in range(first, last):
-            key = tuple(token_ids[i * ps:(i + 1) * ps])
-            child = node.children.get(key)
+        i = first
+        while i < last:
+            child = node.children.get(tuple(token_ids[i * ps:(i + 1) * ps]))
             if child is None:
-                child = PrefixNode(key, pages[i], node, {}, self._clock,
-                                   chain_key=chain_key(node.chain_key, key))
-                node.children[key] = child
-                self._node_of_page[pages[i]] = child
-                added.append(pages[i])
-            elif child.page != pages[i]:
-                switched.append(child)
-                dropped.append(pages[i])
-                pages[i] = child.page
-            node = child
-        self.num_evictable -= [refcounts[n.page] for n in switched].count(1)
-        self.allocator.share(added + [n.page for n in switched])
-        for n in switched:
-            n.last_access = self._clock
-        return node, self.allocator.free(dropped)
+                node = self._add(node, token_ids, pages, i, last)
+                break
+            depth = _common_pages(token_ids, i * ps, child.tokens,
+                                  min(i + len(child.pages), last) * ps, ps)
+            if depth < len(child.pages):
+                child = self._split(child, depth)
+            theirs, mine = child.pages, pages[i:i + depth]
+            if theirs != mine:
+                switched = []
+                for j, (cached, own) in enumerate(zip(theirs, mine, strict=True)):
+                    if cached != own:
+                        switched.append(cached)
+                        dropped.append(own)
+                        pages[i + j] = cached
+                # taken now, so that _add sees which sequences hold the node's last page
+                self.num_evictable -= self.allocator.retain(switched)
+            child.last_access = clock
+            node, i = child, i + depth
+        return node, self.allocator.release(dropped) if dropped else []
 
-    def release(self, pages: Sequence[int]) -> None:
-        """A sequence has given back its references on `pages`: count the cached ones that
-        only the tree holds now, and offer those that are leaves for eviction."""
+    def release(self, pages: list[int], node: PrefixNode, num_path_pages: int) -> None:
+        """A sequence has given back its references on `pages`, of which the first
+        `num_path_pages` are its cached path ending with `node`'s last page: count the cached
+        pages that only the tree holds now, refresh the path, and offer leaves for eviction."""
         refcounts = self._refcounts
+        if num_path_pages:
+            self.num_evictable += [refcounts[p] for p in pages[:num_path_pages]].count(1)
+            self._touch(node)
+            if not node.children:
+                self._offer(node)
+        # Pages past the path may be cached too: shared by a fork before another sequence
+        # committed them.
         node_of_page = self._node_of_page
-        self._clock += 1
-        for page in pages:
+        for page in pages[num_path_pages:]:
             if refcounts[page] == 1:
-                node = node_of_page.get(page)
-                if node is not None:
+                owner = node_of_page.get(page)
+                if owner is not None:
                     self.num_evictable += 1
-                    node.last_access = self._clock
-                    if not node.children:
-                        self._offer(node)
+                    self._touch(owner)
+                    if not owner.children:
+                        self._offer(owner)
 
     def evict(self, num_pages: int) -> list[int]:
-        """Evict up to `num_pages` evictable pages, least recently used leaves first; returns
-        the page ids, which went back to the allocator's free list."""
+        """Evict up to `num_pages` evictable pages, least recently used leaves first and each
+        leaf from its end; returns the page ids, which went back to the allocator's free
+        list."""
         refcounts = self._refcounts
-        victims: list[PrefixNode] = []
+        ps = self.page_size
+        victims: list[int] = []
+        keys: list[PageKey] = []
         while len(victims) < num_pages and self._heap:
             access, _, node = heapq.heappop(self._heap)
             if node.heap_access != access:
                 continue  # stale: superseded by a newer entry, or the node is gone
             node.heap_access = -1
-            if node.children or refcounts[node.page] != 1:
-                continue  # in use again, or has grown children: offered again later
-            self._remove(node)
-            victims.append(node)
+            if node.children:
+                continue  # has grown children: offered again when they go
+            pages = node.pages
+            keep = len(pages)
+            stop = max(keep - (num_pages - len(victims)), 0)
+            while keep > stop and refcounts[pages[keep - 1]] == 1:
+                keep -= 1
+            if keep == len(pages):
+                continue  # in use again: offered again on release
+            if self.on_evict is not None:
+                keys += reversed(self._page_keys(node)[keep:])
+            taken = pages[keep:][::-1]  # from the end: eviction order
+            del pages[keep:], node.tokens[keep * ps:]
+            for page in taken:
+                del self._node_of_page[page]
+            victims += taken
+            self.num_evictable -= len(taken)
+            if not pages:
+                self._remove(node)
+            else:
+                self._offer(node)  # its new last page may be evictable too
         self.num_evicted += len(victims)
         if victims and self.on_evict is not None:
-            self.on_evict(victims)
-        return self.allocator.free([n.page for n in victims])
+            self.on_evict(victims, keys)
+        return self.allocator.release(victims)
 
     def clear(self) -> list[int]:
         """Evict every evictable page; returns the freed page ids."""
         return self.evict(self.num_evictable)
 
+    def chain_key(self, node: PrefixNode, depth: int) -> int:
+        """The chain key naming the prefix through the first `depth` pages of `node`."""
+        if depth == 0:
+            return self._base_key(node)
+        return self._chain_keys(node)[depth - 1]
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _touch(self, node: PrefixNode) -> None:
+        """Refresh `node` and its ancestors (a path in use)."""
+        clock = self._clock = self._clock + 1
+        root = self.root
+        while node is not root:
+            node.last_access = clock
+            node = node.parent
+
+    def _add(self, parent: PrefixNode, token_ids: list[int], pages: list[int],
+             first: int, last: int) -> PrefixNode:
+        """Cache the sequence's pages [first, last) below `parent`, which holds its previous
+        page: in `parent` itself when that is a leaf only this sequence uses (the run grows),
+        else in a new child. Returns the node holding the last page."""
+        ps = self.page_size
+        new_pages = pages[first:last]
+        new_tokens = token_ids[first * ps:last * ps]
+        self.allocator.retain(new_pages)
+        if parent is not self.root and not parent.children and \
+                self._refcounts[parent.pages[-1]] == 2:  # the tree and this sequence
+            parent.pages += new_pages
+            parent.tokens += new_tokens
+            node = parent
+        else:
+            node = PrefixNode(tuple(new_tokens[:ps]), new_tokens, new_pages, parent,
+                              base_key=ROOT_KEY if parent is self.root else None)
+            parent.children[node.key] = node
+        node.last_access = self._clock
+        node_of_page = self._node_of_page
+        for page in new_pages:
+            node_of_page[page] = node
+        return node
+
+    def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
+        """Split `node` after its first `depth` pages into a new parent holding those and
+        `node` holding the rest (so references to `node` keep pointing at its last page, and
+        its heap entry stays valid). Returns the new parent."""
+        ps = self.page_size
+        cut = depth * ps
+        head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
+                          last_access=node.last_access, base_key=node.base_key)
+        node.parent.children[head.key] = head
+        del node.tokens[:cut]
+        del node.pages[:depth]
+        node.key = tuple(node.tokens[:ps])
+        node.parent = head
+        node.base_key = None
+        head.children[node.key] = node
+        node_of_page = self._node_of_page
+        for page in head.pages:
+            node_of_page[page] = head
+        return head
+
     def _remove(self, node: PrefixNode) -> None:
+        """Unlink an emptied leaf; its parent may become an evictable leaf."""
         parent = node.parent
         del parent.children[node.key]
-        del self._node_of_page[node.page]
-        self.num_evictable -= 1
         if parent is not self.root and not parent.children:
             self._offer(parent)
 
     def _offer(self, node: PrefixNode) -> None:
-        """Push `node` on the eviction heap if it is an evictable leaf without a live entry."""
+        """Push `node` on the eviction heap if it is a leaf whose last page is evictable and
+        it has no live entry."""
         if node.children or node.heap_access == node.last_access:
             return
-        if self._refcounts[node.page] != 1:
+        if self._refcounts[node.pages[-1]] != 1:
             return
         node.heap_access = node.last_access
-        heapq.heappush(self._heap, (node.last_access, node.page, node))
+        self._pushes += 1
+        heapq.heappush(self._heap, (node.last_access, self._pushes, node))
         if len(self._heap) > 2 * len(self._node_of_page) + 64:
-            self._compact()
+            # Stale entries pile up as nodes are re-used; rebuild from the live ones.
+            self._heap = [e for e in self._heap if e[2].heap_access == e[0]]
+            heapq.heapify(self._heap)
 
-    def _compact(self) -> None:
-        # Stale entries pile up as nodes are re-used; rebuild from the live ones.
-        self._heap = [e for e in self._heap if e[2].heap_access == e[0]]
-        heapq.heapify(self._heap)
+    def _base_key(self, node: PrefixNode) -> int:
+        """The chain key of the prefix before `node`'s first page, computed once."""
+        if node.base_key is None:
+            node.base_key = self._chain_keys(node.parent)[-1]
+        return node.base_key
 
-    def check(self) -> None:
-        """Tree invariants: node index consistent, evictable count exact, and every
-        evictable leaf reachable from the eviction heap."""
-        seen = 0
-        evictable = 0
+    def _chain_keys(self, node: PrefixNode) -> list[int]:
+        """The chain key through each of `node`'s pages ([ROOT_KEY] for the root)."""
+        if node is self.root:
+            return [ROOT_KEY]
+        missing = []  # ancestors whose base key is unknown, nearest first
+        up = node
+        while up.base_key is None:
+            missing.append(up)
+            up = up.parent
+        for n in reversed(missing):  # from the top down, each parent's keys once
+            n.base_key = self._fold(n.parent)[-1] if n.parent is not self.root else ROOT_KEY
+        return self._fold(node)
+
+    def _fold(self, node: PrefixNode) -> list[int]:
+        if node is self.root:
+            return [ROOT_KEY]
+        ps = self.page_size
+        key, keys = node.base_key, []
+        for i in range(len(node.pages)):
+            key = chain_key(key, tuple(node.tokens[i * ps:(i + 1) * ps]))
+            keys.append(key)
+        return keys
+
+    def _page_keys(self, node: PrefixNode) -> list[PageKey]:
+        """The tier key of each of `node`'s pages."""
+        ps = self.page_size
+        parents = [self._base_key(node), *self._chain_keys(node)]
+        return [PageKey(parents[i + 1], parents[i], tuple(node.tokens[i * ps:(i + 1) * ps]))
+                for i in range(len(node.pages))]
+
+    def _nodes(self):
         stack = [self.root]
         while stack:
             node = stack.pop()
-            for key, child in node.children.items():
-                assert child.parent is node and child.key == key, f"page {child.page} misplaced"
-                assert len(key) == self.page_size, f"page {child.page} key has {len(key)} tokens"
-                assert self._node_of_page.get(child.page) is child, (
-                    f"page {child.page} missing from the page index")
-                assert child.chain_key == chain_key(node.chain_key, key), (
-                    f"page {child.page} has a stale chain key")
-                rc = self.allocator.refcount(child.page)
-                assert rc >= 1, f"cached page {child.page} has refcount {rc}"
-                if rc == 1:
-                    evictable += 1
-                    if not child.children:
-                        assert child.heap_access == child.last_access, (
-                            f"evictable leaf page {child.page} is not on the eviction heap")
-                seen += 1
+            for child in node.children.values():
+                yield child
                 stack.append(child)
+
+    def check(self) -> None:
+        """Tree invariants: links, keys and the page index consistent, no empty node, the
+        evictable count exact, and every evictable leaf on the eviction heap."""
+        ps = self.page_size
+        refcounts = self._refcounts
+        seen = 0
+        evictable = 0
+        live = {id(e[2]) for e in self._heap if e[2].heap_access == e[0]}
+        for node in self._nodes():
+            where = f"node at page {node.pages[0] if node.pages else '?'}"
+            assert node.pages, "an empty node is left in the tree"
+            assert node.parent.children.get(node.key) is node, f"{where} is misplaced"
+            assert node.key == tuple(node.tokens[:ps]), f"{where} has a stale key"
+            assert len(node.tokens) == ps * len(node.pages), (
+                f"{where} has {len(node.tokens)} tokens for {len(node.pages)} pages")
+            for page in node.pages:
+                assert self._node_of_page.get(page) is node, (
+                    f"page {page} missing from the page index")
+                rc = refcounts[page]
+                assert rc >= 1, f"cached page {page} has refcount {rc}"
+                evictable += rc == 1
+            if not node.children and refcounts[node.pages[-1]] == 1:
+                assert node.heap_access == node.last_access and id(node) in live, (
+                    f"evictable leaf {where} is not on the eviction heap")
+            if node.base_key is not None and node.parent.base_key is not None:
+                assert node.base_key == self._fold(node.parent)[-1], f"{where}: stale base key"
+            seen += len(node.pages)
         assert seen == len(self._node_of_page), (
             f"page index holds {len(self._node_of_page)} pages, tree {seen}")
         assert evictable == self.num_evictable, (
             f"num_evictable={self.num_evictable}, counted {evictable}")
+
+
+def _common_pages(token_ids: list[int], start: int, tokens: list[int], end: int,
+                  ps: int) -> int:
+    """How many whole pages of `tokens` equal `token_ids[start:end]` from the front (the
+    first page is known to match)."""
+    depth = 1
+    for offset in range(ps, end - start, ps):
+        if token_ids[start + offset:start + offset + ps] != tokens[offset:offset + ps]:
+            break
+        depth += 1
+    return depth
