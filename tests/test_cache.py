@@ -443,6 +443,63 @@ def test_clear_drops_every_evictable_page():
     cache.check()
 
 
+# ---- runs of pages in one node -----------------------------------------------------------
+
+def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_splits_it():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.commit("a")
+    pc = cache.prefix_cache
+    assert (pc.num_nodes, pc.num_pages) == (1, 4)
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", prompt(9)) == 8  # two of the node's four pages
+    assert pc.num_nodes == 2  # split where the hit ends
+    cache.check()
+    # The unused half was not refreshed by the hit: it goes first, from its end.
+    assert pc.evict(1) == [3]
+    assert pc.evict(1) == [2]
+    assert pc.evict(1) == []  # the hit's pages are held by "b"
+    cache.check()
+
+
+def test_commits_of_a_growing_sequence_extend_its_own_node():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(5))
+    cache.commit("a")
+    for token in range(5, 17):
+        cache.append("a", token_ids=[token])
+        cache.commit("a")
+    assert (cache.prefix_cache.num_nodes, cache.prefix_cache.num_pages) == (1, 4)
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", prompt(17)) == 16
+    cache.check()
+
+
+def test_prompts_that_part_inside_a_node_share_its_head():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.add_sequence("b", prompt(8) + prompt(8, 100))  # pages 4-7: nothing to match yet
+    cache.commit("a")
+    cache.commit("b")  # its copies of a's first two pages are dropped for a's
+    assert cache.pages("b") == [0, 1, 6, 7]
+    assert cache.prefix_cache.num_nodes == 3  # [0, 1] -> [2, 3] and [6, 7]
+    assert cache.allocator.num_free == 6
+    cache.check()
+
+
+def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_both():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(9))
+    cache.fork("a", "b")
+    cache.commit("a")  # caches pages 0 and 1, which "b" holds outside its cached path
+    cache.free_sequence("a")
+    assert cache.stats().num_cached_pages == 0
+    cache.free_sequence("b")
+    assert cache.stats().num_cached_pages == 2
+    assert cache.prefix_cache.clear() == [1, 0]
+    cache.check()
+
+
 # ---- probes and stats --------------------------------------------------------------------
 
 def test_probes_predict_what_calls_take():

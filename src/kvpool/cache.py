@@ -103,7 +103,10 @@ class KVCache:
         seqs = self._seqs
         if seq_id in seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        n = _count(token_ids, num_tokens)
+        if type(token_ids) is list and num_tokens is None:
+            n = len(token_ids)  # the common case, without _count's checks
+        else:
+            n = _count(token_ids, num_tokens)
         if self.max_tokens_per_seq is not None:
             self._check_length(seq_id, n)
         pc = self.prefix_cache
@@ -113,21 +116,21 @@ class KVCache:
             return 0
         if token_ids is None:  # content unknown: nothing to match or cache
             need = -(-n // self.page_size)
-            self._check_room(need, None)
-            seqs[seq_id] = _Sequence(self._allocate(need), n, None, None, 0)
+            pages = self._allocate(need, self._shortfall(need, None))
+            seqs[seq_id] = _Sequence(pages, n, None, None, 0)
             return 0
         ids = list(token_ids)  # a copy: the caller may reuse its list
-        match = self._match(ids, n)
+        match = pc.match(ids, (n - 1) // self.page_size if n else 0)  # never the last token
         pages = match.pages
         need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
-        self._check_room(need, match)
-        loaded = self._fetch_from_tier(ids, n, match)
+        short = self._shortfall(need, match)
+        loaded = self._fetch_from_tier(ids, n, match) if self.tier is not None else ()
         node = pc.lock(match)
         hit = len(pages) + len(loaded)
         self._prefix_query_tokens += n
         self._prefix_hit_tokens += hit * self.page_size
         first_new = len(pages)
-        pages += self._allocate(need)
+        pages += self._allocate(need, short)
         if loaded:
             node = self._load_from_tier(node, ids, pages, first_new, loaded)
         seqs[seq_id] = _Sequence(pages, n, ids, node, hit)
@@ -143,8 +146,7 @@ class KVCache:
         self._check_length(seq_id, start + n)
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        self._check_room(need + cow, None)
-        new_pages = self._allocate(need + cow)
+        new_pages = self._allocate(need + cow, self._shortfall(need + cow, None))
         if cow:
             self._copy_on_write(seq, new_pages.pop())
         seq.pages.extend(new_pages)
@@ -233,7 +235,7 @@ class KVCache:
         total = -(-n // self.page_size)
         if self.prefix_cache is None or token_ids is None:
             return total
-        match = self._match(list(token_ids), n)
+        match = self.prefix_cache.match(list(token_ids), (n - 1) // self.page_size if n else 0)
         return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
@@ -316,17 +318,13 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _match(self, token_ids: list[int], n: int) -> PrefixMatch:
-        """Cached pages for a new sequence of `n` tokens, never covering the last token."""
-        return self.prefix_cache.match(token_ids, (n - 1) // self.page_size if n else 0)
-
     def _fetch_from_tier(self, token_ids: list[int], n: int,
                          match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's match `nodes` in the tier, page by
         page up to the first miss, never covering the last token. Only `get` touches the
         tier, and only once the call is known to succeed."""
         tier = self.tier
-        if tier is None or n == 0:
+        if n == 0:
             return []
         ps = self.page_size
         page_shape = self.pool.kv[:, :, 0].shape
@@ -370,24 +368,25 @@ class KVCache:
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
-    def _check_room(self, n: int, pinning: PrefixMatch) -> None:
-        """Raise OutOfPages unless `n` pages can be had, counting cached pages that could be
-        evicted (except those in `pinning`, which a prefix hit is about to take)."""
+    def _shortfall(self, n: int, pinning: PrefixMatch | None) -> int:
+        """How many cached pages must be evicted before `n` pages can be allocated. Raises
+        OutOfPages if eviction cannot cover it, counting the evictable pages except those in
+        `pinning` (a prefix hit about to take them)."""
         alloc = self.allocator
-        if n <= alloc.num_free - alloc.reserve:
-            return
+        short = n - alloc.num_free + alloc.reserve
+        if short <= 0:
+            return 0
         pc = self.prefix_cache
-        evictable = pc.num_evictable - (pc.num_pinned_by(pinning) if pinning else 0) if pc \
-            else 0
-        if n > alloc.num_free - alloc.reserve + evictable:
+        evictable = 0 if pc is None else \
+            pc.num_evictable - (pc.num_pinned_by(pinning) if pinning else 0)
+        if short > evictable:
             raise OutOfPages(f"need {n} pages, {alloc.num_free} free "
                              f"({alloc.reserve} reserved), {evictable} evictable")
+        return short
 
-    def _allocate(self, n: int) -> list[int]:
-        """`n` new pages, evicting cached ones if the free list is short (which the caller
-        has checked is enough); without a prefix cache the allocator raises OutOfPages."""
-        short = n - (self.allocator.num_free - self.allocator.reserve)
-        if short > 0 and self.prefix_cache is not None:
+    def _allocate(self, n: int, short: int) -> list[int]:
+        """`n` new pages, after evicting the `short` cached pages `_shortfall` asked for."""
+        if short:
             evicted = self.prefix_cache.evict(short)
             if self.scrub_on_free:
                 self.pool.scrub_pages(evicted)
