@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from kvpool import attention
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+from kvpool.kernels import cpu as cpu_kernel
+from kvpool.layout import KVLayout
+from kvpool.pool import KVPool
 
 # (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix, a chunk of a
 # chunked prefill (tokens 21..32 of a longer prompt: the rest of its page is unwritten), and
@@ -87,11 +91,33 @@ def relative_error(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.fixture
+def kernel(monkeypatch):
+    """The fused CPU decode kernel, switched on. Fails (not skips) if it did not compile: only a
+    machine without any C compiler skips."""
+    if cpu_kernel.compiler() is None:
+        pytest.skip("no C compiler on PATH: the CPU decode kernel cannot be built")
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1")
+    assert cpu_kernel.library() is not None, "the CPU decode kernel failed to compile"
+    return cpu_kernel
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Runs a test once through the fused CPU kernel and once through the torch path."""
+    if request.param == "kernel":
+        request.getfixturevalue("kernel")
+    else:
+        monkeypatch.setenv("KVPOOL_CPU_KERNEL", "0")
+    return request.param
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "page_size"),
     [(4, 4, 64, 16), (8, 2, 128, 16), (7, 1, 64, 1), (14, 2, 128, 1)],
     ids=["mha-d64-p16", "gqa4-d128-p16", "gqa7-d64-p1", "gqa7-d128-p1"],
 )
+@pytest.mark.usefixtures("decode_path")
 def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, page_size):
     batch = Batch(
         MIXED,
@@ -106,12 +132,14 @@ def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, pag
 
 @pytest.mark.parametrize("window", [1, 4, 17, 100])
 @pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.usefixtures("decode_path")
 def test_sliding_window_matches_reference(window, page_size):
     batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32)
     out = batch.attend(sliding_window=window)
     assert relative_error(out, batch.reference(window=window)) < 1e-5
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_mixed_batch_matches_reference_in_bfloat16():
     batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
     out = batch.attend()
@@ -124,6 +152,7 @@ def test_mixed_batch_matches_reference_in_bfloat16():
     [[(24, 1), (40, 1), (16, 1), (33, 1), (50, 1)], [(24, 24), (40, 40), (17, 17)]],
     ids=["decode", "prefill"],
 )
+@pytest.mark.usefixtures("decode_path")
 def test_uniform_batches_match_reference(specs):
     batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
     assert relative_error(batch.attend(), batch.reference()) < 1e-5
@@ -131,6 +160,7 @@ def test_uniform_batches_match_reference(specs):
 
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_split_into_several_groups_matches_reference(monkeypatch, window):
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "0")  # groups belong to the torch path
     monkeypatch.setattr(attention, "_DECODE_GROUP_BYTES", 1)  # one sequence per group
     specs = [(24, 1), (40, 1), (3, 1), (33, 1)]
     batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
@@ -139,6 +169,7 @@ def test_decode_split_into_several_groups_matches_reference(monkeypatch, window)
 
 
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.usefixtures("decode_path")
 def test_nan_in_unused_slots_does_not_change_output(window):
     kwargs = dict(heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
     clean = Batch(MIXED, **kwargs).attend(sliding_window=window)
@@ -146,6 +177,7 @@ def test_nan_in_unused_slots_does_not_change_output(window):
     assert torch.equal(clean, poisoned)
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_explicit_scale_is_used():
     batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
     out = batch.attend(scale=0.3)
@@ -207,3 +239,151 @@ def test_paged_attention_rejects_empty_sliding_window():
     batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
     with pytest.raises(ValueError, match="sliding_window must be at least 1"):
         batch.attend(sliding_window=0)
+
+
+# The fused CPU decode kernel (kvpool/kernels): against the torch path, its dispatch and build.
+
+DECODES = [(37, 1), (1, 1), (16, 1), (64, 1), (100, 1), (17, 1)]
+
+
+def decode_with(path, batch, monkeypatch, **kwargs):
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1" if path == "kernel" else "0")
+    return batch.attend(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size"),
+    [(4, 4, 64, 16), (8, 2, 128, 16), (7, 1, 64, 1), (14, 2, 128, 1), (8, 2, 64, 5)],
+    ids=["mha-d64-p16", "gqa4-d128-p16", "gqa7-d64-p1", "gqa7-d128-p1", "gqa4-d64-p5"],
+)
+def test_kernel_matches_torch_path_and_reference(
+    kernel, monkeypatch, dtype, window, heads, kv_heads, head_dim, page_size
+):
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size)
+    batch = Batch(DECODES, **shape, dtype=dtype, fill=float("nan"))
+    fused = decode_with("kernel", batch, monkeypatch, sliding_window=window)
+    torch_path = decode_with("torch", batch, monkeypatch, sliding_window=window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert fused.dtype == dtype
+    assert relative_error(fused, torch_path.double()) < tolerance
+    assert relative_error(fused, batch.reference(window=window)) < tolerance
+
+
+def test_kernel_rounds_bfloat16_output_to_nearest_even(kernel):
+    # bf16 -> float32 is exact, so the bf16 kernel computes what the float32 one does on the
+    # same values; only the final rounding differs, and must match torch's. A zero query
+    # averages V rows, whose means often fall halfway between two bf16 numbers (ties).
+    specs = [*DECODES, (2, 1), (2, 1)]
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    batch.q.zero_()
+    args = (batch.page_tables, batch.seq_lens, batch.scale, None)
+    bf16 = kernel.paged_decode(batch.q, batch.k_cache, batch.v_cache, *args)
+    fp32 = kernel.paged_decode(batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), *args)
+    assert torch.equal(bf16, fp32.to(torch.bfloat16))
+
+
+def test_kernel_is_used_for_decode_unless_env_var_is_0(kernel, monkeypatch):
+    calls = []
+    torch_decode = attention._decode
+    monkeypatch.setattr(attention, "_decode", lambda *args: calls.append(1) or torch_decode(*args))
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch.attend()
+    assert calls == []
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "0")
+    batch.attend()
+    assert calls == [1]
+
+
+def test_float16_and_odd_head_dims_take_the_torch_path(kernel):
+    q = torch.zeros(2, 4, 64)
+    assert kernel.supports(q, torch.zeros(3, 16, 2, 64), torch.zeros(3, 16, 2, 64))
+    half = torch.zeros(3, 16, 2, 64, dtype=torch.float16)
+    assert not kernel.supports(q.half(), half, half)
+    odd = torch.zeros(3, 16, 2, 24)
+    assert not kernel.supports(torch.zeros(2, 4, 24), odd, odd)
+
+
+def test_kernel_reads_layer_views_of_a_pool(kernel):
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    pool = KVPool(layout, num_pages=batch.k_cache.shape[0] + 4, device="cpu")
+    pool.kv.fill_(float("nan"))
+    pool.kv[1, 0, : batch.k_cache.shape[0]] = batch.k_cache
+    pool.kv[1, 1, : batch.v_cache.shape[0]] = batch.v_cache
+    out = paged_attention(
+        batch.q, pool.k_cache(1), pool.v_cache(1), batch.page_tables, batch.seq_lens,
+        batch.cu_seqlens_q,
+    )
+    assert relative_error(out, batch.reference()) < 1e-5
+
+
+def test_kernel_reads_non_contiguous_strided_caches(kernel):
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    num_pages, page_size, kv_heads, head_dim = batch.k_cache.shape
+    # K: pages interleaved with other data (page stride 3x); V: kv heads 2 apart.
+    k_store = torch.full((num_pages, 3, page_size, kv_heads, head_dim), float("nan"))
+    k_store = k_store.to(torch.bfloat16)
+    k_store[:, 1] = batch.k_cache
+    v_store = torch.full((num_pages, page_size, 2 * kv_heads, head_dim), float("nan"))
+    v_store = v_store.to(torch.bfloat16)
+    v_store[:, :, 1::2] = batch.v_cache
+    k_view, v_view = k_store[:, 1], v_store[:, :, 1::2]
+    assert not k_view.is_contiguous() and not v_view.is_contiguous()
+    out = paged_attention(
+        batch.q, k_view, v_view, batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    )
+    assert relative_error(out, batch.reference()) < 2e-2
+
+
+@pytest.mark.parametrize("team", ["openmp", "pthreads"])
+def test_kernel_output_does_not_depend_on_threads(kernel, monkeypatch, team):
+    if team == "pthreads":  # the kernel's own threads, used when torch does not run on OpenMP
+        monkeypatch.setattr(kernel, "_openmp_parallel", lambda: None)
+    batch = Batch(DECODES, heads=14, kv_heads=2, head_dim=128, page_size=16, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 5):
+            torch.set_num_threads(n)
+            outputs.append(batch.attend(sliding_window=30))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_kernel_rejects_page_ids_outside_the_cache(kernel):
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch.page_tables[2, 0] = batch.k_cache.shape[0]
+    with pytest.raises(IndexError, match="outside"):
+        batch.attend()
+
+
+def test_compile_failure_warns_once_and_falls_back_to_torch(kernel, monkeypatch, tmp_path):
+    broken = tmp_path / "paged_decode.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    cpu_kernel.library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="compiling paged_decode.c failed"):
+            assert cpu_kernel.library() is None
+        batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            out = batch.attend()
+        assert relative_error(out, batch.reference()) < 1e-5
+    finally:
+        cpu_kernel.library.cache_clear()
+
+
+def test_kernel_is_built_once_into_the_cache_dir(kernel, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    command = cpu_kernel.compiler()
+    path = cpu_kernel._build(command)
+    assert path.parent == tmp_path and path.suffix == ".so"
+    built = path.stat().st_mtime_ns
+    assert cpu_kernel._build(command) == path
+    assert path.stat().st_mtime_ns == built
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp files left

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvpool.kernels import cpu as cpu_kernel
+
 # Decode gathers the pages of a group of sequences into one scratch tensor of about this many
 # bytes (K and V), reused for every group: small enough to stay in cache, large enough that a
 # decode batch costs a handful of torch calls (benchmarks/attention.py).
@@ -61,13 +63,15 @@ def paged_attention(
     _check_inputs(q, k_cache, v_cache, page_tables, lens, starts, sliding_window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     layer = _Layer(k_cache, v_cache, scale, sliding_window)
-    out = torch.empty_like(q)
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+    if len(decode) == len(q_lens):
+        return _decode_rows(layer, q, page_tables, lens)
+    out = torch.empty_like(q)
     if decode:
         rows = torch.tensor([starts[b] for b in decode], device=q.device)
         tables = page_tables.index_select(0, torch.tensor(decode, device=q.device))
-        decoded = _decode(layer, q.index_select(0, rows), tables, [lens[b] for b in decode])
+        decoded = _decode_rows(layer, q.index_select(0, rows), tables, [lens[b] for b in decode])
         out.index_copy_(0, rows, decoded)
     for b, q_len in enumerate(q_lens):
         if q_len > 1:
@@ -140,6 +144,17 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
+    """Attention of one query token per sequence, `q [batch, heads, head_dim]`: the fused CPU
+    kernel when it takes these inputs (kvpool/kernels), else the torch path."""
+    if cpu_kernel.supports(q, layer.k_cache, layer.v_cache):
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        return cpu_kernel.paged_decode(
+            q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window
+        )
+    return _decode(layer, q, page_tables, lens)
 
 
 def _decode(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:

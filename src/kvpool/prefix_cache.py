@@ -50,6 +50,9 @@ class PrefixMatch(NamedTuple):
     depth: int
 
 
+_new_match = tuple.__new__
+
+
 class PrefixCache:
     """Radix tree of committed full pages with LRU eviction of unreferenced leaves.
 
@@ -108,7 +111,7 @@ class PrefixCache:
                 pages += child.pages[:depth]
                 end = limit  # stop
             node, start = child, end
-        return PrefixMatch(pages, node, depth)
+        return _new_match(PrefixMatch, (pages, node, depth))  # skips NamedTuple's slow __new__
 
     def num_pinned_by(self, match: PrefixMatch) -> int:
         """How many of the matched pages are evictable now, i.e. would stop being so if
