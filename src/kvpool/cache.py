@@ -163,7 +163,10 @@ class KVCache:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequence(f"sequence {child_id!r} already exists")
-        self.allocator.retain(parent.pages)
+        if parent.tree_node is not None:
+            self.prefix_cache.share(parent.pages, parent.tree_node, parent.num_tree_pages)
+        else:
+            self.allocator.retain(parent.pages)
         token_ids = None if parent.token_ids is None else list(parent.token_ids)
         self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, token_ids,
                                          parent.tree_node, parent.num_tree_pages)
@@ -191,9 +194,10 @@ class KVCache:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(f"no sequence {seq_id!r}")
-        freed = self.allocator.release(seq.pages)
         if seq.tree_node is not None:
-            self.prefix_cache.release(seq.pages, seq.tree_node, seq.num_tree_pages)
+            freed = self.prefix_cache.release(seq.pages, seq.tree_node, seq.num_tree_pages)
+        else:
+            freed = self.allocator.release(seq.pages)
         if self.scrub_on_free and freed:
             self.pool.scrub_pages(freed)
 
@@ -288,23 +292,39 @@ class KVCache:
             num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores)
 
     def check(self) -> None:
-        """Invariants: allocator conservation; each page's reference count equals the
-        sequences holding it plus one if the prefix cache holds it; page tables sized to
-        their tokens; the prefix tree and the tier consistent."""
+        """Invariants: allocator conservation; page tables sized to their tokens; each
+        sequence's cached path spelled by its first pages; each page's reference count equal
+        to the sequences holding it past their paths plus one if the prefix cache holds it;
+        the prefix tree (including how many paths run through each node) and the tier
+        consistent."""
         self.allocator.check()
         if self.tier is not None:
             self.tier.check()
+        pc = self.prefix_cache
         holders: Counter[int] = Counter()
+        path_ends = []
         for sid, seq in self._seqs.items():
             want = -(-seq.num_tokens // self.page_size)
             assert len(seq.pages) == want, (
                 f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
                 f"expected {want}")
             assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
-            holders.update(seq.pages)
-        if self.prefix_cache is not None:
-            self.prefix_cache.check()
-            holders.update(self.prefix_cache.cached_pages())
+            k = 0
+            if seq.tree_node is not None:
+                path_ends.append(seq.tree_node)
+                path: list[int] = []
+                node = seq.tree_node
+                while node is not pc.root:
+                    path[:0] = node.pages
+                    node = node.parent
+                k = seq.num_tree_pages
+                assert seq.pages[:k] == path, (
+                    f"sequence {sid!r}: first {k} pages {seq.pages[:k]} are not its cached "
+                    f"path {path}")
+            holders.update(seq.pages[k:])
+        if pc is not None:
+            pc.check(path_ends)
+            holders.update(pc.cached_pages())
         for page in range(self.allocator.num_pages):
             rc = self.allocator.refcount(page)
             assert rc == holders[page], (

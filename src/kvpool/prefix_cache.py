@@ -8,10 +8,16 @@ prefix costs a few Python operations per node, not per page. A node splits where
 prefixes part, and where a match ends inside it, so that every page of a node was last
 used at the same time.
 
-The tree holds one reference on every page it caches; a page whose only reference is the
-tree's is evictable. Eviction takes pages from the tail of the least recently used leaf
-first (children before parents, so a node empties from its end), from a heap with lazy
-deletion: evicting k pages costs O(k + log n) per leaf touched, never a scan of the tree.
+The tree holds one allocator reference on every page it caches. A sequence holds the pages of
+its cached path (the committed prefix it matched or inserted) through the nodes instead: each
+node counts the sequences whose path runs through it (`lock_ref`), so taking or giving back a
+path costs one step per node, not per page. Pages a sequence holds past its path keep their
+own allocator references. A cached page is evictable when no path runs through its node and
+no sequence holds it past its path (its reference count is 1, the tree's).
+
+Eviction takes pages from the tail of the least recently used leaf first (children before
+parents, so a node empties from its end), from a heap with lazy deletion: evicting k pages
+costs O(k + log n) per leaf touched, never a scan of the tree.
 A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
 computed only when a tier asks for them.
 """
@@ -19,7 +25,8 @@ computed only when a tier asks for them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -38,6 +45,8 @@ class PrefixNode:
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
     last_access: int = 0  # logical clock of the last match, insert or release
     heap_access: int = -1  # last_access of this node's live heap entry, -1 if none
+    lock_ref: int = 0  # live sequences whose cached path runs through this node
+    num_shared: int = 0  # pages also held by some sequence past its path (refcount > 1)
     base_key: int | None = ROOT_KEY  # chain key of the prefix before pages[0]; None: unknown
 
 
@@ -117,19 +126,34 @@ class PrefixCache:
         """How many of the matched pages are evictable now, i.e. would stop being so if
         locked."""
         refcounts = self._refcounts
-        return [refcounts[page] for page in match.pages].count(1)
+        node, depth = match.node, match.depth
+        pinned = 0
+        while node is not self.root:
+            if not node.lock_ref:
+                pinned += [refcounts[p] for p in node.pages[:depth]].count(1)
+            node = node.parent
+            depth = len(node.pages)
+        return pinned
 
     def lock(self, match: PrefixMatch) -> PrefixNode:
-        """A sequence takes a reference on each matched page (a prefix hit), which refreshes
-        them. Returns the node whose last page is the last matched page."""
+        """A sequence takes the matched pages as its cached path (a prefix hit), which
+        refreshes them. Returns the node whose last page is the last matched page."""
         node = match.node
         if not match.pages:
             return node
         if match.depth < len(node.pages):
             node = self._split(node, match.depth)
-        self.num_evictable -= self.allocator.retain(match.pages)
-        self._touch(node)
+        self._lock_path(node)
         return node
+
+    def share(self, pages: list[int], node: PrefixNode, num_path_pages: int) -> None:
+        """A fork: another sequence takes the same page table `pages`, whose first
+        `num_path_pages` are a cached path ending with `node`'s last page."""
+        if num_path_pages:
+            self._lock_path(node)
+        # Past the path the parent holds its pages itself: any cached one among them has a
+        # reference count above 1 already, so no node's evictable pages change.
+        self.allocator.retain(pages[num_path_pages:])
 
     def insert(self, node: PrefixNode, token_ids: list[int], pages: list[int],
                first: int, last: int) -> tuple[PrefixNode, list[int]]:
@@ -153,41 +177,36 @@ class PrefixCache:
                                   min(i + len(child.pages), last) * ps, ps)
             if depth < len(child.pages):
                 child = self._split(child, depth)
-            theirs, mine = child.pages, pages[i:i + depth]
-            if theirs != mine:
-                switched = []
-                for j, (cached, own) in enumerate(zip(theirs, mine, strict=True)):
-                    if cached != own:
-                        switched.append(cached)
-                        dropped.append(own)
-                        pages[i + j] = cached
-                # taken now, so that _add sees which sequences hold the node's last page
-                self.num_evictable -= self.allocator.retain(switched)
+            # The path now runs through child: the sequence holds its pages through the node,
+            # and gives back its own references on those positions (its copies, or the same
+            # pages if a fork sibling cached them).
+            child.lock_ref += 1
+            if child.lock_ref == 1:
+                self.num_evictable -= len(child.pages) - child.num_shared
             child.last_access = clock
+            dropped += pages[i:i + depth]
+            pages[i:i + depth] = child.pages
             node, i = child, i + depth
-        return node, self.allocator.release(dropped) if dropped else []
+        return node, self._release_unlocked(dropped) if dropped else []
 
-    def release(self, pages: list[int], node: PrefixNode, num_path_pages: int) -> None:
-        """A sequence has given back its references on `pages`, of which the first
-        `num_path_pages` are its cached path ending with `node`'s last page: count the cached
-        pages that only the tree holds now, refresh the path, and offer leaves for eviction."""
-        refcounts = self._refcounts
+    def release(self, pages: list[int], node: PrefixNode, num_path_pages: int) -> list[int]:
+        """A sequence whose page table is `pages` ends: it gives back its cached path (the
+        first `num_path_pages`, ending with `node`'s last page), which is refreshed, and its
+        references on the rest. Returns the ids that went back to the free list."""
+        freed = self._release_unlocked(pages[num_path_pages:]) \
+            if len(pages) > num_path_pages else []
         if num_path_pages:
-            self.num_evictable += [refcounts[p] for p in pages[:num_path_pages]].count(1)
-            self._touch(node)
+            clock = self._clock = self._clock + 1
+            root, up = self.root, node
+            while up is not root:
+                up.lock_ref -= 1
+                if not up.lock_ref:
+                    self.num_evictable += len(up.pages) - up.num_shared
+                up.last_access = clock
+                up = up.parent
             if not node.children:
                 self._offer(node)
-        # Pages past the path may be cached too: shared by a fork before another sequence
-        # committed them.
-        node_of_page = self._node_of_page
-        for page in pages[num_path_pages:]:
-            if refcounts[page] == 1:
-                owner = node_of_page.get(page)
-                if owner is not None:
-                    self.num_evictable += 1
-                    self._touch(owner)
-                    if not owner.children:
-                        self._offer(owner)
+        return freed
 
     def evict(self, num_pages: int) -> list[int]:
         """Evict up to `num_pages` evictable pages, least recently used leaves first and each
@@ -202,8 +221,8 @@ class PrefixCache:
             if node.heap_access != access:
                 continue  # stale: superseded by a newer entry, or the node is gone
             node.heap_access = -1
-            if node.children:
-                continue  # has grown children: offered again when they go
+            if node.children or node.lock_ref:
+                continue  # has grown children or is in use: offered again when that ends
             pages = node.pages
             keep = len(pages)
             stop = max(keep - (num_pages - len(victims)), 0)
@@ -240,32 +259,56 @@ class PrefixCache:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _touch(self, node: PrefixNode) -> None:
-        """Refresh `node` and its ancestors (a path in use)."""
+    def _lock_path(self, node: PrefixNode) -> None:
+        """One more sequence's path runs through `node` and its ancestors, refreshed."""
         clock = self._clock = self._clock + 1
         root = self.root
         while node is not root:
+            node.lock_ref += 1
+            if node.lock_ref == 1:
+                self.num_evictable -= len(node.pages) - node.num_shared
             node.last_access = clock
             node = node.parent
 
+    def _release_unlocked(self, pages: list[int]) -> list[int]:
+        """Drop a sequence's own references on `pages` (not through a path); a cached page
+        left with only the tree's reference is no longer shared, and evictable if no path
+        runs through its node. Returns the ids that went back to the free list."""
+        freed = self.allocator.release(pages)
+        refcounts = self._refcounts
+        node_of_page = self._node_of_page
+        for page in pages:
+            if refcounts[page] == 1:
+                owner = node_of_page.get(page)
+                if owner is not None:
+                    owner.num_shared -= 1
+                    if not owner.lock_ref:
+                        self.num_evictable += 1
+                        if not owner.children:
+                            self._offer(owner)
+        return freed
+
     def _add(self, parent: PrefixNode, token_ids: list[int], pages: list[int],
              first: int, last: int) -> PrefixNode:
-        """Cache the sequence's pages [first, last) below `parent`, which holds its previous
-        page: in `parent` itself when that is a leaf only this sequence uses (the run grows),
-        else in a new child. Returns the node holding the last page."""
+        """Cache the sequence's pages [first, last) below `parent`, the end of its path: in
+        `parent` itself when that is a leaf on no other path (the run grows), else in a new
+        child. Returns the node holding the last page."""
         ps = self.page_size
         new_pages = pages[first:last]
         new_tokens = token_ids[first * ps:last * ps]
-        self.allocator.retain(new_pages)
-        if parent is not self.root and not parent.children and \
-                self._refcounts[parent.pages[-1]] == 2:  # the tree and this sequence
-            parent.pages += new_pages
+        # The sequence's references become the tree's, and it holds the pages through the
+        # node; pages a fork sibling holds too stay shared.
+        refcounts = self._refcounts
+        shared = len(new_pages) - [refcounts[p] for p in new_pages].count(1)
+        if parent is not self.root and not parent.children and parent.lock_ref == 1:
+            parent.pages += new_pages  # a leaf on this sequence's path only: the run grows
             parent.tokens += new_tokens
             node = parent
         else:
             node = PrefixNode(tuple(new_tokens[:ps]), new_tokens, new_pages, parent,
-                              base_key=ROOT_KEY if parent is self.root else None)
+                              lock_ref=1, base_key=ROOT_KEY if parent is self.root else None)
             parent.children[node.key] = node
+        node.num_shared += shared
         node.last_access = self._clock
         node_of_page = self._node_of_page
         for page in new_pages:
@@ -279,7 +322,11 @@ class PrefixCache:
         ps = self.page_size
         cut = depth * ps
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
-                          last_access=node.last_access, base_key=node.base_key)
+                          last_access=node.last_access, lock_ref=node.lock_ref,
+                          base_key=node.base_key)
+        refcounts = self._refcounts
+        head.num_shared = len(head.pages) - [refcounts[p] for p in head.pages].count(1)
+        node.num_shared -= head.num_shared
         node.parent.children[head.key] = head
         del node.tokens[:cut]
         del node.pages[:depth]
@@ -302,7 +349,7 @@ class PrefixCache:
     def _offer(self, node: PrefixNode) -> None:
         """Push `node` on the eviction heap if it is a leaf whose last page is evictable and
         it has no live entry."""
-        if node.children or node.heap_access == node.last_access:
+        if node.children or node.lock_ref or node.heap_access == node.last_access:
             return
         if self._refcounts[node.pages[-1]] != 1:
             return
@@ -358,11 +405,18 @@ class PrefixCache:
                 yield child
                 stack.append(child)
 
-    def check(self) -> None:
-        """Tree invariants: links, keys and the page index consistent, no empty node, the
-        evictable count exact, and every evictable leaf on the eviction heap."""
+    def check(self, path_ends: Sequence[PrefixNode] = ()) -> None:
+        """Tree invariants: links, keys and the page index consistent, no empty node; each
+        node's `lock_ref` equal to the paths through it (`path_ends`: the last node of each
+        live sequence's path) and `num_shared` to its pages with other holders; the evictable
+        count exact, and every evictable leaf on the eviction heap."""
         ps = self.page_size
         refcounts = self._refcounts
+        paths: Counter[int] = Counter()
+        for end in path_ends:
+            while end is not self.root:
+                paths[id(end)] += 1
+                end = end.parent
         seen = 0
         evictable = 0
         live = {id(e[2]) for e in self._heap if e[2].heap_access == e[0]}
@@ -373,15 +427,21 @@ class PrefixCache:
             assert node.key == tuple(node.tokens[:ps]), f"{where} has a stale key"
             assert len(node.tokens) == ps * len(node.pages), (
                 f"{where} has {len(node.tokens)} tokens for {len(node.pages)} pages")
+            assert node.lock_ref == paths[id(node)], (
+                f"{where} has lock_ref {node.lock_ref}, {paths[id(node)]} paths run through it")
+            counts = [refcounts[page] for page in node.pages]
+            assert min(counts) >= 1, f"{where} caches a page with refcount {min(counts)}"
+            assert node.num_shared == len(counts) - counts.count(1), (
+                f"{where} has num_shared {node.num_shared}, "
+                f"{len(counts) - counts.count(1)} pages with other holders")
             for page in node.pages:
                 assert self._node_of_page.get(page) is node, (
                     f"page {page} missing from the page index")
-                rc = refcounts[page]
-                assert rc >= 1, f"cached page {page} has refcount {rc}"
-                evictable += rc == 1
-            if not node.children and refcounts[node.pages[-1]] == 1:
-                assert node.heap_access == node.last_access and id(node) in live, (
-                    f"evictable leaf {where} is not on the eviction heap")
+            if not node.lock_ref:
+                evictable += counts.count(1)
+                if not node.children and counts[-1] == 1:
+                    assert node.heap_access == node.last_access and id(node) in live, (
+                        f"evictable leaf {where} is not on the eviction heap")
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self._fold(node.parent)[-1], f"{where}: stale base key"
             seen += len(node.pages)
