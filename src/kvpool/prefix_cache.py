@@ -129,7 +129,11 @@ class PrefixCache:
         node, depth = match.node, match.depth
         pinned = 0
         while node is not self.root:
-            if not node.lock_ref:
+            if node.lock_ref:
+                pass  # on a live path: not evictable
+            elif depth == len(node.pages):
+                pinned += depth - node.num_shared
+            else:
                 pinned += [refcounts[p] for p in node.pages[:depth]].count(1)
             node = node.parent
             depth = len(node.pages)
