@@ -500,6 +500,22 @@ def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_bot
     cache.check()
 
 
+def test_a_copy_a_fork_shares_is_not_switched_so_eviction_reaches_every_cached_page():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", [0] * 8)
+    cache.fork("a", "b")  # b shares a's two pages before either is committed
+    cache.add_sequence("c", [0] * 5)
+    cache.commit("c")  # caches page 2, holding [0, 0, 0, 0]
+    cache.free_sequence("c")
+    cache.commit("a")  # a's page 0 has the same tokens, but b shares it: caching stops
+    assert cache.pages("a") == [0, 1] and cache.stats().num_cached_pages == 1
+    cache.free_sequence("a")
+    assert cache.prefix_cache.clear() == [2]
+    cache.free_sequence("b")
+    assert cache.allocator.num_free == 8
+    cache.check()
+
+
 # ---- probes and stats --------------------------------------------------------------------
 
 def test_probes_predict_what_calls_take():

@@ -197,6 +197,6 @@ def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
             super().__init__(policy, prefix_caching, tier)
 
     Machine.TestCase.settings = settings(
-        max_examples=60, stateful_step_count=40, deadline=None,
+        max_examples=150, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])
     Machine.TestCase().runTest()

@@ -21,7 +21,7 @@ from kvpool.tiers import PageKey, Tier
 class _Sequence:
     pages: list[int]  # page table: logical page i -> page id
     num_tokens: int
-    token_ids: list[int] | None  # content, kept while it can still be cached by prefix
+    pending: list[int] | None  # ids of the tokens past the cached path; None: not cached
     tree_node: PrefixNode | None  # holds the last page of the cached path; None: no caching
     num_tree_pages: int  # logical pages [0, num_tree_pages) are the cached path
 
@@ -119,7 +119,7 @@ class KVCache:
             pages = self._allocate(need, self._shortfall(need, None))
             seqs[seq_id] = _Sequence(pages, n, None, None, 0)
             return 0
-        ids = list(token_ids)  # a copy: the caller may reuse its list
+        ids = token_ids if type(token_ids) is list else list(token_ids)  # read, never kept
         match = pc.match(ids, (n - 1) // self.page_size if n else 0)  # never the last token
         pages = match.pages
         need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
@@ -133,7 +133,7 @@ class KVCache:
         pages += self._allocate(need, short)
         if loaded:
             node = self._load_from_tier(node, ids, pages, first_new, loaded)
-        seqs[seq_id] = _Sequence(pages, n, ids, node, hit)
+        seqs[seq_id] = _Sequence(pages, n, ids[hit * self.page_size:], node, hit)
         return hit * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -151,11 +151,11 @@ class KVCache:
             self._copy_on_write(seq, new_pages.pop())
         seq.pages.extend(new_pages)
         seq.num_tokens = start + n
-        if seq.token_ids is not None:
+        if seq.pending is not None:
             if token_ids is None:
-                seq.token_ids = None  # content unknown from here on: stop caching it
+                seq.pending = None  # content unknown from here on: stop caching it
             else:
-                seq.token_ids.extend(token_ids)
+                seq.pending.extend(token_ids)
         return self._slots(seq, start, start + n)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -167,24 +167,26 @@ class KVCache:
             self.prefix_cache.share(parent.pages, parent.tree_node, parent.num_tree_pages)
         else:
             self.allocator.retain(parent.pages)
-        token_ids = None if parent.token_ids is None else list(parent.token_ids)
-        self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, token_ids,
+        pending = None if parent.pending is None else list(parent.pending)
+        self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, pending,
                                          parent.tree_node, parent.num_tree_pages)
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the KV of every token the sequence holds written; with prefix caching its
         full pages become matchable by later sequences. Where the prefix cache already holds
         the same content in another page, the sequence switches to that page and its own
-        copy is freed (one copy of each content)."""
+        copy is freed (one copy of each content); if a fork shares that copy too, caching
+        stops there until a later commit finds it unshared."""
         seq = self._get(seq_id)
         pc = self.prefix_cache
-        if pc is None or seq.token_ids is None:
+        if pc is None or seq.pending is None:
             return
         full = seq.num_tokens // self.page_size
         if seq.num_tree_pages < full:
-            seq.tree_node, freed = pc.insert(seq.tree_node, seq.token_ids, seq.pages,
-                                             seq.num_tree_pages, full)
-            seq.num_tree_pages = full
+            seq.tree_node, cached, freed = pc.insert(seq.tree_node, seq.pending, seq.pages,
+                                                     seq.num_tree_pages, full)
+            del seq.pending[:(cached - seq.num_tree_pages) * self.page_size]
+            seq.num_tree_pages = cached
             if self.scrub_on_free and freed:
                 self.pool.scrub_pages(freed)
 
@@ -310,6 +312,11 @@ class KVCache:
                 f"expected {want}")
             assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
             k = 0
+            if seq.pending is not None:
+                want = seq.num_tokens - seq.num_tree_pages * self.page_size
+                assert len(seq.pending) == want, (
+                    f"sequence {sid!r} keeps {len(seq.pending)} pending token ids, "
+                    f"expected {want}")
             if seq.tree_node is not None:
                 path_ends.append(seq.tree_node)
                 path: list[int] = []
@@ -367,7 +374,9 @@ class KVCache:
         self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
         self._num_tier_loads += len(loaded)
         # the device match stopped above these pages, so the tree has no copy to switch to
-        node, _ = self.prefix_cache.insert(node, token_ids, pages, first, last)
+        ps = self.page_size
+        node, _, _ = self.prefix_cache.insert(node, token_ids[first * ps:last * ps], pages,
+                                              first, last)
         return node
 
     def _store_in_tier(self, pages: list[int], keys: list[PageKey]) -> None:

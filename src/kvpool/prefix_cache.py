@@ -160,25 +160,41 @@ class PrefixCache:
         self.allocator.retain(pages[num_path_pages:])
 
     def insert(self, node: PrefixNode, token_ids: list[int], pages: list[int],
-               first: int, last: int) -> tuple[PrefixNode, list[int]]:
+               first: int, last: int) -> tuple[PrefixNode, int, list[int]]:
         """Cache logical pages [first, last) of a live sequence whose page table is `pages`
-        and whose cached path ends with `node`'s last page; the tree takes a reference on
-        each new page.
+        and whose cached path ends with `node`'s last page; `token_ids` are its tokens from
+        page `first` on. The tree takes over the sequence's reference on each new page.
 
         Where the tree already caches the same tokens in another page, the sequence switches
-        to the cached page (updating `pages` in place) and drops its own copy. Returns the
-        deepest node reached and the ids of dropped copies that went back to the free list."""
+        to the cached page (updating `pages` in place) and drops its own copy. A copy that
+        another sequence shares too (a fork) is not switched: caching stops before it, since
+        the tree would otherwise hang that sequence's later pages below a page it does not
+        hold, out of eviction's reach. Returns the node holding the last cached page, the
+        index of the first page left uncached (`last` unless caching stopped), and the ids of
+        dropped copies that went back to the free list."""
         ps = self.page_size
+        refcounts = self._refcounts
         clock = self._clock = self._clock + 1
         dropped: list[int] = []
-        i = first
+        i, t = first, 0  # the page, and its first token's offset in token_ids
         while i < last:
-            child = node.children.get(tuple(token_ids[i * ps:(i + 1) * ps]))
+            child = node.children.get(tuple(token_ids[t:t + ps]))
             if child is None:
-                node = self._add(node, token_ids, pages, i, last)
+                node = self._add(node, token_ids[t:(last - first) * ps], pages, i, last)
+                i = last
                 break
-            depth = _common_pages(token_ids, i * ps, child.tokens,
-                                  min(i + len(child.pages), last) * ps, ps)
+            depth = _common_pages(token_ids, t, child.tokens,
+                                  t + min(len(child.pages), last - i) * ps, ps)
+            mine = pages[i:i + depth]
+            stop = False
+            theirs = child.pages[:depth]
+            if mine != theirs:
+                keep = next((j for j, (own, cached) in enumerate(zip(mine, theirs, strict=True))
+                             if own != cached and refcounts[own] > 1), depth)
+                if keep == 0:
+                    break
+                stop = keep < depth
+                depth, mine = keep, mine[:keep]
             if depth < len(child.pages):
                 child = self._split(child, depth)
             # The path now runs through child: the sequence holds its pages through the node,
@@ -188,10 +204,12 @@ class PrefixCache:
             if child.lock_ref == 1:
                 self.num_evictable -= len(child.pages) - child.num_shared
             child.last_access = clock
-            dropped += pages[i:i + depth]
+            dropped += mine
             pages[i:i + depth] = child.pages
-            node, i = child, i + depth
-        return node, self._release_unlocked(dropped) if dropped else []
+            node, i, t = child, i + depth, t + depth * ps
+            if stop:
+                break
+        return node, i, self._release_unlocked(dropped) if dropped else []
 
     def release(self, pages: list[int], node: PrefixNode, num_path_pages: int) -> list[int]:
         """A sequence whose page table is `pages` ends: it gives back its cached path (the
@@ -292,14 +310,14 @@ class PrefixCache:
                             self._offer(owner)
         return freed
 
-    def _add(self, parent: PrefixNode, token_ids: list[int], pages: list[int],
+    def _add(self, parent: PrefixNode, new_tokens: list[int], pages: list[int],
              first: int, last: int) -> PrefixNode:
-        """Cache the sequence's pages [first, last) below `parent`, the end of its path: in
-        `parent` itself when that is a leaf on no other path (the run grows), else in a new
-        child. Returns the node holding the last page."""
+        """Cache the sequence's pages [first, last), holding `new_tokens` (a list the tree may
+        keep), below `parent`, the end of its path: in `parent` itself when that is a leaf on
+        no other path (the run grows), else in a new child. Returns the node holding the last
+        page."""
         ps = self.page_size
         new_pages = pages[first:last]
-        new_tokens = token_ids[first * ps:last * ps]
         # The sequence's references become the tree's, and it holds the pages through the
         # node; pages a fork sibling holds too stay shared.
         refcounts = self._refcounts
