@@ -188,7 +188,7 @@ class PrefixCache:
             mine = pages[i:i + depth]
             stop = False
             theirs = child.pages[:depth]
-            if mine != theirs:
+            if mine != theirs and max(map(refcounts.__getitem__, mine)) > 1:
                 keep = next((j for j, (own, cached) in enumerate(zip(mine, theirs, strict=True))
                              if own != cached and refcounts[own] > 1), depth)
                 if keep == 0:
