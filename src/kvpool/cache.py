@@ -120,7 +120,7 @@ class KVCache:
             seqs[seq_id] = _Sequence(pages, n, None, None, 0)
             return 0
         ids = token_ids if type(token_ids) is list else list(token_ids)  # read, never kept
-        match = pc.match(ids, (n - 1) // self.page_size if n else 0)  # never the last token
+        match = pc.match(ids, self._matchable_pages(n))
         pages = match.pages
         need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
         short = self._shortfall(need, match)
@@ -241,7 +241,8 @@ class KVCache:
         total = -(-n // self.page_size)
         if self.prefix_cache is None or token_ids is None:
             return total
-        match = self.prefix_cache.match(list(token_ids), (n - 1) // self.page_size if n else 0)
+        ids = token_ids if type(token_ids) is list else list(token_ids)
+        match = self.prefix_cache.match(ids, self._matchable_pages(n))
         return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
@@ -345,9 +346,14 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
+    def _matchable_pages(self, n: int) -> int:
+        """Whole pages a prefix hit may cover in a sequence of `n` tokens: never the last
+        token, whose logits must be computed."""
+        return (n - 1) // self.page_size if n else 0
+
     def _fetch_from_tier(self, token_ids: list[int], n: int,
                          match: PrefixMatch) -> list[torch.Tensor]:
-        """The data of the pages continuing the device's match `nodes` in the tier, page by
+        """The data of the pages continuing the device's `match` in the tier, page by
         page up to the first miss, never covering the last token. Only `get` touches the
         tier, and only once the call is known to succeed."""
         tier = self.tier
@@ -357,7 +363,7 @@ class KVCache:
         page_shape = self.pool.kv[:, :, 0].shape
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
-        for i in range(len(match.pages), (n - 1) // ps):
+        for i in range(len(match.pages), self._matchable_pages(n)):
             key = PageKey.of(parent_key, token_ids[i * ps:(i + 1) * ps])
             data = tier.get(key)
             if data is None or data.shape != page_shape:

@@ -17,9 +17,8 @@ no sequence holds it past its path (its reference count is 1, the tree's).
 
 Eviction takes pages from the tail of the least recently used leaf first (children before
 parents, so a node empties from its end), from a heap with lazy deletion: evicting k pages
-costs O(k + log n) per leaf touched, never a scan of the tree.
-A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
-computed only when a tier asks for them.
+costs O(k + log n) per leaf touched, never a scan of the tree. A tier names a page by the
+chain key of its whole prefix (see tiers.py); chain keys are computed only when a tier asks.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ _new_match = tuple.__new__
 class PrefixCache:
     """Radix tree of committed full pages with LRU eviction of unreferenced leaves.
 
-    The tree only moves its own references through `allocator`; `KVCache` tells it when a
-    sequence takes (`lock`) or gives back (`release`) the pages of a path. `on_evict`, if
+    `KVCache` tells the tree when a sequence takes a path (`lock` on a hit, `insert` on a
+    commit, `share` on a fork) or gives it back (`release`). `on_evict`, if
     given, receives the evicted page ids and their tier keys before the pages go back to the
     free list (to copy them to a tier).
     """
@@ -129,12 +128,11 @@ class PrefixCache:
         node, depth = match.node, match.depth
         pinned = 0
         while node is not self.root:
-            if node.lock_ref:
-                pass  # on a live path: not evictable
-            elif depth == len(node.pages):
-                pinned += depth - node.num_shared
-            else:
-                pinned += [refcounts[p] for p in node.pages[:depth]].count(1)
+            if not node.lock_ref:  # a node on a live path has no evictable page
+                if depth == len(node.pages):
+                    pinned += depth - node.num_shared
+                else:
+                    pinned += [refcounts[p] for p in node.pages[:depth]].count(1)
             node = node.parent
             depth = len(node.pages)
         return pinned
@@ -248,6 +246,8 @@ class PrefixCache:
             pages = node.pages
             keep = len(pages)
             stop = max(keep - (num_pages - len(victims)), 0)
+            if not node.num_shared:
+                keep = stop  # every page is the tree's alone
             while keep > stop and refcounts[pages[keep - 1]] == 1:
                 keep -= 1
             if keep == len(pages):
