@@ -77,17 +77,13 @@ class PrefixCache:
         self._refcounts = allocator.refcounts  # read-only view, read on every hot path
         self.page_size = page_size
         self.root = PrefixNode(key=(), tokens=[], pages=[], parent=None)
-        self._node_of_page: dict[int, PrefixNode] = {}
+        self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
+        self.num_pages = 0  # pages the tree holds a reference on (evictable or also used)
         self._heap: list[tuple[int, int, PrefixNode]] = []  # (last_access, push no., node)
         self._pushes = 0
         self._clock = 0
         self.num_evictable = 0  # cached pages whose only reference is the tree's
         self.num_evicted = 0
-
-    @property
-    def num_pages(self) -> int:
-        """Pages the tree holds a reference on (evictable or also used by sequences)."""
-        return len(self._node_of_page)
 
     @property
     def num_nodes(self) -> int:
@@ -96,7 +92,7 @@ class PrefixCache:
 
     def cached_pages(self) -> list[int]:
         """Ids of every page the tree caches."""
-        return list(self._node_of_page)
+        return [page for page, node in enumerate(self._node_of_page) if node is not None]
 
     def match(self, token_ids: list[int], max_pages: int) -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (a list), at most
@@ -233,37 +229,42 @@ class PrefixCache:
         leaf from its end; returns the page ids, which went back to the allocator's free
         list."""
         refcounts = self._refcounts
-        ps = self.page_size
+        node_of_page = self._node_of_page
+        heap = self._heap
         victims: list[int] = []
         keys: list[PageKey] = []
-        while len(victims) < num_pages and self._heap:
-            access, _, node = heapq.heappop(self._heap)
+        want = num_pages
+        while want > 0 and heap:
+            access, _, node = heap[0]
             if node.heap_access != access:
-                continue  # stale: superseded by a newer entry, or the node is gone
-            node.heap_access = -1
-            if node.children or node.lock_ref:
-                continue  # has grown children or is in use: offered again when that ends
+                heapq.heappop(heap)  # stale: superseded by a newer entry, or the node is gone
+                continue
             pages = node.pages
             keep = len(pages)
-            stop = max(keep - (num_pages - len(victims)), 0)
-            if not node.num_shared:
-                keep = stop  # every page is the tree's alone
-            while keep > stop and refcounts[pages[keep - 1]] == 1:
-                keep -= 1
-            if keep == len(pages):
-                continue  # in use again: offered again on release
-            if self.on_evict is not None:
-                keys += reversed(self._page_keys(node)[keep:])
-            taken = pages[keep:][::-1]  # from the end: eviction order
-            del pages[keep:], node.tokens[keep * ps:]
-            for page in taken:
-                del self._node_of_page[page]
-            victims += taken
-            self.num_evictable -= len(taken)
+            if not (node.children or node.lock_ref):  # else: offered again when that ends
+                stop = max(keep - want, 0)
+                if not node.num_shared:
+                    keep = stop  # every page is the tree's alone
+                while keep > stop and refcounts[pages[keep - 1]] == 1:
+                    keep -= 1
+            if keep < len(pages):
+                taken = pages[keep:]
+                taken.reverse()  # from the end: eviction order
+                if self.on_evict is not None:
+                    keys += reversed(self._page_keys(node)[keep:])
+                del pages[keep:], node.tokens[keep * self.page_size:]
+                for page in taken:
+                    node_of_page[page] = None
+                victims += taken
+                want -= len(taken)
+                if keep and refcounts[pages[-1]] == 1:
+                    break  # trimmed to what was asked; the rest keeps its place on the heap
+            heapq.heappop(heap)
+            node.heap_access = -1
             if not pages:
                 self._remove(node)
-            else:
-                self._offer(node)  # its new last page may be evictable too
+        self.num_pages -= len(victims)
+        self.num_evictable -= len(victims)
         self.num_evicted += len(victims)
         if victims and self.on_evict is not None:
             self.on_evict(victims, keys)
@@ -301,7 +302,7 @@ class PrefixCache:
         node_of_page = self._node_of_page
         for page in pages:
             if refcounts[page] == 1:
-                owner = node_of_page.get(page)
+                owner = node_of_page[page]
                 if owner is not None:
                     owner.num_shared -= 1
                     if not owner.lock_ref:
@@ -335,6 +336,7 @@ class PrefixCache:
         node_of_page = self._node_of_page
         for page in new_pages:
             node_of_page[page] = node
+        self.num_pages += len(new_pages)
         return node
 
     def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
@@ -378,7 +380,7 @@ class PrefixCache:
         node.heap_access = node.last_access
         self._pushes += 1
         heapq.heappush(self._heap, (node.last_access, self._pushes, node))
-        if len(self._heap) > 2 * len(self._node_of_page) + 64:
+        if len(self._heap) > 2 * self.num_pages + 64:
             # Stale entries pile up as nodes are re-used; rebuild from the live ones.
             self._heap = [e for e in self._heap if e[2].heap_access == e[0]]
             heapq.heapify(self._heap)
@@ -457,7 +459,7 @@ class PrefixCache:
                 f"{where} has num_shared {node.num_shared}, "
                 f"{len(counts) - counts.count(1)} pages with other holders")
             for page in node.pages:
-                assert self._node_of_page.get(page) is node, (
+                assert self._node_of_page[page] is node, (
                     f"page {page} missing from the page index")
             if not node.lock_ref:
                 evictable += counts.count(1)
@@ -467,8 +469,9 @@ class PrefixCache:
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self._fold(node.parent)[-1], f"{where}: stale base key"
             seen += len(node.pages)
-        assert seen == len(self._node_of_page), (
-            f"page index holds {len(self._node_of_page)} pages, tree {seen}")
+        indexed = len(self._node_of_page) - self._node_of_page.count(None)
+        assert seen == indexed == self.num_pages, (
+            f"page index holds {indexed} pages, num_pages={self.num_pages}, tree {seen}")
         assert evictable == self.num_evictable, (
             f"num_evictable={self.num_evictable}, counted {evictable}")
 
