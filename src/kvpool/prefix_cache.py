@@ -177,8 +177,9 @@ class PrefixCache:
                 node = self._add(node, token_ids[t:(last - first) * ps], pages, i, last)
                 i = last
                 break
-            depth = _common_pages(token_ids, t, child.tokens,
-                                  t + min(len(child.pages), last - i) * ps, ps)
+            span = min(len(child.pages), last - i)  # pages that may match; the first does
+            depth = span if span == 1 else _common_pages(token_ids, t, child.tokens,
+                                                         t + span * ps, ps)
             mine = pages[i:i + depth]
             stop = False
             theirs = child.pages[:depth]
