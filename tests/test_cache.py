@@ -258,6 +258,33 @@ def test_bad_counts_are_rejected():
     assert cache.sequences() == []
 
 
+def test_bad_token_ids_name_the_position_and_change_nothing():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(6))
+    cache.commit("a")
+    before = snapshot(cache)
+    with pytest.raises(TypeError, match=r"token id 2 is float 2\.5, expected an int"):
+        cache.add_sequence("b", [0, 1, 2.5])
+    with pytest.raises(ValueError, match=r"token id 1 is 2147483648, outside int32"):
+        cache.add_sequence("b", [0, 2**31])
+    with pytest.raises(TypeError, match="token id 0 is str"):
+        cache.append("a", token_ids=["x"])
+    with pytest.raises(TypeError, match="token id 0 is NoneType"):
+        cache.pages_to_add([None])
+    assert_unchanged(before, cache)
+    assert cache.num_tokens("a") == 6 and cache.sequences() == ["a"]
+
+
+def test_token_ids_may_be_any_sequence_of_integers():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", range(9))
+    cache.commit("a")
+    assert cache.add_sequence("b", tuple(range(9))) == 8
+    assert cache.add_sequence("c", torch.arange(9).numpy()) == 8
+    cache.append("c", token_ids=torch.tensor([7]).numpy())
+    cache.check()
+
+
 def test_errors_share_the_library_base_class():
     cache = make_cache()
     with pytest.raises(KVPoolError):

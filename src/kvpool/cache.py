@@ -15,13 +15,14 @@ from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 from kvpool.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvpool.tiers import PageKey, Tier
+from kvpool.tokens import TOKEN_BYTES, pack_tokens
 
 
 @dataclass(slots=True)
 class _Sequence:
     pages: list[int]  # page table: logical page i -> page id
     num_tokens: int
-    pending: list[int] | None  # ids of the tokens past the cached path; None: not cached
+    pending: bytearray | None  # packed ids of the tokens past the cached path; None: not cached
     tree_node: PrefixNode | None  # holds the last page of the cached path; None: no caching
     num_tree_pages: int  # logical pages [0, num_tree_pages) are the cached path
 
@@ -119,12 +120,12 @@ class KVCache:
             pages = self._allocate(need, self._shortfall(need, None))
             seqs[seq_id] = _Sequence(pages, n, None, None, 0)
             return 0
-        ids = token_ids if type(token_ids) is list else list(token_ids)  # read, never kept
+        ids = pack_tokens(token_ids)  # TypeError/ValueError for an id that is not an int32
         match = pc.match(ids, self._matchable_pages(n))
         pages = match.pages
         need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
         short = self._shortfall(need, match)
-        loaded = self._fetch_from_tier(ids, n, match) if self.tier is not None else ()
+        loaded = self._fetch_from_tier(token_ids, n, match) if self.tier is not None else ()
         node = pc.lock(match)
         hit = len(pages) + len(loaded)
         self._prefix_query_tokens += n
@@ -133,7 +134,8 @@ class KVCache:
         pages += self._allocate(need, short)
         if loaded:
             node = self._load_from_tier(node, ids, pages, first_new, loaded)
-        seqs[seq_id] = _Sequence(pages, n, ids[hit * self.page_size:], node, hit)
+        seqs[seq_id] = _Sequence(pages, n, bytearray(ids[hit * self.page_size * TOKEN_BYTES:]),
+                                 node, hit)
         return hit * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -144,6 +146,8 @@ class KVCache:
         n = _count(token_ids, num_tokens, default=1)
         start = seq.num_tokens
         self._check_length(seq_id, start + n)
+        packed = pack_tokens(token_ids) if token_ids is not None and seq.pending is not None \
+            else None
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
         new_pages = self._allocate(need + cow, self._shortfall(need + cow, None))
@@ -152,10 +156,10 @@ class KVCache:
         seq.pages.extend(new_pages)
         seq.num_tokens = start + n
         if seq.pending is not None:
-            if token_ids is None:
+            if packed is None:
                 seq.pending = None  # content unknown from here on: stop caching it
             else:
-                seq.pending.extend(token_ids)
+                seq.pending += packed
         return self._slots(seq, start, start + n)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -167,7 +171,7 @@ class KVCache:
             self.prefix_cache.share(parent.pages, parent.tree_node, parent.num_tree_pages)
         else:
             self.allocator.retain(parent.pages)
-        pending = None if parent.pending is None else list(parent.pending)
+        pending = None if parent.pending is None else bytearray(parent.pending)
         self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, pending,
                                          parent.tree_node, parent.num_tree_pages)
 
@@ -185,7 +189,7 @@ class KVCache:
         if seq.num_tree_pages < full:
             seq.tree_node, cached, freed = pc.insert(seq.tree_node, seq.pending, seq.pages,
                                                      seq.num_tree_pages, full)
-            del seq.pending[:(cached - seq.num_tree_pages) * self.page_size]
+            del seq.pending[:(cached - seq.num_tree_pages) * self.page_size * TOKEN_BYTES]
             seq.num_tree_pages = cached
             if self.scrub_on_free and freed:
                 self.pool.scrub_pages(freed)
@@ -241,8 +245,7 @@ class KVCache:
         total = -(-n // self.page_size)
         if self.prefix_cache is None or token_ids is None:
             return total
-        ids = token_ids if type(token_ids) is list else list(token_ids)
-        match = self.prefix_cache.match(ids, self._matchable_pages(n))
+        match = self.prefix_cache.match(token_ids, self._matchable_pages(n))
         return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
@@ -314,9 +317,9 @@ class KVCache:
             assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
             k = 0
             if seq.pending is not None:
-                want = seq.num_tokens - seq.num_tree_pages * self.page_size
+                want = (seq.num_tokens - seq.num_tree_pages * self.page_size) * TOKEN_BYTES
                 assert len(seq.pending) == want, (
-                    f"sequence {sid!r} keeps {len(seq.pending)} pending token ids, "
+                    f"sequence {sid!r} keeps {len(seq.pending)} bytes of pending token ids, "
                     f"expected {want}")
             if seq.tree_node is not None:
                 path_ends.append(seq.tree_node)
@@ -351,7 +354,7 @@ class KVCache:
         token, whose logits must be computed."""
         return (n - 1) // self.page_size if n else 0
 
-    def _fetch_from_tier(self, token_ids: list[int], n: int,
+    def _fetch_from_tier(self, token_ids: Sequence[int], n: int,
                          match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's `match` in the tier, page by
         page up to the first miss, never covering the last token. Only `get` touches the
@@ -372,16 +375,17 @@ class KVCache:
             parent_key = key.chain_key
         return loaded
 
-    def _load_from_tier(self, node: PrefixNode, token_ids: list[int], pages: list[int],
+    def _load_from_tier(self, node: PrefixNode, token_ids: bytes, pages: list[int],
                         first: int, loaded: list[torch.Tensor]) -> PrefixNode:
         """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
-        sequence's page table and cache them below `node`; returns the deepest node."""
+        sequence (whose packed ids are `token_ids`) and cache them below `node`; returns the
+        deepest node."""
         last = first + len(loaded)
         self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
         self._num_tier_loads += len(loaded)
         # the device match stopped above these pages, so the tree has no copy to switch to
-        ps = self.page_size
-        node, _, _ = self.prefix_cache.insert(node, token_ids[first * ps:last * ps], pages,
+        pb = self.page_size * TOKEN_BYTES
+        node, _, _ = self.prefix_cache.insert(node, token_ids[first * pb:last * pb], pages,
                                               first, last)
         return node
 

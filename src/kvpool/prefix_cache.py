@@ -1,10 +1,10 @@
 """PrefixCache: a radix tree over committed full pages, keyed by the pages' token ids.
 
 Each node below the root holds a run of one or more pages (`pages`) and their token ids
-(`tokens`, `page_size` per page); the path from the root spells the whole prefix. A node
-is entered by its first page's tokens, so a lookup hashes one page per node and compares
-the rest of the node's tokens in one C-level list comparison: matching a long cached
-prefix costs a few Python operations per node, not per page. A node splits where two
+(`tokens`, packed as in tokens.py, `page_size` ids per page); the path from the root spells
+the whole prefix. A node is entered by its first page's packed ids, so a lookup hashes one
+page per node and compares the rest of the node's ids in one memcmp: matching a long cached
+prefix costs a few Python operations per node, not per page or per token. A node splits where two
 prefixes part, and where a match ends inside it, so that every page of a node was last
 used at the same time.
 
@@ -31,14 +31,16 @@ from typing import NamedTuple
 
 from kvpool.allocator import PageAllocator
 from kvpool.tiers import ROOT_KEY, PageKey, chain_key
+from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
 
 @dataclass(slots=True, eq=False)
 class PrefixNode:
-    """A run of cached pages: `pages[i]` holds `tokens[i * page_size:(i + 1) * page_size]`."""
+    """A run of cached pages: `pages[i]` holds the ids packed in page i of `tokens` (each
+    page `page_size * TOKEN_BYTES` bytes)."""
 
-    key: tuple[int, ...]  # the first page's tokens: this node's entry in parent.children
-    tokens: list[int]
+    key: bytes  # the first page's packed ids: this node's entry in parent.children
+    tokens: bytearray
     pages: list[int]
     parent: PrefixNode | None
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
@@ -76,7 +78,8 @@ class PrefixCache:
         self.on_evict = on_evict
         self._refcounts = allocator.refcounts  # read-only view, read on every hot path
         self.page_size = page_size
-        self.root = PrefixNode(key=(), tokens=[], pages=[], parent=None)
+        self._page_bytes = page_size * TOKEN_BYTES
+        self.root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
         self.num_pages = 0  # pages the tree holds a reference on (evictable or also used)
         self._heap: list[tuple[int, int, PrefixNode]] = []  # (last_access, push no., node)
@@ -94,15 +97,17 @@ class PrefixCache:
         """Ids of every page the tree caches."""
         return [page for page, node in enumerate(self._node_of_page) if node is not None]
 
-    def match(self, token_ids: list[int], max_pages: int) -> PrefixMatch:
-        """The cached pages spelling the longest prefix of `token_ids` (a list), at most
-        `max_pages` pages. Changes nothing."""
-        ps = self.page_size
+    def match(self, token_ids: bytes | Sequence[int], max_pages: int) -> PrefixMatch:
+        """The cached pages spelling the longest prefix of `token_ids` (ids, or ids packed
+        by `pack_tokens`), at most `max_pages` pages. Changes nothing."""
+        if type(token_ids) is not bytes:
+            token_ids = pack_tokens(token_ids)
+        pb = self._page_bytes
         node, depth = self.root, 0
         pages: list[int] = []
-        start, limit = 0, max_pages * ps
+        start, limit = 0, max_pages * pb
         while start < limit:
-            child = node.children.get(tuple(token_ids[start:start + ps]))
+            child = node.children.get(token_ids[start:start + pb])
             if child is None:
                 break
             tokens = child.tokens
@@ -111,7 +116,7 @@ class PrefixCache:
                 depth = len(child.pages)
                 pages += child.pages
             else:  # the match ends inside this node: count its matching pages
-                depth = _common_pages(token_ids, start, tokens, min(end, limit), ps)
+                depth = _common_pages(token_ids, start, tokens, min(end, limit), pb)
                 pages += child.pages[:depth]
                 end = limit  # stop
             node, start = child, end
@@ -153,11 +158,11 @@ class PrefixCache:
         # reference count above 1 already, so no node's evictable pages change.
         self.allocator.retain(pages[num_path_pages:])
 
-    def insert(self, node: PrefixNode, token_ids: list[int], pages: list[int],
+    def insert(self, node: PrefixNode, token_ids: bytes | bytearray, pages: list[int],
                first: int, last: int) -> tuple[PrefixNode, int, list[int]]:
         """Cache logical pages [first, last) of a live sequence whose page table is `pages`
-        and whose cached path ends with `node`'s last page; `token_ids` are its tokens from
-        page `first` on. The tree takes over the sequence's reference on each new page.
+        and whose cached path ends with `node`'s last page; `token_ids` are its ids from
+        page `first` on, packed. The tree takes over the sequence's reference on each new page.
 
         Where the tree already caches the same tokens in another page, the sequence switches
         to the cached page (updating `pages` in place) and drops its own copy. A copy that
@@ -166,20 +171,20 @@ class PrefixCache:
         hold, out of eviction's reach. Returns the node holding the last cached page, the
         index of the first page left uncached (`last` unless caching stopped), and the ids of
         dropped copies that went back to the free list."""
-        ps = self.page_size
+        pb = self._page_bytes
         refcounts = self._refcounts
         clock = self._clock = self._clock + 1
         dropped: list[int] = []
-        i, t = first, 0  # the page, and its first token's offset in token_ids
+        i, t = first, 0  # the page, and its first token's offset in token_ids (bytes)
         while i < last:
-            child = node.children.get(tuple(token_ids[t:t + ps]))
+            child = node.children.get(bytes(token_ids[t:t + pb]))
             if child is None:
-                node = self._add(node, token_ids[t:(last - first) * ps], pages, i, last)
+                node = self._add(node, token_ids[t:(last - first) * pb], pages, i, last)
                 i = last
                 break
             span = min(len(child.pages), last - i)  # pages that may match; the first does
             depth = span if span == 1 else _common_pages(token_ids, t, child.tokens,
-                                                         t + span * ps, ps)
+                                                         t + span * pb, pb)
             mine = pages[i:i + depth]
             stop = False
             theirs = child.pages[:depth]
@@ -201,7 +206,7 @@ class PrefixCache:
             child.last_access = clock
             dropped += mine
             pages[i:i + depth] = child.pages
-            node, i, t = child, i + depth, t + depth * ps
+            node, i, t = child, i + depth, t + depth * pb
             if stop:
                 break
         return node, i, self._release_unlocked(dropped) if dropped else []
@@ -253,7 +258,7 @@ class PrefixCache:
                 taken.reverse()  # from the end: eviction order
                 if self.on_evict is not None:
                     keys += reversed(self._page_keys(node)[keep:])
-                del pages[keep:], node.tokens[keep * self.page_size:]
+                del pages[keep:], node.tokens[keep * self._page_bytes:]
                 for page in taken:
                     node_of_page[page] = None
                 victims += taken
@@ -312,13 +317,11 @@ class PrefixCache:
                             self._offer(owner)
         return freed
 
-    def _add(self, parent: PrefixNode, new_tokens: list[int], pages: list[int],
+    def _add(self, parent: PrefixNode, new_tokens: bytes | bytearray, pages: list[int],
              first: int, last: int) -> PrefixNode:
-        """Cache the sequence's pages [first, last), holding `new_tokens` (a list the tree may
-        keep), below `parent`, the end of its path: in `parent` itself when that is a leaf on
-        no other path (the run grows), else in a new child. Returns the node holding the last
-        page."""
-        ps = self.page_size
+        """Cache the sequence's pages [first, last), holding `new_tokens` (packed ids), below
+        `parent`, the end of its path: in `parent` itself when that is a leaf on no other path
+        (the run grows), else in a new child. Returns the node holding the last page."""
         new_pages = pages[first:last]
         # The sequence's references become the tree's, and it holds the pages through the
         # node; pages a fork sibling holds too stay shared.
@@ -329,7 +332,8 @@ class PrefixCache:
             parent.tokens += new_tokens
             node = parent
         else:
-            node = PrefixNode(tuple(new_tokens[:ps]), new_tokens, new_pages, parent,
+            node = PrefixNode(bytes(new_tokens[:self._page_bytes]), bytearray(new_tokens),
+                              new_pages, parent,
                               lock_ref=1, base_key=ROOT_KEY if parent is self.root else None)
             parent.children[node.key] = node
         node.num_shared += shared
@@ -344,8 +348,7 @@ class PrefixCache:
         """Split `node` after its first `depth` pages into a new parent holding those and
         `node` holding the rest (so references to `node` keep pointing at its last page, and
         its heap entry stays valid). Returns the new parent."""
-        ps = self.page_size
-        cut = depth * ps
+        cut = depth * self._page_bytes
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
                           last_access=node.last_access, lock_ref=node.lock_ref,
                           base_key=node.base_key)
@@ -355,7 +358,7 @@ class PrefixCache:
         node.parent.children[head.key] = head
         del node.tokens[:cut]
         del node.pages[:depth]
-        node.key = tuple(node.tokens[:ps])
+        node.key = bytes(node.tokens[:self._page_bytes])
         node.parent = head
         node.base_key = None
         head.children[node.key] = node
@@ -408,18 +411,18 @@ class PrefixCache:
     def _fold(self, node: PrefixNode) -> list[int]:
         if node is self.root:
             return [ROOT_KEY]
-        ps = self.page_size
+        pb = self._page_bytes
         key, keys = node.base_key, []
         for i in range(len(node.pages)):
-            key = chain_key(key, tuple(node.tokens[i * ps:(i + 1) * ps]))
+            key = chain_key(key, unpack_tokens(node.tokens[i * pb:(i + 1) * pb]))
             keys.append(key)
         return keys
 
     def _page_keys(self, node: PrefixNode) -> list[PageKey]:
         """The tier key of each of `node`'s pages."""
-        ps = self.page_size
+        pb = self._page_bytes
         parents = [self._base_key(node), *self._chain_keys(node)]
-        return [PageKey(parents[i + 1], parents[i], tuple(node.tokens[i * ps:(i + 1) * ps]))
+        return [PageKey(parents[i + 1], parents[i], unpack_tokens(node.tokens[i * pb:(i + 1) * pb]))
                 for i in range(len(node.pages))]
 
     def _nodes(self):
@@ -435,7 +438,7 @@ class PrefixCache:
         node's `lock_ref` equal to the paths through it (`path_ends`: the last node of each
         live sequence's path) and `num_shared` to its pages with other holders; the evictable
         count exact, and every evictable leaf on the eviction heap."""
-        ps = self.page_size
+        pb = self._page_bytes
         refcounts = self._refcounts
         paths: Counter[int] = Counter()
         for end in path_ends:
@@ -449,9 +452,10 @@ class PrefixCache:
             where = f"node at page {node.pages[0] if node.pages else '?'}"
             assert node.pages, "an empty node is left in the tree"
             assert node.parent.children.get(node.key) is node, f"{where} is misplaced"
-            assert node.key == tuple(node.tokens[:ps]), f"{where} has a stale key"
-            assert len(node.tokens) == ps * len(node.pages), (
-                f"{where} has {len(node.tokens)} tokens for {len(node.pages)} pages")
+            assert type(node.key) is bytes and node.key == node.tokens[:pb], (
+                f"{where} has a stale key")
+            assert len(node.tokens) == pb * len(node.pages), (
+                f"{where} has {len(node.tokens)} token bytes for {len(node.pages)} pages")
             assert node.lock_ref == paths[id(node)], (
                 f"{where} has lock_ref {node.lock_ref}, {paths[id(node)]} paths run through it")
             counts = [refcounts[page] for page in node.pages]
@@ -477,13 +481,13 @@ class PrefixCache:
             f"num_evictable={self.num_evictable}, counted {evictable}")
 
 
-def _common_pages(token_ids: list[int], start: int, tokens: list[int], end: int,
-                  ps: int) -> int:
-    """How many whole pages of `tokens` equal `token_ids[start:end]` from the front (the
-    first page is known to match)."""
+def _common_pages(token_ids: bytes | bytearray, start: int, tokens: bytearray, end: int,
+                  pb: int) -> int:
+    """How many whole pages (`pb` bytes each) of packed `tokens` equal
+    `token_ids[start:end]` from the front (the first page is known to match)."""
     depth = 1
-    for offset in range(ps, end - start, ps):
-        if token_ids[start + offset:start + offset + ps] != tokens[offset:offset + ps]:
+    for offset in range(pb, end - start, pb):
+        if token_ids[start + offset:start + offset + pb] != tokens[offset:offset + pb]:
             break
         depth += 1
     return depth
