@@ -20,6 +20,10 @@ timer's own cost (an empty request, measured in the same run).
     collection follows through its objects (both exact; timing a collection is too noisy next
     to the ~40 ms one takes with torch loaded). Baseline: the same token ids kept as lists of
     ints, as a tree over lists holds them.
+(d) Eviction as the tree grows: evict(16) on trees of 1,000, 11,000 and 100,000 evictable
+    one-page leaves, refilled between calls outside the timed region. Baseline: the least work
+    a scan-all eviction does, finding the 16 oldest of every leaf's access time
+    (heapq.nsmallest over a list of ints).
 
     python benchmarks/cache.py
 """
@@ -27,6 +31,7 @@ timer's own cost (an empty request, measured in the same run).
 from __future__ import annotations
 
 import gc
+import heapq
 import random
 import statistics
 import struct
@@ -37,7 +42,7 @@ from collections.abc import Callable
 import torch
 
 from kvpool.allocator import PageAllocator
-from kvpool.cache import KVCache
+from kvpool.cache import CacheStats, KVCache
 from kvpool.layout import KVLayout
 
 PAGE_SIZE = 16
@@ -55,22 +60,29 @@ def tokenizer_output(packed: bytes | None) -> list[int] | None:
     return None if packed is None else list(_PROMPT.unpack(packed))
 
 
-def per_request_us(make_serve: Callable[[], Serve], prompts: list[bytes | None],
-                   repeats: int = 7) -> float:
-    """Median over `repeats` passes of the mean time of `serve(i, prompt)` over `prompts`;
-    each pass gets its `serve` from `make_serve()`."""
+def pass_us(serve: Serve, prompts: list[bytes | None]) -> float:
+    """Mean microseconds of `serve(i, prompt)` over `prompts`, each unpacked to a fresh list
+    outside the timed region."""
     clock = time.perf_counter_ns
-    means = []
+    total = 0
+    for i, packed in enumerate(prompts):
+        prompt = tokenizer_output(packed)
+        t0 = clock()
+        serve(i, prompt)
+        total += clock() - t0
+    return total / len(prompts) / 1e3
+
+
+def interleaved_us(cases: list[tuple[Callable[[], Serve], list[bytes | None]]],
+                   repeats: int) -> list[float]:
+    """Each case's median pass time over `repeats` rounds. A round runs every case once, in
+    turn, so changes in the machine's speed reach all cases alike. A case is (make_serve,
+    prompts): each pass serves `prompts` with a fresh `make_serve()`."""
+    samples: list[list[float]] = [[] for _ in cases]
     for _ in range(repeats):
-        serve = make_serve()
-        total = 0
-        for i, packed in enumerate(prompts):
-            prompt = tokenizer_output(packed)
-            t0 = clock()
-            serve(i, prompt)
-            total += clock() - t0
-        means.append(total / len(prompts) / 1e3)
-    return statistics.median(means)
+        for times, (make_serve, prompts) in zip(samples, cases, strict=True):
+            times.append(pass_us(make_serve(), prompts))
+    return [statistics.median(times) for times in samples]
 
 
 def random_prompts(n: int, rng: random.Random) -> list[bytes]:
@@ -85,13 +97,12 @@ def serve_prompts(cache: KVCache) -> Serve:
     return serve
 
 
-def timer_overhead(n: int = 20_000) -> float:
-    """Microseconds the timing itself adds to a request: an empty one, timed."""
-    return per_request_us(lambda: lambda i, _: None, [None] * n)
+def no_op(i, prompt):
+    """An empty request: what timing one costs."""
 
 
-def bench_add_free(n: int = 20_000) -> list[tuple[str, float]]:
-    """(case, microseconds per request) rows."""
+def bench_add_free(n: int = 5_000, repeats: int = 15) -> tuple[list[tuple[str, float]], float]:
+    """(case, microseconds per request) rows net of the timer's cost, and that cost."""
     pages = TOKENS // PAGE_SIZE
     alloc = PageAllocator(4096)
     off = KVCache(LAYOUT, 4096)
@@ -109,14 +120,16 @@ def bench_add_free(n: int = 20_000) -> list[tuple[str, float]]:
         off.free_sequence(0)
 
     no_prompts: list[bytes | None] = [None] * n
-    return [
-        ("allocator only (floor)", per_request_us(lambda: floor, no_prompts)),
-        ("caching off", per_request_us(lambda: caching_off, no_prompts)),
-        ("caching on, same prompt (hit)",
-         per_request_us(lambda: serve_prompts(same), hit_prompt * n)),
-        ("caching on, new prompt (insert+evict)",
-         per_request_us(lambda: serve_prompts(fresh), random_prompts(n, rng))),
-    ]
+    overhead, *times = interleaved_us([
+        (lambda: no_op, no_prompts),
+        (lambda: floor, no_prompts),
+        (lambda: caching_off, no_prompts),
+        (lambda: serve_prompts(same), hit_prompt * n),
+        (lambda: serve_prompts(fresh), random_prompts(n, rng)),
+    ], repeats)
+    names = ["allocator only (floor)", "caching off", "caching on, same prompt (hit)",
+             "caching on, new prompt (insert+evict)"]
+    return [(name, us - overhead) for name, us in zip(names, times, strict=True)], overhead
 
 
 def shared_prefix_prompts(n: int, seed: int = 0) -> list[bytes]:
@@ -130,51 +143,57 @@ def shared_prefix_prompts(n: int, seed: int = 0) -> list[bytes]:
     return prompts
 
 
-def bench_shared_prefixes(prompts: list[bytes], num_pages: int,
-                          runs: int = 5) -> dict[str, float]:
-    """Microseconds per prompt (median of `runs` runs over every prompt): match + insert
-    (add_sequence + commit, evictions included), and free_sequence."""
+def kvcache_pass(prompts: list[bytes], num_pages: int) -> tuple[float, float, CacheStats]:
+    """One pass of a new KVCache over `prompts`: microseconds per prompt of match + insert
+    (add_sequence + commit, evictions included) and of free_sequence, and the cache's stats
+    (the cache itself is dropped, so that later passes do not pay for collecting it)."""
     clock = time.perf_counter_ns
-    times = []
+    cache = KVCache(LAYOUT, num_pages, prefix_caching=True)
+    add_ns = free_ns = 0
+    for i, packed in enumerate(prompts):
+        prompt = tokenizer_output(packed)
+        t0 = clock()
+        cache.add_sequence(i, prompt)
+        cache.commit(i)
+        t1 = clock()
+        cache.free_sequence(i)
+        add_ns += t1 - t0
+        free_ns += clock() - t1
+    cache.check()
+    return add_ns / len(prompts) / 1e3, free_ns / len(prompts) / 1e3, cache.stats()
+
+
+def naive_serve() -> Serve:
+    """The baseline: a dict keyed by every page-aligned prefix tuple."""
+    seen: dict[tuple[int, ...], int] = {}
+
+    def serve(i, p):
+        limit = (len(p) - 1) // PAGE_SIZE
+        k = 0
+        while k < limit and tuple(p[:(k + 1) * PAGE_SIZE]) in seen:
+            k += 1
+        for j in range(k, len(p) // PAGE_SIZE):
+            seen[tuple(p[:(j + 1) * PAGE_SIZE])] = i
+    return serve
+
+
+def bench_shared_prefixes(prompts: list[bytes], pools: list[int],
+                          runs: int = 5) -> tuple[float, list[tuple[float, float, CacheStats]]]:
+    """Median over `runs` rounds (each round runs every case once, in turn) of the naive
+    baseline's microseconds per prompt, and for each pool size the median match + insert and
+    free times, net of the timer's cost, with the last round's cache stats."""
+    rounds = []
     for _ in range(runs):
-        cache = KVCache(LAYOUT, num_pages, prefix_caching=True)
-        add_ns = free_ns = 0
-        for i, packed in enumerate(prompts):
-            prompt = tokenizer_output(packed)
-            t0 = clock()
-            cache.add_sequence(i, prompt)
-            cache.commit(i)
-            t1 = clock()
-            cache.free_sequence(i)
-            add_ns += t1 - t0
-            free_ns += clock() - t1
-        cache.check()
-        times.append((add_ns, free_ns))
-    n = len(prompts)
-    return {
-        "match + insert": statistics.median(a for a, _ in times) / n / 1e3,
-        "free": statistics.median(f for _, f in times) / n / 1e3,
-        "hit rate": cache.stats().prefix_hit_rate,
-        "evicted": cache.stats().num_evicted_pages,
-    }
-
-
-def bench_naive(prompts: list[bytes]) -> float:
-    """Microseconds per prompt of the naive baseline: a dict of every page-aligned prefix."""
-
-    def make_serve() -> Serve:
-        seen: dict[tuple[int, ...], int] = {}
-
-        def serve(i, p):
-            limit = (len(p) - 1) // PAGE_SIZE
-            k = 0
-            while k < limit and tuple(p[:(k + 1) * PAGE_SIZE]) in seen:
-                k += 1
-            for j in range(k, len(p) // PAGE_SIZE):
-                seen[tuple(p[:(j + 1) * PAGE_SIZE])] = i
-        return serve
-
-    return per_request_us(make_serve, prompts, repeats=3)
+        overhead = pass_us(no_op, prompts)
+        naive = pass_us(naive_serve(), prompts) - overhead
+        rounds.append((naive, [kvcache_pass(prompts, n) for n in pools], overhead))
+    naive = statistics.median(r[0] for r in rounds)
+    results = []
+    for j in range(len(pools)):
+        add = statistics.median(r[1][j][0] - r[2] for r in rounds)
+        free = statistics.median(r[1][j][1] - r[2] for r in rounds)
+        results.append((add, free, rounds[-1][1][j][2]))
+    return naive, results
 
 
 def held_cost(build: Callable[[], object]) -> tuple[float, int]:
@@ -210,6 +229,38 @@ def bench_large_cache(num_prompts: int = 6_250) -> list[tuple[str, float, int]]:
             ("KVCache with prefix caching", *held_cost(as_kvcache))]
 
 
+def bench_eviction(leaves: int, calls: int = 2_000, k: int = 16) -> tuple[float, float]:
+    """Microseconds per evict(k) on a tree of `leaves` one-page leaves, and per scan for the
+    k oldest of `leaves` access times (medians over `calls`)."""
+    cache = KVCache(LAYOUT, leaves + k, prefix_caching=True)
+    counter = iter(range(10**9))
+    page = struct.Struct(f"<{PAGE_SIZE}i")
+
+    def cache_new_leaves(n):
+        for _ in range(n):
+            start = next(counter) * PAGE_SIZE
+            cache.add_sequence(0, list(page.unpack(page.pack(*range(start, start + PAGE_SIZE)))))
+            cache.commit(0)
+            cache.free_sequence(0)
+
+    cache_new_leaves(leaves)
+    clock = time.perf_counter_ns
+    evict_ns = []
+    for _ in range(calls):
+        t0 = clock()
+        cache.prefix_cache.evict(k)
+        evict_ns.append(clock() - t0)
+        cache_new_leaves(k)
+    access_times = list(range(leaves))
+    random.Random(0).shuffle(access_times)
+    scan_ns = []
+    for _ in range(calls // 10):
+        t0 = clock()
+        heapq.nsmallest(k, access_times)
+        scan_ns.append(clock() - t0)
+    return statistics.median(evict_ns) / 1e3, statistics.median(scan_ns) / 1e3
+
+
 def verdict(us: float, target: float | None) -> str:
     if target is None:
         return ""
@@ -217,29 +268,27 @@ def verdict(us: float, target: float | None) -> str:
 
 
 def main() -> None:
-    overhead = timer_overhead()
-    rows = [(name, us - overhead) for name, us in bench_add_free()]
+    rows, overhead = bench_add_free()
     floor = rows[0][1]
     targets = [None, 3.0, 8.0, None]
-    print(f"(a) add {TOKENS}-token sequence + free, page size {PAGE_SIZE}, median of 7, "
-          f"net of {overhead:.2f} us timer cost")
+    print(f"(a) add {TOKENS}-token sequence + free, page size {PAGE_SIZE}, median of 15 "
+          f"interleaved rounds, net of {overhead:.2f} us timer cost")
     print(f"{'case':<40} {'us/op':>8} {'x floor':>8}  target (us)")
     for (name, us), target in zip(rows, targets, strict=True):
         print(f"{name:<40} {us:>8.2f} {us / floor:>8.2f}  {verdict(us, target)}".rstrip())
     prompts = shared_prefix_prompts(10_000)
-    naive = bench_naive(prompts) - overhead
+    pools = [16384, len(prompts) * TOKENS // PAGE_SIZE]
+    naive, results = bench_shared_prefixes(prompts, pools)
     print(f"\n(b) {len(prompts)} prompts of {TOKENS} tokens, 50 shared system prompts, "
-          f"median of 5, net of the same timer cost")
+          "median of 5 interleaved rounds, net of the timer cost")
     print(f"{'case':<48} {'us/prompt':>10} {'ratio':>7}  target (us)")
     print(f"{'naive prefix-tuple dict (baseline)':<48} {naive:>10.2f} {1.0:>7.2f}")
-    for num_pages, label in ((16384, "16384 pages"), (len(prompts) * TOKENS // PAGE_SIZE,
-                                                      "pool holds all")):
-        r = bench_shared_prefixes(prompts, num_pages)
-        for name, target in (("match + insert", 20.0), ("free", None)):
-            us = r[name] - overhead
+    for label, (add, free, stats) in zip(["16384 pages", "pool holds all"], results,
+                                         strict=True):
+        for name, us, target in (("match + insert", add, 20.0), ("free", free, None)):
             print(f"{f'KVCache {name}, {label}':<48} {us:>10.2f} {us / naive:>7.2f}  "
                   f"{verdict(us, target)}".rstrip())
-        print(f"  hit rate {r['hit rate']:.1%}, evicted pages {r['evicted']:,}")
+        print(f"  hit rate {stats.prefix_hit_rate:.1%}, evicted pages {stats.num_evicted_pages:,}")
     rows = bench_large_cache()
     print(f"\n(c) 6,250 unique {TOKENS}-token prompts cached: 100,000 pages, 1.6 M tokens")
     print(f"{'what holds them':<40} {'heap MiB':>9} {'ratio':>6} {'gc refs':>10} {'ratio':>6}")
@@ -247,6 +296,11 @@ def main() -> None:
     for name, heap, refs in rows:
         print(f"{name:<40} {heap:>9.1f} {heap / base_heap:>6.2f} {refs:>10,} "
               f"{refs / base_refs:>6.2f}")
+    print("\n(d) evict(16) as the tree grows, median us per call")
+    print(f"{'leaves':>8} {'scan-all floor':>15} {'evict':>8} {'ratio':>7}")
+    for leaves in (1_000, 11_000, 100_000):
+        evict_us, scan_us = bench_eviction(leaves)
+        print(f"{leaves:>8,} {scan_us:>15.2f} {evict_us:>8.2f} {evict_us / scan_us:>7.2f}")
 
 
 if __name__ == "__main__":
