@@ -43,7 +43,7 @@ class PrefixNode:
     tokens: bytearray
     pages: list[int]
     parent: PrefixNode | None
-    children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+    children: dict[bytes, PrefixNode] = field(default_factory=dict)
     last_access: int = 0  # logical clock of the last match, insert or release
     heap_access: int = -1  # last_access of this node's live heap entry, -1 if none
     lock_ref: int = 0  # live sequences whose cached path runs through this node
@@ -333,8 +333,8 @@ class PrefixCache:
             node = parent
         else:
             node = PrefixNode(bytes(new_tokens[:self._page_bytes]), bytearray(new_tokens),
-                              new_pages, parent,
-                              lock_ref=1, base_key=ROOT_KEY if parent is self.root else None)
+                              new_pages, parent, lock_ref=1,
+                              base_key=ROOT_KEY if parent is self.root else None)
             parent.children[node.key] = node
         node.num_shared += shared
         node.last_access = self._clock
