@@ -62,7 +62,8 @@ class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
     a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
-    and a later prompt continuing their prefix loads them back instead of recomputing."""
+    and a later prompt continuing their prefix loads them back instead of recomputing.
+    Not thread-safe: call it from one thread (as the engine's loop does) or under a lock."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
