@@ -78,6 +78,7 @@ class KVCache:
             raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
         self.layout = layout
         self.page_size = layout.page_size
+        self._page_bytes = layout.page_size * TOKEN_BYTES  # one page of packed token ids
         self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve)
         self.pool = KVPool(layout, num_pages, device=device)
         self.tier = tier
@@ -135,8 +136,7 @@ class KVCache:
         pages += self._allocate(need, short)
         if loaded:
             node = self._load_from_tier(node, ids, pages, first_new, loaded)
-        seqs[seq_id] = _Sequence(pages, n, bytearray(ids[hit * self.page_size * TOKEN_BYTES:]),
-                                 node, hit)
+        seqs[seq_id] = _Sequence(pages, n, bytearray(ids[hit * self._page_bytes:]), node, hit)
         return hit * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -190,7 +190,7 @@ class KVCache:
         if seq.num_tree_pages < full:
             seq.tree_node, cached, freed = pc.insert(seq.tree_node, seq.pending, seq.pages,
                                                      seq.num_tree_pages, full)
-            del seq.pending[:(cached - seq.num_tree_pages) * self.page_size * TOKEN_BYTES]
+            del seq.pending[:(cached - seq.num_tree_pages) * self._page_bytes]
             seq.num_tree_pages = cached
             if self.scrub_on_free and freed:
                 self.pool.scrub_pages(freed)
@@ -385,7 +385,7 @@ class KVCache:
         self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
         self._num_tier_loads += len(loaded)
         # the device match stopped above these pages, so the tree has no copy to switch to
-        pb = self.page_size * TOKEN_BYTES
+        pb = self._page_bytes
         node, _, _ = self.prefix_cache.insert(node, token_ids[first * pb:last * pb], pages,
                                               first, last)
         return node
