@@ -8,7 +8,7 @@ tier variant evicts into a small host tier, so pages loaded back from it are che
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -200,3 +200,27 @@ def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
         max_examples=150, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])
     Machine.TestCase().runTest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_prompts=st.integers(1, 10), uses=st.lists(st.integers(0, 9), max_size=30))
+def test_eviction_takes_the_least_recently_used_page_first(num_prompts, uses):
+    """One cached page per prompt, used (hit) in a random order: evicting one page at a time
+    must take them from the least recently used on, whatever the heap has queued."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                      page_size=PAGE_SIZE)
+    cache = KVCache(layout, 2 * num_prompts + 1, device="cpu", prefix_caching=True)
+    page_of = {}
+    order = []  # prompt numbers, least recently used first
+    for i in [*range(num_prompts), *(u for u in uses if u < num_prompts)]:
+        tokens = [i] * (PAGE_SIZE + 1)  # one full page, matchable, and one more token
+        assert cache.add_sequence("s", tokens) == (PAGE_SIZE if i in page_of else 0)
+        cache.commit("s")
+        page_of.setdefault(i, cache.pages("s")[0])
+        cache.free_sequence("s")
+        order = [j for j in order if j != i] + [i]
+        cache.check()
+    for i in order:
+        assert cache.prefix_cache.evict(1) == [page_of[i]]
+        cache.check()
+    assert cache.prefix_cache.num_pages == 0

@@ -16,9 +16,14 @@ own allocator references. A cached page is evictable when no path runs through i
 no sequence holds it past its path (its reference count is 1, the tree's).
 
 Eviction takes pages from the tail of the least recently used leaf first (children before
-parents, so a node empties from its end), from a heap with lazy deletion: evicting k pages
-costs O(k + log n) per leaf touched, never a scan of the tree. A tier names a page by the
-chain key of its whole prefix (see tiers.py); chain keys are computed only when a tier asks.
+parents, so a node empties from its end), from a heap on which every evictable leaf is queued
+(no node twice). A hit refreshes a node by stamping its `last_access` only; the heap catches
+up lazily, when a refreshed node reaches the top and goes back in under its new time. So a
+hit never touches the heap, and evicting k pages costs O(k + log n) per leaf touched, never
+a scan of the tree.
+
+A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
+computed only when a tier asks.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class PrefixNode:
     parent: PrefixNode | None
     children: dict[bytes, PrefixNode] = field(default_factory=dict)
     last_access: int = 0  # logical clock of the last match, insert or release
-    heap_access: int = -1  # last_access of this node's live heap entry, -1 if none
+    queued: bool = False  # on the eviction heap (under a time <= last_access)
     lock_ref: int = 0  # live sequences whose cached path runs through this node
     num_shared: int = 0  # pages also held by some sequence past its path (refcount > 1)
     base_key: int | None = ROOT_KEY  # chain key of the prefix before pages[0]; None: unknown
@@ -82,7 +87,7 @@ class PrefixCache:
         self.root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
         self.num_pages = 0  # pages the tree holds a reference on (evictable or also used)
-        self._heap: list[tuple[int, int, PrefixNode]] = []  # (last_access, push no., node)
+        self._heap: list[tuple[int, int, PrefixNode]] = []  # (access time, push no., node)
         self._pushes = 0
         self._clock = 0
         self.num_evictable = 0  # cached pages whose only reference is the tree's
@@ -226,7 +231,7 @@ class PrefixCache:
                     self.num_evictable += len(up.pages) - up.num_shared
                 up.last_access = clock
                 up = up.parent
-            if not node.children:
+            if not node.queued:
                 self._offer(node)
         return freed
 
@@ -242,8 +247,9 @@ class PrefixCache:
         want = num_pages
         while want > 0 and heap:
             access, _, node = heap[0]
-            if node.heap_access != access:
-                heapq.heappop(heap)  # stale: superseded by a newer entry, or the node is gone
+            if access != node.last_access:  # used since it was queued: requeue, and look again
+                self._pushes += 1
+                heapq.heapreplace(heap, (node.last_access, self._pushes, node))
                 continue
             pages = node.pages
             keep = len(pages)
@@ -266,7 +272,7 @@ class PrefixCache:
                 if keep and refcounts[pages[-1]] == 1:
                     break  # trimmed to what was asked; the rest keeps its place on the heap
             heapq.heappop(heap)
-            node.heap_access = -1
+            node.queued = False
             if not pages:
                 self._remove(node)
         self.num_pages -= len(victims)
@@ -375,19 +381,13 @@ class PrefixCache:
             self._offer(parent)
 
     def _offer(self, node: PrefixNode) -> None:
-        """Push `node` on the eviction heap if it is a leaf whose last page is evictable and
-        it has no live entry."""
-        if node.children or node.lock_ref or node.heap_access == node.last_access:
+        """Queue `node` for eviction if it is a leaf whose last page is evictable and it is
+        not queued yet."""
+        if node.queued or node.children or node.lock_ref or self._refcounts[node.pages[-1]] != 1:
             return
-        if self._refcounts[node.pages[-1]] != 1:
-            return
-        node.heap_access = node.last_access
+        node.queued = True
         self._pushes += 1
         heapq.heappush(self._heap, (node.last_access, self._pushes, node))
-        if len(self._heap) > 2 * self.num_pages + 64:
-            # Stale entries pile up as nodes are re-used; rebuild from the live ones.
-            self._heap = [e for e in self._heap if e[2].heap_access == e[0]]
-            heapq.heapify(self._heap)
 
     def _base_key(self, node: PrefixNode) -> int:
         """The chain key of the prefix before `node`'s first page, computed once."""
@@ -437,7 +437,8 @@ class PrefixCache:
         """Tree invariants: links, keys and the page index consistent, no empty node; each
         node's `lock_ref` equal to the paths through it (`path_ends`: the last node of each
         live sequence's path) and `num_shared` to its pages with other holders; the evictable
-        count exact, and every evictable leaf on the eviction heap."""
+        count exact; the eviction heap holding each queued node of the tree once, under a time
+        no later than its last access, and every evictable leaf queued."""
         pb = self._page_bytes
         refcounts = self._refcounts
         paths: Counter[int] = Counter()
@@ -447,7 +448,8 @@ class PrefixCache:
                 end = end.parent
         seen = 0
         evictable = 0
-        live = {id(e[2]) for e in self._heap if e[2].heap_access == e[0]}
+        queued = {id(node): access for access, _, node in self._heap}
+        assert len(queued) == len(self._heap), "a node is on the eviction heap twice"
         for node in self._nodes():
             where = f"node at page {node.pages[0] if node.pages else '?'}"
             assert node.pages, "an empty node is left in the tree"
@@ -466,14 +468,17 @@ class PrefixCache:
             for page in node.pages:
                 assert self._node_of_page[page] is node, (
                     f"page {page} missing from the page index")
+            assert node.queued == (id(node) in queued), f"{where}: wrong queued flag"
+            assert queued.pop(id(node), 0) <= node.last_access, (
+                f"{where} is queued under a time after its last access")
             if not node.lock_ref:
                 evictable += counts.count(1)
                 if not node.children and counts[-1] == 1:
-                    assert node.heap_access == node.last_access and id(node) in live, (
-                        f"evictable leaf {where} is not on the eviction heap")
+                    assert node.queued, f"evictable leaf {where} is not on the eviction heap"
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self._fold(node.parent)[-1], f"{where}: stale base key"
             seen += len(node.pages)
+        assert not queued, f"{len(queued)} nodes on the eviction heap are not in the tree"
         indexed = len(self._node_of_page) - self._node_of_page.count(None)
         assert seen == indexed == self.num_pages, (
             f"page index holds {indexed} pages, num_pages={self.num_pages}, tree {seen}")
