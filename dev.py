@@ -20,6 +20,8 @@ PY = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".kvpool-installed"
 # A CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
+# What the install builds from: a change to any of these reinstalls.
+BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c")
 
 
 def _pip(*args: str) -> None:
@@ -28,13 +30,14 @@ def _pip(*args: str) -> None:
 
 def ensure_venv() -> None:
     """Create .venv if missing; install torch, then kvpool with its test extra when
-    pyproject.toml changed since the last install."""
+    pyproject.toml or the C source it builds changed since the last install."""
     if not PY.exists():
         venv.create(VENV, with_pip=True)
     has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode
     if has_torch != 0:
         _pip(TORCH)
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256(b"".join(
+        path.read_bytes() for path in BUILD_INPUTS)).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != digest:
         _pip("-e", f"{ROOT}[test]")
         STAMP.write_text(digest)

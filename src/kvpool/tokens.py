@@ -4,6 +4,11 @@ A list of ids costs a 28-byte int object and an 8-byte pointer per token, and ev
 garbage collection walks it; a cache of a million pages would hold half a gigabyte of them.
 Packed, a page's ids are one bytes object: 64 bytes at page size 16, hashed and compared
 (memcmp) in one step, freed in one step, and never walked by the collector.
+
+Packing is the largest single cost of a prefix hit, so a list of plain ints is packed by a
+small C loop (`_tokens.c`, built with the package when a C compiler is there). Everything
+else, and every list when it is not built, takes the portable path through `struct`; both
+give the same bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ import operator
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
+
+try:
+    from kvpool._tokens import pack_list
+except ImportError:  # built without a C compiler
+    pack_list = None
 
 TOKEN_BYTES = 4
 TOKEN_MIN, TOKEN_MAX = -(2**31), 2**31 - 1
@@ -25,6 +35,16 @@ def _codec(num_tokens: int) -> struct.Struct:
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """`token_ids` packed, `TOKEN_BYTES` per token. Raises TypeError for an id that is not
     an int and ValueError for one outside int32, naming its position."""
+    if type(token_ids) is list and pack_list is not None:
+        try:
+            return pack_list(token_ids)
+        except (TypeError, OverflowError):
+            pass  # not all plain int32 ids: the portable path packs them or names the bad one
+    return pack_portable(token_ids)
+
+
+def pack_portable(token_ids: Sequence[int]) -> bytes:
+    """`pack_tokens` without the compiled loop: any sequence of objects with `__index__`."""
     try:
         return _codec(len(token_ids)).pack(*token_ids)
     except struct.error:
