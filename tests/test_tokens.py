@@ -55,9 +55,14 @@ def test_the_compiled_loop_packs_exactly_as_struct_does(ids):
 @needs_compiled
 @pytest.mark.parametrize("ids", [[True, 2], [np.int64(7), 2], [2, np.int32(-3)]])
 def test_ids_the_compiled_loop_does_not_take_are_packed_by_the_portable_path(ids):
-    with pytest.raises(TypeError):
-        tokens.pack_list(ids)
+    assert tokens.pack_list(ids) is None
     assert pack_tokens(ids) == pack_portable([int(x) for x in ids])
+
+
+@needs_compiled
+@pytest.mark.parametrize("ids", [[0, TOKEN_MAX + 1], [TOKEN_MIN - 1], [1, 2**70], [1, "a"]])
+def test_the_compiled_loop_leaves_bad_ids_to_the_portable_path(ids):
+    assert tokens.pack_list(ids) is None
 
 
 def test_sequences_other_than_lists_pack_too():

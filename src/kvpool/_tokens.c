@@ -1,9 +1,9 @@
 /* Packing token ids, compiled: the loop of tokens.pack_tokens without the interpreter.
 
    pack_list(ids) takes a list of plain ints and returns them packed as tokens.py packs them,
-   little-endian int32, 4 bytes a token. Anything else (an int subclass, a numpy integer,
-   an id outside int32) raises TypeError or OverflowError, and tokens.py falls back to its
-   portable path, which either packs it or names the bad id. Only exact ints are read, and
+   little-endian int32, 4 bytes a token. For a list holding anything else (an int subclass,
+   a numpy integer, an id outside int32) it returns None, and tokens.py takes its portable
+   path, which either packs the list or names the bad id. Only exact ints are read, and
    reading them runs no Python code, so the list cannot change under the loop. */
 
 #define PY_SSIZE_T_CLEAN
@@ -24,16 +24,12 @@ static PyObject *pack_list(PyObject *module, PyObject *ids) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *id = PyList_GET_ITEM(ids, i);
         if (!PyLong_CheckExact(id)) {
-            Py_DECREF(out);
-            PyErr_SetString(PyExc_TypeError, "not a plain int");
-            return NULL;
+            goto portable;
         }
         int overflow;
         long value = PyLong_AsLongAndOverflow(id, &overflow);
         if (overflow || value < INT32_MIN || value > INT32_MAX) {
-            Py_DECREF(out);
-            PyErr_SetString(PyExc_OverflowError, "outside int32");
-            return NULL;
+            goto portable;
         }
         uint32_t bits = (uint32_t)(int32_t)value;
         dst[0] = (unsigned char)bits;
@@ -43,10 +39,14 @@ static PyObject *pack_list(PyObject *module, PyObject *ids) {
         dst += 4;
     }
     return out;
+portable: /* not a plain int32 id: tokens.py packs the list, or names the bad id */
+    Py_DECREF(out);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"pack_list", pack_list, METH_O, "A list of ints packed as little-endian int32."},
+    {"pack_list", pack_list, METH_O,
+     "A list of int32 ids packed little-endian; None if one is not a plain int in int32."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,10 +36,9 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """`token_ids` packed, `TOKEN_BYTES` per token. Raises TypeError for an id that is not
     an int and ValueError for one outside int32, naming its position."""
     if type(token_ids) is list and pack_list is not None:
-        try:
-            return pack_list(token_ids)
-        except (TypeError, OverflowError):
-            pass  # not all plain int32 ids: the portable path packs them or names the bad one
+        packed = pack_list(token_ids)  # None unless every id is a plain int in int32
+        if packed is not None:
+            return packed
     return pack_portable(token_ids)
 
 
