@@ -2,8 +2,9 @@
 
 Run: python benchmarks/attention.py  (prints one table; about a minute on 2 CPU cores)
 
-paged_attention runs two ways: "kernel" is the fused CPU decode kernel (kvpool/kernels, which
-reads K/V in place), "torch" the torch path (KVPOOL_CPU_KERNEL=0: gather pages, then SDPA).
+paged_attention runs two ways: "kernel" is the fused CPU decode kernel (backend "cpu",
+kvpool/kernels, which reads K/V in place), "torch" the torch path (backend "torch": gather
+pages, then SDPA).
 
 Batch 32, 32 query heads, 8 KV heads, head_dim 128, page size 16, one query token per sequence.
 The contiguous baseline is torch's scaled_dot_product_attention on [batch, kv_heads, context,
@@ -70,16 +71,14 @@ def make_case(context: int, dtype: torch.dtype) -> dict:
     src = torch.randn(2 * k.numel(), dtype=dtype)
     dst = torch.empty_like(src)
 
-    def paged(kernel: str):
-        def run():
-            os.environ["KVPOOL_CPU_KERNEL"] = kernel
-            return paged_attention(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q)
-
-        return run
+    def paged(backend: str):
+        return lambda: paged_attention(
+            q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, backend=backend
+        )
 
     return {
-        "kernel": paged("1"),
-        "torch": paged("0"),
+        "kernel": paged("cpu"),
+        "torch": paged("torch"),
         "sdpa grouped q": lambda: F.scaled_dot_product_attention(q_grouped, k, v),
         "sdpa enable_gqa": lambda: F.scaled_dot_product_attention(q_heads, k, v, enable_gqa=True),
         "copy": lambda: dst.copy_(src),

@@ -387,3 +387,135 @@ def test_kernel_is_built_once_into_the_cache_dir(kernel, monkeypatch, tmp_path):
     assert cpu_kernel._build(command) == path
     assert path.stat().st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp files left
+
+
+# Bad inputs (issue 12): a clear typed error naming the numbers, and nothing changed.
+
+
+def test_write_kv_with_one_slot_out_of_range_writes_nothing():
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    slots = torch.tensor([17, 3, 64, 40])  # 64 is one past the last slot
+    with pytest.raises(IndexError, match=r"slot 64 \(token 2\) is outside the caches' \[0, 64\)"):
+        write_kv(k_cache, v_cache, slots, torch.ones(4, 2, 8), torch.ones(4, 2, 8))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_rejects_a_negative_slot():
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    with pytest.raises(IndexError, match="slot -1 "):
+        write_kv(k_cache, v_cache, torch.tensor([0, -1]), torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_rejects_float_slots_and_a_dtype_unlike_the_caches():
+    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    ones = torch.ones(2, 2, 8)
+    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.float32"):
+        write_kv(k_cache, v_cache, torch.tensor([0.0, 1.0]), ones, ones)
+    with pytest.raises(ValueError, match="in the caches' torch.float32, got torch.bfloat16"):
+        write_kv(k_cache, v_cache, torch.tensor([0, 1]), ones.bfloat16(), ones.bfloat16())
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.usefixtures("decode_path")
+def test_page_id_past_int32_is_rejected_not_wrapped():
+    # 2**32 + 1 narrowed to int32 is 1: the C kernel used to read page 1.
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    tables = batch.page_tables.long()
+    tables[3, 2] = 2**32 + 1
+    with pytest.raises(IndexError, match=r"entry \[3, 2\] is page id 4294967297, outside"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens,
+                        batch.cu_seqlens_q)
+
+
+def test_cpu_kernel_rejects_page_id_past_int32_when_called_directly(kernel):
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    tables = batch.page_tables.long()
+    tables[0, 0] = 2**32 + 1
+    with pytest.raises(IndexError, match="page id 4294967297"):
+        kernel.paged_decode(batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens,
+                            batch.scale, None)
+
+
+@pytest.mark.usefixtures("decode_path")
+def test_float_page_table_is_rejected():
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(TypeError, match="page_tables must be an integer tensor, got torch.float32"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.page_tables.float(),
+                        batch.seq_lens, batch.cu_seqlens_q)
+
+
+def test_torch_path_names_an_out_of_range_page_id():
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch.page_tables[1, 0] = batch.k_cache.shape[0] + 5
+    bad = batch.k_cache.shape[0] + 5
+    with pytest.raises(IndexError, match=rf"entry \[1, 0\] is page id {bad}, outside"):
+        batch.attend(backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_empty_batch_gives_an_empty_output(backend):
+    k_cache = torch.zeros(4, 16, 2, 64)
+    out = paged_attention(
+        torch.zeros(0, 8, 64), k_cache, k_cache.clone(), torch.zeros(0, 3, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), backend=backend,
+    )
+    assert out.shape == (0, 8, 64) and out.dtype == torch.float32
+
+
+def test_empty_batch_with_query_tokens_is_rejected():
+    k_cache = torch.zeros(4, 16, 2, 64)
+    with pytest.raises(ValueError, match="an empty batch has no query tokens, got 3"):
+        paged_attention(
+            torch.zeros(3, 8, 64), k_cache, k_cache.clone(), torch.zeros(0, 3, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+        )
+
+
+def test_bounds_below_the_batch_lengths_are_rejected():
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_seq_len 63 is below the batch's 64"):
+        batch.attend(max_seq_len=63)
+    with pytest.raises(ValueError, match="max_query_len 19 is below the batch's 20"):
+        batch.attend(max_query_len=19)
+
+
+# Backend choice.
+
+
+def test_backends_agree_on_a_mixed_batch(kernel):
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    torch_out, cpu_out = batch.attend(backend="torch"), batch.attend(backend="cpu")
+    assert relative_error(cpu_out, torch_out.double()) < 1e-5
+
+
+def test_backend_none_picks_the_c_kernel_on_the_cpu(kernel, monkeypatch):
+    calls = []
+    torch_decode = attention._decode
+    monkeypatch.setattr(attention, "_decode", lambda *args: calls.append(1) or torch_decode(*args))
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch.attend()
+    assert calls == []
+    batch.attend(backend="torch")
+    assert calls == [1]
+
+
+def test_unknown_backend_is_rejected():
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="backend must be one of .* got 'cuda'"):
+        batch.attend(backend="cuda")
+
+
+def test_triton_backend_without_triton_says_so(monkeypatch):
+    monkeypatch.setattr(attention.triton_support, "triton_installed", lambda: False)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="triton backend needs the triton package, which is not"):
+        batch.attend(backend="triton")
+
+
+def test_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(attention.triton_support, "triton_installed", lambda: True)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        batch.attend(backend="triton")

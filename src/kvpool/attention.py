@@ -1,15 +1,24 @@
-"""Paged attention: write new tokens' K/V into the pool by slot, and attend through page tables."""
+"""Paged attention: write new tokens' K/V into the pool by slot, and attend through page tables.
+
+Backends: "torch" (the reference: gathers pages, then SDPA), "cpu" (decode rows in the fused C
+kernel of kvpool/kernels/cpu.py, other rows as torch) and "triton" (kvpool/kernels/triton_*.py,
+on CUDA; Triton is optional and imported only when used).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from kvpool.kernels import cpu as cpu_kernel
+from kvpool.kernels import triton_support
+from kvpool.kernels.checks import check_index_dtype, check_page_tables
+
+BACKENDS = ("torch", "cpu", "triton")
 
 # Decode gathers the pages of a group of sequences into one scratch tensor of about this many
 # bytes (K and V), reused for every group: small enough to stay in cache, large enough that a
@@ -25,6 +34,9 @@ class AttentionMetadata:
     page_tables: torch.Tensor  # [batch, max_pages] int32, padded with any valid page id
     seq_lens: torch.Tensor  # [batch] int32: KV length of each sequence, new tokens included
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32: query token offsets, starting at 0
+    max_seq_len: int | None = None  # host bound of seq_lens (tokens); None: read from the tensor
+    max_query_len: int | None = None  # host bound of the query lengths (tokens)
+    workspace: Any = None  # scratch for the kernels: `alloc(shape, dtype) -> Tensor`, or None
 
 
 class _Layer(NamedTuple):
@@ -34,36 +46,81 @@ class _Layer(NamedTuple):
     v_cache: torch.Tensor
     scale: float
     window: int | None
+    backend: str  # "torch" or "cpu"
 
 
 def write_kv(k_cache, v_cache, slots, k, v) -> None:
-    """Store K and V `[n, num_kv_heads, head_dim]` of n tokens at `slots` `[n]` (int64).
+    """Store K and V `[n, num_kv_heads, head_dim]` of n tokens at `slots` `[n]` (integers).
 
     `k_cache`/`v_cache` are one layer's `[num_pages, page_size, num_kv_heads, head_dim]` pool views.
+    Slots on the CPU are all checked before anything is written: a slot outside the caches
+    raises IndexError naming it, and nothing changes. Slots on CUDA are not read back (that
+    would synchronise): the Triton kernel skips an out-of-range slot, and index_copy_ (without
+    Triton) stops on its device-side assertion.
     """
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slots.shape != k.shape[:1]:
         raise ValueError(
             f"write_kv expects k, v [n, {k_cache.shape[2]}, {k_cache.shape[3]}] and slots [n]; "
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"write_kv expects k, v in the caches' {k_cache.dtype}, "
+                         f"got {k.dtype} and {v.dtype}")
+    check_index_dtype("slots", slots)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slots.device.type == "cpu" and slots.numel():
+        lo, hi = torch.aminmax(slots)
+        if lo < 0 or hi >= num_slots:
+            i = int(((slots < 0) | (slots >= num_slots)).nonzero()[0])
+            raise IndexError(
+                f"write_kv: slot {int(slots[i])} (token {i}) is outside the caches' "
+                f"[0, {num_slots})"
+            )
+    dense = k_cache.stride(3) == v_cache.stride(3) == 1
+    if k_cache.is_cuda and dense and triton_support.triton_installed():
+        from kvpool.kernels import triton_write
+
+        triton_write.write_kv(k_cache, v_cache, slots, k, v)
+        return
+    slots = slots.long()
     # view, never reshape: a silent copy would drop the write.
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def paged_attention(
-    q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale=None, sliding_window=None
+    q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale=None, sliding_window=None,
+    backend=None, max_seq_len=None, max_query_len=None, workspace=None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `[total_query_tokens, num_heads, head_dim]` over pages.
 
     Sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b + 1]`, its last tokens out of
-    `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype.
+    `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
+    batch gives an empty result. `backend` is one of BACKENDS, None for the fastest here.
+    `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
+    trusts them and reads nothing back from the device. `workspace` (`alloc(shape, dtype)`)
+    provides the triton decode's scratch.
     """
-    lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
-    _check_inputs(q, k_cache, v_cache, page_tables, lens, starts, sliding_window)
+    backend = _choose_backend(backend, q)
+    _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    layer = _Layer(k_cache, v_cache, scale, sliding_window)
+    if seq_lens.shape[0] == 0:
+        return q.new_empty(q.shape)
+    if backend == "triton" and max_seq_len is not None and max_query_len is not None:
+        _check_bounds(k_cache, page_tables, max_seq_len, max_query_len)
+        return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
+                              sliding_window, max_seq_len, max_query_len, workspace)
+    lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
+    _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens)
+    for name, bound, actual in (("max_seq_len", max_seq_len, max(lens)),
+                                ("max_query_len", max_query_len, max(q_lens))):
+        if bound is not None and bound < actual:
+            raise ValueError(f"paged_attention: {name} {bound} is below the batch's {actual}")
+    if backend == "triton":
+        return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
+                              sliding_window, max(lens), max(q_lens), workspace)
+    layer = _Layer(k_cache, v_cache, scale, sliding_window, backend)
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if len(decode) == len(q_lens):
         return _decode_rows(layer, q, page_tables, lens)
@@ -80,35 +137,108 @@ def paged_attention(
     return out
 
 
-def _check_inputs(q, k_cache, v_cache, page_tables, lens, starts, sliding_window) -> None:
-    """Raise ValueError naming the shapes if the inputs do not describe one consistent batch."""
+def _choose_backend(backend: str | None, q: torch.Tensor) -> str:
+    """The backend to run: `backend` if it can run on q's device, else the fastest there
+    (None): triton on CUDA when installed, the C kernel on the CPU unless switched off."""
+    if backend is None:
+        if q.device.type == "cpu":
+            return "cpu" if cpu_kernel.enabled() else "torch"
+        return "triton" if triton_support.runs_on(q.device) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"paged_attention: backend must be one of {BACKENDS} or None, "
+                         f"got {backend!r}")
+    if backend == "cpu" and q.device.type != "cpu":
+        raise ValueError(f"paged_attention: the cpu backend needs CPU tensors, got {q.device}")
+    if backend == "triton" and not triton_support.runs_on(q.device):
+        if not triton_support.triton_installed():
+            why = "needs the triton package, which is not installed"
+        else:
+            why = f"needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
+        raise ValueError(f"paged_attention: the triton backend {why}")
+    return backend
+
+
+def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, window,
+                   max_seq_len: int, max_query_len: int, workspace) -> torch.Tensor:
+    """The triton kernels: decode when every query is one token, else prefill (any mix)."""
+    from kvpool.kernels import triton_decode, triton_prefill
+
+    q = q if q.stride(2) == 1 else q.contiguous()
+    if max_query_len == 1:
+        span = max_seq_len if window is None else min(max_seq_len, window)
+        splits = triton_decode.choose_num_splits(
+            seq_lens.shape[0], k_cache.shape[2], span, q.device)
+        return triton_decode.paged_decode(
+            q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
+            window=window, num_splits=splits, workspace=workspace)
+    return triton_prefill.paged_prefill(
+        q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale, window=window,
+        max_query_len=max_query_len)
+
+
+def _fail(q, k_cache, v_cache, page_tables, problem: str):
+    """Raise ValueError: `problem`, then the shapes of the inputs."""
+    raise ValueError(
+        f"paged_attention: {problem}; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+        f"v_cache {tuple(v_cache.shape)}, page_tables {tuple(page_tables.shape)}"
+    )
+
+
+def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, window) -> None:
+    """Raise ValueError naming the shapes if they do not describe one consistent batch (reads
+    no tensor's values)."""
     problem = None
-    q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         problem = (
             "expected q [tokens, heads, head_dim], caches [pages, page_size, kv_heads, head_dim]"
         )
+    elif k_cache.dtype != v_cache.dtype or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        problem = "k_cache and v_cache must share a dtype and be dense in head_dim"
     elif q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         problem = "head_dim must match and num_heads must be a multiple of num_kv_heads"
     elif (
-        page_tables.dim() != 2 or page_tables.shape[0] != len(lens) or len(starts) != len(lens) + 1
+        page_tables.dim() != 2
+        or seq_lens.dim() != 1
+        or page_tables.shape[0] != seq_lens.shape[0]
+        or cu_seqlens_q.shape != (seq_lens.shape[0] + 1,)
     ):
         problem = (
-            "expected page_tables [batch, max_pages], seq_lens [batch], cu_seqlens_q [batch+1]"
+            "expected page_tables [batch, max_pages], seq_lens [batch], cu_seqlens_q [batch+1]; "
+            f"seq_lens {tuple(seq_lens.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}"
         )
-    elif starts[0] != 0 or starts[-1] != q.shape[0]:
+    elif seq_lens.shape[0] == 0 and q.shape[0] != 0:
+        problem = f"an empty batch has no query tokens, got {q.shape[0]}"
+    elif window is not None and window < 1:
+        problem = f"sliding_window must be at least 1 token, got {window}"
+    if problem:
+        _fail(q, k_cache, v_cache, page_tables, problem)
+    for name, tensor in (("page_tables", page_tables), ("seq_lens", seq_lens),
+                         ("cu_seqlens_q", cu_seqlens_q)):
+        check_index_dtype(name, tensor)
+
+
+def _check_bounds(k_cache, page_tables, max_seq_len: int, max_query_len: int) -> None:
+    """Raise ValueError unless the host bounds fit the page tables (reads no tensor)."""
+    capacity = page_tables.shape[1] * k_cache.shape[1]
+    if not 1 <= max_query_len <= max_seq_len <= capacity:
+        raise ValueError(
+            f"paged_attention: need 1 <= max_query_len ({max_query_len}) <= max_seq_len "
+            f"({max_seq_len}) <= {page_tables.shape[1]} pages of {k_cache.shape[1]} tokens"
+        )
+
+
+def _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens) -> None:
+    """Raise ValueError (IndexError for a page id) if the lengths or page ids are inconsistent."""
+    problem = None
+    if starts[0] != 0 or starts[-1] != q.shape[0]:
         problem = f"cu_seqlens_q must run from 0 to {q.shape[0]}, not {starts[0]}..{starts[-1]}"
     elif any(not 0 < q_len <= n for q_len, n in zip(q_lens, lens, strict=True)):
         problem = f"each sequence needs 1 <= q_len <= seq_len; q_lens {q_lens}, seq_lens {lens}"
     elif max(lens) > page_tables.shape[1] * k_cache.shape[1]:
         problem = f"seq_len {max(lens)} exceeds {page_tables.shape[1]} pages of {k_cache.shape[1]}"
-    elif sliding_window is not None and sliding_window < 1:
-        problem = f"sliding_window must be at least 1 token, got {sliding_window}"
     if problem:
-        raise ValueError(
-            f"paged_attention: {problem}; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-            f"v_cache {tuple(v_cache.shape)}, page_tables {tuple(page_tables.shape)}"
-        )
+        _fail(q, k_cache, v_cache, page_tables, problem)
+    check_page_tables(page_tables, k_cache.shape[0])
 
 
 def _first_visible(seq_len: int, q_len: int, window: int | None) -> int:
@@ -149,7 +279,7 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
 def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
     """Attention of one query token per sequence, `q [batch, heads, head_dim]`: the fused CPU
     kernel when it takes these inputs (kvpool/kernels), else the torch path."""
-    if cpu_kernel.supports(q, layer.k_cache, layer.v_cache):
+    if layer.backend == "cpu" and cpu_kernel.supports(q, layer.k_cache, layer.v_cache):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         return cpu_kernel.paged_decode(
             q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window

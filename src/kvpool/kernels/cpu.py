@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from kvpool.kernels.checks import check_index_dtype, check_page_tables
+
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 VEC = 16  # floats per vector in the kernel; head_dim must be a multiple
@@ -90,6 +92,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, window: int | None):
     """Decode attention of `q [batch, num_heads, head_dim]`, one query token per sequence and
     the last of its `seq_lens[b]` tokens, over K/V read straight from the pages."""
+    check_page_tables(page_tables, k_cache.shape[0])  # before narrowing: 2**32 + 1 is not 1
+    check_index_dtype("seq_lens", seq_lens)
     q = q.contiguous()
     page_tables = page_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()

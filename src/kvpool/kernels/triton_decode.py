@@ -1,0 +1,188 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read in place from pages.
+
+A program takes one (sequence, kv head, context split): the G query heads sharing that kv head
+are one tile, so each K/V byte is read once for all of them. It walks its part of the visible
+tokens BLOCK_N at a time, looking each token's page up in the page table (any page size works),
+with an online softmax in base 2 accumulated in float32. When batch x kv heads is too small to
+fill the GPU, the context is split (flash decoding): each split writes its normalised partial
+output and log-sum-exp, and a second kernel merges them. Only slots in [first, seq_len) are
+loaded, so unwritten slots (any bits, NaN included) never reach the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpool.kernels.triton_support import dot_precision, num_sms
+
+BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+MAX_SPLITS = 32
+WAVES = 4  # programs per SM to aim for: several small programs per SM hide memory latency
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with float32 accumulation; PRECISION from `triton_support.dot_precision`."""
+    if PRECISION == "ieee":
+        result = tl.dot(a, b, input_precision="ieee")
+    elif PRECISION == "upcast":
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a, b)
+    return result
+
+
+@triton.jit
+def _decode_split(
+    q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
+    scale_log2, window, group, page_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)
+    # Each sequence cuts its own visible span into NUM_SPLITS parts of whole blocks, so the
+    # work is balanced whatever the batch's longest context; a part past the end is empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * group + g
+    row_ok = g < group
+    d_ok = d < HEAD_DIM
+    row = tl.load(cu_seqlens_q + b)
+    q_tile = tl.load(
+        q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(k_cache.dtype.element_ty)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = page_tables + b.to(tl.int64) * stride_table
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
+        slot = t % page_size
+        kv_ok = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache + page[:, None] * stride_kp + slot[:, None] * stride_ks
+            + kv_head * stride_kh + d[None, :],
+            mask=kv_ok, other=0.0,
+        )
+        scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs
+            + kv_head * stride_vh + d[None, :],
+            mask=kv_ok, other=0.0,
+        )
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
+        m = m_new
+
+    # An empty split (or seq_len 0, as in padded graph rows) has denom == 0 and acc == 0.
+    safe_denom = tl.where(denom > 0, denom, 1.0)
+    result = acc / safe_denom[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (b * tl.num_programs(1) * group + heads) * NUM_SPLITS + split
+        tl.store(part_out + part[:, None] * BLOCK_D + d[None, :], result, mask=row_ok[:, None])
+        lse = tl.where(denom > 0, m + tl.math.log2(safe_denom), float("-inf"))
+        tl.store(part_lse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_out, part_lse, cu_seqlens_q, out, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (b * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights all 0
+    weight = tl.math.exp2(lse - top)
+    parts = tl.load(part_out + part[:, None] * BLOCK_D + d[None, :],
+                    mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    row = tl.load(cu_seqlens_q + b)
+    tl.store(out + row * stride_ot + head * stride_oh + d, result.to(out.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, device: torch.device) -> int:
+    """Context splits per (sequence, kv head): enough programs for WAVES per SM, never a split
+    under MIN_SPLIT_TOKENS tokens of the longest visible span `max_span` (tokens)."""
+    programs = max(1, batch * num_kv_heads)
+    wanted = -(-WAVES * num_sms(device) // programs)
+    return max(1, min(wanted, MAX_SPLITS, -(-max_span // MIN_SPLIT_TOKENS)))
+
+
+def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
+                 window: int | None, num_splits: int, workspace=None) -> torch.Tensor:
+    """Decode attention of one query token per sequence (row `cu_seqlens_q[b]` of
+    `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages.
+
+    Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid.
+    Partial results of split contexts come from `workspace.alloc` when a workspace is given.
+    """
+    batch = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        alloc = workspace.alloc if workspace is not None else _alloc(q.device)
+        part_out = alloc((batch, num_heads, num_splits, block_d), torch.float32)
+        part_lse = alloc((batch, num_heads, num_splits), torch.float32)
+    else:
+        part_out = part_lse = out  # not touched
+    _decode_split[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
+        scale * LOG2E, window or 0, group, k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, PRECISION=dot_precision(k_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits[(batch, num_heads)](
+            part_out, part_lse, cu_seqlens_q, out, num_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def _alloc(device: torch.device):
+    """`alloc(shape, dtype)` over plain torch allocations on `device`."""
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,118 @@
+"""Paged prefill/extend attention in Triton: packed variable-length queries over their pages.
+
+Sequence b's query rows `cu_seqlens_q[b]:cu_seqlens_q[b + 1]` are its last tokens: query i sits
+at position `seq_len - q_len + i` and attends causally to the cached prefix and to the new
+tokens before it, all read from the pages (their K/V is written first), so one kernel serves
+prefill, prefill over a prefix hit, chunked prefill and decode rows mixed in. Flash-attention
+tiles: a program takes BLOCK_M query rows of one head and streams the keys they may see BLOCK_N
+at a time with an online softmax in base 2, accumulated in float32. Keys outside a row's causal
+window are masked and slots past seq_len are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpool.kernels.triton_decode import LOG2E, dot
+from kvpool.kernels.triton_support import dot_precision
+
+BLOCK_M = 64  # query rows per program
+BLOCK_N = 64  # keys per step
+
+
+@triton.jit
+def _prefill(
+    q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
+    scale_log2, window, group, page_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + b)
+    q_len = tl.load(cu_seqlens_q + b + 1) - q_start
+    if m_block * BLOCK_M >= q_len:  # the grid covers the longest query of the batch
+        return
+    seq_len = tl.load(seq_lens + b)
+    kv_head = head // group
+
+    i = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_ok = i < q_len
+    pos = seq_len - q_len + i  # each query row's own position
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rows = (q_start + i).to(tl.int64)
+    q_tile = tl.load(
+        q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=i_ok[:, None] & d_ok[None, :], other=0.0,
+    ).to(k_cache.dtype.element_ty)
+
+    # Keys any row of this block may see: from the first row's window to the last row itself.
+    last = tl.minimum(seq_len - q_len + (m_block + 1) * BLOCK_M, seq_len)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(seq_len - q_len + m_block * BLOCK_M - window + 1, 0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = page_tables + b.to(tl.int64) * stride_table
+    for t0 in range(lo, last, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < last
+        page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
+        slot = t % page_size
+        kv_ok = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache + page[:, None] * stride_kp + slot[:, None] * stride_ks
+            + kv_head * stride_kh + d[None, :],
+            mask=kv_ok, other=0.0,
+        )
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (t[None, :] > pos[:, None] - window)
+        scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        # A row may see none of this block's keys yet (m_new still -inf): subtract 0 instead.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs
+            + kv_head * stride_vh + d[None, :],
+            mask=kv_ok, other=0.0,
+        )
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
+        m = m_new
+
+    result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(
+        out + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        result.to(out.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :],
+    )
+
+
+def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
+                  window: int | None, max_query_len: int) -> torch.Tensor:
+    """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
+    pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
+    the grid. Reads nothing back from the device."""
+    batch = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, batch)
+    _prefill[grid](
+        q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
+        scale * LOG2E, window or 0, num_heads // k_cache.shape[2], k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, PRECISION=dot_precision(k_cache.dtype), num_warps=4, num_stages=2,
+    )
+    return out

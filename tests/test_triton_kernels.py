@@ -1,0 +1,293 @@
+"""The Triton kernels (kvpool/kernels/triton_*.py) against the float64 reference and the torch path.
+
+Without CUDA they run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set here
+before triton is first imported), on small shapes: the interpreter runs each program in numpy.
+The tests at real sizes need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+from kvpool.kernels import triton_decode, triton_prefill, triton_write  # noqa: E402
+from test_attention import MIXED, Batch, relative_error  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DECODES = [(37, 1), (1, 1), (16, 1), (64, 1), (150, 1), (17, 1)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_batch(specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0):
+    """A Batch (test_attention) whose unwritten slots hold NaN, moved to DEVICE."""
+    batch = Batch(specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                  page_size=page_size, dtype=dtype, seed=seed, fill=float("nan"))
+    for name in ("q", "k_cache", "v_cache", "page_tables", "seq_lens", "cu_seqlens_q"):
+        setattr(batch, name, getattr(batch, name).to(DEVICE))
+    return batch
+
+
+def decode(batch, *, window=None, num_splits=1, workspace=None):
+    return triton_decode.paged_decode(
+        batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
+        batch.cu_seqlens_q, scale=batch.scale, window=window, num_splits=num_splits,
+        workspace=workspace,
+    )
+
+
+def prefill(batch, *, window=None):
+    return triton_prefill.paged_prefill(
+        batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
+        batch.cu_seqlens_q, scale=batch.scale, window=window, max_query_len=max(batch.q_lens),
+    )
+
+
+class Workspace:
+    """The workspace interface (`alloc(shape, dtype)`), recording what the kernels ask for."""
+
+    def __init__(self):
+        self.requests = []
+
+    def alloc(self, shape, dtype):
+        self.requests.append((tuple(shape), dtype))
+        return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+# (heads, kv_heads, head_dim, page_size, dtype, window, num_splits)
+DECODE_CASES = [
+    (4, 4, 64, 16, torch.float32, None, 1),
+    (8, 2, 128, 5, torch.float32, None, 3),
+    (7, 1, 64, 1, torch.float32, 9, 2),
+    (14, 2, 128, 16, torch.bfloat16, None, 4),
+    (8, 2, 64, 5, torch.bfloat16, 40, 1),
+    (8, 2, 64, 16, torch.float16, None, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "dtype", "window", "num_splits"),
+    DECODE_CASES,
+    ids=["mha-d64-p16-fp32", "gqa4-d128-p5-fp32-split3", "gqa7-d64-p1-fp32-window-split2",
+         "gqa7-d128-p16-bf16-split4", "gqa4-d64-p5-bf16-window", "gqa4-d64-p16-fp16-split2"],
+)
+def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, window,
+                                  num_splits):
+    batch = make_batch(DECODES, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=dtype)
+    out = decode(batch, window=window, num_splits=num_splits)
+    assert out.dtype == dtype
+    assert relative_error(out.cpu(), batch.reference(window=window)) < TOLERANCE[dtype]
+
+
+def test_decode_split_over_the_context_matches_unsplit():
+    batch = make_batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32)
+    whole = decode(batch)
+    for num_splits in (2, 5):
+        assert relative_error(decode(batch, num_splits=num_splits).cpu(), whole.double().cpu()) \
+            < 1e-6
+
+
+def test_decode_splits_past_a_short_context_are_harmless():
+    # 8 splits of a 1- or 2-token context: all but one split have no token at all.
+    batch = make_batch([(1, 1), (2, 1), (3, 1)], heads=4, kv_heads=1, head_dim=64,
+                       page_size=16, dtype=torch.float32)
+    out = decode(batch, num_splits=8)
+    assert relative_error(out.cpu(), batch.reference()) < 1e-5
+
+
+def test_decode_of_a_zero_length_row_is_zero_not_nan():
+    # Padded rows of a captured graph may carry seq_len 0: they must not produce NaN.
+    batch = make_batch([(20, 1), (20, 1)], heads=4, kv_heads=1, head_dim=64, page_size=16,
+                       dtype=torch.float32)
+    batch.seq_lens[1] = 0
+    for num_splits in (1, 2):
+        out = decode(batch, num_splits=num_splits)
+        assert torch.equal(out[1].cpu(), torch.zeros(4, 64))
+        assert not out[0].isnan().any()
+
+
+def test_decode_takes_its_scratch_from_the_workspace():
+    batch = make_batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.bfloat16)
+    workspace = Workspace()
+    out = decode(batch, num_splits=3, workspace=workspace)
+    assert workspace.requests == [((6, 8, 3, 64), torch.float32), ((6, 8, 3), torch.float32)]
+    assert relative_error(out.cpu(), batch.reference()) < 2e-2
+
+
+def test_unsplit_decode_asks_the_workspace_for_nothing():
+    batch = make_batch(DECODES[:2], heads=4, kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32)
+    workspace = Workspace()
+    decode(batch, workspace=workspace)
+    assert workspace.requests == []
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
+    kwargs = dict(heads=8, kv_heads=2, head_dim=64, page_size=5, dtype=torch.float32)
+    poisoned = make_batch(DECODES, **kwargs)  # unwritten slots hold NaN
+    clean = make_batch(DECODES, **kwargs)
+    clean.k_cache.nan_to_num_(0.0)
+    clean.v_cache.nan_to_num_(0.0)
+    assert torch.equal(decode(poisoned, window=window, num_splits=num_splits),
+                       decode(clean, window=window, num_splits=num_splits))
+
+
+def test_num_splits_fill_the_gpu_without_short_splits():
+    sm = torch.device("cpu")  # one "SM" off CUDA: splits aim at 4 programs
+    assert triton_decode.choose_num_splits(1, 1, 10_000, sm) == 4
+    assert triton_decode.choose_num_splits(1, 1, 300, sm) == 2  # >= 256 tokens a split
+    assert triton_decode.choose_num_splits(4, 8, 10_000, sm) == 1
+    assert triton_decode.choose_num_splits(1, 1, 10**9, sm) == 4
+
+
+# (heads, kv_heads, head_dim, page_size, dtype, window)
+PREFILL_CASES = [
+    (2, 2, 64, 16, torch.float32, None),
+    (4, 1, 128, 5, torch.float32, 17),
+    (7, 1, 64, 1, torch.bfloat16, None),
+    (4, 1, 64, 16, torch.bfloat16, 4),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "dtype", "window"),
+    PREFILL_CASES,
+    ids=["mha-d64-p16-fp32", "gqa4-d128-p5-fp32-window", "gqa7-d64-p1-bf16",
+         "gqa4-d64-p16-bf16-window"],
+)
+def test_prefill_of_a_mixed_batch_matches_reference(heads, kv_heads, head_dim, page_size, dtype,
+                                                    window):
+    # MIXED: decode rows, a full prefill, prefill over a cached prefix, a chunk of a chunked
+    # prefill, and decodes of one token, one page and several pages, packed together.
+    batch = make_batch(MIXED, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=dtype)
+    out = prefill(batch, window=window)
+    assert out.dtype == dtype
+    assert relative_error(out.cpu(), batch.reference(window=window)) < TOLERANCE[dtype]
+
+
+def test_chunked_prefill_over_a_cached_prefix_equals_one_prefill():
+    whole = make_batch([(90, 90)], heads=4, kv_heads=2, head_dim=64, page_size=5,
+                       dtype=torch.float32)
+    chunk = make_batch([(90, 90)], heads=4, kv_heads=2, head_dim=64, page_size=5,
+                       dtype=torch.float32)
+    # The same sequence after 70 cached tokens: its last 20 tokens are the queries.
+    chunk.q = chunk.q[70:]
+    chunk.q_lens = [20]
+    chunk.cu_seqlens_q = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    assert relative_error(prefill(chunk).cpu(), prefill(whole)[70:].double().cpu()) < 1e-6
+
+
+def test_prefill_ignores_nan_in_unwritten_slots():
+    kwargs = dict(heads=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    poisoned = make_batch(MIXED, **kwargs)
+    clean = make_batch(MIXED, **kwargs)
+    clean.k_cache.nan_to_num_(0.0)
+    clean.v_cache.nan_to_num_(0.0)
+    assert torch.equal(prefill(poisoned, window=7), prefill(clean, window=7))
+
+
+@pytest.mark.parametrize("bounds", [False, True], ids=["bounds-read", "bounds-given"])
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decode", "mixed"])
+def test_paged_attention_triton_backend_matches_torch_backend(specs, bounds):
+    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32)
+    kwargs = {}
+    if bounds:  # what a captured step passes: bounds above the batch's own lengths
+        kwargs = dict(max_seq_len=int(batch.seq_lens.max()) + 7,
+                      max_query_len=max(batch.q_lens))
+    fast = batch.attend(backend="triton", sliding_window=30, **kwargs)
+    reference = batch.attend(backend="torch", sliding_window=30)
+    assert relative_error(fast.cpu(), reference.double().cpu()) < 1e-5
+
+
+def test_paged_attention_passes_the_workspace_to_the_split_decode(monkeypatch):
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *args: 2)
+    batch = make_batch(DECODES, heads=4, kv_heads=2, head_dim=64, page_size=16,
+                       dtype=torch.float32)
+    workspace = Workspace()
+    out = batch.attend(backend="triton", workspace=workspace)
+    assert [shape for shape, _ in workspace.requests] == [(6, 4, 2, 64), (6, 4, 2)]
+    assert relative_error(out.cpu(), batch.reference()) < 1e-5
+
+
+def test_write_kv_kernel_writes_exactly_the_given_slots():
+    k_cache = torch.full((4, 5, 2, 24), float("nan"), device=DEVICE)
+    v_cache = torch.full((4, 5, 2, 24), float("nan"), device=DEVICE)
+    slots = torch.tensor([17, 3, 19, 0], device=DEVICE)
+    k = torch.randn(4, 2, 24, device=DEVICE)
+    v = torch.randn(4, 2, 24, device=DEVICE)
+    triton_write.write_kv(k_cache, v_cache, slots, k, v)
+    flat_k, flat_v = k_cache.view(-1, 2, 24), v_cache.view(-1, 2, 24)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+def test_write_kv_kernel_writes_bfloat16_into_strided_caches():
+    store = torch.zeros(3, 2, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    k_cache, v_cache = store[:, 0], store[:, 1]  # a pool's K and V of one layer: not contiguous
+    slots = torch.tensor([40, 2], dtype=torch.int32, device=DEVICE)
+    k = torch.randn(2, 2, 64, device=DEVICE).bfloat16()
+    v = torch.randn(2, 2, 64, device=DEVICE).bfloat16()
+    triton_write.write_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache[2, 8], k[0]) and torch.equal(v_cache[0, 2], v[1])
+    assert int((store != 0).sum()) == 4 * 2 * 64
+
+
+def test_write_kv_kernel_skips_a_slot_outside_the_cache():
+    k_cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    v_cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    ones = torch.ones(2, 1, 16, device=DEVICE)
+    triton_write.write_kv(k_cache, v_cache, torch.tensor([8, 5], device=DEVICE), ones, ones)
+    assert k_cache.view(-1, 16).sum(1).tolist() == [0, 0, 0, 0, 0, 16, 0, 0]
+
+
+# At real sizes, on a GPU.
+
+
+@cuda_only
+@pytest.mark.parametrize(("batch_size", "context"), [(64, 1000), (4, 8000)])
+def test_decode_matches_torch_path_at_real_sizes(batch_size, context):
+    specs = [(context - 7 * b, 1) for b in range(batch_size)]
+    batch = make_batch(specs, heads=32, kv_heads=8, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16)
+    fast = batch.attend(backend="triton")
+    reference = batch.attend(backend="torch")
+    assert relative_error(fast, reference.double()) < 2e-2
+
+
+@cuda_only
+def test_prefill_matches_torch_path_at_real_sizes():
+    specs = [(1500, 1500), (2100, 600), (700, 1), (4000, 512)]
+    batch = make_batch(specs, heads=32, kv_heads=8, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16)
+    fast = batch.attend(backend="triton")
+    reference = batch.attend(backend="torch")
+    assert relative_error(fast, reference.double()) < 2e-2
+
+
+@cuda_only
+def test_triton_backend_with_bounds_does_not_synchronise():
+    batch = make_batch(DECODES, heads=32, kv_heads=8, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch.attend(backend="triton", max_seq_len=4096, max_query_len=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
