@@ -1,0 +1,149 @@
+"""Paged attention on a CUDA GPU: every backend against SDPA on the same K/V stored contiguously.
+
+Run: python benchmarks/gpu.py  (prints one line and stops when there is no CUDA device)
+
+Decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, page size 16, pages shuffled, one
+query token per sequence; the baseline is torch's scaled_dot_product_attention on
+[batch, heads, context, head_dim] K/V (enable_gqa). GB/s counts the K/V bytes read once.
+Prefill: whole prompts packed back to back against SDPA (is_causal) over the same tokens, one
+call per sequence. Times are medians of CUDA-event timings; "ratio" is paged / SDPA.
+`main()` runs each section in turn: a section is a function that prints its own table.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.attention import paged_attention
+from kvpool.kernels import triton_support
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+DECODE_CASES = ((64, 1024), (64, 4096), (256, 1024), (32, 16384))  # (batch, context tokens)
+PREFILL_CASES = ((4, 2048), (16, 512))  # (prompts, tokens each)
+
+
+def time_ms(fn, repeats: int = 50) -> float:
+    """Median GPU time of `fn` in milliseconds, after warm-up (compilation included)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def backends() -> list[str]:
+    """The paged_attention backends that run on CUDA here."""
+    return ["triton", "torch"] if triton_support.triton_installed() else ["torch"]
+
+
+def paged_inputs(lengths: list[int], q_lens: list[int]):
+    """Shuffled pages holding K/V for sequences of `lengths` tokens, and the packed queries of
+    their last `q_lens` tokens: (q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q)."""
+    pages_each = [-(-n // PAGE_SIZE) for n in lengths]
+    num_pages = sum(pages_each)
+    k_cache = torch.randn(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(num_pages, device="cuda").int()
+    page_tables = torch.zeros(len(lengths), max(pages_each), dtype=torch.int32, device="cuda")
+    start = 0
+    for b, count in enumerate(pages_each):
+        page_tables[b, :count] = order[start : start + count]
+        start += count
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, k_cache, v_cache, page_tables, seq_lens, cu
+
+
+def contiguous(cache, page_tables, b: int, length: int) -> torch.Tensor:
+    """Sequence b's K or V as one contiguous `[kv_heads, length, head_dim]` tensor."""
+    pages = page_tables[b, : -(-length // PAGE_SIZE)].long()
+    return cache[pages].flatten(0, 1)[:length].transpose(0, 1).contiguous()
+
+
+def decode_row(batch: int, context: int, names: list[str]) -> str:
+    """One decode table line: SDPA on contiguous K/V, then each backend on shuffled pages."""
+    inputs = paged_inputs([context] * batch, [1] * batch)
+    q, k_cache, v_cache, page_tables = inputs[:4]
+    tokens = page_tables[:, : context // PAGE_SIZE].long()
+    k = k_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
+    v = v_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
+    q4 = q.view(batch, HEADS, 1, HEAD_DIM)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    sdpa = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+    line = f"{batch:>6} {context:>8} {sdpa:>8.3f} {kv_bytes / sdpa / 1e6:>9.0f}"
+    for name in names:
+        ms = time_ms(lambda name=name: paged_attention(
+            *inputs, backend=name, max_seq_len=context, max_query_len=1))
+        line += f" {ms:>10.3f} {kv_bytes / ms / 1e6:>11.0f} {ms / sdpa:>6.2f}"
+    return line
+
+
+def decode_section() -> None:
+    """Decode attention at the sizes of DECODE_CASES, every backend against contiguous SDPA."""
+    print(f"decode attention, heads {HEADS}/{KV_HEADS} kv, head_dim {HEAD_DIM}, bf16, page_size "
+          f"{PAGE_SIZE}, pages shuffled; median ms")
+    names = backends()
+    print(f"{'batch':>6} {'context':>8} {'sdpa ms':>8} {'sdpa GB/s':>9}" + "".join(
+        f" {name + ' ms':>10} {name + ' GB/s':>11} {'ratio':>6}" for name in names))
+    for batch, context in DECODE_CASES:
+        print(decode_row(batch, context, names))
+        torch.cuda.empty_cache()
+
+
+def prefill_row(prompts: int, length: int, names: list[str]) -> str:
+    """One prefill table line: causal SDPA per prompt, then each backend on the packed batch."""
+    inputs = paged_inputs([length] * prompts, [length] * prompts)
+    q, k_cache, v_cache, page_tables = inputs[:4]
+    ks = [contiguous(k_cache, page_tables, b, length) for b in range(prompts)]
+    vs = [contiguous(v_cache, page_tables, b, length) for b in range(prompts)]
+    qs = [q[b * length : (b + 1) * length].transpose(0, 1)[None] for b in range(prompts)]
+
+    def sdpa():
+        for qb, kb, vb in zip(qs, ks, vs, strict=True):
+            F.scaled_dot_product_attention(qb, kb[None], vb[None], is_causal=True,
+                                           enable_gqa=True)
+
+    base = time_ms(sdpa, repeats=20)
+    line = f"{prompts:>7} {length:>7} {base:>8.3f}"
+    for name in names:
+        ms = time_ms(lambda name=name: paged_attention(
+            *inputs, backend=name, max_seq_len=length, max_query_len=length), repeats=20)
+        line += f" {ms:>10.3f} {ms / base:>6.2f}"
+    return line
+
+
+def prefill_section() -> None:
+    """Prefill attention of whole prompts, every backend against causal SDPA per prompt."""
+    print(f"\nprefill attention, heads {HEADS}/{KV_HEADS} kv, head_dim {HEAD_DIM}, bf16; median ms")
+    names = backends()
+    print(f"{'prompts':>7} {'tokens':>7} {'sdpa ms':>8}"
+          + "".join(f" {name + ' ms':>10} {'ratio':>6}" for name in names))
+    for prompts, length in PREFILL_CASES:
+        print(prefill_row(prompts, length, names))
+
+
+SECTIONS = [decode_section, prefill_section]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; nothing measured")
+        return
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, backends {backends()}")
+    for section in SECTIONS:
+        section()
+
+
+if __name__ == "__main__":
+    main()
