@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -233,6 +234,11 @@ def test_metadata_keeps_its_field_names():
         cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
     )
     assert meta.seq_lens.tolist() == [1]
+    assert (meta.max_seq_len, meta.max_query_len, meta.workspace) == (None, None, None)
+    assert [f.name for f in dataclasses.fields(AttentionMetadata)] == [
+        "slot_mapping", "page_tables", "seq_lens", "cu_seqlens_q",
+        "max_seq_len", "max_query_len", "workspace",
+    ]
 
 
 def test_paged_attention_rejects_empty_sliding_window():
