@@ -116,7 +116,9 @@ class LLM:
                 unfinished = [r for r in pending if not r.finished]
                 if use_tqdm and len(unfinished) < len(pending):
                     bar.update(len(pending) - len(unfinished))
-                    bar.set_postfix_str(f"{self._num_generated_tokens / self._elapsed:.0f} tok/s")
+                    if self._elapsed:  # zero when the only requests were aborted at once
+                        rate = self._num_generated_tokens / self._elapsed
+                        bar.set_postfix_str(f"{rate:.0f} tok/s")
                 pending = unfinished
 
     def _check_idle(self) -> None:
