@@ -69,6 +69,8 @@ def main() -> None:
         for mode in MODES:
             for busy in (False, True):
                 result = measure(mode, args.num_requests, busy)
+                print(f"{mode}{', busy' if busy else ''}: {result['wall']:.2f} s",
+                      file=sys.stderr, flush=True)
                 times.setdefault((mode, busy), []).append(result["wall"])
                 threads[mode] = result["threads"]
     cores = len(os.sched_getaffinity(0))
