@@ -1,4 +1,4 @@
-"""`kvpool plan`: the memory plan as a table, and clean errors."""
+"""`kvpool plan`: the memory plan as a table; every bad input is one line and exit 2."""
 
 import json
 import re
@@ -9,6 +9,7 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.config import PRESETS
+from models_util import make_hf_model, save_hf_model
 
 
 def plan_table(capsys, *argv: str) -> dict[str, str]:
@@ -119,3 +120,77 @@ def test_errors_reach_the_shell_without_a_traceback(tmp_path):
     assert result.returncode == 2
     assert "is not valid JSON" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---- damaged checkpoints and bad options: one line naming the problem, exit 2 -------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("llama"))
+
+
+def _damaged(checkpoint, folder, damage):
+    for path in checkpoint.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    damage(folder)
+    return str(folder)
+
+
+def _edit_config(**fields):
+    def damage(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return damage
+
+
+def _truncate(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+def _weights_dir(folder):
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (_truncate, "model.safetensors is not a readable safetensors file"),
+    (lambda folder: (folder / "tokenizer.json").write_text("garbage"),
+     "tokenizer.json is not a readable tokenizer.json: expected value at line 1 column 1"),
+    (_edit_config(architectures=5), "unsupported architecture 5; kvpool supports"),
+    (_edit_config(architectures={"LlamaForCausalLM": 0}),
+     "unsupported architecture {'LlamaForCausalLM': 0}; kvpool supports"),
+    (_edit_config(rms_norm_eps="abc"), "'rms_norm_eps' must be a positive finite number"),
+    (_edit_config(rope_parameters="abc"), "'rope_parameters' must be an object, got 'abc'"),
+    (_weights_dir, "model.safetensors is a directory"),
+    (lambda folder: (folder / "model.safetensors.index.json").write_text('{"weight_map": []}'),
+     "'weight_map' must map tensor names to file names, got a list"),
+], ids=["truncated-weights", "garbage-tokenizer", "architectures-int", "architectures-dict",
+        "rms-norm-eps-str", "rope-parameters-str", "weights-directory", "weight-map-list"])
+def test_generate_from_a_damaged_checkpoint_is_one_line_with_exit_2(checkpoint, tmp_path,
+                                                                    capsys, damage, message):
+    model = _damaged(checkpoint, tmp_path, damage)
+    assert main(["generate", "--model", model, "--max-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool generate: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_plan_of_a_config_with_a_null_rms_norm_eps_uses_the_default(checkpoint, tmp_path,
+                                                                   capsys):
+    model = _damaged(checkpoint, tmp_path, _edit_config(rms_norm_eps=None))
+    table = plan_table(capsys, model, "--device-memory", "1GiB")
+    assert table["model"] == f"{model} (LlamaForCausalLM, float32)"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--request-rate", "1e-300"],
+     "request_rate 1e-300/s spreads 200 requests over 2e+302 s on average"),
+    (["bench", "--request-rate", "nan"], "request_rate must be > 0 requests/s, got nan"),
+    (["bench", "--seed", str(2**64)], "seed must be an int in [0, 2**64)"),
+    (["generate", "--seed", str(2**64), "hi"], "seed must be an int in [0, 2**64)"),
+])
+def test_bad_options_are_one_line_with_exit_2(capsys, argv, message):
+    assert main([*argv, "--no-plot"] if argv[0] == "bench" else argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -4,6 +4,7 @@ samples sharing pages; abort; refused requests; stats."""
 
 import collections
 import random
+import threading
 
 import pytest
 import torch
@@ -316,3 +317,134 @@ def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, pro
     assert prefill == stats.num_prompt_tokens
     assert [r.step for r in records] == list(range(len(records)))
     assert records[-1].num_preemptions == stats.num_preemptions
+
+
+# ---- reliability: bad params, aborts during generate, generate's contract ------------------
+
+def test_seed_too_large_for_the_samples_generators_is_refused_when_params_are_made():
+    with pytest.raises(ValueError, match=r"seed must be at most 2\*\*64 - n = "
+                                         r"18446744073709551614 \(sample i of n=2"):
+        SamplingParams(seed=2**64 - 1, n=2)
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
+
+
+def test_ignore_eos_must_be_a_bool():
+    with pytest.raises(TypeError, match="ignore_eos must be a bool, got 'no'"):
+        SamplingParams(ignore_eos="no")
+
+
+def test_largest_seeds_generate_with_n_samples(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    params = SamplingParams(max_tokens=3, seed=2**64 - 2, n=2, ignore_eos=True)
+    (output,) = llm.generate([prompts[0]], params, use_tqdm=False)
+    assert [len(c.token_ids) for c in output.outputs] == [3, 3]
+    _assert_drained(llm)
+
+
+def test_generate_with_a_bad_second_request_queues_nothing(checkpoint, prompts):
+    llm = _llm(checkpoint, max_num_seqs=2)
+    with pytest.raises(ValueError, match="n=3 samples exceed max_num_seqs 2"):
+        llm.generate([prompts[0], prompts[1]], [GREEDY, SamplingParams(n=3)], use_tqdm=False)
+    assert not llm.has_unfinished() and llm.cache.sequences() == []
+
+
+def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, expected):
+    def interrupt(record):
+        if record.step == 2:
+            raise KeyboardInterrupt
+
+    llm = _llm(checkpoint, on_step=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+    _assert_drained(llm)
+    llm.on_step = None
+    assert _tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == expected[:2]
+
+
+def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint, prompts,
+                                                                      expected):
+    llm = _llm(checkpoint, max_num_seqs=1)  # the second prompt waits for the first
+    llm.on_step = lambda record: llm.abort("1") if record.step == 0 else None
+    outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert _tokens(outputs[:1]) == expected[:1]
+    assert outputs[1].finished and outputs[1].outputs[0].finish_reason == "abort"
+    assert outputs[1].outputs[0].token_ids == []
+    _assert_drained(llm)
+
+
+def test_request_aborted_from_on_step_while_running_finishes_generate(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    llm.on_step = lambda record: llm.abort("0") if record.step == 3 else None
+    (output,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "abort"
+    assert 0 < len(output.outputs[0].token_ids) < MAX_TOKENS
+    _assert_drained(llm)
+
+
+def test_request_aborted_from_another_thread_finishes_generate(checkpoint, prompts, expected):
+    stepped = threading.Event()
+    llm = _llm(checkpoint, max_num_seqs=1, on_step=lambda record: stepped.set())
+    params = [GREEDY, SamplingParams(max_tokens=200, ignore_eos=True)]
+    aborter = threading.Thread(target=lambda: stepped.wait() and llm.abort("1"))
+    aborter.start()
+    outputs = llm.generate(prompts[:2], params, use_tqdm=False)
+    aborter.join()
+    assert _tokens(outputs[:1]) == expected[:1]
+    assert outputs[1].outputs[0].finish_reason == "abort"
+    _assert_drained(llm)
+
+
+def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, prompts,
+                                                                  expected):
+    llm = _llm(checkpoint)
+    rid = llm.add_request(prompts[0], GREEDY)
+    llm.step()
+    with pytest.raises(RuntimeError, match=r"1 request\(s\) of add_request are unfinished"):
+        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    finished = []
+    while llm.has_unfinished():
+        finished += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == [rid]
+    assert finished[0].outputs[0].token_ids == expected[0]
+    assert _tokens(llm.generate([prompts[1]], GREEDY, use_tqdm=False)) == [expected[1]]
+
+
+def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompts):
+    refusals = []
+
+    def meddle(record):
+        for call in (lambda: llm.add_request(prompts[1]), llm.step):
+            with pytest.raises(RuntimeError, match="generate") as error:
+                call()
+            refusals.append(str(error.value))
+
+    llm = _llm(checkpoint, on_step=meddle)
+    (output,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+    assert len(refusals) == 2 * llm.stats().num_steps
+    _assert_drained(llm)
+
+
+def test_output_prompt_token_ids_are_the_callers_copy(checkpoint, prompts, expected):
+    llm = _llm(checkpoint)
+    rid = llm.add_request(prompts[0], GREEDY)
+    (output,) = llm.step()
+    output.prompt_token_ids[:] = [0] * len(prompts[0])
+    while llm.has_unfinished():
+        outputs = llm.step()
+    assert outputs[0].request_id == rid and outputs[0].prompt_token_ids == prompts[0]
+    assert outputs[0].outputs[0].token_ids == expected[0]
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(checkpoint, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda' needs CUDA, and this machine has no CUDA"):
+        LLM(checkpoint, device="cuda")
+    with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
+        LLM(checkpoint, device="gpu")
+
+
+def test_engine_seed_must_fit_a_generator(checkpoint):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\), "
+                                         r"got 18446744073709551616"):
+        LLM(checkpoint, seed=2**64)

@@ -399,3 +399,40 @@ def test_parse_bytes_rejects_what_is_not_a_size(text):
 ])
 def test_format_bytes_uses_the_largest_binary_unit(num_bytes, text):
     assert format_bytes(num_bytes) == text
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("architectures", 5, "unsupported architecture 5; kvpool supports LlamaForCausalLM"),
+    ("architectures", {"LlamaForCausalLM": 1}, "unsupported architecture {'LlamaForCausalLM': 1}"),
+    ("model_type", ["llama"], "no 'architectures' and an unsupported model_type=['llama']"),
+    ("rms_norm_eps", "abc", "'rms_norm_eps' must be a positive finite number, got 'abc'"),
+    ("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a positive finite number, got -1e-06"),
+    ("rope_theta", "abc", "'rope_theta' must be a positive finite number, got 'abc'"),
+    ("rope_scaling", "abc", "'rope_scaling' must be an object, got 'abc'"),
+    ("rope_parameters", [1], "'rope_parameters' must be an object, got [1]"),
+    ("eos_token_id", "x", "'eos_token_id' must be a token id or a list of them"),
+    ("eos_token_id", [2, -1], "'eos_token_id' must be a token id or a list of them"),
+    ("bos_token_id", 1.5, "'bos_token_id' must be an integer >= 0 or null, got 1.5"),
+    ("tie_word_embeddings", "no", "'tie_word_embeddings' must be true or false, got 'no'"),
+    ("attention_bias", 1, "'attention_bias' must be true or false, got 1"),
+    ("dtype", ["bfloat16"], "unsupported dtype ['bfloat16']"),
+])
+def test_config_fields_of_the_wrong_type_are_config_errors_naming_the_field(field, value,
+                                                                              message):
+    config = dict(PRESETS["tiny"], **{field: value})
+    if field == "model_type":
+        del config["architectures"]
+    with pytest.raises(ConfigError) as error:
+        ModelConfig.from_hf(config)
+    assert message in str(error.value)
+
+
+def test_a_null_rms_norm_eps_takes_the_default():
+    assert ModelConfig.from_hf(dict(PRESETS["tiny"], rms_norm_eps=None)).rms_norm_eps == 1e-6
+
+
+def test_mistral_sliding_window_must_be_a_positive_int_or_null():
+    mistral = PRESETS["Mistral-7B"]
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
+    with pytest.raises(ConfigError, match="'sliding_window' must be an integer >= 1 or null"):
+        ModelConfig.from_hf(dict(mistral, sliding_window="4096"))

@@ -268,3 +268,66 @@ def test_byte_tokenizer_round_trips_utf8_text():
 
 def test_byte_tokenizer_replaces_invalid_utf8():
     assert ByteTokenizer().decode([0x68, 0xFF, 0x69]) == "h\ufffdi"
+
+
+# --- damaged checkpoints: one CheckpointError naming the problem ---
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_is_named(broken, value):
+    tensors = load_file(broken / WEIGHTS)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = value
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"weight model\.layers\.1\.mlp\.up_proj\.weight "
+                                              r"in model\.safetensors holds 1 NaN or infinite"):
+        load_model(broken, device="cpu")
+
+
+def test_weight_that_overflows_the_requested_dtype_is_named(broken):
+    tensors = load_file(broken / WEIGHTS)
+    tensors["model.norm.weight"][0] = 1e6  # float16 tops out at 65504
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight .* 1 NaN or infinite "
+                                              r"value\(s\) of 64 \(as torch\.float16\)"):
+        load_model(broken, dtype=torch.float16, device="cpu")
+
+
+def test_truncated_safetensors_file_is_a_checkpoint_error(broken):
+    data = (broken / WEIGHTS).read_bytes()
+    (broken / WEIGHTS).write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable "
+                                              r"safetensors file"):
+        load_model(broken, device="cpu")
+
+
+def test_safetensors_file_with_its_tail_cut_inside_a_tensor_is_a_checkpoint_error(broken):
+    data = (broken / WEIGHTS).read_bytes()
+    (broken / WEIGHTS).write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_model(broken, device="cpu")
+
+
+def test_garbage_tokenizer_json_is_a_checkpoint_error(broken):
+    (broken / "tokenizer.json").write_text("<html>not a tokenizer</html>")
+    with pytest.raises(CheckpointError, match="tokenizer.json is not a readable tokenizer.json"):
+        load_model(broken, device="cpu")
+
+
+def test_model_safetensors_directory_is_named(broken):
+    (broken / WEIGHTS).unlink()
+    (broken / WEIGHTS).mkdir()
+    with pytest.raises(CheckpointError, match=r"weight files are missing: .*model\.safetensors "
+                                              r"is a directory$"):
+        load_model(broken, device="cpu")
+
+
+def test_index_whose_weight_map_is_a_list_is_a_checkpoint_error(broken):
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [WEIGHTS]}))
+    with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to file "
+                                              "names, got a list"):
+        load_model(broken, device="cpu")
+
+
+def test_generation_config_with_a_bad_eos_is_a_config_error(broken):
+    (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match="'eos_token_id' must be a token id"):
+        load_model(broken, device="cpu")

@@ -5,6 +5,11 @@ page tables with fork and copy-on-write, a radix-tree prefix cache with LRU evic
 attention, Llama-family models on the paged cache, and an engine with continuous batching.
 """
 
+# OpenMP reads its wait policy when torch loads it, so this runs before the imports below.
+from kvpool.threads import limit_threads, prefer_passive_wait
+
+prefer_passive_wait()
+
 from kvpool.allocator import AllocatorStats, PageAllocator
 from kvpool.cache import CacheStats, KVCache
 from kvpool.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
@@ -50,3 +55,5 @@ __all__ = [
     "plan_memory",
 ]
 __version__ = "0.1.0"
+
+limit_threads()

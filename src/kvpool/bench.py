@@ -26,6 +26,7 @@ DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
 DEFAULT_NUM_PAGES = 384
 DEFAULT_PLOT = "kvpool-bench.png"
+MAX_ARRIVAL_SPAN = 86_400  # seconds: mean arrival time of the last request, at most a day
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,12 @@ class Workload:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests/s, got {self.request_rate}")
+        span = self.num_requests / self.request_rate
+        if span > MAX_ARRIVAL_SPAN:
+            raise ValueError(f"request_rate {self.request_rate:g}/s spreads {self.num_requests} "
+                             f"requests over {span:.3g} s on average; a bench run may span "
+                             f"{MAX_ARRIVAL_SPAN:,} s at most (rate >= "
+                             f"{self.num_requests / MAX_ARRIVAL_SPAN:.3g}/s)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ validated dataclass, and the built-in presets used by `kvpool plan` and the `tin
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,10 @@ class ModelConfig:
                                   f"num_attention_heads={heads} and no head_dim is given")
             head_dim = hidden // heads
         rope_theta, rope_scaling = _rope(cfg)
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+        if arch.startswith("Qwen") and _bool(cfg, "use_sliding_window"):
             raise ConfigError(f"{arch} with use_sliding_window=true is not supported")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             vocab_size=_int(cfg, "vocab_size"),
@@ -129,19 +128,20 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=_positive(head_dim, "head_dim"),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            mlp_bias=_bool(cfg, "mlp_bias") and arch == "LlamaForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=cfg.get("sliding_window") if arch == "MistralForCausalLM" else None,
+            sliding_window=(_optional_int(cfg, "sliding_window")
+                            if arch == "MistralForCausalLM" else None),
             dtype=_dtype(cfg),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
+            eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
         )
 
 
@@ -167,20 +167,43 @@ def read_hf_config(source: dict | str | Path) -> dict:
     return cfg
 
 
+def token_ids(value: Any, key: str) -> tuple[int, ...]:
+    """An id or a list of ids (a config's `eos_token_id`) as a tuple; None is ()."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise ConfigError(f"config {key!r} must be a token id or a list of them (ints >= 0), "
+                          f"got {value!r}")
+    return tuple(ids)
+
+
 def _architecture(cfg: dict) -> str:
-    archs = cfg.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(cfg.get("model_type"))]
-    arch = archs if isinstance(archs, str) else archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        found = arch or f"model_type={cfg.get('model_type')!r}"
+    archs = cfg.get("architectures")
+    if archs is None:
+        model_type = cfg.get("model_type")
+        arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+        if arch is None:
+            raise ConfigError(f"config has no 'architectures' and an unsupported "
+                              f"model_type={model_type!r}; kvpool supports "
+                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        return arch
+    if isinstance(archs, list) and archs:
+        archs = archs[0]
+    if archs not in SUPPORTED_ARCHITECTURES:
+        found = archs if isinstance(archs, str) else repr(archs)
         raise ConfigError(f"unsupported architecture {found}; kvpool supports "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    return arch
+    return archs
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = cfg.get(key) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config {key!r} must be an object, got {params!r}")
+    params = dict(params)
+    theta = params.pop("rope_theta", None)
+    theta = _float(cfg, "rope_theta", 10000.0) if theta is None else _number(theta, "rope_theta")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return theta, None
@@ -189,6 +212,9 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
                           "default, linear and llama3")
     if "factor" not in params:
         raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        if name in params:
+            _number(params[name], f"{key}.{name}")
     return theta, {"rope_type": rope_type, **params}
 
 
@@ -196,7 +222,7 @@ def _dtype(cfg: dict) -> torch.dtype | None:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     if name is None:
         return None
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise ConfigError(f"unsupported dtype {name!r}; expected one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
@@ -209,7 +235,41 @@ def _int(cfg: dict, key: str, default: int | None = None) -> int:
     return _positive(value, key)
 
 
+def _optional_int(cfg: dict, key: str, *, minimum: int = 1) -> int | None:
+    value = cfg.get(key)
+    if value is not None and not (_is_int(value) and value >= minimum):
+        raise ConfigError(f"config {key!r} must be an integer >= {minimum} or null, "
+                          f"got {value!r}")
+    return value
+
+
 def _positive(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ConfigError(f"config {key!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _float(cfg: dict, key: str, default: float) -> float:
+    """A positive finite number; absent or null gives `default`."""
+    value = cfg.get(key)
+    return default if value is None else _number(value, key)
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < math.inf):
+        raise ConfigError(f"config {key!r} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _bool(cfg: dict, key: str) -> bool:
+    value = cfg.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"config {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.config import ModelConfig
+from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
 from kvpool.layout import KVLayout, estimate_activation_bytes, format_bytes, plan_memory
 
@@ -42,8 +43,9 @@ class EngineConfig:
         for name in ("num_pages", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
         fraction = self.memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0 < fraction <= 1):

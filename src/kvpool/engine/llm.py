@@ -3,6 +3,7 @@ step API (`add_request`, `step`, `abort`, `has_unfinished`) lets a server drive 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import abc
 from pathlib import Path
@@ -58,6 +59,9 @@ class LLM:
         self.sampler = Sampler(torch.Generator(device).manual_seed(self.config.seed))
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
+        # One step, abort or add at a time; re-entrant so that on_step may abort.
+        self._lock = threading.RLock()
+        self._generating = False
         self._next_request_id = 0
         self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
         self._elapsed = 0.0
@@ -72,29 +76,59 @@ class LLM:
         return one RequestOutput per prompt, in order. `sampling_params`: one for all, or
         one per prompt. A request that could never fit (SequenceTooLong, OutOfPages) is
         not run: its output has `error` set and finish_reason "error"; the others run.
-        Bad arguments raise before anything runs."""
+        Bad arguments raise before anything is queued. generate serves only its own
+        requests: it raises RuntimeError while requests of `add_request` are unfinished,
+        and `add_request` is refused while it runs. A request aborted meanwhile (from
+        `on_step` or another thread) finishes with "abort"; if generate itself raises (or
+        is interrupted), its unfinished requests are aborted first."""
         if isinstance(prompts, str) or (prompts and all(_is_token(t) for t in prompts)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        requests = [self._new_request(p, sp, None) for p, sp in zip(prompts, params, strict=True)]
-        for request in requests:
-            try:
-                self.scheduler.check_fits(request)
-            except (SequenceTooLong, OutOfPages) as e:
-                request.error = e
-        pending = {r.request_id for r in requests if r.error is None}
-        for request in requests:
-            if request.error is None:
+        with self._lock:
+            self._check_idle()
+            requests = [self._new_request(p, sp, None)
+                        for p, sp in zip(prompts, params, strict=True)]
+            for request in requests:
+                try:
+                    self.scheduler.check_fits(request)
+                except (SequenceTooLong, OutOfPages) as e:
+                    request.error = e
+            pending = [r for r in requests if r.error is None]
+            for request in pending:
                 self._add(request)
-        with tqdm(total=len(requests), initial=len(requests) - len(pending), unit="req",
-                  desc="generate", disable=not use_tqdm) as bar:
-            while pending:
-                done = [r for r in self._step() if r.finished and r.request_id in pending]
-                pending.difference_update(r.request_id for r in done)
-                if done and use_tqdm:
-                    bar.update(len(done))
-                    bar.set_postfix_str(f"{self._num_generated_tokens / self._elapsed:.0f} tok/s")
+            self._generating = True
+        try:
+            self._run_to_completion(pending, len(requests), use_tqdm)
+        except BaseException:
+            for request in pending:
+                self.abort(request.request_id)
+            raise
+        finally:
+            self._generating = False
         return [self._output(r) for r in requests]
+
+    def _run_to_completion(self, pending: list[Request], total: int, use_tqdm: bool) -> None:
+        """Step until every request of `pending` has finished (or was aborted)."""
+        with tqdm(total=total, initial=total - len(pending), unit="req", desc="generate",
+                  disable=not use_tqdm) as bar:
+            while pending:
+                self._step()
+                unfinished = [r for r in pending if not r.finished]
+                if use_tqdm and len(unfinished) < len(pending):
+                    bar.update(len(pending) - len(unfinished))
+                    if self._elapsed:  # zero when the only requests were aborted at once
+                        rate = self._num_generated_tokens / self._elapsed
+                        bar.set_postfix_str(f"{rate:.0f} tok/s")
+                pending = unfinished
+
+    def _check_idle(self) -> None:
+        """generate runs alone: no step-API request may be waiting or running."""
+        if self._generating:
+            raise RuntimeError("generate() is running; it serves only its own requests")
+        if self._requests:
+            raise RuntimeError(f"generate() serves only its own requests, and "
+                               f"{len(self._requests)} request(s) of add_request are "
+                               f"unfinished: step them to completion or abort them first")
 
     # ---- step API ----------------------------------------------------------------------
 
@@ -102,23 +136,32 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises SequenceTooLong or OutOfPages
         (with the numbers) if it could never fit, ValueError for a bad prompt or id."""
-        request = self._new_request(prompt, sampling_params or SamplingParams(), request_id)
-        self.scheduler.check_fits(request)
-        self._add(request)
-        return request.request_id
+        with self._lock:
+            if self._generating:
+                raise RuntimeError("add_request() while generate() runs: generate serves only "
+                                   "its own requests")
+            request = self._new_request(prompt, sampling_params or SamplingParams(),
+                                        request_id)
+            self.scheduler.check_fits(request)
+            self._add(request)
+            return request.request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one step (one forward); returns the requests that got new tokens."""
+        if self._generating:
+            raise RuntimeError("step() while generate() runs: generate steps the engine itself")
         return [self._output(r) for r in self._step()]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel an unfinished request: its samples finish with "abort" and their pages
-        come back at once. Returns its final output; None for an unknown or finished id."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return None
-        self.scheduler.abort(request)
-        return self._output(request)
+        come back at once. Returns its final output; None for an unknown or finished id.
+        Safe from `on_step` and from another thread (it waits for the step in progress)."""
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return None
+            self.scheduler.abort(request)
+            return self._output(request)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
@@ -139,6 +182,10 @@ class LLM:
 
     def _step(self) -> list[Request]:
         """Schedule, run the forward, sample; returns the requests that advanced."""
+        with self._lock:
+            return self._step_locked()
+
+    def _step_locked(self) -> list[Request]:
         start = time.perf_counter()
         if self._first_step_time is None:
             self._first_step_time = start
@@ -214,7 +261,7 @@ class LLM:
         reason = "error" if request.error else "abort" if request.aborted else None
         outputs += [CompletionOutput(i, [], "", reason)
                     for i in range(len(outputs), request.params.n)]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              outputs, request.finished, request.error)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

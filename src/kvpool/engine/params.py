@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+SEED_LIMIT = 2**64  # torch generators take seeds in [0, 2**64)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -15,6 +17,7 @@ class SamplingParams:
     its own random generator, so its samples do not depend on the rest of the batch.
     Generation stops after `max_tokens` tokens, at a token of `stop_token_ids`, or at the
     model's EOS unless `ignore_eos`. `n` samples share the prompt's pages (forked).
+    Every field is checked here, type and range, so a request never fails mid-step.
     """
 
     max_tokens: int = 16
@@ -32,6 +35,10 @@ class SamplingParams:
         _check_int("n", self.n, minimum=1)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
+            # sample i draws from a generator seeded with seed + i, a 64-bit unsigned int
+            if self.seed + self.n > SEED_LIMIT:
+                raise ValueError(f"seed must be at most 2**64 - n = {SEED_LIMIT - self.n} (sample "
+                                 f"i of n={self.n} is seeded with seed + i), got {self.seed}")
         _check_number("temperature", self.temperature)
         _check_number("top_p", self.top_p)
         if self.temperature < 0:
@@ -42,6 +49,9 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), "
                              f"got {stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} "
+                            f"({type(self.ignore_eos).__name__})")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
     @property

@@ -8,12 +8,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from kvpool.config import PRESETS, ModelConfig
+from kvpool.config import PRESETS, ModelConfig, token_ids
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvpool.pool import default_device
 
 TINY_PRESET = "tiny"
 TINY_SEED = 0
@@ -37,18 +38,39 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     states none); device None: CUDA when available, else the CPU. Raises ConfigError for a
     missing, malformed or unsupported config and CheckpointError for weights that do not
     match it."""
+    device = resolve_device(device)
     if isinstance(model, str) and model in PRESETS:
         return _load_preset(model, dtype, device)
     folder = Path(model)
     config = _with_generation_eos(ModelConfig.from_hf(folder), folder)
     files = checkpoint_files(folder)
-    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
-    load_weights(net, files)
     tokenizer_file = folder / "tokenizer.json"
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
+    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
+    load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
+
+
+def resolve_device(device) -> torch.device:
+    """`device` as a torch.device (None: CUDA when available, else the CPU). A device this
+    machine does not have raises ValueError instead of failing inside torch."""
+    if device is None:
+        return default_device()
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} needs CUDA, and this machine has no CUDA "
+                             f"device (torch {torch.__version__}); use device='cpu'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
+                             f"{count} CUDA device(s)")
+    return device
 
 
 def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
@@ -59,10 +81,9 @@ def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
         return config
     try:
         eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ConfigError(f"{path} is not a valid generation config: {e!r}") from None
-    extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, extra)]))
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *token_ids(eos, "eos_token_id")]))
     return replace(config, eos_token_ids=merged)
 
 
@@ -95,21 +116,32 @@ def checkpoint_files(folder: Path) -> list[Path]:
     model.safetensors, else every *.safetensors in the folder."""
     index = folder / _INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e!r}") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-    elif (folder / "model.safetensors").is_file():
+        files = [folder / name for name in _index_file_names(index)]
+    elif (folder / "model.safetensors").exists():
         files = [folder / "model.safetensors"]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors weights in {folder}")
-    absent = [str(f) for f in files if not f.is_file()]
-    if absent:
-        raise CheckpointError(f"{index} names weight files that do not exist: {', '.join(absent)}")
+    unreadable = [f"{f} {'is a directory' if f.is_dir() else 'does not exist'}"
+                  for f in files if not f.is_file()]
+    if unreadable:
+        named = f" ({index.name} names them)" if index.is_file() else ""
+        raise CheckpointError(f"weight files are missing{named}: {', '.join(unreadable)}")
     return files
+
+
+def _index_file_names(index: Path) -> list[str]:
+    """The file names an index's weight_map (tensor name -> file name) points to, sorted."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names, "
+                              f"got a {type(weight_map).__name__}")
+    return sorted(set(weight_map.values()))
 
 
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
@@ -120,18 +152,45 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     _check_weights(params, found, files[0].parent)
     with torch.no_grad():
         for file in files:
-            with safe_open(file, framework="pt") as f:
+            with _open_safetensors(file) as f:
                 names = f.keys()
                 for name in names:
                     if name in found and found[name][1] == file:
-                        params[name].copy_(f.get_tensor(name))
+                        _copy_finite(params[name], _read_tensor(f, name, file), name, file)
+
+
+def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
+    """Copy a checkpoint tensor into its parameter; NaN or infinite values (in the file, or
+    from casting to a narrower dtype) raise CheckpointError naming the tensor. The check runs
+    on the parameter's device, one pass per tensor."""
+    param.copy_(tensor)
+    if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+        bad = int((~torch.isfinite(param)).sum())
+        raise CheckpointError(f"weight {name} in {file.name} holds {bad:,} NaN or infinite "
+                              f"value(s) of {param.numel():,} (as {param.dtype}); the "
+                              f"checkpoint is corrupt or overflows this dtype")
+
+
+def _open_safetensors(file: Path):
+    """safe_open, with an unreadable file (truncated, not safetensors) as CheckpointError."""
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def _read_tensor(f, name: str, file: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:  # a header promising more bytes than there are
+        raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 
 
 def _checkpoint_shapes(files: list[Path], tied: bool) -> dict[str, tuple[tuple[int, ...], Path]]:
     """name -> (shape, file) of every tensor the model should load, read from headers only."""
     found = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             names = f.keys()
             for name in names:
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):

@@ -8,6 +8,8 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from kvpool.errors import CheckpointError
+
 BYTE_BOS = 256
 BYTE_EOS = 257
 
@@ -25,10 +27,14 @@ class Tokenizer(Protocol):
 
 class HFTokenizer:
     """A checkpoint's tokenizer.json. `encode` adds the special tokens its post-processor
-    declares (e.g. Llama's BOS); `decode` drops special tokens."""
+    declares (e.g. Llama's BOS); `decode` drops special tokens. A file the tokenizers library
+    cannot read raises CheckpointError."""
 
     def __init__(self, path: str | Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
-        self._tokenizer = _HFTokenizer.from_file(str(path))
+        try:
+            self._tokenizer = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises bare Exception for every fault
+            raise CheckpointError(f"{path} is not a readable tokenizer.json: {e}") from None
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
 
