@@ -13,6 +13,7 @@ committed to the prefix cache once its last chunk is computed, and then after ev
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -94,6 +95,14 @@ class Scheduler:
             raise OutOfPages(
                 f"prompt of {num_prompt} tokens + max_tokens {max_tokens} need {need} pages "
                 f"of {self.cache.page_size} tokens; the pool has {have}")
+        # n samples share the prompt's full pages; each holds the rest of its own.
+        shared = num_prompt // self.cache.page_size
+        need_all = need + (request.params.n - 1) * (need - shared)
+        if need_all > have:
+            raise OutOfPages(
+                f"n={request.params.n} samples of a prompt of {num_prompt} tokens + "
+                f"max_tokens {max_tokens} need {need_all} pages of {self.cache.page_size} "
+                f"tokens together; the pool has {have}")
 
     def add_request(self, request: Request) -> None:
         """Queue the request's first sequence (its other samples fork from it later).
@@ -143,6 +152,9 @@ class Scheduler:
             seats += self._seats(seq)
             seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.token_ids)
             seq.status = SequenceStatus.RUNNING
+            if seq.request.scheduled_time is None:
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+                seq.request.scheduled_time = time.perf_counter()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
             self.running.append(seq)
