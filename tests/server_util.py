@@ -9,8 +9,10 @@ import socket
 import threading
 import time
 
+import httpx
 import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.engine import LLM
 from kvpool.server.app import build_app
@@ -74,3 +76,10 @@ def running_server(llm: LLM, **options):
         yield server
     finally:
         server.stop()
+
+
+def metrics(server: RunningServer) -> dict:
+    """{(sample name, sorted labels): value} of /metrics, parsed by prometheus_client."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

@@ -6,10 +6,9 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.engine import LLM, SamplingParams
-from server_util import running_server
+from server_util import metrics, running_server
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 PROMPT = "The pool"
@@ -139,9 +138,9 @@ def test_models_lists_the_served_model_and_health_answers(server, client):
 
 
 def test_metrics_parse_and_counters_move_as_requests_complete(server, client):
-    before = _metrics(server)
+    before = metrics(server)
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, **GREEDY)
-    after = _metrics(server)
+    after = metrics(server)
     assert after["kvpool_requests_total", (("finish_reason", "length"),)] - before.get(
         ("kvpool_requests_total", (("finish_reason", "length"),)), 0) == 1
     assert after["kvpool_prompt_tokens_total", ()] - before["kvpool_prompt_tokens_total", ()] == 9
@@ -213,10 +212,3 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
 def _greedy_text(client, prompt, max_tokens):
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                      **GREEDY).choices[0].text
-
-
-def _metrics(server) -> dict:
-    """{(sample name, sorted labels): value} of /metrics, parsed by prometheus_client."""
-    text = httpx.get(f"{server.url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}

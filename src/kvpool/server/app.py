@@ -133,7 +133,7 @@ class Server:
         """The changes of the generation's choices as outputs arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
-        first_token, finished = None, False
+        first_token, finished, failed = None, False, False
         try:
             while not generation.done:
                 output = await stream.get()
@@ -143,16 +143,19 @@ class Server:
                     first_token = time.perf_counter()
                 if changes:
                     yield changes
+        except EngineFailure:
+            failed = True
+            raise
         finally:
             if not finished:
                 self.engine.abort(stream.request_id)
-            if generation.done:
-                choice = generation.choices[0]
-                self.metrics.record(
-                    RequestTimes(arrival, generation.scheduled_time, first_token,
-                                 time.perf_counter()),
-                    choice.finish_reason, generation.num_prompt_tokens, choice.num_tokens,
-                    generation.num_completion_tokens)
+            choice = generation.choices[0]
+            reason = choice.finish_reason or ("error" if failed else "abort")
+            self.metrics.record(
+                RequestTimes(arrival, generation.scheduled_time, first_token,
+                             time.perf_counter()),
+                reason, generation.num_prompt_tokens, choice.num_tokens,
+                generation.num_completion_tokens)
 
     async def _sse(self, generation: Generation,
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:

@@ -49,8 +49,9 @@ class ServerMetrics:
         self._snapshot: EngineSnapshot | None = None
         self.registry.register(self)
         r = self.registry
-        self.requests = Counter("kvpool_requests", "Finished requests by finish reason "
-                                "(of their first choice)", ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "kvpool_requests", "Finished requests by the finish reason of their first choice "
+            "(abort: the client left; error: the engine failed)", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("kvpool_prompt_tokens", "Prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("kvpool_generation_tokens", "Tokens generated for "
