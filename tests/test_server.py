@@ -3,10 +3,12 @@ n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, th
 health and metrics endpoints, and every bad request refused with an OpenAI error body."""
 
 import json
+import re
 
 import httpx
 import pytest
 
+from kvpool.cli import main
 from kvpool.engine import LLM, SamplingParams
 from server_util import metrics, running_server
 
@@ -207,6 +209,20 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
     assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
                                          "param": param, "code": code}}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+def test_bench_url_sends_the_bench_workload_through_the_server(server, capsys):
+    argv = ["bench", "--url", server.url, "--num-requests", "8", "--prompt-len", "16",
+            "--output-len", "8"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines)
+    assert list(table) == ["model", "url", "requests", "prompt tokens", "generated tokens",
+                           "wall time", "generated tok/s", "total tok/s", "TTFT p50 / p99",
+                           "TPOT p50 / p99", "prefix hit rate", "preemptions"]
+    # the workload of `kvpool bench` with these options: 494 prompt tokens, 111 generated
+    assert (table["model"], table["requests"], table["prompt tokens"]) == ("tiny", "8", "494")
+    assert table["generated tokens"] == "111"
 
 
 def _greedy_text(client, prompt, max_tokens):

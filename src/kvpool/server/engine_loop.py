@@ -139,7 +139,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            command()
+            try:
+                command()
+            except Exception:  # an abort that failed: log it, keep the loop alive
+                logger.exception("an engine command failed")
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
