@@ -5,7 +5,10 @@ Each round runs both on fresh engines (a new LLM in this process, a new `kvpool 
 subprocess, so neither starts with a warm prefix cache), with the same model, pool, seed
 and workload; the rounds interleave, so the machine's changes of speed reach both alike.
 The server is a separate process, as in use: the HTTP client (this process) and the server
-share the machine's cores. Prints the median of the rounds and the ratio of throughputs.
+share the machine's cores. Both engines run torch on `--threads` threads (default 1): on a
+small machine that other processes also load, two OpenMP threads that wait for each other
+at every operation made either side up to 14x slower, which would swamp the comparison.
+Prints the median of the rounds and the ratio of throughputs.
 Target: the HTTP path at most 10% slower (generated tok/s ratio >= 0.90).
 
     python benchmarks/serve.py [--num-requests N] [--rounds R]
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 
 from kvpool.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
 from kvpool.engine import LLM
@@ -46,7 +50,8 @@ def over_http(workload: Workload) -> BenchResult:
     server = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli", "serve", "--model", "tiny", "--port", str(port),
          "--num-pages", str(DEFAULT_NUM_PAGES), "--seed", str(workload.seed)],
-        env={**os.environ, "PYTHONPATH": str(SRC)}, stderr=subprocess.DEVNULL)
+        env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())},
+        stderr=subprocess.DEVNULL)
     try:
         return asyncio.run(_client(f"http://127.0.0.1:{port}", workload))
     finally:
@@ -82,7 +87,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     workload = Workload(args.num_requests)
     runs: dict[str, list[tuple[float, float, float, float]]] = {"in process": [], "HTTP": []}
     tokens = {}
@@ -94,7 +101,8 @@ def main() -> None:
     assert tokens["in process"] == tokens["HTTP"], tokens
     print(f"kvpool bench workload: {args.num_requests} requests, {tokens['HTTP']:,} generated "
           f"tokens, tiny model, {DEFAULT_NUM_PAGES} pages; median of {args.rounds} "
-          f"interleaved rounds; load average {os.getloadavg()[0]:.1f}")
+          f"interleaved rounds; {args.threads} torch thread(s) per engine; load average "
+          f"{os.getloadavg()[0]:.1f}")
     print(f"{'path':<12}{'wall s':>9}{'gen tok/s':>11}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
           f"{'ratio':>8}")
     base = statistics.median(r[1] for r in runs["in process"])
