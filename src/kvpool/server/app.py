@@ -52,6 +52,7 @@ class Server:
     # ---- routes ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: a prompt as text or token ids."""
         parsed = parse_completion(await _json_body(request), self.model_name)
         prompt = parsed.prompt
         if isinstance(prompt, str):
@@ -62,6 +63,7 @@ class Server:
         return await self._generate(parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions: messages rendered by the chat template."""
         parsed = parse_chat(await _json_body(request), self.model_name)
         if self.llm.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot chat",
@@ -72,15 +74,18 @@ class Server:
         return await self._generate(parsed, prompt, chat=True)
 
     async def models(self, request: Request) -> Response:
+        """GET /v1/models: the one served model, with its context and vocabulary sizes."""
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
             "max_model_len": self.llm.max_model_len,
             "vocab_size": self.llm.model_config.vocab_size}]})
 
     async def health(self, request: Request) -> Response:
+        """GET /health: 200 while the server runs."""
         return Response(status_code=200)
 
     async def metrics_text(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text, the engine read between two steps."""
         snapshot = await self.engine.call(
             lambda llm: EngineSnapshot(llm.stats(), llm.cache.stats()))
         return Response(self.metrics.render(snapshot),
@@ -90,6 +95,7 @@ class Server:
 
     async def _generate(self, parsed: GenerationRequest, prompt: list[int], *,
                         chat: bool) -> Response:
+        """Run one request: a JSON response when it ends, or a stream of its events."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         max_tokens = parsed.max_tokens
         if max_tokens is None:  # whatever the context leaves (at least 1, or it is too long)
