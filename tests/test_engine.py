@@ -245,15 +245,6 @@ def test_impossible_requests_get_an_error_and_the_others_complete(checkpoint, ex
     _assert_drained(llm)
 
 
-def test_n_samples_that_cannot_fit_together_are_refused(checkpoint):
-    llm = _llm(checkpoint, num_pages=8)  # 8 pages of 16 tokens
-    # 40 prompt tokens (2 full pages shared) + 40 more: 5 pages alone, 2 + 3 x 3 = 11 for 3
-    params = SamplingParams(max_tokens=41, n=3, ignore_eos=True)
-    with pytest.raises(OutOfPages, match="n=3 samples .* need 11 pages .* the pool has 8"):
-        llm.add_request(list(range(40)), params)
-    assert not llm.has_unfinished()
-
-
 def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoint):
     llm = _llm(checkpoint)
     prompt = list(range(40))  # 2 full pages of 16 can be served next time

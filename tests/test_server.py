@@ -18,7 +18,7 @@ PROMPT = "The pool"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", num_pages=64, max_model_len=512, max_num_seqs=8)
+    return LLM("tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_metrics_parse_and_counters_move_as_requests_complete(server, client):
         "kvpool_prefix_cache_queries_total", ()]
     assert after["kvpool_pages_used", ()] == 0
     assert after["kvpool_pages_used", ()] + after["kvpool_pages_cached", ()] + after[
-        "kvpool_pages_free", ()] == 64
+        "kvpool_pages_free", ()] == 24
     for name in ("kv_utilization", "sequences_running", "sequences_waiting",
                  "preemptions_total", "prefix_cache_hits_total"):
         assert (f"kvpool_{name}", ()) in after
@@ -183,12 +183,9 @@ BAD_REQUESTS = [
     ("prompt longer than max_model_len", {"model": "tiny", "prompt": [1] * 600},
      400, "prompt", "context_length_exceeded",
      "prompt of 600 tokens + max_tokens 16 = 616 tokens, over max_model_len 512"),
-    # one sample needs 25 pages (399 tokens), of which 6 full prompt pages are shared:
-    # 25 + 3 x 19 = 82
-    ("n beyond what the pool can hold", {"model": "tiny", "prompt": [1] * 100,
-                                         "max_tokens": 300, "n": 4}, 400, "n", None,
-     "n=4 samples of a prompt of 100 tokens + max_tokens 300 need 82 pages of 16 tokens "
-     "together; the pool has 64"),
+    ("a sample the pool can never hold", {"model": "tiny", "prompt": [1] * 100,
+                                          "max_tokens": 300}, 400, "max_tokens", None,
+     "prompt of 100 tokens + max_tokens 300 need 25 pages of 16 tokens; the pool has 24"),
     ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
      "n=9 samples exceed max_num_seqs 8"),
     ("logprobs", {"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs",

@@ -95,14 +95,6 @@ class Scheduler:
             raise OutOfPages(
                 f"prompt of {num_prompt} tokens + max_tokens {max_tokens} need {need} pages "
                 f"of {self.cache.page_size} tokens; the pool has {have}")
-        # n samples share the prompt's full pages; each holds the rest of its own.
-        shared = num_prompt // self.cache.page_size
-        need_all = need + (request.params.n - 1) * (need - shared)
-        if need_all > have:
-            raise OutOfPages(
-                f"n={request.params.n} samples of a prompt of {num_prompt} tokens + "
-                f"max_tokens {max_tokens} need {need_all} pages of {self.cache.page_size} "
-                f"tokens together; the pool has {have}")
 
     def add_request(self, request: Request) -> None:
         """Queue the request's first sequence (its other samples fork from it later).
