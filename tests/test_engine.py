@@ -246,6 +246,15 @@ def test_impossible_requests_get_an_error_and_the_others_complete(checkpoint, ex
     _assert_drained(llm)
 
 
+def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoint):
+    llm = _llm(checkpoint)
+    prompt = list(range(40))  # 2 full pages of 16 can be served next time
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    second = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert first.scheduled_time < second.scheduled_time
+
+
 def test_bad_prompts_raise_before_anything_runs(checkpoint):
     llm = _llm(checkpoint)
     with pytest.raises(ValueError, match="at least one token"):

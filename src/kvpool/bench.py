@@ -296,6 +296,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward at most (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the workload and the sampling (default: 0)")
+    parser.add_argument("--url", metavar="URL",
+                        help="send the workload to a running `kvpool serve` at URL (e.g. "
+                             "http://127.0.0.1:8000) through HTTP streaming instead; the "
+                             "engine options are the server's then")
     plot = parser.add_mutually_exclusive_group()
     plot.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
                       help=f"PNG of the pool over the steps (default: {DEFAULT_PLOT}; "
@@ -306,6 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the workload, print the summary table and write the plot."""
+    if args.url:
+        return run_url(args)
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
@@ -325,4 +331,20 @@ def run(args: argparse.Namespace) -> int:
     if plot:
         write_plot(result, args.plot, f"kvpool bench: {args.model}, {len(requests)} requests, "
                                       f"{args.num_pages} pages of {args.page_size} tokens")
+    return 0
+
+
+def run_url(args: argparse.Namespace) -> int:
+    """`kvpool bench --url`: the same seeded workload sent to a running server through
+    HTTP streaming; prints the table's client-side rows and the server's counters."""
+    import asyncio
+
+    from kvpool.server.http_bench import bench_url
+
+    workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
+                        OUTPUT_LEN.with_median(args.output_len),
+                        request_rate=args.request_rate, seed=args.seed)
+    model, rows = asyncio.run(bench_url(args.url.rstrip("/"),
+                                        lambda vocab: make_workload(workload, vocab)))
+    print(format_table([("model", model), ("url", args.url), *rows]))
     return 0

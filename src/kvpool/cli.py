@@ -23,6 +23,7 @@ from kvpool.layout import (
     parse_bytes,
     plan_memory,
 )
+from kvpool.server import serve
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -121,6 +122,8 @@ COMMANDS: dict[str, Command] = {
                      bench.add_arguments, bench.run),
     "generate": Command("stream a completion of one prompt", add_generate_arguments,
                         run_generate),
+    "serve": Command("an OpenAI-compatible HTTP server (needs the server extra)",
+                     serve.add_arguments, serve.run),
 }
 
 

@@ -262,7 +262,8 @@ class LLM:
         outputs += [CompletionOutput(i, [], "", reason)
                     for i in range(len(outputs), request.params.n)]
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
-                             outputs, request.finished, request.error)
+                             outputs, request.finished, request.error,
+                             request.num_cached_tokens or 0, request.scheduled_time)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         token_ids = seq.output_token_ids

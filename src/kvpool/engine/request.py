@@ -69,6 +69,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: KVPoolError | None = None  # why the request was refused
     aborted: bool = False
+    # Set when the first sample is first admitted (a preempted one keeps them).
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
+    scheduled_time: float | None = None  # time.perf_counter() of that admission
 
     @property
     def forked(self) -> bool:
@@ -98,7 +101,9 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     """The state of one request: its prompt and one CompletionOutput per sample. `error` is
-    the KVPoolError that refused the request (SequenceTooLong, OutOfPages), else None."""
+    the KVPoolError that refused the request (SequenceTooLong, OutOfPages), else None.
+    `num_cached_tokens`: prompt tokens the prefix cache served at its first admission (0
+    before it); `scheduled_time`: time.perf_counter() of that admission (None before)."""
 
     request_id: str
     prompt: str | None
@@ -106,3 +111,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: KVPoolError | None = None
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None

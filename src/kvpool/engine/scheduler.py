@@ -13,6 +13,7 @@ committed to the prefix cache once its last chunk is computed, and then after ev
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -143,6 +144,9 @@ class Scheduler:
             seats += self._seats(seq)
             seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.token_ids)
             seq.status = SequenceStatus.RUNNING
+            if seq.request.scheduled_time is None:
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+                seq.request.scheduled_time = time.perf_counter()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
             self.running.append(seq)

@@ -20,7 +20,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -38,9 +38,10 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> token ids."""
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids; `add_special_tokens` False leaves out the post-processor's
+        (for text that spells them already, such as a rendered chat template)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens dropped."""
@@ -53,9 +54,9 @@ class ByteTokenizer:
     bos_token_id = BYTE_BOS
     eos_token_ids = (BYTE_EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> [BOS] + its UTF-8 bytes."""
-        return [BYTE_BOS, *text.encode("utf-8")]
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Text -> [BOS] + its UTF-8 bytes (no BOS when `add_special_tokens` is False)."""
+        return [BYTE_BOS] * add_special_tokens + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD."""

@@ -1,0 +1,218 @@
+"""The HTTP application: OpenAI-compatible routes over one EngineLoop.
+
+POST /v1/completions and /v1/chat/completions (whole or streamed as server-sent events),
+GET /v1/models, /health and /metrics. Refusals are OpenAI error bodies: 400 for a bad
+request (naming the field and the numbers), 503 with Retry-After when the waiting queue is
+full or the server is stopping, 500 when the engine failed while running the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import abc
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvpool.engine import LLM
+from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
+from kvpool.server.chat import ChatTemplate
+from kvpool.server.engine_loop import (
+    EngineFailure,
+    EngineLoop,
+    EngineStopped,
+    RequestStream,
+    ServerBusy,
+)
+from kvpool.server.generation import Generation, sse
+from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
+from kvpool.server.protocol import GenerationRequest, RequestError, parse_chat, parse_completion
+
+RETRY_AFTER_SECONDS = 1
+
+
+class Server:
+    """What the routes share: the engine loop, the served model's name, its chat template
+    and the metrics."""
+
+    def __init__(self, llm: LLM, *, model_name: str, chat_template: ChatTemplate,
+                 max_waiting: int):
+        self.llm = llm
+        self.engine = EngineLoop(llm, max_waiting=max_waiting)
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.metrics = ServerMetrics()
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions: a prompt as text or token ids."""
+        parsed = parse_completion(await _json_body(request), self.model_name)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            if self.llm.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send the prompt as token ids",
+                                   param="prompt")
+            prompt = self.llm.tokenizer.encode(prompt)
+        return await self._generate(parsed, prompt, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions: messages rendered by the chat template."""
+        parsed = parse_chat(await _json_body(request), self.model_name)
+        if self.llm.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so it cannot chat",
+                               param="messages")
+        text = self.chat_template.render(parsed.messages)
+        prompt = self.llm.tokenizer.encode(
+            text, add_special_tokens=self.chat_template.add_special_tokens)
+        return await self._generate(parsed, prompt, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the one served model, with its context and vocabulary sizes."""
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
+            "max_model_len": self.llm.max_model_len,
+            "vocab_size": self.llm.model_config.vocab_size}]})
+
+    async def health(self, request: Request) -> Response:
+        """GET /health: 200 while the server runs."""
+        return Response(status_code=200)
+
+    async def metrics_text(self, request: Request) -> Response:
+        """GET /metrics: Prometheus text, the engine read between two steps."""
+        snapshot = await self.engine.call(
+            lambda llm: EngineSnapshot(llm.stats(), llm.cache.stats()))
+        return Response(self.metrics.render(snapshot),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- generation --------------------------------------------------------------------
+
+    async def _generate(self, parsed: GenerationRequest, prompt: list[int], *,
+                        chat: bool) -> Response:
+        """Run one request: a JSON response when it ends, or a stream of its events."""
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:  # whatever the context leaves (at least 1, or it is too long)
+            max_tokens = max(1, self.llm.max_model_len - len(prompt))
+        arrival = time.perf_counter()
+        stream = await self._add(request_id, prompt, parsed, max_tokens)
+        generation = Generation(request_id, self.model_name, n=parsed.n, stop=parsed.stop,
+                                chat=chat, include_usage=parsed.include_usage)
+        events = self._events(stream, generation, arrival)
+        if parsed.stream:
+            return StreamingResponse(self._sse(generation, events),
+                                     media_type="text/event-stream")
+        try:
+            async for _ in events:
+                pass
+        except EngineFailure as e:
+            return _error(RequestError(str(e), status=500, type="internal_error"))
+        return JSONResponse(generation.response())
+
+    async def _add(self, request_id: str, prompt: list[int], parsed: GenerationRequest,
+                   max_tokens: int) -> RequestStream:
+        """Hand the request to the engine; its refusals become RequestErrors."""
+        try:
+            return await self.engine.add(request_id, prompt, parsed.sampling_params(max_tokens))
+        except asyncio.CancelledError:  # the client left while the engine took it
+            self.engine.abort(request_id)
+            raise
+        except (ServerBusy, EngineStopped) as e:
+            raise RequestError(str(e), status=503, type="server_busy",
+                               code="server_busy") from None
+        except SequenceTooLong as e:
+            raise RequestError(str(e), param="messages" if parsed.messages else "prompt",
+                               code="context_length_exceeded") from None
+        except OutOfPages as e:
+            raise RequestError(str(e), param="n" if parsed.n > 1 else "max_tokens") from None
+        except (KVPoolError, ValueError, TypeError) as e:
+            raise RequestError(str(e)) from None
+
+    async def _events(self, stream: RequestStream, generation: Generation,
+                      arrival: float) -> abc.AsyncIterator[list[tuple[int, str, str | None]]]:
+        """The changes of the generation's choices as outputs arrive, until every choice
+        has ended. However it ends (done, failed, or the reader went away), the engine
+        holds nothing of the request afterwards, and a finished request is counted."""
+        first_token, finished, failed = None, False, False
+        try:
+            while not generation.done:
+                output = await stream.get()
+                finished = output.finished
+                changes = generation.update(output)
+                if first_token is None and any(o.token_ids for o in output.outputs):
+                    first_token = time.perf_counter()
+                if changes:
+                    yield changes
+        except EngineFailure:
+            failed = True
+            raise
+        finally:
+            if not finished:
+                self.engine.abort(stream.request_id)
+            choice = generation.choices[0]
+            reason = choice.finish_reason or ("error" if failed else "abort")
+            self.metrics.record(
+                RequestTimes(arrival, generation.scheduled_time, first_token,
+                             time.perf_counter()),
+                reason, generation.num_prompt_tokens, choice.num_tokens,
+                generation.num_completion_tokens)
+
+    async def _sse(self, generation: Generation,
+                   events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:
+        """The server-sent events of a streamed generation (closing `events` if the client
+        disconnects, which aborts the request)."""
+        async with contextlib.aclosing(events):
+            for chunk in generation.role_chunks():
+                yield chunk
+            try:
+                async for changes in events:
+                    for chunk in generation.chunks(changes):
+                        yield chunk
+            except EngineFailure as e:
+                yield sse(RequestError(str(e), status=500, type="internal_error").body())
+            for chunk in generation.final_chunks():
+                yield chunk
+
+
+def build_app(llm: LLM, *, model_name: str, chat_template: ChatTemplate | None = None,
+              max_waiting: int = 1024) -> Starlette:
+    """The ASGI app serving `llm` as `model_name`. Its engine thread starts with the app's
+    lifespan and stops (aborting what runs) when the app shuts down. `app.state.server` is
+    the Server."""
+    server = Server(llm, model_name=model_name,
+                    chat_template=chat_template or ChatTemplate.for_model(model_name),
+                    max_waiting=max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        server.engine.start()
+        yield
+        await server.engine.stop()
+
+    app = Starlette(routes=[
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+    ], exception_handlers={RequestError: lambda request, e: _error(e)}, lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+async def _json_body(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def _error(error: RequestError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -1,0 +1,125 @@
+"""`kvpool bench --url`: the seeded workload of `kvpool bench`, sent to a running server as
+streamed completions, timed by the client.
+
+Each request is sent at its arrival time as token ids, with the same max_tokens and
+ignore_eos as in-process. TTFT runs from the arrival to the first chunk that carries text,
+TPOT from there to the end over the generated tokens (from the usage chunk) less one. The
+server's preemptions and prefix-cache counters are read from /metrics before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+from tqdm import tqdm
+
+from kvpool.bench import BenchRequest, BenchResult, RequestTiming, _percentiles_ms
+
+
+async def model_info(client: httpx.AsyncClient) -> dict:
+    """The served model's /v1/models entry (id, max_model_len, vocab_size)."""
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """The unlabelled samples of /metrics, by name."""
+    response = await client.get("/metrics")
+    response.raise_for_status()
+    samples = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def run_requests(client: httpx.AsyncClient, model: str, requests: list[BenchRequest],
+                       *, show_progress: bool = True) -> BenchResult:
+    """Send every request at its arrival time and time its stream; returns the timings
+    and the wall time (no per-step stats: the engine runs elsewhere)."""
+    result = BenchResult([RequestTiming(r.arrival) for r in requests])
+    start = time.perf_counter()
+    with tqdm(total=len(requests), unit="req", desc="bench", file=sys.stderr,
+              disable=not show_progress) as bar:
+        async def one(request: BenchRequest, timing: RequestTiming) -> None:
+            await asyncio.sleep(request.arrival - (time.perf_counter() - start))
+            await _stream(client, model, request, timing, start)
+            bar.update(1)
+
+        await asyncio.gather(*(one(r, t) for r, t in zip(requests, result.timings,
+                                                          strict=True)))
+    result.wall_time = time.perf_counter() - start
+    return result
+
+
+async def _stream(client: httpx.AsyncClient, model: str, request: BenchRequest,
+                  timing: RequestTiming, start: float) -> None:
+    body = {"model": model, "prompt": request.prompt_token_ids,
+            "max_tokens": request.max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"the server answered {response.status_code}: "
+                               f"{(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
+            if timing.first_token is None and any(c["text"] for c in chunk["choices"]):
+                timing.first_token = time.perf_counter() - start
+            if chunk.get("usage"):
+                timing.num_output_tokens = chunk["usage"]["completion_tokens"]
+    timing.finish = time.perf_counter() - start
+    if timing.first_token is None:  # every token was held back until the end
+        timing.first_token = timing.finish
+
+
+def summary_rows(requests: list[BenchRequest], result: BenchResult,
+                 before: dict[str, float], after: dict[str, float]) -> list[tuple[str, str]]:
+    """The rows of `kvpool bench` that a client can measure, and the server's counters."""
+    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
+    num_generated = sum(t.num_output_tokens for t in result.timings)
+    wall = result.wall_time
+    tpots = [t.tpot for t in result.timings if t.tpot is not None]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    queries, hits = delta("kvpool_prefix_cache_queries_total"), delta(
+        "kvpool_prefix_cache_hits_total")
+    return [
+        ("requests", f"{len(requests):,}"),
+        ("prompt tokens", f"{num_prompt:,}"),
+        ("generated tokens", f"{num_generated:,}"),
+        ("wall time", f"{wall:.2f} s ({delta('kvpool_engine_steps_total'):,.0f} steps)"),
+        ("generated tok/s", f"{num_generated / wall:,.1f}"),
+        ("total tok/s", f"{(num_prompt + num_generated) / wall:,.1f}"),
+        ("TTFT p50 / p99", _percentiles_ms([t.ttft for t in result.timings])),
+        ("TPOT p50 / p99", _percentiles_ms(tpots)),
+        ("prefix hit rate", f"{hits / queries:.1%} ({hits:,.0f} of {queries:,.0f} looked-up "
+                            f"prompt tokens)" if queries else "n/a"),
+        ("preemptions", f"{delta('kvpool_preemptions_total'):,.0f}"),
+    ]
+
+
+async def bench_url(url: str, requests_for_vocab, *,
+                    show_progress: bool = True) -> tuple[str, list[tuple[str, str]]]:
+    """Run the workload `requests_for_vocab(vocab_size)` against the server at `url`;
+    returns the model's name and the summary rows."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        info = await model_info(client)
+        requests = requests_for_vocab(info["vocab_size"])
+        before = await scrape(client)
+        result = await run_requests(client, info["id"], requests,
+                                    show_progress=show_progress)
+        after = await scrape(client)
+    return info["id"], summary_rows(requests, result, before, after)

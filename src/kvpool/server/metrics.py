@@ -1,0 +1,113 @@
+"""Prometheus metrics of the server, every name prefixed `kvpool_`.
+
+The pool and the scheduler are read when /metrics is scraped (a snapshot taken on the engine
+thread): pages used / cached / free, KV utilization, running and waiting sequences, and the
+engine's cumulative counters (preemptions, prefix-cache lookups and hits in tokens). The
+request-level series are recorded by the handlers as requests finish: requests by finish
+reason, prompt and generated tokens, and latency histograms in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvpool.cache import CacheStats
+from kvpool.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's and the cache's counters at one moment (taken between two steps)."""
+
+    engine: EngineStats
+    cache: CacheStats
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """When a finished request arrived, was first scheduled, got its first token and
+    finished (time.perf_counter() seconds; None where it never got there)."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finish: float
+
+
+class ServerMetrics:
+    """The server's registry: engine gauges and counters read at scrape time, request
+    counters and histograms observed by `record`."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self._snapshot: EngineSnapshot | None = None
+        self.registry.register(self)
+        r = self.registry
+        self.requests = Counter(
+            "kvpool_requests", "Finished requests by the finish reason of their first choice "
+            "(abort: the client left; error: the engine failed)", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("kvpool_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("kvpool_generation_tokens", "Tokens generated for "
+                                         "finished requests (all choices)", registry=r)
+        self.ttft = Histogram("kvpool_time_to_first_token_seconds", "Arrival to first "
+                              "generated token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvpool_time_per_output_token_seconds", "Time per generated "
+                              "token after the first", buckets=_TOKEN_TIME_BUCKETS, registry=r)
+        self.e2e = Histogram("kvpool_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvpool_request_queue_time_seconds", "Arrival to first "
+                                    "admission into the running batch",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+    def record(self, times: RequestTimes, finish_reason: str, num_prompt_tokens: int,
+               num_output_tokens: int, num_generated_tokens: int) -> None:
+        """Count a finished request. `num_output_tokens`: of its first choice (for TPOT);
+        `num_generated_tokens`: of all its choices."""
+        self.requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        self.e2e.observe(times.finish - times.arrival)
+        if times.scheduled is not None:
+            self.queue_time.observe(max(0.0, times.scheduled - times.arrival))
+        if times.first_token is not None:
+            self.ttft.observe(times.first_token - times.arrival)
+            if num_output_tokens > 1:
+                self.tpot.observe((times.finish - times.first_token) / (num_output_tokens - 1))
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        """The Prometheus text exposition, with the engine read from `snapshot`."""
+        self._snapshot = snapshot
+        return generate_latest(self.registry)
+
+    def collect(self):
+        """The engine's series from the latest snapshot (called by the registry)."""
+        if self._snapshot is None:
+            return
+        e, c = self._snapshot.engine, self._snapshot.cache
+        for name, doc, value in (
+                ("kvpool_pages_used", "Pages held by live sequences", e.num_used_pages),
+                ("kvpool_pages_cached", "Pages held only by the prefix cache (evictable)",
+                 e.num_cached_pages),
+                ("kvpool_pages_free", "Free pages", e.num_free_pages),
+                ("kvpool_kv_utilization", "Filled fraction of the slots of used pages",
+                 e.kv_utilization),
+                ("kvpool_sequences_running", "Sequences holding pages", e.num_running),
+                ("kvpool_sequences_waiting", "Sequences waiting for a seat (new or preempted)",
+                 e.num_waiting)):
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("kvpool_preemptions", "Sequences preempted (pages freed, recomputed later)",
+                 e.num_preemptions),
+                ("kvpool_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 c.prefix_query_tokens),
+                ("kvpool_prefix_cache_hits", "Prompt tokens the prefix cache served",
+                 c.prefix_hit_tokens),
+                ("kvpool_engine_steps", "Engine steps (forwards)", e.num_steps)):
+            yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,201 @@
+"""The OpenAI request bodies the server accepts, parsed and validated into plain data.
+
+Every problem raises RequestError naming the field (`param`) and the value, as the OpenAI
+API reports it: `{"error": {"message", "type", "param", "code"}}` with HTTP status 400.
+Fields the engine cannot honour (logprobs, echo, suffix, best_of) are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpool.engine import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status` with an OpenAI-style error body."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = (
+            message, param, code, status, type)
+
+    def body(self) -> dict:
+        """The JSON error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message of a chat: its role and its text."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A parsed completion or chat request. `prompt` is text or token ids (completions) and
+    `messages` the chat (chat completions); exactly one is set. `max_tokens` None: whatever
+    the context leaves after the prompt."""
+
+    model: str
+    prompt: str | list[int] | None
+    messages: list[ChatMessage] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams for this request, generating `max_tokens` at most."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of")
+
+
+def parse_completion(body: object, model: str) -> GenerationRequest:
+    """Parse a POST /v1/completions body for the served `model`."""
+    fields = _fields(body, model)
+    prompt = fields.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one, as the openai client may send it
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt must not be empty", param="prompt")
+    elif not (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        raise RequestError(f"prompt must be a non-empty string or a non-empty list of token "
+                           f"ids, got {_show(prompt)}", param="prompt")
+    return _request(fields, model, prompt=prompt, messages=None,
+                    max_tokens=_int(fields, "max_tokens", 16, minimum=1))
+
+
+def parse_chat(body: object, model: str) -> GenerationRequest:
+    """Parse a POST /v1/chat/completions body for the served `model`."""
+    fields = _fields(body, model)
+    raw = fields.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise RequestError(f"messages must be a non-empty list, got {_show(raw)}",
+                           param="messages")
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    return _request(fields, model, prompt=None, messages=messages,
+                    max_tokens=_int(fields, key, None, minimum=1))
+
+
+def _fields(body: object, model: str) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_show(body)}")
+    if body.get("model") != model:
+        raise RequestError(f"model {body.get('model')!r} does not exist; this server serves "
+                           f"{model!r}", param="model", code="model_not_found")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, 0) and not (name == "best_of" and body[name] == 1):
+            raise RequestError(f"{name} is not supported by this server, got {body[name]!r}",
+                               param=name, code="unsupported")
+    return body
+
+
+def _request(fields: dict, model: str, *, prompt, messages, max_tokens) -> GenerationRequest:
+    stop = fields.get("stop")
+    stop = (stop,) if isinstance(stop, str) else stop
+    if stop is None:
+        stop = ()
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got "
+                           f"{_show(fields.get('stop'))}", param="stop")
+    stop_ids = fields.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise RequestError(f"stop_token_ids must be a list of token ids (ints >= 0), got "
+                           f"{_show(stop_ids)}", param="stop_token_ids")
+    top_k = _int(fields, "top_k", 0, minimum=-1)
+    options = fields.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(f"stream_options must be an object, got {_show(options)}",
+                           param="stream_options")
+    return GenerationRequest(
+        model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
+        temperature=_number(fields, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(fields, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=max(top_k, 0),  # -1 means off, as in vLLM
+        n=_int(fields, "n", 1, minimum=1), seed=_int(fields, "seed", None, minimum=0),
+        stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+        ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
+        include_usage=_bool(options or {}, "include_usage", False, param="stream_options"))
+
+
+def _message(raw: object, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
+        raise RequestError(f"{param} must be an object with a string role, got {_show(raw)}",
+                           param=param)
+    content = raw.get("content")
+    if isinstance(content, list):  # content parts: only text ones are understood
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f"{param}.content parts must all be text parts, got "
+                               f"{_show(content)}", param=f"{param}.content")
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise RequestError(f"{param}.content must be a string or a list of text parts, got "
+                           f"{_show(content)}", param=f"{param}.content")
+    return ChatMessage(raw["role"], content)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(fields: dict, name: str, default: int | None, *, minimum: int) -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise RequestError(f"{name} must be an integer, got {_show(value)}", param=name)
+    if value < minimum:
+        raise RequestError(f"{name} must be >= {minimum}, got {value}", param=name)
+    return value
+
+
+def _number(fields: dict, name: str, default: float, low: float, high: float, *,
+            open_low: bool = False) -> float:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a number, got {_show(value)}", param=name)
+    if value > high or value < low or (open_low and value == low):
+        bracket = "(" if open_low else "["
+        raise RequestError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}",
+                           param=name)
+    return float(value)
+
+
+def _bool(fields: dict, name: str, default: bool, *, param: str | None = None) -> bool:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {_show(value)}", param=param or name)
+    return value
+
+
+def _show(value: object) -> str:
+    """A value for an error message: its JSON-ish repr, cut to 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,227 @@
+"""`kvpool serve` through the real openai client: completions and chat, whole and streamed,
+n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, the models,
+health and metrics endpoints, and every bad request refused with an OpenAI error body."""
+
+import json
+import re
+
+import httpx
+import pytest
+
+from kvpool.cli import main
+from kvpool.engine import LLM, SamplingParams
+from server_util import metrics, running_server
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+PROMPT = "The pool"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """LLM.generate's greedy text of PROMPT (32 tokens, EOS ignored), before serving."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+
+@pytest.fixture(scope="module")
+def server(llm, expected):
+    with running_server(llm) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def test_greedy_completion_equals_llm_generate(client, expected):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, **GREEDY)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (9, 32)  # BOS + 8 bytes
+    assert out.usage.total_tokens == 41
+
+
+def test_a_prompt_of_token_ids_is_taken_as_is(client, expected):
+    out = client.completions.create(model="tiny", prompt=[256, *PROMPT.encode()],
+                                    max_tokens=32, **GREEDY)
+    assert out.choices[0].text == expected.text
+
+
+def test_chat_renders_the_fallback_template(client, llm):
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "hi"}], max_tokens=12, **GREEDY)
+    prompt = [256, *b"system: Be brief.\nuser: hi\nassistant:"]
+    assert out.usage.prompt_tokens == len(prompt)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == _greedy_text(client, prompt, 12)
+
+
+def test_streamed_completion_adds_up_to_the_whole_text(client, expected):
+    chunks = list(client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=32, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    # Equal text also means no character was split: U+0640 (bytes 217, 128) comes whole.
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 32
+
+
+def test_chat_stream_is_role_chunk_deltas_finish_chunk_usage_done(server, expected):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-2]["choices"] == [{"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": "length"}]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+    assert all(e["usage"] is None for e in events[:-1])
+    assert all("content" in e["choices"][0]["delta"] for e in events[1:-2])
+
+
+def test_n_2_returns_two_choices_and_counts_both(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, seed=7,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text != out.choices[1].text
+    assert out.usage.completion_tokens == 20
+
+
+def test_a_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
+                                         seed=seed, extra_body={"ignore_eos": True}
+                                         ).choices[0].text
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def test_a_stop_string_across_tokens_ends_the_choice_before_it(client, expected):
+    stop = "\u066e{"  # bytes 217, 174, 123: three tokens, the first two one character
+    cut = expected.text.index(stop)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, stop=[stop],
+                                    **GREEDY)
+    assert out.choices[0].text == expected.text[:cut]
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 11  # the tokens up to the stop string's last
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32,
+                                              stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
+    prompt = list(range(40))  # two full pages of 16 tokens can be served the second time
+    first, second = (client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+                     for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_models_lists_the_served_model_and_health_answers(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].max_model_len == 512
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_metrics_parse_and_counters_move_as_requests_complete(server, client):
+    before = metrics(server)
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, **GREEDY)
+    after = metrics(server)
+    assert after["kvpool_requests_total", (("finish_reason", "length"),)] - before.get(
+        ("kvpool_requests_total", (("finish_reason", "length"),)), 0) == 1
+    assert after["kvpool_prompt_tokens_total", ()] - before["kvpool_prompt_tokens_total", ()] == 9
+    assert (after["kvpool_generation_tokens_total", ()]
+            - before["kvpool_generation_tokens_total", ()]) == 7
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        count = f"kvpool_{name}_count", ()
+        assert after[count] - before[count] == 1
+    assert after["kvpool_prefix_cache_queries_total", ()] > before[
+        "kvpool_prefix_cache_queries_total", ()]
+    assert after["kvpool_pages_used", ()] == 0
+    assert after["kvpool_pages_used", ()] + after["kvpool_pages_cached", ()] + after[
+        "kvpool_pages_free", ()] == 24
+    for name in ("kv_utilization", "sequences_running", "sequences_waiting",
+                 "preemptions_total", "prefix_cache_hits_total"):
+        assert (f"kvpool_{name}", ()) in after
+
+
+BAD_REQUESTS = [
+    ("not json", "{", 400, None, None,
+     "the request body is not valid JSON: Expecting property name enclosed in double quotes: "
+     "line 1 column 2 (char 1)"),
+    ("unknown model", {"model": "gpt-4", "prompt": "x"}, 400, "model", "model_not_found",
+     "model 'gpt-4' does not exist; this server serves 'tiny'"),
+    ("max_tokens of the wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "5"},
+     400, "max_tokens", None, "max_tokens must be an integer, got '5'"),
+    ("max_tokens out of range", {"model": "tiny", "prompt": "x", "max_tokens": 0},
+     400, "max_tokens", None, "max_tokens must be >= 1, got 0"),
+    ("temperature out of range", {"model": "tiny", "prompt": "x", "temperature": 2.5},
+     400, "temperature", None, "temperature must be in [0, 2], got 2.5"),
+    ("top_p of zero", {"model": "tiny", "prompt": "x", "top_p": 0},
+     400, "top_p", None, "top_p must be in (0, 1], got 0"),
+    ("empty prompt", {"model": "tiny", "prompt": []}, 400, "prompt", None,
+     "prompt must be a non-empty string or a non-empty list of token ids, got []"),
+    ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 300]}, 400, None,
+     None, "prompt token ids must be ints in [0, 258), got 300"),
+    ("prompt longer than max_model_len", {"model": "tiny", "prompt": [1] * 600},
+     400, "prompt", "context_length_exceeded",
+     "prompt of 600 tokens + max_tokens 16 = 616 tokens, over max_model_len 512"),
+    ("a sample the pool can never hold", {"model": "tiny", "prompt": [1] * 100,
+                                          "max_tokens": 300}, 400, "max_tokens", None,
+     "prompt of 100 tokens + max_tokens 300 need 25 pages of 16 tokens; the pool has 24"),
+    ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
+     "n=9 samples exceed max_num_seqs 8"),
+    ("logprobs", {"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs",
+     "unsupported", "logprobs is not supported by this server, got 2"),
+    ("messages missing", {"model": "tiny"}, 400, "messages", None,
+     "messages must be a non-empty list, got None"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, code, message",
+                         [case[1:] for case in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
+        server, client, body, status, param, code, message):
+    path = "/v1/chat/completions" if body == {"model": "tiny"} else "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server.url}{path}", content=content)
+    assert response.status_code == status
+    assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                         "param": param, "code": code}}
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+def test_bench_url_sends_the_bench_workload_through_the_server(server, capsys):
+    argv = ["bench", "--url", server.url, "--num-requests", "8", "--prompt-len", "16",
+            "--output-len", "8"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines)
+    assert list(table) == ["model", "url", "requests", "prompt tokens", "generated tokens",
+                           "wall time", "generated tok/s", "total tok/s", "TTFT p50 / p99",
+                           "TPOT p50 / p99", "prefix hit rate", "preemptions"]
+    # the workload of `kvpool bench` with these options: 494 prompt tokens, 111 generated
+    assert (table["model"], table["requests"], table["prompt tokens"]) == ("tiny", "8", "494")
+    assert table["generated tokens"] == "111"
+
+
+def _greedy_text(client, prompt, max_tokens):
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                     **GREEDY).choices[0].text

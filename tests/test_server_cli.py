@@ -1,0 +1,53 @@
+"""`kvpool serve` as a command: it serves until SIGTERM and then exits 0; without the server
+extra it says what to install and exits 2."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from kvpool.cli import main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_serve_answers_then_exits_0_on_sigterm():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.cli", "serve", "--model", "tiny", "--port", str(port),
+         "--num-pages", "64"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()[1].decode()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "kvpool serve did not answer in 60 s"
+                time.sleep(0.1)
+        response = httpx.post(f"{url}/v1/completions",
+                              json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+        assert response.json()["usage"]["completion_tokens"] <= 3
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_serve_without_the_server_extra_names_the_install_command(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import fails as if not installed
+    assert main(["serve", "--model", "tiny"]) == 2
+    assert capsys.readouterr().err == ("kvpool serve: needs uvicorn: "
+                                       "pip install 'kvpool[server]'\n")

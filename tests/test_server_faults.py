@@ -1,0 +1,73 @@
+"""Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
+an exception inside a step fails the requests in flight with 500 and the server serves on."""
+
+import json
+
+import httpx
+import pytest
+
+from kvpool.engine import LLM
+from server_util import running_server
+
+LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+        "stream": True}
+INTERNAL = {"type": "internal_error", "param": None, "code": None,
+            "message": "the engine failed: RuntimeError: injected"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    # One seat and one waiting place: a third request finds the queue full.
+    with running_server(LLM("tiny", num_pages=256, max_num_seqs=1), max_waiting=1) as server:
+        yield server
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after(server):
+    with httpx.Client(base_url=server.url) as http, \
+            http.stream("POST", "/v1/completions", json=LONG) as running:
+        lines = running.iter_lines()  # kept: dropping it would close the connection
+        next(lines)  # the first chunk: it holds the one seat
+        with http.stream("POST", "/v1/completions", json=LONG) as waiting:
+            assert waiting.status_code == 200  # taken: it waits for the seat
+            refused = http.post("/v1/completions", json={**LONG, "stream": False})
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json() == {"error": {
+        "message": "1 sequences wait already; this request's 1 would pass max_waiting 1",
+        "type": "server_busy", "param": None, "code": "server_busy"}}
+    server.wait_idle(timeout=5)
+    assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
+
+
+def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
+    _fail_next_step(server)
+    response = httpx.post(f"{server.url}/v1/completions",
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+    assert response.status_code == 500
+    assert response.json() == {"error": INTERNAL}
+    server.wait_idle(timeout=5)
+    server.on_engine(lambda llm: llm.cache.check())
+    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+    assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
+
+
+def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
+        lines = response.iter_lines()
+        next(lines)  # the first chunk: the request runs
+        _fail_next_step(server)
+        rest = [line for line in lines if line]
+    assert json.loads(rest[-2].removeprefix("data: ")) == {"error": INTERNAL}
+    assert rest[-1] == "data: [DONE]"
+    server.wait_idle(timeout=5)
+    server.on_engine(lambda llm: llm.cache.check())
+
+
+def _fail_next_step(server) -> None:
+    """Make the engine's next forward raise RuntimeError("injected"), once."""
+    def fail(llm):
+        def run_once(batch):
+            del llm.runner.run  # back to the real method
+            raise RuntimeError("injected")
+        llm.runner.run = run_once
+    server.on_engine(fail)

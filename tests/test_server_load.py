@@ -1,0 +1,94 @@
+"""The server under 64 concurrent streaming clients, some leaving early: every request is
+accounted for, the cache stays consistent, and no page is held once they are done. A client
+that disconnects aborts its request, whose pages come back before the next step."""
+
+import asyncio
+import random
+
+import pytest
+
+from kvpool.engine import LLM, SamplingParams
+from kvpool.server.engine_loop import EngineLoop
+from server_util import metrics, running_server
+
+NUM_CLIENTS = 64
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(LLM("tiny", num_pages=512)) as server:
+        yield server
+
+
+def test_64_streaming_clients_some_leaving_early_are_all_accounted_for(server):
+    rng = random.Random(0)
+    system = [rng.randrange(256) for _ in range(40)]
+    prompts = [(system if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randint(4, 40))]
+               for i in range(NUM_CLIENTS)]
+    leaving = set(range(0, NUM_CLIENTS, 4))
+    before = metrics(server)
+
+    async def one(client, i):
+        stream = await client.completions.create(
+            model="tiny", prompt=prompts[i], stream=True, stream_options={"include_usage": True},
+            max_tokens=1000 if i in leaving else MAX_TOKENS, extra_body={"ignore_eos": True})
+        text, finish_reason = "", None
+        async for chunk in stream:
+            if i in leaving:
+                await stream.close()
+                return "left"
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
+            else:
+                assert chunk.usage.completion_tokens == MAX_TOKENS
+        return finish_reason
+
+    async def all_clients():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS)))
+
+    results = asyncio.run(all_clients())
+    assert results == ["left" if i in leaving else "length" for i in range(NUM_CLIENTS)]
+    server.wait_idle()
+    server.on_engine(lambda llm: llm.cache.check())
+    stats = server.on_engine(lambda llm: llm.cache.stats())
+    assert (stats.num_used_pages, stats.num_sequences) == (0, 0)
+    after = metrics(server)
+    for reason, count in (("length", NUM_CLIENTS - len(leaving)), ("abort", len(leaving))):
+        key = "kvpool_requests_total", (("finish_reason", reason),)
+        assert after[key] - before.get(key, 0) == count
+
+
+def test_a_client_that_disconnects_aborts_its_request(server):
+    client = server.client()
+    stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=2000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) > 0
+    stream.close()
+    server.wait_idle(timeout=5)
+    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+
+
+def test_an_abort_gives_the_pages_back_before_the_next_step():
+    llm = LLM("tiny", num_pages=64)
+
+    async def main():
+        engine = EngineLoop(llm, max_waiting=8)
+        engine.start()
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        stream = await engine.add("a", [256, *b"Hello"], params)
+        await stream.get()
+        steps = await engine.call(lambda llm: llm.stats().num_steps)
+        engine.abort("a")
+        pages, steps_after = await engine.call(
+            lambda llm: (llm.cache.stats().num_used_pages, llm.stats().num_steps))
+        await engine.stop()
+        return pages, steps_after - steps
+
+    pages, steps_between = asyncio.run(main())
+    assert pages == 0
+    assert steps_between <= 1  # a step already under way when the abort arrived

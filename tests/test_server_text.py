@@ -1,0 +1,120 @@
+"""What a choice sends as it streams (stop strings on decoded text, characters never split),
+and chat templates rendered exactly as transformers renders them."""
+
+import json
+
+import pytest
+import tokenizers
+import transformers
+
+from kvpool.server.chat import ChatTemplate
+from kvpool.server.detokenize import ChoiceText
+from kvpool.server.protocol import ChatMessage, RequestError
+
+
+def test_a_trailing_replacement_character_waits_for_the_rest_of_its_bytes():
+    choice = ChoiceText(())
+    assert choice.update("ab\ufffd", 3, None) == "ab"
+    assert choice.update("ab\u00e9", 4, None) == "\u00e9"
+    assert choice.text == "ab\u00e9"
+
+
+def test_a_replacement_character_is_sent_once_text_follows_it_or_the_choice_ends():
+    choice = ChoiceText(())
+    assert choice.update("a\ufffd", 2, None) == "a"
+    assert choice.update("a\ufffdb\ufffd", 4, None) == "\ufffdb"
+    assert choice.update("a\ufffdb\ufffd", 4, "length") == "\ufffd"
+    assert choice.finish_reason == "length"
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back():
+    choice = ChoiceText(("STOP",))
+    assert choice.update("hello ST", 8, None) == "hello "
+    assert choice.update("hello STX", 9, None) == "STX"
+
+
+def test_a_stop_string_completed_by_a_later_token_ends_the_choice_before_it():
+    choice = ChoiceText(("STOP",))
+    assert choice.update("hello ST", 8, None) == "hello "
+    assert choice.update("hello STOP and more", 19, None) == ""
+    assert (choice.text, choice.finish_reason, choice.num_tokens) == ("hello ", "stop", 19)
+    assert choice.update("hello STOP and more!", 20, None) == ""
+    assert choice.num_tokens == 19
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    choice = ChoiceText(("b", "xa"))
+    assert choice.update("zxab", 4, None) == "z"
+    assert choice.finish_reason == "stop"
+
+
+def test_a_held_back_prefix_is_sent_when_the_stop_string_starts_after_it():
+    choice = ChoiceText(("ab",))
+    assert choice.update("xa", 2, None) == "x"
+    assert choice.update("xaab", 4, None) == "a"
+    assert choice.text == "xa" and choice.finish_reason == "stop"
+
+
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{% if loop.index0 == 0 and message['role'] == 'system' %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\n' + message['content'] | trim }}"
+    "{% continue %}{% endif %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>\n"
+    "{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{{ {'n': messages | length, 'last': messages[-1]['content']} | tojson }}")
+MESSAGES = [{"role": "system", "content": " Be brief. "},
+            {"role": "user", "content": "Héllo, 世界"},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Again?"}]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    config = {"chat_template": LLAMA3_STYLE, "bos_token": "<|begin_of_text|>",
+              "eos_token": {"content": "<|eot_id|>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_checkpoint_template_renders_as_transformers_renders_it(checkpoint):
+    vocab = {"[UNK]": 0, "<|begin_of_text|>": 1, "<|eot_id|>": 2}
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "[UNK]")),
+        bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA3_STYLE)
+    expected = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    template = ChatTemplate.for_model(checkpoint)
+    assert template.render([ChatMessage(**m) for m in MESSAGES]) == expected
+    assert not template.add_special_tokens
+
+
+def test_chat_template_jinja_file_comes_before_tokenizer_config(checkpoint):
+    (checkpoint / "chat_template.jinja").write_text("{{ eos_token }}{{ messages[0].role }}")
+    assert ChatTemplate.for_model(checkpoint).render([ChatMessage("user", "x")]) == \
+        "<|eot_id|>user"
+
+
+def test_a_named_default_template_is_used_from_a_list(tmp_path):
+    config = {"chat_template": [{"name": "tool_use", "template": "tools"},
+                                {"name": "default", "template": "plain"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == "plain"
+
+
+def test_the_fallback_template_is_role_lines_then_the_assistant_turn(tmp_path):
+    template = ChatTemplate.for_model("tiny")
+    rendered = template.render([ChatMessage("system", "Be brief."), ChatMessage("user", "hi")])
+    assert rendered == "system: Be brief.\nuser: hi\nassistant:"
+    assert template.add_special_tokens
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == \
+        "user: x\nassistant:"
+
+
+def test_a_template_that_raises_refuses_the_request(checkpoint):
+    with pytest.raises(RequestError, match="refused the messages: unknown role tool") as info:
+        ChatTemplate.for_model(checkpoint).render([ChatMessage("tool", "x")])
+    assert info.value.status == 400 and info.value.param == "messages"
