@@ -55,7 +55,7 @@ class LLM:
             max_model_len=self.max_model_len, watermark_pages=max(1, num_pages // 100),
             eos_token_ids=eos)
         self.runner = ModelRunner(self.model, self.cache)
-        self.sampler = Sampler(torch.Generator(device).manual_seed(self.config.seed))
+        self.sampler = Sampler(self.config.seed)
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self._next_request_id = 0
@@ -149,8 +149,10 @@ class LLM:
         seqs, rows = self.scheduler.update(batch)
         if len(rows) > len(logits):  # forked samples read their parent's row
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        requests = self.scheduler.postprocess(seqs, tokens)
+        streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
+        tokens = self.sampler(logits, [s.params for s in seqs], streams,
+                              [s.num_tokens for s in seqs])
+        requests = self.scheduler.postprocess(seqs, tokens.tolist())  # one copy to the host
         for request in requests:
             if request.finished:
                 del self._requests[request.request_id]
