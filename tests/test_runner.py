@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpool.attention import AttentionMetadata
+from kvpool.engine.config import MAX_ATTENTION_SPLITS
 from kvpool.engine.graphs import (
     PADDING_SEQ_ID,
     CUDAGraphRunner,
@@ -14,7 +15,10 @@ from kvpool.engine.graphs import (
     is_decode_only,
 )
 from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.workspace import ALIGNMENT
 
 PAGE = 4
 
@@ -211,3 +215,33 @@ def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
     real = written.tolist()  # the same K/V as eager, up to the matmuls' batch-size rounding
     torch.testing.assert_close(kv[:, :, real], after_eager.flatten(2, 3)[:, :, real],
                                rtol=1e-5, atol=1e-5)
+
+
+# ---- workspace planning and stats --------------------------------------------------------
+
+def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratch(llm):
+    mc, config = llm.model_config, llm.config
+    width = 64 // PAGE
+    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12).size * 8
+    scratch = 12 * mc.num_heads * MAX_ATTENTION_SPLITS * (mc.head_dim + 2) * 4
+    assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
+
+
+def test_stats_report_the_workspace_and_no_graphs_on_the_cpu(llm):
+    llm.generate([[1, 2, 3] * 9, [4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.workspace_bytes == llm.workspace.nbytes
+    assert 0 < stats.workspace_peak_bytes <= stats.workspace_bytes
+    assert (stats.num_cuda_graphs, stats.cuda_graph_bytes, stats.num_graph_steps) == (0, 0, 0)
+
+
+def test_graph_memory_is_planned_unless_enforce_eager(llm):
+    dtype = llm.model.dtype
+    assert llm.config.cuda_graph_bytes(llm.model_config, dtype) > 0
+    eager = LLM("tiny", num_pages=8, enforce_eager=True)
+    assert eager.config.cuda_graph_bytes(eager.model_config, dtype) == 0
+
+
+def test_enforce_eager_must_be_a_bool():
+    with pytest.raises(TypeError, match="enforce_eager"):
+        LLM("tiny", num_pages=8, enforce_eager="yes")
