@@ -65,23 +65,24 @@ def pack_step(batch: ScheduledBatch, cache: KVCache, host: torch.Tensor, layout:
     seq_ids = [seq.seq_id for seq in batch.seqs]
     num_real, num_pad = len(seq_ids), layout.num_seqs - len(seq_ids)
     ids, positions, slots, seq_lens, cu_seqlens, logits_indices, tables = layout.split(host)
-    starts = torch.tensor(batch.starts + [0] * num_pad)
-    ends = torch.tensor(batch.ends + [1] * num_pad)
+    starts = torch.tensor(batch.starts + [0] * num_pad, dtype=torch.int32)
+    ends = torch.tensor(batch.ends + [1] * num_pad, dtype=torch.int32)
     query_lens = ends - starts
     input_ids: list[int] = []
     for seq, start, end in zip(batch.seqs, batch.starts, batch.ends, strict=True):
         input_ids += seq.token_ids[start:end]
     ids.copy_(torch.tensor(input_ids + [0] * num_pad))
-    cu_seqlens[0] = 0
-    torch.cumsum(query_lens, 0, out=cu_seqlens[1:])
+    cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32)
+    torch.cumsum(query_lens, 0, out=cu[1:])
+    cu_seqlens.copy_(cu)
     # position of packed token t of sequence b: starts[b] + (t - cu_seqlens_q[b])
-    offsets = (starts - cu_seqlens[:-1]).repeat_interleave(query_lens, output_size=len(ids))
-    torch.add(torch.arange(len(ids)), offsets, out=positions)
+    offsets = (starts - cu[:-1]).repeat_interleave(query_lens, output_size=len(ids))
+    torch.add(torch.arange(len(ids), dtype=torch.int32), offsets, out=positions)
     slots[: len(slots) - num_pad] = cache.slot_mapping(seq_ids, batch.starts, batch.ends)
     slots[len(slots) - num_pad:] = pad_slot
     seq_lens.copy_(ends)
     sampled = torch.tensor(batch.sampled + [True] * num_pad)
-    logits_indices.copy_(cu_seqlens[1:][sampled] - 1)
+    logits_indices.copy_(cu[1:][sampled] - 1)
     tables = tables.view(layout.num_seqs, layout.width)
     real = cache.page_tables(seq_ids)
     tables[:num_real].zero_()  # columns past a sequence's pages: any valid page id
