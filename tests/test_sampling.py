@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from kvpool.engine.params import SamplingParams
-from kvpool.engine.sampling import Sampler, apply_top_k_top_p, stop_reason
+from kvpool.engine.sampling import (
+    MIN_TEMPERATURE,
+    Sampler,
+    apply_top_k_top_p,
+    exponential_noise,
+    hash32,
+    row_keys,
+    stop_reason,
+)
 
 INF = math.inf
 
@@ -97,57 +105,125 @@ def test_filters_are_per_row():
 
 # ---- Sampler -----------------------------------------------------------------------------
 
-def _sampler(seed=0):
-    return Sampler(torch.Generator().manual_seed(seed))
+def _sample(logits, params, *, seed=0, streams=None, positions=None):
+    n = len(params)
+    streams = list(range(n)) if streams is None else streams
+    positions = [5] * n if positions is None else positions
+    return Sampler(seed)(logits, params, streams, positions).tolist()
 
 
 def test_greedy_rows_take_the_argmax():
     logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 4.9], [0.0, 0.0, 1.0]])
     greedy = SamplingParams(temperature=0)
-    assert _sampler()(logits, [greedy] * 3, [None] * 3) == [1, 0, 2]
+    assert _sample(logits, [greedy] * 3) == [1, 0, 2]
 
 
 def test_greedy_ties_take_the_first_index_like_argmax():
     logits = torch.tensor([[1.0, 3.0, 3.0]])
-    assert _sampler()(logits, [SamplingParams(temperature=0)], [None]) == [1]
+    assert _sample(logits, [SamplingParams(temperature=0)]) == [1]
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, MIN_TEMPERATURE / 2])
+def test_tiny_temperatures_are_greedy_not_nan(temperature):
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0], [-3.0, -1.0, -2.0, -0.5]])
+    params = [SamplingParams(temperature=temperature)] * 2
+    assert _sample(logits, params) == [1, 3]
+
+
+def test_a_temperature_at_the_bound_samples():
+    logits = torch.tensor([[0.0, 1e-9, 0.0]] * 200)
+    tokens = _sample(logits, [SamplingParams(temperature=MIN_TEMPERATURE)] * 200)
+    # 1e-9 / 1e-5 is a tiny margin: the draw is close to uniform, not an argmax
+    assert set(tokens) == {0, 1, 2}
 
 
 def test_top_k_one_sampling_is_the_argmax():
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.5, top_k=1)] * 8
-    assert _sampler()(logits, params, [None] * 8) == logits.argmax(-1).tolist()
+    assert _sample(logits, params) == logits.argmax(-1).tolist()
 
 
 def test_sampling_never_picks_a_filtered_token():
     logits = torch.zeros(64, 10)
     params = [SamplingParams(top_k=3)] * 64
     logits[:, [2, 5, 7]] = 1.0
-    assert set(_sampler()(logits, params, [None] * 64)) <= {2, 5, 7}
+    assert set(_sample(logits, params)) <= {2, 5, 7}
 
 
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().expand(3000, 3)
-    tokens = torch.tensor(_sampler()(logits, [SamplingParams()] * 3000, [None] * 3000))
+    tokens = torch.tensor(_sample(logits, [SamplingParams()] * 3000))
     freq = torch.bincount(tokens, minlength=3) / 3000
     assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_one_row_over_many_positions_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = probs.log().expand(4000, 4)
+    params = [SamplingParams(seed=3)] * 4000
+    tokens = torch.tensor(_sample(logits, params, streams=[0] * 4000,
+                                  positions=list(range(4000))))
+    freq = torch.bincount(tokens, minlength=4) / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_exponential_noise_has_mean_one_and_is_positive():
+    noise = exponential_noise(row_keys([0] * 64, list(range(64)), [0] * 64), 1000)
+    assert noise.min() > 0
+    assert abs(noise.mean().item() - 1.0) < 0.01
+
+
+def test_row_keys_differ_in_each_component():
+    keys = row_keys([1, 2, 1, 1, 2**64 - 1], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0]).tolist()
+    assert len(set(keys)) == 5
+    assert all(0 <= k < 2**32 for k in keys)
 
 
 def test_seeded_row_draws_the_same_whatever_the_batch():
     row = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
     p = SamplingParams(seed=7)
-    alone = _sampler(0)(row, [p], [torch.Generator().manual_seed(7)])
+    alone = _sample(row, [p], seed=0, streams=[0], positions=[9])
     others = torch.randn(5, 100)
     batch = torch.cat([others[:3], row, others[3:]])
-    params = [SamplingParams()] * 3 + [p] + [SamplingParams()] * 2
-    gens = [None] * 3 + [torch.Generator().manual_seed(7)] + [None] * 2
-    assert _sampler(99)(batch, params, gens)[3] == alone[0]
+    params = [SamplingParams()] * 3 + [p] + [SamplingParams(seed=8, top_k=5)] * 2
+    assert _sample(batch, params, seed=99, streams=[4, 5, 6, 0, 0, 1],
+                   positions=[1, 2, 3, 9, 9, 9])[3] == alone[0]
+
+
+def test_seeded_draws_are_reproducible_and_depend_on_seed_stream_and_position():
+    logits = torch.zeros(1, 1000)
+    def draw(seed, stream, position):
+        return _sample(logits, [SamplingParams(seed=seed)], streams=[stream],
+                       positions=[position])[0]
+    assert draw(7, 0, 3) == draw(7, 0, 3)
+    base = draw(7, 0, 3)
+    assert base not in [draw(8, 0, 3), draw(7, 1, 3), draw(7, 0, 4)]
+
+
+def test_unseeded_rows_draw_from_the_engine_seed():
+    logits = torch.zeros(4, 1000)
+    params = [SamplingParams()] * 4
+    assert _sample(logits, params, seed=1) == _sample(logits, params, seed=1)
+    assert _sample(logits, params, seed=1) != _sample(logits, params, seed=2)
 
 
 def test_temperature_mixes_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 1.0, 0.5]] * 2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=1)]
-    assert _sampler()(logits, params, [None, None]) == [1, 1]
+    assert _sample(logits, params) == [1, 1]
+
+
+def test_sampled_tokens_stay_on_the_logits_device_as_int64():
+    tokens = Sampler(0)(torch.zeros(2, 4), [SamplingParams()] * 2, [0, 1], [0, 0])
+    assert tokens.dtype == torch.int64 and tokens.device == torch.device("cpu")
+
+
+def test_hash32_avalanches():
+    x = torch.arange(1024, dtype=torch.int64)
+    flipped = hash32(x) ^ hash32(x ^ 1)
+    bits = sum(((flipped >> b) & 1).sum().item() for b in range(32)) / 1024
+    assert 14 < bits < 18  # about half of the 32 output bits change
 
 
 # ---- stop rules --------------------------------------------------------------------------

@@ -113,12 +113,11 @@ def test_n_samples_fork_after_prefill_and_share_the_prompt_pages():
     assert s.cache.allocator.refcount(pages[0][0]) == 3
 
 
-def test_forked_samples_have_seeds_offset_by_their_index():
+def test_forked_samples_are_numbered_by_their_index():
     s = _scheduler()
     request = _add(s, 2, n=2, seed=5)
     _step(s)
-    draws = [seq.generator.initial_seed() for seq in request.seqs]
-    assert draws == [5, 6]
+    assert [seq.index for seq in request.seqs] == [0, 1]
 
 
 def test_newest_sequence_is_preempted_to_the_front_of_the_queue():

@@ -10,8 +10,12 @@ from kvpool.config import ModelConfig
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
 from kvpool.layout import KVLayout, estimate_activation_bytes, format_bytes, plan_memory
+from kvpool.workspace import ALIGNMENT
 
 GiB = 2**30
+# Split-context decode keeps float32 partial outputs and two softmax statistics per
+# sequence, query head and split; an estimate of the kernels' most splits per sequence.
+MAX_ATTENTION_SPLITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     device: str | torch.device | None = None
     seed: int = 0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -50,8 +55,9 @@ class EngineConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0 < fraction <= 1):
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        if not isinstance(self.prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be a bool, got {self.prefix_caching!r}")
+        for name in ("prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
 
@@ -65,8 +71,28 @@ class EngineConfig:
                              f"max_position_embeddings {limit}")
         return self.max_model_len
 
-    def plan_num_pages(self, model: ModelConfig, layout: KVLayout, device: torch.device) -> int:
-        """num_pages, or the pages the memory budget holds (call after loading weights)."""
+    def workspace_bytes(self, model: ModelConfig, layout: KVLayout, max_model_len: int) -> int:
+        """Bytes of the engine's workspace: a step's int64 metadata at its largest (tokens,
+        sequences and full-length page tables) plus the attention kernels' split-context
+        scratch (an estimate: MAX_ATTENTION_SPLITS splits) and alignment slack."""
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        width = -(-max_model_len // layout.page_size)
+        metadata = (3 * tokens + 3 * seqs + 1 + seqs * width) * 8
+        scratch = seqs * model.num_heads * MAX_ATTENTION_SPLITS * (model.head_dim + 2) * 4
+        return metadata + scratch + 8 * ALIGNMENT
+
+    def cuda_graph_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Estimated bytes of the decode CUDA graphs' memory pool (0 with enforce_eager):
+        the activations of the largest bucket, which every smaller one reuses."""
+        if self.enforce_eager:
+            return 0
+        return estimate_activation_bytes(model, dtype, max_num_batched_tokens=self.max_num_seqs,
+                                         max_num_seqs=self.max_num_seqs)
+
+    def plan_num_pages(self, model: ModelConfig, layout: KVLayout, device: torch.device,
+                       max_model_len: int) -> int:
+        """num_pages, or the pages the memory budget holds (call after loading weights).
+        On CUDA the budget also leaves room for the workspace and the CUDA graphs."""
         if self.num_pages is not None:
             return self.num_pages
         activations = estimate_activation_bytes(
@@ -74,7 +100,8 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.memory_fraction) - activations
+            budget = int(free * self.memory_fraction) - activations - self.workspace_bytes(
+                model, layout, max_model_len) - self.cuda_graph_bytes(model, layout.dtype)
         else:
             fits = plan_memory(model, memory_fraction=self.memory_fraction, dtype=layout.dtype,
                                page_size=layout.page_size, activation_bytes=activations,

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from kvpool.cache import KVCache
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner
@@ -22,6 +23,7 @@ from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
 from kvpool.layout import KVLayout
 from kvpool.models import load_model
+from kvpool.workspace import Workspace
 
 Prompt = str | abc.Sequence[int]  # text (needs a tokenizer) or token ids
 
@@ -31,8 +33,8 @@ class LLM:
 
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len, dtype, device, seed). `on_step` is called with a
-    StepRecord after every step. `cache` is the KVCache.
+    max_num_batched_tokens, max_model_len, dtype, device, seed, enforce_eager). `on_step` is
+    called with a StepRecord after every step. `cache` is the KVCache.
     """
 
     def __init__(self, model: str | Path, *,
@@ -45,7 +47,7 @@ class LLM:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.model.dtype,
                           self.config.page_size)
         self.max_model_len = self.config.resolve_max_model_len(mc)
-        num_pages = self.config.plan_num_pages(mc, layout, device)
+        num_pages = self.config.plan_num_pages(mc, layout, device, self.max_model_len)
         self.cache = KVCache(layout, num_pages, device=device,
                              prefix_caching=self.config.prefix_caching,
                              max_tokens_per_seq=self.max_model_len)
@@ -55,8 +57,15 @@ class LLM:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, watermark_pages=max(1, num_pages // 100),
             eos_token_ids=eos)
-        self.runner = ModelRunner(self.model, self.cache)
-        self.sampler = Sampler(torch.Generator(device).manual_seed(self.config.seed))
+        self.workspace = Workspace(
+            self.config.workspace_bytes(mc, layout, self.max_model_len), device)
+        self.runner = ModelRunner(self.model, self.cache, self.workspace)
+        self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
+        if device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
+                                          self.max_model_len)
+            self.graphs.capture()
+        self.sampler = Sampler(self.config.seed)
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
@@ -176,7 +185,12 @@ class LLM:
             num_free_pages=cs.num_free_pages, kv_utilization=cs.kv_utilization,
             prefix_hit_rate=cs.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self._num_steps, num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens, elapsed=self._elapsed)
+            num_generated_tokens=self._num_generated_tokens, elapsed=self._elapsed,
+            workspace_bytes=self.workspace.nbytes, workspace_peak_bytes=self.workspace.peak,
+            num_cuda_graphs=len(self.graphs.graphs) if self.graphs else 0,
+            cuda_graph_bytes=self.config.cuda_graph_bytes(self.model_config, self.model.dtype)
+            if self.graphs else 0,
+            num_graph_steps=self.graphs.num_replays if self.graphs else 0)
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -192,12 +206,15 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        logits = self.runner.run(batch)
+        bucket = self.graphs.bucket(batch) if self.graphs else None
+        logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
         seqs, rows = self.scheduler.update(batch)
         if len(rows) > len(logits):  # forked samples read their parent's row
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        requests = self.scheduler.postprocess(seqs, tokens)
+        streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
+        tokens = self.sampler(logits, [s.params for s in seqs], streams,
+                              [s.num_tokens for s in seqs])
+        requests = self.scheduler.postprocess(seqs, tokens.tolist())  # one copy to the host
         for request in requests:
             if request.finished:
                 del self._requests[request.request_id]

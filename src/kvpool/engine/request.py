@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import KVPoolError
 
@@ -31,7 +29,6 @@ class Sequence:
     request: Request
     index: int  # which of the request's n samples
     token_ids: list[int]
-    generator: torch.Generator | None  # the request's seed, or None: the engine's generator
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort"

@@ -1,47 +1,156 @@
 """ModelRunner: packs one scheduled batch (prefill chunks and decodes together) into the
-model's inputs and runs a single forward over the paged KV cache."""
+model's inputs and runs a single forward over the paged KV cache.
+
+The step's metadata (input ids, positions, slot mapping, seq_lens, cu_seqlens_q, logits
+indices, page tables) is built on the host into one flat int64 buffer, pinned and reused
+when the device is CUDA, and reaches the device in one non-blocking copy into the
+workspace. Nothing in the forward reads back from the device."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.workspace import Workspace
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The device tensors of one forward, and the host-side bounds the kernels may use
+    instead of reading `seq_lens` back (they go into AttentionMetadata once it has them)."""
+
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64: packed rows whose logits are returned
+    max_seq_len: int  # >= every seq_lens entry
+    max_query_len: int  # >= every query length
+
+
+class StepLayout(NamedTuple):
+    """Sizes of the sections of a step's flat int64 buffer, in this order: input ids,
+    positions, slot mapping (tokens each), seq_lens (seqs), cu_seqlens_q (seqs + 1),
+    logits indices (num_logits), page tables (seqs x width)."""
+
+    num_seqs: int
+    num_tokens: int
+    width: int  # page-table columns
+    num_logits: int
+
+    @property
+    def size(self) -> int:
+        """Elements of the flat buffer."""
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1 + self.num_logits + (
+            self.num_seqs * self.width)
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` (at least `size` elements), one per section."""
+        t, b = self.num_tokens, self.num_seqs
+        sizes = [t, t, t, b, b + 1, self.num_logits, b * self.width]
+        return list(flat[: self.size].split(sizes))
+
+
+def pack_step(batch: ScheduledBatch, cache: KVCache, host: torch.Tensor, layout: StepLayout,
+              *, pad_slot: int = 0, pad_page: int = 0) -> None:
+    """Write the batch's metadata into `host` (int64, CPU) laid out by `layout`.
+
+    Rows beyond the batch (`layout.num_seqs > len(batch.seqs)`, decode steps padded up to
+    a CUDA-graph size) are one-token sequences of token 0 at position 0 that write their
+    K/V to `pad_slot` and read only page `pad_page`; their logits rows come last."""
+    seq_ids = [seq.seq_id for seq in batch.seqs]
+    num_real, num_pad = len(seq_ids), layout.num_seqs - len(seq_ids)
+    ids, positions, slots, seq_lens, cu_seqlens, logits_indices, tables = layout.split(host)
+    starts = torch.tensor(batch.starts + [0] * num_pad, dtype=torch.int32)
+    ends = torch.tensor(batch.ends + [1] * num_pad, dtype=torch.int32)
+    query_lens = ends - starts
+    input_ids: list[int] = []
+    for seq, start, end in zip(batch.seqs, batch.starts, batch.ends, strict=True):
+        input_ids += seq.token_ids[start:end]
+    ids.copy_(torch.tensor(input_ids + [0] * num_pad))
+    cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32)
+    torch.cumsum(query_lens, 0, out=cu[1:])
+    cu_seqlens.copy_(cu)
+    # position of packed token t of sequence b: starts[b] + (t - cu_seqlens_q[b])
+    offsets = (starts - cu[:-1]).repeat_interleave(query_lens, output_size=len(ids))
+    torch.add(torch.arange(len(ids), dtype=torch.int32), offsets, out=positions)
+    slots[: len(slots) - num_pad] = cache.slot_mapping(seq_ids, batch.starts, batch.ends)
+    slots[len(slots) - num_pad:] = pad_slot
+    seq_lens.copy_(ends)
+    sampled = torch.tensor(batch.sampled + [True] * num_pad)
+    logits_indices.copy_(cu[1:][sampled] - 1)
+    tables = tables.view(layout.num_seqs, layout.width)
+    real = cache.page_tables(seq_ids)
+    tables[:num_real].zero_()  # columns past a sequence's pages: any valid page id
+    tables[:num_real, : real.shape[1]] = real
+    tables[num_real:] = pad_page
 
 
 class ModelRunner:
-    """Runs `model(input_ids, positions, meta, pool, logits_indices)` for a batch."""
+    """Runs `model(input_ids, positions, meta, pool, logits_indices)` for a batch, with its
+    metadata in `workspace` (reset at the start of every step)."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache):
+    def __init__(self, model: torch.nn.Module, cache: KVCache, workspace: Workspace):
         self.model = model
         self.cache = cache
+        self.workspace = workspace
         self.device = cache.pool.device
+        # Reused across steps: the previous step's copy has completed by the time this is
+        # rewritten, because every step ends by copying its sampled tokens to the host.
+        self._pinned = torch.empty(0, dtype=torch.int64)
+
+    def layout(self, batch: ScheduledBatch) -> StepLayout:
+        """The flat buffer's sections for `batch` as it is (no padding)."""
+        width = max(len(self.cache.pages(seq.seq_id)) for seq in batch.seqs)
+        return StepLayout(len(batch.seqs), batch.num_tokens, width, sum(batch.sampled))
+
+    def stage(self, batch: ScheduledBatch, layout: StepLayout, *, pad_slot: int = 0,
+              pad_page: int = 0) -> torch.Tensor:
+        """Reset the workspace and put the step's flat metadata (`pack_step`) in it as its
+        first allocation, so the same layout always lands at the same address; returns it."""
+        self.workspace.reset()
+        flat = self.workspace.alloc((layout.size,), torch.int64)
+        host = flat if self.device.type == "cpu" else self._host(layout.size)
+        pack_step(batch, self.cache, host, layout, pad_slot=pad_slot, pad_page=pad_page)
+        if host is not flat:
+            flat.copy_(host, non_blocking=True)
+        return flat
+
+    @staticmethod
+    def inputs(flat: torch.Tensor, layout: StepLayout, *, max_seq_len: int,
+               max_query_len: int) -> StepInputs:
+        """StepInputs viewing (and, for the int32 fields, converting) the device's `flat`."""
+        ids, positions, slots, seq_lens, cu_seqlens, logits_indices, tables = layout.split(flat)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            page_tables=tables.view(layout.num_seqs, layout.width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            cu_seqlens_q=cu_seqlens.to(torch.int32),
+        )
+        return StepInputs(ids, positions, meta, logits_indices, max_seq_len, max_query_len)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """float32 logits `[num_logits, vocab]` of one forward over `inputs`."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.pool,
+                          inputs.logits_indices)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Write the KV of the batch's tokens and return float32 logits `[n, vocab]` of the
         last token of each sequence whose chunk is `sampled`, in batch order."""
-        seq_ids = [seq.seq_id for seq in batch.seqs]
-        input_ids: list[int] = []
-        for seq, start, end in zip(batch.seqs, batch.starts, batch.ends, strict=True):
-            input_ids += seq.token_ids[start:end]
-        starts = torch.tensor(batch.starts, dtype=torch.int32)
-        seq_lens = torch.tensor(batch.ends, dtype=torch.int32)
-        query_lens = seq_lens - starts
-        cu_seqlens_q = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=cu_seqlens_q[1:])
-        # position of packed token t of sequence b: starts[b] + (t - cu_seqlens_q[b])
-        offsets = (starts - cu_seqlens_q[:-1]).repeat_interleave(query_lens)
-        positions = torch.arange(len(input_ids), dtype=torch.int64) + offsets
-        logits_indices = cu_seqlens_q[1:][torch.tensor(batch.sampled)] - 1
-        meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, batch.starts, batch.ends,
-                                                 device=self.device),
-            page_tables=self.cache.page_tables(seq_ids, device=self.device),
-            seq_lens=seq_lens.to(self.device),
-            cu_seqlens_q=cu_seqlens_q.to(self.device),
-        )
-        return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions.to(self.device), meta, self.cache.pool, logits_indices.to(self.device))
+        layout = self.layout(batch)
+        flat = self.stage(batch, layout)
+        query_lens = [end - start for start, end in zip(batch.starts, batch.ends, strict=True)]
+        return self.forward(self.inputs(flat, layout, max_seq_len=max(batch.ends),
+                                        max_query_len=max(query_lens)))
+
+    def _host(self, size: int) -> torch.Tensor:
+        """`size` elements of the pinned staging buffer, grown (doubling) when too small."""
+        if self._pinned.numel() < size:
+            self._pinned = torch.empty(max(size, 2 * self._pinned.numel()), dtype=torch.int64,
+                                       pin_memory=True)
+        return self._pinned[:size]

@@ -1,6 +1,10 @@
-"""Token sampling for a batch: greedy rows by one argmax, the others by temperature,
-top-k and top-p, drawn with the exponential race (argmax of p / E, E ~ Exp(1)), which is
-a categorical draw that needs one noise tensor and no cumulative search."""
+"""Token sampling for a batch, on the logits' device: greedy rows by one argmax, the others by
+temperature, top-k and top-p, drawn with the exponential race (argmax of p / E, E ~ Exp(1)),
+a categorical draw that needs one noise tensor and no cumulative search.
+
+The noise of a row is a counter-based hash of (seed, stream, position, token id): no random
+generator state, so a whole batch draws in a few elementwise kernels, and a row's draw depends
+only on its own key, never on the other rows of the batch (nor on preemption and recompute)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from collections.abc import Collection, Sequence
 import torch
 
 from kvpool.engine.params import SamplingParams
+
+# Temperatures below this are greedy: dividing logits by ~1e-38 overflows to inf and the
+# softmax to NaN. vLLM uses the same bound.
+MIN_TEMPERATURE = 1e-5
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1  # odd constant (2**32 / golden ratio) that spreads token ids apart
 
 
 def apply_top_k_top_p(
@@ -41,48 +52,81 @@ def stop_reason(
     return None
 
 
-class Sampler:
-    """Chooses one token per row of a batch of logits. Rows with their own generator (a
-    seeded request) draw their noise from it alone; the others share `generator`."""
+def is_greedy(params: SamplingParams) -> bool:
+    """True when a row takes the argmax: temperature 0 or below MIN_TEMPERATURE."""
+    return params.temperature < MIN_TEMPERATURE
 
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching hash of int64 values in [0, 2**32) to int64 values in [0, 2**32).
+
+    Multipliers stay below 2**31 so every product fits in int64 without wrapping."""
+    for multiplier in (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39):
+        x = x ^ (x >> 16)
+        x = (x * multiplier) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws `[n, vocab]` float32, row i a pure function of `keys[i]` (int64 in
+    [0, 2**32)) and the token id; strictly positive (no 0 / 0 for a masked token)."""
+    tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    bits = hash32((keys.unsqueeze(1) + tokens * _GOLDEN) & _MASK32)
+    # 24 bits and a half step: uniform on (0, 1) exactly representable in float32.
+    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(uniform)
+
+
+def row_keys(
+    seeds: Sequence[int], streams: Sequence[int], positions: Sequence[int]
+) -> torch.Tensor:
+    """`[n]` int64 keys in [0, 2**32) on the CPU, row i hashing (seeds[i], streams[i],
+    positions[i]), each any int >= 0 (seeds up to 2**64)."""
+    seed = torch.tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in seeds], dtype=torch.int64)
+    key = hash32(seed[:, 0]) ^ seed[:, 1].reshape(-1)
+    key = hash32(key) ^ (torch.tensor(streams, dtype=torch.int64) & _MASK32)
+    key = hash32(key) ^ (torch.tensor(positions, dtype=torch.int64) & _MASK32)
+    return hash32(key)
+
+
+class Sampler:
+    """Chooses one token per row of a batch of logits, on their device.
+
+    A seeded request's row i draws from (its seed, its sample index, its position), so it
+    samples the same whatever else is in the batch; the other rows draw from (the engine's
+    `seed`, a stream unique to the sequence, the position)."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
 
     def __call__(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        """Token ids for `logits` [n, vocab] (float32), row i by `params[i]`."""
+        streams: Sequence[int],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """Token ids `[n]` int64 on the logits' device for `logits` [n, vocab] (float32), row i
+        by `params[i]`. `streams[i]`: the sample index of a seeded request, else a sequence id
+        unique in this engine; `positions[i]`: the position of the token being sampled."""
+        greedy = [is_greedy(p) for p in params]
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            chosen = [params[i] for i in rows]
-            tokens[rows] = self._sample(logits[rows], chosen, [generators[i] for i in rows])
-        return tokens.tolist()
-
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Draw one token per row of `logits` [n, vocab], every row sampled (temperature > 0)."""
+        if all(greedy):
+            return tokens
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature.unsqueeze(1)
+        # Greedy rows are sampled at temperature 1 too (no per-row split) and then replaced.
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy,
+                                                                                 strict=True)])
+        scaled = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        return (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
-
-    def _exponential_noise(self, probs: torch.Tensor,
-                           generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exp(1) draws shaped like `probs`, each row from its own generator if it has one."""
-        noise = torch.empty_like(probs)
-        if all(g is None for g in generators):
-            noise.exponential_(generator=self.generator)
-        else:
-            for row, g in zip(noise, generators, strict=True):
-                row.exponential_(generator=g or self.generator)
-        # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks.
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+            top_k = torch.tensor([p.top_k for p in params]).to(device, non_blocking=True)
+            top_p = torch.tensor([p.top_p for p in params]).to(device, non_blocking=True)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        seeds = [self.seed if p.seed is None else p.seed for p in params]
+        # Seeded and unseeded rows live in separate stream spaces (low bit of the stream).
+        tagged = [2 * s + (p.seed is not None) for p, s in zip(params, streams, strict=True)]
+        keys = row_keys(seeds, tagged, positions).to(device, non_blocking=True)
+        probs = scaled.softmax(dim=-1)
+        sampled = (probs / exponential_noise(keys, logits.shape[-1])).argmax(dim=-1)
+        greedy_rows = torch.tensor(greedy).to(device, non_blocking=True)
+        return torch.where(greedy_rows, tokens, sampled)

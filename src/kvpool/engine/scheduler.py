@@ -18,8 +18,6 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-import torch
-
 from kvpool.cache import KVCache
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
@@ -227,12 +225,7 @@ class Scheduler:
         return children
 
     def _new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
-        index = len(request.seqs)
-        seed = request.params.seed
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(self.cache.pool.device).manual_seed(seed + index)
-        seq = Sequence(self._next_seq_id, request, index, token_ids, generator)
+        seq = Sequence(self._next_seq_id, request, len(request.seqs), token_ids)
         self._next_seq_id += 1
         request.seqs.append(seq)
         return seq

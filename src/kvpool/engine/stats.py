@@ -22,6 +22,11 @@ class EngineStats:
     num_prompt_tokens: int  # tokens computed by prefill (recompute included, prefix hits not)
     num_generated_tokens: int  # tokens sampled
     elapsed: float  # seconds spent in steps
+    workspace_bytes: int = 0  # the step scratch allocated once at start-up
+    workspace_peak_bytes: int = 0  # the most of it one step has used
+    num_cuda_graphs: int = 0  # decode graphs captured (0 on the CPU or with enforce_eager)
+    cuda_graph_bytes: int = 0  # estimated memory of their pool, as planned
+    num_graph_steps: int = 0  # steps run by graph replay
 
     @property
     def tokens_per_second(self) -> float:

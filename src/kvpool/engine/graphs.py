@@ -1,0 +1,109 @@
+"""CUDA graphs for decode-only steps: one graph per batch-size bucket (1, 2, 4, 8, then
+multiples of 8 up to max_num_seqs), captured at start-up; a step is padded up to its bucket
+and replayed, so its hundreds of kernel launches cost one.
+
+A graph replays fixed addresses and shapes: its inputs are the first allocation of the
+workspace (the same address every step) laid out for the bucket with full-length page tables,
+and attention gets host bounds (max_seq_len = max_model_len, max_query_len = 1) so the
+kernels' launch configuration never depends on the data. Padded rows are one-token sequences
+that write their K/V to a page held for them alone and read only that page."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpool.engine.runner import ModelRunner, StepInputs, StepLayout
+from kvpool.engine.scheduler import ScheduledBatch
+
+PADDING_SEQ_ID = "cuda-graph-padding"  # the cache sequence that holds the padding page
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets, ascending: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (itself the last,
+    so every decode batch the scheduler can form has one)."""
+    sizes = [n for n in (1, 2, 4) if n < max_num_seqs]
+    sizes += range(8, max_num_seqs, 8)
+    return [*sizes, max_num_seqs]
+
+
+def is_decode_only(batch: ScheduledBatch) -> bool:
+    """True when every sequence computes exactly one token and samples from it."""
+    return all(end - start == 1 for start, end in zip(batch.starts, batch.ends, strict=True)) \
+        and all(batch.sampled)
+
+
+class CUDAGraphRunner:
+    """Pads decode-only batches up to a bucket and runs them by graph replay.
+
+    `bucket`, `stage` and `inputs` (bucket choice, padding, the static layout) run on any
+    device; `capture` and `run` need CUDA. The padding page is held by the cache sequence
+    PADDING_SEQ_ID for the runner's lifetime, so it is counted as used and never handed to
+    a request."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int):
+        self.runner = runner
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // runner.cache.page_size)  # pages of a longest sequence
+        runner.cache.add_sequence(PADDING_SEQ_ID, num_tokens=1)
+        (self.pad_page,) = runner.cache.pages(PADDING_SEQ_ID)
+        (self.pad_slot,) = runner.cache.slots(PADDING_SEQ_ID)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by replay
+        self.num_replays = 0
+
+    def bucket(self, batch: ScheduledBatch) -> int | None:
+        """The graph size a batch runs at, or None if it must run eagerly (not decode-only,
+        or larger than every bucket)."""
+        size = len(batch.seqs)
+        if not is_decode_only(batch) or size > self.batch_sizes[-1]:
+            return None
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, size)]
+
+    def layout(self, bucket: int) -> StepLayout:
+        """The static layout of a bucket: one token, one logit row per sequence."""
+        return StepLayout(bucket, bucket, self.width, bucket)
+
+    def stage(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
+        """Put a decode batch's metadata, padded to `bucket` rows, in the graphs' input
+        buffer (the workspace's first allocation); returns that buffer."""
+        return self.runner.stage(batch, self.layout(bucket), pad_slot=self.pad_slot,
+                                 pad_page=self.pad_page)
+
+    def inputs(self, flat: torch.Tensor, bucket: int) -> StepInputs:
+        """The StepInputs a bucket's graph computes from its input buffer."""
+        return self.runner.inputs(flat, self.layout(bucket), max_seq_len=self.max_model_len,
+                                  max_query_len=1)
+
+    @torch.inference_mode()
+    def capture(self, *, progress: bool = True) -> None:
+        """Capture one graph per bucket, largest first (the smaller ones reuse its memory
+        pool), printing a progress line."""
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in tqdm(self.batch_sizes[::-1], desc="capturing CUDA graphs", unit="graph",
+                           disable=not progress):
+            flat = self.stage(ScheduledBatch(), bucket)  # all padding: touches no real page
+            # warm up: lazy initialisation (kernel compilation, cuBLAS) stays out of the graph
+            self.runner.forward(self.inputs(flat, bucket))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    # the int32 views are computed inside the graph, so replay refreshes them
+                    self.logits[bucket] = self.runner.forward(self.inputs(flat, bucket))
+            except RuntimeError as e:
+                raise RuntimeError(f"capturing the CUDA graph of batch size {bucket} failed "
+                                   f"({e}); pass enforce_eager=True to run without graphs") from e
+            self.graphs[bucket] = graph
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
+        """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
+        a view valid until the next step."""
+        self.stage(batch, bucket)
+        self.graphs[bucket].replay()
+        self.num_replays += 1
+        return self.logits[bucket][: len(batch.seqs)]

@@ -1,0 +1,72 @@
+"""Workspace: scratch memory allocated once at start-up and handed out again every step.
+
+A bump allocator over one byte tensor: `alloc` carves the next aligned range and returns a
+view of it, `reset` (once per step) takes everything back. Nothing is freed one by one, so
+a step's scratch (kernels' partial results, sampling buffers, graph inputs) costs no
+allocation, and the memory is counted once, when it is planned."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvpool.errors import KVPoolError
+
+ALIGNMENT = 256  # bytes; what CUDA's own allocator aligns to, enough for any dtype and vector load
+
+
+class WorkspaceFull(KVPoolError, MemoryError):
+    """An `alloc` asked for more bytes than the workspace has left."""
+
+
+class Workspace:
+    """`nbytes` bytes on `device`, handed out by `alloc(shape, dtype)` until `reset()`."""
+
+    def __init__(self, nbytes: int, device: str | torch.device | None = None):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"workspace size must be an int >= 0 bytes, got {nbytes!r}")
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.used = 0  # bytes handed out since the last reset, alignment padding included
+        self.peak = 0  # the most bytes ever in use at once
+        self.num_allocs = 0  # allocations since the last reset
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the workspace in bytes."""
+        return self.buffer.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` and `dtype` in the workspace, valid
+        until the next `reset`. Raises WorkspaceFull (nothing changed) if it does not fit."""
+        shape = tuple(shape)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+            raise ValueError(f"shape must be ints >= 0, got {shape!r}")
+        size = math.prod(shape) * dtype.itemsize
+        start = -(-self.used // ALIGNMENT) * ALIGNMENT
+        if start + size > self.nbytes:
+            raise WorkspaceFull(
+                f"workspace alloc of {size} bytes ({shape}, {dtype}) needs {start + size} bytes "
+                f"in all, the workspace holds {self.nbytes} ({self.used} in use)")
+        self.used = start + size
+        self.peak = max(self.peak, self.used)
+        self.num_allocs += 1
+        return self.buffer[start:start + size].view(dtype).view(shape)
+
+    def reset(self) -> None:
+        """Take every allocation back (their tensors must no longer be used)."""
+        self.used = 0
+        self.num_allocs = 0
+
+    def check(self) -> None:
+        """Raise AssertionError naming the broken invariant."""
+        assert self.buffer.dim() == 1 and self.buffer.dtype == torch.uint8, "buffer is not bytes"
+        assert 0 <= self.used <= self.nbytes, f"used {self.used} outside [0, {self.nbytes}]"
+        assert self.used <= self.peak <= self.nbytes, (
+            f"peak {self.peak} below used {self.used} or above {self.nbytes}")
+        assert self.num_allocs > 0 or self.used == 0, (
+            f"no allocation but {self.used} bytes used")

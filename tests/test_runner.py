@@ -1,0 +1,247 @@
+"""The model runner's step inputs (one flat buffer in the workspace, identical to packing each
+tensor on its own) and the CUDA-graph runner's buckets and padding, on the CPU."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpool.attention import AttentionMetadata
+from kvpool.engine.config import MAX_ATTENTION_SPLITS
+from kvpool.engine.graphs import (
+    PADDING_SEQ_ID,
+    CUDAGraphRunner,
+    graph_batch_sizes,
+    is_decode_only,
+)
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.runner import StepLayout
+from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.workspace import ALIGNMENT
+
+PAGE = 4
+
+
+@pytest.fixture
+def llm():
+    return LLM("tiny", num_pages=64, page_size=PAGE, max_model_len=64, max_num_seqs=12)
+
+
+def _batch(llm, chunks):
+    """A ScheduledBatch of (seq_id, token_ids, start, end, sampled); each sequence is added
+    to the cache with all its tokens."""
+    batch = ScheduledBatch()
+    for seq_id, token_ids, start, end, sampled in chunks:
+        if seq_id not in llm.cache.sequences():
+            llm.cache.add_sequence(seq_id, num_tokens=len(token_ids))
+        batch.seqs.append(SimpleNamespace(seq_id=seq_id, token_ids=token_ids))
+        batch.starts.append(start)
+        batch.ends.append(end)
+        batch.sampled.append(sampled)
+    return batch
+
+
+def _reference_inputs(cache, batch):
+    """The step's tensors packed one by one, as the engine did before the flat buffer."""
+    seq_ids = [seq.seq_id for seq in batch.seqs]
+    input_ids = [t for s, a, b in zip(batch.seqs, batch.starts, batch.ends, strict=True)
+                 for t in s.token_ids[a:b]]
+    positions = [p for a, b in zip(batch.starts, batch.ends, strict=True) for p in range(a, b)]
+    cu = [0]
+    for a, b in zip(batch.starts, batch.ends, strict=True):
+        cu.append(cu[-1] + b - a)
+    logits_indices = [cu[i + 1] - 1 for i, s in enumerate(batch.sampled) if s]
+    return dict(input_ids=input_ids, positions=positions,
+                slot_mapping=cache.slot_mapping(seq_ids, batch.starts, batch.ends).tolist(),
+                page_tables=cache.page_tables(seq_ids).tolist(), seq_lens=batch.ends,
+                cu_seqlens_q=cu, logits_indices=logits_indices)
+
+
+def _as_lists(inputs):
+    meta = inputs.meta
+    return dict(input_ids=inputs.input_ids.tolist(), positions=inputs.positions.tolist(),
+                slot_mapping=meta.slot_mapping.tolist(), page_tables=meta.page_tables.tolist(),
+                seq_lens=meta.seq_lens.tolist(), cu_seqlens_q=meta.cu_seqlens_q.tolist(),
+                logits_indices=inputs.logits_indices.tolist())
+
+
+def _mixed_batch(llm):
+    """A prefill chunk, a chunk on top of a computed prefix (not sampled) and two decodes."""
+    return _batch(llm, [
+        ("a", list(range(10, 40)), 0, 20, False),
+        ("b", list(range(50, 75)), 16, 25, True),
+        ("c", [7, 8, 9, 10, 11, 12], 5, 6, True),
+        ("d", [3] * 13, 12, 13, True),
+    ])
+
+
+def _inputs(llm, batch, **padding):
+    runner = llm.runner
+    layout = runner.layout(batch)
+    flat = runner.stage(batch, layout, **padding)
+    return runner.inputs(flat, layout, max_seq_len=max(batch.ends), max_query_len=20), flat
+
+
+# ---- the eager step ----------------------------------------------------------------------
+
+def test_step_inputs_equal_the_tensors_packed_one_by_one(llm):
+    batch = _mixed_batch(llm)
+    inputs, _ = _inputs(llm, batch)
+    assert _as_lists(inputs) == _reference_inputs(llm.cache, batch)
+
+
+def test_step_inputs_have_the_dtypes_the_model_and_kernels_take(llm):
+    inputs, _ = _inputs(llm, _mixed_batch(llm))
+    meta = inputs.meta
+    assert inputs.input_ids.dtype == inputs.positions.dtype == torch.int64
+    assert meta.slot_mapping.dtype == inputs.logits_indices.dtype == torch.int64
+    assert meta.page_tables.dtype == meta.seq_lens.dtype == meta.cu_seqlens_q.dtype == torch.int32
+
+
+def test_step_metadata_is_the_workspaces_first_allocation(llm):
+    batch = _mixed_batch(llm)
+    _, flat = _inputs(llm, batch)
+    assert flat.data_ptr() == llm.workspace.buffer.data_ptr()
+    assert llm.workspace.num_allocs == 1
+    assert llm.workspace.used == llm.runner.layout(batch).size * 8
+    llm.workspace.check()
+
+
+def test_a_step_resets_the_workspace(llm):
+    _inputs(llm, _mixed_batch(llm))
+    _inputs(llm, _mixed_batch(llm))
+    assert llm.workspace.num_allocs == 1
+
+
+def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm):
+    batch = _mixed_batch(llm)
+    ref = _reference_inputs(llm.cache, batch)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(ref["slot_mapping"]),
+        page_tables=torch.tensor(ref["page_tables"], dtype=torch.int32),
+        seq_lens=torch.tensor(ref["seq_lens"], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor(ref["cu_seqlens_q"], dtype=torch.int32))
+    expected = llm.model(torch.tensor(ref["input_ids"]), torch.tensor(ref["positions"]), meta,
+                         llm.cache.pool, torch.tensor(ref["logits_indices"]))
+    assert torch.equal(llm.runner.run(batch), expected)
+
+
+# ---- CUDA-graph buckets and padding ------------------------------------------------------
+
+@pytest.mark.parametrize(("max_num_seqs", "sizes"), [
+    (1, [1]),
+    (5, [1, 2, 4, 5]),
+    (8, [1, 2, 4, 8]),
+    (12, [1, 2, 4, 8, 12]),
+    (32, [1, 2, 4, 8, 16, 24, 32]),
+    (60, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 60]),
+])
+def test_graph_batch_sizes_are_powers_of_two_then_multiples_of_8(max_num_seqs, sizes):
+    assert graph_batch_sizes(max_num_seqs) == sizes
+
+
+def _decodes(llm, n, first=0):
+    return _batch(llm, [(f"s{i}", [i + 1] * (i % 7 + 2), i % 7 + 1, i % 7 + 2, True)
+                        for i in range(first, first + n)])
+
+
+@pytest.mark.parametrize(("size", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 12),
+                                              (12, 12)])
+def test_a_decode_batch_runs_at_the_smallest_bucket_that_holds_it(llm, size, bucket):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    assert graphs.bucket(_decodes(llm, size)) == bucket
+
+
+def test_prefill_and_oversized_batches_run_eagerly(llm):
+    graphs = CUDAGraphRunner(llm.runner, 4, 64)
+    assert graphs.bucket(_decodes(llm, 5)) is None
+    prefill = _batch(llm, [("p", [1, 2, 3], 0, 3, True)])
+    unsampled = _batch(llm, [("q", [1, 2, 3], 1, 2, False)])
+    assert not is_decode_only(prefill) and graphs.bucket(prefill) is None
+    assert not is_decode_only(unsampled) and graphs.bucket(unsampled) is None
+
+
+def test_the_padding_page_is_held_by_its_own_sequence(llm):
+    before = llm.cache.stats().num_used_pages
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    assert llm.cache.pages(PADDING_SEQ_ID) == [graphs.pad_page]
+    assert graphs.pad_slot == graphs.pad_page * PAGE
+    assert llm.cache.stats().num_used_pages == before + 1
+    llm.cache.check()
+    others = llm.cache.allocator.allocate(llm.cache.allocator.num_free)
+    assert graphs.pad_page not in others
+
+
+def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    batch = _decodes(llm, 3)
+    inputs = graphs.inputs(graphs.stage(batch, 4), 4)
+    real = _reference_inputs(llm.cache, batch)
+    got = _as_lists(inputs)
+    width = 64 // PAGE
+    assert got["input_ids"] == real["input_ids"] + [0]
+    assert got["positions"] == real["positions"] + [0]
+    assert got["slot_mapping"] == real["slot_mapping"] + [graphs.pad_slot]
+    assert got["seq_lens"] == real["seq_lens"] + [1]
+    assert got["cu_seqlens_q"] == [0, 1, 2, 3, 4]
+    assert got["logits_indices"] == [0, 1, 2, 3]
+    assert got["page_tables"] == [row + [0] * (width - len(row)) for row in real["page_tables"]] \
+        + [[graphs.pad_page] * width]
+    assert (inputs.max_seq_len, inputs.max_query_len) == (64, 1)
+
+
+def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    addresses = {graphs.stage(_decodes(llm, n, first=n * 10), 8).data_ptr() for n in (5, 6, 8)}
+    assert addresses == {llm.workspace.buffer.data_ptr()}
+
+
+def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    batch = _decodes(llm, 3)
+    llm.runner.run(_batch(llm, [(s.seq_id, s.token_ids, 0, a, False)
+                                for s, a in zip(batch.seqs, batch.starts, strict=True)]))
+    before = llm.cache.pool.kv.clone()
+    eager = llm.runner.run(batch)
+    written = llm.cache.slot_mapping([s.seq_id for s in batch.seqs], batch.starts, batch.ends)
+    after_eager = llm.cache.pool.kv.clone()
+    llm.cache.pool.kv.copy_(before)
+    padded = llm.runner.forward(graphs.inputs(graphs.stage(batch, 8), 8))
+    torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
+    kv = llm.cache.pool.kv.flatten(2, 3)  # [layers, 2, slots, heads, head_dim]
+    changed = (kv != before.flatten(2, 3)).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
+    assert set(changed.tolist()) <= {*written.tolist(), graphs.pad_slot}
+    real = written.tolist()  # the same K/V as eager, up to the matmuls' batch-size rounding
+    torch.testing.assert_close(kv[:, :, real], after_eager.flatten(2, 3)[:, :, real],
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---- workspace planning and stats --------------------------------------------------------
+
+def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratch(llm):
+    mc, config = llm.model_config, llm.config
+    width = 64 // PAGE
+    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12).size * 8
+    scratch = 12 * mc.num_heads * MAX_ATTENTION_SPLITS * (mc.head_dim + 2) * 4
+    assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
+
+
+def test_stats_report_the_workspace_and_no_graphs_on_the_cpu(llm):
+    llm.generate([[1, 2, 3] * 9, [4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.workspace_bytes == llm.workspace.nbytes
+    assert 0 < stats.workspace_peak_bytes <= stats.workspace_bytes
+    assert (stats.num_cuda_graphs, stats.cuda_graph_bytes, stats.num_graph_steps) == (0, 0, 0)
+
+
+def test_graph_memory_is_planned_unless_enforce_eager(llm):
+    dtype = llm.model.dtype
+    assert llm.config.cuda_graph_bytes(llm.model_config, dtype) > 0
+    eager = LLM("tiny", num_pages=8, enforce_eager=True)
+    assert eager.config.cuda_graph_bytes(eager.model_config, dtype) == 0
+
+
+def test_enforce_eager_must_be_a_bool():
+    with pytest.raises(TypeError, match="enforce_eager"):
+        LLM("tiny", num_pages=8, enforce_eager="yes")

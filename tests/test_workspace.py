@@ -1,0 +1,104 @@
+"""Workspace: a bump allocator over one tensor, reset per step."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.workspace import ALIGNMENT, Workspace, WorkspaceFull
+
+
+def test_alloc_returns_tensors_of_the_shape_and_dtype_inside_the_buffer():
+    ws = Workspace(4096)
+    a = ws.alloc((3, 5), torch.float32)
+    b = ws.alloc((7,), torch.int64)
+    assert (a.shape, a.dtype, b.shape, b.dtype) == ((3, 5), torch.float32, (7,), torch.int64)
+    assert a.is_contiguous() and b.is_contiguous()
+    base = ws.buffer.data_ptr()
+    assert a.data_ptr() == base and b.data_ptr() == base + ALIGNMENT
+    assert ws.used == ALIGNMENT + 56
+
+
+def test_allocations_do_not_overlap():
+    ws = Workspace(4096)
+    a, b = ws.alloc((10,), torch.float32), ws.alloc((10,), torch.float32)
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert a.tolist() == [1.0] * 10
+
+
+def test_reset_hands_the_same_memory_out_again():
+    ws = Workspace(1024)
+    first = ws.alloc((16,), torch.float16).data_ptr()
+    ws.reset()
+    assert ws.used == 0 and ws.alloc((16,), torch.float16).data_ptr() == first
+
+
+def test_the_buffer_is_allocated_once():
+    ws = Workspace(1024)
+    ptr = ws.buffer.data_ptr()
+    for _ in range(3):
+        ws.alloc((8,), torch.float32)
+        ws.reset()
+    assert ws.buffer.data_ptr() == ptr and ws.nbytes == 1024
+
+
+def test_an_alloc_that_does_not_fit_names_the_numbers_and_changes_nothing():
+    ws = Workspace(1024)
+    ws.alloc((100,), torch.uint8)
+    with pytest.raises(WorkspaceFull, match="800 bytes .* needs 1056 .* holds 1024 .100 in use"):
+        ws.alloc((200,), torch.float32)
+    assert (ws.used, ws.num_allocs, ws.peak) == (100, 1, 100)
+    ws.check()
+
+
+def test_peak_remembers_the_largest_step():
+    ws = Workspace(4096)
+    ws.alloc((1000,), torch.uint8)
+    ws.reset()
+    ws.alloc((10,), torch.uint8)
+    assert (ws.used, ws.peak) == (10, 1000)
+
+
+@pytest.mark.parametrize(("nbytes", "error"), [(-1, ValueError), (1.5, ValueError),
+                                               (True, ValueError)])
+def test_bad_sizes_are_refused(nbytes, error):
+    with pytest.raises(error, match="workspace size"):
+        Workspace(nbytes)
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="shape"):
+        Workspace(64).alloc((2, -1), torch.float32)
+
+
+def _overlap(a, b):
+    return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 300),
+                                                st.sampled_from([torch.uint8, torch.bfloat16,
+                                                                 torch.float32, torch.int64]))),
+                max_size=30))
+def test_random_allocs_and_resets_keep_the_invariants(ops):
+    ws = Workspace(2048)
+    live = []
+    for op in ops:
+        if op is None:
+            ws.reset()
+            live = []
+        else:
+            n, dtype = op
+            used = ws.used
+            fits = -(-used // ALIGNMENT) * ALIGNMENT + n * dtype.itemsize <= ws.nbytes
+            try:
+                t = ws.alloc((n,), dtype)
+            except WorkspaceFull:
+                assert not fits and ws.used == used
+            else:
+                assert fits and t.shape == (n,) and t.dtype == dtype
+                if n > 0:  # an empty tensor has no address
+                    assert (t.data_ptr() - ws.buffer.data_ptr()) % ALIGNMENT == 0
+                    assert not any(_overlap(t, other) for other in live)
+                    live.append(t)
+        ws.check()
