@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvpool.attention import AttentionMetadata
-from kvpool.engine.config import MAX_ATTENTION_SPLITS
 from kvpool.engine.graphs import (
     PADDING_SEQ_ID,
     CUDAGraphRunner,
@@ -18,6 +17,7 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.workspace import ALIGNMENT
 
 PAGE = 4
@@ -188,7 +188,7 @@ def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
     assert got["logits_indices"] == [0, 1, 2, 3]
     assert got["page_tables"] == [row + [0] * (width - len(row)) for row in real["page_tables"]] \
         + [[graphs.pad_page] * width]
-    assert (inputs.max_seq_len, inputs.max_query_len) == (64, 1)
+    assert (inputs.meta.max_seq_len, inputs.meta.max_query_len) == (64, 1)
 
 
 def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
@@ -223,7 +223,7 @@ def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratc
     mc, config = llm.model_config, llm.config
     width = 64 // PAGE
     metadata = StepLayout(12, config.max_num_batched_tokens, width, 12).size * 8
-    scratch = 12 * mc.num_heads * MAX_ATTENTION_SPLITS * (mc.head_dim + 2) * 4
+    scratch = 12 * mc.num_heads * MAX_DECODE_SPLITS * (mc.head_dim + 2) * 4
     assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
 
 

@@ -7,6 +7,7 @@ The tests at real sizes need CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -52,7 +53,8 @@ def prefill(batch, *, window=None):
 
 
 class Workspace:
-    """The workspace interface (`alloc(shape, dtype)`), recording what the kernels ask for."""
+    """The workspace interface (`alloc(shape, dtype)`, `scope()`), recording what the kernels
+    ask for."""
 
     def __init__(self):
         self.requests = []
@@ -60,6 +62,10 @@ class Workspace:
     def alloc(self, shape, dtype):
         self.requests.append((tuple(shape), dtype))
         return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+    @contextlib.contextmanager
+    def scope(self):
+        yield self
 
 
 # (heads, kv_heads, head_dim, page_size, dtype, window, num_splits)

@@ -102,3 +102,15 @@ def test_random_allocs_and_resets_keep_the_invariants(ops):
                     assert not any(_overlap(t, other) for other in live)
                     live.append(t)
         ws.check()
+
+
+def test_scope_takes_back_what_was_allocated_inside_it():
+    workspace = Workspace(4096)
+    kept = workspace.alloc((16,), torch.int64)
+    with workspace.scope():
+        first = workspace.alloc((8,), torch.float32)
+    with workspace.scope():
+        second = workspace.alloc((8,), torch.float32)
+    assert first.data_ptr() == second.data_ptr() != kept.data_ptr()
+    assert workspace.used == 128 and workspace.num_allocs == 1
+    workspace.check()

@@ -36,7 +36,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32: query token offsets, starting at 0
     max_seq_len: int | None = None  # host bound of seq_lens (tokens); None: read from the tensor
     max_query_len: int | None = None  # host bound of the query lengths (tokens)
-    workspace: Any = None  # scratch for the kernels: `alloc(shape, dtype) -> Tensor`, or None
+    workspace: Any = None  # kernels' scratch: `alloc(shape, dtype)` and `scope()`, or None
 
 
 class _Layer(NamedTuple):
@@ -98,8 +98,9 @@ def paged_attention(
     `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
     batch gives an empty result. `backend` is one of BACKENDS, None for the fastest here.
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
-    trusts them and reads nothing back from the device. `workspace` (`alloc(shape, dtype)`)
-    provides the triton decode's scratch.
+    trusts them and reads nothing back from the device. `workspace` (`kvpool.workspace.Workspace`
+    or anything with its `alloc(shape, dtype)` and `scope()`) provides the triton decode's
+    scratch, taken back when the call returns.
     """
     backend = _choose_backend(backend, q)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
@@ -168,9 +169,15 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
         span = max_seq_len if window is None else min(max_seq_len, window)
         splits = triton_decode.choose_num_splits(
             seq_lens.shape[0], k_cache.shape[2], span, q.device)
-        return triton_decode.paged_decode(
-            q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
-            window=window, num_splits=splits, workspace=workspace)
+        if workspace is None:
+            return triton_decode.paged_decode(
+                q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
+                window=window, num_splits=splits)
+        # The split scratch is dead once this call's merge is queued: the next layer reuses it.
+        with workspace.scope():
+            return triton_decode.paged_decode(
+                q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
+                window=window, num_splits=splits, workspace=workspace)
     return triton_prefill.paged_prefill(
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale, window=window,
         max_query_len=max_query_len)

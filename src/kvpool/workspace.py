@@ -8,6 +8,8 @@ allocation, and the memory is counted once, when it is planned."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -56,6 +58,17 @@ class Workspace:
         self.peak = max(self.peak, self.used)
         self.num_allocs += 1
         return self.buffer[start:start + size].view(dtype).view(shape)
+
+    @contextmanager
+    def scope(self) -> Iterator[Workspace]:
+        """Take back, on exit, what is allocated inside: scratch that one kernel call uses and
+        the next one reuses. Work queued on one stream runs in order, so the next call's
+        writes land after this call's reads."""
+        used, num_allocs = self.used, self.num_allocs
+        try:
+            yield self
+        finally:
+            self.used, self.num_allocs = used, num_allocs
 
     def reset(self) -> None:
         """Take every allocation back (their tensors must no longer be used)."""

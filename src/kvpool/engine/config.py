@@ -9,13 +9,11 @@ import torch
 from kvpool.config import ModelConfig
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
+from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.layout import KVLayout, estimate_activation_bytes, format_bytes, plan_memory
 from kvpool.workspace import ALIGNMENT
 
 GiB = 2**30
-# Split-context decode keeps float32 partial outputs and two softmax statistics per
-# sequence, query head and split; an estimate of the kernels' most splits per sequence.
-MAX_ATTENTION_SPLITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +71,14 @@ class EngineConfig:
 
     def workspace_bytes(self, model: ModelConfig, layout: KVLayout, max_model_len: int) -> int:
         """Bytes of the engine's workspace: a step's int64 metadata at its largest (tokens,
-        sequences and full-length page tables) plus the attention kernels' split-context
-        scratch (an estimate: MAX_ATTENTION_SPLITS splits) and alignment slack."""
+        sequences and full-length page tables) plus the split-context decode's scratch (float32
+        partial outputs and a log-sum-exp per sequence, query head and split, at most
+        MAX_DECODE_SPLITS splits; one layer's worth, which every layer reuses) and alignment
+        slack."""
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
         width = -(-max_model_len // layout.page_size)
         metadata = (3 * tokens + 3 * seqs + 1 + seqs * width) * 8
-        scratch = seqs * model.num_heads * MAX_ATTENTION_SPLITS * (model.head_dim + 2) * 4
+        scratch = seqs * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
         return metadata + scratch + 8 * ALIGNMENT
 
     def cuda_graph_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:

@@ -21,15 +21,12 @@ from kvpool.workspace import Workspace
 
 @dataclass(slots=True)
 class StepInputs:
-    """The device tensors of one forward, and the host-side bounds the kernels may use
-    instead of reading `seq_lens` back (they go into AttentionMetadata once it has them)."""
+    """The device tensors of one forward (the host-side bounds ride in `meta`)."""
 
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] int64: packed rows whose logits are returned
-    max_seq_len: int  # >= every seq_lens entry
-    max_query_len: int  # >= every query length
 
 
 class StepLayout(NamedTuple):
@@ -120,18 +117,21 @@ class ModelRunner:
             flat.copy_(host, non_blocking=True)
         return flat
 
-    @staticmethod
-    def inputs(flat: torch.Tensor, layout: StepLayout, *, max_seq_len: int,
+    def inputs(self, flat: torch.Tensor, layout: StepLayout, *, max_seq_len: int,
                max_query_len: int) -> StepInputs:
-        """StepInputs viewing (and, for the int32 fields, converting) the device's `flat`."""
+        """StepInputs viewing (and, for the int32 fields, converting) the device's `flat`;
+        attention gets the host bounds and the workspace, so it reads nothing back."""
         ids, positions, slots, seq_lens, cu_seqlens, logits_indices, tables = layout.split(flat)
         meta = AttentionMetadata(
             slot_mapping=slots,
             page_tables=tables.view(layout.num_seqs, layout.width).to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
             cu_seqlens_q=cu_seqlens.to(torch.int32),
+            max_seq_len=max_seq_len,
+            max_query_len=max_query_len,
+            workspace=self.workspace,
         )
-        return StepInputs(ids, positions, meta, logits_indices, max_seq_len, max_query_len)
+        return StepInputs(ids, positions, meta, logits_indices)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits `[num_logits, vocab]` of one forward over `inputs`."""

@@ -15,11 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.kernels.triton_support import dot_precision, num_sms
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
-MAX_SPLITS = 32
 WAVES = 4  # programs per SM to aim for: several small programs per SM hide memory latency
 LOG2E = 1.4426950408889634
 
@@ -142,7 +142,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, device: torc
     under MIN_SPLIT_TOKENS tokens of the longest visible span `max_span` (tokens)."""
     programs = max(1, batch * num_kv_heads)
     wanted = -(-WAVES * num_sms(device) // programs)
-    return max(1, min(wanted, MAX_SPLITS, -(-max_span // MIN_SPLIT_TOKENS)))
+    return max(1, min(wanted, MAX_DECODE_SPLITS, -(-max_span // MIN_SPLIT_TOKENS)))
 
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,

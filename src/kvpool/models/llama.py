@@ -53,7 +53,9 @@ class LlamaAttention(nn.Module):
         write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
-                              sliding_window=self.sliding_window)
+                              sliding_window=self.sliding_window,
+                              max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+                              workspace=meta.workspace)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
