@@ -1,4 +1,5 @@
-"""Paged attention on a CUDA GPU: every backend against SDPA on the same K/V stored contiguously.
+"""kvpool on a CUDA GPU: paged attention for every backend against SDPA on the same K/V stored
+contiguously, then the engine against transformers (benchmarks/gpu_engine.py).
 
 Run: python benchmarks/gpu.py  (prints one line and stops when there is no CUDA device)
 
@@ -7,6 +8,7 @@ query token per sequence; the baseline is torch's scaled_dot_product_attention o
 [batch, heads, context, head_dim] K/V (enable_gqa). GB/s counts the K/V bytes read once.
 Prefill: whole prompts packed back to back against SDPA (is_causal) over the same tokens, one
 call per sequence. Times are medians of CUDA-event timings; "ratio" is paged / SDPA.
+The engine section runs the workload of benchmarks/gpu_engine.py (its docstring says which).
 `main()` runs each section in turn: a section is a function that prints its own table.
 """
 
@@ -17,6 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from gpu_engine import run_engine_benchmark
 from kvpool.attention import paged_attention
 from kvpool.kernels import triton_support
 
@@ -133,7 +136,7 @@ def prefill_section() -> None:
         print(prefill_row(prompts, length, names))
 
 
-SECTIONS = [decode_section, prefill_section]
+SECTIONS = [decode_section, prefill_section, run_engine_benchmark]
 
 
 def main() -> None:
