@@ -73,8 +73,9 @@ def bf16_agreement(tmp_path_factory):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "decode attention (mostly the CPU kernel) multiplies V by float32 softmax probabilities "
-    "where transformers rounds them to bfloat16 first; the fix belongs to the attention kernels"))
+    "decode attention on the CPU runs an online softmax page by page where the reference takes "
+    "a short context in one block, so its bfloat16-rounded weights differ slightly: 26.1 "
+    "leading tokens against transformers batched 27.1 (the torch path: 26.9)"))
 def test_bf16_greedy_agrees_with_transformers_as_long_as_its_own_batching(bf16_agreement):
     ours, batched = bf16_agreement
     assert ours >= batched

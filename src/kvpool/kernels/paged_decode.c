@@ -265,10 +265,20 @@ ALWAYS_INLINE void accumulate_head(float *restrict acc, const char *v, int64_t s
         }
 }
 
+/* x rounded to the nearest bfloat16 (ties to even), kept as float. For finite x only. */
+ALWAYS_INLINE vf round_bf16(vf x)
+{
+    const vu bits = (vu)x;
+    return (vf)((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+}
+
 /* Folds `s` [rows, stride] scores (base 2; lanes past the page's tokens hold -inf) into each
- * row's running max `m`, denominator `l` and numerator `acc`, leaving the weights in `s`. */
+ * row's running max `m`, denominator `l` and numerator `acc`, leaving the weights in `s`.
+ * With a bfloat16 cache the weights left for V are rounded to bfloat16 (the denominator sums
+ * them unrounded), as flash attention does on CUDA and on the CPU: the reference's numerics. */
 ALWAYS_INLINE void softmax_page(float *restrict s, int64_t stride, int64_t rows, int64_t d,
-                                float *restrict m, float *restrict l, float *restrict acc)
+                                float *restrict m, float *restrict l, float *restrict acc,
+                                int bf16)
 {
     for (int64_t r = 0; r < rows; r++) {
         float *restrict sr = s + r * stride;
@@ -280,7 +290,7 @@ ALWAYS_INLINE void softmax_page(float *restrict s, int64_t stride, int64_t rows,
         vf sum = {0};
         for (int64_t t = 0; t < stride; t += VEC) {
             const vf w = exp2_lanes(load_f32(sr + t) - mx);
-            store_f32(sr + t, w);
+            store_f32(sr + t, bf16 ? round_bf16(w) : w);
             sum += w;
         }
         m[r] = mx;
@@ -316,7 +326,7 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
                        s + r * stride + t, stride, bf16);
         }
     }
-    softmax_page(s, stride, rows, d, m, l, acc);
+    softmax_page(s, stride, rows, d, m, l, acc, p->bf16);
     for (int64_t h = h0; h < h1; h++) {
         const int64_t r = (h - h0) * g_rows;
         if (next_k)
