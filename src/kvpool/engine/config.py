@@ -23,10 +23,10 @@ class EngineConfig:
     """Keyword options of `LLM` (vLLM's names).
 
     num_pages None plans the pool from the model's config before the weights load
-    (`kvpool.planner`): `memory_fraction` of the device's memory (a CUDA device's total, the
-    host's available RAM) is this engine's share; what other processes hold on the CUDA
-    device, the weights, the activations, the workspace and the CUDA graphs come out of it,
-    and the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
+    (`kvpool.planner`): `memory_fraction` of the device's total memory (a CUDA device's, or
+    the host's RAM) is this engine's share; what is already in use on the device, the
+    weights, the activations, the workspace and (on CUDA) the CUDA graphs come out of it, and
+    the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
     max_model_len None: the model's
     max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
     requests that have no seed of their own.
