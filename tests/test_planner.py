@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvpool import planner
+from kvpool.engine.config import EngineConfig
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import count_parameters, estimate_activation_bytes, plan_memory
 
@@ -237,3 +238,19 @@ def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
 def test_plan_rejects_devices_it_cannot_read(device, message):
     with pytest.raises(ValueError, match=message):
         plan_memory("tiny", device=device)
+
+
+# The engine's plan
+
+
+def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    model, config = ModelConfig.from_hf("Llama-3-8B"), EngineConfig()
+    layout = model.kv_layout()
+    activations = estimate_activation_bytes(model, torch.bfloat16, max_num_batched_tokens=2048,
+                                            max_num_seqs=64)
+    workspace = config.workspace_bytes(model, layout, 8192)
+    graphs = config.cuda_graph_bytes(model, torch.bfloat16)
+    budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
+    assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21
