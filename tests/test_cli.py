@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvpool.cli import main
-from kvpool.config import PRESETS
+from kvpool.models.config import PRESETS
 from models_util import make_hf_model, save_hf_model
 
 
@@ -65,7 +65,7 @@ def test_plan_reads_a_checkpoint_folder(capsys, tmp_path):
 
 def test_plan_without_device_memory_reads_this_machine(capsys):
     table = plan_table(capsys, "tiny", "--device", "cpu")
-    assert "available RAM on cpu" in table["memory"]
+    assert "total RAM on cpu" in table["memory"]
 
 
 def test_plan_list_names_every_preset(capsys):

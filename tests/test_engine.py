@@ -10,6 +10,8 @@ import pytest
 import torch
 import transformers
 
+from kvpool import planner
+from kvpool.engine import llm as llm_module
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import OutOfPages, SequenceTooLong
@@ -300,6 +302,50 @@ def test_num_pages_is_planned_from_the_kv_cache_memory_budget(checkpoint):
     llm = LLM(checkpoint, kv_cache_memory=2**20, page_size=16)
     # 2 layers x K and V x 2 heads x 16 dims x 4 bytes = 512 bytes per token
     assert llm.cache.allocator.num_pages == 2**20 // (16 * 512)
+
+
+def host_with(monkeypatch, total: int, available: int, *, loading_takes_ram: bool) -> None:
+    """Fake the host's RAM: `total` bytes, `available` of them free, less the bytes of the
+    weights loaded since when `loading_takes_ram` (as reading a checkpoint into RAM does)."""
+    ram = [available]
+    monkeypatch.setattr(planner, "host_memory", lambda: (total, ram[0]))
+    load = llm_module.load_model
+
+    def load_model(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        if loading_takes_ram:
+            ram[0] -= sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        return loaded
+
+    monkeypatch.setattr(llm_module, "load_model", load_model)
+
+
+def test_the_pool_does_not_shrink_because_loading_the_weights_took_ram(monkeypatch, checkpoint):
+    options = dict(device="cpu", memory_fraction=1.0, kv_cache_memory=2**30)
+    host_with(monkeypatch, 8 * 2**20, 8 * 2**20, loading_takes_ram=False)
+    untouched = LLM(checkpoint, **options).cache.stats().num_pages
+    host_with(monkeypatch, 8 * 2**20, 8 * 2**20, loading_takes_ram=True)
+    assert LLM(checkpoint, **options).cache.stats().num_pages == untouched
+
+
+def test_the_pool_gets_the_share_left_after_others_weights_activations_and_workspace(
+        monkeypatch, checkpoint):
+    host_with(monkeypatch, 10 * 2**20, 8 * 2**20, loading_takes_ram=True)
+    llm = LLM(checkpoint, device="cpu", memory_fraction=0.8, kv_cache_memory=2**30)
+    weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    activations = planner.estimate_activation_bytes(llm.model_config, torch.float32,
+                                                    max_num_batched_tokens=2048, max_num_seqs=64)
+    share = 8 * 2**20 - 2 * 2**20  # 80% of the total, less what others hold
+    budget = share - weights - activations - llm.workspace.nbytes
+    assert llm.cache.stats().num_pages == budget // (16 * 512)
+
+
+def test_a_share_too_small_for_the_model_fails_before_loading(monkeypatch, checkpoint):
+    host_with(monkeypatch, 2**20, 2**20, loading_takes_ram=True)
+    monkeypatch.setattr(llm_module, "load_model", None)  # reaching it would be a TypeError
+    with pytest.raises(OutOfPages, match=r"holds no page of 8.00 KiB \(weights .* exceed 90% "
+                                         r"of 1.00 MiB"):
+        LLM(checkpoint, device="cpu")
 
 
 def test_options_are_validated(checkpoint):

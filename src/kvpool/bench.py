@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvpool.engine import LLM, EngineStats, SamplingParams
-from kvpool.layout import format_bytes
+from kvpool.formats import format_bytes, format_table
 
 DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
@@ -234,12 +234,6 @@ def _percentiles_ms(seconds: list[float]) -> str:
         return "n/a"
     p50, p99 = np.percentile(seconds, [50, 99]) * 1000
     return f"{p50:,.1f} / {p99:,.1f} ms"
-
-
-def format_table(rows: list[tuple[str, str]]) -> str:
-    """Rows as two columns, the labels padded to one width."""
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
 def plot_available() -> bool:

@@ -8,24 +8,18 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-
 from kvpool import bench
-from kvpool.config import PRESETS, ModelConfig
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
-from kvpool.layout import (
+from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    KVLayout,
     MemoryPlan,
     count_parameters,
-    format_bytes,
-    parse_bytes,
     plan_memory,
 )
 from kvpool.server import serve
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Command(NamedTuple):
@@ -43,14 +37,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
     parser.add_argument("--device-memory", type=_byte_size, metavar="SIZE",
                         help="memory for this model, e.g. 24GiB or 80GB "
-                             "(default: read the device: CUDA total, or available RAM)")
+                             "(default: read the device: its total memory, less what is in use)")
     parser.add_argument("--device", help="device to read when no --device-memory "
                                          "(default: cuda if available, else cpu)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, metavar="FRACTION",
-                        help="fraction of the memory kvpool may use (default: 0.9)")
+                        help="fraction of the device's total memory this model may use, "
+                             "what is already in use included (default: 0.9)")
     parser.add_argument("--page-size", type=int, default=16, metavar="TOKENS",
                         help="tokens per page (default: 16)")
-    parser.add_argument("--dtype", choices=list(_DTYPES),
+    parser.add_argument("--dtype", choices=list(DTYPES),
                         help="weights and KV dtype (default: the config's, else float16)")
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
                         help="tokens per sequence when counting sequences "
@@ -60,17 +55,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the memory plan of a model; 1 if not one page fits."""
     if args.list:
-        print(_table([(name, _preset_summary(name)) for name in PRESETS]))
+        print(format_table([(name, _preset_summary(name)) for name in PRESETS]))
         return 0
     if args.model is None:
         raise ValueError(f"give a MODEL: a config.json, a checkpoint folder or a preset "
                          f"({', '.join(PRESETS)})")
     model = ModelConfig.from_hf(args.model)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
-                       page_size=args.page_size, dtype=_DTYPES.get(args.dtype),
+                       page_size=args.page_size, dtype=DTYPES.get(args.dtype),
                        device=args.device)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
-    print(_table(_plan_rows(args.model, model, plan, context_len)))
+    print(format_table(_plan_rows(args.model, model, plan, context_len)))
     if plan.reason:
         print(f"kvpool plan: {args.model} does not fit: {plan.reason}", file=sys.stderr)
         return 1
@@ -163,16 +158,16 @@ def _plan_rows(
     """(label, value) rows describing `plan` for the model `name`."""
     pages_per_seq = plan.layout.num_pages_for(context_len)
     rows = [
-        ("model", f"{name} ({model.architecture}, {_dtype_name(plan.layout.dtype)})"),
+        ("model", f"{name} ({model.architecture}, {dtype_name(plan.layout.dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),
         ("weights", format_bytes(plan.weight_bytes)),
         ("activations", f"{format_bytes(plan.activation_bytes)} (estimated peak of a "
                         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS:,}-token forward)"),
         ("memory", f"{_memory_source(plan)} x {plan.memory_fraction * 100:g}% = "
-                   f"{format_bytes(int(plan.device_memory * plan.memory_fraction))}"),
+                   f"{format_bytes(plan.usable_bytes)}"),
     ]
     if plan.in_use_bytes:
-        rows.append(("in use by others", format_bytes(plan.in_use_bytes)))
+        rows.append(("already in use", format_bytes(plan.in_use_bytes)))
     return rows + [
         ("KV budget", format_bytes(plan.budget_bytes)),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
@@ -189,33 +184,23 @@ def _memory_source(plan: MemoryPlan) -> str:
     """Where the plan's memory figure came from, e.g. "24.00 GiB given"."""
     if plan.device is None:
         return f"{format_bytes(plan.device_memory)} given"
-    kind = "available RAM" if plan.device == "cpu" else "total"
+    kind = "total RAM" if plan.device == "cpu" else "total"
     return f"{format_bytes(plan.device_memory)} {kind} on {plan.device}"
 
 
 def _preset_summary(name: str) -> str:
     """One line about a preset: architecture, parameters, KV bytes per token."""
     model = ModelConfig.from_hf(name)
-    layout = KVLayout.from_hf_config(model)
+    layout = model.kv_layout()
     return (f"{model.architecture}, {_count(count_parameters(model))} parameters, "
             f"{format_bytes(layout.bytes_per_token)} KV per token in "
-            f"{_dtype_name(layout.dtype)}, "
+            f"{dtype_name(layout.dtype)}, "
             f"context {model.max_position_embeddings:,}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _count(n: int) -> str:
     """A parameter count in billions (B) or millions (M)."""
     return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    """Rows as two columns, the labels padded to one width."""
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
 if __name__ == "__main__":

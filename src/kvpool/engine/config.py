@@ -6,11 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.config import ModelConfig
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
+from kvpool.formats import format_bytes
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.layout import KVLayout, estimate_activation_bytes, format_bytes, plan_memory
+from kvpool.layout import KVLayout
+from kvpool.models.config import ModelConfig
+from kvpool.planner import estimate_activation_bytes, plan_memory
 from kvpool.workspace import ALIGNMENT
 
 GiB = 2**30
@@ -20,9 +22,12 @@ GiB = 2**30
 class EngineConfig:
     """Keyword options of `LLM` (vLLM's names).
 
-    num_pages None plans the pool: on CUDA, `memory_fraction` of the device's free memory
-    after the weights, less activations; on the CPU, `kv_cache_memory` bytes, capped by
-    what fits in `memory_fraction` of the available RAM. max_model_len None: the model's
+    num_pages None plans the pool from the model's config before the weights load
+    (`kvpool.planner`): `memory_fraction` of the device's total memory (a CUDA device's, or
+    the host's RAM) is this engine's share; what is already in use on the device, the
+    weights, the activations, the workspace and (on CUDA) the CUDA graphs come out of it, and
+    the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
+    max_model_len None: the model's
     max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
     requests that have no seed of their own.
     """
@@ -89,29 +94,31 @@ class EngineConfig:
         return estimate_activation_bytes(model, dtype, max_num_batched_tokens=self.max_num_seqs,
                                          max_num_seqs=self.max_num_seqs)
 
-    def plan_num_pages(self, model: ModelConfig, layout: KVLayout, device: torch.device,
+    def plan_num_pages(self, model: ModelConfig, device: torch.device,
                        max_model_len: int) -> int:
-        """num_pages, or the pages the memory budget holds (call after loading weights).
-        On CUDA the budget also leaves room for the workspace and the CUDA graphs."""
+        """num_pages, or the pages this engine's share of `device` holds once the model is
+        loaded: call it before loading the weights, which it counts from the config."""
         if self.num_pages is not None:
             return self.num_pages
+        layout = model.kv_layout(dtype=self.dtype, page_size=self.page_size)
         activations = estimate_activation_bytes(
             model, layout.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * self.memory_fraction) - activations - self.workspace_bytes(
-                model, layout, max_model_len) - self.cuda_graph_bytes(model, layout.dtype)
-        else:
-            fits = plan_memory(model, memory_fraction=self.memory_fraction, dtype=layout.dtype,
-                               page_size=layout.page_size, activation_bytes=activations,
-                               device="cpu")
-            budget = min(self.kv_cache_memory, fits.budget_bytes)
+        reserved = self.workspace_bytes(model, layout, max_model_len)
+        if device.type == "cuda":  # decode runs CUDA graphs only there
+            reserved += self.cuda_graph_bytes(model, layout.dtype)
+        plan = plan_memory(model, memory_fraction=self.memory_fraction, dtype=layout.dtype,
+                           page_size=layout.page_size, activation_bytes=activations,
+                           reserved_bytes=reserved, device=device)
+        budget = plan.budget_bytes
+        if device.type == "cpu":
+            budget = min(self.kv_cache_memory, budget)
         num_pages = max(budget, 0) // layout.bytes_per_page
         if num_pages == 0:
             raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device} holds "
-                             f"no page of {format_bytes(layout.bytes_per_page)}; pass num_pages "
-                             f"or a larger kv_cache_memory / memory_fraction")
+                             f"no page of {format_bytes(layout.bytes_per_page)} "
+                             f"({plan.reason or 'kv_cache_memory is below one page'}); pass "
+                             f"num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages
 
 

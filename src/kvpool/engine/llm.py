@@ -21,8 +21,8 @@ from kvpool.engine.sampling import Sampler
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
-from kvpool.layout import KVLayout
-from kvpool.models import load_model
+from kvpool.models import load_config, load_model
+from kvpool.models.loader import resolve_device
 from kvpool.workspace import Workspace
 
 Prompt = str | abc.Sequence[int]  # text (needs a tokenizer) or token ids
@@ -40,14 +40,17 @@ class LLM:
     def __init__(self, model: str | Path, *,
                  on_step: abc.Callable[[StepRecord], None] | None = None, **options):
         self.config = EngineConfig(**options)
-        loaded = load_model(model, dtype=self.config.dtype, device=self.config.device)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.model_config = mc = loaded.config
-        device = next(self.model.parameters()).device
-        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.model.dtype,
-                          self.config.page_size)
+        device = resolve_device(self.config.device)
+        mc = load_config(model)
         self.max_model_len = self.config.resolve_max_model_len(mc)
-        num_pages = self.config.plan_num_pages(mc, layout, device, self.max_model_len)
+        # Planned before loading, from the config: the memory read then still holds the
+        # weights' room, and the plan counts them once.
+        num_pages = self.config.plan_num_pages(mc, device, self.max_model_len)
+        loaded = load_model(model, dtype=self.config.dtype, device=device)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model_config = mc
+        device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
+        layout = mc.kv_layout(dtype=self.config.dtype, page_size=self.config.page_size)
         self.cache = KVCache(layout, num_pages, device=device,
                              prefix_caching=self.config.prefix_caching,
                              max_tokens_per_seq=self.max_model_len)

@@ -2,6 +2,6 @@
 them from Hugging Face checkpoint folders or the built-in "tiny" preset."""
 
 from kvpool.models.llama import LlamaForCausalLM
-from kvpool.models.loader import LoadedModel, load_model
+from kvpool.models.loader import LoadedModel, load_config, load_model
 
-__all__ = ["LlamaForCausalLM", "LoadedModel", "load_model"]
+__all__ = ["LlamaForCausalLM", "LoadedModel", "load_config", "load_model"]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
-from kvpool.config import ModelConfig
+from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.rotary import RotaryEmbedding, apply_rotary
 from kvpool.pool import KVPool, default_device

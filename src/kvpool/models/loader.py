@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvpool.config import PRESETS, ModelConfig, token_ids
 from kvpool.errors import CheckpointError, ConfigError
+from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvpool.pool import default_device
@@ -39,18 +39,34 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     missing, malformed or unsupported config and CheckpointError for weights that do not
     match it."""
     device = resolve_device(device)
-    if isinstance(model, str) and model in PRESETS:
-        return _load_preset(model, dtype, device)
+    config = load_config(model)
+    if model == TINY_PRESET:
+        net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
+        init_random_weights(net, seed=TINY_SEED, std=TINY_INIT_STD)
+        return LoadedModel(net.eval(), config, ByteTokenizer())
     folder = Path(model)
-    config = _with_generation_eos(ModelConfig.from_hf(folder), folder)
     files = checkpoint_files(folder)
     tokenizer_file = folder / "tokenizer.json"
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
-    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
+    net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
     load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
+
+
+def load_config(model: str | Path) -> ModelConfig:
+    """The config `load_model` would load the model with, read without touching the weights:
+    a checkpoint folder's config.json with the end ids of its generation_config.json, or the
+    "tiny" preset's. Other presets are geometries for planning only: ConfigError."""
+    if isinstance(model, str) and model in PRESETS:
+        if model != TINY_PRESET:
+            raise ConfigError(f"preset {model!r} is a geometry for memory planning only, it "
+                              f"has no weights; load_model takes {TINY_PRESET!r} or a "
+                              f"checkpoint folder")
+        return ModelConfig.from_hf(model)
+    folder = Path(model)
+    return _with_generation_eos(ModelConfig.from_hf(folder), folder)
 
 
 def resolve_device(device) -> torch.device:
@@ -85,16 +101,6 @@ def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
         raise ConfigError(f"{path} is not a valid generation config: {e!r}") from None
     merged = tuple(dict.fromkeys([*config.eos_token_ids, *token_ids(eos, "eos_token_id")]))
     return replace(config, eos_token_ids=merged)
-
-
-def _load_preset(name: str, dtype: torch.dtype | None, device) -> LoadedModel:
-    if name != TINY_PRESET:
-        raise ConfigError(f"preset {name!r} is a geometry for memory planning only, it has no "
-                          f"weights; load_model takes {TINY_PRESET!r} or a checkpoint folder")
-    config = ModelConfig.from_hf(name)
-    net = LlamaForCausalLM(config, dtype=dtype or config.dtype or torch.float32, device=device)
-    init_random_weights(net, seed=TINY_SEED, std=TINY_INIT_STD)
-    return LoadedModel(net.eval(), config, ByteTokenizer())
 
 
 def init_random_weights(model: torch.nn.Module, *, seed: int, std: float) -> None:

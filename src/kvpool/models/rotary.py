@@ -12,8 +12,8 @@ import math
 import torch
 from torch import nn
 
-from kvpool.config import ModelConfig
 from kvpool.errors import ConfigError
+from kvpool.models.config import ModelConfig
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 

@@ -11,10 +11,9 @@ import argparse
 import signal
 import sys
 
-from kvpool.layout import parse_bytes
+from kvpool.formats import DTYPES, parse_bytes
 from kvpool.server import INSTALL_HINT, missing_modules
 
-DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_WAITING = 1024
 
 
@@ -37,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward at most (default: the engine's)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn the prefix cache off")
-    parser.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype "
+    parser.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype "
                                                         "(default: the checkpoint's)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0,
@@ -56,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"kvpool serve: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    import torch
     import uvicorn
 
     from kvpool.engine import LLM
@@ -65,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     options = {"num_pages": args.num_pages, "kv_cache_memory": args.kv_cache_memory,
                "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
-               "dtype": getattr(torch, args.dtype) if args.dtype else None,
+               "dtype": DTYPES.get(args.dtype),
                "device": args.device}
     llm = LLM(args.model, page_size=args.page_size, prefix_caching=not args.no_prefix_caching,
               seed=args.seed, **{k: v for k, v in options.items() if v is not None})

@@ -1,5 +1,6 @@
 """Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral) into one
-validated dataclass, and the built-in presets used by `kvpool plan` and the `tiny` model."""
+validated dataclass, the KV layout a config implies, and the built-in presets used by
+`kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.formats import DTYPES
+from kvpool.layout import KVLayout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -25,7 +28,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -145,6 +148,17 @@ class ModelConfig:
         )
 
 
+    def weights_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
+        """The dtype the weights load in: `dtype` if given, else the config's, else float32."""
+        return dtype or self.dtype or DEFAULT_DTYPE
+
+    def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16) -> KVLayout:
+        """The KV layout of this model: its layers, KV heads and head_dim, in the dtype its
+        weights load in (see `weights_dtype`), with pages of `page_size` tokens."""
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim,
+                        self.weights_dtype(dtype), page_size)
+
+
 def read_hf_config(source: dict | str | Path) -> dict:
     """The raw config dict of a dict, a config.json path, a checkpoint folder or a preset."""
     if isinstance(source, dict):
@@ -222,9 +236,9 @@ def _dtype(cfg: dict) -> torch.dtype | None:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     if name is None:
         return None
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise ConfigError(f"unsupported dtype {name!r}; expected one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    if not isinstance(name, str) or name not in DTYPES:
+        raise ConfigError(f"unsupported dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _int(cfg: dict, key: str, default: int | None = None) -> int:

@@ -1,0 +1,47 @@
+"""The forms people read and type for kvpool's figures: byte sizes ("24GiB", "14.96 GiB"),
+dtype names ("bfloat16") and two-column tables."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+import torch
+
+# The dtypes a model's weights and KV cache may have, by the name config.json and --dtype use.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_BYTE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes in a size such as "24GiB", "512 MiB", "1.5GB" or "1048576": GB means 10**9 bytes,
+    GiB 2**30; units are case-insensitive; a fraction of a byte is dropped."""
+    match = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([A-Za-z]*)\s*", text)
+    unit = _BYTE_UNITS.get(match[2].upper() or "B") if match else None
+    if unit is None:
+        units = ", ".join(u.replace("I", "i") for u in _BYTE_UNITS)
+        raise ValueError(f"bad size {text!r}: expected a number with an optional unit "
+                         f"({units}), e.g. 24GiB")
+    return int(Decimal(match[1]) * unit)
+
+
+def format_bytes(num_bytes: int) -> str:
+    """`num_bytes` in the largest binary unit it reaches, e.g. "14.96 GiB" or "512 B"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of `dtype` as DTYPES spells it, e.g. "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    """Rows as two columns, the labels padded to one width."""
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

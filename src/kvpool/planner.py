@@ -1,0 +1,244 @@
+"""Memory planning: how many KV pages, tokens and sequences fit on a device next to a model's
+weights and activations, computed from the model's config before any weight is loaded.
+
+`memory_fraction` has one meaning everywhere (vLLM's): the fraction of the device's total
+memory (a CUDA device's, or the host's RAM) that this model may use. What is already in use
+on the device when planning (other processes) comes out of that share, and so do the weights,
+the activations and any other memory the caller reserves; the KV cache gets the whole pages
+of what is left."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvpool.formats import format_bytes
+from kvpool.layout import KVLayout, check_int
+from kvpool.models.config import ModelConfig
+
+ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+_MEMINFO = Path("/proc/meminfo")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """How a model and its paged KV cache share memory (all sizes in bytes).
+
+    budget_bytes = int(device_memory * memory_fraction) - in_use_bytes - weight_bytes
+    - activation_bytes - reserved_bytes (negative when the model alone does not fit); the KV
+    cache gets the whole pages that fit in it. When not one page fits, num_pages is 0 and
+    `reason` says why."""
+
+    layout: KVLayout
+    num_parameters: int
+    weight_bytes: int
+    activation_bytes: int
+    reserved_bytes: int  # the caller's other needs, e.g. the engine's workspace and CUDA graphs
+    device: str | None  # where device_memory was read; None when the caller gave it
+    device_memory: int  # the given figure, or the device's total (a CUDA device, host RAM)
+    in_use_bytes: int  # what is not free on the device when planned; 0 for a given figure
+    memory_fraction: float
+    budget_bytes: int
+    num_pages: int
+    reason: str | None = None
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self.layout.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token (K and V, all layers)."""
+        return self.layout.bytes_per_token
+
+    @property
+    def bytes_per_page(self) -> int:
+        """KV bytes of one page."""
+        return self.layout.bytes_per_page
+
+    @property
+    def usable_bytes(self) -> int:
+        """The share of the device memory this model may use: memory_fraction of it."""
+        return int(self.device_memory * self.memory_fraction)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV pool: `num_pages` pages."""
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def max_tokens(self) -> int:
+        """Token slots in the KV pool."""
+        return self.num_pages * self.page_size
+
+    def max_sequences(self, context_len: int) -> int:
+        """How many sequences of `context_len` tokens fit at once, each in whole pages."""
+        check_int("context_len", context_len, minimum=1)
+        return self.num_pages // self.layout.num_pages_for(context_len)
+
+
+def plan_memory(
+    config: ModelSource,
+    device_memory: int | None = None,
+    *,
+    memory_fraction: float = 0.9,
+    page_size: int = 16,
+    dtype: torch.dtype | None = None,
+    activation_bytes: int | None = None,
+    reserved_bytes: int = 0,
+    device: str | torch.device | None = None,
+) -> MemoryPlan:
+    """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
+    the memory after the weights, the activations and `reserved_bytes`. `device_memory`
+    (bytes) is the memory to plan in; None reads `device` (default CUDA if available, else
+    CPU): its total memory (a CUDA device's, or the host's RAM), less what is already in use.
+    `dtype` None: the config's, else float32 (as the loader does). `activation_bytes` None:
+    `estimate_activation_bytes` with its defaults."""
+    if device_memory is not None:
+        check_int("device_memory", device_memory, minimum=1)
+    if activation_bytes is not None:
+        check_int("activation_bytes", activation_bytes, minimum=0)
+    check_int("reserved_bytes", reserved_bytes, minimum=0)
+    _check_fraction(memory_fraction)
+    model = model_config(config)
+    layout = model.kv_layout(dtype=dtype, page_size=page_size)
+    num_parameters = count_parameters(model)
+    weight_bytes = num_parameters * layout.dtype.itemsize
+    if activation_bytes is None:
+        activation_bytes = estimate_activation_bytes(model, layout.dtype)
+    device_name, device_memory, in_use_bytes = _memory(device_memory, device)
+    usable = int(device_memory * memory_fraction)
+    budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
+    plan = MemoryPlan(
+        layout, num_parameters, weight_bytes, activation_bytes, reserved_bytes, device_name,
+        device_memory, in_use_bytes, memory_fraction, budget,
+        num_pages=max(budget, 0) // layout.bytes_per_page,
+    )
+    return plan if plan.num_pages else replace(plan, reason=_reason(plan))
+
+
+def model_config(config: ModelSource) -> ModelConfig:
+    """`config` as a ModelConfig (parsed unless it is one already)."""
+    return config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+
+
+def count_parameters(model: ModelConfig) -> int:
+    """Exact parameter count of a Llama-family decoder: embeddings, per layer attention
+    (q, k, v, o and their biases, Qwen3's q/k norms), gated MLP and two RMSNorms, the final
+    norm, and the lm_head unless tied to the embeddings."""
+    hidden, head_dim = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
+    attention = hidden * (q + 2 * kv) + q * hidden
+    if model.qkv_bias:
+        attention += q + 2 * kv
+    if model.o_bias:
+        attention += hidden
+    if model.qk_norm:
+        attention += 2 * head_dim
+    mlp = 3 * hidden * model.intermediate_size
+    if model.mlp_bias:
+        mlp += 2 * model.intermediate_size + hidden
+    layer = attention + mlp + 2 * hidden
+    embeddings = model.vocab_size * hidden
+    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
+    return embeddings + model.num_layers * layer + hidden + lm_head
+
+
+def estimate_activation_bytes(
+    model: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> int:
+    """Rough peak activation bytes of one forward over `max_num_batched_tokens` tokens. Layers
+    run one at a time, so per token: the residual stream and its normed copy (2 x hidden) plus
+    the larger of attention (q, k, v and its output) and the MLP (gate, up and their product,
+    3 x intermediate), in `dtype`; plus float32 logits of the last token of up to `max_num_seqs`
+    sequences. Not covered: attention scores of unfused kernels, CUDA graphs, fragmentation."""
+    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+    check_int("max_num_seqs", max_num_seqs, minimum=1)
+    attention = 2 * (model.num_heads + model.num_kv_heads) * model.head_dim
+    mlp = 3 * model.intermediate_size
+    per_token = (2 * model.hidden_size + max(attention, mlp)) * dtype.itemsize
+    num_logits = min(max_num_seqs, max_num_batched_tokens)
+    return max_num_batched_tokens * per_token + num_logits * model.vocab_size * 4
+
+
+def _reason(plan: MemoryPlan) -> str:
+    """Why a plan has no pages, naming the sizes."""
+    if plan.budget_bytes >= 0:
+        return (f"the {format_bytes(plan.budget_bytes)} left for the KV cache is less than "
+                f"one page ({format_bytes(plan.bytes_per_page)})")
+    parts = [f"weights {format_bytes(plan.weight_bytes)}",
+             f"activations {format_bytes(plan.activation_bytes)}"]
+    if plan.reserved_bytes:
+        parts.append(f"reserved {format_bytes(plan.reserved_bytes)}")
+    if plan.in_use_bytes:
+        parts.append(f"{format_bytes(plan.in_use_bytes)} already in use")
+    return (f"{' + '.join(parts)} exceed {plan.memory_fraction * 100:g}% of "
+            f"{format_bytes(plan.device_memory)} ({format_bytes(plan.usable_bytes)})")
+
+
+def _memory(
+    device_memory: int | None, device: str | torch.device | None
+) -> tuple[str | None, int, int]:
+    """(device name, memory, bytes already in use): the given memory on no device, else the
+    device's total memory and what is not free on it (a CUDA device, or the host's RAM)."""
+    if device_memory is not None:
+        return None, device_memory, 0
+    device = _device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    elif device.type == "cpu":
+        total, free = host_memory()
+    else:
+        raise ValueError(f"cannot read the memory of device {str(device)!r}; "
+                         f"pass device_memory")
+    return str(device), total, total - free
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """`device` parsed; None means CUDA if available, else CPU."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        msg = f"bad device {device!r}: expected e.g. 'cpu', 'cuda' or 'cuda:1'"
+        raise ValueError(msg) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"cannot read the memory of {str(device)!r}: CUDA is not available")
+    return device
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's RAM; available is what a process could get
+    without swapping: MemTotal and MemAvailable from /proc/meminfo, or where there is none,
+    the physical and free pages the OS reports (free omits reclaimable caches)."""
+    with contextlib.suppress(OSError):
+        kib = {}  # meminfo lines read "MemTotal:       33554432 kB"
+        for line in _MEMINFO.read_text().splitlines():
+            name, _, value = line.partition(":")
+            kib[name] = value.split()[0] if value.split() else ""
+        if kib.get("MemTotal", "").isdigit() and kib.get("MemAvailable", "").isdigit():
+            return int(kib["MemTotal"]) * 1024, int(kib["MemAvailable"]) * 1024
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):
+        msg = "cannot read this machine's memory; pass device_memory"
+        raise ValueError(msg) from None
+
+
+def _check_fraction(memory_fraction: object) -> None:
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+        raise TypeError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")

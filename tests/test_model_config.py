@@ -1,0 +1,157 @@
+"""ModelConfig: Hugging Face configs of Llama, Qwen2, Qwen3 and Mistral, and the KV layout
+they imply."""
+
+import json
+
+import pytest
+import torch
+
+from kvpool.errors import ConfigError
+from kvpool.layout import KVLayout
+from kvpool.models.config import PRESETS, ModelConfig
+
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def transformers_style_before_v5(config: dict) -> dict:
+    """`config` as transformers 4 wrote it: `torch_dtype` and a top-level `rope_theta`."""
+    old = {k: v for k, v in config.items() if k not in ("dtype", "rope_parameters")}
+    old["torch_dtype"] = config["dtype"]
+    old["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    old["rope_scaling"] = None
+    return old
+
+
+# ModelConfig.kv_layout
+
+
+def test_kv_layout_of_a_preset_takes_geometry_and_dtype_from_the_config():
+    assert ModelConfig.from_hf("Llama-3-8B").kv_layout() == KVLayout(32, 8, 128, torch.bfloat16, 16)
+
+
+def test_kv_layout_dtype_and_page_size_arguments_override_the_config():
+    layout = ModelConfig.from_hf("Llama-3-8B").kv_layout(dtype=torch.float32, page_size=32)
+    assert (layout.dtype, layout.page_size) == (torch.float32, 32)
+
+
+def test_kv_layout_defaults_to_float32_when_the_config_states_no_dtype():
+    config = {k: v for k, v in PRESETS["Llama-3-8B"].items() if k != "torch_dtype"}
+    assert ModelConfig.from_hf(config).kv_layout().dtype == torch.float32
+
+
+def test_weights_dtype_is_the_given_one_else_the_config_s_else_float32():
+    model = ModelConfig.from_hf("Llama-3-8B")
+    assert model.weights_dtype() == torch.bfloat16
+    assert model.weights_dtype(torch.float16) == torch.float16
+    assert ModelConfig.from_hf(dict(PRESETS["Llama-3-8B"], torch_dtype=None)).weights_dtype() == (
+        torch.float32)
+
+
+@pytest.mark.parametrize(("name", "bytes_per_token"), [
+    ("Llama-3-8B", 131_072), ("Qwen2.5-7B", 57_344), ("Qwen3-8B", 147_456),
+    ("Mistral-7B", 131_072),
+])
+def test_kv_bytes_per_token_of_published_models_in_bf16(name, bytes_per_token):
+    assert ModelConfig.from_hf(name).kv_layout().bytes_per_token == bytes_per_token
+
+
+@pytest.mark.parametrize(("config_class", "head_dim"), [
+    ("LlamaConfig", 16), ("Qwen2Config", 16), ("Qwen3Config", 128), ("MistralConfig", 16),
+])  # hidden_size 64 / 4 heads, except Qwen3, whose config always states head_dim (default 128)
+def test_kv_layout_reads_a_checkpoint_folder_written_by_transformers(
+    transformers, tmp_path, config_class, head_dim
+):
+    getattr(transformers, config_class)(**SMALL, dtype="bfloat16").save_pretrained(tmp_path)
+    assert ModelConfig.from_hf(tmp_path).kv_layout() == KVLayout(2, 2, head_dim, torch.bfloat16)
+
+
+def test_transformers_5_dtype_and_rope_parameters_are_read(transformers, tmp_path):
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    transformers.LlamaConfig(**SMALL, dtype="bfloat16", rope_parameters=rope).save_pretrained(
+        tmp_path
+    )
+    model = ModelConfig.from_hf(tmp_path / "config.json")
+    assert (model.dtype, model.rope_theta) == (torch.bfloat16, 500000.0)
+
+
+def test_transformers_4_torch_dtype_and_rope_theta_are_read(transformers, tmp_path):
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    config = transformers.Qwen2Config(**SMALL, dtype="bfloat16", rope_parameters=rope).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(transformers_style_before_v5(config)))
+    model = ModelConfig.from_hf(tmp_path)
+    assert (model.dtype, model.rope_theta) == (torch.bfloat16, 1000000.0)
+    assert ModelConfig.from_hf(tmp_path).kv_layout().dtype == torch.bfloat16
+
+
+def test_an_explicit_head_dim_wins_over_hidden_size_by_heads(transformers):
+    config = transformers.Qwen3Config(**SMALL, head_dim=32).to_dict()
+    assert ModelConfig.from_hf(config).kv_layout().head_dim == 32
+
+
+def test_num_key_value_heads_defaults_to_num_attention_heads(transformers):
+    config = transformers.LlamaConfig(**SMALL).to_dict()
+    del config["num_key_value_heads"]
+    assert ModelConfig.from_hf(config).kv_layout().num_kv_heads == 4
+
+
+def test_kv_layout_names_the_presets_when_no_config_is_found(tmp_path):
+    with pytest.raises(ConfigError, match="no config at .*Llama-3-8B"):
+        ModelConfig.from_hf(tmp_path / "missing").kv_layout()
+
+
+def test_kv_layout_rejects_an_unsupported_architecture():
+    with pytest.raises(ConfigError, match="unsupported architecture GPT2LMHeadModel"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]}).kv_layout()
+
+
+def test_kv_layout_rejects_invalid_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(tmp_path).kv_layout()
+
+
+# Config validation
+
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("architectures", 5, "unsupported architecture 5; kvpool supports LlamaForCausalLM"),
+    ("architectures", {"LlamaForCausalLM": 1}, "unsupported architecture {'LlamaForCausalLM': 1}"),
+    ("model_type", ["llama"], "no 'architectures' and an unsupported model_type=['llama']"),
+    ("rms_norm_eps", "abc", "'rms_norm_eps' must be a positive finite number, got 'abc'"),
+    ("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a positive finite number, got -1e-06"),
+    ("rope_theta", "abc", "'rope_theta' must be a positive finite number, got 'abc'"),
+    ("rope_scaling", "abc", "'rope_scaling' must be an object, got 'abc'"),
+    ("rope_parameters", [1], "'rope_parameters' must be an object, got [1]"),
+    ("eos_token_id", "x", "'eos_token_id' must be a token id or a list of them"),
+    ("eos_token_id", [2, -1], "'eos_token_id' must be a token id or a list of them"),
+    ("bos_token_id", 1.5, "'bos_token_id' must be an integer >= 0 or null, got 1.5"),
+    ("tie_word_embeddings", "no", "'tie_word_embeddings' must be true or false, got 'no'"),
+    ("attention_bias", 1, "'attention_bias' must be true or false, got 1"),
+    ("dtype", ["bfloat16"], "unsupported dtype ['bfloat16']"),
+])
+def test_config_fields_of_the_wrong_type_are_config_errors_naming_the_field(field, value,
+                                                                              message):
+    config = dict(PRESETS["tiny"], **{field: value})
+    if field == "model_type":
+        del config["architectures"]
+    with pytest.raises(ConfigError) as error:
+        ModelConfig.from_hf(config)
+    assert message in str(error.value)
+
+
+def test_a_null_rms_norm_eps_takes_the_default():
+    assert ModelConfig.from_hf(dict(PRESETS["tiny"], rms_norm_eps=None)).rms_norm_eps == 1e-6
+
+
+def test_mistral_sliding_window_must_be_a_positive_int_or_null():
+    mistral = PRESETS["Mistral-7B"]
+    assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
+    with pytest.raises(ConfigError, match="'sliding_window' must be an integer >= 1 or null"):
+        ModelConfig.from_hf(dict(mistral, sliding_window="4096"))

@@ -1,0 +1,256 @@
+"""Memory planning: parameter counts of published models, activation estimates, and the
+pages that fit in a share of a device's memory."""
+
+import pytest
+import torch
+
+from kvpool import planner
+from kvpool.engine.config import EngineConfig
+from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.planner import count_parameters, estimate_activation_bytes, plan_memory
+
+GiB = 2**30
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+PUBLISHED_PARAMETERS = {
+    "Llama-3-8B": 8_030_261_248,
+    "Qwen2.5-7B": 7_615_616_512,
+    "Qwen3-8B": 8_190_735_360,
+    "Mistral-7B": 7_241_732_096,
+}
+
+
+def hf_parameter_count(config) -> int:
+    """Parameters of the transformers model built from `config`, on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# Parameter counts
+
+
+@pytest.mark.parametrize(("name", "num_parameters"), PUBLISHED_PARAMETERS.items())
+def test_parameter_count_of_published_models(name, num_parameters):
+    assert count_parameters(ModelConfig.from_hf(name)) == num_parameters
+
+
+@pytest.mark.parametrize("name", ["Llama-3-8B", "Qwen3-8B"])
+def test_parameter_count_of_published_models_matches_transformers(transformers, name):
+    config = dict(PRESETS[name])
+    config.pop("architectures")
+    hf_config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    assert hf_parameter_count(hf_config) == PUBLISHED_PARAMETERS[name]
+
+
+@pytest.mark.parametrize(("config_class", "options"), [
+    ("LlamaConfig", {}),
+    ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    ("LlamaConfig", {"tie_word_embeddings": True}),
+    ("Qwen2Config", {}),
+    ("Qwen2Config", {"tie_word_embeddings": True}),
+    ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+    ("MistralConfig", {}),
+])
+def test_parameter_count_matches_transformers(transformers, config_class, options):
+    hf_config = getattr(transformers, config_class)(**SMALL, **options)
+    model = ModelConfig.from_hf(hf_config.to_dict())
+    assert count_parameters(model) == hf_parameter_count(hf_config)
+
+
+def test_weight_bytes_are_parameters_times_dtype_size_not_twice_that():
+    assert plan_memory("Llama-3-8B", 80 * GiB).weight_bytes == 8_030_261_248 * 2
+    assert plan_memory("Llama-3-8B", 80 * GiB, dtype=torch.float32).weight_bytes == (
+        8_030_261_248 * 4
+    )
+
+
+# Activations
+
+
+def test_activation_estimate_is_one_layer_of_a_batched_forward_plus_float32_logits():
+    # tiny: hidden 256, q 8 x 32, kv 2 x 32, intermediate 704 (the MLP is the larger phase)
+    per_token = (2 * 256 + 3 * 704) * 4
+    logits = 256 * 258 * 4
+    model = ModelConfig.from_hf("tiny")
+    assert estimate_activation_bytes(model, torch.float32) == 2048 * per_token + logits
+
+
+def test_activation_estimate_counts_logits_of_at_most_one_per_batched_token():
+    model = ModelConfig.from_hf("tiny")
+    estimate = estimate_activation_bytes(model, torch.float32, max_num_batched_tokens=8,
+                                         max_num_seqs=256)
+    assert estimate == 8 * (2 * 256 + 3 * 704) * 4 + 8 * 258 * 4
+
+
+def test_plan_subtracts_the_activation_estimate_by_default():
+    model = ModelConfig.from_hf("Llama-3-8B")
+    plan = plan_memory(model, 24 * GiB)
+    assert plan.activation_bytes == estimate_activation_bytes(model, torch.bfloat16)
+
+
+# Budget arithmetic
+
+
+def test_plan_for_given_device_memory():
+    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
+    assert plan.budget_bytes == int(24 * GiB * 0.9) - 16_060_522_496 == 7_132_300_902
+    assert (plan.bytes_per_token, plan.bytes_per_page, plan.page_size) == (131_072, 2 * 2**20, 16)
+    assert plan.num_pages == 3400  # 7,132,300,902 // 2,097,152
+    assert plan.kv_bytes == 3400 * 2 * 2**20
+    assert plan.max_tokens == 3400 * 16
+    assert (plan.device, plan.device_memory, plan.in_use_bytes) == (None, 24 * GiB, 0)
+    assert plan.reason is None
+
+
+def test_max_sequences_gives_each_sequence_whole_pages():
+    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
+    assert plan.max_sequences(8192) == 3400 // 512
+    assert plan.max_sequences(17) == 3400 // 2
+
+
+def test_a_larger_page_size_gives_fewer_pages_of_the_same_bytes():
+    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0, page_size=64)
+    assert (plan.num_pages, plan.bytes_per_page) == (850, 8 * 2**20)
+
+
+def test_memory_fraction_is_of_the_given_memory():
+    plan = plan_memory("tiny", 2**30, memory_fraction=0.5, activation_bytes=0)
+    assert plan.budget_bytes == 2**29 - 2_952_448 * 4
+
+
+def test_plan_reads_cuda_total_and_excludes_memory_others_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    plan = plan_memory("Llama-3-8B", activation_bytes=0)
+    assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cuda", 80 * GiB, 10 * GiB)
+    assert plan.budget_bytes == int(80 * GiB * 0.9) - 10 * GiB - 16_060_522_496
+
+
+def test_plan_on_cpu_takes_the_fraction_of_total_ram_less_what_is_in_use(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\n"
+                       "MemAvailable:   16777216 kB\n")
+    monkeypatch.setattr(planner, "_MEMINFO", meminfo)
+    plan = plan_memory("tiny", device="cpu", activation_bytes=0)
+    assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cpu", 32 * GiB, 16 * GiB)
+    assert plan.budget_bytes == int(32 * GiB * 0.9) - 16 * GiB - 2_952_448 * 4
+
+
+def test_host_memory_falls_back_to_the_os_page_counts_without_meminfo(monkeypatch, tmp_path):
+    monkeypatch.setattr(planner, "_MEMINFO", tmp_path / "missing")
+    sizes = {"SC_PHYS_PAGES": 3000, "SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(planner.os, "sysconf", sizes.__getitem__)
+    plan = plan_memory("tiny", device="cpu")
+    assert (plan.device_memory, plan.in_use_bytes) == (12_288_000, 8_192_000)
+
+
+def test_reserved_bytes_come_out_of_the_budget_and_are_named_when_it_is_short():
+    weights = 2_952_448 * 4
+    plan = plan_memory("tiny", weights + 2**20, memory_fraction=1.0, activation_bytes=0,
+                       reserved_bytes=2**20 - 32 * 2**10)
+    assert (plan.reserved_bytes, plan.budget_bytes, plan.num_pages) == (
+        2**20 - 32 * 2**10, 32 * 2**10, 1)
+    short = plan_memory("tiny", weights, memory_fraction=1.0, activation_bytes=0,
+                        reserved_bytes=2**20)
+    assert short.reason == ("weights 11.26 MiB + activations 0 B + reserved 1.00 MiB exceed "
+                            "100% of 11.26 MiB (11.26 MiB)")
+
+
+def test_plan_reads_this_machine_memory_by_default():
+    plan = plan_memory("tiny")
+    assert plan.device in ("cpu", "cuda") and plan.device_memory > 0
+
+
+def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
+    plan = plan_memory("Llama-3-8B", 8 * GiB, activation_bytes=GiB // 2)
+    assert (plan.num_pages, plan.max_tokens, plan.kv_bytes, plan.max_sequences(8192)) == (
+        0, 0, 0, 0)
+    assert plan.budget_bytes < 0
+    assert plan.reason == ("weights 14.96 GiB + activations 512.00 MiB exceed 90% of "
+                           "8.00 GiB (7.20 GiB)")
+
+
+def test_the_reason_names_memory_already_in_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * GiB, 24 * GiB))
+    plan = plan_memory("Llama-3-8B", activation_bytes=0)
+    assert plan.reason == ("weights 14.96 GiB + activations 0 B + 20.00 GiB already in use exceed "
+                           "90% of 24.00 GiB (21.60 GiB)")
+
+
+def test_a_budget_below_one_page_gets_no_pages_and_a_reason():
+    weights = 2_952_448 * 4
+    plan = plan_memory("tiny", weights + 1000, memory_fraction=1.0, activation_bytes=0)
+    assert (plan.num_pages, plan.budget_bytes) == (0, 1000)
+    assert plan.reason == "the 1000 B left for the KV cache is less than one page (32.00 KiB)"
+
+
+# Argument validation
+
+
+@pytest.mark.parametrize("fraction", [0, -0.1, 1.01])
+def test_plan_rejects_a_memory_fraction_outside_zero_to_one(fraction):
+    with pytest.raises(ValueError, match=rf"memory_fraction must be in \(0, 1\], got {fraction}"):
+        plan_memory("tiny", GiB, memory_fraction=fraction)
+
+
+@pytest.mark.parametrize(("device_memory", "error"), [
+    (0, ValueError), (-1, ValueError), (2.5e9, TypeError), ("24GiB", TypeError), (True, TypeError),
+])
+def test_plan_rejects_device_memory_that_is_not_a_positive_int(device_memory, error):
+    with pytest.raises(error, match="device_memory must be a positive int"):
+        plan_memory("tiny", device_memory)
+
+
+def test_plan_rejects_negative_activation_bytes():
+    with pytest.raises(ValueError, match="activation_bytes must be an int >= 0, got -1"):
+        plan_memory("tiny", GiB, activation_bytes=-1)
+
+
+def test_plan_rejects_a_page_size_below_one():
+    with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
+        plan_memory("tiny", GiB, page_size=0)
+
+
+def test_max_sequences_rejects_a_context_len_below_one():
+    with pytest.raises(ValueError, match="context_len must be a positive int, got 0"):
+        plan_memory("tiny", GiB).max_sequences(0)
+
+
+def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        plan_memory("tiny", device="cuda")
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("meta", "cannot read the memory of device 'meta'; pass device_memory"),
+    ("gpu0", "bad device 'gpu0'"),
+])
+def test_plan_rejects_devices_it_cannot_read(device, message):
+    with pytest.raises(ValueError, match=message):
+        plan_memory("tiny", device=device)
+
+
+# The engine's plan
+
+
+def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    model, config = ModelConfig.from_hf("Llama-3-8B"), EngineConfig()
+    layout = model.kv_layout()
+    activations = estimate_activation_bytes(model, torch.bfloat16, max_num_batched_tokens=2048,
+                                            max_num_seqs=64)
+    workspace = config.workspace_bytes(model, layout, 8192)
+    graphs = config.cuda_graph_bytes(model, torch.bfloat16)
+    budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
+    assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21
