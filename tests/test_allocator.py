@@ -348,8 +348,9 @@ def test_bad_page_counts_raise_and_change_nothing(method, n, error, message):
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
-    [({"num_pages": 0}, ValueError, "num_pages must be >= 1, got 0"),
-     ({"num_pages": -5}, ValueError, "num_pages must be >= 1, got -5"),
+    [({"num_pages": 0}, ValueError, r"num_pages must be in \[1, 2147483647\], got 0"),
+     ({"num_pages": -5}, ValueError, r"num_pages must be in \[1, 2147483647\], got -5"),
+     ({"num_pages": 2**70}, ValueError, r"num_pages must be in \[1, 2147483647\], got 1180"),
      ({"num_pages": 4.0}, TypeError, "num_pages must be an int, got float"),
      ({"num_pages": True}, TypeError, "num_pages must be an int, got bool"),
      ({"num_pages": 4, "policy": "fifo"}, ValueError, "policy must be one of .*'fifo'"),

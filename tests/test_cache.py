@@ -247,9 +247,9 @@ def test_reserve_is_kept_back():
 
 def test_bad_counts_are_rejected():
     cache = make_cache()
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         cache.add_sequence("a", num_tokens=-1)
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(TypeError, match="num_tokens must be an int, got bool True"):
         cache.add_sequence("a", num_tokens=True)
     with pytest.raises(ValueError, match="disagrees"):
         cache.add_sequence("a", [1, 2], num_tokens=3)
@@ -273,6 +273,45 @@ def test_bad_token_ids_name_the_position_and_change_nothing():
         cache.pages_to_add([None])
     assert_unchanged(before, cache)
     assert cache.num_tokens("a") == 6 and cache.sequences() == ["a"]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(("token_ids", "error", "message"), [
+    ("abcd", TypeError, "token_ids must be a sequence of ints, got str"),
+    ({1, 2}, TypeError, "token_ids must be a sequence of ints, got set"),
+    ({1: 2}, TypeError, "token_ids must be a sequence of ints, got dict"),
+    ([1, None], TypeError, "token id 1 is NoneType None, expected an int"),
+    ([0.5], TypeError, "token id 0 is float 0.5, expected an int"),
+    (torch.tensor([1.0, 2.0]), TypeError, "token id 0 is float 1.0, expected an int"),
+    ([2**31], ValueError, "token id 0 is 2147483648, outside int32"),
+])
+def test_token_ids_are_checked_with_or_without_prefix_caching(prefix_caching, token_ids, error,
+                                                              message):
+    cache = make_cache(prefix_caching=prefix_caching)
+    cache.add_sequence("a", prompt(2))
+    before = snapshot(cache)
+    with pytest.raises(error, match=message):
+        cache.add_sequence("b", token_ids)
+    with pytest.raises(error, match=message):
+        cache.append("a", token_ids=token_ids)
+    assert_unchanged(before, cache)
+    assert cache.sequences() == ["a"] and cache.num_tokens("a") == 2
+
+
+def test_appending_zero_tokens_changes_nothing_and_keeps_caching():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(6))
+    assert cache.append("a", 0) == []
+    cache.append("a", token_ids=prompt(3, 6))
+    cache.commit("a")
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", prompt(9)) == 8
+
+
+def test_a_pool_past_int32_page_ids_is_refused_naming_the_limit():
+    with pytest.raises(ValueError, match=r"num_pages must be in \[1, 2147483647\], "
+                                         r"got 10000000000000"):
+        make_cache(10**13)
 
 
 def test_token_ids_may_be_any_sequence_of_integers():

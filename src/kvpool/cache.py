@@ -10,12 +10,18 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.allocator import PageAllocator
-from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, UnknownSequence
+from kvpool.errors import (
+    DuplicateSequence,
+    OutOfPages,
+    SequenceTooLong,
+    UnknownSequence,
+    check_int,
+)
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 from kvpool.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
-from kvpool.tiers import PageKey, Tier
-from kvpool.tokens import TOKEN_BYTES, pack_tokens
+from kvpool.tiers import PageKey, Tier, page_namespace
+from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
 
 @dataclass(slots=True)
@@ -62,25 +68,31 @@ class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
     a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
-    and a later prompt continuing their prefix loads them back instead of recomputing.
+    and a later prompt continuing their prefix loads them back instead of recomputing; the
+    tier is bound to this cache's namespace (its layout and `model_fingerprint`, a string
+    naming the model and its weights), so it never serves another model's pages.
     Not thread-safe: call it from one thread (as the engine's loop does) or under a lock."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
-                 tier: Tier | None = None):
-        if max_tokens_per_seq is not None and (
-                isinstance(max_tokens_per_seq, bool) or not isinstance(max_tokens_per_seq, int)
-                or max_tokens_per_seq <= 0):
-            raise ValueError(f"max_tokens_per_seq must be a positive int or None, "
-                             f"got {max_tokens_per_seq!r}")
+                 tier: Tier | None = None, model_fingerprint: str = ""):
+        if max_tokens_per_seq is not None:
+            check_int("max_tokens_per_seq", max_tokens_per_seq, 1)
         if tier is not None and not prefix_caching:
             raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
+        if not isinstance(model_fingerprint, str):
+            raise TypeError(f"model_fingerprint must be a str, "
+                            f"got {type(model_fingerprint).__name__}")
         self.layout = layout
         self.page_size = layout.page_size
         self._page_bytes = layout.page_size * TOKEN_BYTES  # one page of packed token ids
-        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve)
+        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve,
+                                       thread_safe=False)
         self.pool = KVPool(layout, num_pages, device=device)
+        self.namespace = page_namespace(layout, model_fingerprint)
+        if tier is not None:
+            tier.bind(self.namespace, self.pool.kv[:, :, 0].shape, layout.dtype)
         self.tier = tier
         self.prefix_cache = PrefixCache(
             self.allocator, layout.page_size,
@@ -110,6 +122,7 @@ class KVCache:
             n = len(token_ids)  # the common case, without _count's checks
         else:
             n = _count(token_ids, num_tokens)
+        ids = None if token_ids is None else _pack(token_ids)
         if self.max_tokens_per_seq is not None:
             self._check_length(seq_id, n)
         pc = self.prefix_cache
@@ -117,17 +130,16 @@ class KVCache:
             seqs[seq_id] = _Sequence(self.allocator.allocate(-(-n // self.page_size)), n,
                                      None, None, 0)
             return 0
-        if token_ids is None:  # content unknown: nothing to match or cache
+        if ids is None:  # content unknown: nothing to match or cache
             need = -(-n // self.page_size)
             pages = self._allocate(need, self._shortfall(need, None))
             seqs[seq_id] = _Sequence(pages, n, None, None, 0)
             return 0
-        ids = pack_tokens(token_ids)  # TypeError/ValueError for an id that is not an int32
         match = pc.match(ids, self._matchable_pages(n))
         pages = match.pages
         need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
         short = self._shortfall(need, match)
-        loaded = self._fetch_from_tier(token_ids, n, match) if self.tier is not None else ()
+        loaded = self._fetch_from_tier(ids, n, match) if self.tier is not None else ()
         node = pc.lock(match)
         hit = len(pages) + len(loaded)
         self._prefix_query_tokens += n
@@ -147,8 +159,9 @@ class KVCache:
         n = _count(token_ids, num_tokens, default=1)
         start = seq.num_tokens
         self._check_length(seq_id, start + n)
-        packed = pack_tokens(token_ids) if token_ids is not None and seq.pending is not None \
-            else None
+        packed = None if token_ids is None else _pack(token_ids)
+        if n == 0:
+            return []
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
         new_pages = self._allocate(need + cow, self._shortfall(need + cow, None))
@@ -246,7 +259,7 @@ class KVCache:
         total = -(-n // self.page_size)
         if self.prefix_cache is None or token_ids is None:
             return total
-        match = self.prefix_cache.match(token_ids, self._matchable_pages(n))
+        match = self.prefix_cache.match(_pack(token_ids), self._matchable_pages(n))
         return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
@@ -355,22 +368,21 @@ class KVCache:
         token, whose logits must be computed."""
         return (n - 1) // self.page_size if n else 0
 
-    def _fetch_from_tier(self, token_ids: Sequence[int], n: int,
+    def _fetch_from_tier(self, token_ids: bytes, n: int,
                          match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's `match` in the tier, page by
-        page up to the first miss, never covering the last token. Only `get` touches the
-        tier, and only once the call is known to succeed."""
+        page up to the first miss, never covering the last token; `token_ids` packed. Only
+        `get` touches the tier, and only once the call is known to succeed."""
         tier = self.tier
         if n == 0:
             return []
-        ps = self.page_size
-        page_shape = self.pool.kv[:, :, 0].shape
+        pb = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
         for i in range(len(match.pages), self._matchable_pages(n)):
-            key = PageKey.of(parent_key, token_ids[i * ps:(i + 1) * ps])
+            key = PageKey.of(parent_key, unpack_tokens(token_ids[i * pb:(i + 1) * pb]))
             data = tier.get(key)
-            if data is None or data.shape != page_shape:
+            if data is None:
                 break
             loaded.append(data)
             parent_key = key.chain_key
@@ -392,15 +404,11 @@ class KVCache:
 
     def _store_in_tier(self, pages: list[int], keys: list[PageKey]) -> None:
         """Copy evicted pages to the tier (called before they return to the free list). A
-        page the tier fails to store (disk full) is lost, as without a tier: eviction runs
-        inside calls that have passed their checks, and must not fail."""
+        page the tier fails to store is lost, as without a tier: eviction runs inside calls
+        that have passed their checks, and never fails."""
         data = self.pool.read_pages(pages)
         for i, key in enumerate(keys):
-            try:
-                self.tier.put(key, data[:, :, i])
-            except OSError:
-                continue
-            self._num_tier_stores += 1
+            self._num_tier_stores += self.tier.store(key, data[:, :, i])
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:
         limit = self.max_tokens_per_seq
@@ -452,13 +460,22 @@ class KVCache:
 def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
     """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
     if token_ids is not None:
-        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        if isinstance(token_ids, (str, bytes, bytearray)) or not (
+                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
             raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
         if num_tokens is not None and num_tokens != len(token_ids):
             raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
         return len(token_ids)
     if num_tokens is None:
         return default
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    return num_tokens
+    return check_int("num_tokens", num_tokens, 0)
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
+    or ValueError naming the first id that is not an int32."""
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    if type(token_ids) is not list and not isinstance(token_ids, Sequence):
+        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    return pack_tokens(token_ids)

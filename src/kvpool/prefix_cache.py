@@ -65,8 +65,6 @@ class PrefixMatch(NamedTuple):
     depth: int
 
 
-_new_match = tuple.__new__
-
 
 class PrefixCache:
     """Radix tree of committed full pages with LRU eviction of unreferenced leaves.
@@ -125,7 +123,7 @@ class PrefixCache:
                 pages += child.pages[:depth]
                 end = limit  # stop
             node, start = child, end
-        return _new_match(PrefixMatch, (pages, node, depth))  # skips NamedTuple's slow __new__
+        return PrefixMatch(pages, node, depth)
 
     def num_pinned_by(self, match: PrefixMatch) -> int:
         """How many of the matched pages are evictable now, i.e. would stop being so if
