@@ -1,24 +1,26 @@
-"""Page ids and their reference counts: which pages of the pool are free, and who holds the rest.
+"""Page ids and their reference counts: which pages of the pool are free, cached, or held.
 
-`PageAllocator` hands out page ids in `[0, num_pages)` and keeps one reference count per page.
-A page is free exactly when its count is 0, and then it is on the free list. Every call that
-can fail checks first or undoes its own work before raising, so a failed call changes nothing.
+`PageAllocator` hands out page ids in `[0, num_pages)` and keeps one reference count per page:
+the number of holders (the sequences whose page tables list it). A page with count 0 is free
+(its content is worthless) or cached (the prefix cache indexes its content). Cached pages
+wait on a queue in least-recently-used order; an allocation takes free pages first, then
+cached ones from the queue's cold end, telling `on_evict` which cached pages it took. So
+eviction costs what allocation costs, a step per page, and is never a pass of its own.
+Every call checks before it acts: a call that raises has changed nothing.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from operator import not_
 from threading import Lock
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfPages, check_int
 from kvpool.first_fit import FirstFitFreeList
 
 POLICIES = ("lifo", "first_fit")
-
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +34,8 @@ class AllocatorStats:
     num_allocated: int
     num_freed: int
     num_failed: int
+    num_cached: int = 0
+    num_evicted: int = 0
 
     @property
     def utilization(self) -> float:
@@ -43,63 +47,63 @@ class PageAllocator:
     """Hands out page ids in `[0, num_pages)` and keeps a reference count per page.
 
     `policy="lifo"` reuses the most recently freed page first (cache-warm); `"first_fit"`
-    always returns the lowest free ids, ascending. The last `reserve` free pages go only to
-    critical allocations. Allocating or freeing a batch costs O(batch), whatever the pool size.
+    always returns the lowest free ids, ascending. Cached pages are taken only when no free
+    page is left, least recently used first. The last `reserve` free or cached pages go only
+    to critical allocations. Allocating, sharing or freeing a batch costs O(batch), whatever
+    the pool size. `thread_safe=False` drops the lock, for an owner that calls from one thread.
     """
 
-    __slots__ = (
-        "_num_pages",
-        "_policy",
-        "_reserve",
-        "_first_fit",
-        "_free",
-        "_refcounts",
-        "_lock",
-        "_num_allocated",
-        "_num_failed",
-        "_fewest_free",
-    )
+    __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_cached", "_is_cached",
+                 "_refcounts", "_lock", "_num_allocated", "_num_failed", "_num_evicted",
+                 "_fewest_unused", "on_evict")
 
-    def __init__(
-        self, num_pages: int, *, policy: str = "lifo", reserve: int = 0, thread_safe: bool = True
-    ) -> None:
+    def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
+                 thread_safe: bool = True) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
         self._reserve = check_int("reserve", reserve, 0, num_pages)
-        self._first_fit = policy == "first_fit"
         self._free: list[int] | FirstFitFreeList
-        if self._first_fit:
+        if policy == "first_fit":
             self._free = FirstFitFreeList(num_pages)
         else:
             # A stack whose top is the end of the list: stored descending, so that a fresh
             # allocator hands out 0, 1, 2, ... first.
             self._free = list(range(num_pages - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # count 0, coldest first
+        self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
         self._refcounts = [0] * num_pages
         self._lock = Lock() if thread_safe else nullcontext()
         self._num_allocated = 0
         self._num_failed = 0
-        self._fewest_free = num_pages  # low-water mark of the free list: num_pages - peak_used
+        self._num_evicted = 0
+        self._fewest_unused = num_pages  # low-water mark of free + cached: num_pages - peak
+        self.on_evict: Callable[[list[int]], None] | None = None
 
     @property
     def num_pages(self) -> int:
-        """Pages in the pool, free or not."""
+        """Pages in the pool."""
         return self._num_pages
 
     @property
     def num_free(self) -> int:
-        """Pages on the free list (reference count 0), reserved ones included."""
+        """Pages on the free list (count 0, not cached), reserved ones included."""
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages with count 0 whose content the prefix cache keeps (evictable)."""
+        return len(self._cached)
 
     @property
     def num_used(self) -> int:
         """Pages with a reference count above 0."""
-        return self._num_pages - len(self._free)
+        return self._num_pages - len(self._free) - len(self._cached)
 
     @property
     def reserve(self) -> int:
-        """Free pages only a critical allocation may take."""
+        """Free or cached pages only a critical allocation may take."""
         return self._reserve
 
     @property
@@ -116,139 +120,127 @@ class PageAllocator:
     def can_allocate(self, n: int, *, critical: bool = False) -> bool:
         """Whether `allocate(n, critical=critical)` would succeed now."""
         n = check_int("page count", n, 0)
-        return n <= len(self._free) - (0 if critical else self._reserve)
+        return n <= len(self._free) + len(self._cached) - (0 if critical else self._reserve)
 
     def allocate(self, n: int, *, critical: bool = False) -> list[int]:
-        """Take `n` free pages, each with reference count 1, and return their ids.
+        """Take `n` pages, each with reference count 1, and return their ids: free pages
+        first, then cached ones, least recently used first (given to `on_evict` first).
 
-        Raises OutOfPages, changing nothing, when fewer than `n` pages are free; only a
-        critical allocation may use the last `reserve` free pages.
+        Raises OutOfPages, changing nothing, when fewer than `n` pages are free or cached;
+        only a critical allocation may use the last `reserve` of them.
         """
-        if type(n) is not int or n <= 0:
-            n = check_int("page count", n, 0)
-            if n == 0:
-                return []
-        free = self._free
-        refcounts = self._refcounts
+        if check_int("page count", n, 0) == 0:
+            return []
         with self._lock:
-            left = len(free) - n  # free pages after this allocation
+            left = len(self._free) + len(self._cached) - n
             if left < self._reserve and (left < 0 or not critical):
                 self._num_failed += 1
                 raise OutOfPages(self._shortage(n, critical))
-            if self._first_fit:
-                ids = free.take(n)
-            else:
-                ids = free[-n:]
-                del free[-n:]
-                ids.reverse()  # top of the stack first
+            fresh = min(n, len(self._free))
+            ids = self._take_free(fresh)
+            if fresh < n:
+                ids += self._evict(n - fresh)
+            refcounts = self._refcounts
             for page in ids:
                 refcounts[page] = 1
             self._num_allocated += n
-            if left < self._fewest_free:
-                self._fewest_free = left
+            self._fewest_unused = min(self._fewest_unused, left)
         return ids
 
     def share(self, pages: Iterable[int]) -> None:
-        """Add one reference to each page (a page listed twice gains two).
+        """Add one reference to each page (a page listed twice gains two). A cached page
+        leaves the queue: it is held again (a prefix hit).
 
-        Every page must be allocated; otherwise raises InvalidPage (TypeError for an id that is
-        not an int), changing nothing.
+        Every page must be held or cached; otherwise raises InvalidPage (TypeError for an id
+        that is not an int), changing nothing.
         """
-        if type(pages) is not list:
-            pages = list(pages)
-        refcounts = self._refcounts
-        num_pages = self._num_pages
+        pages = list(pages)
+        refcounts, is_cached, cached = self._refcounts, self._is_cached, self._cached
         with self._lock:
             for page in pages:
-                if type(page) is not int or page < 0 or page >= num_pages:
-                    raise _bad_page(page, num_pages)
-                if not refcounts[page]:
-                    raise InvalidPage(f"cannot share page {page}: it is not allocated")
+                self._check_id(page)
+                if not (refcounts[page] or is_cached[page]):
+                    raise InvalidPage(f"cannot share page {page}: it is free")
             for page in pages:
+                if not refcounts[page]:
+                    del cached[page]
                 refcounts[page] += 1
 
     def free(self, pages: Iterable[int]) -> list[int]:
-        """Drop one reference to each page (a page listed twice loses two) and return the ids
-        that reached 0 and went back to the free list, in the order they reached 0.
+        """Drop one reference to each page (a page listed twice loses two). A page left with
+        none goes to the cached queue if the prefix cache indexes it (later pages of the
+        batch colder, as a page table's tail is worth least), else to the free list.
+        Returns the ids that went to the free list, in the order they reached 0.
 
         Raises InvalidPage for an id out of range or dropped below 0, TypeError for an id that
         is not an int; either way nothing changes.
         """
-        if type(pages) is not list:
-            pages = list(pages)
-        refcounts = self._refcounts
+        pages = list(pages)
+        refcounts, is_cached = self._refcounts, self._is_cached
         with self._lock:
-            # One pass that validates and decrements; a bad batch is undone before raising.
-            # (Validating in a pass of its own would cost as much as the decrements.)
-            held = False
-            try:
-                for page in pages:
-                    if type(page) is not int or page < 0:
-                        raise IndexError  # not a page id: handled like one past the end
-                    count = refcounts[page] - 1  # IndexError past the last page
-                    refcounts[page] = count
-                    if count:
-                        held = True  # still shared, or freed more often than it was held
-            except IndexError:
-                self._undo_free(pages, stop=page)
-                raise _bad_page(page, self._num_pages) from None
-            released = self._settle_free(pages) if held else pages[:]
-            self._free.extend(released)
-        return released
+            self._check_held(pages)
+            released = []
+            for page in pages:
+                refcounts[page] -= 1
+                if not refcounts[page]:
+                    released.append(page)
+            freed = [page for page in released if not is_cached[page]]
+            self._free.extend(freed)
+            if len(freed) < len(released):
+                self._cached.update((page, None) for page in reversed(released)
+                                    if is_cached[page])
+        return freed
 
-    def retain(self, pages: list[int]) -> int:
-        """`share` for a caller that owns its page ids (a KVCache's page tables): each page
-        allocated and listed once. Validates nothing, so it costs one step per page; a wrong
-        id corrupts the counts, which `check()` reports. Returns how many of the pages had
-        exactly one reference before."""
-        refcounts = self._refcounts
-        ones = 0
+    def mark_cached(self, pages: Iterable[int]) -> None:
+        """The prefix cache now indexes these held pages: when their counts reach 0 they
+        wait on the cached queue instead of the free list. Raises InvalidPage, changing
+        nothing, for a page nobody holds."""
+        pages = list(pages)
         with self._lock:
             for page in pages:
-                count = refcounts[page]
-                refcounts[page] = count + 1
-                if count == 1:
-                    ones += 1
-        return ones
-
-    def release(self, pages: list[int]) -> list[int]:
-        """`free` for a caller that owns its page ids and holds a reference on each, listed
-        once. Validates nothing (see `retain`). Returns the ids that reached 0 and went back
-        to the free list: `pages` itself when all did."""
-        refcounts = self._refcounts
-        with self._lock:
-            held = False
+                self._check_id(page)
+                if not self._refcounts[page]:
+                    raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
-                count = refcounts[page] - 1
-                refcounts[page] = count
-                if count:
-                    held = True
-            released = [page for page in pages if not refcounts[page]] if held else pages
-            self._free.extend(released)
-        return released
+                self._is_cached[page] = 1
+
+    def evict(self, n: int) -> list[int]:
+        """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
+        telling `on_evict` first; returns their ids."""
+        n = check_int("page count", n, 0)
+        with self._lock:
+            pages = self._evict(min(n, len(self._cached)))
+            self._free.extend(pages)
+        return pages
+
+    def cached_pages(self) -> list[int]:
+        """The cached pages, least recently used first."""
+        with self._lock:
+            return list(self._cached)
 
     def refcount(self, page: int) -> int:
-        """How many holders page `page` has; 0 means it is free."""
-        if type(page) is not int or page < 0 or page >= self._num_pages:
-            raise _bad_page(page, self._num_pages)
+        """How many holders page `page` has; 0 means it is free or cached."""
+        self._check_id(page)
         return self._refcounts[page]
 
+    def is_cached(self, page: int) -> bool:
+        """Whether the prefix cache indexes page `page` (held or not)."""
+        self._check_id(page)
+        return bool(self._is_cached[page])
+
     def stats(self) -> AllocatorStats:
-        """The counters as of now; `num_freed` counts pages that went back to the free list."""
+        """The counters as of now; `num_freed` counts pages whose holders all let go."""
         with self._lock:
-            num_free = len(self._free)
-            num_used = self._num_pages - num_free
-            # Pages become used only by allocate and free only by free, so the cumulative
+            unused = len(self._free) + len(self._cached)
+            num_used = self._num_pages - unused
+            # Pages become used only by allocate and unused only by free, so the cumulative
             # counts differ by exactly the pages in use.
             return AllocatorStats(
-                num_pages=self._num_pages,
-                num_free=num_free,
-                num_used=num_used,
-                peak_used=self._num_pages - self._fewest_free,
-                num_allocated=self._num_allocated,
-                num_freed=self._num_allocated - num_used,
-                num_failed=self._num_failed,
-            )
+                num_pages=self._num_pages, num_free=len(self._free), num_used=num_used,
+                peak_used=self._num_pages - self._fewest_unused,
+                num_allocated=self._num_allocated, num_freed=self._num_allocated - num_used,
+                num_failed=self._num_failed, num_cached=len(self._cached),
+                num_evicted=self._num_evicted)
 
     def fragmentation(self) -> float:
         """Fraction of free pages outside the longest run of consecutive free ids, 0.0 to 1.0.
@@ -257,11 +249,13 @@ class PageAllocator:
         serves any sequence, so this measures locality, not lost capacity. O(num_pages).
         """
         with self._lock:
-            num_free = len(self._free)
-            if num_free == 0:
+            if not self._free:
                 return 0.0
-            is_free = bytes(map(not_, self._refcounts))  # one byte per page, 1 if free
-        longest = max(map(len, is_free.split(b"\x00")))
+            is_free = bytearray(self._num_pages)  # one byte per page, 1 if free
+            for page in self._free:
+                is_free[page] = 1
+            num_free = len(self._free)
+        longest = max(map(len, bytes(is_free).split(b"\x00")))
         return 1.0 - longest / num_free
 
     def check(self) -> None:
@@ -272,71 +266,78 @@ class PageAllocator:
         if problems:
             raise AssertionError("PageAllocator invariants broken: " + "; ".join(problems))
 
+    def _take_free(self, n: int) -> list[int]:
+        """Remove and return `n` pages of the free list, in the policy's order."""
+        if isinstance(self._free, FirstFitFreeList):
+            return self._free.take(n)
+        ids = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        ids.reverse()  # top of the stack first
+        return ids
+
+    def _evict(self, n: int) -> list[int]:
+        """Take the `n` least recently used cached pages off the queue and the index."""
+        pages = [self._cached.popitem(last=False)[0] for _ in range(n)]
+        for page in pages:
+            self._is_cached[page] = 0
+        self._num_evicted += n
+        if pages and self.on_evict is not None:
+            self.on_evict(pages)
+        return pages
+
+    def _check_id(self, page: object) -> None:
+        if type(page) is not int:
+            raise TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
+        if not 0 <= page < self._num_pages:
+            raise InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
+
+    def _check_held(self, pages: list[int]) -> None:
+        """Raise unless every page is held at least as often as it is listed."""
+        refcounts = self._refcounts
+        for page in pages:
+            self._check_id(page)
+            if not refcounts[page]:
+                raise InvalidPage(f"cannot free page {page}: it is not allocated")
+        if len(set(pages)) < len(pages):
+            for page, times in Counter(pages).items():
+                if times > refcounts[page]:
+                    raise InvalidPage(f"cannot free page {page} {times} times: "
+                                      f"its reference count is {refcounts[page]}")
+
     def _problems(self) -> list[str]:
         """Every broken invariant, described (empty when all hold)."""
-        num_pages, refcounts = self._num_pages, self._refcounts
-        free = list(self._free)
-        problems = self._free.problems() if self._first_fit else []
-        bad_ids = [p for p in free if type(p) is not int or not 0 <= p < num_pages]
-        if bad_ids:
-            return [*problems, f"free list holds ids that are not pages: {bad_ids[:5]}"]
-        if len(set(free)) != len(free):
-            twice = sorted(p for p, times in Counter(free).items() if times > 1)
-            problems.append(f"pages on the free list twice: {twice[:5]}")
-        held_but_free = [p for p in free if refcounts[p]]
-        if held_but_free:
-            problems.append(f"pages on the free list with references: {held_but_free[:5]}")
+        refcounts = self._refcounts
+        free, cached = list(self._free), list(self._cached)
+        problems = self._free.problems() if isinstance(self._free, FirstFitFreeList) else []
+        unused = free + cached
+        if len(set(unused)) != len(unused):
+            twice = sorted(p for p, times in Counter(unused).items() if times > 1)
+            problems.append(f"pages on the free list or cached queue twice: {twice[:5]}")
+        held = [p for p in unused if refcounts[p]]
+        if held:
+            problems.append(f"free or cached pages with references: {held[:5]}")
+        wrong_free = [p for p in free if self._is_cached[p]]
+        wrong_cached = [p for p in cached if not self._is_cached[p]]
+        if wrong_free or wrong_cached:
+            problems.append(f"cached pages on the free list {wrong_free[:5]} or uncached ones "
+                            f"on the cached queue {wrong_cached[:5]}")
         if min(refcounts) < 0:
             negative = [p for p, count in enumerate(refcounts) if count < 0]
             problems.append(f"pages with negative reference counts: {negative[:5]}")
         num_unheld = refcounts.count(0)
-        if num_unheld != len(free):
-            problems.append(
-                f"{num_unheld} pages have no references but {len(free)} are on the free list"
-            )
-        num_used, peak_used = num_pages - len(free), num_pages - self._fewest_free
-        if not num_used <= peak_used <= min(num_pages, self._num_allocated):
+        if num_unheld != len(unused):
+            problems.append(f"{num_unheld} pages have no references but {len(free)} are free "
+                            f"and {len(cached)} cached")
+        num_used, peak_used = self._num_pages - len(unused), self._num_pages - self._fewest_unused
+        if not num_used <= peak_used <= min(self._num_pages, self._num_allocated):
             problems.append(
                 f"peak_used {peak_used} not between num_used {num_used} and "
-                f"min(num_pages, num_allocated) {min(num_pages, self._num_allocated)}"
-            )
+                f"min(num_pages, num_allocated) {min(self._num_pages, self._num_allocated)}")
         return problems
-
-    def _undo_free(self, pages: list[int], stop: object = None) -> None:
-        """Give back the references a failing free() took: those of the ids before the first
-        occurrence of `stop` (the bad id it stopped at), or of all `pages` if `stop` is None."""
-        refcounts = self._refcounts
-        for page in pages:
-            # `is`, not ==: the bad id fails at its first occurrence, and 1.0 == 1.
-            if page is stop:
-                return
-            refcounts[page] += 1
-
-    def _settle_free(self, pages: list[int]) -> list[int]:
-        """After free() decremented `pages`, some of them still held: return the released
-        ones, each once, or undo the batch and raise if a page went below 0."""
-        refcounts = self._refcounts
-        over = next((page for page in pages if refcounts[page] < 0), None)
-        if over is not None:
-            self._undo_free(pages)
-            times, held = pages.count(over), refcounts[over]
-            if held == 0:
-                raise InvalidPage(f"cannot free page {over}: it is not allocated")
-            raise InvalidPage(
-                f"cannot free page {over} {times} times: its reference count is {held}"
-            )
-        # A page listed twice reaches 0 at its last listing.
-        last_first = dict.fromkeys(page for page in reversed(pages) if not refcounts[page])
-        return list(reversed(last_first))
 
     def _shortage(self, n: int, critical: bool) -> str:
         """The OutOfPages message for a request of `n` pages."""
         usable = ", usable by this critical allocation" if critical else ""
-        return f"need {n} pages, {len(self._free)} free ({self._reserve} reserved{usable})"
-
-
-def _bad_page(page: object, num_pages: int) -> Exception:
-    """The error for something that is not a page id: TypeError, or InvalidPage if out of range."""
-    if type(page) is not int:
-        return TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
-    return InvalidPage(f"page {page} is out of range [0, {num_pages})")
+        cached = f" and {len(self._cached)} cached" if self._cached else ""
+        return (f"need {n} pages, {len(self._free)} free{cached} "
+                f"({self._reserve} reserved{usable})")

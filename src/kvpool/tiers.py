@@ -220,7 +220,7 @@ class HostTier(Tier):
         self.pin_memory = pin_memory
         self.buffer: torch.Tensor | None = None  # [capacity_pages, *page shape]
         self._slot_of: dict[int, int] = {}  # chain key -> slot in `buffer`
-        self._free_slots = list(range(capacity_pages - 1, -1, -1))  # pop() takes slot 0 first
+        self._free_slots: list[int] = []  # made when bound; pop() takes slot 0 first
 
     @property
     def nbytes(self) -> int:
@@ -234,7 +234,8 @@ class HostTier(Tier):
         super().check()
         assert set(self._slot_of) == set(self._keys), "slot index disagrees with the keys"
         used = sorted(self._slot_of.values())
-        assert sorted(used + self._free_slots) == list(range(self.capacity_pages)), (
+        slots = list(range(self.capacity_pages)) if self.buffer is not None else []
+        assert sorted(used + self._free_slots) == slots, (
             f"slots in use {used} and free {sorted(self._free_slots)} do not partition "
             f"[0, {self.capacity_pages})")
 
@@ -251,6 +252,7 @@ class HostTier(Tier):
         except (RuntimeError, MemoryError) as e:
             raise OutOfMemory(f"cannot allocate {nbytes:,} bytes for a HostTier of "
                               f"{self.capacity_pages:,} pages: {e}") from None
+        self._free_slots = list(range(self.capacity_pages - 1, -1, -1))
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
         slot = self._free_slots.pop()
