@@ -54,8 +54,8 @@ class PageAllocator:
     """
 
     __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_cached", "_is_cached",
-                 "_refcounts", "_lock", "_num_allocated", "_num_failed", "_num_evicted",
-                 "_fewest_unused", "on_evict")
+                 "_num_marked", "_refcounts", "_lock", "_num_allocated", "_num_failed",
+                 "_num_evicted", "_fewest_unused", "on_evict")
 
     def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
                  thread_safe: bool = True) -> None:
@@ -73,6 +73,7 @@ class PageAllocator:
             self._free = list(range(num_pages - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # count 0, coldest first
         self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
+        self._num_marked = 0  # pages whose _is_cached is 1
         self._refcounts = [0] * num_pages
         self._lock = Lock() if thread_safe else nullcontext()
         self._num_allocated = 0
@@ -155,15 +156,16 @@ class PageAllocator:
         that is not an int), changing nothing.
         """
         pages = list(pages)
-        refcounts, is_cached, cached = self._refcounts, self._is_cached, self._cached
+        refcounts = self._refcounts
         with self._lock:
+            self._check_ids(pages)
+            unheld = [page for page in pages if not refcounts[page]]
+            free = [page for page in unheld if not self._is_cached[page]]
+            if free:
+                raise InvalidPage(f"cannot share page {free[0]}: it is free")
+            for page in dict.fromkeys(unheld):
+                del self._cached[page]
             for page in pages:
-                self._check_id(page)
-                if not (refcounts[page] or is_cached[page]):
-                    raise InvalidPage(f"cannot share page {page}: it is free")
-            for page in pages:
-                if not refcounts[page]:
-                    del cached[page]
                 refcounts[page] += 1
 
     def free(self, pages: Iterable[int]) -> list[int]:
@@ -181,15 +183,16 @@ class PageAllocator:
             self._check_held(pages)
             released = []
             for page in pages:
-                refcounts[page] -= 1
-                if not refcounts[page]:
+                count = refcounts[page] - 1
+                refcounts[page] = count
+                if not count:
                     released.append(page)
-            freed = [page for page in released if not is_cached[page]]
-            self._free.extend(freed)
-            if len(freed) < len(released):
+            if self._num_marked and any(map(is_cached.__getitem__, released)):
                 self._cached.update((page, None) for page in reversed(released)
                                     if is_cached[page])
-        return freed
+                released = [page for page in released if not is_cached[page]]
+            self._free.extend(released)
+        return released
 
     def mark_cached(self, pages: Iterable[int]) -> None:
         """The prefix cache now indexes these held pages: when their counts reach 0 they
@@ -197,11 +200,12 @@ class PageAllocator:
         nothing, for a page nobody holds."""
         pages = list(pages)
         with self._lock:
+            self._check_ids(pages)
             for page in pages:
-                self._check_id(page)
                 if not self._refcounts[page]:
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
+                self._num_marked += not self._is_cached[page]
                 self._is_cached[page] = 1
 
     def evict(self, n: int) -> list[int]:
@@ -280,6 +284,7 @@ class PageAllocator:
         pages = [self._cached.popitem(last=False)[0] for _ in range(n)]
         for page in pages:
             self._is_cached[page] = 0
+        self._num_marked -= n
         self._num_evicted += n
         if pages and self.on_evict is not None:
             self.on_evict(pages)
@@ -291,13 +296,21 @@ class PageAllocator:
         if not 0 <= page < self._num_pages:
             raise InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
 
+    def _check_ids(self, pages: list[int]) -> None:
+        """Raise unless every item is a page id: TypeError or InvalidPage for the first that
+        is not. (Whole-list checks in C first; one by one only to name the culprit.)"""
+        if pages and (set(map(type, pages)) != {int} or min(pages) < 0
+                      or max(pages) >= self._num_pages):
+            for page in pages:
+                self._check_id(page)
+
     def _check_held(self, pages: list[int]) -> None:
         """Raise unless every page is held at least as often as it is listed."""
+        self._check_ids(pages)
         refcounts = self._refcounts
-        for page in pages:
-            self._check_id(page)
-            if not refcounts[page]:
-                raise InvalidPage(f"cannot free page {page}: it is not allocated")
+        if 0 in map(refcounts.__getitem__, pages):
+            page = next(page for page in pages if not refcounts[page])
+            raise InvalidPage(f"cannot free page {page}: it is not allocated")
         if len(set(pages)) < len(pages):
             for page, times in Counter(pages).items():
                 if times > refcounts[page]:
@@ -316,6 +329,9 @@ class PageAllocator:
         held = [p for p in unused if refcounts[p]]
         if held:
             problems.append(f"free or cached pages with references: {held[:5]}")
+        if self._num_marked != self._is_cached.count(1):
+            problems.append(f"{self._num_marked} pages counted as cached, "
+                            f"{self._is_cached.count(1)} marked")
         wrong_free = [p for p in free if self._is_cached[p]]
         wrong_cached = [p for p in cached if not self._is_cached[p]]
         if wrong_free or wrong_cached:

@@ -79,14 +79,12 @@ class PrefixCache:
             child = node.children.get(token_ids[start:start + page_bytes])
             if child is None:
                 break
-            end = start + len(child.tokens)
-            if end <= limit and token_ids[start:end] == child.tokens:
-                depth = len(child.pages)
-                pages += child.pages
+            end = min(start + len(child.tokens), limit)
+            if token_ids[start:end] == child.tokens[:end - start]:
+                depth = (end - start) // page_bytes
             else:
-                depth = _common_pages(token_ids, start, child.tokens, min(end, limit),
-                                      page_bytes)
-                pages += child.pages[:depth]
+                depth = _common_pages(token_ids, start, child.tokens, end, page_bytes)
+            pages += child.pages[:depth]
             node, start = child, start + depth * page_bytes
             if depth < len(child.pages):
                 break
