@@ -11,7 +11,8 @@ Every call checks before it acts: a call that raises has changed nothing.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,6 +44,78 @@ class AllocatorStats:
         return self.num_used / self.num_pages
 
 
+class _CachedQueue:
+    """Page ids in least-recently-used order: a doubly linked list threaded through two
+    int32 arrays indexed by page id (4 bytes a page each, no object per entry), whose
+    sentinel is the index past the last page. O(1) per page to add, remove or pop."""
+
+    __slots__ = ("_next", "_prev", "_size")
+
+    def __init__(self, num_pages: int) -> None:
+        self._next = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the coldest
+        self._prev = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the warmest
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self):
+        """The pages, coldest first."""
+        nxt, page = self._next, self._next[-1]
+        for _ in range(self._size):
+            yield page
+            page = nxt[page]
+
+    def push_warm(self, pages: list[int]) -> None:
+        """Add pages (not queued) at the warm end, in order: the last is the warmest."""
+        nxt, prv = self._next, self._prev
+        sentinel = len(nxt) - 1
+        for page in pages:
+            last = prv[sentinel]
+            nxt[last] = page
+            prv[page] = last
+            nxt[page] = sentinel
+            prv[sentinel] = page
+        self._size += len(pages)
+
+    def remove(self, pages: Iterable[int]) -> None:
+        """Take queued pages (each once) out of the queue."""
+        nxt, prv = self._next, self._prev
+        for page in pages:
+            before, after = prv[page], nxt[page]
+            nxt[before] = after
+            prv[after] = before
+            self._size -= 1
+
+    def pop_cold(self, n: int) -> list[int]:
+        """Remove and return the `n` coldest pages, coldest first; needs `n <= len(self)`."""
+        nxt, prv = self._next, self._prev
+        sentinel = len(nxt) - 1
+        pages = []
+        page = nxt[sentinel]
+        for _ in range(n):
+            pages.append(page)
+            page = nxt[page]
+        nxt[sentinel] = page
+        prv[page] = sentinel
+        self._size -= n
+        return pages
+
+    def problems(self) -> list[str]:
+        """Broken links, described: the list must run from the sentinel through `len(self)`
+        pages back to the sentinel, each page's `prev` naming the page before it."""
+        nxt, prv = self._next, self._prev
+        sentinel = len(nxt) - 1
+        page, before = nxt[sentinel], sentinel
+        for _ in range(self._size):
+            if page == sentinel or prv[page] != before:
+                return [f"the cached queue's links break at page {page}"]
+            page, before = nxt[page], page
+        if page != sentinel or prv[sentinel] != before:
+            return [f"the cached queue holds more than its {self._size} pages"]
+        return []
+
+
 class PageAllocator:
     """Hands out page ids in `[0, num_pages)` and keeps a reference count per page.
 
@@ -71,7 +144,7 @@ class PageAllocator:
             # A stack whose top is the end of the list: stored descending, so that a fresh
             # allocator hands out 0, 1, 2, ... first.
             self._free = list(range(num_pages - 1, -1, -1))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # count 0, coldest first
+        self._cached = _CachedQueue(num_pages)
         self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
         self._num_marked = 0  # pages whose _is_cached is 1
         self._refcounts = [0] * num_pages
@@ -130,22 +203,31 @@ class PageAllocator:
         Raises OutOfPages, changing nothing, when fewer than `n` pages are free or cached;
         only a critical allocation may use the last `reserve` of them.
         """
-        if check_int("page count", n, 0) == 0:
-            return []
+        if type(n) is not int or n <= 0:
+            n = check_int("page count", n, 0)
+            if n == 0:
+                return []
+        free = self._free
         with self._lock:
-            left = len(self._free) + len(self._cached) - n
+            left = len(free) + len(self._cached) - n
             if left < self._reserve and (left < 0 or not critical):
                 self._num_failed += 1
                 raise OutOfPages(self._shortage(n, critical))
-            fresh = min(n, len(self._free))
-            ids = self._take_free(fresh)
+            fresh = n if n <= len(free) else len(free)
+            if isinstance(free, FirstFitFreeList):
+                ids = free.take(fresh)
+            else:
+                ids = free[len(free) - fresh:]
+                del free[len(free) - fresh:]
+                ids.reverse()  # top of the stack first
             if fresh < n:
                 ids += self._evict(n - fresh)
             refcounts = self._refcounts
             for page in ids:
                 refcounts[page] = 1
             self._num_allocated += n
-            self._fewest_unused = min(self._fewest_unused, left)
+            if left < self._fewest_unused:
+                self._fewest_unused = left
         return ids
 
     def share(self, pages: Iterable[int]) -> None:
@@ -156,15 +238,18 @@ class PageAllocator:
         that is not an int), changing nothing.
         """
         pages = list(pages)
-        refcounts = self._refcounts
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         with self._lock:
-            self._check_ids(pages)
-            unheld = [page for page in pages if not refcounts[page]]
-            free = [page for page in unheld if not self._is_cached[page]]
-            if free:
-                raise InvalidPage(f"cannot share page {free[0]}: it is free")
-            for page in dict.fromkeys(unheld):
-                del self._cached[page]
+            revived = []
+            for page in pages:
+                if type(page) is not int or not 0 <= page < num_pages:
+                    raise self._bad_id(page)
+                if not refcounts[page]:
+                    if not is_cached[page]:
+                        raise InvalidPage(f"cannot share page {page}: it is free")
+                    revived.append(page)
+            if revived:
+                self._cached.remove(dict.fromkeys(revived))
             for page in pages:
                 refcounts[page] += 1
 
@@ -178,9 +263,13 @@ class PageAllocator:
         is not an int; either way nothing changes.
         """
         pages = list(pages)
-        refcounts, is_cached = self._refcounts, self._is_cached
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         with self._lock:
-            self._check_held(pages)
+            for page in pages:
+                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                    raise self._not_held(page)
+            if len(set(pages)) < len(pages):
+                self._check_repeats(pages)
             released = []
             for page in pages:
                 count = refcounts[page] - 1
@@ -188,8 +277,7 @@ class PageAllocator:
                 if not count:
                     released.append(page)
             if self._num_marked and any(map(is_cached.__getitem__, released)):
-                self._cached.update((page, None) for page in reversed(released)
-                                    if is_cached[page])
+                self._cached.push_warm([page for page in reversed(released) if is_cached[page]])
                 released = [page for page in released if not is_cached[page]]
             self._free.extend(released)
         return released
@@ -200,8 +288,8 @@ class PageAllocator:
         nothing, for a page nobody holds."""
         pages = list(pages)
         with self._lock:
-            self._check_ids(pages)
             for page in pages:
+                self._check_id(page)
                 if not self._refcounts[page]:
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
@@ -270,18 +358,9 @@ class PageAllocator:
         if problems:
             raise AssertionError("PageAllocator invariants broken: " + "; ".join(problems))
 
-    def _take_free(self, n: int) -> list[int]:
-        """Remove and return `n` pages of the free list, in the policy's order."""
-        if isinstance(self._free, FirstFitFreeList):
-            return self._free.take(n)
-        ids = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        ids.reverse()  # top of the stack first
-        return ids
-
     def _evict(self, n: int) -> list[int]:
         """Take the `n` least recently used cached pages off the queue and the index."""
-        pages = [self._cached.popitem(last=False)[0] for _ in range(n)]
+        pages = self._cached.pop_cold(n)
         for page in pages:
             self._is_cached[page] = 0
         self._num_marked -= n
@@ -291,37 +370,34 @@ class PageAllocator:
         return pages
 
     def _check_id(self, page: object) -> None:
+        if type(page) is not int or not 0 <= page < self._num_pages:
+            raise self._bad_id(page)
+
+    def _bad_id(self, page: object) -> Exception:
+        """The error for something that is not a page id."""
         if type(page) is not int:
-            raise TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
-        if not 0 <= page < self._num_pages:
-            raise InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
+            return TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
+        return InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
 
-    def _check_ids(self, pages: list[int]) -> None:
-        """Raise unless every item is a page id: TypeError or InvalidPage for the first that
-        is not. (Whole-list checks in C first; one by one only to name the culprit.)"""
-        if pages and (set(map(type, pages)) != {int} or min(pages) < 0
-                      or max(pages) >= self._num_pages):
-            for page in pages:
-                self._check_id(page)
+    def _not_held(self, page: object) -> Exception:
+        """The error for freeing `page`, which is not a held page id."""
+        if type(page) is not int or not 0 <= page < self._num_pages:
+            return self._bad_id(page)
+        return InvalidPage(f"cannot free page {page}: it is not allocated")
 
-    def _check_held(self, pages: list[int]) -> None:
-        """Raise unless every page is held at least as often as it is listed."""
-        self._check_ids(pages)
-        refcounts = self._refcounts
-        if 0 in map(refcounts.__getitem__, pages):
-            page = next(page for page in pages if not refcounts[page])
-            raise InvalidPage(f"cannot free page {page}: it is not allocated")
-        if len(set(pages)) < len(pages):
-            for page, times in Counter(pages).items():
-                if times > refcounts[page]:
-                    raise InvalidPage(f"cannot free page {page} {times} times: "
-                                      f"its reference count is {refcounts[page]}")
+    def _check_repeats(self, pages: list[int]) -> None:
+        """Raise unless every page listed more than once is held that often."""
+        for page, times in Counter(pages).items():
+            if times > self._refcounts[page]:
+                raise InvalidPage(f"cannot free page {page} {times} times: "
+                                  f"its reference count is {self._refcounts[page]}")
 
     def _problems(self) -> list[str]:
         """Every broken invariant, described (empty when all hold)."""
         refcounts = self._refcounts
         free, cached = list(self._free), list(self._cached)
         problems = self._free.problems() if isinstance(self._free, FirstFitFreeList) else []
+        problems += self._cached.problems()
         unused = free + cached
         if len(set(unused)) != len(unused):
             twice = sorted(p for p, times in Counter(unused).items() if times > 1)
