@@ -127,7 +127,7 @@ class PageAllocator:
     """
 
     __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_cached", "_is_cached",
-                 "_num_marked", "_refcounts", "_lock", "_num_allocated", "_num_failed",
+                 "_refcounts", "_lock", "_num_allocated", "_num_failed",
                  "_num_evicted", "_fewest_unused", "on_evict")
 
     def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
@@ -146,7 +146,6 @@ class PageAllocator:
             self._free = list(range(num_pages - 1, -1, -1))
         self._cached = _CachedQueue(num_pages)
         self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
-        self._num_marked = 0  # pages whose _is_cached is 1
         self._refcounts = [0] * num_pages
         self._lock = Lock() if thread_safe else nullcontext()
         self._num_allocated = 0
@@ -270,15 +269,15 @@ class PageAllocator:
                     raise self._not_held(page)
             if len(set(pages)) < len(pages):
                 self._check_repeats(pages)
-            released = []
+            released, cached = [], []
             for page in pages:
                 count = refcounts[page] - 1
                 refcounts[page] = count
                 if not count:
-                    released.append(page)
-            if self._num_marked and any(map(is_cached.__getitem__, released)):
-                self._cached.push_warm([page for page in reversed(released) if is_cached[page]])
-                released = [page for page in released if not is_cached[page]]
+                    (cached if is_cached[page] else released).append(page)
+            if cached:
+                cached.reverse()
+                self._cached.push_warm(cached)
             self._free.extend(released)
         return released
 
@@ -293,7 +292,6 @@ class PageAllocator:
                 if not self._refcounts[page]:
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
-                self._num_marked += not self._is_cached[page]
                 self._is_cached[page] = 1
 
     def evict(self, n: int) -> list[int]:
@@ -363,7 +361,6 @@ class PageAllocator:
         pages = self._cached.pop_cold(n)
         for page in pages:
             self._is_cached[page] = 0
-        self._num_marked -= n
         self._num_evicted += n
         if pages and self.on_evict is not None:
             self.on_evict(pages)
@@ -405,9 +402,6 @@ class PageAllocator:
         held = [p for p in unused if refcounts[p]]
         if held:
             problems.append(f"free or cached pages with references: {held[:5]}")
-        if self._num_marked != self._is_cached.count(1):
-            problems.append(f"{self._num_marked} pages counted as cached, "
-                            f"{self._is_cached.count(1)} marked")
         wrong_free = [p for p in free if self._is_cached[p]]
         wrong_cached = [p for p in cached if not self._is_cached[p]]
         if wrong_free or wrong_cached:
