@@ -125,15 +125,15 @@ class KVCache:
         loaded = self._fetch_from_tier(ids, n, match)
         self.allocator.share(match.pages)
         pages = match.pages + self.allocator.allocate(need)
-        hit = len(match.pages) + len(loaded)
+        hit_pages = len(match.pages) + len(loaded)
         if loaded:
             self._load_from_tier(ids, pages, len(match.pages), loaded)
         if ids is not None and self.prefix_cache is not None:
             self._prefix_query_tokens += n
-            self._prefix_hit_tokens += hit * self.page_size
+            self._prefix_hit_tokens += hit_pages * self.page_size
         self._seqs[seq_id] = _SequenceState(pages, n, None if ids is None else bytearray(ids),
-                                            hit)
-        return hit * self.page_size
+                                            hit_pages)
+        return hit_pages * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]:
@@ -340,11 +340,12 @@ class KVCache:
         `get` touches the tier, and only once the call is known to succeed."""
         if self.tier is None or token_ids is None or n == 0:
             return []
-        pb = self._page_bytes
+        page_bytes = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
         for i in range(len(match.pages), (n - 1) // self.page_size):
-            key = PageKey.of(parent_key, unpack_tokens(token_ids[i * pb:(i + 1) * pb]))
+            page_ids = unpack_tokens(token_ids[i * page_bytes:(i + 1) * page_bytes])
+            key = PageKey.of(parent_key, page_ids)
             data = self.tier.get(key)
             if data is None:
                 break
