@@ -180,7 +180,7 @@ class KVCache:
         if seq.token_ids is None or full <= seq.num_cached:
             return
         seq.num_cached = self._index.insert(bytes(seq.token_ids[:full * self._page_bytes]),
-                                            seq.pages[:full])
+                                            seq.pages[:full], seq.num_cached)
         if seq.num_cached < full:
             seq.token_ids = None
 

@@ -90,18 +90,21 @@ class PrefixCache:
                 break
         return PrefixMatch(pages, node, depth)
 
-    def insert(self, token_ids: bytes, pages: list[int]) -> int:
+    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Add the full pages `pages` of a live sequence (whose packed ids are `token_ids`)
-        past the longest prefix of them the tree holds already. Returns how many of its first
-        pages are in the tree now: all, unless the tree holds the content of one of them in
-        another page (an identical prompt computed at the same time); the sequence keeps its
-        copies from there on uncached."""
+        past the longest prefix of them the tree holds already; the caller knows the first
+        `num_cached` of them to be there. Returns how many of its first pages are in the tree
+        now: all, unless the tree holds the content of one of them in another page (an
+        identical prompt computed at the same time); the sequence keeps its copies from there
+        on uncached."""
         page_bytes = self._page_bytes
         path = self.match(token_ids, len(pages))
         num_held = len(path.pages)
         if path.pages != pages[:num_held]:
-            return next(i for i, (own, cached) in enumerate(zip(pages, path.pages, strict=False))
-                        if own != cached)
+            same = num_cached
+            while pages[same] == path.pages[same]:
+                same += 1
+            return same
         node, depth = path.node, path.depth
         if num_held == len(pages):
             return num_held
@@ -262,7 +265,7 @@ class NoPrefixCache:
         """The empty match."""
         return PrefixMatch([], self.root, 0)
 
-    def insert(self, token_ids: bytes, pages: list[int]) -> int:
+    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Keeps nothing: none of the sequence's pages is in the cache."""
         return 0
 
