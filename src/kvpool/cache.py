@@ -123,7 +123,8 @@ class KVCache:
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
         self._check_room(need, match.pages)
         loaded = self._fetch_from_tier(ids, n, match)
-        self.allocator.share(match.pages)
+        if match.pages:
+            self.allocator.share(match.pages)
         pages = match.pages + self.allocator.allocate(need)
         hit_pages = len(match.pages) + len(loaded)
         if loaded:
