@@ -24,7 +24,7 @@ import torch
 
 from kvpool.cache import KVCache
 from kvpool.layout import KVLayout
-from kvpool.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, Tier
+from kvpool.tiers import DiskTier, HostTier, Tier, page_namespace
 
 LAYOUT = KVLayout(num_layers=22, num_kv_heads=4, head_dim=64, dtype=torch.float16,
                   page_size=16)
@@ -92,15 +92,13 @@ def timed(run: Run, tier: Tier) -> None:
 
 
 def primed_host_tier() -> HostTier:
-    """A HostTier whose store (allocated and zeroed by its first put, once) already exists,
+    """A HostTier whose store (allocated and zeroed when it is bound, once) already exists,
     so the timed run measures steady-state puts; prints what the allocation took."""
     tier = HostTier(TIER_PAGES)
-    page = torch.zeros(LAYOUT.num_layers, 2, LAYOUT.page_size, LAYOUT.num_kv_heads,
-                       LAYOUT.head_dim, dtype=LAYOUT.dtype)
     t0 = time.perf_counter()
-    tier.put(PageKey.of(ROOT_KEY, [-1] * LAYOUT.page_size), page)
+    tier.bind(page_namespace(LAYOUT), (LAYOUT.num_layers, 2, LAYOUT.page_size,
+                                       LAYOUT.num_kv_heads, LAYOUT.head_dim), LAYOUT.dtype)
     seconds = time.perf_counter() - t0
-    tier.clear()
     print(f"HostTier store: {tier.nbytes / 2**20:.0f} MiB allocated once in {seconds * 1e3:.0f} ms")
     return tier
 

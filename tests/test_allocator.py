@@ -297,7 +297,7 @@ def test_share_of_a_free_page_raises_and_changes_nothing():
     allocator = PageAllocator(4)
     allocator.allocate(2)
     before = state(allocator)
-    with pytest.raises(InvalidPage, match="cannot share page 3: it is not allocated"):
+    with pytest.raises(InvalidPage, match="cannot share page 3: it is free"):
         allocator.share([0, 3])
     assert state(allocator) == before
 
@@ -348,8 +348,9 @@ def test_bad_page_counts_raise_and_change_nothing(method, n, error, message):
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
-    [({"num_pages": 0}, ValueError, "num_pages must be >= 1, got 0"),
-     ({"num_pages": -5}, ValueError, "num_pages must be >= 1, got -5"),
+    [({"num_pages": 0}, ValueError, r"num_pages must be in \[1, 2147483647\], got 0"),
+     ({"num_pages": -5}, ValueError, r"num_pages must be in \[1, 2147483647\], got -5"),
+     ({"num_pages": 2**70}, ValueError, r"num_pages must be in \[1, 2147483647\], got 1180"),
      ({"num_pages": 4.0}, TypeError, "num_pages must be an int, got float"),
      ({"num_pages": True}, TypeError, "num_pages must be an int, got bool"),
      ({"num_pages": 4, "policy": "fifo"}, ValueError, "policy must be one of .*'fifo'"),
@@ -453,7 +454,7 @@ def test_check_passes_after_ordinary_use(policy):
 def test_check_names_a_free_page_that_has_references():
     allocator = PageAllocator(4)
     allocator._refcounts[2] = 1
-    with pytest.raises(AssertionError, match=r"pages on the free list with references: \[2\]"):
+    with pytest.raises(AssertionError, match=r"free or cached pages with references: \[2\]"):
         allocator.check()
 
 
@@ -461,14 +462,14 @@ def test_check_names_a_page_on_the_free_list_twice():
     allocator = PageAllocator(4)
     allocator.allocate(1)
     allocator._free.append(3)
-    with pytest.raises(AssertionError, match=r"pages on the free list twice: \[3\]"):
+    with pytest.raises(AssertionError, match=r"on the free list or cached queue twice: \[3\]"):
         allocator.check()
 
 
 def test_check_names_a_free_page_missing_from_the_free_list():
     allocator = PageAllocator(4)
     allocator._free.remove(1)
-    with pytest.raises(AssertionError, match="4 pages have no references but 3 are on the free"):
+    with pytest.raises(AssertionError, match="4 pages have no references but 3 are free"):
         allocator.check()
 
 
@@ -497,3 +498,75 @@ def test_allocator_without_a_lock_behaves_the_same():
     assert allocator.free([0, 1]) == [0]
     assert allocator.stats().peak_used == 3
     allocator.check()
+
+
+# ---- cached pages: count 0, content kept, taken only when no free page is left -----------
+
+def cached_allocator(num_pages=6):
+    """Pages 0-2 held, cached, then let go (0 the warmest); pages 3-5 free."""
+    allocator = PageAllocator(num_pages)
+    pages = allocator.allocate(3)
+    allocator.mark_cached(pages)
+    assert allocator.free(pages) == []  # none went to the free list
+    return allocator
+
+
+def test_pages_let_go_while_cached_wait_on_the_queue_tail_first():
+    allocator = cached_allocator()
+    assert allocator.cached_pages() == [2, 1, 0]
+    assert (allocator.num_free, allocator.num_cached, allocator.num_used) == (3, 3, 0)
+    assert [allocator.refcount(p) for p in range(3)] == [0, 0, 0]
+    allocator.check()
+
+
+def test_allocation_takes_free_pages_first_then_the_coldest_cached_ones():
+    allocator = cached_allocator()
+    evicted = []
+    allocator.on_evict = evicted.append
+    assert allocator.allocate(4) == [3, 4, 5, 2]
+    assert evicted == [[2]]
+    assert not allocator.is_cached(2) and allocator.cached_pages() == [1, 0]
+    assert allocator.stats().num_evicted == 1
+    allocator.check()
+
+
+def test_sharing_a_cached_page_takes_it_off_the_queue():
+    allocator = cached_allocator()
+    allocator.share([1])
+    assert allocator.cached_pages() == [2, 0] and allocator.refcount(1) == 1
+    allocator.free([1])
+    assert allocator.cached_pages() == [2, 0, 1]  # the most recently used now
+    allocator.check()
+
+
+def test_evict_moves_the_coldest_cached_pages_to_the_free_list():
+    allocator = cached_allocator()
+    assert allocator.evict(2) == [2, 1]
+    assert allocator.evict(5) == [0]
+    assert (allocator.num_free, allocator.num_cached) == (6, 0)
+    allocator.check()
+
+
+def test_the_reserve_counts_cached_pages_as_available():
+    allocator = PageAllocator(4, reserve=1)
+    pages = allocator.allocate(3)
+    allocator.mark_cached(pages)
+    allocator.free(pages)
+    assert allocator.can_allocate(3) and not allocator.can_allocate(4)
+    assert allocator.allocate(4, critical=True) == [3, 2, 1, 0]
+
+
+def test_marking_a_page_nobody_holds_cached_raises_and_changes_nothing():
+    allocator = PageAllocator(4)
+    allocator.allocate(1)
+    with pytest.raises(InvalidPage, match="cannot cache page 1: nobody holds it"):
+        allocator.mark_cached([0, 1])
+    assert not allocator.is_cached(0)
+    allocator.check()
+
+
+def test_out_of_pages_counts_cached_pages_in_its_message():
+    allocator = cached_allocator(3)
+    with pytest.raises(OutOfPages, match=r"need 4 pages, 0 free and 3 cached \(0 reserved\)"):
+        allocator.allocate(4)
+    assert allocator.cached_pages() == [2, 1, 0]

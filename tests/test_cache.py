@@ -13,6 +13,7 @@ from kvpool.errors import (
     UnknownSequence,
 )
 from kvpool.layout import KVLayout
+from kvpool.tokens import pack_tokens
 
 PS = 4
 
@@ -247,9 +248,9 @@ def test_reserve_is_kept_back():
 
 def test_bad_counts_are_rejected():
     cache = make_cache()
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         cache.add_sequence("a", num_tokens=-1)
-    with pytest.raises(ValueError, match="non-negative int"):
+    with pytest.raises(TypeError, match="num_tokens must be an int, got bool True"):
         cache.add_sequence("a", num_tokens=True)
     with pytest.raises(ValueError, match="disagrees"):
         cache.add_sequence("a", [1, 2], num_tokens=3)
@@ -273,6 +274,45 @@ def test_bad_token_ids_name_the_position_and_change_nothing():
         cache.pages_to_add([None])
     assert_unchanged(before, cache)
     assert cache.num_tokens("a") == 6 and cache.sequences() == ["a"]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(("token_ids", "error", "message"), [
+    ("abcd", TypeError, "token_ids must be a sequence of ints, got str"),
+    ({1, 2}, TypeError, "token_ids must be a sequence of ints, got set"),
+    ({1: 2}, TypeError, "token_ids must be a sequence of ints, got dict"),
+    ([1, None], TypeError, "token id 1 is NoneType None, expected an int"),
+    ([0.5], TypeError, "token id 0 is float 0.5, expected an int"),
+    (torch.tensor([1.0, 2.0]), TypeError, "token id 0 is float 1.0, expected an int"),
+    ([2**31], ValueError, "token id 0 is 2147483648, outside int32"),
+])
+def test_token_ids_are_checked_with_or_without_prefix_caching(prefix_caching, token_ids, error,
+                                                              message):
+    cache = make_cache(prefix_caching=prefix_caching)
+    cache.add_sequence("a", prompt(2))
+    before = snapshot(cache)
+    with pytest.raises(error, match=message):
+        cache.add_sequence("b", token_ids)
+    with pytest.raises(error, match=message):
+        cache.append("a", token_ids=token_ids)
+    assert_unchanged(before, cache)
+    assert cache.sequences() == ["a"] and cache.num_tokens("a") == 2
+
+
+def test_appending_zero_tokens_changes_nothing_and_keeps_caching():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", prompt(6))
+    assert cache.append("a", 0) == []
+    cache.append("a", token_ids=prompt(3, 6))
+    cache.commit("a")
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", prompt(9)) == 8
+
+
+def test_a_pool_past_int32_page_ids_is_refused_naming_the_limit():
+    with pytest.raises(ValueError, match=r"num_pages must be in \[1, 2147483647\], "
+                                         r"got 10000000000000"):
+        make_cache(10**13)
 
 
 def test_token_ids_may_be_any_sequence_of_integers():
@@ -356,23 +396,25 @@ def test_freed_sequence_leaves_its_committed_pages_cached():
     cache.free_sequence("a")
     s = cache.stats()
     assert (s.num_free_pages, s.num_cached_pages, s.num_used_pages) == (6, 2, 0)
-    assert cache.allocator.refcount(0) == 1
+    assert [cache.allocator.refcount(p) for p in (0, 1)] == [0, 0]  # no sequence holds them
+    assert cache.allocator.cached_pages() == [1, 0]  # the tail is the least worth keeping
     cache.check()
 
 
-def test_same_content_committed_twice_keeps_one_copy():
+def test_same_content_computed_twice_at_once_is_cached_once():
     cache = make_cache(prefix_caching=True)
     cache.add_sequence("a", prompt(9))
     cache.add_sequence("b", prompt(9) + [7, 7, 7])
-    fill(cache, "a", value=10)
-    fill(cache, "b", value=10)
     cache.commit("a")
     cache.commit("b")
-    # b switches to a's cached copies of the two shared pages; its own go back at once
-    assert cache.pages("b") == [0, 1, 5]
-    assert cache.allocator.num_free == 8 - 4
-    assert cache.prefix_cache.num_pages == 3  # and b's third page hangs below a's second
-    assert read(cache, "b")[:8] == read(cache, "a")[:8]
+    # the tree holds a's copies; b keeps its own pages, uncached, to its end
+    assert cache.pages("b") == [3, 4, 5]
+    assert cache.prefix_cache.num_pages == 2
+    cache.append("b", token_ids=[8, 8, 8, 8])
+    cache.commit("b")
+    assert cache.prefix_cache.num_pages == 2
+    cache.free_sequence("b")
+    assert cache.stats().num_cached_pages == 0  # b's pages went back to the free list
     cache.check()
 
 
@@ -400,8 +442,8 @@ def test_eviction_runs_when_pages_run_out_least_recently_used_first():
     # one free page and two evicted: b's pages, the least recently used, leaf first
     assert sorted(cache.pages("c")) == [2, 3, 4]
     assert cache.stats().num_evicted_pages == 2
-    assert len(cache.prefix_cache.match(prompt(8, 0), 2).pages) == 2
-    assert cache.prefix_cache.match(prompt(8, 100), 2).pages == []
+    assert len(cache.prefix_cache.match(pack_tokens(prompt(8, 0)), 2).pages) == 2
+    assert cache.prefix_cache.match(pack_tokens(prompt(8, 100)), 2).pages == []
     cache.check()
 
 
@@ -427,8 +469,8 @@ def test_eviction_skips_cached_pages_a_live_sequence_holds():
         cache.free_sequence(sid)
     assert cache.add_sequence("c", prompt(5, 0)) == 4  # holds a's page, the oldest
     cache.add_sequence("d", num_tokens=8)  # one free page + one evicted: b's
-    assert len(cache.prefix_cache.match(prompt(5, 0), 1).pages) == 1
-    assert cache.prefix_cache.match(prompt(5, 100), 1).pages == []
+    assert len(cache.prefix_cache.match(pack_tokens(prompt(5, 0)), 1).pages) == 1
+    assert cache.prefix_cache.match(pack_tokens(prompt(5, 100)), 1).pages == []
     cache.check()
 
 
@@ -472,7 +514,7 @@ def test_clear_drops_every_evictable_page():
 
 # ---- runs of pages in one node -----------------------------------------------------------
 
-def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_splits_it():
+def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_refreshes_only_its_pages():
     cache = make_cache(num_pages=12, prefix_caching=True)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
@@ -480,7 +522,7 @@ def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_splits_it():
     assert (pc.num_nodes, pc.num_pages) == (1, 4)
     cache.free_sequence("a")
     assert cache.add_sequence("b", prompt(9)) == 8  # two of the node's four pages
-    assert pc.num_nodes == 2  # split where the hit ends
+    assert pc.num_nodes == 1
     cache.check()
     # The unused half was not refreshed by the hit: it goes first, from its end.
     assert pc.evict(1) == [3]
@@ -505,12 +547,14 @@ def test_commits_of_a_growing_sequence_extend_its_own_node():
 def test_prompts_that_part_inside_a_node_share_its_head():
     cache = make_cache(num_pages=12, prefix_caching=True)
     cache.add_sequence("a", prompt(16))
-    cache.add_sequence("b", prompt(8) + prompt(8, 100))  # pages 4-7: nothing to match yet
     cache.commit("a")
-    cache.commit("b")  # its copies of a's first two pages are dropped for a's
-    assert cache.pages("b") == [0, 1, 6, 7]
-    assert cache.prefix_cache.num_nodes == 3  # [0, 1] -> [2, 3] and [6, 7]
-    assert cache.allocator.num_free == 6
+    cache.free_sequence("a")
+    assert cache.add_sequence("b", prompt(8) + prompt(9, 100)) == 8
+    cache.commit("b")
+    assert cache.pages("b") == [0, 1, 4, 5, 6]
+    assert cache.prefix_cache.num_nodes == 3  # [0, 1] -> [2, 3] and [4, 5]
+    cache.free_sequence("b")
+    assert cache.allocator.cached_pages() == [3, 2, 5, 4, 1, 0]
     cache.check()
 
 
@@ -527,19 +571,15 @@ def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_bot
     cache.check()
 
 
-def test_a_copy_a_fork_shares_is_not_switched_so_eviction_reaches_every_cached_page():
+def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path():
     cache = make_cache(prefix_caching=True)
-    cache.add_sequence("a", [0] * 8)
-    cache.fork("a", "b")  # b shares a's two pages before either is committed
-    cache.add_sequence("c", [0] * 5)
-    cache.commit("c")  # caches page 2, holding [0, 0, 0, 0]
-    cache.free_sequence("c")
-    cache.commit("a")  # a's page 0 has the same tokens, but b shares it: caching stops
-    assert cache.pages("a") == [0, 1] and cache.stats().num_cached_pages == 1
-    cache.free_sequence("a")
-    assert cache.prefix_cache.clear() == [2]
-    cache.free_sequence("b")
-    assert cache.allocator.num_free == 8
+    cache.add_sequence("a", prompt(9))
+    cache.fork("a", "b")
+    cache.commit("a")
+    cache.append("b", token_ids=prompt(4, 9))
+    cache.commit("b")  # b's first two pages are the tree's: its third goes below them
+    assert cache.prefix_cache.num_pages == 3
+    assert cache.prefix_cache.num_nodes == 1
     cache.check()
 
 

@@ -20,12 +20,13 @@ from hypothesis.stateful import (
 )
 
 from kvpool.cache import KVCache
-from kvpool.errors import OutOfPages
+from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.layout import KVLayout
 from kvpool.tiers import HostTier
 
 PAGE_SIZE = 4
 NUM_PAGES = 16
+MAX_TOKENS = 40  # per sequence: appends past it must fail and change nothing
 TIER_PAGES = 6
 VOCAB = 3
 # Prompts start from a few shared bases so that prefix hits, shared pages and evictions
@@ -44,7 +45,8 @@ class CacheMachine(RuleBasedStateMachine):
                           page_size=PAGE_SIZE)
         self.tier = HostTier(TIER_PAGES) if tier else None
         self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
-                             prefix_caching=prefix_caching, tier=self.tier)
+                             prefix_caching=prefix_caching, tier=self.tier,
+                             max_tokens_per_seq=MAX_TOKENS)
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}  # content prefix -> unique value
         self.next_seq = 0
@@ -74,15 +76,26 @@ class CacheMachine(RuleBasedStateMachine):
         )
 
     def attempt(self, call):
-        """Run `call`; if it raises OutOfPages, assert that nothing changed."""
+        """Run `call`; if it raises (any error kvpool raises on purpose, or a bad argument's
+        TypeError or ValueError), assert that nothing changed."""
         before = self.snapshot()
         try:
             return call(), True
-        except OutOfPages:
-            after = self.snapshot()
-            assert before[:4] == after[:4]
-            assert torch.equal(before[4].nan_to_num(), after[4].nan_to_num())
+        except (KVPoolError, TypeError, ValueError):
+            self.assert_unchanged(before)
             return None, False
+
+    def fails(self, error, call):
+        """`call` must raise `error` and change nothing."""
+        before = self.snapshot()
+        with pytest.raises(error):
+            call()
+        self.assert_unchanged(before)
+
+    def assert_unchanged(self, before):
+        after = self.snapshot()
+        assert before[:4] == after[:4]
+        assert torch.equal(before[4].nan_to_num(), after[4].nan_to_num())
 
     # ---- rules ---------------------------------------------------------------------------
 
@@ -152,6 +165,36 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.commit(seq_id)
             self.cache.free_sequence(seq_id)
             del self.tokens[seq_id]
+
+    @rule(seq=seqs, tokens=prompts)
+    def add_an_existing_id(self, seq, tokens):
+        if seq in self.tokens:
+            self.fails(DuplicateSequence, lambda: self.cache.add_sequence(seq, tokens))
+
+    @rule(parent=seqs, child=seqs)
+    def fork_onto_an_existing_id(self, parent, child):
+        if parent in self.tokens and child in self.tokens:
+            self.fails(DuplicateSequence, lambda: self.cache.fork(parent, child))
+
+    @rule(method=st.sampled_from(["append", "commit", "free_sequence", "fork", "pages"]))
+    def call_an_unknown_id(self, method):
+        args = ("nobody", "child") if method == "fork" else ("nobody",)
+        self.fails(UnknownSequence, lambda: getattr(self.cache, method)(*args))
+
+    @rule(seq=seqs, bad=st.sampled_from([[1, "x"], [2**31], [0.5], "ab", {1, 2}]),
+          where=st.sampled_from(["add", "append", "pages_to_add"]))
+    def pass_bad_token_ids(self, seq, bad, where):
+        calls = {"add": lambda: self.cache.add_sequence("new", bad),
+                 "append": lambda: self.cache.append(seq, token_ids=bad),
+                 "pages_to_add": lambda: self.cache.pages_to_add(bad)}
+        if where != "append" or seq in self.tokens:
+            self.fails((TypeError, ValueError), calls[where])
+
+    @rule(seq=seqs)
+    def grow_past_the_limit(self, seq):
+        if seq in self.tokens:
+            n = MAX_TOKENS + 1 - len(self.tokens[seq])
+            self.fails(SequenceTooLong, lambda: self.cache.append(seq, n))
 
     @precondition(lambda self: self.cache.prefix_cache is not None)
     @rule(num_pages=st.integers(1, 4))

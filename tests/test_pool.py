@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvpool.errors import InvalidPage
+from kvpool.errors import InvalidPage, OutOfMemory
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 
@@ -84,7 +84,20 @@ def test_copy_pages_needs_matching_lengths():
         make_pool().copy_pages([0, 1], [2])
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
-def test_pool_size_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match="positive int"):
+@pytest.mark.parametrize(("bad", "error", "message"), [
+    (0, ValueError, r"num_pages must be in \[1, 2147483647\], got 0"),
+    (-3, ValueError, r"num_pages must be in \[1, 2147483647\], got -3"),
+    (2**31, ValueError, r"num_pages must be in \[1, 2147483647\], got 2147483648"),
+    (2.5, TypeError, "num_pages must be an int, got float 2.5"),
+    (True, TypeError, "num_pages must be an int, got bool True"),
+])
+def test_pool_size_must_be_a_positive_int32(bad, error, message):
+    with pytest.raises(error, match=message):
         KVPool(LAYOUT, bad)
+
+
+def test_a_pool_too_large_for_memory_names_the_bytes():
+    huge = KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16)
+    with pytest.raises(OutOfMemory, match=r"a pool of 2,000,000,000 pages needs "
+                                          r"10,485,760,000,000,000 bytes on cpu"):
+        KVPool(huge, 2_000_000_000, device="cpu")

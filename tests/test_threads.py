@@ -69,7 +69,8 @@ def test_limit_threads_lowers_torchs_threads_to_the_available_cores(monkeypatch)
 
 
 def _policy_when_torch_loads(env: dict) -> str:
-    """OMP_WAIT_POLICY as `import kvpool` leaves it at the moment torch is first imported."""
+    """OMP_WAIT_POLICY at the moment torch is first imported, by `import kvpool.cache` (the
+    package's __init__ runs first; it imports nothing that loads torch)."""
     code = (
         "import builtins, os\n"
         "seen, real = [], builtins.__import__\n"
@@ -78,7 +79,7 @@ def _policy_when_torch_loads(env: dict) -> str:
         "        seen.append(os.environ.get('OMP_WAIT_POLICY'))\n"
         "    return real(name, *args, **kwargs)\n"
         "builtins.__import__ = spy\n"
-        "import kvpool\n"
+        "import kvpool.cache\n"
         "print(seen[0])\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=True)

@@ -1,15 +1,18 @@
 """Tiers below the pool, alone and under KVCache, one rule per test, with exact page ids
 (a fresh allocator hands out ids ascending from 0; LIFO reuses the last freed first)."""
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.errors import OutOfPages
+from kvpool.errors import OutOfMemory, OutOfPages
 from kvpool.layout import KVLayout
 from kvpool.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, chain_key
 
@@ -27,6 +30,12 @@ def make_cache(tier, num_pages=4):
 
 def prompt(n, base=0):
     return list(range(base, base + n))
+
+
+def bound(tier, dtype=torch.float32, shape=(2, 2, PS, 1, 2), namespace="test"):
+    """`tier` bound as a cache of LAYOUT would bind it (for tests of a tier alone)."""
+    tier.bind(namespace, shape, dtype)
+    return tier
 
 
 def page(value, dtype=torch.float32):
@@ -69,8 +78,8 @@ def test_page_evicted_from_the_device_comes_back_from_the_tier_with_identical_kv
     original = evict_prompt_to_tier(cache, prompt(9))
     assert len(tier) == 2
     assert cache.add_sequence("b", prompt(9)) == 8
-    assert cache.pages("b") == [3, 2, 1]  # fresh pages, LIFO from x's freed ones
-    assert torch.equal(cache.pool.read_pages([3, 2]), original)
+    assert cache.pages("b") == [0, 1, 3]  # fresh pages, LIFO from x's freed ones
+    assert torch.equal(cache.pool.read_pages([0, 1]), original)
     s = cache.stats()
     assert (s.num_evicted_pages, s.num_tier_stores, s.num_tier_loads) == (2, 2, 2)
     assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (18, 8)
@@ -84,7 +93,7 @@ def test_reloaded_pages_are_cached_on_the_device_again():
     cache.add_sequence("b", prompt(9))
     cache.free_sequence("b")
     assert cache.add_sequence("c", prompt(9)) == 8  # a device hit: no second load
-    assert cache.pages("c")[:2] == [3, 2]
+    assert cache.pages("c")[:2] == [0, 1]
     assert cache.stats().num_tier_loads == 2
     assert tier.stats().num_hits == 2
     cache.check()
@@ -144,11 +153,13 @@ def test_a_page_the_tier_cannot_store_is_lost_and_eviction_still_succeeds(tmp_pa
     cache.add_sequence("a", prompt(9))
     cache.commit("a")
     cache.free_sequence("a")
-    shutil.rmtree(tier.directory)  # every write fails from here on
+    shutil.rmtree(tier.directory)
+    tier.directory.write_text("")  # a file where the directory was: every write fails
     assert cache.add_sequence("x", num_tokens=16) == 0
     s = cache.stats()
     assert (s.num_evicted_pages, s.num_tier_stores) == (2, 0)
-    assert len(tier) == 0
+    assert (len(tier), tier.stats().num_dropped) == (0, 2)
+    cache.check()
     cache.free_sequence("x")
     assert cache.add_sequence("b", prompt(9)) == 0
 
@@ -168,11 +179,11 @@ def test_failed_add_sequence_with_a_tier_hit_changes_nothing():
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("y", num_tokens=8)  # two of the four pages: b's three do not fit
     before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
-              cache.pool.kv.clone(), list(tier), tier.stats(), tier.store.clone())
+              cache.pool.kv.clone(), list(tier), tier.stats(), tier.buffer.clone())
     with pytest.raises(OutOfPages, match="need 3 pages, 2 free"):
         cache.add_sequence("b", prompt(9))
     after = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
-             cache.pool.kv, list(tier), tier.stats(), tier.store)
+             cache.pool.kv, list(tier), tier.stats(), tier.buffer)
     assert before[:2] == after[:2] and before[3:5] == after[3:5]
     assert torch.equal(before[2], after[2]) and torch.equal(before[5], after[5])
     assert cache.sequences() == ["y"]
@@ -193,7 +204,7 @@ def keys(n):
 
 
 def test_tier_drops_the_least_recently_used_page_beyond_capacity():
-    tier = HostTier(2)
+    tier = bound(HostTier(2))
     k = keys(3)
     tier.put(k[0], page(0))
     tier.put(k[1], page(1))
@@ -209,7 +220,7 @@ def test_tier_drops_the_least_recently_used_page_beyond_capacity():
 
 
 def test_key_collision_is_a_miss():
-    tier = HostTier(4)
+    tier = bound(HostTier(4))
     key = PageKey.of(ROOT_KEY, [1, 2, 3, 4])
     tier.put(key, page(7))
     other_tokens = PageKey(key.chain_key, ROOT_KEY, (9, 9, 9, 9))
@@ -220,20 +231,20 @@ def test_key_collision_is_a_miss():
     assert torch.equal(tier.get(key), page(7))
 
 
-def test_host_tier_preallocates_its_store_once():
+def test_host_tier_allocates_its_store_once_when_bound():
     tier = HostTier(3)
     assert tier.nbytes == 0
-    tier.put(keys(1)[0], page(1))
-    store = tier.store.data_ptr()
+    bound(tier)
+    store = tier.buffer.data_ptr()
     assert tier.nbytes == 3 * page(0).numel() * 4
     for i, k in enumerate(keys(5)):
         tier.put(k, page(i))
-    assert tier.store.data_ptr() == store
+    assert tier.buffer.data_ptr() == store
     tier.check()
 
 
 def test_host_tier_get_returns_a_copy():
-    tier = HostTier(1)
+    tier = bound(HostTier(1))
     k = keys(2)
     tier.put(k[0], page(1))
     data = tier.get(k[0])
@@ -242,16 +253,17 @@ def test_host_tier_get_returns_a_copy():
 
 
 def test_host_tier_rejects_a_page_of_another_shape_and_changes_nothing():
-    tier = HostTier(1)
+    tier = bound(HostTier(1))
     k = keys(2)
     tier.put(k[0], page(1))
-    with pytest.raises(ValueError, match=r"shaped \(2, 2, 4, 1, 2\), got \(2, 2, 8, 1, 2\)"):
+    with pytest.raises(ValueError, match=r"shaped \(2, 2, 4, 1, 2\) \(torch.float32\), "
+                                         r"got \(2, 2, 8, 1, 2\)"):
         tier.put(k[1], torch.zeros(2, 2, 8, 1, 2))
     assert list(tier) == [k[0]] and torch.equal(tier.get(k[0]), page(1))
 
 
 def test_clear_empties_the_tier():
-    tier = HostTier(3)
+    tier = bound(HostTier(3))
     for i, k in enumerate(keys(3)):
         tier.put(k, page(i))
     tier.clear()
@@ -260,11 +272,17 @@ def test_clear_empties_the_tier():
     tier.check()
 
 
-@pytest.mark.parametrize("capacity", [0, -3, 2.5, True, None])
-def test_capacity_must_be_a_positive_int(capacity, tmp_path):
-    with pytest.raises(ValueError, match="capacity_pages must be a positive int"):
+@pytest.mark.parametrize(("capacity", "error", "message"), [
+    (0, ValueError, "capacity_pages must be >= 1, got 0"),
+    (-3, ValueError, "capacity_pages must be >= 1, got -3"),
+    (2.5, TypeError, "capacity_pages must be an int, got float 2.5"),
+    (True, TypeError, "capacity_pages must be an int, got bool True"),
+    (None, TypeError, "capacity_pages must be an int, got NoneType None"),
+])
+def test_capacity_must_be_a_positive_int(capacity, error, message, tmp_path):
+    with pytest.raises(error, match=message):
         HostTier(capacity)
-    with pytest.raises(ValueError, match="capacity_pages must be a positive int"):
+    with pytest.raises(error, match=message):
         DiskTier(tmp_path, capacity)
 
 
@@ -289,7 +307,7 @@ def page_files(directory):
 
 
 def test_disk_tier_round_trip_and_clear_removes_files(tmp_path):
-    tier = DiskTier(tmp_path, 4)
+    tier = bound(DiskTier(tmp_path, 4), torch.float16)
     k = keys(2)
     tier.put(k[0], page(1, torch.float16))
     tier.put(k[1], page(2, torch.float16))
@@ -302,7 +320,7 @@ def test_disk_tier_round_trip_and_clear_removes_files(tmp_path):
 
 
 def test_disk_tier_eviction_removes_the_file(tmp_path):
-    tier = DiskTier(tmp_path, 1)
+    tier = bound(DiskTier(tmp_path, 1))
     k = keys(2)
     tier.put(k[0], page(1))
     tier.put(k[1], page(2))
@@ -311,7 +329,7 @@ def test_disk_tier_eviction_removes_the_file(tmp_path):
 
 
 def test_disk_tier_stores_a_view_as_its_own_page(tmp_path):
-    tier = DiskTier(tmp_path, 2)
+    tier = bound(DiskTier(tmp_path, 2), shape=(2, 2, 256, 1, 2))
     pages = torch.arange(2 * 2 * 3 * 256 * 2, dtype=torch.float32).view(2, 2, 3, 256, 1, 2)
     tier.put(keys(1)[0], pages[:, :, 1])
     assert torch.equal(tier.get(keys(1)[0]), pages[:, :, 1])
@@ -320,11 +338,11 @@ def test_disk_tier_stores_a_view_as_its_own_page(tmp_path):
 
 def test_disk_tier_reopened_rebuilds_its_index(tmp_path):
     (tmp_path / "notes.txt").write_text("not a page")
-    tier = DiskTier(tmp_path, 4)
+    tier = bound(DiskTier(tmp_path, 4))
     k = keys(3)
     for i in range(3):
         tier.put(k[i], page(i))
-    again = DiskTier(tmp_path, 4)
+    again = bound(DiskTier(tmp_path, 4))
     assert list(again) == k
     assert torch.equal(again.get(k[1]), page(1))
     assert (tmp_path / "notes.txt").exists()
@@ -332,24 +350,24 @@ def test_disk_tier_reopened_rebuilds_its_index(tmp_path):
 
 
 def test_disk_tier_reopened_smaller_drops_the_least_recently_used(tmp_path):
-    tier = DiskTier(tmp_path, 4)
+    tier = bound(DiskTier(tmp_path, 4))
     k = keys(3)
     for i in range(3):
         tier.put(k[i], page(i))
     tier.get(k[0])
-    smaller = DiskTier(tmp_path, 2)
+    smaller = bound(DiskTier(tmp_path, 2))
     assert list(smaller) == [k[2], k[0]]
     assert page_files(tmp_path) == sorted(tier.path(x).name for x in (k[0], k[2]))
 
 
 def test_damaged_disk_page_is_a_miss_and_forgotten(tmp_path):
-    tier = DiskTier(tmp_path, 4)
+    tier = bound(DiskTier(tmp_path, 4))
     k = keys(1)[0]
     tier.put(k, page(1))
     tier.path(k).write_bytes(b"garbage")
     assert tier.get(k) is None
     assert k not in tier and page_files(tmp_path) == []
-    assert tier.stats().num_misses == 1
+    assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
 
 
 def test_disk_tier_directory_must_be_usable(tmp_path):
@@ -361,3 +379,152 @@ def test_disk_tier_directory_must_be_usable(tmp_path):
         DiskTier(file / "sub", 4)
     DiskTier(tmp_path / "new" / "dir", 4)
     assert (tmp_path / "new" / "dir").is_dir()
+
+
+# ---- a tier never serves another namespace's page or a damaged one; eviction never fails --
+
+def test_a_disk_tier_reused_by_a_cache_of_another_dtype_misses(tmp_path):
+    first = make_cache(DiskTier(tmp_path, 8))
+    evict_prompt_to_tier(first, prompt(9))
+    half = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, page_size=PS)
+    second = KVCache(half, 4, device="cpu", prefix_caching=True, tier=DiskTier(tmp_path, 8))
+    assert second.add_sequence("b", prompt(9)) == 0
+    assert second.stats().num_tier_loads == 0
+    assert make_cache(DiskTier(tmp_path, 8)).add_sequence("c", prompt(9)) == 8  # still there
+
+
+def test_a_disk_tier_reused_by_another_model_of_the_same_layout_misses(tmp_path):
+    def cache_of(model):
+        return KVCache(LAYOUT, 4, device="cpu", prefix_caching=True,
+                       tier=DiskTier(tmp_path, 8), model_fingerprint=model)
+    evict_prompt_to_tier(cache_of("llama weights a"), prompt(9))
+    assert cache_of("llama weights b").add_sequence("b", prompt(9)) == 0
+    assert cache_of("llama weights a").add_sequence("b", prompt(9)) == 8
+
+
+def first_page_file(tier):
+    return tier.path(next(k for k in tier if k.token_ids == tuple(prompt(PS))))
+
+
+@pytest.mark.parametrize("damage", ["payload bit", "header bit", "truncated"])
+def test_a_damaged_page_file_is_a_miss_removed_and_counted(tmp_path, damage):
+    tier = DiskTier(tmp_path, 8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    path = first_page_file(tier)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncated":
+        raw = raw[:len(raw) // 2]
+    else:
+        raw[-5 if damage == "payload bit" else 30] ^= 0x04
+    path.write_bytes(bytes(raw))
+    assert cache.add_sequence("b", prompt(9)) == 0
+    assert not path.exists()
+    assert (tier.stats().num_corrupt, len(tier)) == (1, 1)
+    cache.check()
+
+
+def test_a_host_tier_belongs_to_one_layout():
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    wider = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PS)
+    with pytest.raises(ValueError, match="cannot share it"):
+        KVCache(wider, 4, device="cpu", prefix_caching=True, tier=tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    assert cache.add_sequence("b", prompt(9)) == 8
+    cache.check()
+
+
+def test_a_host_tier_larger_than_memory_is_refused_when_the_cache_is_built():
+    big = KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16)
+    tier = HostTier(10**7)
+    with pytest.raises(OutOfMemory, match=r"HostTier of 10,000,000 pages needs "
+                                          r"52,428,800,000,000 bytes"):
+        KVCache(big, 4, device="cpu", prefix_caching=True, tier=tier)
+    assert tier.namespace is None and tier.nbytes == 0
+
+
+def test_a_store_failing_with_any_error_drops_the_page_and_eviction_succeeds(monkeypatch):
+    tier = HostTier(8)
+    cache = make_cache(tier)
+    cache.add_sequence("a", prompt(9))
+    cache.commit("a")
+    cache.free_sequence("a")
+
+    def broken(key, data):
+        raise RuntimeError("the device is gone")
+    monkeypatch.setattr(tier, "_write", broken)
+    assert cache.add_sequence("x", num_tokens=16) == 0
+    assert (cache.stats().num_evicted_pages, tier.stats().num_dropped, len(tier)) == (2, 2, 0)
+    cache.free_sequence("x")
+    assert cache.allocator.num_free == 4
+    cache.check()
+
+
+def read_only_file_system(*args, **kwargs):
+    raise PermissionError(13, "Read-only file system")
+
+
+def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeypatch):
+    # What a read-only mount does to every write, provoked the same way whoever runs the
+    # test (root may write through permission bits)
+    tier = DiskTier(tmp_path, 8)
+    cache = make_cache(tier)
+    original = evict_prompt_to_tier(cache, prompt(9))
+    for module, name in ((os, "utime"), (tempfile, "mkstemp"), (Path, "unlink")):
+        monkeypatch.setattr(module, name, read_only_file_system)
+    assert cache.add_sequence("b", prompt(9)) == 8
+    assert torch.equal(cache.pool.read_pages(cache.pages("b")[:2]), original)
+    cache.commit("b")
+    cache.free_sequence("b")
+    cache.add_sequence("x", num_tokens=16)  # evicts b's pages: the tier cannot take them
+    assert (tier.stats().num_dropped, len(tier)) == (2, 0)
+    cache.check()
+
+
+def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_read(tmp_path):
+    tier = DiskTier(tmp_path / "tier", 8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    tier.directory.chmod(0o555)
+    try:
+        probe = tier.directory / "probe"
+        try:
+            probe.write_text("")
+        except OSError:
+            pass
+        else:
+            probe.unlink()
+            pytest.skip("this process writes through permission bits (root)")
+        assert cache.add_sequence("b", prompt(9)) == 8
+        cache.commit("b")
+        cache.free_sequence("b")
+        cache.add_sequence("x", num_tokens=16)
+        assert tier.stats().num_dropped == 2
+        cache.check()
+    finally:
+        tier.directory.chmod(0o755)
+
+
+def test_a_disk_tier_whose_directory_is_deleted_misses_then_stores_again(tmp_path):
+    tier = DiskTier(tmp_path / "tier", 8)
+    cache = make_cache(tier)
+    evict_prompt_to_tier(cache, prompt(9))
+    shutil.rmtree(tier.directory)
+    cache.check()
+    assert cache.add_sequence("b", prompt(9)) == 0
+    fill(cache, "b", 7)
+    cache.commit("b")
+    cache.free_sequence("b")
+    cache.add_sequence("x", num_tokens=16)  # evicts b's pages into the directory, made again
+    assert len(page_files(tier.directory)) == 2
+    cache.free_sequence("x")
+    assert cache.add_sequence("c", prompt(9)) == 8
+    cache.check()
+
+
+def test_token_ids_in_a_tensor_hit_the_tier():
+    cache = make_cache(HostTier(8))
+    evict_prompt_to_tier(cache, prompt(9))
+    assert cache.add_sequence("b", torch.tensor(prompt(9))) == 8
+    assert cache.stats().num_tier_loads == 2

@@ -3,57 +3,58 @@
 One pool of fixed-size pages allocated once, an allocator with reference counts, per-sequence
 page tables with fork and copy-on-write, a radix-tree prefix cache with LRU eviction, paged
 attention, Llama-family models on the paged cache, and an engine with continuous batching.
+
+The public names are imported on first use, so that `import kvpool.allocator` (or the
+cache alone) does not load the engine, the tokenizer library or the progress bar.
 """
 
-# OpenMP reads its wait policy when torch loads it, so this runs before the imports below.
-from kvpool.threads import limit_threads, prefer_passive_wait
+from importlib import import_module
+
+# OpenMP reads its wait policy when torch loads it, so this runs before anything imports torch.
+from kvpool.threads import prefer_passive_wait
 
 prefer_passive_wait()
 
-from kvpool.allocator import AllocatorStats, PageAllocator
-from kvpool.cache import CacheStats, KVCache
-from kvpool.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from kvpool.errors import (
-    CheckpointError,
-    ConfigError,
-    DuplicateSequence,
-    InvalidPage,
-    KVPoolError,
-    OutOfPages,
-    SequenceTooLong,
-    UnknownSequence,
-)
-from kvpool.layout import KVLayout, MemoryPlan, plan_memory
-from kvpool.pool import KVPool
-from kvpool.prefix_cache import PrefixCache
-from kvpool.tiers import DiskTier, HostTier, Tier
+_MODULE_OF = {
+    "AllocatorStats": "kvpool.allocator",
+    "PageAllocator": "kvpool.allocator",
+    "CacheStats": "kvpool.cache",
+    "KVCache": "kvpool.cache",
+    "LLM": "kvpool.engine",
+    "CompletionOutput": "kvpool.engine",
+    "RequestOutput": "kvpool.engine",
+    "SamplingParams": "kvpool.engine",
+    "CheckpointError": "kvpool.errors",
+    "ConfigError": "kvpool.errors",
+    "DuplicateSequence": "kvpool.errors",
+    "InvalidPage": "kvpool.errors",
+    "KVPoolError": "kvpool.errors",
+    "OutOfMemory": "kvpool.errors",
+    "OutOfPages": "kvpool.errors",
+    "SequenceTooLong": "kvpool.errors",
+    "UnknownSequence": "kvpool.errors",
+    "KVLayout": "kvpool.layout",
+    "MemoryPlan": "kvpool.planner",
+    "plan_memory": "kvpool.planner",
+    "KVPool": "kvpool.pool",
+    "PrefixCache": "kvpool.prefix_cache",
+    "DiskTier": "kvpool.tiers",
+    "HostTier": "kvpool.tiers",
+    "Tier": "kvpool.tiers",
+}
 
-__all__ = [
-    "LLM",
-    "AllocatorStats",
-    "CacheStats",
-    "CheckpointError",
-    "CompletionOutput",
-    "ConfigError",
-    "DiskTier",
-    "DuplicateSequence",
-    "HostTier",
-    "InvalidPage",
-    "KVCache",
-    "KVLayout",
-    "KVPool",
-    "KVPoolError",
-    "MemoryPlan",
-    "OutOfPages",
-    "PageAllocator",
-    "PrefixCache",
-    "RequestOutput",
-    "SamplingParams",
-    "SequenceTooLong",
-    "Tier",
-    "UnknownSequence",
-    "plan_memory",
-]
+__all__ = sorted(_MODULE_OF)
 __version__ = "0.1.0"
 
-limit_threads()
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])

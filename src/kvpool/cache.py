@@ -10,21 +10,26 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.allocator import PageAllocator
-from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, UnknownSequence
+from kvpool.errors import (
+    DuplicateSequence,
+    OutOfPages,
+    SequenceTooLong,
+    UnknownSequence,
+    check_int,
+)
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
-from kvpool.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
-from kvpool.tiers import PageKey, Tier
-from kvpool.tokens import TOKEN_BYTES, pack_tokens
+from kvpool.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
+from kvpool.tiers import PageKey, Tier, page_namespace
+from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
 
 @dataclass(slots=True)
-class _Sequence:
+class _SequenceState:
     pages: list[int]  # page table: logical page i -> page id
     num_tokens: int
-    pending: bytearray | None  # packed ids of the tokens past the cached path; None: not cached
-    tree_node: PrefixNode | None  # holds the last page of the cached path; None: no caching
-    num_tree_pages: int  # logical pages [0, num_tree_pages) are the cached path
+    token_ids: bytearray | None  # every token's id, packed; None: unknown, or not cached
+    num_cached: int  # pages [0, num_cached) are the sequence's path in the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +38,7 @@ class CacheStats:
 
     num_pages: int
     num_free_pages: int  # on the allocator's free list
-    num_cached_pages: int  # held only by the prefix cache: evictable
+    num_cached_pages: int  # no sequence holds them; the prefix cache keeps them: evictable
     num_used_pages: int  # held by at least one live sequence
     num_sequences: int
     num_tokens: int  # filled slots in used pages (a shared slot counts once)
@@ -62,33 +67,39 @@ class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
     a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
-    and a later prompt continuing their prefix loads them back instead of recomputing.
+    and a later prompt continuing their prefix loads them back instead of recomputing; the
+    tier is bound to this cache's namespace (its layout and `model_fingerprint`, a string
+    naming the model and its weights), so it never serves another model's pages.
     Not thread-safe: call it from one thread (as the engine's loop does) or under a lock."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
-                 tier: Tier | None = None):
-        if max_tokens_per_seq is not None and (
-                isinstance(max_tokens_per_seq, bool) or not isinstance(max_tokens_per_seq, int)
-                or max_tokens_per_seq <= 0):
-            raise ValueError(f"max_tokens_per_seq must be a positive int or None, "
-                             f"got {max_tokens_per_seq!r}")
+                 tier: Tier | None = None, model_fingerprint: str = ""):
+        if max_tokens_per_seq is not None:
+            check_int("max_tokens_per_seq", max_tokens_per_seq, 1)
         if tier is not None and not prefix_caching:
             raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
+        if not isinstance(model_fingerprint, str):
+            raise TypeError(f"model_fingerprint must be a str, "
+                            f"got {type(model_fingerprint).__name__}")
         self.layout = layout
         self.page_size = layout.page_size
         self._page_bytes = layout.page_size * TOKEN_BYTES  # one page of packed token ids
-        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve)
+        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve,
+                                       thread_safe=False)
         self.pool = KVPool(layout, num_pages, device=device)
+        self.namespace = page_namespace(layout, model_fingerprint)
+        if tier is not None:
+            tier.bind(self.namespace, self.pool.kv[:, :, 0].shape, layout.dtype)
         self.tier = tier
-        self.prefix_cache = PrefixCache(
-            self.allocator, layout.page_size,
-            on_evict=self._store_in_tier if tier is not None else None) if prefix_caching \
-            else None
+        self.prefix_cache = PrefixCache(self.allocator, layout.page_size) \
+            if prefix_caching else None
+        self._index = self.prefix_cache or NoPrefixCache()
+        self.allocator.on_evict = self._evicted
         self.max_tokens_per_seq = max_tokens_per_seq
         self.scrub_on_free = scrub_on_free
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seqs: dict[Hashable, _SequenceState] = {}
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_cow_copies = 0
@@ -103,41 +114,27 @@ class KVCache:
         pages. Returns how many leading tokens the prefix cache served (whole pages, never
         the last token); their KV is already in the pool, loaded from the tier for pages
         past the device's match."""
-        seqs = self._seqs
-        if seq_id in seqs:
+        if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        if type(token_ids) is list and num_tokens is None:
-            n = len(token_ids)  # the common case, without _count's checks
-        else:
-            n = _count(token_ids, num_tokens)
-        if self.max_tokens_per_seq is not None:
-            self._check_length(seq_id, n)
-        pc = self.prefix_cache
-        if pc is None:  # the fast path: the allocator checks and raises OutOfPages
-            seqs[seq_id] = _Sequence(self.allocator.allocate(-(-n // self.page_size)), n,
-                                     None, None, 0)
-            return 0
-        if token_ids is None:  # content unknown: nothing to match or cache
-            need = -(-n // self.page_size)
-            pages = self._allocate(need, self._shortfall(need, None))
-            seqs[seq_id] = _Sequence(pages, n, None, None, 0)
-            return 0
-        ids = pack_tokens(token_ids)  # TypeError/ValueError for an id that is not an int32
-        match = pc.match(ids, self._matchable_pages(n))
-        pages = match.pages
-        need = -(-n // self.page_size) - len(pages)  # tier hits take fresh pages too
-        short = self._shortfall(need, match)
-        loaded = self._fetch_from_tier(token_ids, n, match) if self.tier is not None else ()
-        node = pc.lock(match)
-        hit = len(pages) + len(loaded)
-        self._prefix_query_tokens += n
-        self._prefix_hit_tokens += hit * self.page_size
-        first_new = len(pages)
-        pages += self._allocate(need, short)
+        n = _count(token_ids, num_tokens)
+        ids = None if token_ids is None else _pack(token_ids)
+        self._check_length(seq_id, n)
+        match = self._match(ids, n)
+        need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
+        self._check_room(need, match.pages)
+        loaded = self._fetch_from_tier(ids, n, match)
+        if match.pages:
+            self.allocator.share(match.pages)
+        pages = match.pages + self.allocator.allocate(need)
+        hit_pages = len(match.pages) + len(loaded)
         if loaded:
-            node = self._load_from_tier(node, ids, pages, first_new, loaded)
-        seqs[seq_id] = _Sequence(pages, n, bytearray(ids[hit * self._page_bytes:]), node, hit)
-        return hit * self.page_size
+            self._load_from_tier(ids, pages, len(match.pages), loaded)
+        if ids is not None and self.prefix_cache is not None:
+            self._prefix_query_tokens += n
+            self._prefix_hit_tokens += hit_pages * self.page_size
+        self._seqs[seq_id] = _SequenceState(pages, n, None if ids is None else bytearray(ids),
+                                            hit_pages)
+        return hit_pages * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]:
@@ -147,20 +144,21 @@ class KVCache:
         n = _count(token_ids, num_tokens, default=1)
         start = seq.num_tokens
         self._check_length(seq_id, start + n)
-        packed = pack_tokens(token_ids) if token_ids is not None and seq.pending is not None \
-            else None
+        packed = None if token_ids is None else _pack(token_ids)
+        if n == 0:
+            return []
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        new_pages = self._allocate(need + cow, self._shortfall(need + cow, None))
+        new_pages = self.allocator.allocate(need + cow)
         if cow:
             self._copy_on_write(seq, new_pages.pop())
-        seq.pages.extend(new_pages)
+        seq.pages += new_pages
         seq.num_tokens = start + n
-        if seq.pending is not None:
+        if seq.token_ids is not None:
             if packed is None:
-                seq.pending = None  # content unknown from here on: stop caching it
+                seq.token_ids = None  # content unknown from here on: stop caching it
             else:
-                seq.pending += packed
+                seq.token_ids += packed
         return self._slots(seq, start, start + n)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
@@ -168,32 +166,24 @@ class KVCache:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequence(f"sequence {child_id!r} already exists")
-        if parent.tree_node is not None:
-            self.prefix_cache.share(parent.pages, parent.tree_node, parent.num_tree_pages)
-        else:
-            self.allocator.retain(parent.pages)
-        pending = None if parent.pending is None else bytearray(parent.pending)
-        self._seqs[child_id] = _Sequence(list(parent.pages), parent.num_tokens, pending,
-                                         parent.tree_node, parent.num_tree_pages)
+        self.allocator.share(parent.pages)
+        token_ids = None if parent.token_ids is None else bytearray(parent.token_ids)
+        self._seqs[child_id] = _SequenceState(list(parent.pages), parent.num_tokens,
+                                              token_ids, parent.num_cached)
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the KV of every token the sequence holds written; with prefix caching its
         full pages become matchable by later sequences. Where the prefix cache already holds
-        the same content in another page, the sequence switches to that page and its own
-        copy is freed (one copy of each content); if a fork shares that copy too, caching
-        stops there until a later commit finds it unshared."""
+        the content of the sequence's next page in another page (an identical prompt
+        prefilled at the same time), the sequence keeps its own pages uncached."""
         seq = self._get(seq_id)
-        pc = self.prefix_cache
-        if pc is None or seq.pending is None:
-            return
         full = seq.num_tokens // self.page_size
-        if seq.num_tree_pages < full:
-            seq.tree_node, cached, freed = pc.insert(seq.tree_node, seq.pending, seq.pages,
-                                                     seq.num_tree_pages, full)
-            del seq.pending[:(cached - seq.num_tree_pages) * self._page_bytes]
-            seq.num_tree_pages = cached
-            if self.scrub_on_free and freed:
-                self.pool.scrub_pages(freed)
+        if seq.token_ids is None or full <= seq.num_cached:
+            return
+        seq.num_cached = self._index.insert(bytes(seq.token_ids[:full * self._page_bytes]),
+                                            seq.pages[:full], seq.num_cached)
+        if seq.num_cached < full:
+            seq.token_ids = None
 
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache
@@ -201,12 +191,7 @@ class KVCache:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(f"no sequence {seq_id!r}")
-        if seq.tree_node is not None:
-            freed = self.prefix_cache.release(seq.pages, seq.tree_node, seq.num_tree_pages)
-        else:
-            freed = self.allocator.release(seq.pages)
-        if self.scrub_on_free and freed:
-            self.pool.scrub_pages(freed)
+        self._scrub(self.allocator.free(seq.pages))
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -233,21 +218,17 @@ class KVCache:
 
     @property
     def num_available_pages(self) -> int:
-        """Pages an allocation could get: free ones plus evictable cached ones."""
-        cached = self.prefix_cache.num_evictable if self.prefix_cache else 0
-        return self.allocator.num_free + cached
+        """Pages an allocation could get: free ones plus cached ones no sequence holds."""
+        return self.allocator.num_free + self.allocator.num_cached
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
         """Available pages `add_sequence` would consume: new pages (tier hits included: they
-        are loaded into new pages) plus evictable cached pages its prefix hit would pin.
-        Changes nothing."""
+        are loaded into new pages) plus the cached pages its prefix hit would take off the
+        cached queue. Changes nothing."""
         n = _count(token_ids, num_tokens)
-        total = -(-n // self.page_size)
-        if self.prefix_cache is None or token_ids is None:
-            return total
-        match = self.prefix_cache.match(token_ids, self._matchable_pages(n))
-        return total - len(match.pages) + self.prefix_cache.num_pinned_by(match)
+        match = self._match(None if token_ids is None else _pack(token_ids), n)
+        return -(-n // self.page_size) - len(match.pages) + self._num_unheld(match.pages)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append(seq_id, num_tokens)` would take, copy-on-write included."""
@@ -285,58 +266,41 @@ class KVCache:
             full.update(seq.pages[:nfull])
             if nfull < len(seq.pages):
                 partial[seq.pages[nfull]] = seq.num_tokens - nfull * ps
-        pc = self.prefix_cache
-        cached = pc.num_evictable if pc else 0
-        free = self.allocator.num_free
+        alloc = self.allocator
         return CacheStats(
-            num_pages=self.allocator.num_pages, num_free_pages=free, num_cached_pages=cached,
-            num_used_pages=self.allocator.num_pages - free - cached,
+            num_pages=alloc.num_pages, num_free_pages=alloc.num_free,
+            num_cached_pages=alloc.num_cached, num_used_pages=alloc.num_used,
             num_sequences=len(self._seqs), num_tokens=len(full) * ps + sum(partial.values()),
             prefix_query_tokens=self._prefix_query_tokens,
             prefix_hit_tokens=self._prefix_hit_tokens,
-            num_evicted_pages=pc.num_evicted if pc else 0,
+            num_evicted_pages=alloc.stats().num_evicted,
             num_cow_copies=self._num_cow_copies, page_size=ps,
             num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores)
 
     def check(self) -> None:
         """Invariants: allocator conservation; page tables sized to their tokens; each
-        sequence's cached path spelled by its first pages; each page's reference count equal
-        to the sequences holding it past their paths plus one if the prefix cache holds it;
-        the prefix tree (including how many paths run through each node) and the tier
-        consistent."""
+        sequence's first `num_cached` pages a path of the prefix cache; each page's reference
+        count equal to the number of sequences whose page table holds it; the prefix tree
+        and the tier consistent."""
         self.allocator.check()
+        self._index.check()
         if self.tier is not None:
             self.tier.check()
-        pc = self.prefix_cache
         holders: Counter[int] = Counter()
-        path_ends = []
         for sid, seq in self._seqs.items():
             want = -(-seq.num_tokens // self.page_size)
             assert len(seq.pages) == want, (
                 f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
                 f"expected {want}")
             assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
-            k = 0
-            if seq.pending is not None:
-                want = (seq.num_tokens - seq.num_tree_pages * self.page_size) * TOKEN_BYTES
-                assert len(seq.pending) == want, (
-                    f"sequence {sid!r} keeps {len(seq.pending)} bytes of pending token ids, "
-                    f"expected {want}")
-            if seq.tree_node is not None:
-                path_ends.append(seq.tree_node)
-                path: list[int] = []
-                node = seq.tree_node
-                while node is not pc.root:
-                    path[:0] = node.pages
-                    node = node.parent
-                k = seq.num_tree_pages
-                assert seq.pages[:k] == path, (
-                    f"sequence {sid!r}: first {k} pages {seq.pages[:k]} are not its cached "
-                    f"path {path}")
-            holders.update(seq.pages[k:])
-        if pc is not None:
-            pc.check(path_ends)
-            holders.update(pc.cached_pages())
+            if seq.token_ids is not None:
+                assert len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
+                    f"sequence {sid!r} keeps {len(seq.token_ids)} bytes of token ids for "
+                    f"{seq.num_tokens} tokens")
+            assert self._index.holds_path(seq.pages[:seq.num_cached]), (
+                f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
+                f"are not a path of the prefix cache")
+            holders.update(seq.pages)
         for page in range(self.allocator.num_pages):
             rc = self.allocator.refcount(page)
             assert rc == holders[page], (
@@ -344,63 +308,76 @@ class KVCache:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _get(self, seq_id: Hashable) -> _Sequence:
+    def _get(self, seq_id: Hashable) -> _SequenceState:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _matchable_pages(self, n: int) -> int:
-        """Whole pages a prefix hit may cover in a sequence of `n` tokens: never the last
-        token, whose logits must be computed."""
-        return (n - 1) // self.page_size if n else 0
+    def _match(self, token_ids: bytes | None, n: int) -> PrefixMatch:
+        """The cached prefix of a sequence of `n` tokens: whole pages, never the last token
+        (its logits must be computed); the empty match when the content is unknown."""
+        return self._index.match(b"" if token_ids is None else token_ids,
+                                 (n - 1) // self.page_size if n else 0)
 
-    def _fetch_from_tier(self, token_ids: Sequence[int], n: int,
+    def _num_unheld(self, pages: list[int]) -> int:
+        """How many of `pages` no sequence holds (cached): a hit takes them off the queue."""
+        refcounts = self.allocator.refcounts
+        return [refcounts[page] for page in pages].count(0)
+
+    def _check_room(self, need: int, hit_pages: list[int]) -> None:
+        """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
+        alloc = self.allocator
+        taken = self._num_unheld(hit_pages)
+        if need and need + taken > alloc.num_free + alloc.num_cached - alloc.reserve:
+            raise OutOfPages(f"need {need} pages, {alloc.num_free} free "
+                             f"({alloc.reserve} reserved), "
+                             f"{alloc.num_cached - taken} evictable")
+
+    def _fetch_from_tier(self, token_ids: bytes | None, n: int,
                          match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's `match` in the tier, page by
-        page up to the first miss, never covering the last token. Only `get` touches the
-        tier, and only once the call is known to succeed."""
-        tier = self.tier
-        if n == 0:
+        page up to the first miss, never covering the last token; `token_ids` packed. Only
+        `get` touches the tier, and only once the call is known to succeed."""
+        if self.tier is None or token_ids is None or n == 0:
             return []
-        ps = self.page_size
-        page_shape = self.pool.kv[:, :, 0].shape
+        page_bytes = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
-        for i in range(len(match.pages), self._matchable_pages(n)):
-            key = PageKey.of(parent_key, token_ids[i * ps:(i + 1) * ps])
-            data = tier.get(key)
-            if data is None or data.shape != page_shape:
+        for i in range(len(match.pages), (n - 1) // self.page_size):
+            page_ids = unpack_tokens(token_ids[i * page_bytes:(i + 1) * page_bytes])
+            key = PageKey.of(parent_key, page_ids)
+            data = self.tier.get(key)
+            if data is None:
                 break
             loaded.append(data)
             parent_key = key.chain_key
         return loaded
 
-    def _load_from_tier(self, node: PrefixNode, token_ids: bytes, pages: list[int],
-                        first: int, loaded: list[torch.Tensor]) -> PrefixNode:
+    def _load_from_tier(self, token_ids: bytes, pages: list[int], first: int,
+                        loaded: list[torch.Tensor]) -> None:
         """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
-        sequence (whose packed ids are `token_ids`) and cache them below `node`; returns the
-        deepest node."""
+        sequence and add them to the prefix cache after its device match."""
         last = first + len(loaded)
         self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
         self._num_tier_loads += len(loaded)
-        # the device match stopped above these pages, so the tree has no copy to switch to
-        pb = self._page_bytes
-        node, _, _ = self.prefix_cache.insert(node, token_ids[first * pb:last * pb], pages,
-                                              first, last)
-        return node
+        self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last])
 
-    def _store_in_tier(self, pages: list[int], keys: list[PageKey]) -> None:
-        """Copy evicted pages to the tier (called before they return to the free list). A
-        page the tier fails to store (disk full) is lost, as without a tier: eviction runs
-        inside calls that have passed their checks, and must not fail."""
-        data = self.pool.read_pages(pages)
-        for i, key in enumerate(keys):
-            try:
-                self.tier.put(key, data[:, :, i])
-            except OSError:
-                continue
-            self._num_tier_stores += 1
+    def _evicted(self, pages: list[int]) -> None:
+        """The allocator took these cached pages: copy them to the tier, drop them from the
+        prefix cache, and scrub them. Eviction runs inside calls that have passed their
+        checks, and never fails: a page the tier cannot store is lost, as without a tier."""
+        if self.tier is not None:
+            data = self.pool.read_pages(pages)
+            for i, key in enumerate(self.prefix_cache.page_keys(pages)):
+                self._num_tier_stores += self.tier.store(key, data[:, :, i])
+        self.prefix_cache.remove(pages)
+        self._scrub(pages)
+
+    def _scrub(self, pages: list[int]) -> None:
+        """Zero pages whose content no sequence or cache keeps, if asked to."""
+        if self.scrub_on_free and pages:
+            self.pool.scrub_pages(pages)
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:
         limit = self.max_tokens_per_seq
@@ -408,42 +385,18 @@ class KVCache:
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
-    def _shortfall(self, n: int, pinning: PrefixMatch | None) -> int:
-        """How many cached pages must be evicted before `n` pages can be allocated. Raises
-        OutOfPages if eviction cannot cover it, counting the evictable pages except those in
-        `pinning` (a prefix hit about to take them)."""
-        alloc = self.allocator
-        short = n - alloc.num_free + alloc.reserve
-        if short <= 0:
-            return 0
-        pc = self.prefix_cache
-        evictable = 0 if pc is None else \
-            pc.num_evictable - (pc.num_pinned_by(pinning) if pinning else 0)
-        if short > evictable:
-            raise OutOfPages(f"need {n} pages, {alloc.num_free} free "
-                             f"({alloc.reserve} reserved), {evictable} evictable")
-        return short
-
-    def _allocate(self, n: int, short: int) -> list[int]:
-        """`n` new pages, after evicting the `short` cached pages `_shortfall` asked for."""
-        if short:
-            evicted = self.prefix_cache.evict(short)
-            if self.scrub_on_free:
-                self.pool.scrub_pages(evicted)
-        return self.allocator.allocate(n)
-
-    def _needs_cow(self, seq: _Sequence, n: int) -> bool:
+    def _needs_cow(self, seq: _SequenceState, n: int) -> bool:
         return (n > 0 and seq.num_tokens % self.page_size != 0
-                and self.allocator.refcount(seq.pages[-1]) > 1)
+                and self.allocator.refcounts[seq.pages[-1]] > 1)
 
-    def _copy_on_write(self, seq: _Sequence, new_page: int) -> None:
+    def _copy_on_write(self, seq: _SequenceState, new_page: int) -> None:
         old = seq.pages[-1]
         self.pool.copy_pages([old], [new_page])
         self.allocator.free([old])  # others still hold it: never reaches 0 here
         seq.pages[-1] = new_page
         self._num_cow_copies += 1
 
-    def _slots(self, seq: _Sequence, start: int, end: int) -> list[int]:
+    def _slots(self, seq: _SequenceState, start: int, end: int) -> list[int]:
         ps = self.page_size
         pages = seq.pages
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
@@ -452,13 +405,20 @@ class KVCache:
 def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
     """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
     if token_ids is not None:
-        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        if isinstance(token_ids, (str, bytes, bytearray)) or not (
+                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
             raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
         if num_tokens is not None and num_tokens != len(token_ids):
             raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
         return len(token_ids)
     if num_tokens is None:
         return default
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-    return num_tokens
+    return check_int("num_tokens", num_tokens, 0)
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
+    or ValueError naming the first id that is not an int32."""
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    return pack_tokens(token_ids)

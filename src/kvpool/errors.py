@@ -1,4 +1,7 @@
-"""The exception types kvpool raises on purpose; every one derives from KVPoolError."""
+"""The exception types kvpool raises on purpose (every one derives from KVPoolError), and
+the one check of integer arguments the core uses."""
+
+MAX_PAGES = 2**31 - 1  # page ids travel in int32 page tables
 
 
 class KVPoolError(Exception):
@@ -34,3 +37,19 @@ class ConfigError(KVPoolError, ValueError):
 
 class CheckpointError(KVPoolError, ValueError):
     """A checkpoint's weights do not match its config (missing, unexpected or misshapen)."""
+
+
+class OutOfMemory(KVPoolError, MemoryError):
+    """Memory for a pool or a tier could not be had; the message names the bytes asked for."""
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """`value` if it is an int (not a bool) in `[low, high]`; else TypeError for another
+    type, ValueError out of range, each naming `name`, the range and the value. The one
+    argument check of the core."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return int(value)

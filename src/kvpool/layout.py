@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.errors import check_int
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -21,7 +23,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), 1)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
 
@@ -37,24 +39,6 @@ class KVLayout:
 
     def num_pages_for(self, num_tokens: int) -> int:
         """Pages that hold `num_tokens` tokens (a partly filled last page counts whole)."""
-        check_int("num_tokens", num_tokens, minimum=0)
+        check_int("num_tokens", num_tokens, 0)
         return -(-num_tokens // self.page_size)
 
-
-def __getattr__(name: str):
-    # MemoryPlan and plan_memory live in kvpool.planner; the package's __init__ still imports
-    # them from here. Resolved on first use so that this bottom layer imports no model code.
-    if name in ("MemoryPlan", "plan_memory"):
-        from kvpool import planner
-
-        return getattr(planner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def check_int(name: str, value: object, *, minimum: int) -> None:
-    """Raise TypeError unless `value` is an int (not a bool), ValueError if below `minimum`."""
-    expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be {expected}, got {value}")

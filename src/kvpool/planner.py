@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from kvpool.errors import check_int
 from kvpool.formats import format_bytes
-from kvpool.layout import KVLayout, check_int
+from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 
 ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
@@ -81,7 +82,7 @@ class MemoryPlan:
 
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens fit at once, each in whole pages."""
-        check_int("context_len", context_len, minimum=1)
+        check_int("context_len", context_len, 1)
         return self.num_pages // self.layout.num_pages_for(context_len)
 
 
@@ -103,10 +104,10 @@ def plan_memory(
     `dtype` None: the config's, else float32 (as the loader does). `activation_bytes` None:
     `estimate_activation_bytes` with its defaults."""
     if device_memory is not None:
-        check_int("device_memory", device_memory, minimum=1)
+        check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
-        check_int("activation_bytes", activation_bytes, minimum=0)
-    check_int("reserved_bytes", reserved_bytes, minimum=0)
+        check_int("activation_bytes", activation_bytes, 0)
+    check_int("reserved_bytes", reserved_bytes, 0)
     _check_fraction(memory_fraction)
     model = model_config(config)
     layout = model.kv_layout(dtype=dtype, page_size=page_size)
@@ -164,8 +165,8 @@ def estimate_activation_bytes(
     the larger of attention (q, k, v and its output) and the MLP (gate, up and their product,
     3 x intermediate), in `dtype`; plus float32 logits of the last token of up to `max_num_seqs`
     sequences. Not covered: attention scores of unfused kernels, CUDA graphs, fragmentation."""
-    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
-    check_int("max_num_seqs", max_num_seqs, minimum=1)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+    check_int("max_num_seqs", max_num_seqs, 1)
     attention = 2 * (model.num_heads + model.num_kv_heads) * model.head_dim
     mlp = 3 * model.intermediate_size
     per_token = (2 * model.hidden_size + max(attention, mlp)) * dtype.itemsize

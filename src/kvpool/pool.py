@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import InvalidPage
+from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.layout import KVLayout
 
 
@@ -24,14 +24,17 @@ class KVPool:
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None):
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         self.layout = layout
-        self.num_pages = num_pages
+        self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
         self.device = torch.device(device) if device is not None else default_device()
         shape = (layout.num_layers, 2, num_pages, layout.page_size,
                  layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
+        nbytes = num_pages * layout.bytes_per_page
+        try:
+            self.kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
+            raise OutOfMemory(f"a pool of {num_pages:,} pages needs {nbytes:,} bytes on "
+                              f"{self.device}, which cannot be allocated: {e}") from None
 
     @property
     def nbytes(self) -> int:

@@ -7,15 +7,23 @@ key and the page's own token ids, which `get` compares so that a hash collision 
 never wrong KV. CPython hashes ints and tuples of ints the same way in every process (hash
 randomization only touches str and bytes), so chain keys are stable across runs. Each tier
 keeps at most `capacity_pages` pages and drops the least recently used (put or hit) beyond.
+
+A tier belongs to one namespace (model and layout: see `KVCache`), fixed by `bind` before
+its first use: a page of another namespace is never served. A tier's failures never reach
+the cache: `store` drops a page it cannot keep, and `get` misses a page it cannot read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
-import pickle
 import re
+import struct
 import tempfile
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -23,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvpool.errors import OutOfMemory, check_int
 
 ROOT_KEY = 0  # chain key of the empty prefix
 
@@ -58,6 +68,8 @@ class TierStats:
     num_hits: int
     num_misses: int
     num_evictions: int  # pages dropped to make room (least recently used first)
+    num_dropped: int = 0  # pages `store` could not keep (a failed write)
+    num_corrupt: int = 0  # stored pages that failed their checks on load, and were removed
 
     @property
     def hit_rate(self) -> float:
@@ -75,33 +87,67 @@ class Tier(ABC):
     """
 
     def __init__(self, capacity_pages: int):
-        if isinstance(capacity_pages, bool) or not isinstance(capacity_pages, int) \
-                or capacity_pages <= 0:
-            raise ValueError(f"capacity_pages must be a positive int, got {capacity_pages!r}")
-        self.capacity_pages = capacity_pages
+        self.capacity_pages = check_int("capacity_pages", capacity_pages, 1)
+        self.namespace: str | None = None
+        self.page_shape: tuple[int, ...] = ()
+        self.dtype: torch.dtype | None = None
         self._keys: OrderedDict[int, PageKey] = OrderedDict()  # least recently used first
         self._num_stored = 0
         self._num_hits = 0
         self._num_misses = 0
         self._num_evictions = 0
+        self._num_dropped = 0
+        self._num_corrupt = 0
+
+    def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Fix what this tier stores: pages of `namespace`, shaped `page_shape`, of `dtype`.
+        Binding again to the same is allowed (caches of one model may share a tier); to
+        anything else raises ValueError, changing nothing."""
+        wanted = (namespace, tuple(page_shape), dtype)
+        if self.namespace is not None:
+            if (self.namespace, self.page_shape, self.dtype) != wanted:
+                raise ValueError(
+                    f"this tier holds pages of {self.namespace!r} shaped {self.page_shape} "
+                    f"({self.dtype}); a cache of {namespace!r} shaped {tuple(page_shape)} "
+                    f"({dtype}) cannot share it")
+            return
+        self._open(*wanted)
+        self.namespace, self.page_shape, self.dtype = wanted
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """Store one page's data under `key` (replacing what its chain key held), dropping
-        the least recently used page if the tier is full. Raises OSError if the storage
-        fails (disk full); the index stays consistent."""
-        self._prepare(data)
-        if key.chain_key not in self._keys and len(self._keys) == self.capacity_pages:
-            _, victim = self._keys.popitem(last=False)
-            self._discard(victim)
+        the least recently used page if the tier is full. Raises ValueError for data of
+        another shape or dtype than the tier's, OSError if the storage fails (disk full);
+        the index stays consistent either way."""
+        if self.namespace is None:
+            raise ValueError("bind the tier to a namespace before storing pages")
+        if tuple(data.shape) != self.page_shape or data.dtype != self.dtype:
+            raise ValueError(f"tier pages are shaped {self.page_shape} ({self.dtype}), "
+                             f"got {tuple(data.shape)} ({data.dtype})")
+        if key.chain_key in self._keys:
+            self._discard(self._keys.pop(key.chain_key))
+        elif len(self._keys) == self.capacity_pages:
+            self._discard(self._keys.popitem(last=False)[1])
             self._num_evictions += 1
         self._write(key, data)
         self._keys[key.chain_key] = key
-        self._keys.move_to_end(key.chain_key)
         self._num_stored += 1
+
+    def store(self, key: PageKey, data: torch.Tensor) -> bool:
+        """`put` that never raises: a page the tier cannot keep, for any reason, is dropped
+        and counted. What eviction calls, since eviction must not fail. Returns whether the
+        page was stored."""
+        try:
+            self.put(key, data)
+        except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
+            self._num_dropped += 1
+            return False
+        return True
 
     def get(self, key: PageKey) -> torch.Tensor | None:
         """A copy of the page stored under `key`, or None (a miss) if the tier holds no page
-        for this exact prefix. A hit makes the page the most recently used."""
+        for this exact prefix or cannot read it. A hit makes the page the most recently
+        used. Never raises."""
         data = self._read(key) if key in self else None
         if data is None:
             if key in self:  # indexed but unreadable (a damaged or removed file): forget it
@@ -126,9 +172,10 @@ class Tier(ABC):
         return iter(list(self._keys.values()))
 
     def stats(self) -> TierStats:
-        """Capacity, pages held, and cumulative put/hit/miss/eviction counts."""
+        """Capacity, pages held, and cumulative put/hit/miss/eviction/drop counts."""
         return TierStats(self.capacity_pages, len(self._keys), self._num_stored,
-                         self._num_hits, self._num_misses, self._num_evictions)
+                         self._num_hits, self._num_misses, self._num_evictions,
+                         self._num_dropped, self._num_corrupt)
 
     def clear(self) -> None:
         """Drop every page (counters stay)."""
@@ -145,12 +192,12 @@ class Tier(ABC):
                 f"key {key} filed under {ck}")
 
     @abstractmethod
-    def _prepare(self, data: torch.Tensor) -> None:
-        """Raise ValueError if `data` cannot be stored; runs before `put` changes anything."""
+    def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Prepare the storage for pages of `namespace`; raise before changing anything."""
 
     @abstractmethod
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        """Store `data` for `key` (new or replacing an entry with the same chain key)."""
+        """Store `data` for `key`, which is not in the index."""
 
     @abstractmethod
     def _read(self, key: PageKey) -> torch.Tensor | None:
@@ -162,8 +209,8 @@ class Tier(ABC):
 
 
 class HostTier(Tier):
-    """Pages in host memory: one CPU tensor of `capacity_pages` pages, allocated by the
-    first `put` (which fixes the page shape and dtype) and never resized, with a free list
+    """Pages in host memory: one CPU tensor of `capacity_pages` pages, allocated when the
+    tier is bound (which fixes the page shape and dtype) and never resized, with a free list
     of its page slots. `pin_memory=True` pins it for faster copies to and from a GPU."""
 
     def __init__(self, capacity_pages: int, *, pin_memory: bool = False):
@@ -171,14 +218,15 @@ class HostTier(Tier):
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self.pin_memory = pin_memory
-        self.store: torch.Tensor | None = None  # [capacity_pages, *page shape]
-        self._slot_of: dict[int, int] = {}  # chain key -> slot in `store`
-        self._free_slots = list(range(capacity_pages - 1, -1, -1))  # pop() takes slot 0 first
+        self.buffer: torch.Tensor | None = None  # [capacity_pages, *page shape]
+        self._slot_of: dict[int, int] = {}  # chain key -> slot in `buffer`
+        self._free_slots: list[int] = []  # made when bound; pop() takes slot 0 first
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the store (0 before the first put)."""
-        return 0 if self.store is None else self.store.numel() * self.store.element_size()
+        """Bytes held by the store (0 before the tier is bound)."""
+        t = self.buffer
+        return 0 if t is None else t.numel() * t.element_size()
 
     def check(self) -> None:
         """Index invariants plus: every stored page has its own slot; slots in use and
@@ -186,43 +234,54 @@ class HostTier(Tier):
         super().check()
         assert set(self._slot_of) == set(self._keys), "slot index disagrees with the keys"
         used = sorted(self._slot_of.values())
-        assert sorted(used + self._free_slots) == list(range(self.capacity_pages)), (
+        slots = list(range(self.capacity_pages)) if self.buffer is not None else []
+        assert sorted(used + self._free_slots) == slots, (
             f"slots in use {used} and free {sorted(self._free_slots)} do not partition "
             f"[0, {self.capacity_pages})")
 
-    def _prepare(self, data: torch.Tensor) -> None:
-        if self.store is None:  # the one allocation: the first page fixes shape and dtype
+    def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        shape = (self.capacity_pages, *page_shape)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        ram = _physical_memory()
+        if ram is not None and nbytes > ram:
+            raise OutOfMemory(f"HostTier of {self.capacity_pages:,} pages needs {nbytes:,} "
+                              f"bytes, more than this machine's {ram:,} bytes of memory")
+        try:
             # zeroed so that its memory is committed now, not page fault by page fault in puts
-            self.store = torch.zeros((self.capacity_pages, *data.shape), dtype=data.dtype,
-                                     pin_memory=self.pin_memory)
-        elif tuple(data.shape) != tuple(self.store.shape[1:]):
-            raise ValueError(f"tier pages are shaped {tuple(self.store.shape[1:])}, "
-                             f"got {tuple(data.shape)}")
+            self.buffer = torch.zeros(shape, dtype=dtype, pin_memory=self.pin_memory)
+        except (RuntimeError, MemoryError) as e:
+            raise OutOfMemory(f"cannot allocate {nbytes:,} bytes for a HostTier of "
+                              f"{self.capacity_pages:,} pages: {e}") from None
+        self._free_slots = list(range(self.capacity_pages - 1, -1, -1))
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        slot = self._slot_of.get(key.chain_key)
-        if slot is None:
-            slot = self._free_slots.pop()
-            self._slot_of[key.chain_key] = slot
-        self.store[slot].copy_(data)
+        slot = self._free_slots.pop()
+        self.buffer[slot].copy_(data)
+        self._slot_of[key.chain_key] = slot
 
     def _read(self, key: PageKey) -> torch.Tensor:
         # A copy: the slot may be reused by the next put while the caller still holds it.
-        return self.store[self._slot_of[key.chain_key]].clone()
+        return self.buffer[self._slot_of[key.chain_key]].clone()
 
     def _discard(self, key: PageKey) -> None:
         self._free_slots.append(self._slot_of.pop(key.chain_key))
 
 
-_PAGE_FILE = re.compile(r"^[0-9a-f]{16}\.kvpage$")
+# A page file: magic, header length and header CRC-32, the header (JSON), the payload.
+_MAGIC = b"KVPOOLPG"
+_PREFIX = struct.Struct("<8sII")
+_FORMAT_VERSION = 1
 _TMP_PREFIX = ".kvpage-"
 
 
 class DiskTier(Tier):
-    """Pages on disk in `directory`, one file per page named by its chain key. Files are
-    written atomically (to a temporary name, then renamed), removed on eviction and by
-    `clear()`. Opening a directory that holds pages indexes them again, least recently
-    used (by file modification time) first."""
+    """Pages on disk in `directory`, one file per page named by its namespace and chain key.
+    Each file carries a header (format version, namespace, key, shape, dtype, payload length
+    and CRC-32) checked on every load: a page that fails is a miss, removed and counted.
+    Files are written atomically (to a temporary name, then renamed), removed on eviction and
+    by `clear()`. Binding to a directory that holds pages of the same namespace indexes them
+    again, least recently used (by file modification time) first; other namespaces' files
+    are left alone and never served."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -234,81 +293,160 @@ class DiskTier(Tier):
         except OSError as e:
             raise ValueError(f"cannot create tier directory {str(self.directory)!r}: {e}") \
                 from e
+        self._tag = ""  # file name prefix of the bound namespace
         self._last_use_ns = 0  # mtime stamped on the most recently used page file
-        self._reopen()
 
     def path(self, key: PageKey) -> Path:
         """The file holding the page stored under `key`."""
-        return self.directory / f"{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
+        return self.directory / f"{self._tag}-{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
 
-    def check(self) -> None:
-        """Index invariants plus: every indexed page has its file."""
-        super().check()
-        for key in self._keys.values():
-            assert self.path(key).is_file(), f"page file {self.path(key).name} is missing"
-
-    def _reopen(self) -> None:
-        """Index the pages already in the directory, least recently used first; drop
-        unreadable files, those beyond capacity and temporaries of interrupted writes."""
+    def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Index this namespace's pages already in the directory, least recently used
+        first; drop those whose header fails its checks, those beyond capacity and
+        temporaries of interrupted writes."""
+        self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+        pattern = re.compile(rf"^{self._tag}-[0-9a-f]{{16}}\.kvpage$")
         for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
             f.unlink(missing_ok=True)
-        files = [f for f in self.directory.iterdir() if _PAGE_FILE.match(f.name)]
+        files = [f for f in self.directory.iterdir() if pattern.match(f.name)]
         mtimes = {f: f.stat().st_mtime_ns for f in files}
         files.sort(key=mtimes.__getitem__)
         self._last_use_ns = max(mtimes.values(), default=0)
         for f in files:
-            record = _load_record(f, mmap=True)
-            if record is None or self.path(record[0]) != f:
-                f.unlink(missing_ok=True)
+            header = _read_header(f, namespace, page_shape, dtype)
+            key = None if header is None else _key_of(header)
+            if key is None or self.path(key) != f:
+                self._num_corrupt += 1
+                _remove(f)
                 continue
-            self._keys[record[0].chain_key] = record[0]
+            self._keys[key.chain_key] = key
         while len(self._keys) > self.capacity_pages:
             self._discard(self._keys.popitem(last=False)[1])
 
-    def _prepare(self, data: torch.Tensor) -> None:
-        if not isinstance(data, torch.Tensor):
-            raise ValueError(f"tier pages are tensors, got {type(data).__name__}")
-
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        record = {"parent_key": key.parent_key, "token_ids": list(key.token_ids),
-                  "data": data.detach().to("cpu").clone()}  # clone: save this page alone
+        payload = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        payload = payload.numpy().tobytes()
+        header = json.dumps({
+            "version": _FORMAT_VERSION, "namespace": self.namespace,
+            "parent_key": key.parent_key, "token_ids": list(key.token_ids),
+            "shape": list(self.page_shape), "dtype": str(self.dtype),
+            "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
+        }).encode()
+        self.directory.mkdir(parents=True, exist_ok=True)  # it may have been removed
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP_PREFIX, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(record, f)
+                f.write(_PREFIX.pack(_MAGIC, len(header), zlib.crc32(header)))
+                f.write(header)
+                f.write(payload)
             os.replace(tmp, self.path(key))
-        except RuntimeError as e:  # torch's zip writer reports a failed write this way
-            Path(tmp).unlink(missing_ok=True)
-            raise OSError(f"cannot write tier page {self.path(key).name}: {e}") from e
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
         self._touch(self.path(key))
 
     def _read(self, key: PageKey) -> torch.Tensor | None:
-        record = _load_record(self.path(key), mmap=False)
-        if record is None or record[0] != key:
-            return None  # damaged, or overwritten behind our back
-        self._touch(self.path(key))
-        return record[1]
+        path = self.path(key)
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+        data = _decode(raw, key, self.namespace, self.page_shape, self.dtype)
+        if data is None:
+            self._num_corrupt += 1
+            return None
+        self._touch(path)
+        return data
 
     def _discard(self, key: PageKey) -> None:
-        self.path(key).unlink(missing_ok=True)
+        _remove(self.path(key))
 
     def _touch(self, path: Path) -> None:
         """Stamp `path` used now, strictly after every other page file (the clock may tick
-        coarser than uses), so that a reopened index keeps the exact recency order."""
+        coarser than uses), so that a reopened index keeps the exact recency order. On a
+        directory it cannot write, the order is kept in memory only."""
         self._last_use_ns = max(time.time_ns(), self._last_use_ns + 1)
-        os.utime(path, ns=(self._last_use_ns, self._last_use_ns))
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(self._last_use_ns, self._last_use_ns))
 
 
-def _load_record(path: Path, *, mmap: bool) -> tuple[PageKey, torch.Tensor] | None:
-    """The key and data of a page file (`mmap`: the data stays on disk until touched),
-    None if the file is missing or is not a page file."""
-    try:
-        record = torch.load(path, weights_only=True, mmap=mmap)
-        key = PageKey.of(record["parent_key"], record["token_ids"])
-        data = record["data"]
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError):
+def _remove(path: Path) -> None:
+    """Remove a page file if the directory lets us; a file left behind is never served,
+    since only indexed pages are read."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _split(raw: bytes) -> tuple[dict, bytes] | None:
+    """A page file's header and payload, None unless the magic and header CRC match."""
+    if len(raw) < _PREFIX.size:
         return None
-    return (key, data) if isinstance(data, torch.Tensor) else None
+    magic, header_len, header_crc = _PREFIX.unpack_from(raw)
+    header = raw[_PREFIX.size:_PREFIX.size + header_len]
+    if magic != _MAGIC or len(header) != header_len or zlib.crc32(header) != header_crc:
+        return None
+    try:
+        return json.loads(header), raw[_PREFIX.size + header_len:]
+    except ValueError:
+        return None
+
+
+def _matches(header: dict, namespace: str, page_shape: tuple[int, ...],
+             dtype: torch.dtype) -> bool:
+    return (header.get("version") == _FORMAT_VERSION and header.get("namespace") == namespace
+            and header.get("shape") == list(page_shape) and header.get("dtype") == str(dtype))
+
+
+def _key_of(header: dict) -> PageKey | None:
+    try:
+        return PageKey.of(header["parent_key"], header["token_ids"])
+    except (KeyError, TypeError):
+        return None
+
+
+def _read_header(path: Path, namespace: str, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> dict | None:
+    """The header of a page file of this namespace, shape and dtype, else None."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(_PREFIX.size)
+            header_len = _PREFIX.unpack(prefix)[1] if len(prefix) == _PREFIX.size else 0
+            parts = _split(prefix + f.read(header_len))
+    except OSError:
+        return None
+    if parts is None or not _matches(parts[0], namespace, page_shape, dtype):
+        return None
+    return parts[0]
+
+
+def _decode(raw: bytes, key: PageKey, namespace: str, page_shape: tuple[int, ...],
+            dtype: torch.dtype) -> torch.Tensor | None:
+    """The page in a file's bytes, None unless its header matches `key`, the namespace,
+    shape and dtype, and its payload matches its length and CRC-32."""
+    parts = _split(raw)
+    if parts is None:
+        return None
+    header, payload = parts
+    if not _matches(header, namespace, page_shape, dtype) or _key_of(header) != key:
+        return None
+    if header.get("payload_bytes") != len(payload) or \
+            header.get("payload_crc32") != zlib.crc32(payload):
+        return None
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(page_shape)
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory, None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def page_namespace(layout, model_fingerprint: str = "") -> str:
+    """What a stored page of `layout` is valid for: the KV geometry, dtype and page size,
+    and `model_fingerprint` (a string naming the model's architecture and weights, given by
+    whoever loaded them; two models of one geometry differ only there)."""
+    return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
+            f"head_dim={layout.head_dim} dtype={layout.dtype} page_size={layout.page_size} "
+            f"model={model_fingerprint}")

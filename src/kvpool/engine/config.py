@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.engine.params import SEED_LIMIT
-from kvpool.errors import OutOfPages
+from kvpool.errors import OutOfPages, check_int
 from kvpool.formats import format_bytes
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.layout import KVLayout
@@ -47,10 +47,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive(name, getattr(self, name))
+            check_int(name, getattr(self, name), 1)
         for name in ("num_pages", "max_model_len"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_int(name, getattr(self, name), 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
                 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
@@ -120,8 +120,3 @@ class EngineConfig:
                              f"({plan.reason or 'kv_cache_memory is below one page'}); pass "
                              f"num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")

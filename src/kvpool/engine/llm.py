@@ -23,6 +23,7 @@ from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
 from kvpool.models import load_config, load_model
 from kvpool.models.loader import resolve_device
+from kvpool.threads import limit_threads
 from kvpool.workspace import Workspace
 
 Prompt = str | abc.Sequence[int]  # text (needs a tokenizer) or token ids
@@ -40,6 +41,7 @@ class LLM:
     def __init__(self, model: str | Path, *,
                  on_step: abc.Callable[[StepRecord], None] | None = None, **options):
         self.config = EngineConfig(**options)
+        limit_threads()
         device = resolve_device(self.config.device)
         mc = load_config(model)
         self.max_model_len = self.config.resolve_max_model_len(mc)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpool.errors import check_int
+
 SEED_LIMIT = 2**64  # torch generators take seeds in [0, 2**64)
 
 
@@ -30,11 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("top_k", self.top_k, minimum=0)
-        _check_int("n", self.n, minimum=1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("top_k", self.top_k, 0)
+        check_int("n", self.n, 1)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            check_int("seed", self.seed, 0)
             # sample i draws from a generator seeded with seed + i, a 64-bit unsigned int
             if self.seed + self.n > SEED_LIMIT:
                 raise ValueError(f"seed must be at most 2**64 - n = {SEED_LIMIT - self.n} (sample "
@@ -62,13 +64,6 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
 
 
 def _check_number(name: str, value: object) -> None:

@@ -1,0 +1,68 @@
+"""A fixed number of requests of one hot-path case, for counting machine instructions.
+
+    valgrind --tool=callgrind --instr-atstart=no python benchmarks/instructions.py CASE N
+
+Instructions per request = (count at N=1,200 - count at N=200) / 1,000, which cancels start-up
+and shutdown. Counts do not move with the load of a shared machine, unlike times. Setup runs
+uninstrumented: the script switches counting on (`callgrind_control -i on`) just before its
+loop, and does nothing more when run without valgrind. Cases:
+  alloc  PageAllocator(100,000), half held: allocate(16) + free(16)
+  off    KVCache, caching off: add a 256-token sequence (16 pages) + free it
+  hit    KVCache, caching on, a 256-token prompt cached: add it again (15-page hit, the last
+         page is new) + commit + free
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+
+from kvpool.allocator import PageAllocator
+
+PAGE_SIZE = 16
+PROMPT = list(range(1_000, 1_000 + 16 * PAGE_SIZE))
+
+
+def counting_on() -> None:
+    """Tell callgrind, if it runs this process, to start counting."""
+    subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())],
+                   capture_output=True, check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("case", choices=("alloc", "off", "hit"))
+    parser.add_argument("requests", type=int)
+    args = parser.parse_args()
+    if args.case == "alloc":
+        allocator = PageAllocator(100_000)
+        allocator.allocate(50_000)
+        counting_on()
+        for _ in range(args.requests):
+            allocator.free(allocator.allocate(16))
+        return
+    import torch
+
+    from kvpool.cache import KVCache
+    from kvpool.layout import KVLayout
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
+                      page_size=PAGE_SIZE)
+    cache = KVCache(layout, 4096, prefix_caching=args.case == "hit")
+    if args.case == "hit":
+        cache.add_sequence(-1, PROMPT)
+        cache.commit(-1)
+        cache.free_sequence(-1)
+    counting_on()
+    for i in range(args.requests):
+        if args.case == "off":
+            cache.add_sequence(i, num_tokens=len(PROMPT))
+        else:
+            cache.add_sequence(i, PROMPT)
+            cache.commit(i)
+        cache.free_sequence(i)
+
+
+if __name__ == "__main__":
+    main()
