@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import abc
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -75,6 +76,9 @@ class LLM:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
         self._lock = threading.RLock()
+        # Calls from outside the stepping loop waiting for the lock (see _cut_in).
+        self._num_waiting = 0
+        self._turns = threading.Condition()
         self._generating = False
         self._next_request_id = 0
         self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
@@ -150,7 +154,7 @@ class LLM:
                     request_id: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises SequenceTooLong or OutOfPages
         (with the numbers) if it could never fit, ValueError for a bad prompt or id."""
-        with self._lock:
+        with self._cut_in():
             if self._generating:
                 raise RuntimeError("add_request() while generate() runs: generate serves only "
                                    "its own requests")
@@ -170,7 +174,7 @@ class LLM:
         """Cancel an unfinished request: its samples finish with "abort" and their pages
         come back at once. Returns its final output; None for an unknown or finished id.
         Safe from `on_step` and from another thread (it waits for the step in progress)."""
-        with self._lock:
+        with self._cut_in():
             request = self._requests.pop(request_id, None)
             if request is None:
                 return None
@@ -200,9 +204,27 @@ class LLM:
     # ---- internals ---------------------------------------------------------------------
 
     def _step(self) -> list[Request]:
-        """Schedule, run the forward, sample; returns the requests that advanced."""
+        """Schedule, run the forward, sample; returns the requests that advanced. Waits
+        first while another thread waits to add or abort."""
+        with self._turns:
+            self._turns.wait_for(lambda: self._num_waiting == 0)
         with self._lock:
             return self._step_locked()
+
+    @contextmanager
+    def _cut_in(self) -> abc.Iterator[None]:
+        """Hold the engine for a call made outside the stepping loop. The lock alone is not
+        fair: a thread stepping in a loop takes it back at once, and an abort from another
+        thread could wait out the whole generation. So steps wait while such a call waits."""
+        with self._turns:
+            self._num_waiting += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._turns:
+                self._num_waiting -= 1
+                self._turns.notify_all()
 
     def _step_locked(self) -> list[Request]:
         start = time.perf_counter()
