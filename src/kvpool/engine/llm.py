@@ -235,9 +235,9 @@ class LLM:
             return []
         bucket = self.graphs.bucket(batch) if self.graphs else None
         logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
-        seqs, rows = self.scheduler.update(batch)
-        if len(rows) > len(logits):  # forked samples read their parent's row
-            logits = logits[torch.tensor(rows, device=logits.device)]
+        seqs, logit_rows = self.scheduler.update(batch)
+        if len(logit_rows) > len(logits):  # forked samples read their parent's row
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
         streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
         tokens = self.sampler(logits, [s.params for s in seqs], streams,
                               [s.num_tokens for s in seqs])

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpool.cache import KVCache
 from kvpool.engine.request import Request, Sequence, SequenceStatus
@@ -48,6 +49,14 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         """Tokens computed by the step's forward."""
         return sum(self.ends) - sum(self.starts)
+
+
+class Samples(NamedTuple):
+    """The sequences that sample a token after a step, and for each the row of the step's
+    logits it reads (the samples forked from a prompt just prefilled share its row)."""
+
+    seqs: list[Sequence]
+    logit_rows: list[int]
 
 
 class Scheduler:
@@ -151,10 +160,9 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    def update(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int]]:
+    def update(self, batch: ScheduledBatch) -> Samples:
         """After the forward: record the computed tokens, commit them to the cache, and fork
-        the samples of prompts just prefilled. Returns the sequences that sample a token now
-        and, for each, its row of the step's logits (forked samples share their parent's)."""
+        the samples of prompts just prefilled. Returns who samples now, from which rows."""
         seqs, rows = [], []
         row = 0
         for seq, end, sampled in zip(batch.seqs, batch.ends, batch.sampled, strict=True):
@@ -165,7 +173,7 @@ class Scheduler:
                 seqs += family
                 rows += [row] * len(family)
                 row += 1
-        return seqs, rows
+        return Samples(seqs, rows)
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Request]:
         """Append each sequence's sampled token and finish those that stop. Returns the
