@@ -604,6 +604,19 @@ def test_stats_count_shared_slots_once():
     assert s.kv_utilization == 6 / 8
 
 
+def test_page_counts_for_the_engine_agree_with_stats():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", token_ids=list(range(9)))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("b", num_tokens=5)
+    s = cache.stats()
+    assert (cache.num_pages, cache.num_free_pages, cache.num_cached_pages) == (8, 4, 2)
+    assert (s.num_pages, s.num_free_pages, s.num_cached_pages) == (8, 4, 2)
+    assert cache.num_available_pages == 6
+    assert cache.device == torch.device("cpu")
+
+
 def test_scrub_on_free_zeroes_freed_pages():
     cache = make_cache(scrub_on_free=True)
     cache.add_sequence("a", num_tokens=4)

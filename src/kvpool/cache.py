@@ -217,9 +217,29 @@ class KVCache:
         return [sid for sid, seq in self._seqs.items() if page in seq.pages]
 
     @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages on the free list (O(1), unlike `stats()`)."""
+        return self.allocator.num_free
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages no sequence holds whose content the prefix cache keeps (O(1))."""
+        return self.allocator.num_cached
+
+    @property
     def num_available_pages(self) -> int:
         """Pages an allocation could get: free ones plus cached ones no sequence holds."""
-        return self.allocator.num_free + self.allocator.num_cached
+        return self.num_free_pages + self.num_cached_pages
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pool lives."""
+        return self.pool.device
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:

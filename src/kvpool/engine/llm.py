@@ -256,13 +256,12 @@ class LLM:
         self._elapsed += end - start
         if self.on_step is None:
             return
-        free = self.cache.allocator.num_free
-        cached = self.cache.num_available_pages - free
+        free, cached = self.cache.num_free_pages, self.cache.num_cached_pages
         self.on_step(StepRecord(
             step=self._num_steps - 1, time=end - self._first_step_time, duration=end - start,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=batch.num_tokens, num_decode_tokens=batch.num_decode_tokens,
-            num_used_pages=self.cache.allocator.num_pages - free - cached,
+            num_used_pages=self.cache.num_pages - free - cached,
             num_cached_pages=cached, num_free_pages=free,
             num_preemptions=self.scheduler.num_preemptions))
 

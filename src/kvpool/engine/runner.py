@@ -95,7 +95,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.workspace = workspace
-        self.device = cache.pool.device
+        self.device = cache.device
         # Reused across steps: the previous step's copy has completed by the time this is
         # rewritten, because every step ends by copying its sampled tokens to the host.
         self._pinned = torch.empty(0, dtype=torch.int64)

@@ -97,7 +97,7 @@ class Scheduler:
                 f"prompt of {num_prompt} tokens + max_tokens {max_tokens} = {total} tokens, "
                 f"over max_model_len {self.max_model_len}")
         need = self.cache.layout.num_pages_for(total - 1)
-        have = self.cache.allocator.num_pages
+        have = self.cache.num_pages
         if need > have:
             raise OutOfPages(
                 f"prompt of {num_prompt} tokens + max_tokens {max_tokens} need {need} pages "
