@@ -11,6 +11,7 @@ import transformers
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cli import main
+from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
@@ -83,6 +84,41 @@ def test_batched_greedy_decode_on_scattered_latent_pages_matches_transformers(pa
     for seq_id, prompt in batch.items():
         assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
     runner.cache.check()
+
+
+# --- through the engine ---
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_case(tmp_path_factory):
+    """A V3 checkpoint, 8 prompts (four share a 24-token prefix) and transformers' greedy
+    continuations of each, run alone."""
+    hf = make_hf_model("v3-yarn", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("v3-engine"))
+    shared = prompts(160, lengths=(24,), seed=2)["seq0"]
+    batch = list(prompts(160, lengths=(5, 13, 30, 41), seed=3).values())
+    batch += [shared + tail for tail in prompts(160, lengths=(1, 6, 9, 17), seed=4).values()]
+    return folder, batch, [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in batch]
+
+
+def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(engine_case):
+    folder, batch, expected = engine_case
+    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.cache.check()
+
+
+def test_engine_greedy_outputs_survive_preemption(engine_case):
+    folder, batch, expected = engine_case
+    llm = LLM(folder, num_pages=24, page_size=4)  # 96 slots; the longest request needs 73
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    llm.cache.check()
 
 
 # --- absorbed and expanded attention ---
