@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cli import main
 from kvpool.engine import LLM, SamplingParams
-from kvpool.errors import ConfigError
+from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.planner import count_parameters, plan_memory
@@ -84,6 +85,28 @@ def test_batched_greedy_decode_on_scattered_latent_pages_matches_transformers(pa
     for seq_id, prompt in batch.items():
         assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
     runner.cache.check()
+
+
+def with_an_extra_layer(folder):
+    """Add tensors of a layer past num_hidden_layers (as V3's multi-token-prediction module
+    ships) to the checkpoint in `folder`."""
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    weights["model.layers.3.input_layernorm.weight"] = torch.ones(64)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_v3_loads_without_its_multi_token_prediction_layers(tmp_path):
+    hf = make_hf_model("v3-rope-not-interleaved", configs=CONFIGS)
+    model = load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device="cpu").model
+    assert len(model.model.layers) == 3
+
+
+def test_v2_refuses_tensors_of_a_layer_it_does_not_have(tmp_path):
+    hf = make_hf_model("v2-lite", configs=CONFIGS)
+    with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.3\.eh_proj"):
+        load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device="cpu")
 
 
 # --- through the engine ---
