@@ -12,6 +12,7 @@ and pages (the projections before them are common to both, so left out). Times a
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -82,7 +83,8 @@ def main() -> None:
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0.0, 0.02)
-    print(f"threads {torch.get_num_threads()}, float32, page size {PAGE_SIZE}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, page size "
+          f"{PAGE_SIZE}, load average {os.getloadavg()[0]:.1f}; median ms")
     header = f"{'phase':<30}{'seqs':>6}{'new':>6}{'context':>9}{'absorbed':>11}" \
              f"{'expanded':>11}{'expanded / absorbed':>22}"
     print(header)
