@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cli import main
@@ -16,6 +17,8 @@ from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
+from kvpool.models.mla import softmax_scale
+from kvpool.models.rotary import attention_factor, inv_frequencies
 from kvpool.planner import count_parameters, plan_memory
 from models_util import PagedRunner, hf_greedy, hf_logits, make_hf_model, save_hf_model
 from test_models import MAX_TOKENS, prompts, relative_error
@@ -289,3 +292,16 @@ def test_kvpool_plan_shows_the_mla_layout_of_a_v2_lite_config(tmp_path, capsys):
 def test_unsupported_deepseek_configs_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf(V2_LITE | change)
+
+
+@pytest.mark.parametrize(("config", "hf_class"), [(V2_LITE, transformers.DeepseekV2Config),
+                                                  (V3, transformers.DeepseekV3Config)])
+def test_yarn_frequencies_factor_and_softmax_scale_equal_transformers(config, hf_class):
+    hf_config = hf_class.from_dict(config)
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    ours = ModelConfig.from_hf(config)
+    assert torch.equal(inv_frequencies(ours), hf_inv_freq)
+    assert attention_factor(ours) == hf_factor
+    hf_module = transformers.models.deepseek_v3.modeling_deepseek_v3
+    assert softmax_scale(ours) == hf_module.yarn_apply_mscale(hf_config.rope_parameters,
+                                                              192 ** -0.5)

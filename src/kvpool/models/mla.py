@@ -151,7 +151,8 @@ def softmax_scale(config: ModelConfig) -> float:
     scale = config.mla.qk_head_dim ** -0.5
     scaling = config.rope_scaling
     if scaling is not None and scaling.get("mscale_all_dim"):
-        scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale = scale * mscale * mscale  # in transformers' order, for the same bits
     return scale
 
 

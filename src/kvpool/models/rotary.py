@@ -32,7 +32,7 @@ def inv_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
-        return _yarn_inv_frequencies(inv_freq, config)
+        return _yarn_inv_frequencies(config.rope_theta**exponents, config)
     return _llama3_inv_frequencies(inv_freq, scaling)
 
 
@@ -56,10 +56,12 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_inv_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """YaRN: frequencies that turn fewer than `beta_slow` times over the trained context are
-    divided by `factor` (interpolated), those turning more than `beta_fast` times are kept
-    (extrapolated), with a linear ramp between, over dimension indices."""
+def _yarn_inv_frequencies(wavelengths: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """YaRN over `wavelengths` (theta ** (2i / dim), positions per radian): frequencies that
+    turn fewer than `beta_slow` times over the trained context are divided by `factor`
+    (interpolated), those turning more than `beta_fast` times are kept (extrapolated), with a
+    linear ramp between, over dimension indices. Same operations as transformers, so the
+    same bits."""
     scaling = config.rope_scaling
     dim, base, factor = config.rotary_dim, config.rope_theta, scaling["factor"]
     context = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
@@ -75,8 +77,8 @@ def _yarn_inv_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.
     if low == high:
         high += 0.001  # a ramp of zero width would divide by zero
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = (1 - ramp).to(inv_freq.device)
-    return inv_freq / factor * (1 - keep) + inv_freq * keep
+    keep = (1 - ramp).to(wavelengths.device)
+    return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
 def _llama3_inv_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
