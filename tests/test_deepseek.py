@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kvpool.attention import AttentionMetadata
+from kvpool.attention import AttentionMetadata, write_latent
 from kvpool.cli import main
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
@@ -145,6 +145,28 @@ def test_engine_greedy_outputs_survive_preemption(engine_case):
     assert llm.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     llm.cache.check()
+
+
+# --- latent pages ---
+
+def test_write_latent_puts_each_token_at_its_slot_and_nothing_else():
+    cache = torch.zeros(3, 4, 1, 8)
+    latent = torch.arange(16, dtype=torch.float32).view(2, 1, 8) + 1
+    write_latent(cache, torch.tensor([5, 11]), latent)
+    assert torch.equal(cache[1, 1], latent[0]) and torch.equal(cache[2, 3], latent[1])
+    assert torch.count_nonzero(cache) == 16
+
+
+def test_write_latent_refuses_a_slot_outside_the_pages_and_writes_nothing():
+    cache = torch.zeros(3, 4, 1, 8)
+    with pytest.raises(IndexError, match=r"write_latent: slot 12 \(token 1\) is outside"):
+        write_latent(cache, torch.tensor([0, 12]), torch.ones(2, 1, 8))
+    assert torch.count_nonzero(cache) == 0
+
+
+def test_write_latent_refuses_a_latent_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"expects latent \[n, 1, 8\]"):
+        write_latent(torch.zeros(3, 4, 1, 8), torch.tensor([0]), torch.ones(1, 1, 6))
 
 
 # --- absorbed and expanded attention ---
