@@ -38,6 +38,8 @@ CONFIGS = {
     # V2-Lite's shape: no q_lora, softmax greedy routing, two shared experts
     "v2-lite": lambda: transformers.DeepseekV2Config(
         **SMALL, q_lora_rank=None, n_shared_experts=2, topk_method="greedy"),
+    "v2-lite-biases": lambda: transformers.DeepseekV2Config(
+        **SMALL, q_lora_rank=None, n_shared_experts=2, attention_bias=True, mlp_bias=True),
     # V2's: q_lora, group-limited routing scaled, yarn rope with mscale
     "v2-grouped-yarn": lambda: transformers.DeepseekV2Config(
         **SMALL, q_lora_rank=24, n_shared_experts=1, topk_method="group_limited_greedy",
