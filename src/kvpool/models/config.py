@@ -134,7 +134,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" ("linear", "llama3")
+    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" (linear, llama3, yarn)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 always; Llama/Qwen3 when attention_bias
