@@ -11,7 +11,6 @@ import transformers
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
-from kvpool.layout import KVLayout
 from kvpool.models.llama import LlamaForCausalLM
 
 SMALL = dict(
@@ -34,11 +33,12 @@ CONFIGS = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A small random float32 transformers model of CONFIGS[name]. Norm scales and biases
-    are randomised too (transformers initialises them to 1 and 0, which would hide bugs)."""
+def make_hf_model(name: str, seed: int = 0, configs=CONFIGS) -> transformers.PreTrainedModel:
+    """A small random float32 transformers model of configs[name]. Norm scales and biases
+    are randomised too (transformers initialises them to 1 and 0, which would hide bugs), and
+    so is DeepSeek-V3's router bias (zeros)."""
     torch.manual_seed(seed)
-    config = CONFIGS[name]()
+    config = configs[name]()
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -47,6 +47,9 @@ def make_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
                 param.normal_(1.0, 0.2)
             elif param_name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
     return model
 
 
@@ -62,9 +65,7 @@ class PagedRunner:
 
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int = 128, page_size: int = 4,
                  seed: int = 0):
-        config = model.config
-        layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
-                          dtype=model.dtype, page_size=page_size)
+        layout = model.config.kv_layout(dtype=model.dtype, page_size=page_size)
         self.model = model
         self.cache = KVCache(layout, num_pages, device="cpu")
         pages = self.cache.allocator.allocate(num_pages)

@@ -39,10 +39,10 @@ prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier):
+    def __init__(self, policy, prefix_caching, tier, kind="mha"):
         super().__init__()
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
-                          page_size=PAGE_SIZE)
+                          page_size=PAGE_SIZE, kind=kind)
         self.tier = HostTier(TIER_PAGES) if tier else None
         self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
@@ -62,7 +62,8 @@ class CacheMachine(RuleBasedStateMachine):
         if slots:
             k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
                              dtype=torch.float32).view(-1, 1, 1)
-            self.cache.pool.write(0, torch.tensor(slots), k, -k)
+            v = -k if self.cache.layout.kind == "mha" else None  # an MLA latent is one plane
+            self.cache.pool.write(0, torch.tensor(slots), k, v)
 
     def snapshot(self):
         c = self.cache
@@ -241,6 +242,21 @@ def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
 
     Machine.TestCase.settings = settings(
         max_examples=150, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    Machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
+                                                      (True, True)])
+def test_random_operations_on_mla_latent_pages_keep_every_invariant(prefix_caching, tier):
+    """Pages of one latent plane (DeepSeek's MLA) share, copy on write, cache and go to a tier
+    exactly as K/V pages do."""
+    class Machine(CacheMachine):
+        def __init__(self):
+            super().__init__("lifo", prefix_caching, tier, kind="mla")
+
+    Machine.TestCase.settings = settings(
+        max_examples=100, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])
     Machine.TestCase().runTest()
 

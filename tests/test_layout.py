@@ -51,3 +51,26 @@ def test_layout_rejects_a_dtype_that_is_not_a_floating_torch_dtype(dtype):
 @pytest.mark.parametrize(("num_tokens", "num_pages"), [(0, 0), (1, 1), (16, 1), (17, 2)])
 def test_num_pages_for_rounds_up_to_whole_pages(num_tokens, num_pages):
     assert KVLayout(2, 2, 64).num_pages_for(num_tokens) == num_pages
+
+
+# MLA: one latent plane
+
+
+def test_mla_bytes_per_token_count_one_latent_per_layer():
+    # DeepSeek-V2-Lite: 27 layers, kv_lora_rank 512 + qk_rope_head_dim 64, bf16
+    layout = KVLayout(27, 1, 576, torch.bfloat16, kind="mla")
+    assert (layout.num_planes, layout.bytes_per_token) == (1, 27 * 576 * 2)
+
+
+def test_layout_kind_defaults_to_mha_with_k_and_v_planes():
+    assert (KVLayout(2, 2, 64).kind, KVLayout(2, 2, 64).num_planes) == ("mha", 2)
+
+
+def test_layout_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match=r"kind must be one of \('mha', 'mla'\), got 'gqa'"):
+        KVLayout(2, 2, 64, kind="gqa")
+
+
+def test_mla_layout_rejects_more_than_one_kv_head():
+    with pytest.raises(ValueError, match="num_kv_heads must be 1, got 2"):
+        KVLayout(2, 2, 64, kind="mla")

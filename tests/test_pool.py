@@ -101,3 +101,43 @@ def test_a_pool_too_large_for_memory_names_the_bytes():
     with pytest.raises(OutOfMemory, match=r"a pool of 2,000,000,000 pages needs "
                                           r"10,485,760,000,000,000 bytes on cpu"):
         KVPool(huge, 2_000_000_000, device="cpu")
+
+
+MLA = KVLayout(num_layers=3, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=4,
+               kind="mla")
+
+
+def test_mla_pool_holds_one_latent_plane_that_is_both_k_and_v():
+    pool = KVPool(MLA, 5, device="cpu")
+    assert pool.kv.shape == (3, 1, 5, 4, 1, 4)
+    assert pool.nbytes == 5 * MLA.bytes_per_page
+    assert pool.k_cache(2).data_ptr() == pool.v_cache(2).data_ptr() == pool.kv[2, 0].data_ptr()
+
+
+def test_mla_pool_writes_the_latent_alone_at_its_slots():
+    pool = KVPool(MLA, 5, device="cpu")
+    pool.kv.zero_()
+    latent = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4) + 1
+    pool.write(1, torch.tensor([5, 18]), latent)
+    assert torch.equal(pool.k_cache(1)[1, 1], latent[0])
+    assert torch.equal(pool.k_cache(1)[4, 2], latent[1])
+    assert torch.count_nonzero(pool.kv) == 8
+
+
+def test_mla_pool_refuses_a_v_and_an_mha_pool_needs_one():
+    latent = torch.ones(1, 1, 4)
+    with pytest.raises(ValueError, match="a mla pool writes the latent alone"):
+        KVPool(MLA, 2, device="cpu").write(0, torch.tensor([0]), latent, latent)
+    with pytest.raises(ValueError, match="a mha pool writes both K and V"):
+        make_pool().write(0, torch.tensor([0]), torch.ones(1, 2, 4))
+
+
+def test_mla_pool_copies_and_moves_pages_like_any_other():
+    pool = KVPool(MLA, 5, device="cpu")
+    pool.kv.copy_(torch.randn(pool.kv.shape))
+    pool.copy_pages([0, 1], [3, 4])
+    assert torch.equal(pool.kv[:, :, 3:5], pool.kv[:, :, 0:2])
+    data = pool.read_pages([2])
+    assert data.shape == (3, 1, 1, 4, 1, 4)
+    pool.write_pages([0], data)
+    assert torch.equal(pool.kv[:, :, 0], pool.kv[:, :, 2])

@@ -66,16 +66,7 @@ def write_kv(k_cache, v_cache, slots, k, v) -> None:
     if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"write_kv expects k, v in the caches' {k_cache.dtype}, "
                          f"got {k.dtype} and {v.dtype}")
-    check_index_dtype("slots", slots)
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slots.device.type == "cpu" and slots.numel():
-        lo, hi = torch.aminmax(slots)
-        if lo < 0 or hi >= num_slots:
-            i = int(((slots < 0) | (slots >= num_slots)).nonzero()[0])
-            raise IndexError(
-                f"write_kv: slot {int(slots[i])} (token {i}) is outside the caches' "
-                f"[0, {num_slots})"
-            )
+    _check_slots("write_kv", k_cache, slots)
     dense = k_cache.stride(3) == v_cache.stride(3) == 1
     if k_cache.is_cuda and dense and triton_support.triton_installed():
         from kvpool.kernels import triton_write
@@ -86,6 +77,36 @@ def write_kv(k_cache, v_cache, slots, k, v) -> None:
     # view, never reshape: a silent copy would drop the write.
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def write_latent(cache, slots, latent) -> None:
+    """Store MLA latents `[n, 1, latent_dim]` of n tokens at `slots` `[n]` in one layer's
+    latent pages `cache` `[num_pages, page_size, 1, latent_dim]` (a KVLayout of kind "mla").
+    Slots are checked as `write_kv` checks them."""
+    if latent.shape[1:] != cache.shape[2:] or slots.shape != latent.shape[:1]:
+        raise ValueError(f"write_latent expects latent [n, {cache.shape[2]}, {cache.shape[3]}] "
+                         f"and slots [n]; got latent {tuple(latent.shape)}, "
+                         f"slots {tuple(slots.shape)}")
+    if latent.dtype != cache.dtype:
+        raise ValueError(f"write_latent expects latent in the cache's {cache.dtype}, "
+                         f"got {latent.dtype}")
+    _check_slots("write_latent", cache, slots)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots.long(), latent)
+
+
+def _check_slots(caller: str, cache, slots) -> None:
+    """Raise unless slots are integers; on the CPU, IndexError naming the first slot outside
+    the cache (CUDA slots are not read back: that would synchronise)."""
+    check_index_dtype("slots", slots)
+    num_slots = cache.shape[0] * cache.shape[1]
+    if slots.device.type == "cpu" and slots.numel():
+        lo, hi = torch.aminmax(slots)
+        if lo < 0 or hi >= num_slots:
+            i = int(((slots < 0) | (slots >= num_slots)).nonzero()[0])
+            raise IndexError(
+                f"{caller}: slot {int(slots[i])} (token {i}) is outside the caches' "
+                f"[0, {num_slots})"
+            )
 
 
 def paged_attention(

@@ -12,6 +12,7 @@ from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -170,6 +171,7 @@ def _plan_rows(
         rows.append(("already in use", format_bytes(plan.in_use_bytes)))
     return rows + [
         ("KV budget", format_bytes(plan.budget_bytes)),
+        ("KV layout", _layout_text(model, plan.layout)),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
         ("KV bytes per page", f"{plan.bytes_per_page:,} ({format_bytes(plan.bytes_per_page)}, "
                               f"{plan.page_size} tokens)"),
@@ -178,6 +180,15 @@ def _plan_rows(
         (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,} "
                                           f"({pages_per_seq:,} pages each)"),
     ]
+
+
+def _layout_text(model: ModelConfig, layout: KVLayout) -> str:
+    """What one token stores, e.g. "K and V, 8 heads x 128, 32 layers"."""
+    if model.mla is not None:
+        return (f"MLA latent, {layout.head_dim} values (kv_lora_rank {model.mla.kv_lora_rank} "
+                f"+ rope {model.mla.qk_rope_head_dim}), {layout.num_layers} layers")
+    return (f"K and V, {layout.num_kv_heads} heads x {layout.head_dim}, "
+            f"{layout.num_layers} layers")
 
 
 def _memory_source(plan: MemoryPlan) -> str:

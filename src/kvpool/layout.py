@@ -9,28 +9,48 @@ import torch
 
 from kvpool.errors import check_int
 
+KINDS = ("mha", "mla")
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Geometry of the paged KV cache: for every token, K and V of `num_kv_heads` heads of
-    `head_dim` elements of `dtype` in each of `num_layers` layers; pages of `page_size` tokens."""
+    """Geometry of the paged KV cache: for every token, in each of `num_layers` layers,
+    `num_kv_heads` heads of `head_dim` elements of `dtype` in each of its planes; pages of
+    `page_size` tokens.
+
+    `kind` "mha" (multi-head and grouped-query attention) stores two planes, K and V. "mla"
+    (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
+    latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
+    serves as the key, and whose first kv_lora_rank values serve as the value."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float16
     page_size: int = 16
+    kind: str = "mha"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             check_int(name, getattr(self, name), 1)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"an mla layout stores one latent per token and layer: "
+                             f"num_kv_heads must be 1, got {self.num_kv_heads}")
+
+    @property
+    def num_planes(self) -> int:
+        """Vectors stored per token, layer and KV head: 2 (K and V) for mha, 1 for mla."""
+        return 1 if self.kind == "mla" else 2
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token's K and V over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one token's KV over all layers: K and V (mha), or the latent (mla)."""
+        return (self.num_planes * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
 
     @property
     def bytes_per_page(self) -> int:

@@ -132,9 +132,29 @@ def model_config(config: ModelSource) -> ModelConfig:
 
 
 def count_parameters(model: ModelConfig) -> int:
-    """Exact parameter count of a Llama-family decoder: embeddings, per layer attention
-    (q, k, v, o and their biases, Qwen3's q/k norms), gated MLP and two RMSNorms, the final
-    norm, and the lm_head unless tied to the embeddings."""
+    """Exact parameter count of a decoder: embeddings; per layer the attention (Llama-family:
+    q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms),
+    the MLP (gated; DeepSeek's MoE layers: routed and shared experts and the router) and two
+    RMSNorms; the final norm; the lm_head unless tied to the embeddings."""
+    hidden = model.hidden_size
+    attention = _mla_parameters(model) if model.mla else _attention_parameters(model)
+    embeddings = model.vocab_size * hidden
+    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
+    return (embeddings + model.num_layers * (attention + 2 * hidden) + _all_mlp_parameters(model)
+            + hidden + lm_head)
+
+
+def _all_mlp_parameters(model: ModelConfig) -> int:
+    """The MLPs of every layer: dense, except DeepSeek's MoE layers (from first_k_dense on)."""
+    dense = _mlp_parameters(model.hidden_size, model.intermediate_size, model.mlp_bias)
+    if model.moe is None:
+        return model.num_layers * dense
+    moe_layers = max(model.num_layers - model.moe.first_k_dense, 0)
+    return (model.num_layers - moe_layers) * dense + moe_layers * _moe_parameters(model)
+
+
+def _attention_parameters(model: ModelConfig) -> int:
+    """q, k, v and o projections, their biases, and Qwen3's per-head q/k norms."""
     hidden, head_dim = model.hidden_size, model.head_dim
     q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
     attention = hidden * (q + 2 * kv) + q * hidden
@@ -144,13 +164,38 @@ def count_parameters(model: ModelConfig) -> int:
         attention += hidden
     if model.qk_norm:
         attention += 2 * head_dim
-    mlp = 3 * hidden * model.intermediate_size
-    if model.mlp_bias:
-        mlp += 2 * model.intermediate_size + hidden
-    layer = attention + mlp + 2 * hidden
-    embeddings = model.vocab_size * hidden
-    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
-    return embeddings + model.num_layers * layer + hidden + lm_head
+    return attention
+
+
+def _mla_parameters(model: ModelConfig) -> int:
+    """DeepSeek's MLA: the query (directly, or down to q_lora_rank, normed, and up), the
+    latent's projection and norm, kv_b_proj up to per-head keys and values, o_proj."""
+    mla, hidden, heads = model.mla, model.hidden_size, model.num_heads
+    q_size = heads * mla.qk_head_dim
+    if mla.q_lora_rank is None:
+        query = hidden * q_size
+    else:
+        query = (hidden + 1 + q_size) * mla.q_lora_rank + model.qkv_bias * mla.q_lora_rank
+    latent = hidden * mla.latent_dim + model.qkv_bias * mla.latent_dim + mla.kv_lora_rank
+    kv_b = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    out = heads * mla.v_head_dim * hidden + model.o_bias * hidden
+    return query + latent + kv_b + out
+
+
+def _mlp_parameters(hidden: int, intermediate: int, bias: bool) -> int:
+    """A gated MLP: gate, up and down projections (and their biases)."""
+    return 3 * hidden * intermediate + bias * (2 * intermediate + hidden)
+
+
+def _moe_parameters(model: ModelConfig) -> int:
+    """A MoE layer's routed experts, shared experts and router, with V3's router bias (a
+    buffer in transformers, but a tensor of the checkpoint like any weight)."""
+    moe, hidden = model.moe, model.hidden_size
+    experts = moe.num_experts * _mlp_parameters(hidden, moe.intermediate_size, False)
+    shared = _mlp_parameters(hidden, moe.num_shared_experts * moe.intermediate_size,
+                             model.mlp_bias)
+    router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
+    return experts + shared + router
 
 
 def estimate_activation_bytes(

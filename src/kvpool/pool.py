@@ -17,7 +17,9 @@ def default_device() -> torch.device:
 
 class KVPool:
     """`num_pages` pages of K and V for every layer, in one tensor shaped
-    `[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`.
+    `[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]`: planes K and V
+    (layout kind "mha"), or the one latent plane (kind "mla", whose K and V views are both
+    that plane).
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
@@ -27,7 +29,7 @@ class KVPool:
         self.layout = layout
         self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
         self.device = torch.device(device) if device is not None else default_device()
-        shape = (layout.num_layers, 2, num_pages, layout.page_size,
+        shape = (layout.num_layers, layout.num_planes, num_pages, layout.page_size,
                  layout.num_kv_heads, layout.head_dim)
         nbytes = num_pages * layout.bytes_per_page
         try:
@@ -46,15 +48,22 @@ class KVPool:
         return self.kv[layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer's V pages, a view `[num_pages, page_size, num_kv_heads, head_dim]`."""
-        return self.kv[layer, 1]
+        """Layer's V pages, a view `[num_pages, page_size, num_kv_heads, head_dim]` (for "mla",
+        the latent plane, as `k_cache`)."""
+        return self.kv[layer, self.layout.num_planes - 1]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer's K/V `[n, num_kv_heads, head_dim]` for n tokens at `slots` [n]."""
-        flat = self.kv[layer].view(2, -1, self.layout.num_kv_heads, self.layout.head_dim)
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor | None = None) -> None:
+        """Write one layer's K/V `[n, num_kv_heads, head_dim]` for n tokens at `slots` [n];
+        for "mla" `k` is the latent and `v` must be None."""
+        if (v is None) != (self.layout.kind == "mla"):
+            raise ValueError(f"a {self.layout.kind} pool writes "
+                             f"{'the latent alone' if v is not None else 'both K and V'}")
+        flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
+                                   self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
-        flat[0].index_copy_(0, slots, k.to(flat.dtype))
-        flat[1].index_copy_(0, slots, v.to(flat.dtype))
+        for plane, x in zip(flat, (k, v) if v is not None else (k,), strict=True):
+            plane.index_copy_(0, slots, x.to(flat.dtype))
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy pages src[i] -> dst[i] in every layer (copy-on-write, tier loads)."""
@@ -66,7 +75,8 @@ class KVPool:
         self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """A copy of the pages' K/V in every layer: `[num_layers, 2, n, page_size, kvh, d]`."""
+        """A copy of the pages' KV in every layer: `[num_layers, num_planes, n, page_size,
+        kvh, d]`."""
         return self.kv[:, :, self._index(pages)]
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:

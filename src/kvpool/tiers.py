@@ -81,8 +81,8 @@ class TierStats:
 class Tier(ABC):
     """Storage for evicted prefix pages, at most `capacity_pages` of them, LRU beyond that.
 
-    A page's data is shaped `[num_layers, 2, page_size, num_kv_heads, head_dim]` (one page
-    of `KVPool.read_pages`). Subclasses say where the data lives (`_write`, `_read`,
+    A page's data is shaped `[num_layers, num_planes, page_size, num_kv_heads, head_dim]`
+    (one page of `KVPool.read_pages`). Subclasses say where the data lives (`_write`, `_read`,
     `_discard`); this class keeps the index, the recency order and the counters.
     """
 
@@ -449,4 +449,4 @@ def page_namespace(layout, model_fingerprint: str = "") -> str:
     whoever loaded them; two models of one geometry differ only there)."""
     return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
             f"head_dim={layout.head_dim} dtype={layout.dtype} page_size={layout.page_size} "
-            f"model={model_fingerprint}")
+            f"kind={layout.kind} model={model_fingerprint}")

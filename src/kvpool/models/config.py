@@ -1,5 +1,5 @@
-"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral) into one
-validated dataclass, the KV layout a config implies, and the built-in presets used by
+"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral, DeepSeek-V2/V3)
+into one validated dataclass, the KV layout a config implies, and the built-in presets used by
 `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
@@ -21,13 +21,18 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
@@ -73,6 +78,48 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention; sizes in values per token (per head where
+    named so). The KV cache holds, per token and layer, the normed compressed KV
+    (`kv_lora_rank`) and the rotated key part shared by all heads (`qk_rope_head_dim`)."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int  # per head: the key part without position
+    qk_rope_head_dim: int  # the rotated key part, one for all heads
+    v_head_dim: int
+    rope_interleave: bool  # rope rotates adjacent pairs (x0, x1), (x2, x3), ... as DeepSeek does
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Values per head of a query or key."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values of one token's latent in one layer: what the cache stores."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """DeepSeek's mixture of experts: layers from `first_k_dense` on replace the dense MLP by
+    `top_k` of `num_experts` routed experts plus `num_shared_experts` always applied."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    num_shared_experts: int  # fused into one MLP of num_shared_experts x intermediate_size
+    first_k_dense: int
+    scoring: str  # "softmax" (V2) or "sigmoid" (V3, choice biased by e_score_correction_bias)
+    topk_method: str  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
+    num_groups: int  # experts split into groups; the best `topk_groups` groups are eligible
+    topk_groups: int
+    norm_topk_prob: bool  # V3: the top-k weights are normalised to sum to 1
+    routed_scaling_factor: float  # multiplies the routed experts' weights
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What kvpool needs of a decoder's config.json, normalised across architectures and
     transformers versions (rope settings live in `rope_theta` + `rope_scaling`)."""
@@ -87,7 +134,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" ("linear", "llama3")
+    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" (linear, llama3, yarn)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 always; Llama/Qwen3 when attention_bias
@@ -98,12 +145,16 @@ class ModelConfig:
     dtype: torch.dtype | None  # the checkpoint's, None when unstated
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    mla: MLAConfig | None = None  # DeepSeek: num_kv_heads is 1 and head_dim the latent's
+    moe: MoEConfig | None = None  # DeepSeek's MoE layers; None: every MLP is dense
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
         """Parse a config dict, a config.json path, a checkpoint folder or a preset name."""
         cfg = read_hf_config(source)
         arch = _architecture(cfg)
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return _deepseek(cfg, arch)
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
         kv_heads = _int(cfg, "num_key_value_heads", heads)
@@ -153,10 +204,17 @@ class ModelConfig:
         return dtype or self.dtype or DEFAULT_DTYPE
 
     def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16) -> KVLayout:
-        """The KV layout of this model: its layers, KV heads and head_dim, in the dtype its
-        weights load in (see `weights_dtype`), with pages of `page_size` tokens."""
+        """The KV layout of this model: its layers, KV heads and head_dim (for MLA one latent
+        per token and layer), in the dtype its weights load in (see `weights_dtype`), with
+        pages of `page_size` tokens."""
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim,
-                        self.weights_dtype(dtype), page_size)
+                        self.weights_dtype(dtype), page_size,
+                        kind="mla" if self.mla else "mha")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Values of a query or key head that RoPE rotates: head_dim, or MLA's rope part."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
 
 def read_hf_config(source: dict | str | Path) -> dict:
@@ -209,7 +267,7 @@ def _architecture(cfg: dict) -> str:
     return archs
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _rope(cfg: dict, rope_types=("linear", "llama3")) -> tuple[float, dict | None]:
     # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key) or {}
@@ -221,15 +279,124 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports "
-                          "default, linear and llama3")
+    if rope_type not in rope_types:
+        raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports default and "
+                          f"{' and '.join(rope_types)} here")
     if "factor" not in params:
         raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):
-        if name in params:
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "attention_factor", "original_max_position_embeddings"):
+        if params.get(name) is not None:
+            _number(params[name], f"{key}.{name}")
+    for name in ("mscale", "mscale_all_dim"):  # 0 means unset, as in transformers
+        if params.get(name):
             _number(params[name], f"{key}.{name}")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _deepseek(cfg: dict, arch: str) -> ModelConfig:
+    """A DeepSeek-V2/V3 config: MLA attention (the cache holds one latent per token and layer,
+    so num_kv_heads is 1 and head_dim the latent's size), dense first layers and MoE layers.
+    Keys a config leaves out take transformers' defaults for the architecture."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"unsupported hidden_act {cfg['hidden_act']!r}; kvpool supports silu")
+    q_lora_rank = _optional_int(cfg, "q_lora_rank") if "q_lora_rank" in cfg else 1536
+    mla = MLAConfig(
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=_int(cfg, "kv_lora_rank", 512),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", 128),
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", 64),
+        v_head_dim=_int(cfg, "v_head_dim", 128),
+        rope_interleave=not v3 or cfg.get("rope_interleave") is not False,
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim must be even (RoPE rotates pairs), "
+                          f"got {mla.qk_rope_head_dim}")
+    rope_theta, rope_scaling = _rope(cfg, rope_types=("yarn",))
+    attention_bias = _bool(cfg, "attention_bias")
+    num_layers = _int(cfg, "num_hidden_layers")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=_int(cfg, "hidden_size"),
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=_int(cfg, "num_attention_heads"),
+        num_kv_heads=1,
+        head_dim=mla.latent_dim,
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 4096 if v3 else 2048),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
+        qkv_bias=attention_bias,  # q_a_proj and kv_a_proj_with_mqa
+        o_bias=attention_bias,
+        mlp_bias=not v3 and _bool(cfg, "mlp_bias"),
+        qk_norm=False,
+        sliding_window=None,
+        dtype=_dtype(cfg),
+        bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
+        eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
+        mla=mla,
+        moe=_deepseek_moe(cfg, v3),
+    )
+
+
+def _deepseek_moe(cfg: dict, v3: bool) -> MoEConfig | None:
+    """The MoE settings of a DeepSeek config; None when it routes to no experts."""
+    if "n_routed_experts" in cfg and cfg["n_routed_experts"] is None:
+        return None
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"unsupported moe_layer_freq {cfg['moe_layer_freq']!r}; kvpool "
+                          f"supports 1 (every layer after the dense ones is MoE)")
+    scoring = "sigmoid" if v3 else "softmax"
+    if cfg.get("scoring_func", scoring) != scoring:
+        raise ConfigError(f"unsupported scoring_func {cfg['scoring_func']!r}; "
+                          f"{'V3' if v3 else 'V2'} scores experts by {scoring}")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    method = cfg.get("topk_method") or methods[0]
+    if method not in methods:
+        raise ConfigError(f"unsupported topk_method {method!r}; expected one of {methods}")
+    grouped = method != "greedy"
+    first_k_dense = _optional_int(cfg, "first_k_dense_replace", minimum=0)
+    moe = MoEConfig(
+        num_experts=_int(cfg, "n_routed_experts", 256 if v3 else 64),
+        top_k=_int(cfg, "num_experts_per_tok", 8 if v3 else None),
+        intermediate_size=_int(cfg, "moe_intermediate_size", 2048 if v3 else 1407),
+        num_shared_experts=_int(cfg, "n_shared_experts", 1 if v3 else 2),
+        first_k_dense=(3 if v3 else 0) if first_k_dense is None else first_k_dense,
+        scoring=scoring,
+        topk_method=method,
+        num_groups=_int(cfg, "n_group", 8 if v3 else None) if grouped else 1,
+        topk_groups=_int(cfg, "topk_group", 4 if v3 else None) if grouped else 1,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob") if "norm_topk_prob" in cfg else v3,
+        routed_scaling_factor=_float(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0),
+    )
+    _check_routing(moe, v3)
+    return moe
+
+
+def _check_routing(moe: MoEConfig, v3: bool) -> None:
+    """Raise ConfigError unless the experts, groups and top-k agree."""
+    per_group = moe.num_experts // moe.num_groups
+    problem = None
+    if moe.num_experts % moe.num_groups:
+        problem = (f"n_routed_experts={moe.num_experts} is not a multiple of "
+                   f"n_group={moe.num_groups}")
+    elif moe.topk_groups > moe.num_groups:
+        problem = f"topk_group={moe.topk_groups} exceeds n_group={moe.num_groups}"
+    elif moe.top_k > moe.topk_groups * per_group:
+        problem = (f"num_experts_per_tok={moe.top_k} exceeds the {moe.topk_groups * per_group} "
+                   f"experts of the topk_group={moe.topk_groups} eligible groups")
+    elif v3 and per_group < 2:
+        problem = f"V3 scores a group by its best two experts; a group holds {per_group}"
+    elif not v3 and moe.norm_topk_prob:
+        # transformers ignores the flag for V2 and DeepSeek's own code normalises: refuse
+        # rather than pick one (no published V2 config sets it).
+        problem = "norm_topk_prob=true is not supported for DeepseekV2ForCausalLM"
+    if problem:
+        raise ConfigError(problem)
 
 
 def _dtype(cfg: dict) -> torch.dtype | None:

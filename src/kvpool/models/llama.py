@@ -102,7 +102,10 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are allocated on `device` but not initialised: load a checkpoint into them
     (`kvpool.models.loader`) or initialise them. The model never allocates pages; it writes
-    K/V only at the slots it is given and reads only through the page tables."""
+    K/V only at the slots it is given and reads only through the page tables. Subclasses
+    for other decoders set `decoder` (a module taking `(config, dtype)`)."""
+
+    decoder = LlamaModel
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
@@ -110,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         with torch.device("meta"):  # skip the default init: weights are loaded next
-            self.model = LlamaModel(config, dtype)
+            self.model = self.decoder(config, dtype)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device)

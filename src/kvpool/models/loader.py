@@ -11,7 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvpool.errors import CheckpointError, ConfigError
-from kvpool.models.config import PRESETS, ModelConfig, token_ids
+from kvpool.models.config import DEEPSEEK_ARCHITECTURES, PRESETS, ModelConfig, token_ids
+from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvpool.pool import default_device
@@ -50,9 +51,16 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
-    net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
+    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device)
     load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The module class that runs a config's architecture."""
+    if config.architecture in DEEPSEEK_ARCHITECTURES:
+        return DeepseekForCausalLM
+    return LlamaForCausalLM
 
 
 def load_config(model: str | Path) -> ModelConfig:
@@ -154,7 +162,10 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     """Copy the checkpoint's tensors into the model by name, after checking that names and
     shapes match exactly (a tied lm_head and rotary inv_freq buffers are skipped)."""
     params = model.state_dict()
-    found = _checkpoint_shapes(files, tied=model.lm_head is None)
+    # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
+    extra_layers = model.config.architecture == "DeepseekV3ForCausalLM"
+    found = _checkpoint_shapes(files, tied=model.lm_head is None,
+                               num_layers=model.config.num_layers if extra_layers else None)
     _check_weights(params, found, files[0].parent)
     with torch.no_grad():
         for file in files:
@@ -192,8 +203,10 @@ def _read_tensor(f, name: str, file: Path) -> torch.Tensor:
         raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 
 
-def _checkpoint_shapes(files: list[Path], tied: bool) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """name -> (shape, file) of every tensor the model should load, read from headers only."""
+def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = None
+                       ) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """name -> (shape, file) of every tensor the model should load, read from headers only;
+    with `num_layers`, tensors of layers from `num_layers` on are not the model's."""
     found = {}
     for file in files:
         with _open_safetensors(file) as f:
@@ -201,8 +214,18 @@ def _checkpoint_shapes(files: list[Path], tied: bool) -> dict[str, tuple[tuple[i
             for name in names:
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
+                if num_layers is not None and _layer_index(name) >= num_layers:
+                    continue
                 found[name] = (tuple(f.get_slice(name).get_shape()), file)
     return found
+
+
+def _layer_index(name: str) -> int:
+    """The layer a tensor name belongs to (`model.layers.7.mlp...` -> 7); -1 for none."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return -1
 
 
 def _check_weights(params: dict[str, torch.Tensor], found: dict, folder: Path) -> None:

@@ -1,9 +1,11 @@
-"""Rotary position embedding (RoPE): inverse frequencies for the default, `linear` and `llama3`
-rope types, cos/sin for a step's positions, and their application to packed q/k.
+"""Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3` and
+`yarn` (DeepSeek) rope types, cos/sin for a step's positions, and their application to packed
+q/k.
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
-float32, cos/sin cast to the activations' dtype, and the rotate-half convention (dimension i
-pairs with i + head_dim/2)."""
+float32, cos/sin (times yarn's attention factor) cast to the activations' dtype, and the
+rotate-half convention (dimension i pairs with i + dim/2) or DeepSeek's interleaved one
+(dimension 2i pairs with 2i + 1)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def inv_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """`[head_dim // 2]` float32 inverse frequencies (radians per position) of the config's
+    """`[rotary_dim // 2]` float32 inverse frequencies (radians per position) of the config's
     rope type."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -29,7 +31,54 @@ def inv_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_frequencies(config.rope_theta**exponents, config)
     return _llama3_inv_frequencies(inv_freq, scaling)
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What yarn multiplies cos/sin by (1 for other rope types): the given attention_factor,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = (scaling["factor"], scaling.get("mscale"),
+                                      scaling.get("mscale_all_dim"))
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `factor` times the trained one."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_frequencies(wavelengths: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """YaRN over `wavelengths` (theta ** (2i / dim), positions per radian): frequencies that
+    turn fewer than `beta_slow` times over the trained context are divided by `factor`
+    (interpolated), those turning more than `beta_fast` times are kept (extrapolated), with a
+    linear ramp between, over dimension indices. Same operations as transformers, so the
+    same bits."""
+    scaling = config.rope_scaling
+    dim, base, factor = config.rotary_dim, config.rope_theta, scaling["factor"]
+    context = scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(wavelengths.device)
+    return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
 def _llama3_inv_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -56,14 +105,26 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         self.register_buffer("inv_freq", inv_frequencies(config, device), persistent=False)
+        self.attention_factor = attention_factor(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions `[T]` int64 -> (cos, sin), each `[T, 1, head_dim // 2]` in `dtype`."""
+        """positions `[T]` int64 -> (cos, sin), each `[T, 1, rotary_dim // 2]` in `dtype`."""
         angles = positions.unsqueeze(-1).float() * self.inv_freq.float()
-        return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, head_dim // 2]`."""
+    """Rotate x `[T, heads, dim]` by the angles whose cos/sin are `[T, 1, dim // 2]`."""
     x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the adjacent pairs (x0, x1), (x2, x3), ... of x `[T, heads, dim]` (DeepSeek's
+    layout); the result holds the rotated first members, then the second ones, as
+    transformers lays it out. Queries and keys rotated alike keep their dot products."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,63 @@
+"""DeepSeek-V2 and DeepSeek-V3 decoders on latent pages: multi-head latent attention
+(kvpool.models.mla), a dense MLP in the first `first_k_dense_replace` layers and a mixture of
+experts after them (kvpool.models.moe). Module and parameter names mirror the checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvpool.attention import AttentionMetadata
+from kvpool.models.config import ModelConfig
+from kvpool.models.layers import MLP, RMSNorm
+from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.mla import MLAttention, Rope
+from kvpool.models.moe import MoE
+from kvpool.pool import KVPool
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or MoE mlp."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int):
+        super().__init__()
+        eps, moe = config.rms_norm_eps, config.moe
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = MLAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        if moe is not None and index >= moe.first_k_dense:
+            self.mlp = MoE(config, dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, dtype, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                pool: KVPool) -> torch.Tensor:
+        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, pool.k_cache(i))
+        return x
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: the decoder plus its output head, run
+    on a pool of layout kind "mla" (`ModelConfig.kv_layout`)."""
+
+    decoder = DeepseekModel

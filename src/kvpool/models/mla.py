@@ -1,0 +1,170 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) on latent pages.
+
+Per token and layer the cache holds one latent vector: the compressed KV after its norm
+(`kv_lora_rank` values) and the rotated key part shared by every head (`qk_rope_head_dim`).
+Keys and values of each head are linear in that latent (`kv_b_proj`), so attention can run
+two ways, numerically equal up to rounding:
+
+- absorbed: fold the key projection W_UK into the query and the value projection W_UV after
+  the attention, so attention is multi-query over the latent itself (key = the whole latent,
+  value = its first kv_lora_rank values): `paged_attention` with one KV head reads the pages;
+- expanded: project the context's latents to per-head keys and values, then attend as usual.
+
+`benchmarks/mla.py` times both on the CPU: absorbed decode is 26-79x faster (it never projects
+the context), expanded prefill takes 0.73-0.99x absorbed's time (its heads are 192/128 values
+wide, not 576/576), so decode rows run absorbed and prefill rows (chunks, prefix hits) run
+expanded.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention import AttentionMetadata, paged_attention, write_latent
+from kvpool.models.config import ModelConfig
+from kvpool.models.layers import RMSNorm
+from kvpool.models.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, qk_rope_head_dim // 2]
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
+
+
+class MLAttention(nn.Module):
+    """DeepSeek's attention: queries from the hidden state (directly, or through the q_lora
+    bottleneck), one latent per token written into the layer's latent pages, attention over
+    the pages, and the output projection. Parameter names follow the checkpoints."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
+        self.num_heads, self.mla = heads, mla
+        q_size = heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_size, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_size, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=config.qkv_bias,
+                                            dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        kv_size = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, kv_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype)
+        self.scale = softmax_scale(config)
+        self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' latents at
+        `meta.slot_mapping` into `cache` `[num_pages, page_size, 1, latent_dim]`."""
+        tokens, mla = x.shape[0], self.mla
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(tokens, self.num_heads, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(compressed)[:, None],
+                            self.rotate(k_pe[:, None], *rope)), dim=-1)
+        write_latent(cache, meta.slot_mapping, latent)
+        out = self.attend(q_nope, self.rotate(q_pe, *rope), meta, cache)
+        return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
+
+    def attend(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Attention of the packed queries (`[T, heads, nope]` and rotated `[T, heads, rope]`)
+        over the latent pages -> `[T, heads, v_head_dim]`: decode rows absorbed, the rest
+        expanded (see the module's docstring)."""
+        if meta.max_query_len == 1:
+            return self.attend_absorbed(q_nope, q_pe, meta, cache)
+        starts = meta.cu_seqlens_q.tolist()
+        q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
+        decode = [b for b, n in enumerate(q_lens) if n == 1]
+        prefill = [b for b, n in enumerate(q_lens) if n != 1]
+        if not prefill:
+            return self.attend_absorbed(q_nope, q_pe, meta, cache)
+        if not decode:
+            return self.attend_expanded(q_nope, q_pe, meta, cache)
+        out = q_nope.new_empty(*q_nope.shape[:2], self.mla.v_head_dim)
+        for seqs, attend in ((decode, self.attend_absorbed), (prefill, self.attend_expanded)):
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs])
+            rows = rows.to(q_nope.device)
+            out[rows] = attend(q_nope[rows], q_pe[rows], _select(meta, seqs, q_lens), cache)
+        return out
+
+    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Multi-query attention over the latent: q_nope @ W_UK per head becomes the query's
+        latent part, and the output's first kv_lora_rank values @ W_UV^T per head the value."""
+        w_uk, w_uv = self._kv_b_weights()
+        q_latent = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe),
+                             dim=-1)
+        out = paged_attention(q_latent, cache, cache, meta.page_tables, meta.seq_lens,
+                              meta.cu_seqlens_q, scale=self.scale,
+                              max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+                              workspace=meta.workspace)
+        rank = self.mla.kv_lora_rank
+        return torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Per sequence: project the latents of its whole context to per-head keys and values
+        (kv_b_proj) and attend causally."""
+        mla, heads = self.mla, self.num_heads
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        out = q.new_empty(*q.shape[:2], mla.v_head_dim)
+        lens, starts = meta.seq_lens.tolist(), meta.cu_seqlens_q.tolist()
+        page_size = cache.shape[1]
+        for b, seq_len in enumerate(lens):
+            rows = slice(starts[b], starts[b + 1])
+            q_len = rows.stop - rows.start
+            pages = meta.page_tables[b, : -(-seq_len // page_size)].long()
+            latent = cache.index_select(0, pages).flatten(0, 1)[:seq_len, 0]
+            kv = self.kv_b_proj(latent[:, : mla.kv_lora_rank]).view(seq_len, heads, -1)
+            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            k_pe = latent[:, None, mla.kv_lora_rank:].expand(seq_len, heads, mla.qk_rope_head_dim)
+            k = torch.cat((k_nope, k_pe), dim=-1)
+            mask = None
+            if q_len != seq_len:  # new tokens over a cached prefix or earlier chunks
+                query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device) <= query_pos
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=mask, is_causal=mask is None, scale=self.scale).transpose(0, 1)
+        return out
+
+    def _kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight per head: W_UK `[heads, nope, rank]`, W_UV `[heads, v, rank]`."""
+        mla = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim,
+                                       mla.kv_lora_rank)
+        return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times yarn's mscale(factor, mscale_all_dim) squared where the config's
+    rope scaling sets mscale_all_dim (DeepSeek's long-context correction)."""
+    scale = config.mla.qk_head_dim ** -0.5
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale = scale * mscale * mscale  # in transformers' order, for the same bits
+    return scale
+
+
+def _select(meta: AttentionMetadata, seqs: list[int], q_lens: list[int]) -> AttentionMetadata:
+    """The metadata of the sequences `seqs` of a batch (their slots are written already)."""
+    index = torch.tensor(seqs, device=meta.seq_lens.device)
+    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens[b] for b in seqs)],
+                                dtype=torch.int32, device=meta.cu_seqlens_q.device)
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:0],
+        page_tables=meta.page_tables.index_select(0, index.to(meta.page_tables.device)),
+        seq_lens=meta.seq_lens.index_select(0, index),
+        cu_seqlens_q=cu_seqlens_q,
+        workspace=meta.workspace,
+    )

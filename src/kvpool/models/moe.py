@@ -1,0 +1,81 @@
+"""DeepSeek's mixture of experts: a router that picks `top_k` routed experts per token (V2's
+softmax scores with greedy or group-limited choice, V3's sigmoid scores with a bias that
+steers the choice only), the chosen experts weighted, and shared experts applied to every
+token. Numerics follow transformers: routing in float32, experts summed in expert order."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.models.config import ModelConfig
+from kvpool.models.layers import MLP
+
+
+class Router(nn.Module):
+    """Scores every routed expert per token and picks `top_k` (checkpoint name: `gate`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.moe = moe = config.moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, dtype=dtype))
+        if moe.scoring == "sigmoid":  # kept in float32, as transformers keeps it
+            self.register_buffer("e_score_correction_bias",
+                                 torch.empty(moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, hidden]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]`)."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        if moe.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+            choice = scores
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+        if moe.topk_method != "greedy":
+            choice = self._eligible_groups_only(choice)
+        ids = choice.topk(moe.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
+
+    def _eligible_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's best `topk_groups` groups masked:
+        a group scores by its best expert (V2) or the sum of its best two (V3)."""
+        moe = self.moe
+        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+        if moe.topk_method == "group_limited_greedy":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(moe.topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        masked = 0.0 if moe.scoring == "softmax" else float("-inf")  # as transformers masks
+        return grouped.masked_fill(~keep[..., None], masked).view_as(choice)
+
+
+class MoE(nn.Module):
+    """`sum_e weight_e * expert_e(x)` over each token's routed experts, plus the shared
+    experts (one MLP of `num_shared_experts x intermediate_size`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        moe, hidden = config.moe, config.hidden_size
+        self.gate = Router(config, dtype)
+        self.experts = nn.ModuleList(
+            MLP(hidden, moe.intermediate_size, False, dtype) for _ in range(moe.num_experts))
+        self.shared_experts = MLP(hidden, moe.intermediate_size * moe.num_shared_experts,
+                                  config.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`. Loops over the experts that have tokens."""
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            y = self.experts[expert](x[tokens]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out + self.shared_experts(x)
