@@ -1,6 +1,6 @@
-"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral) into one
-validated dataclass, the KV layout a config implies, and the built-in presets used by
-`kvpool plan` and the `tiny` model."""
+"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral, and the
+hybrid Bamba) into one validated dataclass, the KV layout a config implies, and the built-in
+presets used by `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -15,18 +15,22 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
+from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
+from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    *HYBRID_ARCHITECTURES,
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 
@@ -69,6 +73,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     },
+    "Bamba-9B": {
+        "architectures": ["BambaForCausalLM"], "model_type": "bamba", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -98,6 +111,8 @@ class ModelConfig:
     dtype: torch.dtype | None  # the checkpoint's, None when unstated
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    partial_rotary_factor: float = 1.0  # Bamba rotates the first half of each head
+    mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -118,6 +133,8 @@ class ModelConfig:
                                   f"num_attention_heads={heads} and no head_dim is given")
             head_dim = hidden // heads
         rope_theta, rope_scaling = _rope(cfg)
+        num_layers = _int(cfg, "num_hidden_layers")
+        is_bamba = arch == "BambaForCausalLM"
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         if arch.startswith("Qwen") and _bool(cfg, "use_sliding_window"):
@@ -127,7 +144,7 @@ class ModelConfig:
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size"),
-            num_layers=_int(cfg, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=_positive(head_dim, "head_dim"),
@@ -137,15 +154,38 @@ class ModelConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-            mlp_bias=_bool(cfg, "mlp_bias") and arch == "LlamaForCausalLM",
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM",
+                                               "BambaForCausalLM"),
+            mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=(_optional_int(cfg, "sliding_window")
                             if arch == "MistralForCausalLM" else None),
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
+            partial_rotary_factor=_partial_rotary_factor(cfg) if is_bamba else 1.0,
+            mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The model layers with attention, whose K/V the pool holds, in pool-layer order."""
+        mamba = set(self.mamba.layers) if self.mamba else set()
+        return tuple(i for i in range(self.num_layers) if i not in mamba)
+
+    def mamba_layout(self, *, dtype: torch.dtype | None = None) -> MambaLayout | None:
+        """The state-slot layout of a hybrid's Mamba layers (None for attention-only models),
+        in the dtype its weights load in."""
+        m = self.mamba
+        if m is None:
+            return None
+        return MambaLayout(len(m.layers), m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim,
+                           m.state_size, self.weights_dtype(dtype))
 
 
     def weights_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
@@ -153,9 +193,9 @@ class ModelConfig:
         return dtype or self.dtype or DEFAULT_DTYPE
 
     def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16) -> KVLayout:
-        """The KV layout of this model: its layers, KV heads and head_dim, in the dtype its
-        weights load in (see `weights_dtype`), with pages of `page_size` tokens."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim,
+        """The KV layout of this model: its attention layers, KV heads and head_dim, in the
+        dtype its weights load in (see `weights_dtype`), with pages of `page_size` tokens."""
+        return KVLayout(len(self.attention_layers), self.num_kv_heads, self.head_dim,
                         self.weights_dtype(dtype), page_size)
 
 
@@ -230,6 +270,15 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
         if name in params:
             _number(params[name], f"{key}.{name}")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _partial_rotary_factor(cfg: dict) -> float:
+    """rope_parameters' partial_rotary_factor; Bamba always rotates half of each head."""
+    params = cfg.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", 0.5) if isinstance(params, dict) else 0.5
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _dtype(cfg: dict) -> torch.dtype | None:

@@ -19,9 +19,9 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def inv_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """`[head_dim // 2]` float32 inverse frequencies (radians per position) of the config's
+    """`[rotary_dim // 2]` float32 inverse frequencies (radians per position) of the config's
     rope type."""
-    dim = config.head_dim
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
@@ -64,6 +64,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, head_dim // 2]`."""
+    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, rotary_dim // 2]`;
+    channels past rotary_dim (partial rotary) pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), -1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
