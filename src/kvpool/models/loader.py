@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvpool.errors import CheckpointError, ConfigError
+from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -21,13 +22,15 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
+# The module class of each architecture that is not a Llama-family decoder.
+MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {"BambaForCausalLM": BambaForCausalLM}
 
 
 @dataclass(slots=True)
 class LoadedModel:
     """A model ready to run, its config, and its tokenizer (None if the folder has none)."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | BambaForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer | None
 
@@ -50,7 +53,8 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     tokenizer = None
     if tokenizer_file.is_file():
         tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
-    net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
+    model_class = MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
+    net = model_class(config, dtype=config.weights_dtype(dtype), device=device)
     load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
 
@@ -150,7 +154,7 @@ def _index_file_names(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Copy the checkpoint's tensors into the model by name, after checking that names and
     shapes match exactly (a tied lm_head and rotary inv_freq buffers are skipped)."""
     params = model.state_dict()
