@@ -10,8 +10,7 @@ import transformers
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
-from kvpool.models.mamba2 import StateBatch
-from kvpool.state_pool import MambaPool
+from kvpool.state_pool import MambaPool, StateBatch
 
 SMALL_BAMBA = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -173,3 +173,12 @@ class MambaPool:
         check_int("slot", slot, 0, self.num_slots - 1)
         if not self._refs[slot]:
             raise InvalidStateSlot(f"state slot {slot} is not allocated")
+
+
+@dataclass(slots=True)
+class StateBatch:
+    """The state slots of one step's sequences, in batch order (`slots` `[batch]` int64),
+    and the pool they index: what a hybrid model's Mamba layers read and write."""
+
+    pool: MambaPool
+    slots: torch.Tensor

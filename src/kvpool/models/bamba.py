@@ -13,9 +13,10 @@ from kvpool.attention import AttentionMetadata
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LlamaAttention, Rope
-from kvpool.models.mamba2 import Mamba2Mixer, StateBatch
+from kvpool.models.mamba2 import Mamba2Mixer
 from kvpool.models.rotary import RotaryEmbedding
 from kvpool.pool import KVPool, default_device
+from kvpool.state_pool import StateBatch
 
 
 class BambaDecoderLayer(nn.Module):

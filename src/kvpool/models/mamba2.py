@@ -11,23 +11,13 @@ zeros and never reads its slot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata
 from kvpool.models.hybrid_config import MambaConfig
-from kvpool.state_pool import MambaPool
-
-
-@dataclass(slots=True)
-class StateBatch:
-    """The state slots of one step's sequences, in batch order (`slots` `[batch]` int64)."""
-
-    pool: MambaPool
-    slots: torch.Tensor
+from kvpool.state_pool import StateBatch
 
 
 class GatedRMSNorm(nn.Module):
