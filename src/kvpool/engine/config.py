@@ -95,9 +95,10 @@ class EngineConfig:
                                          max_num_seqs=self.max_num_seqs)
 
     def plan_num_pages(self, model: ModelConfig, device: torch.device,
-                       max_model_len: int) -> int:
+                       max_model_len: int, *, state_bytes: int = 0) -> int:
         """num_pages, or the pages this engine's share of `device` holds once the model is
-        loaded: call it before loading the weights, which it counts from the config."""
+        loaded: call it before loading the weights, which it counts from the config. A
+        hybrid's state pool (`state_bytes`) comes out of the cache's budget first."""
         if self.num_pages is not None:
             return self.num_pages
         layout = model.kv_layout(dtype=self.dtype, page_size=self.page_size)
@@ -113,10 +114,12 @@ class EngineConfig:
         budget = plan.budget_bytes
         if device.type == "cpu":
             budget = min(self.kv_cache_memory, budget)
+        budget -= state_bytes
         num_pages = max(budget, 0) // layout.bytes_per_page
         if num_pages == 0:
-            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device} holds "
-                             f"no page of {format_bytes(layout.bytes_per_page)} "
+            states = f" (after {format_bytes(state_bytes)} of state slots)" if state_bytes else ""
+            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device}"
+                             f"{states} holds no page of {format_bytes(layout.bytes_per_page)} "
                              f"({plan.reason or 'kv_cache_memory is below one page'}); pass "
                              f"num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages
