@@ -58,14 +58,15 @@ def _tokens(outputs):
 
 def _assert_drained(llm):
     llm.cache.check()
-    assert llm.cache.sequences() == [] and llm.cache.num_free_pages == llm.cache.num_pages
-    assert llm.cache.num_free_state_slots == llm.cache.states.num_slots
+    assert llm.cache.sequences() == [] and llm.cache.stats().num_used_pages == 0
+    assert llm.cache.num_free_state_slots == llm.cache.states.num_slots - len(
+        llm.cache.checkpoints)
 
 
 def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint):
     llm = _llm(checkpoint)
     assert isinstance(llm.cache, HybridCache)
-    assert llm.cache.states.num_slots == 8
+    assert llm.cache.states.num_slots == 16  # 8 for sequences, 8 for checkpoints
     assert llm.cache.layout.num_layers == 1  # the KV pool holds the attention layer only
 
 
@@ -103,19 +104,45 @@ def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts):
     llm = _llm(checkpoint)
     request_id = llm.add_request(prompts[7], GREEDY)
     llm.step()
-    assert llm.cache.num_free_state_slots == 7
+    assert llm.cache.num_free_state_slots == 16 - 1 - 5  # its own, 5 checkpoints (8 .. 40)
     llm.abort(request_id)
     _assert_drained(llm)
 
 
-def test_prefix_caching_is_off_for_hybrid_models(checkpoint, prompts):
-    llm = _llm(checkpoint, prefix_caching=True)
+def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
+        checkpoint, hf_model):
+    rng = random.Random(1)
+    shared = [rng.randrange(160) for _ in range(21)]
+    prompts = [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 4, 9, 12)]
+    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    # one at a time: later prompts hit the checkpoints of earlier ones
+    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    # checkpoints every 8 tokens: each later prompt resumes from the one after 16 tokens
+    assert [o.num_cached_tokens for o in outputs] == [0, 16, 16, 16]
+    _assert_drained(llm)
+
+
+def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected):
+    llm = _llm(checkpoint, num_pages=24)
+    twice = prompts + prompts
+    outputs = llm.generate(twice, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0 and llm.cache.stats().prefix_hit_tokens > 0
+    assert _tokens(outputs) == expected + expected
+    _assert_drained(llm)
+
+
+def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts):
+    llm = _llm(checkpoint, prefix_caching=False)
     llm.generate([prompts[7], prompts[7]], GREEDY, use_tqdm=False)
     assert llm.cache.prefix_cache is None and llm.stats().prefix_hit_rate == 0
+    assert llm.cache.states.num_slots == 8 and len(llm.cache.checkpoints) == 0
 
 
 def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
-    llm = LLM(checkpoint, kv_cache_memory=2**20, max_num_seqs=4, page_size=4)
+    llm = LLM(checkpoint, kv_cache_memory=2**20, max_num_seqs=4, page_size=4,
+              prefix_caching=False)
     states = llm.cache.states.nbytes
     assert llm.cache.num_pages == (2**20 - states) // llm.cache.layout.bytes_per_page
 

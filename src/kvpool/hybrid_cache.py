@@ -1,87 +1,178 @@
 """HybridCache: the cache of a hybrid model. A sequence holds its KV pages (for the attention
 layers, in a KVCache it composes) and one state slot (for the Mamba layers, in a MambaPool)
-together: created, forked and freed as one.
+together: created, forked and freed as one. It offers KVCache's sequence API, so the
+scheduler and the runner drive it unchanged.
 
-It offers KVCache's sequence API, so the scheduler and the runner drive it unchanged.
-Prefix caching is not offered: a prefix hit would need the Mamba state after the hit, which
-only a state checkpoint can give, and those are not kept yet."""
+With prefix caching, the KV prefix cache shares pages as for any model, and StateCheckpoints
+keeps the Mamba state after some cached prefixes: at multiples of `checkpoint_interval`
+tokens within a prompt, and of `track_interval` tokens after it. A new sequence's hit is the
+deepest checkpoint no longer than its KV match; the checkpoint is copied into the sequence's
+own slot (copy-on-write: a state is written at every token, so it is never shared), and the
+sequence shares only the pages before the hit: the tokens after it are computed again for
+every layer."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvpool.cache import CacheStats, KVCache
-from kvpool.errors import DuplicateSequence, OutOfStateSlots, UnknownSequence
+from kvpool.errors import (
+    DuplicateSequence,
+    OutOfPages,
+    OutOfStateSlots,
+    SequenceTooLong,
+    UnknownSequence,
+    check_int,
+)
 from kvpool.layout import KVLayout
-from kvpool.state_pool import MambaLayout, MambaPool, StateBatch, StateStats
+from kvpool.state_checkpoints import StateCheckpoints
+from kvpool.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch, StateStats
+from kvpool.tokens import TOKEN_BYTES, pack_tokens
+
+
+@dataclass(slots=True)
+class _HybridSequence:
+    slot: int
+    num_prompt_tokens: int  # tokens at creation: checkpoints every checkpoint_interval
+    token_ids: bytearray | None  # packed; None when unknown (no checkpoints)
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (tokens, reserved slot)
 
 
 class HybridCache:
-    """`num_pages` KV pages of `layout` and `num_state_slots` state slots of `mamba_layout`,
-    on one device; each live sequence holds pages and exactly one slot. Every mutating call
-    checks first and then acts: a call that raises has changed nothing."""
+    """`num_pages` KV pages of `layout`, and state slots of `mamba_layout`: `num_state_slots`
+    for sequences (each live sequence holds one) plus `num_checkpoint_slots` for the prefix
+    cache's checkpoints. Every mutating call checks first and then acts: a call that raises
+    has changed nothing."""
 
     def __init__(self, layout: KVLayout, num_pages: int, mamba_layout: MambaLayout,
                  num_state_slots: int, *, device=None, policy: str = "lifo",
+                 prefix_caching: bool = False, num_checkpoint_slots: int = 0,
+                 checkpoint_interval: int = 64, track_interval: int = 256,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False):
+        check_int("num_state_slots", num_state_slots, 1)
+        check_int("num_checkpoint_slots", num_checkpoint_slots, 1 if prefix_caching else 0)
+        check_int("checkpoint_interval", checkpoint_interval, 1)
+        check_int("track_interval", track_interval, 1)
+        if checkpoint_interval % layout.page_size or track_interval % checkpoint_interval:
+            raise ValueError(f"checkpoint_interval {checkpoint_interval} must be a multiple of "
+                             f"page_size {layout.page_size}, and track_interval "
+                             f"{track_interval} a multiple of it")
         self.kv = KVCache(layout, num_pages, device=device, policy=policy,
-                          max_tokens_per_seq=max_tokens_per_seq, scrub_on_free=scrub_on_free)
-        self.states = MambaPool(mamba_layout, num_state_slots, device=self.kv.device)
-        self._slots: dict[Hashable, int] = {}
+                          prefix_caching=prefix_caching, max_tokens_per_seq=max_tokens_per_seq,
+                          scrub_on_free=scrub_on_free)
+        self.num_sequence_slots = num_state_slots
+        self.states = MambaPool(mamba_layout, num_state_slots + num_checkpoint_slots,
+                                device=self.kv.device)
+        # Without prefix caching, capacity 0: never a checkpoint, never a hit.
+        self.checkpoints = StateCheckpoints(
+            self.states, num_checkpoint_slots if prefix_caching else 0, checkpoint_interval)
+        self.track_interval = track_interval
+        self._seqs: dict[Hashable, _HybridSequence] = {}
+        self._query_tokens = self._hit_tokens = 0
+        self._num_evicted_pages = 0  # the KV evictions already swept for orphan checkpoints
 
     # ---- sequences: pages and a state slot together --------------------------------------
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
-        """Create a sequence with its pages and a state slot; returns 0 (no prefix hits).
-        Raises OutOfStateSlots, or KVCache's errors, having changed nothing."""
-        self._check_free_slot(seq_id)
-        served = self.kv.add_sequence(seq_id, token_ids, num_tokens=num_tokens)
-        self._slots[seq_id] = self.states.allocate()
-        return served
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Create `child_id` sharing the parent's pages, with a copy of its state in a slot of
-        its own (a state is written at every token, so it is never shared)."""
-        parent = self.state_slot(parent_id)
-        self._check_free_slot(child_id)
-        self.kv.fork(parent_id, child_id)
-        child = self.states.allocate()
-        self.states.copy(parent, child)
-        self._slots[child_id] = child
-
-    def free_sequence(self, seq_id: Hashable) -> None:
-        """Give back the sequence's pages and its state slot."""
-        slot = self.state_slot(seq_id)
-        self.kv.free_sequence(seq_id)
-        self.states.free(slot)
-        del self._slots[seq_id]
+        """Create a sequence with its pages and a state slot. Returns the tokens served from
+        the prefix cache: the deepest checkpoint within its KV match (0 without one), whose
+        state the sequence's slot now holds. Raises OutOfStateSlots, OutOfPages,
+        SequenceTooLong or KVCache's argument errors, having changed nothing."""
+        self._check_new(seq_id)
+        if token_ids is None:
+            served = self.kv.add_sequence(seq_id, num_tokens=num_tokens)
+            self._seqs[seq_id] = _HybridSequence(self.states.allocate(),
+                                                 self.kv.num_tokens(seq_id), None)
+            return served
+        ids = pack_tokens(token_ids)
+        n = len(token_ids)
+        hit, checkpoint = self._match(ids, n)
+        self._check_room(token_ids, hit)
+        # The KV match is capped at the hit: past it the state must be computed again, and
+        # computing a token writes its K/V too.
+        self.kv.add_sequence(seq_id, token_ids[:hit + 1])
+        if n > hit + 1:
+            self.kv.append(seq_id, token_ids=token_ids[hit + 1:])
+        slot = self.states.allocate()
+        if checkpoint is not None:
+            self.states.copy(checkpoint, slot)
+            self.checkpoints.touch(ids[:hit * TOKEN_BYTES])
+        self._seqs[seq_id] = _HybridSequence(slot, n, bytearray(ids))
+        if self.kv.prefix_cache is not None:
+            self._query_tokens += n
+            self._hit_tokens += hit
+        self._drop_orphans()
+        return hit
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]:
         """Grow the sequence's pages (its state slot is updated in place by the model)."""
-        return self.kv.append(seq_id, num_tokens, token_ids=token_ids)
+        seq = self._get(seq_id)
+        slots = self.kv.append(seq_id, num_tokens, token_ids=token_ids)
+        if seq.token_ids is not None:
+            if token_ids is None:
+                seq.token_ids = None  # content unknown from here on: no more checkpoints
+            else:
+                seq.token_ids += pack_tokens(token_ids)
+        self._drop_orphans()
+        return slots
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Create `child_id` sharing the parent's pages, with a copy of its state in a slot of
+        its own."""
+        parent = self._get(parent_id)
+        self._check_new(child_id)
+        self.kv.fork(parent_id, child_id)
+        child = self.states.allocate()
+        self.states.copy(parent.slot, child)
+        token_ids = None if parent.token_ids is None else bytearray(parent.token_ids)
+        self._seqs[child_id] = _HybridSequence(child, parent.num_prompt_tokens, token_ids)
 
     def commit(self, seq_id: Hashable) -> None:
-        """Declare the sequence's KV written (no prefix caching: nothing to share)."""
+        """Declare the sequence's KV written: its full pages become matchable, and so do the
+        checkpoints computed for it whose pages are now in the prefix cache."""
+        seq = self._get(seq_id)
         self.kv.commit(seq_id)
+        for length, slot in seq.pending:
+            prefix = bytes(seq.token_ids[:length * TOKEN_BYTES])
+            if self._kv_cached(prefix):
+                self.checkpoints.add(prefix, slot)
+            else:  # an identical prefix computed at the same time holds the pages
+                self.checkpoints.release(slot)
+        seq.pending = []
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Give back the sequence's pages, its state slot and its uncommitted checkpoints."""
+        seq = self._get(seq_id)
+        self.kv.free_sequence(seq_id)
+        for _, slot in seq.pending:
+            self.checkpoints.release(slot)
+        self.states.free(seq.slot)
+        del self._seqs[seq_id]
 
     # ---- state slots -------------------------------------------------------------------
 
     def state_slot(self, seq_id: Hashable) -> int:
         """The sequence's state slot."""
-        slot = self._slots.get(seq_id)
-        if slot is None:
-            raise UnknownSequence(f"no sequence {seq_id!r}")
-        return slot
+        return self._get(seq_id).slot
 
-    def state_batch(self, seq_ids: Sequence[Hashable]) -> StateBatch:
-        """The state slots of a step's sequences, in order, for the model."""
+    def state_batch(self, seq_ids: Sequence[Hashable], starts: Sequence[int] | None = None,
+                    ends: Sequence[int] | None = None) -> StateBatch:
+        """The state slots of a step's sequences, in order, for the model. With the step's
+        token ranges [starts[i], ends[i]) and prefix caching, also the checkpoints to save
+        (a reserved slot each, added to the prefix cache at the sequence's next commit)."""
         slots = torch.tensor([self.state_slot(s) for s in seq_ids], dtype=torch.int64,
                              device=self.device)
-        return StateBatch(self.states, slots)
+        requests = []
+        if starts is not None and self.checkpoints.capacity:
+            for index, (seq_id, start, end) in enumerate(zip(seq_ids, starts, ends,
+                                                             strict=True)):
+                requests += self._checkpoint_requests(index, seq_id, start, end)
+        return StateBatch(self.states, slots, requests)
 
     @property
     def num_free_state_slots(self) -> int:
@@ -115,9 +206,9 @@ class HybridCache:
         return self.kv.allocator
 
     @property
-    def prefix_cache(self) -> None:
-        """Always None: hybrid prefix caching is not offered (see the module)."""
-        return None
+    def prefix_cache(self):
+        """The KV prefix cache (None when off)."""
+        return self.kv.prefix_cache
 
     @property
     def device(self) -> torch.device:
@@ -136,7 +227,7 @@ class HybridCache:
 
     @property
     def num_cached_pages(self) -> int:
-        """Always 0 without prefix caching."""
+        """Pages only the prefix cache holds."""
         return self.kv.num_cached_pages
 
     @property
@@ -162,8 +253,11 @@ class HybridCache:
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
-        """Pages `add_sequence` would take."""
-        return self.kv.pages_to_add(token_ids, num_tokens=num_tokens)
+        """Available pages `add_sequence` would consume. Changes nothing."""
+        if token_ids is None:
+            return self.kv.pages_to_add(num_tokens=num_tokens)
+        hit, _ = self._match(pack_tokens(token_ids), len(token_ids))
+        return self._pages_to_add(token_ids, hit)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append` would take."""
@@ -179,30 +273,110 @@ class HybridCache:
         return self.kv.slot_mapping(seq_ids, starts, ends, device=device)
 
     def stats(self) -> CacheStats:
-        """The KV cache's counters (`state_stats` has the state pool's)."""
-        return self.kv.stats()
+        """The KV cache's counters, with the prefix hits as served: up to checkpoints
+        (`state_stats` has the state pool's)."""
+        return replace(self.kv.stats(), prefix_query_tokens=self._query_tokens,
+                       prefix_hit_tokens=self._hit_tokens)
 
     def check(self) -> None:
-        """KVCache's and MambaPool's invariants, plus: the live sequences are the same in
-        both, each holds one slot, no slot is held twice, and every held slot is a live
-        sequence's (reference count 1)."""
+        """KVCache's, MambaPool's and StateCheckpoints' invariants, plus: the live sequences
+        are the same in both caches, at most num_state_slots of them; each state slot is
+        counted once (held by one sequence, one checkpoint or one reservation); every
+        checkpoint's prefix has its KV pages in the prefix cache."""
         self.kv.check()
         self.states.check()
-        assert list(self._slots) == self.kv.sequences(), (
-            f"sequences with state slots {list(self._slots)} differ from those with pages "
+        self.checkpoints.check()
+        assert list(self._seqs) == self.kv.sequences(), (
+            f"sequences with state slots {list(self._seqs)} differ from those with pages "
             f"{self.kv.sequences()}")
-        held = list(self._slots.values())
-        assert len(set(held)) == len(held), f"a state slot is held twice: {self._slots}"
+        assert len(self._seqs) <= self.num_sequence_slots, (
+            f"{len(self._seqs)} sequences for {self.num_sequence_slots} state slots")
+        held = [seq.slot for seq in self._seqs.values()] + self.checkpoints.held_slots()
+        assert len(set(held)) == len(held), f"a state slot is counted twice: {sorted(held)}"
+        reserved = {slot for seq in self._seqs.values() for _, slot in seq.pending}
+        assert reserved <= set(self.checkpoints.held_slots()), (
+            f"pending checkpoint slots {reserved} are not reserved")
         for slot in range(self.states.num_slots):
-            want = 1 if slot in held else 0
+            want = int(slot in held)
             assert self.states.refcount(slot) == want, (
                 f"state slot {slot} has reference count {self.states.refcount(slot)}, "
                 f"expected {want}")
+        for prefix in self.checkpoints.prefixes():
+            assert self._kv_cached(prefix), (
+                f"checkpoint after {len(prefix) // TOKEN_BYTES} tokens has no KV pages")
 
-    def _check_free_slot(self, seq_id: Hashable) -> None:
-        """Raise before acting: the id is new and a state slot is free."""
-        if seq_id in self._slots:
+    # ---- internals ---------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _HybridSequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}")
+        return seq
+
+    def _check_new(self, seq_id: Hashable) -> None:
+        """Raise before acting: the id is new and a sequence's state slot is free."""
+        if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        if not self.states.num_free:
-            raise OutOfStateSlots(f"need 1 state slot, 0 free of {self.states.num_slots} "
-                                  f"({len(self._slots)} sequences hold one each)")
+        if len(self._seqs) == self.num_sequence_slots:
+            raise OutOfStateSlots(f"need 1 state slot, 0 free of {self.num_sequence_slots} "
+                                  f"(each of {len(self._seqs)} sequences holds one)")
+
+    def _match(self, ids: bytes, n: int) -> tuple[int, int | None]:
+        """(hit tokens, checkpoint slot): the deepest checkpoint within the KV match of a
+        sequence of `n` tokens (whole pages, never the last token). Changes nothing."""
+        cache = self.kv.prefix_cache
+        if cache is None or not len(self.checkpoints):
+            return 0, None
+        kv_pages = len(cache.match(ids, (n - 1) // self.page_size).pages)
+        return self.checkpoints.deepest(ids, kv_pages * self.page_size)
+
+    def _pages_to_add(self, token_ids: Sequence[int], hit: int) -> int:
+        """Available pages that adding `token_ids` with a hit of `hit` tokens takes."""
+        tail = self.kv.layout.num_pages_for(len(token_ids)) - self.kv.layout.num_pages_for(
+            hit + 1)
+        return self.kv.pages_to_add(token_ids[:hit + 1]) + tail
+
+    def _check_room(self, token_ids: Sequence[int], hit: int) -> None:
+        """Raise SequenceTooLong or OutOfPages before the two KVCache calls of add_sequence."""
+        limit, n = self.kv.max_tokens_per_seq, len(token_ids)
+        if limit is not None and n > limit:
+            raise SequenceTooLong(f"sequence of {n} tokens exceeds the limit of {limit}")
+        need, have = self._pages_to_add(token_ids, hit), self.kv.num_available_pages
+        if need > have:
+            raise OutOfPages(f"need {need} pages, {self.kv.num_free_pages} free, "
+                             f"{self.kv.num_cached_pages} evictable")
+
+    def _checkpoint_requests(self, index: int, seq_id: Hashable, start: int,
+                             end: int) -> list[CheckpointRequest]:
+        """Checkpoints to save while computing tokens [start, end) of a sequence: at each
+        interval multiple in (start, end] not checkpointed yet, while slots last."""
+        seq = self._get(seq_id)
+        if seq.token_ids is None:
+            return []
+        interval = self.checkpoints.interval
+        requests = []
+        for length in range((start // interval + 1) * interval, end + 1, interval):
+            step = interval if length <= seq.num_prompt_tokens else self.track_interval
+            prefix = bytes(seq.token_ids[:length * TOKEN_BYTES])
+            if length % step or self.checkpoints.has(prefix):
+                continue
+            slot = self.checkpoints.reserve()
+            if slot is None:
+                break
+            seq.pending.append((length, slot))
+            requests.append(CheckpointRequest(index, length, slot))
+        return requests
+
+    def _kv_cached(self, prefix: bytes) -> bool:
+        """Does the KV prefix cache hold every page of this packed prefix?"""
+        num_pages = len(prefix) // TOKEN_BYTES // self.page_size
+        return len(self.kv.prefix_cache.match(prefix, num_pages).pages) == num_pages
+
+    def _drop_orphans(self) -> None:
+        """After KV pages were evicted, drop the checkpoints whose prefix lost a page (a
+        state is of no use without the KV before it)."""
+        evicted = self.kv.allocator.stats().num_evicted
+        if evicted == self._num_evicted_pages:
+            return
+        self._num_evicted_pages = evicted
+        self.checkpoints.drop([p for p in self.checkpoints.prefixes() if not self._kv_cached(p)])

@@ -7,7 +7,8 @@ into them) with a free list and reference counts, as the allocator does for page
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -175,10 +176,20 @@ class MambaPool:
             raise InvalidStateSlot(f"state slot {slot} is not allocated")
 
 
+class CheckpointRequest(NamedTuple):
+    """Save sequence `index`'s state after its first `num_tokens` tokens into `slot`."""
+
+    index: int  # in the step's batch
+    num_tokens: int
+    slot: int
+
+
 @dataclass(slots=True)
 class StateBatch:
     """The state slots of one step's sequences, in batch order (`slots` `[batch]` int64),
-    and the pool they index: what a hybrid model's Mamba layers read and write."""
+    the pool they index, and the checkpoints to save during the step: what a hybrid model's
+    Mamba layers read and write."""
 
     pool: MambaPool
     slots: torch.Tensor
+    checkpoints: list[CheckpointRequest] = field(default_factory=list)

@@ -29,7 +29,8 @@ class EngineConfig:
     the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
     max_model_len None: the model's
     max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
-    requests that have no seed of their own.
+    requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
+    prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
     """
 
     page_size: int = 16
@@ -44,11 +45,12 @@ class EngineConfig:
     device: str | torch.device | None = None
     seed: int = 0
     enforce_eager: bool = False
+    mamba_checkpoint_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (

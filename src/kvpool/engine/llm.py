@@ -3,6 +3,7 @@ step API (`add_request`, `step`, `abort`, `has_unfinished`) lets a server drive 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import abc
@@ -38,8 +39,8 @@ class LLM:
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
     max_num_batched_tokens, max_model_len, dtype, device, seed, enforce_eager). `on_step` is
     called with a StepRecord after every step. `cache` is the KVCache, or for a hybrid model
-    (Bamba) the HybridCache: one state slot per running sequence (max_num_seqs slots, taken
-    from the cache's budget), no prefix caching and no CUDA graphs.
+    (Bamba) the HybridCache: a state slot per seat (max_num_seqs) and, with prefix caching,
+    mamba_checkpoint_slots for checkpoints, all taken from the cache's budget; no CUDA graphs.
     """
 
     def __init__(self, model: str | Path, *,
@@ -54,7 +55,10 @@ class LLM:
         mamba = mc.mamba_layout(dtype=self.config.dtype)
         # One state slot per seat: the scheduler never runs more than max_num_seqs sequences.
         num_slots = self.config.max_num_seqs
-        state_bytes = num_slots * mamba.bytes_per_slot if mamba else 0
+        num_checkpoints = 0
+        if self.config.prefix_caching:
+            num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
+        state_bytes = (num_slots + num_checkpoints) * mamba.bytes_per_slot if mamba else 0
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
@@ -63,8 +67,14 @@ class LLM:
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         layout = mc.kv_layout(dtype=self.config.dtype, page_size=self.config.page_size)
         if mamba:
-            self.cache = HybridCache(layout, num_pages, mamba, num_slots, device=device,
-                                     max_tokens_per_seq=self.max_model_len)
+            # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
+            # so tokens of output.
+            interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
+            self.cache = HybridCache(
+                layout, num_pages, mamba, num_slots, device=device,
+                prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
+                checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
+                max_tokens_per_seq=self.max_model_len)
         else:
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,

@@ -155,7 +155,8 @@ class ModelRunner:
         inputs = self.inputs(flat, layout, max_seq_len=max(batch.ends),
                              max_query_len=max(query_lens))
         if isinstance(self.cache, HybridCache):
-            inputs.states = self.cache.state_batch([seq.seq_id for seq in batch.seqs])
+            inputs.states = self.cache.state_batch([seq.seq_id for seq in batch.seqs],
+                                                   batch.starts, batch.ends)
         return self.forward(inputs)
 
     def _host(self, size: int) -> torch.Tensor:

@@ -68,17 +68,29 @@ class Mamba2Mixer(nn.Module):
         starts = (meta.seq_lens.cpu() - torch.tensor(q_lens, dtype=torch.int32)).tolist()
         y = torch.empty(hidden.shape[0], m.num_heads, m.head_dim, dtype=torch.float32,
                         device=hidden.device)
+        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
+        for request in states.checkpoints:
+            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
         decodes = [b for b, n in enumerate(q_lens) if n == 1]
         if decodes:
             rows = torch.tensor([cu[b] for b in decodes], device=hidden.device)
             slots = states.slots[decodes]
             fresh = torch.tensor([starts[b] == 0 for b in decodes], device=hidden.device)
             y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots, fresh)
+            for b in decodes:
+                for _, checkpoint in saves.get(b, ()):
+                    _save(conv, ssm, int(states.slots[b]), checkpoint)
         for b, n in enumerate(q_lens):
-            if n > 1:
-                slot = int(states.slots[b])
-                y[cu[b]:cu[b + 1]] = self._prefill(xbc[cu[b]:cu[b + 1]], dt[cu[b]:cu[b + 1]],
-                                                   conv, ssm, slot, starts[b] == 0)
+            if n > 1:  # in segments ending at each checkpoint, whose state is saved then
+                slot, begin = int(states.slots[b]), starts[b]
+                for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
+                    if end > begin:
+                        lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
+                        y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], conv, ssm, slot,
+                                                 begin == 0)
+                        begin = end
+                    if checkpoint is not None:
+                        _save(conv, ssm, slot, checkpoint)
         out = self.norm(y.view(hidden.shape[0], -1).to(hidden.dtype), z)
         return self.out_proj(out)
 
@@ -129,6 +141,12 @@ class Mamba2Mixer(nn.Module):
         B = B.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         C = C.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         return x.view(-1, m.num_heads, m.head_dim), B, C
+
+
+def _save(conv: torch.Tensor, ssm: torch.Tensor, slot: int, checkpoint: int) -> None:
+    """Copy one layer's state of `slot` into the checkpoint slot."""
+    conv[checkpoint] = conv[slot]
+    ssm[checkpoint] = ssm[slot]
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
