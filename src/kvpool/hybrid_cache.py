@@ -138,10 +138,11 @@ class HybridCache:
         seq = self._get(seq_id)
         self.kv.commit(seq_id)
         for length, slot in seq.pending:
-            prefix = bytes(seq.token_ids[:length * TOKEN_BYTES])
-            if self._kv_cached(prefix):
+            prefix = None if seq.token_ids is None else bytes(
+                seq.token_ids[:length * TOKEN_BYTES])
+            if prefix is not None and self._kv_cached(prefix):
                 self.checkpoints.add(prefix, slot)
-            else:  # an identical prefix computed at the same time holds the pages
+            else:  # tokens unknown, or another copy of the prefix holds the pages
                 self.checkpoints.release(slot)
         seq.pending = []
 
@@ -153,6 +154,18 @@ class HybridCache:
             self.checkpoints.release(slot)
         self.states.free(seq.slot)
         del self._seqs[seq_id]
+
+    def evict(self, num_pages: int) -> int:
+        """Evict up to `num_pages` cached KV pages (least recently used first) and the
+        checkpoints that needed them; returns the pages evicted."""
+        pages = self.kv.allocator.evict(num_pages)
+        self._drop_orphans()
+        return len(pages)
+
+    def evict_checkpoints(self, n: int) -> int:
+        """Evict up to `n` checkpoints (least recently used first); their prefixes' KV pages
+        stay (tombstones). Returns how many went."""
+        return self.checkpoints.evict(n)
 
     # ---- state slots -------------------------------------------------------------------
 
