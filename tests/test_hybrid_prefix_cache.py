@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import OutOfPages, OutOfStateSlots
-from kvpool.hybrid_cache import HybridCache
+from kvpool.hybrid_cache import SCRATCH, HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 from kvpool.tokens import pack_tokens
@@ -35,9 +35,12 @@ def compute(c, seq_id, start, end):
     return [request.num_tokens for request in batch.checkpoints]
 
 
-def cached_then_freed(c, tokens, seq_id="a"):
+def cached_then_freed(c, tokens, seq_id="a", chunk=64):
+    """Add a prompt, prefill it in chunks of `chunk` tokens, commit and free it."""
     c.add_sequence(seq_id, tokens)
-    made = compute(c, seq_id, 0, len(tokens))
+    made = []
+    for start in range(0, len(tokens), chunk):
+        made += compute(c, seq_id, start, min(start + chunk, len(tokens)))
     pages = c.pages(seq_id)
     c.free_sequence(seq_id)
     return made, pages
@@ -64,11 +67,23 @@ def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192():
     assert c.evict_checkpoints(1) == 1
     assert sorted(c.checkpoints.lengths()) == [64, 128, 192]
     assert c.add_sequence("b", tokens) == 192  # KV match: 17 pages, 272 tokens
-    assert c.pages("b")[:12] == pages[:12]  # the pages before the hit are shared
-    # the tombstone's KV pages stay cached: 192..272 matches still
-    assert len(c.prefix_cache.match(pack_tokens(tokens), 17).pages) == 17
+    assert c.pages("b")[:17] == pages[:17]  # the whole KV match is shared, tombstone's too
     assert torch.all(c.states.ssm[:, c.state_slot("b")] == 192)
-    assert compute(c, "b", 192, 280) == [256]  # recomputing 192..279 saves 256 again
+    # 192..279 is computed again; the K/V of 192..271 is in the shared pages already, so
+    # only 272..279 is written to the sequence's own page
+    slots = c.slot_mapping(["b"], [192], [280]).tolist()
+    assert slots[:80] == [c.slots(SCRATCH)[0]] * 80
+    assert slots[80:] == c.slots("b")[272:280]
+    assert compute(c, "b", 192, 280) == [256]  # and the checkpoint at 256 is saved anew
+    c.check()
+
+
+def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_reaches():
+    c = cache()
+    c.add_sequence("a", list(range(300)))
+    assert compute(c, "a", 0, 100) == [64]
+    assert compute(c, "a", 100, 120) == []  # no multiple of 64 in (100, 120]
+    assert compute(c, "a", 120, 300) == [256]  # not 128 or 192
     c.check()
 
 
@@ -76,7 +91,7 @@ def test_decode_saves_a_checkpoint_every_track_interval_only():
     c = cache()
     tokens = list(range(250))
     c.add_sequence("a", tokens)
-    assert compute(c, "a", 0, 250) == [64, 128, 192]
+    assert compute(c, "a", 0, 250) == [192]
     made = []
     for t in range(250, 330):
         c.append("a", token_ids=[t])
@@ -88,25 +103,29 @@ def test_decode_saves_a_checkpoint_every_track_interval_only():
 def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them():
     c = cache()
     cached_then_freed(c, list(range(200)))
-    assert len(c.checkpoints) == 3
+    assert c.checkpoints.lengths() == [64, 128, 192]
     c.evict(c.num_cached_pages)
     assert len(c.checkpoints) == 0 and c.num_free_state_slots == c.states.num_slots
     c.check()
 
 
-def test_a_prefix_without_a_checkpoint_shares_no_pages():
+def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages():
     c = cache()
-    cached_then_freed(c, list(range(60)))  # 3 full pages, no checkpoint below 64
+    _, pages = cached_then_freed(c, list(range(60)))  # 3 full pages, no checkpoint below 64
     assert c.add_sequence("b", list(range(60))) == 0
-    assert c.stats().num_cached_pages == 3  # the KV is there, but unused without a state
+    assert c.pages("b")[:3] == pages[:3]
+    slots = c.slot_mapping(["b"], [0], [60]).tolist()
+    assert slots == [c.slots(SCRATCH)[0]] * 48 + c.slots("b")[48:]
     c.check()
 
 
 def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used():
     c = cache(num_checkpoint_slots=2)
-    cached_then_freed(c, list(range(200)))  # 64 and 128; no slot left for 192
-    assert c.checkpoints.lengths() == [64, 128]
-    cached_then_freed(c, [1000 + t for t in range(70)], seq_id="c")
+    cached_then_freed(c, list(range(200)))  # 64, 128, 192: the third evicts the first
+    assert c.checkpoints.lengths() == [128, 192]
+    assert c.add_sequence("b", list(range(150))) == 128  # a hit: 128 most recently used
+    c.free_sequence("b")
+    cached_then_freed(c, [1000 + t for t in range(70)], seq_id="c")  # its 64 evicts 192
     assert c.checkpoints.lengths() == [128, 64]
     c.check()
 

@@ -4,12 +4,14 @@ together: created, forked and freed as one. It offers KVCache's sequence API, so
 scheduler and the runner drive it unchanged.
 
 With prefix caching, the KV prefix cache shares pages as for any model, and StateCheckpoints
-keeps the Mamba state after some cached prefixes: at multiples of `checkpoint_interval`
-tokens within a prompt, and of `track_interval` tokens after it. A new sequence's hit is the
+keeps the Mamba state after some cached prefixes: within a prompt at the last multiple of
+`checkpoint_interval` tokens each prefill chunk reaches, and after it at every multiple of
+`track_interval` tokens. A new sequence's hit is the
 deepest checkpoint no longer than its KV match; the checkpoint is copied into the sequence's
-own slot (copy-on-write: a state is written at every token, so it is never shared), and the
-sequence shares only the pages before the hit: the tokens after it are computed again for
-every layer."""
+own slot (copy-on-write: a state is written at every token, so it is never shared). The
+sequence shares every page of its KV match all the same: the tokens between the hit and the
+end of the KV match are computed again for the Mamba layers' sake, but their K/V, which the
+shared pages hold already, is written to a scratch page (`slot_mapping` points there)."""
 
 from __future__ import annotations
 
@@ -19,18 +21,21 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvpool.cache import CacheStats, KVCache
-from kvpool.errors import (
-    DuplicateSequence,
-    OutOfPages,
-    OutOfStateSlots,
-    SequenceTooLong,
-    UnknownSequence,
-    check_int,
-)
+from kvpool.errors import DuplicateSequence, OutOfStateSlots, UnknownSequence, check_int
 from kvpool.layout import KVLayout
 from kvpool.state_checkpoints import StateCheckpoints
 from kvpool.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch, StateStats
 from kvpool.tokens import TOKEN_BYTES, pack_tokens
+
+
+class _ScratchId:
+    """The id of the KVCache sequence that holds the scratch page."""
+
+    def __repr__(self) -> str:
+        return "<kv scratch>"
+
+
+SCRATCH = _ScratchId()
 
 
 @dataclass(slots=True)
@@ -38,6 +43,7 @@ class _HybridSequence:
     slot: int
     num_prompt_tokens: int  # tokens at creation: checkpoints every checkpoint_interval
     token_ids: bytearray | None  # packed; None when unknown (no checkpoints)
+    num_shared: int  # tokens of the KV match: their K/V is in shared pages, never rewritten
     pending: list[tuple[int, int]] = field(default_factory=list)  # (tokens, reserved slot)
 
 
@@ -45,7 +51,8 @@ class HybridCache:
     """`num_pages` KV pages of `layout`, and state slots of `mamba_layout`: `num_state_slots`
     for sequences (each live sequence holds one) plus `num_checkpoint_slots` for the prefix
     cache's checkpoints. Every mutating call checks first and then acts: a call that raises
-    has changed nothing."""
+    has changed nothing. With prefix caching one page is the scratch page, held for the
+    cache's lifetime."""
 
     def __init__(self, layout: KVLayout, num_pages: int, mamba_layout: MambaLayout,
                  num_state_slots: int, *, device=None, policy: str = "lifo",
@@ -70,6 +77,10 @@ class HybridCache:
         self.checkpoints = StateCheckpoints(
             self.states, num_checkpoint_slots if prefix_caching else 0, checkpoint_interval)
         self.track_interval = track_interval
+        self._scratch_slot = None
+        if prefix_caching:
+            self.kv.add_sequence(SCRATCH, num_tokens=1)
+            self._scratch_slot = self.kv.slots(SCRATCH)[0]
         self._seqs: dict[Hashable, _HybridSequence] = {}
         self._query_tokens = self._hit_tokens = 0
         self._num_evicted_pages = 0  # the KV evictions already swept for orphan checkpoints
@@ -78,32 +89,22 @@ class HybridCache:
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
-        """Create a sequence with its pages and a state slot. Returns the tokens served from
-        the prefix cache: the deepest checkpoint within its KV match (0 without one), whose
-        state the sequence's slot now holds. Raises OutOfStateSlots, OutOfPages,
-        SequenceTooLong or KVCache's argument errors, having changed nothing."""
+        """Create a sequence with its pages (sharing its KV match) and a state slot. Returns
+        the tokens served from the prefix cache: the deepest checkpoint within the KV match
+        (0 without one), whose state the sequence's slot now holds. Raises OutOfStateSlots
+        or KVCache's errors, having changed nothing."""
         self._check_new(seq_id)
-        if token_ids is None:
-            served = self.kv.add_sequence(seq_id, num_tokens=num_tokens)
-            self._seqs[seq_id] = _HybridSequence(self.states.allocate(),
-                                                 self.kv.num_tokens(seq_id), None)
-            return served
-        ids = pack_tokens(token_ids)
-        n = len(token_ids)
-        hit, checkpoint = self._match(ids, n)
-        self._check_room(token_ids, hit)
-        # The KV match is capped at the hit: past it the state must be computed again, and
-        # computing a token writes its K/V too.
-        self.kv.add_sequence(seq_id, token_ids[:hit + 1])
-        if n > hit + 1:
-            self.kv.append(seq_id, token_ids=token_ids[hit + 1:])
+        ids = None if token_ids is None else pack_tokens(token_ids)
+        hit, checkpoint = self._match(ids, len(token_ids)) if ids is not None else (0, None)
+        shared = self.kv.add_sequence(seq_id, token_ids, num_tokens=num_tokens)
         slot = self.states.allocate()
         if checkpoint is not None:
             self.states.copy(checkpoint, slot)
             self.checkpoints.touch(ids[:hit * TOKEN_BYTES])
-        self._seqs[seq_id] = _HybridSequence(slot, n, bytearray(ids))
-        if self.kv.prefix_cache is not None:
-            self._query_tokens += n
+        self._seqs[seq_id] = _HybridSequence(slot, self.kv.num_tokens(seq_id),
+                                             None if ids is None else bytearray(ids), shared)
+        if ids is not None and self.kv.prefix_cache is not None:
+            self._query_tokens += len(token_ids)
             self._hit_tokens += hit
         self._drop_orphans()
         return hit
@@ -130,7 +131,8 @@ class HybridCache:
         child = self.states.allocate()
         self.states.copy(parent.slot, child)
         token_ids = None if parent.token_ids is None else bytearray(parent.token_ids)
-        self._seqs[child_id] = _HybridSequence(child, parent.num_prompt_tokens, token_ids)
+        self._seqs[child_id] = _HybridSequence(child, parent.num_prompt_tokens, token_ids,
+                                               parent.num_shared)
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the sequence's KV written: its full pages become matchable, and so do the
@@ -262,15 +264,12 @@ class HybridCache:
 
     def sequences(self) -> list[Hashable]:
         """Ids of the live sequences, in creation order."""
-        return self.kv.sequences()
+        return list(self._seqs)
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
                      num_tokens: int | None = None) -> int:
         """Available pages `add_sequence` would consume. Changes nothing."""
-        if token_ids is None:
-            return self.kv.pages_to_add(num_tokens=num_tokens)
-        hit, _ = self._match(pack_tokens(token_ids), len(token_ids))
-        return self._pages_to_add(token_ids, hit)
+        return self.kv.pages_to_add(token_ids, num_tokens=num_tokens)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append` would take."""
@@ -282,8 +281,17 @@ class HybridCache:
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
                      ends: Sequence[int], *, device=None) -> torch.Tensor:
-        """KV slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated."""
-        return self.kv.slot_mapping(seq_ids, starts, ends, device=device)
+        """KV slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated; the
+        tokens of a sequence's KV match (computed again after a shallower checkpoint hit)
+        write to the scratch page instead of the shared pages."""
+        slots = self.kv.slot_mapping(seq_ids, starts, ends, device=device)
+        offset = 0
+        for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
+            shared = self._get(seq_id).num_shared
+            if start < shared:
+                slots[offset:offset + min(end, shared) - start] = self._scratch_slot
+            offset += end - start
+        return slots
 
     def stats(self) -> CacheStats:
         """The KV cache's counters, with the prefix hits as served: up to checkpoints
@@ -299,9 +307,10 @@ class HybridCache:
         self.kv.check()
         self.states.check()
         self.checkpoints.check()
-        assert list(self._seqs) == self.kv.sequences(), (
+        with_pages = [s for s in self.kv.sequences() if s is not SCRATCH]
+        assert list(self._seqs) == with_pages, (
             f"sequences with state slots {list(self._seqs)} differ from those with pages "
-            f"{self.kv.sequences()}")
+            f"{with_pages}")
         assert len(self._seqs) <= self.num_sequence_slots, (
             f"{len(self._seqs)} sequences for {self.num_sequence_slots} state slots")
         held = [seq.slot for seq in self._seqs.values()] + self.checkpoints.held_slots()
@@ -343,35 +352,23 @@ class HybridCache:
         kv_pages = len(cache.match(ids, (n - 1) // self.page_size).pages)
         return self.checkpoints.deepest(ids, kv_pages * self.page_size)
 
-    def _pages_to_add(self, token_ids: Sequence[int], hit: int) -> int:
-        """Available pages that adding `token_ids` with a hit of `hit` tokens takes."""
-        tail = self.kv.layout.num_pages_for(len(token_ids)) - self.kv.layout.num_pages_for(
-            hit + 1)
-        return self.kv.pages_to_add(token_ids[:hit + 1]) + tail
-
-    def _check_room(self, token_ids: Sequence[int], hit: int) -> None:
-        """Raise SequenceTooLong or OutOfPages before the two KVCache calls of add_sequence."""
-        limit, n = self.kv.max_tokens_per_seq, len(token_ids)
-        if limit is not None and n > limit:
-            raise SequenceTooLong(f"sequence of {n} tokens exceeds the limit of {limit}")
-        need, have = self._pages_to_add(token_ids, hit), self.kv.num_available_pages
-        if need > have:
-            raise OutOfPages(f"need {need} pages, {self.kv.num_free_pages} free, "
-                             f"{self.kv.num_cached_pages} evictable")
-
     def _checkpoint_requests(self, index: int, seq_id: Hashable, start: int,
                              end: int) -> list[CheckpointRequest]:
-        """Checkpoints to save while computing tokens [start, end) of a sequence: at each
-        interval multiple in (start, end] not checkpointed yet, while slots last."""
+        """Checkpoints to save while computing tokens [start, end) of a sequence, not saved
+        yet, while slots last: in the prompt, at the last checkpoint_interval multiple the
+        chunk reaches (where a later chunk or prompt would resume); after it, at every
+        track_interval multiple."""
         seq = self._get(seq_id)
         if seq.token_ids is None:
             return []
-        interval = self.checkpoints.interval
+        prompt_end = min(end, seq.num_prompt_tokens)
+        last = prompt_end // self.checkpoints.interval * self.checkpoints.interval
+        lengths = [last] if last > start else []
+        track = self.track_interval
+        lengths += range((max(start, seq.num_prompt_tokens) // track + 1) * track, end + 1, track)
         requests = []
-        for length in range((start // interval + 1) * interval, end + 1, interval):
-            step = interval if length <= seq.num_prompt_tokens else self.track_interval
-            prefix = bytes(seq.token_ids[:length * TOKEN_BYTES])
-            if length % step or self.checkpoints.has(prefix):
+        for length in lengths:
+            if self.checkpoints.has(bytes(seq.token_ids[:length * TOKEN_BYTES])):
                 continue
             slot = self.checkpoints.reserve()
             if slot is None:
