@@ -7,14 +7,14 @@ prompt is the conversation so far (the previous prompt and its 256-token answer)
 96-token message, and decodes 256 tokens. Turns run one at a time, conversations
 interleaved (turn 1 of each, then turn 2 of each, ...), so their histories compete for the
 cache. Each request is added, prefilled in chunks of 512 tokens, decoded token by token
-(committing after every step, as the engine does) and freed. Checkpoints are kept every 64
-prompt tokens and every track interval of output; a turn can resume from its history only
-through a checkpoint, so the track interval decides how much of the last answer is
-recomputed. Memory: 6 GiB of cache with the geometry of Bamba-9B in bf16 (59.40 MiB per
-state slot, 192 KiB per page of 16 tokens), one slot for the running sequence and the rest
-for checkpoints; the state tensors themselves are allocated small, as only their counts
-matter here. Baseline: the same cache without prefix caching, which recomputes every
-prompt token.
+(committing after every step, as the engine does) and freed. Each prefill chunk keeps a
+checkpoint at its last multiple of 64 tokens, and the output one every track interval; a
+turn can resume from its history only through a checkpoint, so the track interval decides
+how much of the last answer is recomputed. Memory: 6 GiB of cache with the geometry of
+Bamba-9B in bf16 (59.40 MiB per state slot, 192 KiB per page of 16 tokens), one slot for
+the running sequence and the rest for checkpoints; the state tensors themselves are
+allocated small, as only their counts matter here. Baseline: the same cache without
+prefix caching, which recomputes every prompt token.
 
     python benchmarks/hybrid.py
 """
