@@ -86,7 +86,7 @@ def test_plan_without_a_model_lists_the_presets_and_exits_2(capsys):
     assert main(["plan"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpool plan: error: give a MODEL")
-    assert "(tiny, Llama-3-8B, Qwen2.5-7B, Qwen3-8B, Mistral-7B)" in err
+    assert "(tiny, Llama-3-8B, Qwen2.5-7B, Qwen3-8B, Mistral-7B, Bamba-9B)" in err
 
 
 def test_plan_of_an_unknown_model_exits_2(capsys):

@@ -48,6 +48,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per page (default: 16)")
     parser.add_argument("--dtype", choices=list(DTYPES),
                         help="weights and KV dtype (default: the config's, else float16)")
+    parser.add_argument("--mamba-memory-ratio", type=float, default=0.5, metavar="RATIO",
+                        help="hybrid models: share of the cache budget for Mamba state slots "
+                             "(default: 0.5)")
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
                         help="tokens per sequence when counting sequences "
                              "(default: the model's max_position_embeddings)")
@@ -64,7 +67,7 @@ def run_plan(args: argparse.Namespace) -> int:
     model = ModelConfig.from_hf(args.model)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
-                       device=args.device)
+                       device=args.device, mamba_memory_ratio=args.mamba_memory_ratio)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     print(format_table(_plan_rows(args.model, model, plan, context_len)))
     if plan.reason:
@@ -169,8 +172,16 @@ def _plan_rows(
     ]
     if plan.in_use_bytes:
         rows.append(("already in use", format_bytes(plan.in_use_bytes)))
-    return rows + [
-        ("KV budget", format_bytes(plan.budget_bytes)),
+    rows.append(("KV budget", format_bytes(plan.budget_bytes)))
+    if plan.mamba_layout:
+        rows += [
+            ("state share", f"{plan.mamba_memory_ratio * 100:g}% of the budget"),
+            ("state bytes per slot", f"{plan.mamba_layout.bytes_per_slot:,} "
+                                     f"({format_bytes(plan.mamba_layout.bytes_per_slot)}, "
+                                     f"{plan.mamba_layout.num_layers} Mamba layers)"),
+            ("state slots", f"{plan.num_state_slots:,} ({format_bytes(plan.state_bytes)})"),
+        ]
+    rows += [
         ("KV layout", _layout_text(model, plan.layout)),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
         ("KV bytes per page", f"{plan.bytes_per_page:,} ({format_bytes(plan.bytes_per_page)}, "
@@ -180,6 +191,10 @@ def _plan_rows(
         (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,} "
                                           f"({pages_per_seq:,} pages each)"),
     ]
+    if plan.mamba_layout:
+        rows.append(("checkpoints", f"{plan.max_checkpoints(context_len):,} state slots left "
+                                    f"for the prefix cache"))
+    return rows
 
 
 def _layout_text(model: ModelConfig, layout: KVLayout) -> str:

@@ -12,6 +12,14 @@ class OutOfPages(KVPoolError, MemoryError):
     """Not enough free pages for the request; nothing was changed."""
 
 
+class OutOfStateSlots(KVPoolError, MemoryError):
+    """Not enough free state slots in a MambaPool; nothing was changed."""
+
+
+class InvalidStateSlot(KVPoolError, ValueError):
+    """A state slot that is not allocated (e.g. a double free); nothing was changed."""
+
+
 class InvalidPage(KVPoolError, ValueError):
     """A page id out of range or not allocated (e.g. a double free); nothing was changed."""
 

@@ -5,7 +5,9 @@ weights and activations, computed from the model's config before any weight is l
 memory (a CUDA device's, or the host's RAM) that this model may use. What is already in use
 on the device when planning (other processes) comes out of that share, and so do the weights,
 the activations and any other memory the caller reserves; the KV cache gets the whole pages
-of what is left."""
+of what is left. For a hybrid model (attention and Mamba layers), `mamba_memory_ratio` of
+that rest goes to state slots (one per running sequence or cached checkpoint) and the
+pages get the remainder."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ from kvpool.errors import check_int
 from kvpool.formats import format_bytes
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
+from kvpool.models.hybrid_config import MambaConfig
+from kvpool.state_pool import MambaLayout
 
 ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAMBA_MEMORY_RATIO = 0.5  # share of a hybrid's cache budget given to state slots
 _MEMINFO = Path("/proc/meminfo")
 
 
@@ -35,7 +40,8 @@ class MemoryPlan:
     budget_bytes = int(device_memory * memory_fraction) - in_use_bytes - weight_bytes
     - activation_bytes - reserved_bytes (negative when the model alone does not fit); the KV
     cache gets the whole pages that fit in it. When not one page fits, num_pages is 0 and
-    `reason` says why."""
+    `reason` says why. A hybrid model's state slots take `mamba_memory_ratio` of the budget
+    first (`mamba_layout` None and no slots for attention-only models)."""
 
     layout: KVLayout
     num_parameters: int
@@ -49,6 +55,14 @@ class MemoryPlan:
     budget_bytes: int
     num_pages: int
     reason: str | None = None
+    mamba_layout: MambaLayout | None = None
+    num_state_slots: int = 0
+    mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the state pool: `num_state_slots` slots."""
+        return self.num_state_slots * self.mamba_layout.bytes_per_slot if self.mamba_layout else 0
 
     @property
     def page_size(self) -> int:
@@ -81,9 +95,15 @@ class MemoryPlan:
         return self.num_pages * self.page_size
 
     def max_sequences(self, context_len: int) -> int:
-        """How many sequences of `context_len` tokens fit at once, each in whole pages."""
+        """How many sequences of `context_len` tokens fit at once, each in whole pages (and,
+        for a hybrid, each with a state slot)."""
         check_int("context_len", context_len, 1)
-        return self.num_pages // self.layout.num_pages_for(context_len)
+        by_pages = self.num_pages // self.layout.num_pages_for(context_len)
+        return min(by_pages, self.num_state_slots) if self.mamba_layout else by_pages
+
+    def max_checkpoints(self, context_len: int) -> int:
+        """State slots left for the prefix cache's checkpoints while `max_sequences` run."""
+        return self.num_state_slots - self.max_sequences(context_len) if self.mamba_layout else 0
 
 
 def plan_memory(
@@ -96,19 +116,22 @@ def plan_memory(
     activation_bytes: int | None = None,
     reserved_bytes: int = 0,
     device: str | torch.device | None = None,
+    mamba_memory_ratio: float = DEFAULT_MAMBA_MEMORY_RATIO,
 ) -> MemoryPlan:
     """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
     the memory after the weights, the activations and `reserved_bytes`. `device_memory`
     (bytes) is the memory to plan in; None reads `device` (default CUDA if available, else
     CPU): its total memory (a CUDA device's, or the host's RAM), less what is already in use.
     `dtype` None: the config's, else float32 (as the loader does). `activation_bytes` None:
-    `estimate_activation_bytes` with its defaults."""
+    `estimate_activation_bytes` with its defaults. `mamba_memory_ratio` in (0, 1): a hybrid's
+    share of the budget for state slots (ignored for attention-only models)."""
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
         check_int("activation_bytes", activation_bytes, 0)
     check_int("reserved_bytes", reserved_bytes, 0)
     _check_fraction(memory_fraction)
+    _check_ratio(mamba_memory_ratio)
     model = model_config(config)
     layout = model.kv_layout(dtype=dtype, page_size=page_size)
     num_parameters = count_parameters(model)
@@ -118,12 +141,19 @@ def plan_memory(
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
     usable = int(device_memory * memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
+    mamba = model.mamba_layout(dtype=dtype)
+    ratio = mamba_memory_ratio if mamba else 0.0
+    num_slots = int(max(budget, 0) * ratio) // mamba.bytes_per_slot if mamba else 0
+    state_bytes = num_slots * mamba.bytes_per_slot if mamba else 0
     plan = MemoryPlan(
         layout, num_parameters, weight_bytes, activation_bytes, reserved_bytes, device_name,
         device_memory, in_use_bytes, memory_fraction, budget,
-        num_pages=max(budget, 0) // layout.bytes_per_page,
+        num_pages=max(budget - state_bytes, 0) // layout.bytes_per_page,
+        mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
     )
-    return plan if plan.num_pages else replace(plan, reason=_reason(plan))
+    if plan.num_pages and (mamba is None or num_slots):
+        return plan
+    return replace(plan, reason=_reason(plan))
 
 
 def model_config(config: ModelSource) -> ModelConfig:
@@ -132,15 +162,19 @@ def model_config(config: ModelSource) -> ModelConfig:
 
 
 def count_parameters(model: ModelConfig) -> int:
-    """Exact parameter count of a decoder: embeddings; per layer the attention (Llama-family:
-    q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms),
-    the MLP (gated; DeepSeek's MoE layers: routed and shared experts and the router) and two
-    RMSNorms; the final norm; the lm_head unless tied to the embeddings."""
+    """Exact parameter count of a decoder: embeddings; per layer its mixer (attention, Llama-family:
+    q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
+    a hybrid's Mamba2 mixer), the MLP (gated; DeepSeek's MoE layers: routed and shared experts
+    and the router) and two RMSNorms; the final norm; the lm_head unless tied to the
+    embeddings."""
     hidden = model.hidden_size
     attention = _mla_parameters(model) if model.mla else _attention_parameters(model)
+    mixers = len(model.attention_layers) * attention
+    if model.mamba:
+        mixers += len(model.mamba.layers) * _mamba_parameters(model.mamba, hidden)
     embeddings = model.vocab_size * hidden
     lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
-    return (embeddings + model.num_layers * (attention + 2 * hidden) + _all_mlp_parameters(model)
+    return (embeddings + mixers + model.num_layers * 2 * hidden + _all_mlp_parameters(model)
             + hidden + lm_head)
 
 
@@ -198,6 +232,18 @@ def _moe_parameters(model: ModelConfig) -> int:
     return experts + shared + router
 
 
+def _mamba_parameters(m: MambaConfig, hidden: int) -> int:
+    """One Mamba2 mixer: in_proj, the depthwise conv, dt_bias, A_log and D per head, the
+    gated norm, out_proj, and the biases the config has."""
+    params = hidden * m.in_proj_size + m.conv_dim * m.conv_kernel + 3 * m.num_heads
+    params += m.intermediate_size + m.intermediate_size * hidden
+    if m.conv_bias:
+        params += m.conv_dim
+    if m.proj_bias:
+        params += m.in_proj_size + hidden
+    return params
+
+
 def estimate_activation_bytes(
     model: ModelConfig,
     dtype: torch.dtype,
@@ -214,13 +260,20 @@ def estimate_activation_bytes(
     check_int("max_num_seqs", max_num_seqs, 1)
     attention = 2 * (model.num_heads + model.num_kv_heads) * model.head_dim
     mlp = 3 * model.intermediate_size
-    per_token = (2 * model.hidden_size + max(attention, mlp)) * dtype.itemsize
+    mamba = 0
+    if model.mamba:  # in_proj's outputs, the conv's, and the scan's
+        mamba = model.mamba.in_proj_size + model.mamba.conv_dim + model.mamba.intermediate_size
+    per_token = (2 * model.hidden_size + max(attention, mlp, mamba)) * dtype.itemsize
     num_logits = min(max_num_seqs, max_num_batched_tokens)
     return max_num_batched_tokens * per_token + num_logits * model.vocab_size * 4
 
 
 def _reason(plan: MemoryPlan) -> str:
-    """Why a plan has no pages, naming the sizes."""
+    """Why a plan has no pages (or, for a hybrid, no state slot), naming the sizes."""
+    if plan.budget_bytes >= 0 and plan.mamba_layout and not plan.num_state_slots:
+        return (f"{plan.mamba_memory_ratio * 100:g}% of the {format_bytes(plan.budget_bytes)} "
+                f"left for the cache is less than one state slot "
+                f"({format_bytes(plan.mamba_layout.bytes_per_slot)})")
     if plan.budget_bytes >= 0:
         return (f"the {format_bytes(plan.budget_bytes)} left for the KV cache is less than "
                 f"one page ({format_bytes(plan.bytes_per_page)})")
@@ -281,6 +334,13 @@ def host_memory() -> tuple[int, int]:
     except (AttributeError, ValueError, OSError):
         msg = "cannot read this machine's memory; pass device_memory"
         raise ValueError(msg) from None
+
+
+def _check_ratio(ratio: object) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError(f"mamba_memory_ratio must be a number in (0, 1), got {ratio!r}")
+    if not 0 < ratio < 1:
+        raise ValueError(f"mamba_memory_ratio must be in (0, 1), got {ratio}")
 
 
 def _check_fraction(memory_fraction: object) -> None:

@@ -29,7 +29,8 @@ class EngineConfig:
     the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
     max_model_len None: the model's
     max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
-    requests that have no seed of their own.
+    requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
+    prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
     """
 
     page_size: int = 16
@@ -44,11 +45,12 @@ class EngineConfig:
     device: str | torch.device | None = None
     seed: int = 0
     enforce_eager: bool = False
+    mamba_checkpoint_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             check_int(name, getattr(self, name), 1)
-        for name in ("num_pages", "max_model_len"):
+        for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
@@ -95,9 +97,10 @@ class EngineConfig:
                                          max_num_seqs=self.max_num_seqs)
 
     def plan_num_pages(self, model: ModelConfig, device: torch.device,
-                       max_model_len: int) -> int:
+                       max_model_len: int, *, state_bytes: int = 0) -> int:
         """num_pages, or the pages this engine's share of `device` holds once the model is
-        loaded: call it before loading the weights, which it counts from the config."""
+        loaded: call it before loading the weights, which it counts from the config. A
+        hybrid's state pool (`state_bytes`) comes out of the cache's budget first."""
         if self.num_pages is not None:
             return self.num_pages
         layout = model.kv_layout(dtype=self.dtype, page_size=self.page_size)
@@ -113,10 +116,12 @@ class EngineConfig:
         budget = plan.budget_bytes
         if device.type == "cpu":
             budget = min(self.kv_cache_memory, budget)
+        budget -= state_bytes
         num_pages = max(budget, 0) // layout.bytes_per_page
         if num_pages == 0:
-            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device} holds "
-                             f"no page of {format_bytes(layout.bytes_per_page)} "
+            states = f" (after {format_bytes(state_bytes)} of state slots)" if state_bytes else ""
+            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device}"
+                             f"{states} holds no page of {format_bytes(layout.bytes_per_page)} "
                              f"({plan.reason or 'kv_cache_memory is below one page'}); pass "
                              f"num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages

@@ -3,6 +3,7 @@ step API (`add_request`, `step`, `abort`, `has_unfinished`) lets a server drive 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import abc
@@ -22,6 +23,7 @@ from kvpool.engine.sampling import Sampler
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
 from kvpool.models.loader import resolve_device
 from kvpool.threads import limit_threads
@@ -36,7 +38,9 @@ class LLM:
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
     max_num_batched_tokens, max_model_len, dtype, device, seed, enforce_eager). `on_step` is
-    called with a StepRecord after every step. `cache` is the KVCache.
+    called with a StepRecord after every step. `cache` is the KVCache, or for a hybrid model
+    (Bamba) the HybridCache: a state slot per seat (max_num_seqs) and, with prefix caching,
+    mamba_checkpoint_slots for checkpoints, all taken from the cache's budget; no CUDA graphs.
     """
 
     def __init__(self, model: str | Path, *,
@@ -48,15 +52,33 @@ class LLM:
         self.max_model_len = self.config.resolve_max_model_len(mc)
         # Planned before loading, from the config: the memory read then still holds the
         # weights' room, and the plan counts them once.
-        num_pages = self.config.plan_num_pages(mc, device, self.max_model_len)
+        mamba = mc.mamba_layout(dtype=self.config.dtype)
+        # One state slot per seat: the scheduler never runs more than max_num_seqs sequences.
+        num_slots = self.config.max_num_seqs
+        num_checkpoints = 0
+        if self.config.prefix_caching:
+            num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
+        state_bytes = (num_slots + num_checkpoints) * mamba.bytes_per_slot if mamba else 0
+        num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
+                                               state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         layout = mc.kv_layout(dtype=self.config.dtype, page_size=self.config.page_size)
-        self.cache = KVCache(layout, num_pages, device=device,
-                             prefix_caching=self.config.prefix_caching,
-                             max_tokens_per_seq=self.max_model_len)
+        if mamba:
+            # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
+            # so tokens of output.
+            interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
+            self.cache = HybridCache(
+                layout, num_pages, mamba, num_slots, device=device,
+                prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
+                checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
+                max_tokens_per_seq=self.max_model_len)
+        else:
+            self.cache = KVCache(layout, num_pages, device=device,
+                                 prefix_caching=self.config.prefix_caching,
+                                 max_tokens_per_seq=self.max_model_len)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
@@ -67,7 +89,7 @@ class LLM:
             self.config.workspace_bytes(mc, layout, self.max_model_len), device)
         self.runner = ModelRunner(self.model, self.cache, self.workspace)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if device.type == "cuda" and not self.config.enforce_eager:
+        if device.type == "cuda" and not self.config.enforce_eager and mamba is None:
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
                                           self.max_model_len)
             self.graphs.capture()

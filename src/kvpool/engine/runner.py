@@ -16,6 +16,8 @@ import torch
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.hybrid_cache import HybridCache
+from kvpool.state_pool import StateBatch
 from kvpool.workspace import Workspace
 
 
@@ -27,6 +29,7 @@ class StepInputs:
     positions: torch.Tensor  # [tokens] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logits] int64: packed rows whose logits are returned
+    states: StateBatch | None = None  # a hybrid model's state slots, in batch order
 
 
 class StepLayout(NamedTuple):
@@ -91,7 +94,8 @@ class ModelRunner:
     """Runs `model(input_ids, positions, meta, pool, logits_indices)` for a batch, with its
     metadata in `workspace` (reset at the start of every step)."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, workspace: Workspace):
+    def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache,
+                 workspace: Workspace):
         self.model = model
         self.cache = cache
         self.workspace = workspace
@@ -135,8 +139,11 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits `[num_logits, vocab]` of one forward over `inputs`."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.cache.pool,
-                          inputs.logits_indices)
+        args = (inputs.input_ids, inputs.positions, inputs.meta, self.cache.pool,
+                inputs.logits_indices)
+        if inputs.states is None:
+            return self.model(*args)
+        return self.model(*args, states=inputs.states)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -145,8 +152,12 @@ class ModelRunner:
         layout = self.layout(batch)
         flat = self.stage(batch, layout)
         query_lens = [end - start for start, end in zip(batch.starts, batch.ends, strict=True)]
-        return self.forward(self.inputs(flat, layout, max_seq_len=max(batch.ends),
-                                        max_query_len=max(query_lens)))
+        inputs = self.inputs(flat, layout, max_seq_len=max(batch.ends),
+                             max_query_len=max(query_lens))
+        if isinstance(self.cache, HybridCache):
+            inputs.states = self.cache.state_batch([seq.seq_id for seq in batch.seqs],
+                                                   batch.starts, batch.ends)
+        return self.forward(inputs)
 
     def _host(self, size: int) -> torch.Tensor:
         """`size` elements of the pinned staging buffer, grown (doubling) when too small."""

@@ -1,6 +1,6 @@
-"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral, DeepSeek-V2/V3)
-into one validated dataclass, the KV layout a config implies, and the built-in presets used by
-`kvpool plan` and the `tiny` model."""
+"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral,
+DeepSeek-V2/V3, and the hybrid Bamba) into one validated dataclass, the KV layout a config
+implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
+from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
+from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    *HYBRID_ARCHITECTURES,
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -31,6 +34,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
@@ -73,6 +77,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "bfloat16",
+    },
+    "Bamba-9B": {
+        "architectures": ["BambaForCausalLM"], "model_type": "bamba", "vocab_size": 128256,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "attn_layer_indices": [9, 18, 27],
+        "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
 }
 
@@ -147,6 +160,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mla: MLAConfig | None = None  # DeepSeek: num_kv_heads is 1 and head_dim the latent's
     moe: MoEConfig | None = None  # DeepSeek's MoE layers; None: every MLP is dense
+    partial_rotary_factor: float = 1.0  # Bamba rotates the first half of each head
+    mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -169,6 +184,8 @@ class ModelConfig:
                                   f"num_attention_heads={heads} and no head_dim is given")
             head_dim = hidden // heads
         rope_theta, rope_scaling = _rope(cfg)
+        num_layers = _int(cfg, "num_hidden_layers")
+        is_bamba = arch == "BambaForCausalLM"
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         if arch.startswith("Qwen") and _bool(cfg, "use_sliding_window"):
@@ -178,7 +195,7 @@ class ModelConfig:
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size"),
-            num_layers=_int(cfg, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=_positive(head_dim, "head_dim"),
@@ -188,15 +205,41 @@ class ModelConfig:
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-            mlp_bias=_bool(cfg, "mlp_bias") and arch == "LlamaForCausalLM",
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM",
+                                               "BambaForCausalLM"),
+            mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=(_optional_int(cfg, "sliding_window")
                             if arch == "MistralForCausalLM" else None),
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
+            partial_rotary_factor=_partial_rotary_factor(cfg) if is_bamba else 1.0,
+            mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a query or key head that RoPE rotates (the rest pass through): MLA's
+        rope part, or head_dim times the partial rotary factor."""
+        if self.mla:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The model layers with attention, whose K/V the pool holds, in pool-layer order."""
+        mamba = set(self.mamba.layers) if self.mamba else set()
+        return tuple(i for i in range(self.num_layers) if i not in mamba)
+
+    def mamba_layout(self, *, dtype: torch.dtype | None = None) -> MambaLayout | None:
+        """The state-slot layout of a hybrid's Mamba layers (None for attention-only models),
+        in the dtype its weights load in."""
+        m = self.mamba
+        if m is None:
+            return None
+        return MambaLayout(len(m.layers), m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim,
+                           m.state_size, self.weights_dtype(dtype))
 
 
     def weights_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
@@ -204,17 +247,12 @@ class ModelConfig:
         return dtype or self.dtype or DEFAULT_DTYPE
 
     def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16) -> KVLayout:
-        """The KV layout of this model: its layers, KV heads and head_dim (for MLA one latent
-        per token and layer), in the dtype its weights load in (see `weights_dtype`), with
+        """The KV layout of this model: its attention layers, KV heads and head_dim (for MLA one
+        latent per token and layer), in the dtype its weights load in (see `weights_dtype`), with
         pages of `page_size` tokens."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim,
+        return KVLayout(len(self.attention_layers), self.num_kv_heads, self.head_dim,
                         self.weights_dtype(dtype), page_size,
                         kind="mla" if self.mla else "mha")
-
-    @property
-    def rotary_dim(self) -> int:
-        """Values of a query or key head that RoPE rotates: head_dim, or MLA's rope part."""
-        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
 
 
 def read_hf_config(source: dict | str | Path) -> dict:
@@ -397,6 +435,15 @@ def _check_routing(moe: MoEConfig, v3: bool) -> None:
         problem = "norm_topk_prob=true is not supported for DeepseekV2ForCausalLM"
     if problem:
         raise ConfigError(problem)
+
+
+def _partial_rotary_factor(cfg: dict) -> float:
+    """rope_parameters' partial_rotary_factor; Bamba always rotates half of each head."""
+    params = cfg.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", 0.5) if isinstance(params, dict) else 0.5
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _dtype(cfg: dict) -> torch.dtype | None:

@@ -11,7 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvpool.errors import CheckpointError, ConfigError
-from kvpool.models.config import DEEPSEEK_ARCHITECTURES, PRESETS, ModelConfig, token_ids
+from kvpool.models.bamba import BambaForCausalLM
+from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -22,13 +23,20 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
+# The module class of each architecture that is not a Llama-family decoder.
+# The module class of each architecture that is not run by LlamaForCausalLM.
+MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
+    "BambaForCausalLM": BambaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+}
 
 
 @dataclass(slots=True)
 class LoadedModel:
     """A model ready to run, its config, and its tokenizer (None if the folder has none)."""
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | BambaForCausalLM | DeepseekForCausalLM
     config: ModelConfig
     tokenizer: Tokenizer | None
 
@@ -56,11 +64,9 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     return LoadedModel(net.eval(), config, tokenizer)
 
 
-def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+def model_class(config: ModelConfig) -> type[torch.nn.Module]:
     """The module class that runs a config's architecture."""
-    if config.architecture in DEEPSEEK_ARCHITECTURES:
-        return DeepseekForCausalLM
-    return LlamaForCausalLM
+    return MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
 
 
 def load_config(model: str | Path) -> ModelConfig:
@@ -158,7 +164,7 @@ def _index_file_names(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Copy the checkpoint's tensors into the model by name, after checking that names and
     shapes match exactly (a tied lm_head and rotary inv_freq buffers are skipped)."""
     params = model.state_dict()

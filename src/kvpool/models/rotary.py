@@ -117,7 +117,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, dim]` by the angles whose cos/sin are `[T, 1, dim // 2]`."""
+    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, rotary_dim // 2]`;
+    channels past rotary_dim (partial rotary) pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), -1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

@@ -1,0 +1,105 @@
+"""Bamba: a hybrid decoder whose layers are Mamba2 mixers except a few attention layers,
+each followed by the SwiGLU MLP. Attention layers write K/V into the paged pool (pool layer
+i is the model's i-th attention layer); Mamba layers keep one state slot per sequence in a
+MambaPool. Parameter names mirror the Hugging Face checkpoints."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention import AttentionMetadata
+from kvpool.models.config import ModelConfig
+from kvpool.models.layers import MLP, RMSNorm
+from kvpool.models.llama import LlamaAttention, Rope
+from kvpool.models.mamba2 import Mamba2Mixer
+from kvpool.models.rotary import RotaryEmbedding
+from kvpool.pool import KVPool, default_device
+from kvpool.state_pool import StateBatch
+
+
+class BambaDecoderLayer(nn.Module):
+    """Pre-norm block: `x + mixer(norm(x))` (attention or Mamba2), then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, is_mamba: bool, dtype: torch.dtype):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        if is_mamba:
+            self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, eps, dtype)
+        else:
+            self.self_attn = LlamaAttention(config, dtype)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.feed_forward = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                                dtype)
+
+
+class BambaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        mamba = set(config.mamba.layers)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(config, i in mamba, dtype) for i in range(config.num_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                pool: KVPool, states: StateBatch) -> torch.Tensor:
+        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        num_attention = num_mamba = 0
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            if hasattr(layer, "mamba"):
+                h = layer.mamba(h, meta, states, num_mamba)
+                num_mamba += 1
+            else:
+                h = layer.self_attn(h, rope, meta, pool.k_cache(num_attention),
+                                    pool.v_cache(num_attention))
+                num_attention += 1
+            x = x + h
+            x = x + layer.feed_forward(layer.pre_ff_layernorm(x))
+        return x
+
+
+class BambaForCausalLM(nn.Module):
+    """The hybrid decoder plus its output head (tied to the embedding when the config says so).
+
+    Parameters are allocated on `device` but not initialised (load a checkpoint into them).
+    The model never allocates pages or state slots: it writes K/V at the slots it is given,
+    reads through the page tables, and updates the state slots of `states`."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        device = torch.device(device) if device is not None else default_device()
+        self.config = config
+        self.dtype = dtype
+        with torch.device("meta"):  # skip the default init: weights are loaded next
+            self.model = BambaModel(config, dtype)
+            self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device=device)
+        self.rotary_emb = RotaryEmbedding(config, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, pool: KVPool,
+                logits_indices: torch.Tensor | None = None, *,
+                states: StateBatch) -> torch.Tensor:
+        """One packed step: input_ids and positions `[T]` int64 -> float32 logits
+        `[n, vocab_size]` of the tokens at `logits_indices` (default: each sequence's last
+        token). `states.slots[b]` is sequence b's state slot."""
+        for name, held in (("pool", pool.kv.dtype), ("state pool", states.pool.layout.dtype)):
+            if held != self.dtype:
+                raise ValueError(f"the {name} holds {held} but the model computes in "
+                                 f"{self.dtype}; build its layout with dtype={self.dtype}")
+        rope = self.rotary_emb(positions, self.dtype)
+        hidden = self.model(input_ids, rope, meta, pool, states)
+        if logits_indices is None:
+            logits_indices = meta.cu_seqlens_q[1:] - 1
+        hidden = self.model.final_layernorm(hidden.index_select(0, logits_indices.long()))
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return F.linear(hidden, head.weight).float()

@@ -1,0 +1,179 @@
+"""The Mamba2 mixer of a hybrid model, reading and writing its sequences' state slots.
+
+Per token t of a sequence, per head: `h_t = exp(dt_t * A) h_{t-1} + dt_t x_t B_t^T` (an SSM
+state of head_dim x state_size) and `y_t = h_t C_t + D x_t`, where x, B and C come out of a
+causal depthwise convolution over the token's inputs. A decode token takes one step of that
+recurrence; a prefill chunk runs the chunked scan (within a chunk, attention-like products
+weighted by the decay between tokens; across chunks, the recurrence on the chunk-end
+states). The state slot holds the last `conv_kernel - 1` conv inputs and h after the
+sequence's last computed token; a sequence whose chunk starts at position 0 starts from
+zeros and never reads its slot."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention import AttentionMetadata
+from kvpool.models.hybrid_config import MambaConfig
+from kvpool.state_pool import StateBatch
+
+
+class GatedRMSNorm(nn.Module):
+    """`y * silu(z)`, then RMS-normed within each of `num_groups` channel groups, in float32,
+    and scaled by the learned weight (Mamba2's norm before out_proj)."""
+
+    def __init__(self, size: int, num_groups: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.num_groups, self.eps = num_groups, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z `[T, size]` -> `[T, size]` in y's dtype."""
+        h = y.float() * F.silu(z.float())
+        groups = h.view(h.shape[0], self.num_groups, -1)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view_as(h).to(y.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> (gate z, conv inputs, dt); causal conv + SiLU -> (x, B, C); the SSM scan;
+    gated norm; out_proj. Parameter names follow the Hugging Face checkpoints."""
+
+    def __init__(self, m: MambaConfig, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.m = m
+        self.in_proj = nn.Linear(hidden_size, m.in_proj_size, bias=m.proj_bias, dtype=dtype)
+        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim,
+                                bias=m.conv_bias, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
+        self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, eps, dtype)
+        self.out_proj = nn.Linear(m.intermediate_size, hidden_size, bias=m.proj_bias,
+                                  dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: StateBatch,
+                layer: int) -> torch.Tensor:
+        """hidden `[T, hidden]` (packed sequences) -> `[T, hidden]`; updates the state slots
+        of Mamba layer `layer` to the state after each sequence's last token."""
+        m = self.m
+        z, xbc, dt = self.in_proj(hidden).split(
+            [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
+        conv, ssm = states.pool.conv_state(layer), states.pool.ssm_state(layer)
+        cu = meta.cu_seqlens_q.tolist()
+        q_lens = [end - start for start, end in zip(cu[:-1], cu[1:], strict=True)]
+        starts = (meta.seq_lens.cpu() - torch.tensor(q_lens, dtype=torch.int32)).tolist()
+        y = torch.empty(hidden.shape[0], m.num_heads, m.head_dim, dtype=torch.float32,
+                        device=hidden.device)
+        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
+        for request in states.checkpoints:
+            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        if decodes:
+            rows = torch.tensor([cu[b] for b in decodes], device=hidden.device)
+            slots = states.slots[decodes]
+            fresh = torch.tensor([starts[b] == 0 for b in decodes], device=hidden.device)
+            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots, fresh)
+            for b in decodes:
+                for _, checkpoint in saves.get(b, ()):
+                    _save(conv, ssm, int(states.slots[b]), checkpoint)
+        for b, n in enumerate(q_lens):
+            if n > 1:  # in segments ending at each checkpoint, whose state is saved then
+                slot, begin = int(states.slots[b]), starts[b]
+                for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
+                    if end > begin:
+                        lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
+                        y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], conv, ssm, slot,
+                                                 begin == 0)
+                        begin = end
+                    if checkpoint is not None:
+                        _save(conv, ssm, slot, checkpoint)
+        out = self.norm(y.view(hidden.shape[0], -1).to(hidden.dtype), z)
+        return self.out_proj(out)
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+                ssm: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """One token each of B sequences: xbc `[B, conv_dim]`, dt `[B, heads]` -> y
+        `[B, heads, head_dim]` float32; their conv and SSM states advance one step."""
+        fresh = fresh[:, None, None]  # where, not a product: an unwritten slot may hold NaN
+        past = torch.where(fresh, torch.zeros((), dtype=conv.dtype), conv[slots])
+        window = torch.cat([past, xbc.unsqueeze(-1)], dim=-1)
+        conv[slots] = window[..., 1:]
+        mixed = (window * self.conv1d.weight[:, 0]).sum(-1)
+        if self.conv1d.bias is not None:
+            mixed = mixed + self.conv1d.bias
+        x, B, C = self._split(F.silu(mixed))
+        A = -torch.exp(self.A_log.float())
+        h = torch.where(fresh[..., None], 0.0, ssm[slots].float())
+        h = h * torch.exp(dt * A)[..., None, None] + (
+            (dt[..., None] * x)[..., None] * B[:, :, None, :])
+        ssm[slots] = h.to(ssm.dtype)
+        return torch.einsum("bhpn,bhn->bhp", h, C) + self.D.float()[:, None] * x
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+                 ssm: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
+        """L tokens of one sequence: xbc `[L, conv_dim]`, dt `[L, heads]` -> y
+        `[L, heads, head_dim]` float32; its state slot ends after the last of them."""
+        m = self.m
+        past = torch.zeros_like(conv[slot]) if fresh else conv[slot]
+        window = torch.cat([past, xbc.t()], dim=-1)  # [conv_dim, K - 1 + L]
+        mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
+                         groups=m.conv_dim)[0].t()
+        conv[slot] = window[:, -(m.conv_kernel - 1):]
+        x, B, C = self._split(F.silu(mixed))
+        h0 = torch.zeros(m.num_heads, m.head_dim, m.state_size, device=xbc.device) if fresh \
+            else ssm[slot].float()
+        y, h = chunked_scan(x, dt, -torch.exp(self.A_log.float()), B, C, h0, m.chunk_size)
+        ssm[slot] = h.to(ssm.dtype)
+        return y + self.D.float()[:, None] * x
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs `[N, conv_dim]` -> float32 x `[N, heads, head_dim]` and B, C
+        `[N, heads, state_size]` (each group's B and C repeated for its heads)."""
+        m = self.m
+        x, B, C = xbc.float().split(
+            [m.intermediate_size, m.num_groups * m.state_size, m.num_groups * m.state_size],
+            dim=-1)
+        per_group = m.num_heads // m.num_groups
+        B = B.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        C = C.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        return x.view(-1, m.num_heads, m.head_dim), B, C
+
+
+def _save(conv: torch.Tensor, ssm: torch.Tensor, slot: int, checkpoint: int) -> None:
+    """Copy one layer's state of `slot` into the checkpoint slot."""
+    conv[checkpoint] = conv[slot]
+    ssm[checkpoint] = ssm[slot]
+
+
+def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, h: torch.Tensor, chunk_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over L tokens of one sequence, `chunk_size` at a time (float32 throughout).
+
+    x `[L, heads, head_dim]`, dt `[L, heads]`, A `[heads]` (negative), B and C
+    `[L, heads, state_size]`, h `[heads, head_dim, state_size]` the state before the first
+    token. Returns (y `[L, heads, head_dim]` without the D skip, the state after the last
+    token). Within a chunk, token l reads token s <= l through `C_l . B_s` decayed by
+    `exp(a_l - a_s)` (a: the running sum of dt * A from the chunk's start) and the chunk's
+    initial state decayed by `exp(a_l)`."""
+    outputs = []
+    for begin in range(0, x.shape[0], chunk_size):
+        xs, dts = x[begin:begin + chunk_size], dt[begin:begin + chunk_size]
+        Bs, Cs = B[begin:begin + chunk_size], C[begin:begin + chunk_size]
+        a = torch.cumsum(dts * A, dim=0)  # [l, heads]
+        n = a.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        gaps = (a[:, None] - a[None]).masked_fill(~causal[..., None], float("-inf"))
+        scores = torch.einsum("lhn,shn->lsh", Cs, Bs) * torch.exp(gaps)
+        inputs = xs * dts[..., None]  # dt_s x_s: [l, heads, head_dim]
+        y = torch.einsum("lsh,shp->lhp", scores, inputs)
+        y = y + torch.einsum("lhn,hpn->lhp", Cs, h) * torch.exp(a)[..., None]
+        to_end = torch.exp(a[-1] - a)  # decay from each token to the chunk's end
+        h = h * torch.exp(a[-1])[:, None, None] + torch.einsum(
+            "lh,lhp,lhn->hpn", to_end, inputs, Bs)
+        outputs.append(y)
+    return torch.cat(outputs), h

@@ -1,0 +1,195 @@
+"""MambaPool: the recurrent states of a hybrid model's Mamba layers, beside the KV pages.
+
+A Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token:
+the last `conv_kernel - 1` inputs of its causal convolution and its SSM state. The pool
+allocates `num_slots` such states per Mamba layer once, and hands out state slots (indices
+into them) with a free list and reference counts, as the allocator does for pages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kvpool.errors import InvalidStateSlot, OutOfStateSlots, check_int
+from kvpool.pool import default_device
+
+
+@dataclass(frozen=True, slots=True)
+class MambaLayout:
+    """Geometry of one state slot: for each of `num_layers` Mamba layers, a conv state of
+    `conv_dim` channels x `conv_kernel - 1` past inputs and an SSM state of `num_heads` x
+    `head_dim` x `state_size` elements, all of `dtype`."""
+
+    num_layers: int
+    conv_dim: int
+    conv_kernel: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "conv_dim", "num_heads", "head_dim", "state_size"):
+            check_int(name, getattr(self, name), 1)
+        check_int("conv_kernel", self.conv_kernel, 2)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """Shape of one layer's conv state: (channels, past inputs)."""
+        return self.conv_dim, self.conv_kernel - 1
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's SSM state: (heads, head_dim, state_size)."""
+        return self.num_heads, self.head_dim, self.state_size
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one state slot over all Mamba layers."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        ssm = self.num_heads * self.head_dim * self.state_size
+        return self.num_layers * (conv + ssm) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class StateStats:
+    """Counters of a MambaPool (slots; cumulative where marked)."""
+
+    num_slots: int
+    num_free: int
+    num_used: int
+    peak_used: int
+    num_allocated: int  # cumulative
+    num_freed: int  # cumulative: slots that went back to the free list
+    num_failed: int  # cumulative: allocations refused
+    num_copies: int  # cumulative: slot-to-slot state copies
+
+
+class MambaPool:
+    """`num_slots` state slots per Mamba layer, allocated once on `device` (None: CUDA when
+    available, else the CPU), with a LIFO free list and one reference count per slot.
+
+    `conv_state(layer)` `[num_slots, conv_dim, conv_kernel - 1]` and `ssm_state(layer)`
+    `[num_slots, num_heads, head_dim, state_size]` are views the model reads and writes by
+    slot. Allocating a slot never touches its contents: a sequence's first step starts from a
+    zero state without reading it."""
+
+    def __init__(self, layout: MambaLayout, num_slots: int, *, device=None):
+        check_int("num_slots", num_slots, 1)
+        self.layout = layout
+        self.device = torch.device(device) if device is not None else default_device()
+        layers = layout.num_layers
+        self.conv = torch.zeros((layers, num_slots, *layout.conv_shape), dtype=layout.dtype,
+                                device=self.device)
+        self.ssm = torch.zeros((layers, num_slots, *layout.ssm_shape), dtype=layout.dtype,
+                               device=self.device)
+        self._free = list(range(num_slots - 1, -1, -1))  # top at the end: 0 goes first
+        self._refs = [0] * num_slots
+        self._peak = self._allocated = self._freed = self._failed = self._copies = 0
+
+    @property
+    def num_slots(self) -> int:
+        """State slots in the pool."""
+        return len(self._refs)
+
+    @property
+    def num_free(self) -> int:
+        """Slots on the free list."""
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state tensors."""
+        return self.num_slots * self.layout.bytes_per_slot
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """Conv states of Mamba layer `layer`: `[num_slots, conv_dim, conv_kernel - 1]`."""
+        return self.conv[layer]
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        """SSM states of Mamba layer `layer`: `[num_slots, num_heads, head_dim, state_size]`."""
+        return self.ssm[layer]
+
+    def allocate(self) -> int:
+        """A free slot, with reference count 1. Raises OutOfStateSlots (nothing changed)."""
+        if not self._free:
+            self._failed += 1
+            raise OutOfStateSlots(f"need 1 state slot, 0 free of {self.num_slots}")
+        slot = self._free.pop()
+        self._refs[slot] = 1
+        self._allocated += 1
+        self._peak = max(self._peak, self.num_slots - self.num_free)
+        return slot
+
+    def share(self, slot: int) -> None:
+        """One more holder of an allocated slot (reference count + 1)."""
+        self._check_held(slot)
+        self._refs[slot] += 1
+
+    def free(self, slot: int) -> bool:
+        """One holder fewer; True if the slot went back to the free list."""
+        self._check_held(slot)
+        self._refs[slot] -= 1
+        if self._refs[slot]:
+            return False
+        self._free.append(slot)
+        self._freed += 1
+        return True
+
+    def refcount(self, slot: int) -> int:
+        """Holders of `slot` (0: free)."""
+        check_int("slot", slot, 0, self.num_slots - 1)
+        return self._refs[slot]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy the state of slot `src` into slot `dst`, every layer (both held)."""
+        self._check_held(src)
+        self._check_held(dst)
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
+        self._copies += 1
+
+    def stats(self) -> StateStats:
+        """The pool's counters now."""
+        used = self.num_slots - self.num_free
+        return StateStats(self.num_slots, self.num_free, used, self._peak, self._allocated,
+                          self._freed, self._failed, self._copies)
+
+    def check(self) -> None:
+        """Conservation: every slot is free (count 0, once on the free list) or held (count
+        > 0); AssertionError naming what is broken."""
+        free = set(self._free)
+        assert len(free) == len(self._free), f"a slot is on the free list twice: {self._free}"
+        for slot, refs in enumerate(self._refs):
+            assert refs >= 0, f"slot {slot} has reference count {refs}"
+            assert (refs == 0) == (slot in free), (
+                f"slot {slot} has reference count {refs} and is "
+                f"{'' if slot in free else 'not '}on the free list")
+
+    def _check_held(self, slot: int) -> None:
+        check_int("slot", slot, 0, self.num_slots - 1)
+        if not self._refs[slot]:
+            raise InvalidStateSlot(f"state slot {slot} is not allocated")
+
+
+class CheckpointRequest(NamedTuple):
+    """Save sequence `index`'s state after its first `num_tokens` tokens into `slot`."""
+
+    index: int  # in the step's batch
+    num_tokens: int
+    slot: int
+
+
+@dataclass(slots=True)
+class StateBatch:
+    """The state slots of one step's sequences, in batch order (`slots` `[batch]` int64),
+    the pool they index, and the checkpoints to save during the step: what a hybrid model's
+    Mamba layers read and write."""
+
+    pool: MambaPool
+    slots: torch.Tensor
+    checkpoints: list[CheckpointRequest] = field(default_factory=list)

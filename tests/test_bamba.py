@@ -1,0 +1,87 @@
+"""The hybrid Bamba decoder (Mamba2 mixers and a few attention layers) against transformers,
+loaded through the real checkpoint loader."""
+
+import random
+
+import pytest
+import torch
+
+from hybrid_util import BAMBA_CONFIGS, HybridRunner, make_bamba
+from kvpool.models.bamba import BambaForCausalLM
+from kvpool.models.loader import load_model
+from models_util import hf_greedy, hf_logits, save_hf_model
+
+PROMPT_LENGTHS = (3, 9, 17, 26)  # chunk size 8: one, two, three and four chunks
+MAX_TOKENS = 32
+
+
+def prompts(vocab_size, lengths=PROMPT_LENGTHS, seed=1):
+    rng = random.Random(seed)
+    return {f"seq{i}": [rng.randrange(vocab_size) for _ in range(n)]
+            for i, n in enumerate(lengths)}
+
+
+def relative_error(ours, ref):
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers Bamba, the same checkpoint loaded by kvpool)."""
+    hf = make_bamba(request.param)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf, load_model(folder, device="cpu").model
+
+
+def test_loader_builds_the_hybrid_model_for_a_bamba_checkpoint(pair):
+    _, model = pair
+    assert isinstance(model, BambaForCausalLM)
+
+
+def test_packed_prefill_logits_match_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    logits = HybridRunner(model).step(batch, all_logits=True)
+    offset = 0
+    for prompt in batch.values():
+        assert relative_error(logits[offset:offset + len(prompt)], hf_logits(hf, prompt)) < 1e-4
+        offset += len(prompt)
+
+
+def test_batched_greedy_decode_matches_transformers_generate(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    runner = HybridRunner(model)
+    ours = runner.greedy(batch, MAX_TOKENS)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+    runner.cache.check()
+    runner.states.check()
+
+
+@pytest.mark.parametrize("split", [1, 5, 8, 13])
+def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair, split):
+    _, model = pair
+    prompt = prompts(model.config.vocab_size, lengths=(22,))["seq0"]
+    whole = HybridRunner(model).step({"a": prompt}, all_logits=True)
+    runner = HybridRunner(model, seed=1)
+    runner.step({"a": prompt[:split]})
+    second = runner.step({"a": prompt[split:]}, all_logits=True)
+    torch.testing.assert_close(second, whole[split:], rtol=1e-5, atol=1e-5)
+
+
+def test_state_pool_of_another_dtype_is_refused(pair):
+    _, model = pair
+    runner = HybridRunner(model)
+    runner.states = type(runner.states)(
+        model.config.mamba_layout(dtype=torch.float16), 2, device="cpu")
+    with pytest.raises(ValueError, match="state pool holds torch.float16"):
+        runner.step({"a": [1, 2]})

@@ -1,0 +1,154 @@
+"""The engine end to end on a small random Bamba checkpoint (Mamba2 and attention layers):
+greedy outputs equal transformers' with continuous batching, chunked prefill, preemption and
+forked samples; every sequence's pages and state slot come back."""
+
+import random
+
+import pytest
+import torch
+
+from hybrid_util import make_bamba
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.errors import OutOfPages
+from kvpool.hybrid_cache import HybridCache
+from models_util import hf_greedy, save_hf_model
+
+MAX_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_bamba("bamba")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_model, tmp_path_factory):
+    return save_hf_model(hf_model, tmp_path_factory.mktemp("bamba"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """8 prompts of 1 to 40 tokens (the mixer's chunk is 8)."""
+    rng = random.Random(0)
+    return [[rng.randrange(160) for _ in range(n)] for n in (1, 5, 8, 13, 20, 27, 33, 40)]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, prompts):
+    return [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+
+
+def _llm(checkpoint, **options):
+    return LLM(checkpoint, **{"num_pages": 128, "page_size": 4, "max_num_seqs": 8, **options})
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_drained(llm):
+    llm.cache.check()
+    scratch = 0 if llm.cache.prefix_cache is None else 1  # the page recomputed K/V goes to
+    assert llm.cache.sequences() == [] and llm.cache.stats().num_used_pages == scratch
+    assert llm.cache.num_free_state_slots == llm.cache.states.num_slots - len(
+        llm.cache.checkpoints)
+
+
+def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint):
+    llm = _llm(checkpoint)
+    assert isinstance(llm.cache, HybridCache)
+    assert llm.cache.states.num_slots == 16  # 8 for sequences, 8 for checkpoints
+    assert llm.cache.layout.num_layers == 1  # the KV pool holds the attention layer only
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 7, "max_num_seqs": 4},
+], ids=["roomy", "chunked-7"])
+def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options):
+    llm = _llm(checkpoint, **options)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    assert all(len(set(tokens)) > 4 for tokens in expected)  # varied, not a constant
+    _assert_drained(llm)
+
+
+def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected):
+    llm = _llm(checkpoint, num_pages=24)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert _tokens(outputs) == expected
+    _assert_drained(llm)
+
+
+def test_forked_greedy_samples_each_continue_from_a_copy_of_the_state(checkpoint, prompts,
+                                                                      expected):
+    llm = _llm(checkpoint)
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    (output,) = llm.generate([prompts[5]], params, use_tqdm=False)
+    assert [c.token_ids for c in output.outputs] == [expected[5]] * 3
+    assert llm.cache.state_stats().num_copies == 2
+    _assert_drained(llm)
+
+
+def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts):
+    llm = _llm(checkpoint)
+    request_id = llm.add_request(prompts[7], GREEDY)
+    llm.step()
+    assert llm.cache.num_free_state_slots == 16 - 2  # its own, and a checkpoint after 40
+    llm.abort(request_id)
+    _assert_drained(llm)
+
+
+def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
+        checkpoint, hf_model):
+    rng = random.Random(1)
+    shared = [rng.randrange(160) for _ in range(21)]
+    prompts = [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 4, 9, 12)]
+    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    # one at a time: later prompts hit the checkpoints of earlier ones
+    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    # a checkpoint after the first prompt's 16 tokens (a multiple of 8): the later prompts,
+    # which share 21 tokens with it, resume there
+    assert [o.num_cached_tokens for o in outputs] == [0, 16, 16, 16]
+    _assert_drained(llm)
+
+
+def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected):
+    llm = _llm(checkpoint, num_pages=24)
+    twice = prompts + prompts
+    outputs = llm.generate(twice, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0 and llm.cache.stats().prefix_hit_tokens > 0
+    assert _tokens(outputs) == expected + expected
+    _assert_drained(llm)
+
+
+def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts):
+    llm = _llm(checkpoint, prefix_caching=False)
+    llm.generate([prompts[7], prompts[7]], GREEDY, use_tqdm=False)
+    assert llm.cache.prefix_cache is None and llm.stats().prefix_hit_rate == 0
+    assert llm.cache.states.num_slots == 8 and len(llm.cache.checkpoints) == 0
+
+
+def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
+    llm = LLM(checkpoint, kv_cache_memory=2**20, max_num_seqs=4, page_size=4,
+              prefix_caching=False)
+    states = llm.cache.states.nbytes
+    assert llm.cache.num_pages == (2**20 - states) // llm.cache.layout.bytes_per_page
+
+
+def test_state_slots_larger_than_the_budget_are_named(checkpoint):
+    with pytest.raises(OutOfPages, match=r"after .* of state slots"):
+        LLM(checkpoint, kv_cache_memory=2**12, max_num_seqs=4)

@@ -1,0 +1,258 @@
+"""Prefix caching of a hybrid model: state checkpoints at interval multiples, a hit as deep as
+the deepest checkpoint within the KV match, tombstones, two eviction orders; the design's two
+scenarios exactly, and a random operation sequence with check() after every step."""
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.errors import OutOfPages, OutOfStateSlots
+from kvpool.hybrid_cache import SCRATCH, HybridCache
+from kvpool.layout import KVLayout
+from kvpool.state_pool import MambaLayout
+from kvpool.tokens import pack_tokens
+
+STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_dim=2,
+                     state_size=2, dtype=torch.float32)
+
+
+def cache(num_pages=64, page_size=16, interval=64, track=256, num_checkpoint_slots=8):
+    layout = KVLayout(1, 1, 2, dtype=torch.float32, page_size=page_size)
+    return HybridCache(layout, num_pages, STATES, 2, device="cpu", prefix_caching=True,
+                       num_checkpoint_slots=num_checkpoint_slots,
+                       checkpoint_interval=interval, track_interval=track)
+
+
+def compute(c, seq_id, start, end):
+    """What a step does to the cache: reserve the checkpoints of tokens [start, end), write
+    each one's state (its token count, as a stand-in), then commit."""
+    batch = c.state_batch([seq_id], [start], [end])
+    for request in batch.checkpoints:
+        c.states.ssm[:, request.slot] = request.num_tokens
+    c.commit(seq_id)
+    return [request.num_tokens for request in batch.checkpoints]
+
+
+def cached_then_freed(c, tokens, seq_id="a", chunk=64):
+    """Add a prompt, prefill it in chunks of `chunk` tokens, commit and free it."""
+    c.add_sequence(seq_id, tokens)
+    made = []
+    for start in range(0, len(tokens), chunk):
+        made += compute(c, seq_id, start, min(start + chunk, len(tokens)))
+    pages = c.pages(seq_id)
+    c.free_sequence(seq_id)
+    return made, pages
+
+
+def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_192():
+    c = cache()
+    tokens = list(range(230))
+    made, _ = cached_then_freed(c, tokens)
+    assert made == [64, 128, 192]
+    assert c.add_sequence("b", tokens + [7]) == 192  # KV match: 14 pages, 224 tokens
+    assert torch.all(c.states.ssm[:, c.state_slot("b")] == 192)  # the checkpoint, copied
+    c.check()
+
+
+def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192():
+    c = cache()
+    tokens = list(range(280))
+    made, pages = cached_then_freed(c, tokens)
+    assert made == [64, 128, 192, 256]
+    for n in (200, 150, 100):  # hits on 192, 128 and 64 leave 256 least recently used
+        c.add_sequence("x", tokens[:n])
+        c.free_sequence("x")
+    assert c.evict_checkpoints(1) == 1
+    assert sorted(c.checkpoints.lengths()) == [64, 128, 192]
+    assert c.add_sequence("b", tokens) == 192  # KV match: 17 pages, 272 tokens
+    assert c.pages("b")[:17] == pages[:17]  # the whole KV match is shared, tombstone's too
+    assert torch.all(c.states.ssm[:, c.state_slot("b")] == 192)
+    # 192..279 is computed again; the K/V of 192..271 is in the shared pages already, so
+    # only 272..279 is written to the sequence's own page
+    slots = c.slot_mapping(["b"], [192], [280]).tolist()
+    assert slots[:80] == [c.slots(SCRATCH)[0]] * 80
+    assert slots[80:] == c.slots("b")[272:280]
+    assert compute(c, "b", 192, 280) == [256]  # and the checkpoint at 256 is saved anew
+    c.check()
+
+
+def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_reaches():
+    c = cache()
+    c.add_sequence("a", list(range(300)))
+    assert compute(c, "a", 0, 100) == [64]
+    assert compute(c, "a", 100, 120) == []  # no multiple of 64 in (100, 120]
+    assert compute(c, "a", 120, 300) == [256]  # not 128 or 192
+    c.check()
+
+
+def test_decode_saves_a_checkpoint_every_track_interval_only():
+    c = cache()
+    tokens = list(range(250))
+    c.add_sequence("a", tokens)
+    assert compute(c, "a", 0, 250) == [192]
+    made = []
+    for t in range(250, 330):
+        c.append("a", token_ids=[t])
+        made += compute(c, "a", t, t + 1)
+    assert made == [256]  # 320 is a multiple of 64 but not of the track interval 256
+    c.check()
+
+
+def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them():
+    c = cache()
+    cached_then_freed(c, list(range(200)))
+    assert c.checkpoints.lengths() == [64, 128, 192]
+    c.evict(c.num_cached_pages)
+    assert len(c.checkpoints) == 0 and c.num_free_state_slots == c.states.num_slots
+    c.check()
+
+
+def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages():
+    c = cache()
+    _, pages = cached_then_freed(c, list(range(60)))  # 3 full pages, no checkpoint below 64
+    assert c.add_sequence("b", list(range(60))) == 0
+    assert c.pages("b")[:3] == pages[:3]
+    slots = c.slot_mapping(["b"], [0], [60]).tolist()
+    assert slots == [c.slots(SCRATCH)[0]] * 48 + c.slots("b")[48:]
+    c.check()
+
+
+def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used():
+    c = cache(num_checkpoint_slots=2)
+    cached_then_freed(c, list(range(200)))  # 64, 128, 192: the third evicts the first
+    assert c.checkpoints.lengths() == [128, 192]
+    assert c.add_sequence("b", list(range(150))) == 128  # a hit: 128 most recently used
+    c.free_sequence("b")
+    cached_then_freed(c, [1000 + t for t in range(70)], seq_id="c")  # its 64 evicts 192
+    assert c.checkpoints.lengths() == [128, 64]
+    c.check()
+
+
+def test_failed_add_changes_nothing():
+    c = cache(num_pages=16)
+    cached_then_freed(c, list(range(130)))
+    order = c.checkpoints.lengths()
+    with pytest.raises(OutOfPages):
+        c.add_sequence("b", list(range(300)))
+    assert (c.checkpoints.lengths(), c.sequences(), c.num_cached_pages) == (order, [], 8)
+    c.check()
+
+
+def test_sequence_slots_are_not_taken_by_checkpoints():
+    c = cache()
+    c.add_sequence("a", [1])
+    c.add_sequence("b", [2])
+    with pytest.raises(OutOfStateSlots, match="0 free of 2"):
+        c.add_sequence("c", [3])
+
+
+def test_interval_not_a_multiple_of_the_page_size_is_refused():
+    with pytest.raises(ValueError, match="checkpoint_interval 6 must be a multiple of "
+                                         "page_size 4"):
+        cache(page_size=4, interval=6, track=12)
+
+
+PAGE, INTERVAL, TRACK = 2, 4, 8
+
+
+class HybridPrefixMachine(RuleBasedStateMachine):
+    """Sequences over two token alphabets (so prefixes are shared) are added, computed in
+    chunks (reserving and committing checkpoints), decoded across track intervals, forked
+    and freed, while KV pages and checkpoints are evicted; check() after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = cache(num_pages=40, page_size=PAGE, interval=INTERVAL, track=TRACK,
+                           num_checkpoint_slots=4)
+        self.computed = {}  # seq id -> tokens computed
+        self.next_id = 0
+
+    @rule(base=st.integers(0, 1), n=st.integers(1, 30))
+    def add(self, base, n):
+        self._add([base * 100 + i for i in range(n)])
+
+    @rule(base=st.integers(0, 1), n=st.integers(1, 30))
+    def run_a_prompt_alone(self, base, n):
+        """Add, compute, commit and free at once: what a short request does."""
+        seq_id = self._add([base * 100 + i for i in range(n)])
+        if seq_id is not None:
+            self.cache.state_batch([seq_id], [self.computed[seq_id]], [n])
+            self.cache.commit(seq_id)
+            self.cache.free_sequence(seq_id)
+            del self.computed[seq_id]
+
+    def _add(self, tokens):
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        prefix_cache = self.cache.prefix_cache
+        n = len(tokens)
+        kv = len(prefix_cache.match(pack_tokens(tokens), (n - 1) // PAGE).pages) * PAGE
+        try:
+            hit = self.cache.add_sequence(seq_id, tokens)
+        except (OutOfPages, OutOfStateSlots):
+            return None
+        assert hit <= kv and hit % INTERVAL == 0
+        self.computed[seq_id] = hit
+        return seq_id
+
+    @precondition(lambda self: any(n < self.cache.num_tokens(s)
+                                   for s, n in self.computed.items()))
+    @rule(data=st.data())
+    def step(self, data):
+        seq_id = data.draw(st.sampled_from([s for s, n in self.computed.items()
+                                            if n < self.cache.num_tokens(s)]))
+        start, total = self.computed[seq_id], self.cache.num_tokens(seq_id)
+        end = data.draw(st.integers(start + 1, total))
+        batch = self.cache.state_batch([seq_id], [start], [end])
+        assert all(start < r.num_tokens <= end for r in batch.checkpoints)
+        self.computed[seq_id] = end
+        if end == total:
+            self.cache.commit(seq_id)
+
+    @precondition(lambda self: any(n == self.cache.num_tokens(s)
+                                   for s, n in self.computed.items()))
+    @rule(data=st.data())
+    def decode(self, data):
+        seq_id = data.draw(st.sampled_from([s for s, n in self.computed.items()
+                                            if n == self.cache.num_tokens(s)]))
+        try:
+            self.cache.append(seq_id, token_ids=[data.draw(st.integers(0, 200))])
+        except OutOfPages:
+            return
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.computed)))
+        child, self.next_id = self.next_id, self.next_id + 1
+        try:
+            self.cache.fork(parent, child)
+        except OutOfStateSlots:
+            return
+        self.computed[child] = self.computed[parent]
+
+    @precondition(lambda self: self.computed)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.computed)))
+        self.cache.free_sequence(seq_id)
+        del self.computed[seq_id]
+
+    @rule(n=st.integers(1, 6))
+    def evict_pages(self, n):
+        self.cache.evict(n)
+
+    @rule(n=st.integers(1, 2))
+    def evict_checkpoints(self, n):
+        self.cache.evict_checkpoints(n)
+
+    @invariant()
+    def consistent(self):
+        self.cache.check()
+        assert self.cache.sequences() == list(self.computed)
+
+
+TestHybridPrefixMachine = HybridPrefixMachine.TestCase
+TestHybridPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40,
+                                            deadline=None)

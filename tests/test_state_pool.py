@@ -1,0 +1,148 @@
+"""MambaPool: state slots handed out with a free list and reference counts, their copies,
+and a random operation sequence against a reference model with check() after every step."""
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.errors import InvalidStateSlot, OutOfStateSlots
+from kvpool.state_pool import MambaLayout, MambaPool
+
+LAYOUT = MambaLayout(num_layers=3, conv_dim=10, conv_kernel=4, num_heads=2, head_dim=3,
+                     state_size=5, dtype=torch.float32)
+
+
+def pool(num_slots=4):
+    return MambaPool(LAYOUT, num_slots, device="cpu")
+
+
+def test_bytes_per_slot_counts_conv_and_ssm_states_of_every_layer():
+    assert LAYOUT.bytes_per_slot == 3 * (10 * 3 + 2 * 3 * 5) * 4
+    assert pool(4).nbytes == 4 * LAYOUT.bytes_per_slot
+
+
+def test_state_views_are_shaped_per_slot():
+    p = pool(4)
+    assert p.conv_state(1).shape == (4, 10, 3)
+    assert p.ssm_state(2).shape == (4, 2, 3, 5)
+
+
+def test_fresh_pool_hands_out_slots_ascending_and_reuses_the_last_freed_first():
+    p = pool(4)
+    assert [p.allocate() for _ in range(3)] == [0, 1, 2]
+    p.free(1)
+    assert p.allocate() == 1
+
+
+def test_exhausted_pool_names_the_numbers_and_changes_nothing():
+    p = pool(2)
+    p.allocate(), p.allocate()
+    with pytest.raises(OutOfStateSlots, match="need 1 state slot, 0 free of 2"):
+        p.allocate()
+    assert (p.num_free, p.stats().num_failed) == (0, 1)
+    p.check()
+
+
+def test_shared_slot_returns_to_the_free_list_with_its_last_holder():
+    p = pool()
+    slot = p.allocate()
+    p.share(slot)
+    assert p.free(slot) is False and p.refcount(slot) == 1
+    assert p.free(slot) is True and p.refcount(slot) == 0
+
+
+def test_double_free_is_refused():
+    p = pool()
+    p.free(p.allocate())
+    with pytest.raises(InvalidStateSlot, match="state slot 0 is not allocated"):
+        p.free(0)
+    p.check()
+
+
+def test_slot_out_of_range_is_a_value_error():
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 3\], got 4"):
+        pool().share(4)
+
+
+def test_copy_copies_every_layers_conv_and_ssm_state():
+    p = pool()
+    src, dst = p.allocate(), p.allocate()
+    p.conv[:, src] = torch.randn(3, 10, 3)
+    p.ssm[:, src] = torch.randn(3, 2, 3, 5)
+    p.copy(src, dst)
+    assert torch.equal(p.conv[:, dst], p.conv[:, src])
+    assert torch.equal(p.ssm[:, dst], p.ssm[:, src])
+    assert p.stats().num_copies == 1
+
+
+def test_copy_into_a_free_slot_is_refused():
+    p = pool()
+    with pytest.raises(InvalidStateSlot):
+        p.copy(p.allocate(), 3)
+
+
+def test_layout_rejects_a_conv_kernel_below_two():
+    with pytest.raises(ValueError, match="conv_kernel must be >= 2"):
+        MambaLayout(1, 4, 1, 1, 1, 1)
+
+
+class MambaPoolMachine(RuleBasedStateMachine):
+    """The model: the reference count of each held slot and the free slots as a stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = pool(6)
+        self.refs = {}
+        self.free = list(range(5, -1, -1))
+        self.failed = 0
+
+    @rule()
+    def allocate(self):
+        if not self.free:
+            with pytest.raises(OutOfStateSlots):
+                self.pool.allocate()
+            self.failed += 1
+            return
+        expected = self.free.pop()
+        assert self.pool.allocate() == expected
+        self.refs[expected] = 1
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def share(self, data):
+        slot = data.draw(st.sampled_from(sorted(self.refs)))
+        self.pool.share(slot)
+        self.refs[slot] += 1
+
+    @precondition(lambda self: self.refs)
+    @rule(data=st.data())
+    def free_one(self, data):
+        slot = data.draw(st.sampled_from(sorted(self.refs)))
+        self.refs[slot] -= 1
+        released = not self.refs[slot]
+        if released:
+            del self.refs[slot]
+            self.free.append(slot)
+        assert self.pool.free(slot) is released
+
+    @rule(slot=st.integers(0, 5))
+    def free_unheld_is_refused(self, slot):
+        if slot in self.refs:
+            return
+        with pytest.raises(InvalidStateSlot):
+            self.pool.free(slot)
+
+    @invariant()
+    def agrees_with_the_model(self):
+        self.pool.check()
+        assert [self.pool.refcount(s) for s in range(6)] == [self.refs.get(s, 0)
+                                                           for s in range(6)]
+        stats = self.pool.stats()
+        assert (stats.num_free, stats.num_used, stats.num_failed) == (
+            len(self.free), len(self.refs), self.failed)
+
+
+TestMambaPoolMachine = MambaPoolMachine.TestCase
+TestMambaPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
