@@ -8,12 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.errors import check_int
+from kvpool.fp8 import FP8_DTYPE
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of the paged KV cache: for every token, K and V of `num_kv_heads` heads of
-    `head_dim` elements of `dtype` in each of `num_layers` layers; pages of `page_size` tokens."""
+    `head_dim` elements of `dtype` in each of `num_layers` layers; pages of `page_size` tokens.
+    A float8_e4m3fn layout holds fp8 pages with per-layer scales (kvpool.fp8)."""
 
     num_layers: int
     num_kv_heads: int
@@ -26,6 +28,8 @@ class KVLayout:
             check_int(name, getattr(self, name), 1)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if self.dtype.itemsize == 1 and self.dtype != FP8_DTYPE:
+            raise TypeError(f"the only 8-bit KV dtype is {FP8_DTYPE}, got {self.dtype}")
 
     @property
     def bytes_per_token(self) -> int:

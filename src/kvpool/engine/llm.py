@@ -35,7 +35,8 @@ class LLM:
 
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len, dtype, device, seed, enforce_eager). `on_step` is
+    max_num_batched_tokens, max_model_len, dtype, kv_cache_dtype, kv_scales, device, seed,
+    enforce_eager). `on_step` is
     called with a StepRecord after every step. `cache` is the KVCache.
     """
 
@@ -53,10 +54,11 @@ class LLM:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
-        layout = mc.kv_layout(dtype=self.config.dtype, page_size=self.config.page_size)
+        layout = self.config.kv_layout(mc)
         self.cache = KVCache(layout, num_pages, device=device,
                              prefix_caching=self.config.prefix_caching,
-                             max_tokens_per_seq=self.max_model_len)
+                             max_tokens_per_seq=self.max_model_len,
+                             kv_scales=self.config.kv_scales)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
@@ -233,7 +235,9 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        bucket = self.graphs.bucket(batch) if self.graphs else None
+        # A graph replay runs no Python, so no layer could take its fp8 scales there.
+        use_graphs = self.graphs is not None and self.cache.pool.scales_ready
+        bucket = self.graphs.bucket(batch) if use_graphs else None
         logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
         seqs, logit_rows = self.scheduler.update(batch)
         if len(logit_rows) > len(logits):  # forked samples read their parent's row
