@@ -5,8 +5,12 @@ Agreement: the parity models of the test suite (tests/models_util.py: small rand
 Qwen3 and Mistral checkpoints), loaded in bfloat16, each continue 16 prompts of 16 to 96 random
 tokens by 32 greedy tokens through the engine, once with bfloat16 pages (the baseline) and once
 with fp8_e4m3 pages (scales from the first prefill). A continuation agrees when all 32 tokens
-are equal. For scale, the same comparison between float32 and bfloat16 (weights and pages)
-shows how sensitive these random models are to rounding at all.
+are equal; a first difference sends the two continuations apart for good, so the table also
+gives the next-token agreement with the same context: each prompt with its bfloat16
+continuation runs as one prefill with bfloat16 pages and with fp8 pages (scales from that
+prefill), and the greedy token predicted at each of the 32 continuation positions is compared.
+For scale, the same two comparisons between float32 and bfloat16 (weights and pages) show how
+sensitive these random models are to rounding at all.
 
 Capacity: tokens held by a 4 GiB pool of each preset's layout in bfloat16 and in fp8.
 
@@ -25,10 +29,12 @@ import torch
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.formats import format_bytes
+from kvpool.fp8 import FP8_DTYPE
 from kvpool.models.config import ModelConfig
+from kvpool.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the parity models
-from models_util import CONFIGS, make_hf_model, save_hf_model  # noqa: E402
+from models_util import CONFIGS, PagedRunner, make_hf_model, save_hf_model  # noqa: E402
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 32
@@ -43,35 +49,53 @@ def prompts(vocab_size: int) -> list[list[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
-def continuations(folder: Path, dtype: torch.dtype, kv_cache_dtype: str) -> list[list[int]]:
+def continuations(folder: Path, dtype: torch.dtype, kv_cache_dtype: str,
+                  prompt_ids: list[list[int]]) -> list[list[int]]:
+    """The engine's greedy continuation of each prompt, on pages of `kv_cache_dtype`."""
     llm = LLM(folder, dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_pages=512,
               device="cpu", prefix_caching=False)
-    outputs = llm.generate(prompts(llm.model_config.vocab_size), GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     return [output.outputs[0].token_ids for output in outputs]
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
-    """(continuations equal in every token, mean tokens equal before the first difference)."""
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = [next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
-              for x, y in zip(a, b, strict=True)]
-    return same, sum(prefix) / len(prefix)
+def next_tokens(folder: Path, dtype: torch.dtype, kv_dtype: torch.dtype | None,
+                sequences: list[list[int]]) -> list[int]:
+    """The greedy token after each of the last MAX_TOKENS + 1 positions but the last of every
+    sequence, each sequence run as one prefill on pages of `kv_dtype` (None: `dtype`)."""
+    model = load_model(folder, dtype=dtype, device="cpu").model
+    out = []
+    for sequence in sequences:
+        runner = PagedRunner(model, num_pages=64, page_size=4, kv_dtype=kv_dtype)
+        logits = runner.step({"a": sequence}, all_logits=True)
+        out += logits[-MAX_TOKENS - 1:-1].argmax(-1).tolist()
+    return out
 
 
-def agreement_rows() -> tuple[list[tuple[str, ...]], int, int]:
-    rows, fp8_same, total = [], 0, 0
+def equal_count(a: list, b: list) -> int:
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def agreement_rows() -> tuple[list[tuple[str, ...]], list[int]]:
+    """A row per parity model, and the totals: continuations equal with fp8 pages, with
+    float32; next tokens equal with fp8 pages, with float32."""
+    rows, totals = [], [0, 0, 0, 0]
     with tempfile.TemporaryDirectory() as tmp:
         for name in CONFIGS:
-            folder = save_hf_model(make_hf_model(name), Path(tmp) / name)
-            bf16 = continuations(folder, torch.bfloat16, "auto")
-            fp8 = continuations(folder, torch.bfloat16, "fp8_e4m3")
-            fp32 = continuations(folder, torch.float32, "auto")
-            same, prefix = agreement(bf16, fp8)
-            same32, prefix32 = agreement(bf16, fp32)
-            fp8_same, total = fp8_same + same, total + NUM_PROMPTS
-            rows.append((name, f"{same}/{NUM_PROMPTS}", f"{prefix:.1f}",
-                         f"{same32}/{NUM_PROMPTS}", f"{prefix32:.1f}"))
-    return rows, fp8_same, total
+            hf = make_hf_model(name)
+            folder = save_hf_model(hf, Path(tmp) / name)
+            prompt_ids = prompts(hf.config.vocab_size)
+            bf16 = continuations(folder, torch.bfloat16, "auto", prompt_ids)
+            fp8 = continuations(folder, torch.bfloat16, "fp8_e4m3", prompt_ids)
+            fp32 = continuations(folder, torch.float32, "auto", prompt_ids)
+            sequences = [p + c for p, c in zip(prompt_ids, bf16, strict=True)]
+            base = next_tokens(folder, torch.bfloat16, None, sequences)
+            counts = [equal_count(bf16, fp8), equal_count(bf16, fp32),
+                      equal_count(base, next_tokens(folder, torch.bfloat16, FP8_DTYPE, sequences)),
+                      equal_count(base, next_tokens(folder, torch.float32, None, sequences))]
+            totals = [t + c for t, c in zip(totals, counts, strict=True)]
+            rows.append((name, f"{counts[0]}/{NUM_PROMPTS}", f"{counts[2] / len(base):.1%}",
+                         f"{counts[1]}/{NUM_PROMPTS}", f"{counts[3] / len(base):.1%}"))
+    return rows, totals
 
 
 def capacity_rows() -> list[tuple[str, ...]]:
@@ -94,13 +118,15 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def main() -> None:
-    rows, same, total = agreement_rows()
+    rows, totals = agreement_rows()
+    continuations_run, positions = len(rows) * NUM_PROMPTS, len(rows) * NUM_PROMPTS * MAX_TOKENS
     print(f"greedy {MAX_TOKENS}-token continuations of {NUM_PROMPTS} prompts, against "
           f"bfloat16 weights with bfloat16 pages (the baseline)")
-    print(table(("model", "fp8 pages: equal", "tokens before a difference",
-                 "float32: equal", "tokens before a difference"), rows))
-    print(f"fp8 pages agree with bfloat16 pages on {same}/{total} = {same / total:.1%} "
-          f"of continuations\n")
+    print(table(("model", "fp8: equal continuations", "fp8: equal next tokens",
+                 "float32: equal continuations", "float32: equal next tokens"), rows))
+    print(f"fp8 pages: {totals[0]}/{continuations_run} = {totals[0] / continuations_run:.1%} "
+          f"of continuations equal, {totals[2] / positions:.1%} of next tokens; float32: "
+          f"{totals[1] / continuations_run:.1%} and {totals[3] / positions:.1%}\n")
     print(f"tokens held by a {format_bytes(BUDGET)} KV pool")
     print(table(("preset", "bf16 bytes/token", "bf16 tokens", "fp8 bytes/token", "fp8 tokens",
                  "ratio"), capacity_rows()))

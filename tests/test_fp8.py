@@ -21,7 +21,7 @@ from kvpool.layout import KVLayout
 from kvpool.planner import plan_memory
 from kvpool.pool import KVPool
 from kvpool.tiers import HostTier
-from test_attention import MIXED, Batch, relative_error
+from test_attention import MIXED, Batch, kernel, relative_error  # noqa: F401 (a fixture)
 
 FP8_LAYOUT = KVLayout(2, 2, 16, FP8_DTYPE, page_size=4)
 # Attention over fp8 pages against the same attention over the dequantized pages: the kernels
@@ -155,6 +155,19 @@ def test_attention_over_fp8_pages_equals_attention_over_the_dequantized_pages(
                                   dequantize(v8, v_scale, dtype), *args, backend="torch")
     assert relative_error(out, dequantized.double()) < TIGHT[dtype]
     assert relative_error(out, batch.reference()) < LOOSE
+
+
+def test_cpu_kernel_reads_every_fp8_byte_exactly(kernel):
+    # One token: its softmax weight is 1, so the output is its V row read back, times v_scale.
+    every_byte = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    v_cache = every_byte.view(1, 1, 1, 256)
+    k_cache = torch.zeros_like(v_cache)
+    out = kernel.paged_decode(torch.ones(1, 1, 256), k_cache, v_cache,
+                              torch.zeros(1, 1, dtype=torch.int32),
+                              torch.ones(1, dtype=torch.int32), 1.0, None,
+                              k_scale=1.0, v_scale=0.5)
+    torch.testing.assert_close(out.view(256), every_byte.float() * 0.5, rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):

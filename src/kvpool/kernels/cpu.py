@@ -31,8 +31,6 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 VEC = 16  # floats per vector in the kernel; head_dim must be a multiple
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# The float value of each float8_e4m3fn byte, which the kernel looks fp8 K/V up in.
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 _lock = threading.Lock()
 
 
@@ -61,7 +59,6 @@ class _Problem(ctypes.Structure):
         ("fp8", ctypes.c_int32),
         ("k_scale", ctypes.c_double),
         ("v_scale", ctypes.c_double),
-        ("fp8_table", ctypes.c_void_p),
     ]
 
 
@@ -131,7 +128,6 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, windo
         fp8=int(fp8),
         k_scale=float(k_scale) if fp8 else 1.0,
         v_scale=float(v_scale) if fp8 else 1.0,
-        fp8_table=_FP8_TABLE.data_ptr(),
     )
     threads = torch.get_num_threads()
     status = library().kvpool_paged_decode(ctypes.byref(problem), threads, _openmp_parallel())
