@@ -17,6 +17,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, MIN_AMAX, dequantize, quantize, scale_of
+from kvpool.kernels import cpu as cpu_kernel
 from kvpool.layout import KVLayout
 from kvpool.planner import plan_memory
 from kvpool.pool import KVPool
@@ -157,12 +158,13 @@ def test_attention_over_fp8_pages_equals_attention_over_the_dequantized_pages(
     assert relative_error(out, batch.reference()) < LOOSE
 
 
-def test_cpu_kernel_reads_every_fp8_byte_exactly(kernel):
+@pytest.mark.usefixtures("kernel")
+def test_cpu_kernel_reads_every_fp8_byte_exactly():
     # One token: its softmax weight is 1, so the output is its V row read back, times v_scale.
     every_byte = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
     v_cache = every_byte.view(1, 1, 1, 256)
     k_cache = torch.zeros_like(v_cache)
-    out = kernel.paged_decode(torch.ones(1, 1, 256), k_cache, v_cache,
+    out = cpu_kernel.paged_decode(torch.ones(1, 1, 256), k_cache, v_cache,
                               torch.zeros(1, 1, dtype=torch.int32),
                               torch.ones(1, dtype=torch.int32), 1.0, None,
                               k_scale=1.0, v_scale=0.5)
