@@ -14,22 +14,29 @@ sensitive these random models are to rounding at all.
 
 Capacity: tokens held by a 4 GiB pool of each preset's layout in bfloat16 and in fp8.
 
+Decode speed: the CPU decode kernel (backend "cpu") over bfloat16 pages (the baseline) and over
+fp8 pages of the same K/V, batch 32, 32 query heads, 8 KV heads, head_dim 128, pages of 16,
+shuffled; median of 7 interleaved runs.
+
     python benchmarks/fp8.py
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+from kvpool.attention import paged_attention
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.formats import format_bytes
-from kvpool.fp8 import FP8_DTYPE
+from kvpool.fp8 import FP8_DTYPE, quantize, scale_of
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 
@@ -111,6 +118,41 @@ def capacity_rows() -> list[tuple[str, ...]]:
     return rows
 
 
+def decode_ms(context: int) -> dict[str, float]:
+    """Median ms of a decode step over bf16 pages and over fp8 pages of the same K/V."""
+    batch, heads, kv_heads, head_dim, page_size = 32, 32, 8, 128, 16
+    num_pages = batch * context // page_size
+    k = torch.randn(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k_scale, v_scale = scale_of(k), scale_of(v)
+    k8, v8 = quantize(k, k_scale), quantize(v, v_scale)
+    tables = torch.randperm(num_pages).view(batch, -1).int()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16)
+    runs = {"bf16": lambda: paged_attention(q, k, v, tables, lens, cu, backend="cpu"),
+            "fp8": lambda: paged_attention(q, k8, v8, tables, lens, cu, backend="cpu",
+                                           k_scale=k_scale, v_scale=v_scale)}
+    times = {name: [] for name in runs}
+    for run in runs.values():
+        run()  # warm-up
+    for _ in range(7):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def decode_rows() -> list[tuple[str, ...]]:
+    rows = []
+    for context in (1024, 4096):
+        ms = decode_ms(context)
+        rows.append((f"{context:,}", f"{ms['bf16']:.1f}", f"{ms['fp8']:.1f}",
+                     f"{ms['fp8'] / ms['bf16']:.2f}"))
+    return rows
+
+
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
@@ -130,6 +172,8 @@ def main() -> None:
     print(f"tokens held by a {format_bytes(BUDGET)} KV pool")
     print(table(("preset", "bf16 bytes/token", "bf16 tokens", "fp8 bytes/token", "fp8 tokens",
                  "ratio"), capacity_rows()))
+    print(f"\nCPU decode kernel, {torch.get_num_threads()} threads, median ms")
+    print(table(("context", "bf16 pages", "fp8 pages", "fp8 / bf16"), decode_rows()))
 
 
 if __name__ == "__main__":
