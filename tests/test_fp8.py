@@ -306,3 +306,12 @@ def test_engine_generates_with_fp8_pages_and_serves_prefix_hits():
     assert llm.cache.stats().prefix_hit_tokens == 32
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     llm.cache.check()
+
+
+def test_engine_samples_fork_and_copy_fp8_pages_on_write():
+    llm = LLM("tiny", kv_cache_dtype="fp8_e4m3", num_pages=64)
+    params = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)
+    (out,) = llm.generate([list(range(1, 22))], params, use_tqdm=False)  # 21: a partial page
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert llm.cache.stats().num_cow_copies == 1
+    llm.cache.check()
