@@ -61,11 +61,12 @@ def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **kwargs) -
 
 class PagedRunner:
     """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
-    free pages are handed out in shuffled order, so page tables are scattered."""
+    free pages are handed out in shuffled order, so page tables are scattered. The pages are
+    of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8 pages)."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int = 128, page_size: int = 4,
-                 seed: int = 0):
-        layout = model.config.kv_layout(dtype=model.dtype, page_size=page_size)
+                 seed: int = 0, kv_dtype: torch.dtype | None = None):
+        layout = model.config.kv_layout(dtype=kv_dtype or model.dtype, page_size=page_size)
         self.model = model
         self.cache = KVCache(layout, num_pages, device="cpu")
         pages = self.cache.allocator.allocate(num_pages)

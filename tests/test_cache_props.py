@@ -3,7 +3,8 @@
 Each token's K value is an id unique to its content (the token ids up to and including it),
 as real KV is. After every step each live sequence, read through its page table, must give
 back exactly its own values: a wrong share or a missed copy-on-write shows up at once. The
-tier variant evicts into a small host tier, so pages loaded back from it are checked too.
+tier variant evicts into a small host tier, so pages loaded back from it are checked too. The
+fp8 variant stores each id as two float8_e4m3fn values under given scales of 1, exact.
 """
 
 import pytest
@@ -21,6 +22,7 @@ from hypothesis.stateful import (
 
 from kvpool.cache import KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
+from kvpool.fp8 import FP8_DTYPE
 from kvpool.layout import KVLayout
 from kvpool.tiers import HostTier
 
@@ -34,19 +36,24 @@ VOCAB = 3
 BASES = ([0] * 16, [1, 2] * 8)
 prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES),
                     st.integers(0, 16), st.lists(st.integers(0, VOCAB - 1), max_size=3))
+# The positive finite float8_e4m3fn values, ascending: two of them spell an id exactly.
+E4M3_VALUES = torch.arange(1, 127, dtype=torch.uint8).view(FP8_DTYPE).float().tolist()
 
 
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier, kind="mha"):
+    def __init__(self, policy, prefix_caching, tier, fp8=False, kind="mha"):
         super().__init__()
-        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
-                          page_size=PAGE_SIZE, kind=kind)
+        self.fp8 = fp8
+        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2 if fp8 else 1,
+                          dtype=FP8_DTYPE if fp8 else torch.float32, page_size=PAGE_SIZE,
+                          kind=kind)
         self.tier = HostTier(TIER_PAGES) if tier else None
         self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
-                             max_tokens_per_seq=MAX_TOKENS)
+                             max_tokens_per_seq=MAX_TOKENS,
+                             kv_scales=(1.0, 1.0) if fp8 else None)
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}  # content prefix -> unique value
         self.next_seq = 0
@@ -54,14 +61,19 @@ class CacheMachine(RuleBasedStateMachine):
     # ---- helpers -------------------------------------------------------------------------
 
     def value(self, tokens, pos):
-        return self.value_ids.setdefault(tuple(tokens[:pos + 1]), len(self.value_ids) + 1)
+        """The K row of a token: its id (unique to its content), as two e4m3 values in fp8."""
+        value = self.value_ids.setdefault(tuple(tokens[:pos + 1]), len(self.value_ids) + 1)
+        if self.fp8:
+            digits = len(E4M3_VALUES)
+            return [E4M3_VALUES[value % digits], E4M3_VALUES[value // digits]]
+        return [value]
 
     def write(self, seq_id, start):
         tokens = self.tokens[seq_id]
         slots = self.cache.slots(seq_id)[start:]
         if slots:
             k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
-                             dtype=torch.float32).view(-1, 1, 1)
+                             dtype=torch.float32).view(len(slots), 1, -1)
             v = -k if self.cache.layout.kind == "mha" else None  # an MLA latent is one plane
             self.cache.pool.write(0, torch.tensor(slots), k, v)
 
@@ -73,7 +85,7 @@ class CacheMachine(RuleBasedStateMachine):
             [c.allocator.refcount(p) for p in range(NUM_PAGES)],
             c.stats(),
             (list(tier), tier.stats()) if tier else None,
-            c.pool.kv.clone(),
+            c.pool.kv.view(torch.uint8).clone(),  # the bytes: NaN compares equal to itself
         )
 
     def attempt(self, call):
@@ -96,7 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
     def assert_unchanged(self, before):
         after = self.snapshot()
         assert before[:4] == after[:4]
-        assert torch.equal(before[4].nan_to_num(), after[4].nan_to_num())
+        assert torch.equal(before[4], after[4])
 
     # ---- rules ---------------------------------------------------------------------------
 
@@ -218,9 +230,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_its_own_values(self):
-        k = self.cache.pool.k_cache(0).reshape(-1)
+        k = self.cache.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim)
         for seq_id, tokens in self.tokens.items():
-            got = k[torch.tensor(self.cache.slots(seq_id), dtype=torch.long)].tolist()
+            got = k[torch.tensor(self.cache.slots(seq_id), dtype=torch.long)].float().tolist()
             assert got == [self.value(tokens, p) for p in range(len(tokens))], seq_id
 
     def teardown(self):
@@ -232,13 +244,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check()
 
 
-@pytest.mark.parametrize("policy", ["lifo", "first_fit"])
+@pytest.mark.parametrize(("policy", "fp8"), [("lifo", False), ("first_fit", False),
+                                             ("lifo", True)], ids=["lifo", "first_fit", "fp8"])
 @pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
                                                       (True, True)])
-def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
+def test_random_operations_keep_every_invariant(policy, fp8, prefix_caching, tier):
     class Machine(CacheMachine):
         def __init__(self):
-            super().__init__(policy, prefix_caching, tier)
+            super().__init__(policy, prefix_caching, tier, fp8)
 
     Machine.TestCase.settings = settings(
         max_examples=150, stateful_step_count=50, deadline=None,

@@ -19,8 +19,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
+from kvpool.attention import paged_attention  # noqa: E402
+from kvpool.fp8 import FP8_DTYPE, dequantize, quantize  # noqa: E402
 from kvpool.kernels import triton_decode, triton_prefill, triton_write  # noqa: E402
 from test_attention import MIXED, Batch, relative_error  # noqa: E402
+from test_fp8 import LOOSE, TIGHT, fp8_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODES = [(37, 1), (1, 1), (16, 1), (64, 1), (150, 1), (17, 1)]
@@ -264,6 +267,42 @@ def test_write_kv_kernel_skips_a_slot_outside_the_cache():
 
 
 # At real sizes, on a GPU.
+
+
+# ---- fp8 pages: each kernel against the torch path over the dequantized pages ----------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("specs", "num_splits"), [(DECODES, 1), (DECODES, 3), (MIXED, None)],
+                         ids=["decode", "decode-split3", "mixed-prefill"])
+def test_fp8_pages_equal_the_dequantized_pages(specs, num_splits, dtype):
+    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=32, page_size=16, dtype=dtype)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)  # unwritten slots stay NaN bytes
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    if num_splits is None:
+        out = paged_attention(batch.q, k8, v8, *args, backend="triton", k_scale=k_scale,
+                              v_scale=v_scale)
+    else:
+        out = triton_decode.paged_decode(batch.q, k8, v8, *args, scale=batch.scale, window=None,
+                                         num_splits=num_splits, k_scale=k_scale,
+                                         v_scale=v_scale)
+    dequantized = paged_attention(batch.q.cpu(), dequantize(k8, k_scale, dtype).cpu(),
+                                  dequantize(v8, v_scale, dtype).cpu(),
+                                  *(t.cpu() for t in args), backend="torch")
+    assert relative_error(out.cpu(), dequantized.double()) < TIGHT[dtype]
+    assert relative_error(out.cpu(), batch.reference()) < LOOSE
+
+
+def test_write_kv_kernel_quantizes_as_torch_does():
+    # Rounding ties, subnormals, -0.0 and values beyond the range all land on the same bytes.
+    k = torch.randn(20, 2, 32, generator=torch.Generator().manual_seed(0)) * 4
+    k[0, 0, :6] = torch.tensor([1000.0, -1000.0, 1e-4, -0.0, 0.3125 + 2**-6, -3e-3])
+    caches = torch.zeros(2, 4, 8, 2, 32, dtype=FP8_DTYPE, device=DEVICE)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:20]
+    triton_write.write_kv(caches[0], caches[1], slots.to(DEVICE), k.to(DEVICE),
+                          -k.to(DEVICE), k_scale=0.05, v_scale=0.1)
+    flat = caches.cpu().view(torch.uint8).view(2, 32, 2, 32)
+    assert torch.equal(flat[0, slots], quantize(k, 0.05).view(torch.uint8))
+    assert torch.equal(flat[1, slots], quantize(-k, 0.1).view(torch.uint8))
 
 
 @cuda_only

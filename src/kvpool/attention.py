@@ -3,6 +3,11 @@
 Backends: "torch" (the reference: gathers pages, then SDPA), "cpu" (decode rows in the fused C
 kernel of kvpool/kernels/cpu.py, other rows as torch) and "triton" (kvpool/kernels/triton_*.py,
 on CUDA; Triton is optional and imported only when used).
+
+fp8 caches (float8_e4m3fn, kvpool.fp8) come with a K and a V scale (floats or float32 tensors
+`[]`): write_kv quantizes under them, and every backend reads the pages dequantized. The torch
+reference dequantizes the gathered K/V into q's dtype (`float32(byte) * scale`); the kernels
+fold the scales into the scores and the output instead, which differs only by rounding.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvpool.fp8 import dequantize, is_fp8, quantize
 from kvpool.kernels import cpu as cpu_kernel
 from kvpool.kernels import triton_support
 from kvpool.kernels.checks import check_index_dtype, check_page_tables
@@ -47,12 +53,15 @@ class _Layer(NamedTuple):
     scale: float
     window: int | None
     backend: str  # "torch" or "cpu"
+    k_scale: torch.Tensor | float | None  # fp8 caches only
+    v_scale: torch.Tensor | float | None
 
 
-def write_kv(k_cache, v_cache, slots, k, v) -> None:
+def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> None:
     """Store K and V `[n, num_kv_heads, head_dim]` of n tokens at `slots` `[n]` (integers).
 
     `k_cache`/`v_cache` are one layer's `[num_pages, page_size, num_kv_heads, head_dim]` pool views.
+    fp8 caches take K/V of any float dtype and store them quantized under `k_scale`/`v_scale`.
     Slots on the CPU are all checked before anything is written: a slot outside the caches
     raises IndexError naming it, and nothing changes. Slots on CUDA are not read back (that
     would synchronise): the Triton kernel skips an out-of-range slot, and index_copy_ (without
@@ -63,7 +72,10 @@ def write_kv(k_cache, v_cache, slots, k, v) -> None:
             f"write_kv expects k, v [n, {k_cache.shape[2]}, {k_cache.shape[3]}] and slots [n]; "
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slots.shape)}"
         )
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    fp8 = _check_scales("write_kv", k_cache, v_cache, k_scale, v_scale)
+    if fp8 and not (k.dtype.is_floating_point and v.dtype.is_floating_point):
+        raise ValueError(f"write_kv expects floating-point k, v, got {k.dtype} and {v.dtype}")
+    if not fp8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
         raise ValueError(f"write_kv expects k, v in the caches' {k_cache.dtype}, "
                          f"got {k.dtype} and {v.dtype}")
     _check_slots("write_kv", k_cache, slots)
@@ -71,9 +83,12 @@ def write_kv(k_cache, v_cache, slots, k, v) -> None:
     if k_cache.is_cuda and dense and triton_support.triton_installed():
         from kvpool.kernels import triton_write
 
-        triton_write.write_kv(k_cache, v_cache, slots, k, v)
+        triton_write.write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
         return
     slots = slots.long()
+    if fp8:  # index_copy_ has no fp8 kernel: copy the bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k, v = quantize(k, k_scale).view(torch.uint8), quantize(v, v_scale).view(torch.uint8)
     # view, never reshape: a silent copy would drop the write.
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
@@ -109,9 +124,21 @@ def _check_slots(caller: str, cache, slots) -> None:
             )
 
 
+def _check_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches are fp8; ValueError unless fp8 caches have both scales and others
+    none."""
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
+        need = "need k_scale and v_scale" if fp8 else "take no k_scale or v_scale"
+        raise ValueError(f"{name}: {k_cache.dtype} caches {need}; got k_scale {k_scale!r}, "
+                         f"v_scale {v_scale!r}")
+    return fp8
+
+
 def paged_attention(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale=None, sliding_window=None,
-    backend=None, max_seq_len=None, max_query_len=None, workspace=None,
+    backend=None, max_seq_len=None, max_query_len=None, workspace=None, k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `[total_query_tokens, num_heads, head_dim]` over pages.
 
@@ -121,17 +148,19 @@ def paged_attention(
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
     trusts them and reads nothing back from the device. `workspace` (`kvpool.workspace.Workspace`
     or anything with its `alloc(shape, dtype)` and `scope()`) provides the triton decode's
-    scratch, taken back when the call returns.
+    scratch, taken back when the call returns. fp8 caches need `k_scale` and `v_scale`.
     """
     backend = _choose_backend(backend, q)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
+    _check_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     if backend == "triton" and max_seq_len is not None and max_query_len is not None:
         _check_bounds(k_cache, page_tables, max_seq_len, max_query_len)
         return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, max_seq_len, max_query_len, workspace)
+                              sliding_window, max_seq_len, max_query_len, workspace,
+                              k_scale, v_scale)
     lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens)
@@ -141,8 +170,9 @@ def paged_attention(
             raise ValueError(f"paged_attention: {name} {bound} is below the batch's {actual}")
     if backend == "triton":
         return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, max(lens), max(q_lens), workspace)
-    layer = _Layer(k_cache, v_cache, scale, sliding_window, backend)
+                              sliding_window, max(lens), max(q_lens), workspace,
+                              k_scale, v_scale)
+    layer = _Layer(k_cache, v_cache, scale, sliding_window, backend, k_scale, v_scale)
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if len(decode) == len(q_lens):
         return _decode_rows(layer, q, page_tables, lens)
@@ -181,11 +211,13 @@ def _choose_backend(backend: str | None, q: torch.Tensor) -> str:
 
 
 def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, window,
-                   max_seq_len: int, max_query_len: int, workspace) -> torch.Tensor:
+                   max_seq_len: int, max_query_len: int, workspace, k_scale,
+                   v_scale) -> torch.Tensor:
     """The triton kernels: decode when every query is one token, else prefill (any mix)."""
     from kvpool.kernels import triton_decode, triton_prefill
 
     q = q if q.stride(2) == 1 else q.contiguous()
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)
         splits = triton_decode.choose_num_splits(
@@ -193,15 +225,15 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
         if workspace is None:
             return triton_decode.paged_decode(
                 q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
-                window=window, num_splits=splits)
+                window=window, num_splits=splits, **scales)
         # The split scratch is dead once this call's merge is queued: the next layer reuses it.
         with workspace.scope():
             return triton_decode.paged_decode(
                 q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
-                window=window, num_splits=splits, workspace=workspace)
+                window=window, num_splits=splits, workspace=workspace, **scales)
     return triton_prefill.paged_prefill(
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale, window=window,
-        max_query_len=max_query_len)
+        max_query_len=max_query_len, **scales)
 
 
 def _fail(q, k_cache, v_cache, page_tables, problem: str):
@@ -284,6 +316,8 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
     lo, hi = first - first_page * page_size, seq_len - first_page * page_size
     k = layer.k_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
     v = layer.v_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
+    if layer.k_scale is not None:
+        k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
     mask = None
     if layer.window is not None or q_len != seq_len:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
@@ -310,7 +344,8 @@ def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor
     if layer.backend == "cpu" and cpu_kernel.supports(q, layer.k_cache, layer.v_cache):
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         return cpu_kernel.paged_decode(
-            q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window
+            q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window,
+            k_scale=layer.k_scale, v_scale=layer.v_scale,
         )
     return _decode(layer, q, page_tables, lens)
 
@@ -333,6 +368,8 @@ def _decode(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
         ids, visible = _visible_pages(page_tables[rows], lens[rows], firsts[rows], page_size)
         k = _gather(layer.k_cache, ids, k_buf, visible)
         v = _gather(layer.v_cache, ids, v_buf, visible)
+        if layer.k_scale is not None:
+            k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
         mask = None if visible is None else visible[:, None, None, :]
         out[rows] = F.scaled_dot_product_attention(
             grouped[rows], k, v, attn_mask=mask, scale=layer.scale

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.formats import format_bytes, format_table
+from kvpool.fp8 import KV_CACHE_DTYPES
 
 DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
@@ -284,6 +285,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"workload's peak demand, so it preempts)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn the prefix cache off")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages with "
+                             "per-layer scales from the first prefill; default: auto)")
     parser.add_argument("--max-num-seqs", type=int, metavar="N",
                         help="running sequences at most (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, metavar="TOKENS",
@@ -313,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
                "max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
+              kv_cache_dtype=args.kv_cache_dtype,
               **{name: value for name, value in options.items() if value is not None})
     requests = make_workload(workload, llm.model_config.vocab_size)
     result = run_workload(llm, requests)

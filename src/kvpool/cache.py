@@ -17,6 +17,7 @@ from kvpool.errors import (
     UnknownSequence,
     check_int,
 )
+from kvpool.fp8 import is_fp8
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 from kvpool.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
@@ -69,13 +70,17 @@ class KVCache:
     a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
     and a later prompt continuing their prefix loads them back instead of recomputing; the
     tier is bound to this cache's namespace (its layout and `model_fingerprint`, a string
-    naming the model and its weights), so it never serves another model's pages.
-    Not thread-safe: call it from one thread (as the engine's loop does) or under a lock."""
+    naming the model and its weights), so it never serves another model's pages. fp8 pages
+    (a float8_e4m3fn layout) take `kv_scales` as KVPool does; with a tier they must be given,
+    and join the namespace: a stored page reads back right only under the scales it was
+    written with. Not thread-safe: call it from one thread (as the engine's loop does) or
+    under a lock."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
-                 tier: Tier | None = None, model_fingerprint: str = ""):
+                 tier: Tier | None = None, model_fingerprint: str = "",
+                 kv_scales=None):
         if max_tokens_per_seq is not None:
             check_int("max_tokens_per_seq", max_tokens_per_seq, 1)
         if tier is not None and not prefix_caching:
@@ -83,13 +88,17 @@ class KVCache:
         if not isinstance(model_fingerprint, str):
             raise TypeError(f"model_fingerprint must be a str, "
                             f"got {type(model_fingerprint).__name__}")
+        if tier is not None and is_fp8(layout.dtype) and kv_scales is None:
+            raise ValueError("fp8 pages in a tier need kv_scales given: scales taken from a "
+                             "cache's first prefill would differ between caches sharing it")
         self.layout = layout
         self.page_size = layout.page_size
         self._page_bytes = layout.page_size * TOKEN_BYTES  # one page of packed token ids
         self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve,
                                        thread_safe=False)
-        self.pool = KVPool(layout, num_pages, device=device)
-        self.namespace = page_namespace(layout, model_fingerprint)
+        self.pool = KVPool(layout, num_pages, device=device, kv_scales=kv_scales)
+        scales = None if self.pool.scales is None else self.pool.scales.tolist()
+        self.namespace = page_namespace(layout, model_fingerprint, scales)
         if tier is not None:
             tier.bind(self.namespace, self.pool.kv[:, :, 0].shape, layout.dtype)
         self.tier = tier
@@ -300,9 +309,10 @@ class KVCache:
     def check(self) -> None:
         """Invariants: allocator conservation; page tables sized to their tokens; each
         sequence's first `num_cached` pages a path of the prefix cache; each page's reference
-        count equal to the number of sequences whose page table holds it; the prefix tree
-        and the tier consistent."""
+        count equal to the number of sequences whose page table holds it; the prefix tree,
+        the tier and the pool's fp8 scales consistent."""
         self.allocator.check()
+        self.pool.check()
         self._index.check()
         if self.tier is not None:
             self.tier.check()

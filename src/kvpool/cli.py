@@ -12,6 +12,7 @@ from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import (
@@ -51,6 +52,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mamba-memory-ratio", type=float, default=0.5, metavar="RATIO",
                         help="hybrid models: share of the cache budget for Mamba state slots "
                              "(default: 0.5)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV page dtype: auto (the weights') or fp8_e4m3 (one byte per "
+                             "value; default: auto)")
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
                         help="tokens per sequence when counting sequences "
                              "(default: the model's max_position_embeddings)")
@@ -67,9 +71,11 @@ def run_plan(args: argparse.Namespace) -> int:
     model = ModelConfig.from_hf(args.model)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
-                       device=args.device, mamba_memory_ratio=args.mamba_memory_ratio)
+                       device=args.device, mamba_memory_ratio=args.mamba_memory_ratio,
+                       kv_cache_dtype=args.kv_cache_dtype)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
-    print(format_table(_plan_rows(args.model, model, plan, context_len)))
+    weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
+    print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype)))
     if plan.reason:
         print(f"kvpool plan: {args.model} does not fit: {plan.reason}", file=sys.stderr)
         return 1
@@ -157,12 +163,12 @@ def _byte_size(text: str) -> int:
 
 
 def _plan_rows(
-    name: str, model: ModelConfig, plan: MemoryPlan, context_len: int
+    name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing `plan` for the model `name`."""
     pages_per_seq = plan.layout.num_pages_for(context_len)
     rows = [
-        ("model", f"{name} ({model.architecture}, {dtype_name(plan.layout.dtype)})"),
+        ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),
         ("weights", format_bytes(plan.weight_bytes)),
         ("activations", f"{format_bytes(plan.activation_bytes)} (estimated peak of a "
@@ -183,6 +189,7 @@ def _plan_rows(
         ]
     rows += [
         ("KV layout", _layout_text(model, plan.layout)),
+        ("KV dtype", dtype_name(plan.layout.dtype)),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
         ("KV bytes per page", f"{plan.bytes_per_page:,} ({format_bytes(plan.bytes_per_page)}, "
                               f"{plan.page_size} tokens)"),

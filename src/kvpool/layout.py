@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.errors import check_int
+from kvpool.fp8 import FP8_DTYPE
 
 KINDS = ("mha", "mla")
 
@@ -21,7 +22,8 @@ class KVLayout:
     `kind` "mha" (multi-head and grouped-query attention) stores two planes, K and V. "mla"
     (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
     latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
-    serves as the key, and whose first kv_lora_rank values serve as the value."""
+    serves as the key, and whose first kv_lora_rank values serve as the value. A float8_e4m3fn
+    layout (mha only) holds fp8 pages with per-layer scales (kvpool.fp8)."""
 
     num_layers: int
     num_kv_heads: int
@@ -35,11 +37,15 @@ class KVLayout:
             check_int(name, getattr(self, name), 1)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if self.dtype.itemsize == 1 and self.dtype != FP8_DTYPE:
+            raise TypeError(f"the only 8-bit KV dtype is {FP8_DTYPE}, got {self.dtype}")
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ValueError(f"an mla layout stores one latent per token and layer: "
                              f"num_kv_heads must be 1, got {self.num_kv_heads}")
+        if self.kind == "mla" and self.dtype == FP8_DTYPE:
+            raise TypeError("fp8 pages are not supported for mla layouts")
 
     @property
     def num_planes(self) -> int:

@@ -117,14 +117,17 @@ def plan_memory(
     reserved_bytes: int = 0,
     device: str | torch.device | None = None,
     mamba_memory_ratio: float = DEFAULT_MAMBA_MEMORY_RATIO,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryPlan:
     """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
     the memory after the weights, the activations and `reserved_bytes`. `device_memory`
     (bytes) is the memory to plan in; None reads `device` (default CUDA if available, else
     CPU): its total memory (a CUDA device's, or the host's RAM), less what is already in use.
-    `dtype` None: the config's, else float32 (as the loader does). `activation_bytes` None:
-    `estimate_activation_bytes` with its defaults. `mamba_memory_ratio` in (0, 1): a hybrid's
-    share of the budget for state slots (ignored for attention-only models)."""
+    `dtype` None: the config's, else float32 (as the loader does): the weights', and the KV
+    pages' unless `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
+    `activation_bytes` None: `estimate_activation_bytes` with its defaults.
+    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots (ignored
+    for attention-only models)."""
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -133,11 +136,12 @@ def plan_memory(
     _check_fraction(memory_fraction)
     _check_ratio(mamba_memory_ratio)
     model = model_config(config)
-    layout = model.kv_layout(dtype=dtype, page_size=page_size)
+    layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype)
+    weights_dtype = model.weights_dtype(dtype)
     num_parameters = count_parameters(model)
-    weight_bytes = num_parameters * layout.dtype.itemsize
+    weight_bytes = num_parameters * weights_dtype.itemsize
     if activation_bytes is None:
-        activation_bytes = estimate_activation_bytes(model, layout.dtype)
+        activation_bytes = estimate_activation_bytes(model, weights_dtype)
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
     usable = int(device_memory * memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes

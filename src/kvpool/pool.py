@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
+from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.layout import KVLayout
+
+ScalePair = tuple[float, float]  # (K scale, V scale) of one layer
 
 
 def default_device() -> torch.device:
@@ -23,11 +27,18 @@ class KVPool:
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
+
+    A float8_e4m3fn layout also holds `scales` `[num_layers, 2]` (float32, on the device): the
+    K and V scale of each layer (kvpool.fp8). `kv_scales` gives them, one (K, V) pair for every
+    layer or a sequence of one pair per layer; a layer without is calibrated by the first K/V
+    written to it (`calibrate`), and keeps its scales for the pool's lifetime.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, *, device=None):
+    def __init__(self, layout: KVLayout, num_pages: int, *, device=None,
+                 kv_scales: ScalePair | Sequence[ScalePair] | None = None):
         self.layout = layout
         self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
+        pairs = _scale_pairs(layout, kv_scales)
         self.device = torch.device(device) if device is not None else default_device()
         shape = (layout.num_layers, layout.num_planes, num_pages, layout.page_size,
                  layout.num_kv_heads, layout.head_dim)
@@ -37,6 +48,64 @@ class KVPool:
         except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
             raise OutOfMemory(f"a pool of {num_pages:,} pages needs {nbytes:,} bytes on "
                               f"{self.device}, which cannot be allocated: {e}") from None
+        self.scales: torch.Tensor | None = None
+        self._has_scales = [False] * layout.num_layers  # host copy: reading `scales` syncs
+        self._calibrating = True
+        if self.quantized:
+            self.scales = torch.ones(layout.num_layers, 2, dtype=torch.float32,
+                                     device=self.device)
+            for layer, pair in enumerate(pairs or ()):
+                self.set_scales(layer, *pair)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold fp8 values that read back through per-layer scales."""
+        return is_fp8(self.layout.dtype)
+
+    @property
+    def scales_ready(self) -> bool:
+        """Whether every layer has its scales (always, for pages that are not fp8)."""
+        return all(self._has_scales) or not self.quantized
+
+    def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's K and V scale as float32 tensors `[]` on the device (views, so kernels
+        read the value current when they run), or (None, None) when pages are not fp8."""
+        if self.scales is None:
+            return None, None
+        return self.scales[layer, 0], self.scales[layer, 1]
+
+    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
+        """Give `layer` its K and V scale (positive finite floats), before any K/V is written
+        to it. ValueError (changing nothing) if the pages are not fp8, or the layer has its
+        scales already: its pages may hold values stored under them."""
+        check_int("layer", layer, 0, self.layout.num_layers - 1)
+        pair = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        if not self.quantized:
+            raise ValueError(f"scales apply to fp8 pages; this pool holds {self.layout.dtype}")
+        if self._has_scales[layer]:
+            raise ValueError(f"layer {layer} has its scales already "
+                             f"({self.scales[layer].tolist()}); they cannot change")
+        self.scales[layer] = torch.tensor(pair)
+        self._has_scales[layer] = True
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take the layer's scales from K and V about to be written, if it has none yet
+        (kvpool.fp8.scale_of; nothing is read back from the device). Does nothing for pages
+        that are not fp8, and while calibration is paused."""
+        if self.quantized and self._calibrating and not self._has_scales[layer]:
+            self.scales[layer, 0] = scale_of(k)
+            self.scales[layer, 1] = scale_of(v)
+            self._has_scales[layer] = True
+
+    @contextmanager
+    def calibration_paused(self) -> Iterator[None]:
+        """Within this block writes set no scales: for K/V that are no real tokens' (the
+        padding of a CUDA graph capture), which a layer's scales must not be taken from."""
+        self._calibrating = False
+        try:
+            yield
+        finally:
+            self._calibrating = True
 
     @property
     def nbytes(self) -> int:
@@ -55,13 +124,20 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
         """Write one layer's K/V `[n, num_kv_heads, head_dim]` for n tokens at `slots` [n];
-        for "mla" `k` is the latent and `v` must be None."""
+        for "mla" `k` is the latent and `v` must be None. fp8 pages are written quantized under
+        the layer's scales, calibrating them first if needed."""
         if (v is None) != (self.layout.kind == "mla"):
             raise ValueError(f"a {self.layout.kind} pool writes "
                              f"{'the latent alone' if v is not None else 'both K and V'}")
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
                                    self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
+        if self.quantized:
+            self.calibrate(layer, k, v)
+            k_scale, v_scale = self.kv_scales(layer)
+            # index_copy_ has no fp8 kernel: copy the bytes.
+            flat = flat.view(torch.uint8)
+            k, v = quantize(k, k_scale).view(torch.uint8), quantize(v, v_scale).view(torch.uint8)
         for plane, x in zip(flat, (k, v) if v is not None else (k,), strict=True):
             plane.index_copy_(0, slots, x.to(flat.dtype))
 
@@ -93,6 +169,16 @@ class KVPool:
         if pages:
             self.kv[:, :, self._index(pages)] = 0
 
+    def check(self) -> None:
+        """Raise AssertionError unless every layer that has scales has positive finite ones."""
+        if self.scales is None:
+            return
+        scales = self.scales.cpu()
+        for layer, has in enumerate(self._has_scales):
+            row = scales[layer]
+            assert not has or bool(torch.isfinite(row).all() and (row > 0).all()), (
+                f"layer {layer} has scales {row.tolist()}, not positive finite numbers")
+
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
         index = torch.as_tensor(pages, dtype=torch.long)
         if index.ndim != 1:
@@ -101,3 +187,21 @@ class KVPool:
             raise InvalidPage(f"page ids must lie in [0, {self.num_pages}), "
                              f"got min {int(index.min())}, max {int(index.max())}")
         return index.to(self.device)
+
+
+def _scale_pairs(layout: KVLayout, kv_scales) -> list[ScalePair] | None:
+    """`kv_scales` as one (K, V) pair per layer, checked (TypeError/ValueError naming the bad
+    value); None stays None."""
+    if kv_scales is None:
+        return None
+    if not is_fp8(layout.dtype):
+        raise ValueError(f"kv_scales apply to fp8 pages; the layout holds {layout.dtype}")
+    pairs = list(kv_scales)
+    if len(pairs) == 2 and not isinstance(pairs[0], (tuple, list)):
+        pairs = [tuple(pairs)] * layout.num_layers
+    if len(pairs) != layout.num_layers or any(
+            not isinstance(pair, (tuple, list)) or len(pair) != 2 for pair in pairs):
+        raise ValueError(f"kv_scales must be one (k_scale, v_scale) pair, or one per layer "
+                         f"({layout.num_layers}); got {kv_scales!r}")
+    return [(check_scale(f"k_scale of layer {i}", k), check_scale(f"v_scale of layer {i}", v))
+            for i, (k, v) in enumerate(pairs)]

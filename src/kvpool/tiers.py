@@ -443,10 +443,12 @@ def _physical_memory() -> int | None:
         return None
 
 
-def page_namespace(layout, model_fingerprint: str = "") -> str:
+def page_namespace(layout, model_fingerprint: str = "", kv_scales=None) -> str:
     """What a stored page of `layout` is valid for: the KV geometry, dtype and page size,
-    and `model_fingerprint` (a string naming the model's architecture and weights, given by
-    whoever loaded them; two models of one geometry differ only there)."""
+    `model_fingerprint` (a string naming the model's architecture and weights, given by
+    whoever loaded them; two models of one geometry differ only there) and, for fp8 pages,
+    `kv_scales` (each layer's [K, V] scale, which the stored bytes mean nothing without)."""
+    scales = "" if kv_scales is None else f" kv_scales={kv_scales}"
     return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
             f"head_dim={layout.head_dim} dtype={layout.dtype} page_size={layout.page_size} "
-            f"kind={layout.kind} model={model_fingerprint}")
+            f"kind={layout.kind} model={model_fingerprint}{scales}")

@@ -9,6 +9,7 @@ import torch
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages, check_int
 from kvpool.formats import format_bytes
+from kvpool.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
@@ -28,7 +29,10 @@ class EngineConfig:
     weights, the activations, the workspace and (on CUDA) the CUDA graphs come out of it, and
     the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
     max_model_len None: the model's
-    max_position_embeddings. dtype None: the checkpoint's. seed seeds the sampling of
+    max_position_embeddings. dtype None: the checkpoint's. kv_cache_dtype "auto" stores KV
+    pages in the model's dtype, "fp8_e4m3" in float8_e4m3fn (half the bytes of 16-bit pages)
+    with one K and one V scale per layer: `kv_scales` (k_scale, v_scale) for every layer, or
+    None to take each layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
     requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
     prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
     """
@@ -42,6 +46,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: torch.dtype | None = None
+    kv_cache_dtype: str = "auto"
+    kv_scales: tuple[float, float] | None = None
     device: str | torch.device | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -65,6 +71,23 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_scales is not None:
+            if self.kv_cache_dtype == "auto":
+                raise ValueError(f"kv_scales {self.kv_scales!r} apply to fp8 pages; "
+                                 f"pass kv_cache_dtype='fp8_e4m3'")
+            if not isinstance(self.kv_scales, tuple) or len(self.kv_scales) != 2:
+                raise ValueError(f"kv_scales must be a (k_scale, v_scale) pair, "
+                                 f"got {self.kv_scales!r}")
+            check_scale("k_scale", self.kv_scales[0])
+            check_scale("v_scale", self.kv_scales[1])
+
+    def kv_layout(self, model: ModelConfig) -> KVLayout:
+        """The KV layout of `model` under these options (dtype, kv_cache_dtype, page_size)."""
+        return model.kv_layout(dtype=self.dtype, page_size=self.page_size,
+                               kv_cache_dtype=self.kv_cache_dtype)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """max_model_len, or the model's limit; over the model's limit is an error."""
@@ -103,16 +126,18 @@ class EngineConfig:
         hybrid's state pool (`state_bytes`) comes out of the cache's budget first."""
         if self.num_pages is not None:
             return self.num_pages
-        layout = model.kv_layout(dtype=self.dtype, page_size=self.page_size)
+        layout = self.kv_layout(model)
+        weights_dtype = model.weights_dtype(self.dtype)
         activations = estimate_activation_bytes(
-            model, layout.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            model, weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs)
         reserved = self.workspace_bytes(model, layout, max_model_len)
         if device.type == "cuda":  # decode runs CUDA graphs only there
-            reserved += self.cuda_graph_bytes(model, layout.dtype)
-        plan = plan_memory(model, memory_fraction=self.memory_fraction, dtype=layout.dtype,
+            reserved += self.cuda_graph_bytes(model, weights_dtype)
+        plan = plan_memory(model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
                            page_size=layout.page_size, activation_bytes=activations,
-                           reserved_bytes=reserved, device=device)
+                           reserved_bytes=reserved, device=device,
+                           kv_cache_dtype=self.kv_cache_dtype)
         budget = plan.budget_bytes
         if device.type == "cpu":
             budget = min(self.kv_cache_memory, budget)

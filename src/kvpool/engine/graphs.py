@@ -83,21 +83,26 @@ class CUDAGraphRunner:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory
         pool), printing a progress line."""
         pool = torch.cuda.graph_pool_handle()
-        for bucket in tqdm(self.batch_sizes[::-1], desc="capturing CUDA graphs", unit="graph",
-                           disable=not progress):
-            flat = self.stage(ScheduledBatch(), bucket)  # all padding: touches no real page
-            # warm up: lazy initialisation (kernel compilation, cuBLAS) stays out of the graph
-            self.runner.forward(self.inputs(flat, bucket))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=pool):
-                    # the int32 views are computed inside the graph, so replay refreshes them
-                    self.logits[bucket] = self.runner.forward(self.inputs(flat, bucket))
-            except RuntimeError as e:
-                raise RuntimeError(f"capturing the CUDA graph of batch size {bucket} failed "
-                                   f"({e}); pass enforce_eager=True to run without graphs") from e
-            self.graphs[bucket] = graph
+        with self.runner.cache.pool.calibration_paused():  # padding is no prefill
+            for bucket in tqdm(self.batch_sizes[::-1], desc="capturing CUDA graphs",
+                               unit="graph", disable=not progress):
+                self._capture(bucket, pool)
+
+    def _capture(self, bucket: int, pool) -> None:
+        """Warm up and capture the graph of one bucket in the graphs' memory `pool`."""
+        flat = self.stage(ScheduledBatch(), bucket)  # all padding: touches no real page
+        # warm up: lazy initialisation (kernel compilation, cuBLAS) stays out of the graph
+        self.runner.forward(self.inputs(flat, bucket))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                # the int32 views are computed inside the graph, so replay refreshes them
+                self.logits[bucket] = self.runner.forward(self.inputs(flat, bucket))
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing the CUDA graph of batch size {bucket} failed "
+                               f"({e}); pass enforce_eager=True to run without graphs") from e
+        self.graphs[bucket] = graph
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:

@@ -37,10 +37,11 @@ class LLM:
 
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len, dtype, device, seed, enforce_eager). `on_step` is
-    called with a StepRecord after every step. `cache` is the KVCache, or for a hybrid model
-    (Bamba) the HybridCache: a state slot per seat (max_num_seqs) and, with prefix caching,
-    mamba_checkpoint_slots for checkpoints, all taken from the cache's budget; no CUDA graphs.
+    max_num_batched_tokens, max_model_len, dtype, kv_cache_dtype, kv_scales, device, seed,
+    enforce_eager). `on_step` is called with a StepRecord after every step. `cache` is the
+    KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
+    (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
+    from the cache's budget; no CUDA graphs.
     """
 
     def __init__(self, model: str | Path, *,
@@ -65,7 +66,7 @@ class LLM:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
-        layout = mc.kv_layout(dtype=self.config.dtype, page_size=self.config.page_size)
+        layout = self.config.kv_layout(mc)
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
@@ -78,7 +79,8 @@ class LLM:
         else:
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,
-                                 max_tokens_per_seq=self.max_model_len)
+                                 max_tokens_per_seq=self.max_model_len,
+                                 kv_scales=self.config.kv_scales)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
@@ -255,7 +257,9 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        bucket = self.graphs.bucket(batch) if self.graphs else None
+        # A graph replay runs no Python, so no layer could take its fp8 scales there.
+        use_graphs = self.graphs is not None and self.cache.pool.scales_ready
+        bucket = self.graphs.bucket(batch) if use_graphs else None
         logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
         seqs, logit_rows = self.scheduler.update(batch)
         if len(logit_rows) > len(logits):  # forked samples read their parent's row

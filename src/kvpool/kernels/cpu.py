@@ -56,6 +56,9 @@ class _Problem(ctypes.Structure):
         ("window", ctypes.c_int64),
         ("scale", ctypes.c_double),
         ("bf16", ctypes.c_int32),
+        ("fp8", ctypes.c_int32),
+        ("k_scale", ctypes.c_double),
+        ("v_scale", ctypes.c_double),
     ]
 
 
@@ -75,12 +78,14 @@ def enabled() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` can take these inputs: enabled and compiled; CPU tensors of one
-    float32 or bfloat16 dtype; head_dim a multiple of VEC and dense in the cache; no autograd."""
+    """Whether `paged_decode` can take these inputs: enabled and compiled; CPU tensors, q of
+    float32 or bfloat16 and the caches of q's dtype or both float8_e4m3fn; head_dim a multiple
+    of VEC and dense in the cache; no autograd."""
     tensors = (q, k_cache, v_cache)
     return (
         enabled()
-        and all(t.device.type == "cpu" and t.dtype == q.dtype for t in tensors)
+        and all(t.device.type == "cpu" for t in tensors)
+        and k_cache.dtype == v_cache.dtype in (q.dtype, torch.float8_e4m3fn)
         and q.dtype in _DTYPES
         and q.shape[-1] % VEC == 0
         and k_cache.stride(3) == v_cache.stride(3) == 1
@@ -89,9 +94,12 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
     )
 
 
-def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, window: int | None):
+def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, window: int | None,
+                 *, k_scale=None, v_scale=None):
     """Decode attention of `q [batch, num_heads, head_dim]`, one query token per sequence and
-    the last of its `seq_lens[b]` tokens, over K/V read straight from the pages."""
+    the last of its `seq_lens[b]` tokens, over K/V read straight from the pages (fp8 pages
+    through their `k_scale`/`v_scale`, floats or tensors `[]`)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     check_page_tables(page_tables, k_cache.shape[0])  # before narrowing: 2**32 + 1 is not 1
     check_index_dtype("seq_lens", seq_lens)
     q = q.contiguous()
@@ -117,6 +125,9 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, windo
         window=window or 0,
         scale=scale,
         bf16=_DTYPES[q.dtype],
+        fp8=int(fp8),
+        k_scale=float(k_scale) if fp8 else 1.0,
+        v_scale=float(v_scale) if fp8 else 1.0,
     )
     threads = torch.get_num_threads()
     status = library().kvpool_paged_decode(ctypes.byref(problem), threads, _openmp_parallel())

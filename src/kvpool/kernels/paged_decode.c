@@ -7,9 +7,15 @@
  * to back while the next one is prefetched. Per page: scores of its tokens for all rows, one
  * online-softmax rescale per row (flash decoding), then p * V accumulated in float32.
  *
+ * An fp8 cache (float8_e4m3fn bytes) is widened to float32 in registers; its K scale is folded
+ * into the query and its V scale into the output, so the inner loops only widen bytes.
+ *
  * Only visible slots [first, seq_len) are read: unwritten slots may hold any bits, NaN included.
  * Built without -ffast-math.
  */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -26,6 +32,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(4 * VEC)));
 typedef uint32_t vu __attribute__((vector_size(4 * VEC)));
 typedef uint16_t vh __attribute__((vector_size(2 * VEC)));
+typedef uint8_t vb __attribute__((vector_size(VEC)));
 
 /* Mirrored field for field by kvpool/kernels/cpu.py (_Problem). Strides are in elements. */
 typedef struct {
@@ -41,7 +48,9 @@ typedef struct {
     int64_t batch, num_heads, num_kv_heads, head_dim, page_size, num_pages;
     int64_t window;            /* sliding window in tokens, 0 for none */
     double scale;
-    int32_t bf16;              /* 1: q, K, V, out are bfloat16; 0: float32 */
+    int32_t bf16;              /* 1: q, out (and K, V unless fp8) are bfloat16; 0: float32 */
+    int32_t fp8;               /* 1: K, V are float8_e4m3fn bytes */
+    double k_scale, v_scale;   /* fp8 only: a stored byte b means e4m3(b) * scale */
 } Problem;
 
 /* Work shared by the threads of one call: chunk c is sequence c / parts, kv heads
@@ -77,6 +86,35 @@ ALWAYS_INLINE vf load_row(const void *x, int64_t i, int bf16)
         return (vf)(__builtin_convertvector(bits, vu) << 16);
     }
     return load_f32((const float *)x + i);
+}
+
+/* VEC float8_e4m3fn bytes (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity;
+ * magnitude 0x7F is NaN) as floats, exactly. Each byte's bits move to their places in a float
+ * (sign bit 31, exponent and mantissa at bits 20-26), which makes the float the e4m3 value times
+ * 2^-120 (e4m3 subnormals become float subnormals, so this assumes denormals are not flushed:
+ * the default), and a product with 2^120 restores the exponent. One sign-extending widen (a
+ * single instruction with AVX-512) and four vector operations: far cheaper than a table. */
+ALWAYS_INLINE vf load_e4m3(const uint8_t *x)
+{
+#if defined(__AVX512F__) && VEC == 16
+    const vi bytes = (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x));
+#else
+    vi bytes;
+    for (int j = 0; j < VEC; j++)
+        bytes[j] = (int8_t)x[j];
+#endif
+    const vi bits = (bytes << 20) & (int32_t)0x87F00000;
+    const vi value = (vi)((vf)bits * 0x1p120f);
+    const vi nan = (bits & 0x7FFFFFFF) == 0x07F00000; /* would read as +-480 */
+    return (vf)((value & ~nan) | (((vi){0} + 0x7FC00000) & nan));
+}
+
+/* VEC elements of a K or V row from element i, as floats: float32, bfloat16 or fp8 bytes. */
+ALWAYS_INLINE vf load_kv(const void *x, int64_t i, int bf16, int fp8)
+{
+    if (fp8)
+        return load_e4m3((const uint8_t *)x + i);
+    return load_row(x, i, bf16);
 }
 
 ALWAYS_INLINE float load_one(const void *x, int64_t i, int bf16)
@@ -206,14 +244,14 @@ ALWAYS_INLINE void prefetch_rows(const char *x, int64_t count, int64_t step, int
 
 /* s[g * stride] = q_g . k for the g_rows rows `qs` [g_rows, d]; four rows share each K load. */
 ALWAYS_INLINE void score_slot(const float *restrict qs, const void *k, int64_t d, int64_t g_rows,
-                              float *restrict s, int64_t stride, int bf16)
+                              float *restrict s, int64_t stride, int bf16, int fp8)
 {
     int64_t g = 0;
     for (; g + 4 <= g_rows; g += 4) {
         const float *q = qs + g * d;
         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t i = 0; i < d; i += VEC) {
-            const vf kv = load_row(k, i, bf16);
+            const vf kv = load_kv(k, i, bf16, fp8);
             a0 += load_f32(q + i) * kv;
             a1 += load_f32(q + d + i) * kv;
             a2 += load_f32(q + 2 * d + i) * kv;
@@ -224,7 +262,7 @@ ALWAYS_INLINE void score_slot(const float *restrict qs, const void *k, int64_t d
     for (; g < g_rows; g++) {
         vf a = {0};
         for (int64_t i = 0; i < d; i += VEC)
-            a += load_f32(qs + g * d + i) * load_row(k, i, bf16);
+            a += load_f32(qs + g * d + i) * load_kv(k, i, bf16, fp8);
         s[g * stride] = sum_lanes(a);
     }
 }
@@ -234,7 +272,7 @@ ALWAYS_INLINE void score_slot(const float *restrict qs, const void *k, int64_t d
  * accumulate in registers across the page. */
 ALWAYS_INLINE void accumulate_head(float *restrict acc, const char *v, int64_t slot, int64_t n,
                                    int64_t d, int64_t g_rows, const float *restrict w,
-                                   int64_t stride, int bf16)
+                                   int64_t stride, int bf16, int fp8)
 {
     int64_t g = 0;
     for (; g + 4 <= g_rows; g += 4) {
@@ -244,7 +282,7 @@ ALWAYS_INLINE void accumulate_head(float *restrict acc, const char *v, int64_t s
             vf a0 = load_f32(a), a1 = load_f32(a + d), a2 = load_f32(a + 2 * d);
             vf a3 = load_f32(a + 3 * d);
             for (int64_t t = 0; t < n; t++) {
-                const vf vv = load_row(v + t * slot, i, bf16);
+                const vf vv = load_kv(v + t * slot, i, bf16, fp8);
                 a0 += w0[t] * vv;
                 a1 += w1[t] * vv;
                 a2 += w2[t] * vv;
@@ -260,7 +298,7 @@ ALWAYS_INLINE void accumulate_head(float *restrict acc, const char *v, int64_t s
         for (int64_t i = 0; i < d; i += VEC) {
             vf a = load_f32(acc + g * d + i);
             for (int64_t t = 0; t < n; t++)
-                a += w[g * stride + t] * load_row(v + t * slot, i, bf16);
+                a += w[g * stride + t] * load_kv(v + t * slot, i, bf16, fp8);
             store_f32(acc + g * d + i, a);
         }
 }
@@ -309,10 +347,10 @@ ALWAYS_INLINE void
 attend_page(const Problem *p, const char *k, const char *v, const char *next_k, int64_t next_n,
             int64_t t0, int64_t t1, int64_t h0, int64_t h1, const float *restrict qs,
             float *restrict acc, float *restrict m, float *restrict l, float *restrict s,
-            int64_t stride, int bf16)
+            int64_t stride, int bf16, int fp8)
 {
     const int64_t g_rows = p->num_heads / p->num_kv_heads, d = p->head_dim;
-    const int64_t esize = bf16 ? 2 : 4, rows = (h1 - h0) * g_rows, n = t1 - t0;
+    const int64_t esize = fp8 ? 1 : bf16 ? 2 : 4, rows = (h1 - h0) * g_rows, n = t1 - t0;
     const int64_t k_slot = p->k_strides[1] * esize, v_slot = p->v_strides[1] * esize;
     const int64_t k_head = p->k_strides[2] * esize, v_head = p->v_strides[2] * esize;
     for (int64_t r = 0; r < rows; r++)
@@ -323,7 +361,7 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
         for (int64_t h = h0; h < h1; h++) {
             const int64_t r = (h - h0) * g_rows;
             score_slot(qs + r * d, k + (t0 + t) * k_slot + h * k_head, d, g_rows,
-                       s + r * stride + t, stride, bf16);
+                       s + r * stride + t, stride, bf16, fp8);
         }
     }
     softmax_page(s, stride, rows, d, m, l, acc, p->bf16);
@@ -332,7 +370,7 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
         if (next_k)
             prefetch_rows(next_k + h * k_head, next_n, k_slot, d * esize, 0);
         accumulate_head(acc + r * d, v + t0 * v_slot + h * v_head, v_slot, n, d, g_rows,
-                        s + r * stride, stride, bf16);
+                        s + r * stride, stride, bf16, fp8);
     }
 }
 
@@ -340,10 +378,12 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
  * rows = (h1 - h0) * G and stride = page_size rounded up to VEC. Returns 0, or -2 if the page
  * table names a page outside the cache. */
 ALWAYS_INLINE int
-decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scratch, int bf16)
+decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scratch, int bf16,
+                int fp8)
 {
     const int64_t g_rows = p->num_heads / p->num_kv_heads, d = p->head_dim;
-    const int64_t rows = (h1 - h0) * g_rows, size = p->page_size, esize = bf16 ? 2 : 4;
+    const int64_t rows = (h1 - h0) * g_rows, size = p->page_size;
+    const int64_t esize = fp8 ? 1 : bf16 ? 2 : 4;
     const int64_t stride = (size + VEC - 1) / VEC * VEC;
     const int64_t seq_len = p->seq_lens[b];
     const int64_t first = p->window > 0 && seq_len > p->window ? seq_len - p->window : 0;
@@ -354,8 +394,8 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
     float *restrict qs = scratch, *restrict acc = qs + rows * d;
     float *restrict m = acc + rows * d, *restrict l = m + rows, *restrict s = l + rows;
     const int64_t q_offset = (b * p->num_heads + h0 * g_rows) * d;
-    /* Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)). */
-    const float q_scale = (float)p->scale * LOG2E;
+    /* Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)); fp8 K's scale too. */
+    const float q_scale = (float)(p->scale * (fp8 ? p->k_scale : 1.0)) * LOG2E;
     for (int64_t i = 0; i < rows * d; i++) {
         qs[i] = load_one(p->q, q_offset + i, bf16) * q_scale;
         acc[i] = 0.0f;
@@ -373,10 +413,10 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
         const int64_t next_n = seq_len - start - size < size ? seq_len - start - size : size;
         const char *next_k = next_n > 0 ? k_pages + table[page + 1] * k_page : NULL;
         attend_page(p, k_pages + table[page] * k_page, v_pages + table[page] * v_page, next_k,
-                    next_n, t0, t1, h0, h1, qs, acc, m, l, s, stride, bf16);
+                    next_n, t0, t1, h0, h1, qs, acc, m, l, s, stride, bf16, fp8);
     }
     for (int64_t r = 0; r < rows; r++) {
-        const float inv = 1.0f / l[r];
+        const float inv = (fp8 ? (float)p->v_scale : 1.0f) / l[r];
         for (int64_t i = 0; i < d; i++) {
             const float x = acc[r * d + i] * inv;
             if (bf16)
@@ -400,8 +440,12 @@ static void run_chunks(void *arg)
                                    < work->chunks;) {
         const int64_t b = c / work->parts, part = c % work->parts;
         const int64_t h0 = part * kv / work->parts, h1 = (part + 1) * kv / work->parts;
-        status = p->bf16 ? decode_sequence(p, b, h0, h1, scratch, 1)
-                         : decode_sequence(p, b, h0, h1, scratch, 0);
+        if (p->fp8)
+            status = p->bf16 ? decode_sequence(p, b, h0, h1, scratch, 1, 1)
+                             : decode_sequence(p, b, h0, h1, scratch, 0, 1);
+        else
+            status = p->bf16 ? decode_sequence(p, b, h0, h1, scratch, 1, 0)
+                             : decode_sequence(p, b, h0, h1, scratch, 0, 0);
     }
     free(scratch);
     if (status) /* any failure wins; which one does not matter */

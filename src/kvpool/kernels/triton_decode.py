@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpool.fp8 import is_fp8
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.kernels.triton_support import dot_precision, num_sms
+from kvpool.kernels.triton_support import dot_precision, num_sms, scale_args
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
@@ -37,13 +38,33 @@ def dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8: tl.constexpr):
+    """The query tile in the dtype the dots run in and the scores' factor: for fp8 pages q's
+    own dtype, with the K scale folded into the factor (the V scale multiplies the output);
+    else the cache's dtype and the factor as it is."""
+    if FP8:
+        result = q_tile, scale_log2 * tl.load(k_scale)
+    else:
+        result = q_tile.to(k_cache.dtype.element_ty), scale_log2
+    return result
+
+
+@triton.jit
+def _widen(x, dtype):
+    """fp8 tile `x` in `dtype`, exactly (every e4m3 value is a float16 and bfloat16 value too),
+    through float32: the interpreter's direct fp8 -> bfloat16 conversion is wrong."""
+    return x.to(tl.float32).to(dtype)
+
+
+@triton.jit
 def _decode_split(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-    scale_log2, window, group, page_size,
+    k_scale, v_scale, scale_log2, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,7 +88,8 @@ def _decode_split(
     q_tile = tl.load(
         q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(k_cache.dtype.element_ty)
+    )
+    q_tile, scale_log2 = _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
@@ -84,6 +106,8 @@ def _decode_split(
             + kv_head * stride_kh + d[None, :],
             mask=kv_ok, other=0.0,
         )
+        if FP8:
+            k = _widen(k, q_tile.dtype)
         scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -95,12 +119,16 @@ def _decode_split(
             + kv_head * stride_vh + d[None, :],
             mask=kv_ok, other=0.0,
         )
+        if FP8:
+            v = _widen(v, q_tile.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m = m_new
 
     # An empty split (or seq_len 0, as in padded graph rows) has denom == 0 and acc == 0.
     safe_denom = tl.where(denom > 0, denom, 1.0)
     result = acc / safe_denom[:, None]
+    if FP8:
+        result = result * tl.load(v_scale)
     if NUM_SPLITS == 1:
         tl.store(
             out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -146,9 +174,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, device: torc
 
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
-                 window: int | None, num_splits: int, workspace=None) -> torch.Tensor:
+                 window: int | None, num_splits: int, workspace=None, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
     """Decode attention of one query token per sequence (row `cu_seqlens_q[b]` of
-    `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages.
+    `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages (fp8 pages
+    through `k_scale`/`v_scale`).
 
     Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid.
     Partial results of split contexts come from `workspace.alloc` when a workspace is given.
@@ -159,6 +189,8 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
+    fp8 = is_fp8(k_cache.dtype)
+    k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     if num_splits > 1:
         alloc = workspace.alloc if workspace is not None else _alloc(q.device)
         part_out = alloc((batch, num_heads, num_splits, block_d), torch.float32)
@@ -167,11 +199,12 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
         part_out = part_lse = out  # not touched
     _decode_split[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-        scale * LOG2E, window or 0, group, k_cache.shape[1],
+        k_scale, v_scale, scale * LOG2E, window or 0, group, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits, PRECISION=dot_precision(k_cache.dtype),
+        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q.dtype if fp8 else k_cache.dtype), FP8=fp8,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.kernels.triton_decode import LOG2E, dot
-from kvpool.kernels.triton_support import dot_precision
+from kvpool.fp8 import is_fp8
+from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, _widen, dot
+from kvpool.kernels.triton_support import dot_precision, scale_args
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per step
@@ -25,11 +26,11 @@ BLOCK_N = 64  # keys per step
 @triton.jit
 def _prefill(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
-    scale_log2, window, group, page_size,
+    k_scale, v_scale, scale_log2, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -50,7 +51,8 @@ def _prefill(
     q_tile = tl.load(
         q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=i_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(k_cache.dtype.element_ty)
+    )
+    q_tile, scale_log2 = _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8)
 
     # Keys any row of this block may see: from the first row's window to the last row itself.
     last = tl.minimum(seq_len - q_len + (m_block + 1) * BLOCK_M, seq_len)
@@ -72,6 +74,8 @@ def _prefill(
             + kv_head * stride_kh + d[None, :],
             mask=kv_ok, other=0.0,
         )
+        if FP8:
+            k = _widen(k, q_tile.dtype)
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
             visible = visible & (t[None, :] > pos[:, None] - window)
@@ -88,10 +92,14 @@ def _prefill(
             + kv_head * stride_vh + d[None, :],
             mask=kv_ok, other=0.0,
         )
+        if FP8:
+            v = _widen(v, q_tile.dtype)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m = m_new
 
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    if FP8:
+        result = result * tl.load(v_scale)
     tl.store(
         out + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
         result.to(out.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :],
@@ -99,20 +107,24 @@ def _prefill(
 
 
 def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
-                  window: int | None, max_query_len: int) -> torch.Tensor:
+                  window: int | None, max_query_len: int, k_scale=None,
+                  v_scale=None) -> torch.Tensor:
     """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
     pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
-    the grid. Reads nothing back from the device."""
+    the grid. fp8 pages read through `k_scale`/`v_scale`. Reads nothing back from the device."""
+    fp8 = is_fp8(k_cache.dtype)
+    k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, batch)
     _prefill[grid](
-        q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
+        q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
         scale * LOG2E, window or 0, num_heads // k_cache.shape[2], k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, PRECISION=dot_precision(k_cache.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype if fp8 else k_cache.dtype), FP8=fp8,
+        num_warps=4, num_stages=2,
     )
     return out

@@ -46,3 +46,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
     return "upcast" if interpreted() else "native"
+
+
+def scale_args(k_cache: torch.Tensor, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' K and V scale arguments: float32 tensors `[]` on the cache's device (a
+    float becomes one); for caches without scales the cache itself, which no kernel reads
+    as a scale (their FP8 switch is off)."""
+    if k_scale is None:
+        return k_cache, k_cache
+    return tuple(s if isinstance(s, torch.Tensor)
+                 else torch.tensor(s, dtype=torch.float32, device=k_cache.device)
+                 for s in (k_scale, v_scale))

@@ -2,7 +2,8 @@
 
 One launch writes both caches, with no host synchronisation. There is no host-side check of the
 slots here (it would synchronise): a slot outside `[0, num_pages * page_size)` is skipped on the
-device, so a bad slot never writes outside the caches.
+device, so a bad slot never writes outside the caches. fp8 caches store `x / scale` saturated
+and rounded to the nearest float8_e4m3fn (ties to even), as kvpool.fp8.quantize does.
 """
 
 from __future__ import annotations
@@ -10,14 +11,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvpool.fp8 import E4M3_MAX, is_fp8
+from kvpool.kernels.triton_support import scale_args
+
+SUBNORMAL_E4M3 = 2.0**-6  # the smallest normal float8_e4m3fn; below it the step is 2^-9
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """float32 `x / scale`, saturated at +-E4M3_MAX and rounded to the e4m3 grid (ties to even)
+    in float32, then converted: the conversion of a value on the grid is exact everywhere,
+    while the rounding of the conversion itself differs between GPUs and the interpreter."""
+    y = tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX)
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000  # rounded apart and put back, so that -0.0 stays -0.0
+    magnitude = bits ^ sign
+    # Normal range: round float32's 23 mantissa bits to e4m3's 3, ties to even.
+    normal = (magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) & 0xFFF00000
+    # Subnormal range: adding 1.5 * 2^14, whose float32 step is 2^-9, rounds to that step.
+    small = magnitude.to(tl.float32, bitcast=True)
+    subnormal = ((small + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    rounded = tl.where(small < SUBNORMAL_E4M3, subnormal, normal) | sign
+    return rounded.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
 
 @triton.jit
 def _write_kv(
-    k_cache, v_cache, slots, k, v, num_slots, page_size,
+    k_cache, v_cache, slots, k, v, k_scale, v_scale, num_slots, page_size,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_kt, stride_kth, stride_vt, stride_vth,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
@@ -29,25 +53,30 @@ def _write_kv(
     offset = slot % page_size
     k_row = tl.load(k + token * stride_kt + h[:, None] * stride_kth + d[None, :], mask=ok)
     v_row = tl.load(v + token * stride_vt + h[:, None] * stride_vth + d[None, :], mask=ok)
+    if FP8:
+        k_row = _to_e4m3(k_row.to(tl.float32), tl.load(k_scale))
+        v_row = _to_e4m3(v_row.to(tl.float32), tl.load(v_scale))
     tl.store(k_cache + page * stride_kp + offset * stride_ks + h[:, None] * stride_kh + d[None, :],
              k_row, mask=ok)
     tl.store(v_cache + page * stride_vp + offset * stride_vs + h[:, None] * stride_vh + d[None, :],
              v_row, mask=ok)
 
 
-def write_kv(k_cache, v_cache, slots, k, v) -> None:
+def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> None:
     """Store K and V `[n, num_kv_heads, head_dim]` (the caches' dtype, last dim dense) of n
-    tokens at `slots` `[n]` of the `[num_pages, page_size, num_kv_heads, head_dim]` caches."""
+    tokens at `slots` `[n]` of the `[num_pages, page_size, num_kv_heads, head_dim]` caches;
+    fp8 caches take K/V of any float dtype and their scales (floats or float32 tensors `[]`)."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     if slots.shape[0] == 0:
         return
+    k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
     _write_kv[(slots.shape[0],)](
-        k_cache, v_cache, slots, k, v, num_pages * page_size, page_size,
+        k_cache, v_cache, slots, k, v, k_scale, v_scale, num_pages * page_size, page_size,
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        FP8=is_fp8(k_cache.dtype), num_warps=4,
     )

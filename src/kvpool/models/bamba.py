@@ -20,16 +20,17 @@ from kvpool.state_pool import StateBatch
 
 
 class BambaDecoderLayer(nn.Module):
-    """Pre-norm block: `x + mixer(norm(x))` (attention or Mamba2), then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + mixer(norm(x))` (attention or Mamba2), then `x + mlp(norm(x))`.
+    `pool_layer`: where an attention layer's K/V lie in the pool; None for a Mamba layer."""
 
-    def __init__(self, config: ModelConfig, is_mamba: bool, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, pool_layer: int | None):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        if is_mamba:
+        if pool_layer is None:
             self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, eps, dtype)
         else:
-            self.self_attn = LlamaAttention(config, dtype)
+            self.self_attn = LlamaAttention(config, dtype, pool_layer)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.feed_forward = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                                 dtype)
@@ -40,26 +41,25 @@ class BambaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        mamba = set(config.mamba.layers)
+        # The pool holds the attention layers only: model layer -> pool layer.
+        pool_layer = {layer: i for i, layer in enumerate(config.attention_layers)}
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            BambaDecoderLayer(config, i in mamba, dtype) for i in range(config.num_layers))
+            BambaDecoderLayer(config, dtype, pool_layer.get(i)) for i in range(config.num_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                 pool: KVPool, states: StateBatch) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
-        num_attention = num_mamba = 0
+        num_mamba = 0
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if hasattr(layer, "mamba"):
                 h = layer.mamba(h, meta, states, num_mamba)
                 num_mamba += 1
             else:
-                h = layer.self_attn(h, rope, meta, pool.k_cache(num_attention),
-                                    pool.v_cache(num_attention))
-                num_attention += 1
+                h = layer.self_attn(h, rope, meta, pool)
             x = x + h
             x = x + layer.feed_forward(layer.pre_ff_layernorm(x))
         return x

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvpool import fp8
 from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
@@ -246,12 +247,13 @@ class ModelConfig:
         """The dtype the weights load in: `dtype` if given, else the config's, else float32."""
         return dtype or self.dtype or DEFAULT_DTYPE
 
-    def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16) -> KVLayout:
+    def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16,
+                  kv_cache_dtype: str = "auto") -> KVLayout:
         """The KV layout of this model: its attention layers, KV heads and head_dim (for MLA one
-        latent per token and layer), in the dtype its weights load in (see `weights_dtype`), with
-        pages of `page_size` tokens."""
+        latent per token and layer), in the dtype its weights load in (see `weights_dtype`) or,
+        with `kv_cache_dtype` "fp8_e4m3", float8_e4m3fn; with pages of `page_size` tokens."""
         return KVLayout(len(self.attention_layers), self.num_kv_heads, self.head_dim,
-                        self.weights_dtype(dtype), page_size,
+                        fp8.kv_cache_dtype(kv_cache_dtype, self.weights_dtype(dtype)), page_size,
                         kind="mla" if self.mla else "mha")
 
 

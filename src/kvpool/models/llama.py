@@ -22,10 +22,12 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
-    the layer's pages, attend through the page tables, project back."""
+    the pages of layer `layer_idx`, attend through the page tables, project back. With fp8
+    pages, the layer's first K/V written set its scales unless they were given."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         hidden, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.scale = d**-0.5
@@ -41,7 +43,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                pool: KVPool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
@@ -50,30 +52,34 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        layer = self.layer_idx
+        k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
+        pool.calibrate(layer, k, v)
+        k_scale, v_scale = pool.kv_scales(layer)
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v, k_scale=k_scale, v_scale=v_scale)
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
                               sliding_window=self.sliding_window,
                               max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
-                              workspace=meta.workspace)
+                              workspace=meta.workspace, k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                pool: KVPool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -84,7 +90,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, dtype, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -92,8 +98,8 @@ class LlamaModel(nn.Module):
                 pool: KVPool) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, pool.k_cache(i), pool.v_cache(i))
+        for layer in self.layers:
+            x = layer(x, rope, meta, pool)
         return x
 
 
@@ -126,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
         """One packed step: input_ids and positions `[T]` int64 -> float32 logits
         `[n, vocab_size]` of the tokens at `logits_indices` `[n]` (default: the last token of
         each sequence, `meta.cu_seqlens_q[1:] - 1`)."""
-        if pool.kv.dtype != self.dtype:
+        if pool.kv.dtype != self.dtype and not pool.quantized:
             raise ValueError(f"the pool holds {pool.kv.dtype} but the model computes in "
-                             f"{self.dtype}; build the KVLayout with dtype={self.dtype}")
+                             f"{self.dtype}; build the KVLayout with dtype={self.dtype} "
+                             f"(or float8_e4m3fn for fp8 pages)")
         rope = self.rotary_emb(positions, self.dtype)
         hidden = self.model(input_ids, rope, meta, pool)
         if logits_indices is None:

@@ -12,6 +12,7 @@ import signal
 import sys
 
 from kvpool.formats import DTYPES, parse_bytes
+from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.server import INSTALL_HINT, missing_modules
 
 DEFAULT_MAX_WAITING = 1024
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn the prefix cache off")
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype "
                                                         "(default: the checkpoint's)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages with "
+                             "per-layer scales from the first prefill; default: auto)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds requests that bring no seed (default: 0)")
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                "dtype": DTYPES.get(args.dtype),
                "device": args.device}
     llm = LLM(args.model, page_size=args.page_size, prefix_caching=not args.no_prefix_caching,
-              seed=args.seed, **{k: v for k, v in options.items() if v is not None})
+              seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
+              **{k: v for k, v in options.items() if v is not None})
     app = build_app(llm, model_name=args.model, max_waiting=args.max_waiting)
     # uvicorn raises the signal that stopped it again once it has shut down; by then it is
     # handled, so these handlers let the command return 0.

@@ -1,0 +1,67 @@
+"""fp8 KV pages: float8_e4m3fn values with one float32 scale per layer for K and one for V.
+
+A value x is stored as `e4m3(clamp(x / scale, -448, 448))` (round to nearest, ties to even) and
+read back as `float32(byte) * scale`. Out-of-range values saturate at +-448 * scale: a page
+never holds inf or NaN that its K/V did not hold. A layer's scale is the user's, or taken from
+the first K/V written to the layer: `amax * HEADROOM / E4M3_MAX`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+# Later tokens may exceed the first prefill's largest |K| or |V|: RoPE turns each pair of a
+# head's dims, so one dim can reach sqrt(2) of the pair's largest entry, and new content varies.
+# Twice the first amax covers that at the cost of one binade at the bottom of e4m3's 2^17 range
+# (the 3 mantissa bits, its relative precision, stay the same).
+HEADROOM = 2.0
+# The amax floor: a first prefill of all-zero K/V (or none finite) still gives a usable scale.
+MIN_AMAX = 2.0**-10
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of KV pages for the `kv_cache_dtype` option: "auto" is the model's dtype,
+    "fp8_e4m3" is float8_e4m3fn. ValueError names any other value."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8_e4m3":
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
+def check_scale(name: str, value: object) -> float:
+    """`value` as a float if it is a positive finite number; else TypeError/ValueError naming
+    `name` and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def scale_of(x: torch.Tensor) -> torch.Tensor:
+    """The scale (a float32 tensor `[]` on x's device, never read back) that stores `x` with
+    HEADROOM: its largest finite |value|, at least MIN_AMAX, times HEADROOM / E4M3_MAX."""
+    magnitude = x.detach().float().abs().nan_to_num_(nan=0.0, posinf=0.0)
+    amax = magnitude.amax() if magnitude.numel() else magnitude.new_zeros(())
+    return amax.clamp(min=MIN_AMAX) * (HEADROOM / E4M3_MAX)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """`x` stored as float8_e4m3fn under `scale`, saturating at +-E4M3_MAX."""
+    return (x.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """float8_e4m3fn `x` read back: `float32(x) * scale`, in `dtype`."""
+    return (x.float() * scale).to(dtype)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether pages of `dtype` are quantized (hold fp8 bytes and need scales)."""
+    return dtype == FP8_DTYPE

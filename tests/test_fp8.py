@@ -1,0 +1,317 @@
+"""fp8 KV pages: quantization bounds, per-layer scales (calibrated or given), attention over fp8
+pages in every CPU backend, the cache (prefix hits, copy-on-write, tiers), planning and the
+engine option."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpool import fp8
+from kvpool.attention import paged_attention, write_kv
+from kvpool.cache import KVCache
+from kvpool.cli import main
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, MIN_AMAX, dequantize, quantize, scale_of
+from kvpool.kernels import cpu as cpu_kernel
+from kvpool.layout import KVLayout
+from kvpool.planner import plan_memory
+from kvpool.pool import KVPool
+from kvpool.tiers import HostTier
+from test_attention import MIXED, Batch, kernel, relative_error  # noqa: F401 (a fixture)
+
+FP8_LAYOUT = KVLayout(2, 2, 16, FP8_DTYPE, page_size=4)
+# Attention over fp8 pages against the same attention over the dequantized pages: the kernels
+# fold the scales into the scores and the output instead of rounding each dequantized value
+# to q's dtype, so only rounding differs.
+TIGHT = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Against 16/32-bit pages: e4m3 keeps 3 mantissa bits, so each K/V value is off by at most
+# 1/16 of itself (half a step); over unit-normal K/V this moves the output by about 4% of its
+# largest value (measured), bounded here at 10%.
+LOOSE = 0.1
+
+
+def fp8_pages(batch):
+    """The batch's caches as fp8 pages under scales taken from its K/V, with those scales (on
+    the caches' device)."""
+    device = batch.k_cache.device
+    k_scale = scale_of(torch.cat(batch.keys)).to(device)
+    v_scale = scale_of(torch.cat(batch.values)).to(device)
+    return quantize(batch.k_cache, k_scale), quantize(batch.v_cache, v_scale), k_scale, v_scale
+
+
+# ---- quantization ----------------------------------------------------------------------------
+
+def test_round_trip_error_is_at_most_half_a_step():
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 3
+    scale = 0.05  # |x| / scale stays below 448: no value saturates
+    error = (dequantize(quantize(x, scale), scale, torch.float32) - x).abs()
+    normal = x.abs() / scale >= 2.0**-6
+    assert (error[normal] <= x[normal].abs() * 2.0**-4).all()  # 3 mantissa bits
+    assert (error[~normal] <= scale * 2.0**-10).all()  # subnormal step 2^-9
+
+
+def test_values_beyond_the_range_saturate_instead_of_becoming_inf_or_nan():
+    x = torch.tensor([1e6, -1e6, math.inf, -math.inf, 449.0, 1.0])
+    assert quantize(x, 1.0).float().tolist() == [448, -448, 448, -448, 448, 1]
+
+
+def test_scale_is_the_largest_finite_magnitude_with_headroom():
+    x = torch.tensor([[0.5, -3.5], [math.nan, math.inf]])
+    assert scale_of(x).item() == pytest.approx(3.5 * HEADROOM / E4M3_MAX)
+
+
+def test_scale_of_all_zeros_uses_the_amax_floor():
+    assert scale_of(torch.zeros(8)).item() == pytest.approx(MIN_AMAX * HEADROOM / E4M3_MAX)
+
+
+def test_kv_cache_dtype_names():
+    assert fp8.kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert fp8.kv_cache_dtype("fp8_e4m3", torch.bfloat16) == FP8_DTYPE
+    with pytest.raises(ValueError, match="'fp8_e5m2'"):
+        fp8.kv_cache_dtype("fp8_e5m2", torch.bfloat16)
+
+
+# ---- layout and pool -------------------------------------------------------------------------
+
+def test_fp8_layout_holds_half_the_bytes_of_bfloat16():
+    bf16 = KVLayout(32, 8, 128, torch.bfloat16)
+    assert KVLayout(32, 8, 128, FP8_DTYPE).bytes_per_token * 2 == bf16.bytes_per_token
+
+
+def test_other_8_bit_dtypes_are_refused():
+    with pytest.raises(TypeError, match="float8_e5m2"):
+        KVLayout(2, 2, 16, torch.float8_e5m2)
+
+
+def test_first_write_sets_the_layer_scales_and_later_writes_saturate():
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
+    k = torch.full((3, 2, 16), 4.0)
+    pool.write(1, torch.tensor([0, 1, 2]), k, -k / 2)
+    assert pool.scales[1].tolist() == pytest.approx([4 * HEADROOM / 448, 2 * HEADROOM / 448])
+    assert not pool.scales_ready  # layer 0 has none yet
+    pool.write(1, torch.tensor([3]), k[:1] * 100, k[:1])
+    assert pool.scales[1, 0].item() == pytest.approx(4 * HEADROOM / 448)  # unchanged
+    assert pool.k_cache(1)[0, 3].float().unique().tolist() == [448.0]
+    pool.check()
+
+
+def test_writes_while_calibration_is_paused_set_no_scales():
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
+    with pool.calibration_paused():
+        pool.calibrate(0, torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    pool.calibrate(0, torch.full((1, 2, 16), 2.0), torch.ones(1, 2, 16))
+    assert pool.scales[0, 0].item() == pytest.approx(2 * HEADROOM / 448)
+
+
+def test_given_scales_are_used_for_every_layer_and_cannot_change():
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu", kv_scales=(0.5, 0.25))
+    assert pool.scales.tolist() == [[0.5, 0.25], [0.5, 0.25]] and pool.scales_ready
+    pool.write(0, torch.tensor([5]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    assert pool.k_cache(0)[1, 1].float().unique().tolist() == [2.0]  # 1 / 0.5
+    with pytest.raises(ValueError, match="layer 0 has its scales already"):
+        pool.set_scales(0, 1.0, 1.0)
+    assert pool.scales[0].tolist() == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_a_non_positive_or_non_finite_scale_is_refused_naming_it(bad):
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
+    with pytest.raises(ValueError, match=f"v_scale must be a positive finite number, got {bad}"):
+        pool.set_scales(1, 1.0, bad)
+    assert not pool._has_scales[1]
+    with pytest.raises(ValueError, match=f"k_scale of layer 0 .* got {bad}"):
+        KVPool(FP8_LAYOUT, 8, device="cpu", kv_scales=(bad, 1.0))
+
+
+def test_scales_are_refused_for_pages_that_are_not_fp8():
+    with pytest.raises(ValueError, match="fp8 pages"):
+        KVPool(KVLayout(2, 2, 16, torch.bfloat16), 8, device="cpu", kv_scales=(1.0, 1.0))
+
+
+def test_check_finds_a_broken_scale():
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu", kv_scales=(1.0, 1.0))
+    pool.scales[1, 0] = math.nan
+    with pytest.raises(AssertionError, match="layer 1"):
+        pool.check()
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
+def test_attention_over_fp8_pages_equals_attention_over_the_dequantized_pages(
+        path, dtype, monkeypatch):
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1" if path == "cpu-kernel" else "0")
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=dtype)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
+                          backend="cpu")
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, dtype),
+                                  dequantize(v8, v_scale, dtype), *args, backend="torch")
+    assert relative_error(out, dequantized.double()) < TIGHT[dtype]
+    assert relative_error(out, batch.reference()) < LOOSE
+
+
+@pytest.mark.usefixtures("kernel")
+def test_cpu_kernel_reads_every_fp8_byte_exactly():
+    # One token: its softmax weight is 1, so the output is its V row read back, times v_scale.
+    every_byte = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    v_cache = every_byte.view(1, 1, 1, 256)
+    k_cache = torch.zeros_like(v_cache)
+    out = cpu_kernel.paged_decode(torch.ones(1, 1, 256), k_cache, v_cache,
+                              torch.zeros(1, 1, dtype=torch.int32),
+                              torch.ones(1, dtype=torch.int32), 1.0, None,
+                              k_scale=1.0, v_scale=0.5)
+    torch.testing.assert_close(out.view(256), every_byte.float() * 0.5, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1")
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
+                          sliding_window=5, backend="cpu")
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, torch.float32),
+                                  dequantize(v8, v_scale, torch.float32), *args,
+                                  sliding_window=5, backend="torch")
+    assert relative_error(out, dequantized.double()) < 1e-5
+
+
+def test_write_kv_stores_the_quantized_values():
+    caches = torch.zeros(2, 4, 4, 2, 16, dtype=FP8_DTYPE)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    write_kv(caches[0], caches[1], torch.tensor([9, 0, 4]), k, v, k_scale=0.01, v_scale=0.02)
+    flat = caches.view(torch.uint8).view(2, 16, 2, 16)
+    assert torch.equal(flat[0, [9, 0, 4]], quantize(k, 0.01).view(torch.uint8))
+    assert torch.equal(flat[1, [9, 0, 4]], quantize(v, 0.02).view(torch.uint8))
+
+
+def test_fp8_caches_need_both_scales_and_other_caches_take_none():
+    batch = Batch([(5, 5)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+    k8, v8, k_scale, _ = fp8_pages(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    with pytest.raises(ValueError, match="need k_scale and v_scale"):
+        paged_attention(batch.q, k8, v8, *args, k_scale=k_scale)
+    with pytest.raises(ValueError, match="take no k_scale or v_scale"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, *args, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="need k_scale and v_scale"):
+        write_kv(k8, v8, torch.tensor([0]), batch.keys[0][:1], batch.values[0][:1])
+
+
+# ---- cache: pages are bytes ------------------------------------------------------------------
+
+def _write_tokens(cache, seq_id, start, end):
+    """Write recognisable K (= position + 1) and V (= -K) for tokens [start, end) of a
+    sequence in every layer."""
+    slots = torch.tensor(cache.slots(seq_id)[start:end])
+    k = torch.arange(start + 1, end + 1, dtype=torch.float32)[:, None, None].expand(-1, 2, 16)
+    for layer in range(FP8_LAYOUT.num_layers):
+        cache.pool.write(layer, slots, k, -k)
+
+
+def _read_k(cache, seq_id, layer=0):
+    pages = torch.tensor(cache.pages(seq_id))
+    k_scale, _ = cache.pool.kv_scales(layer)
+    k = dequantize(cache.pool.k_cache(layer)[pages].flatten(0, 1), k_scale, torch.float32)
+    return k[: cache.num_tokens(seq_id), 0, 0].tolist()
+
+
+def test_prefix_hit_and_copy_on_write_keep_fp8_pages_and_their_meaning():
+    cache = KVCache(FP8_LAYOUT, 16, device="cpu", prefix_caching=True,
+                    kv_scales=(0.125, 0.125))  # 1..11 are exact in e4m3 under it
+    cache.add_sequence("a", list(range(10)))
+    _write_tokens(cache, "a", 0, 10)
+    cache.commit("a")
+    assert cache.add_sequence("b", list(range(9))) == 8  # two full pages shared
+    cache.fork("a", "c")
+    cache.append("c", 1)  # the last page is shared: copied first
+    _write_tokens(cache, "c", 10, 11)
+    assert _read_k(cache, "b")[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert _read_k(cache, "c") == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert _read_k(cache, "a") == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert cache.stats().num_cow_copies == 1
+    cache.check()
+
+
+def test_a_tier_needs_given_scales_for_fp8_pages():
+    with pytest.raises(ValueError, match="need kv_scales given"):
+        KVCache(FP8_LAYOUT, 8, device="cpu", prefix_caching=True, tier=HostTier(4))
+
+
+def test_tier_round_trip_keeps_fp8_pages_under_the_same_scales():
+    tier = HostTier(8)
+    scales = (0.125, 0.125)
+    first = KVCache(FP8_LAYOUT, 4, device="cpu", prefix_caching=True, tier=tier,
+                    kv_scales=scales)
+    first.add_sequence("a", list(range(9)))
+    _write_tokens(first, "a", 0, 9)
+    first.commit("a")
+    first.free_sequence("a")
+    first.prefix_cache.clear()  # the cached pages are gone from the pool, kept by the tier
+    second = KVCache(FP8_LAYOUT, 4, device="cpu", prefix_caching=True, tier=tier,
+                     kv_scales=scales)
+    assert second.add_sequence("b", list(range(9))) == 8
+    assert _read_k(second, "b")[:8] == [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="cannot share it"):
+        KVCache(FP8_LAYOUT, 4, device="cpu", prefix_caching=True, tier=tier,
+                kv_scales=(1.0, 1.0))
+
+
+# ---- planning, options, engine ---------------------------------------------------------------
+
+def test_the_plan_holds_twice_the_tokens_of_bfloat16_in_the_same_budget():
+    common = dict(device_memory=24 * 2**30, dtype=torch.bfloat16)
+    bf16 = plan_memory("Llama-3-8B", **common)
+    fp8_plan = plan_memory("Llama-3-8B", **common, kv_cache_dtype="fp8_e4m3")
+    assert fp8_plan.weight_bytes == bf16.weight_bytes
+    assert fp8_plan.budget_bytes == bf16.budget_bytes
+    assert fp8_plan.bytes_per_token * 2 == bf16.bytes_per_token
+    assert fp8_plan.num_pages in (2 * bf16.num_pages, 2 * bf16.num_pages + 1)
+
+
+def test_plan_command_takes_kv_cache_dtype(capsys):
+    assert main(["plan", "Llama-3-8B", "--device-memory", "24GiB",
+                 "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    assert "KV dtype            float8_e4m3fn" in out
+    assert "KV bytes per token  65,536 (64.00 KiB)" in out
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of .* got 'fp8'"),
+    ({"kv_scales": (1.0, 1.0)}, "apply to fp8 pages"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_scales": (1.0, -2.0)}, "got -2.0"),
+])
+def test_engine_options_are_validated(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_engine_generates_with_fp8_pages_and_serves_prefix_hits():
+    llm = LLM("tiny", kv_cache_dtype="fp8_e4m3", num_pages=64)
+    prompt = list(range(1, 40))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.cache.pool.kv.dtype == FP8_DTYPE and llm.cache.pool.scales_ready
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    assert len(first.outputs[0].token_ids) == 8
+    assert llm.cache.stats().prefix_hit_tokens == 32
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.cache.check()
+
+
+def test_engine_samples_fork_and_copy_fp8_pages_on_write():
+    llm = LLM("tiny", kv_cache_dtype="fp8_e4m3", num_pages=64)
+    params = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)
+    (out,) = llm.generate([list(range(1, 22))], params, use_tqdm=False)  # 21: a partial page
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert llm.cache.stats().num_cow_copies == 1
+    llm.cache.check()
