@@ -315,3 +315,12 @@ def test_engine_samples_fork_and_copy_fp8_pages_on_write():
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
     assert llm.cache.stats().num_cow_copies == 1
     llm.cache.check()
+
+
+def test_a_write_to_a_slot_outside_the_pool_sets_no_scales():
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=FP8_DTYPE, page_size=4)
+    pool = KVPool(layout, 2, device="cpu")
+    k = torch.ones(1, 1, 4)
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        pool.write(0, torch.tensor([8]), k, k)
+    assert not pool.scales_ready

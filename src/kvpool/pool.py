@@ -132,6 +132,11 @@ class KVPool:
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
                                    self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
+        if slots.numel() and slots.device.type == "cpu":  # checked before scales are set
+            lo, hi = torch.aminmax(slots)
+            if lo < 0 or hi >= flat.shape[1]:
+                raise IndexError(f"slots must lie in [0, {flat.shape[1]}), "
+                                 f"got min {int(lo)}, max {int(hi)}")
         if self.quantized:
             self.calibrate(layer, k, v)
             k_scale, v_scale = self.kv_scales(layer)
