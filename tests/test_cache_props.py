@@ -19,6 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvpool import page_counts
 from kvpool.cache import KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.layout import KVLayout
@@ -235,6 +236,15 @@ class CacheMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
                                                       (True, True)])
 def test_random_operations_keep_every_invariant(policy, prefix_caching, tier):
+    run_machine(policy, prefix_caching, tier)
+
+
+def test_random_operations_keep_every_invariant_with_the_python_page_loops(monkeypatch):
+    monkeypatch.setattr(page_counts, "compiled", None)
+    run_machine("lifo", prefix_caching=True, tier=False)
+
+
+def run_machine(policy, prefix_caching, tier):
     class Machine(CacheMachine):
         def __init__(self):
             super().__init__(policy, prefix_caching, tier)
