@@ -348,8 +348,11 @@ class KVCache:
     def _check_room(self, need: int, hit_pages: list[int]) -> None:
         """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
         alloc = self.allocator
+        room = alloc.num_free + alloc.num_cached - alloc.reserve
+        if need + len(hit_pages) <= room:  # enough even if every hit page is cached
+            return
         taken = self._num_unheld(hit_pages)
-        if need and need + taken > alloc.num_free + alloc.num_cached - alloc.reserve:
+        if need and need + taken > room:
             raise OutOfPages(f"need {need} pages, {alloc.num_free} free "
                              f"({alloc.reserve} reserved), "
                              f"{alloc.num_cached - taken} evictable")
@@ -425,9 +428,8 @@ class KVCache:
 def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
     """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
     if token_ids is not None:
-        if isinstance(token_ids, (str, bytes, bytearray)) or not (
-                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
-            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        if type(token_ids) is not list:  # a list, the common case, needs no further look
+            _check_sequence(token_ids)
         if num_tokens is not None and num_tokens != len(token_ids):
             raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
         return len(token_ids)
@@ -436,9 +438,16 @@ def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int
     return check_int("num_tokens", num_tokens, 0)
 
 
+def _check_sequence(token_ids: object) -> None:
+    """TypeError unless `token_ids` is a sequence (or a 1-D array or tensor) of ids."""
+    if isinstance(token_ids, (str, bytes, bytearray)) or not (
+            isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
+        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+
+
 def _pack(token_ids: Sequence[int]) -> bytes:
     """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
     or ValueError naming the first id that is not an int32."""
-    if hasattr(token_ids, "tolist"):
+    if type(token_ids) is not list and hasattr(token_ids, "tolist"):  # numpy, torch
         token_ids = token_ids.tolist()
     return pack_tokens(token_ids)
