@@ -130,6 +130,34 @@ class CacheMachine(RuleBasedStateMachine):
             assert slots == self.cache.slots(seq)[start:]
             self.write(seq, start)
 
+    @rule(batch=st.lists(st.tuples(seqs, st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                  max_size=6)), max_size=4),
+          how=st.sampled_from(["token_ids", "num_tokens", "decode"]))
+    def append_batch(self, batch, how):
+        news = {seq: new for seq, new in batch if seq in self.tokens}
+        if how == "decode":
+            news = {seq: new[:1] for seq, new in news.items()}
+        calls = {"token_ids": lambda: self.cache.append_batch(list(news),
+                                                              token_ids=list(news.values())),
+                 "num_tokens": lambda: self.cache.append_batch(list(news),
+                                                               [len(n) for n in news.values()]),
+                 "decode": lambda: self.cache.append_batch(list(news))}
+        slots, ok = self.attempt(calls[how])
+        if ok:
+            expected = []
+            for seq, new in news.items():
+                start = len(self.tokens[seq])
+                self.tokens[seq] = self.tokens[seq] + (new if how == "token_ids" else [
+                    ("u", seq, start + i) for i in range(len(new))])
+                expected += self.cache.slots(seq)[start:]
+                self.write(seq, start)
+            assert slots == expected
+
+    @rule(seq=seqs)
+    def append_batch_listing_a_sequence_twice(self, seq):
+        if seq in self.tokens:
+            self.fails(ValueError, lambda: self.cache.append_batch([seq, seq]))
+
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
         if parent not in self.tokens:

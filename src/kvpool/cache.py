@@ -149,17 +149,40 @@ class KVCache:
             return []
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        new_pages = self.allocator.allocate(need + cow)
-        if cow:
-            self._copy_on_write(seq, new_pages.pop())
-        seq.pages += new_pages
-        seq.num_tokens = start + n
-        if seq.token_ids is not None:
-            if packed is None:
-                seq.token_ids = None  # content unknown from here on: stop caching it
-            else:
-                seq.token_ids += packed
-        return self._slots(seq, start, start + n)
+        return self._grow(seq, n, packed, self.allocator.allocate(need + cow), cow)
+
+    def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,
+                     *, token_ids: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Grow many sequences in one call: sequence `seq_ids[i]` by `num_tokens[i]` tokens
+        (default 1 each: a decode step) or by `token_ids[i]`. Returns the new tokens' slots,
+        sequence after sequence. Each sequence fills its partial last page first (copied
+        first if shared), then takes whole new pages; one allocation serves the batch, so the
+        call grows every sequence or, raising, changes nothing."""
+        seq_ids = list(seq_ids)
+        seqs = [self._get(sid) for sid in seq_ids]
+        if len(set(seq_ids)) < len(seqs):
+            raise ValueError("append_batch lists a sequence more than once")
+        counts, packed = _batch_counts(len(seqs), num_tokens, token_ids)
+        for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
+            self._check_length(sid, seq.num_tokens + n)
+        ps, refcounts = self.page_size, self.allocator.refcounts
+        copied: Counter[int] = Counter()  # shared last pages copied away earlier in the batch
+        cows, needs = [], []
+        for seq, n in zip(seqs, counts, strict=True):
+            cow = n > 0 and seq.num_tokens % ps != 0 and (
+                refcounts[seq.pages[-1]] - copied[seq.pages[-1]] > 1)
+            if cow:
+                copied[seq.pages[-1]] += 1
+            cows.append(cow)
+            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages) + cow)
+        new_pages = self.allocator.allocate(sum(needs))
+        slots: list[int] = []
+        taken = 0
+        for seq, n, ids, need, cow in zip(seqs, counts, packed, needs, cows, strict=True):
+            if n:
+                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], cow)
+                taken += need
+        return slots
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Create `child_id` sharing every page of `parent_id` (reference counts +1)."""
@@ -419,6 +442,22 @@ class KVCache:
         seq.pages[-1] = new_page
         self._num_cow_copies += 1
 
+    def _grow(self, seq: _SequenceState, n: int, packed: bytes | None, new_pages: list[int],
+              cow: bool) -> list[int]:
+        """Add `n` tokens (ids `packed`, or unknown) to `seq` with `new_pages`, the last of
+        them a copy of its shared partial page if `cow`; returns their slots."""
+        if cow:
+            self._copy_on_write(seq, new_pages.pop())
+        start = seq.num_tokens
+        seq.pages += new_pages
+        seq.num_tokens = start + n
+        if seq.token_ids is not None:
+            if packed is None:
+                seq.token_ids = None  # content unknown from here on: stop caching it
+            else:
+                seq.token_ids += packed
+        return self._slots(seq, start, start + n)
+
     def _slots(self, seq: _SequenceState, start: int, end: int) -> list[int]:
         ps = self.page_size
         pages = seq.pages
@@ -436,6 +475,22 @@ def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int
     if num_tokens is None:
         return default
     return check_int("num_tokens", num_tokens, 0)
+
+
+def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
+                  token_ids: Sequence[Sequence[int]] | None) -> tuple[list[int], list]:
+    """Each sequence's token count (default 1) and packed ids (None where unknown) for a batch
+    of `batch` sequences; ValueError or TypeError naming the first bad entry."""
+    for name, given in (("num_tokens", num_tokens), ("token_ids", token_ids)):
+        if given is not None and len(given) != batch:
+            raise ValueError(f"{name} has {len(given)} entries for {batch} sequences")
+    if token_ids is None:
+        counts = [1] * batch if num_tokens is None else [
+            check_int(f"num_tokens[{i}]", n, 0) for i, n in enumerate(num_tokens)]
+        return counts, [None] * batch
+    counts = [_count(ids, None if num_tokens is None else num_tokens[i])
+              for i, ids in enumerate(token_ids)]
+    return counts, [_pack(ids) for ids in token_ids]
 
 
 def _check_sequence(token_ids: object) -> None:
