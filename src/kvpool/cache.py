@@ -163,24 +163,26 @@ class KVCache:
         if len(set(seq_ids)) < len(seqs):
             raise ValueError("append_batch lists a sequence more than once")
         counts, packed = _batch_counts(len(seqs), num_tokens, token_ids)
-        for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
-            self._check_length(sid, seq.num_tokens + n)
+        if self.max_tokens_per_seq is not None:
+            for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
+                self._check_length(sid, seq.num_tokens + n)
         ps, refcounts = self.page_size, self.allocator.refcounts
-        copied: Counter[int] = Counter()  # shared last pages copied away earlier in the batch
-        cows, needs = [], []
-        for seq, n in zip(seqs, counts, strict=True):
-            cow = n > 0 and seq.num_tokens % ps != 0 and (
-                refcounts[seq.pages[-1]] - copied[seq.pages[-1]] > 1)
-            if cow:
-                copied[seq.pages[-1]] += 1
-            cows.append(cow)
-            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages) + cow)
+        copied: dict[int, int] = {}  # shared last pages copied away earlier in the batch
+        needs, cows = [], set()  # pages each sequence takes; which copy their last page
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages))
+            if n and seq.num_tokens % ps and refcounts[seq.pages[-1]] > 1:
+                last = seq.pages[-1]
+                if refcounts[last] - copied.get(last, 0) > 1:
+                    copied[last] = copied.get(last, 0) + 1
+                    cows.add(i)
+                    needs[i] += 1
         new_pages = self.allocator.allocate(sum(needs))
         slots: list[int] = []
         taken = 0
-        for seq, n, ids, need, cow in zip(seqs, counts, packed, needs, cows, strict=True):
+        for i, (seq, n, ids, need) in enumerate(zip(seqs, counts, packed, needs, strict=True)):
             if n:
-                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], cow)
+                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], i in cows)
                 taken += need
         return slots
 
@@ -459,9 +461,16 @@ class KVCache:
         return self._slots(seq, start, start + n)
 
     def _slots(self, seq: _SequenceState, start: int, end: int) -> list[int]:
-        ps = self.page_size
-        pages = seq.pages
-        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        """The slots of tokens [start, end) of `seq`, built a page at a time."""
+        ps, pages = self.page_size, seq.pages
+        if ps == 1:  # a token's slot is its page
+            return pages[start:end]
+        slots: list[int] = []
+        for i in range(start // ps, -(-end // ps)):
+            first = i * ps
+            slots += range(pages[i] * ps + max(start - first, 0),
+                           pages[i] * ps + min(end - first, ps))
+        return slots
 
 
 def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
