@@ -109,37 +109,43 @@ class PageCounts:
 
     def _share(self, pages: list[int]) -> int:
         """`share` in Python; returns how many pages left the queue."""
-        refcounts, is_cached = self.refcounts, self.is_cached
+        refcounts, is_cached, num_pages = self.refcounts, self.is_cached, len(self.refcounts)
         for page in pages:
-            self.check_id(page)
+            if type(page) is not int or not 0 <= page < num_pages:
+                self.check_id(page)  # raises the error naming it
             if not refcounts[page] and not is_cached[page]:
                 raise InvalidPage(f"cannot share page {page}: it is free")
+        nxt, prv = self.next, self.prev
         revived = 0
         for page in pages:
-            if not refcounts[page]:
-                self._unlink(page)
+            if not refcounts[page]:  # cached: held again, off the queue
+                before, after = prv[page], nxt[page]
+                nxt[before] = after
+                prv[after] = before
                 revived += 1
             refcounts[page] += 1
         return revived
 
     def _release(self, pages: list[int]) -> tuple[list[int], int]:
         """`release` in Python; returns the released pages and how many joined the queue."""
-        refcounts, is_cached = self.refcounts, self.is_cached
+        refcounts, is_cached, num_pages = self.refcounts, self.is_cached, len(self.refcounts)
         for page in pages:
-            self.check_id(page)
-            if not refcounts[page]:
+            if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                self.check_id(page)  # raises the error naming it, if it is not a page id
                 raise InvalidPage(f"cannot free page {page}: it is not allocated")
-        for page, times in Counter(pages).items():
-            if times > refcounts[page]:
-                raise InvalidPage(f"cannot free page {page} {times} times: "
-                                  f"its reference count is {refcounts[page]}")
+        if len(set(pages)) < len(pages):
+            for page, times in Counter(pages).items():
+                if times > refcounts[page]:
+                    raise InvalidPage(f"cannot free page {page} {times} times: "
+                                      f"its reference count is {refcounts[page]}")
         released, queued = [], []
         for page in pages:
-            refcounts[page] -= 1
-            if not refcounts[page]:
+            count = refcounts[page] - 1
+            refcounts[page] = count
+            if not count:
                 (queued if is_cached[page] else released).append(page)
-        for page in reversed(queued):
-            self._push_warm(page)
+        queued.reverse()  # the first to reach 0 goes in last: the warmest
+        self._push_warm(queued)
         return released, len(queued)
 
     def _pop_cold(self, n: int) -> list[int]:
@@ -156,19 +162,16 @@ class PageCounts:
         prv[page] = sentinel
         return pages
 
-    def _push_warm(self, page: int) -> None:
+    def _push_warm(self, pages: list[int]) -> None:
+        """Add pages (not queued) at the warm end, in order: the last is the warmest."""
         nxt, prv = self.next, self.prev
         sentinel = len(nxt) - 1
-        last = prv[sentinel]
-        nxt[last] = page
-        prv[page] = last
-        nxt[page] = sentinel
-        prv[sentinel] = page
-
-    def _unlink(self, page: int) -> None:
-        before, after = self.prev[page], self.next[page]
-        self.next[before] = after
-        self.prev[after] = before
+        for page in pages:
+            last = prv[sentinel]
+            nxt[last] = page
+            prv[page] = last
+            nxt[page] = sentinel
+            prv[sentinel] = page
 
     def check_id(self, page: object) -> None:
         """Raise TypeError unless `page` is an int, InvalidPage unless it is in range."""
