@@ -40,12 +40,14 @@ prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier):
+    def __init__(self, policy, prefix_caching, tier, page_size=PAGE_SIZE):
         super().__init__()
+        self.page_size = page_size
+        self.num_pages = NUM_PAGES * PAGE_SIZE // page_size  # the same tokens at any page size
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
-                          page_size=PAGE_SIZE)
+                          page_size=page_size)
         self.tier = HostTier(TIER_PAGES) if tier else None
-        self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
+        self.cache = KVCache(layout, self.num_pages, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
                              max_tokens_per_seq=MAX_TOKENS)
         self.tokens = {}  # seq id -> token ids the test gave it
@@ -70,7 +72,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier = self.tier
         return (
             {sid: (c.pages(sid), c.num_tokens(sid)) for sid in c.sequences()},
-            [c.allocator.refcount(p) for p in range(NUM_PAGES)],
+            [c.allocator.refcount(p) for p in range(self.num_pages)],
             c.stats(),
             (list(tier), tier.stats()) if tier else None,
             c.pool.kv.clone(),
@@ -109,7 +111,7 @@ class CacheMachine(RuleBasedStateMachine):
         hit, ok = self.attempt(call)
         if not ok:
             return None
-        assert hit % PAGE_SIZE == 0 and hit < max(len(tokens), 1)
+        assert hit % self.page_size == 0 and hit < max(len(tokens), 1)
         # unknown content gets values no other sequence can share
         self.tokens[seq_id] = tokens if known else [("u", seq_id, i) for i in range(len(tokens))]
         self.write(seq_id, hit)
@@ -242,7 +244,7 @@ class CacheMachine(RuleBasedStateMachine):
     def structures_are_consistent(self):
         self.cache.check()
         s = self.cache.stats()
-        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == NUM_PAGES
+        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == self.num_pages
 
     @invariant()
     def every_sequence_reads_its_own_values(self):
@@ -256,7 +258,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free_sequence(seq_id)
         if self.cache.prefix_cache is not None:
             self.cache.prefix_cache.clear()
-        assert self.cache.allocator.num_free == NUM_PAGES
+        assert self.cache.allocator.num_free == self.num_pages
         self.cache.check()
 
 
@@ -272,10 +274,14 @@ def test_random_operations_keep_every_invariant_with_the_python_page_loops(monke
     run_machine("lifo", prefix_caching=True, tier=False)
 
 
-def run_machine(policy, prefix_caching, tier):
+def test_random_operations_keep_every_invariant_with_token_granular_pages():
+    run_machine("lifo", prefix_caching=True, tier=True, page_size=1)
+
+
+def run_machine(policy, prefix_caching, tier, page_size=PAGE_SIZE):
     class Machine(CacheMachine):
         def __init__(self):
-            super().__init__(policy, prefix_caching, tier)
+            super().__init__(policy, prefix_caching, tier, page_size)
 
     Machine.TestCase.settings = settings(
         max_examples=150, stateful_step_count=50, deadline=None,
