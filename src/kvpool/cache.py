@@ -487,7 +487,8 @@ def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int
 
 
 def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
-                  token_ids: Sequence[Sequence[int]] | None) -> tuple[list[int], list]:
+                  token_ids: Sequence[Sequence[int]] | None
+                  ) -> tuple[list[int], list[bytes | None]]:
     """Each sequence's token count (default 1) and packed ids (None where unknown) for a batch
     of `batch` sequences; ValueError or TypeError naming the first bad entry."""
     for name, given in (("num_tokens", num_tokens), ("token_ids", token_ids)):
