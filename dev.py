@@ -21,7 +21,8 @@ STAMP = VENV / ".kvpool-installed"
 # A CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 # What the install builds from: a change to any of these reinstalls.
-BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c")
+BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c",
+                ROOT / "src" / "kvpool" / "_pages.c")
 
 
 def _pip(*args: str) -> None:

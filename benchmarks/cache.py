@@ -24,6 +24,10 @@ timer's own cost (an empty request, measured in the same run).
     or 100,000 pages that are all cached (one-page prompts), so that it evicts 16, refilled
     between calls outside the timed region. Baseline: the same call on a pool of free pages.
     Target: evicting costs at most 1.2x.
+(e) Growing a batch of 64 running sequences (100 tokens each to start) with known token
+    ids: a decode step (1 token each) and a prefill chunk (37 tokens each), at page sizes 16
+    and 1. `append_batch` over the batch against the baseline, one `append` per sequence;
+    microseconds per step, median of interleaved rounds of 20 steps.
 
     python benchmarks/cache.py
 """
@@ -260,6 +264,40 @@ def bench_eviction(cached: int, calls: int = 2_000, k: int = 16) -> tuple[float,
     return statistics.median(evict_ns) / 1e3, statistics.median(fresh_ns) / 1e3
 
 
+def bench_batch_growth(page_size: int, step_tokens: int, batch: int = 64, steps: int = 20,
+                       rounds: int = 15) -> tuple[float, float]:
+    """Median microseconds per step of growing `batch` sequences by `step_tokens` tokens
+    each: with one `append_batch`, and with one `append` per sequence (the baseline)."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
+                      page_size=page_size)
+    num_pages = batch * -(-(100 + steps * step_tokens) // page_size)
+    rng = random.Random(2)
+    new_ids = [[[rng.randrange(VOCAB) for _ in range(step_tokens)] for _ in range(batch)]
+               for _ in range(steps)]
+    seq_ids = list(range(batch))
+
+    def batched(cache):
+        for ids in new_ids:
+            cache.append_batch(seq_ids, token_ids=ids)
+
+    def one_by_one(cache):
+        for ids in new_ids:
+            for seq_id, tokens in zip(seq_ids, ids, strict=True):
+                cache.append(seq_id, token_ids=tokens)
+
+    clock = time.perf_counter_ns
+    samples: dict[Callable, list[float]] = {batched: [], one_by_one: []}
+    for _ in range(rounds):
+        for grow, times in samples.items():
+            cache = KVCache(layout, num_pages)
+            for seq_id in seq_ids:
+                cache.add_sequence(seq_id, [rng.randrange(VOCAB) for _ in range(100)])
+            t0 = clock()
+            grow(cache)
+            times.append((clock() - t0) / steps / 1e3)
+    return statistics.median(samples[batched]), statistics.median(samples[one_by_one])
+
+
 def verdict(us: float, target: float | None) -> str:
     if target is None:
         return ""
@@ -302,6 +340,14 @@ def main() -> None:
         evict_us, fresh_us = bench_eviction(cached)
         print(f"{cached:>8,} {fresh_us:>11.2f} {evict_us:>9.2f} {evict_us / fresh_us:>7.2f}  "
               f"{verdict(evict_us / fresh_us, 1.2)}")
+    print("\n(e) growing 64 sequences by one call per sequence (baseline) or one append_batch, "
+          "median us per step")
+    print(f"{'step':<26} {'page size':>9} {'per sequence':>13} {'append_batch':>13} {'ratio':>6}")
+    for name, step_tokens in (("decode (1 token each)", 1), ("prefill chunk (37 each)", 37)):
+        for page_size in (16, 1):
+            batch_us, single_us = bench_batch_growth(page_size, step_tokens)
+            print(f"{name:<26} {page_size:>9} {single_us:>13.1f} {batch_us:>13.1f} "
+                  f"{batch_us / single_us:>6.2f}")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """A fixed number of requests of one hot-path case, for counting machine instructions.
 
-    valgrind --tool=callgrind --instr-atstart=no python benchmarks/instructions.py CASE N
+    valgrind --tool=callgrind --instr-atstart=no \
+        python benchmarks/instructions.py CASE N [--python-loops]
 
 Instructions per request = (count at N=1,200 - count at N=200) / 1,000, which cancels start-up
 and shutdown. Counts do not move with the load of a shared machine, unlike times. Setup runs
@@ -10,6 +11,8 @@ loop, and does nothing more when run without valgrind. Cases:
   off    KVCache, caching off: add a 256-token sequence (16 pages) + free it
   hit    KVCache, caching on, a 256-token prompt cached: add it again (15-page hit, the last
          page is new) + commit + free
+--python-loops runs the allocator's per-page loops in Python, as a build without a C compiler
+does, instead of compiled.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import os
 import subprocess
 
+from kvpool import page_counts
 from kvpool.allocator import PageAllocator
 
 PAGE_SIZE = 16
@@ -34,7 +38,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=("alloc", "off", "hit"))
     parser.add_argument("requests", type=int)
+    parser.add_argument("--python-loops", action="store_true",
+                        help="the allocator's per-page loops in Python, not compiled")
     args = parser.parse_args()
+    if args.python_loops:
+        page_counts.compiled = None
     if args.case == "alloc":
         allocator = PageAllocator(100_000)
         allocator.allocate(50_000)

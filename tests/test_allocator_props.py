@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvpool import page_counts
 from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, OutOfPages
 
@@ -111,11 +112,24 @@ class FirstFitMachine(AllocatorMachine):
     policy = "first_fit"
 
 
+class PortableMachine(AllocatorMachine):
+    """The lifo machine with the per-page loops in Python, not compiled."""
+
+    def __init__(self):
+        self.compiled, page_counts.compiled = page_counts.compiled, None
+        super().__init__()
+
+    def teardown(self):
+        page_counts.compiled = self.compiled
+
+
 SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestLifo = AllocatorMachine.TestCase
 TestLifo.settings = SETTINGS
 TestFirstFit = FirstFitMachine.TestCase
 TestFirstFit.settings = SETTINGS
+TestPortable = PortableMachine.TestCase
+TestPortable.settings = SETTINGS
 
 
 @contextmanager

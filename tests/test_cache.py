@@ -95,6 +95,102 @@ def test_empty_sequence_holds_no_page():
     assert cache.append("a") == [0]
 
 
+# ---- growing a batch of sequences in one call ---------------------------------------------
+
+
+def test_append_batch_fills_each_partial_last_page_before_taking_new_pages():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=3)  # page 0, one slot left
+    cache.add_sequence("b", num_tokens=4)  # page 1, full
+    assert cache.append_batch(["a", "b"], [6, 2]) == [3, 8, 9, 10, 11, 12, 16, 17]
+    assert cache.pages("a") == [0, 2, 3]
+    assert cache.pages("b") == [1, 4]
+    assert (cache.num_tokens("a"), cache.num_tokens("b")) == (9, 6)
+    cache.check()
+
+
+def test_append_batch_decode_takes_a_page_only_where_the_last_is_full():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=4)
+    cache.add_sequence("b", num_tokens=5)
+    cache.add_sequence("c", num_tokens=8)
+    assert cache.append_batch(["a", "b", "c"]) == [5 * PS, 2 * PS + 1, 6 * PS]
+    assert cache.pages("a") == [0, 5]
+    assert cache.pages("b") == [1, 2]  # page 2 had room: no new page
+    assert cache.pages("c") == [3, 4, 6]
+    cache.check()
+
+
+def test_append_batch_with_token_ids_keeps_the_sequences_cacheable():
+    cache = make_cache(prefix_caching=True)
+    cache.add_sequence("a", [1, 2, 3])
+    cache.add_sequence("b", [5])
+    assert cache.append_batch(["a", "b"], token_ids=[[4, 5], [6, 7, 8]]) == [3, 2 * PS, 5, 6, 7]
+    cache.commit("a")
+    cache.commit("b")
+    cache.free_sequence("a")
+    assert cache.add_sequence("c", [1, 2, 3, 4, 5]) == PS
+    cache.check()
+
+
+def test_append_batch_copies_a_shared_partial_page_only_while_it_is_still_shared():
+    cache = make_cache()
+    cache.add_sequence("a", num_tokens=6)
+    fill(cache, "a", value=100)
+    cache.fork("a", "b")
+    assert cache.append_batch(["a", "b"]) == [2 * PS + 2, 1 * PS + 2]
+    assert cache.pages("a") == [0, 2]  # a copied the shared page 1 first
+    assert cache.pages("b") == [0, 1]  # b then held page 1 alone: no second copy
+    assert read(cache, "a")[:6] == read(cache, "b")[:6] == [100, 101, 102, 103, 104, 105]
+    assert cache.stats().num_cow_copies == 1
+    assert cache.allocator.num_free == 5
+    cache.check()
+
+
+def test_append_batch_out_of_pages_changes_nothing():
+    cache = make_cache(num_pages=4)
+    cache.add_sequence("a", num_tokens=3)
+    cache.add_sequence("b", num_tokens=4)
+    before = snapshot(cache)
+    with pytest.raises(OutOfPages):
+        cache.append_batch(["a", "b"], [5, 5])  # a needs 2 pages, b 2: 4 > 2 free
+    assert_unchanged(before, cache)
+
+
+@pytest.mark.parametrize(("seq_ids", "kwargs", "error"), [
+    (["a", "a"], {}, ValueError),
+    (["a", "nobody"], {}, UnknownSequence),
+    (["a", "b"], {"num_tokens": [1]}, ValueError),
+    (["a", "b"], {"num_tokens": [1, -1]}, ValueError),
+    (["a", "b"], {"num_tokens": [1, 2.0]}, TypeError),
+    (["a", "b"], {"token_ids": [[1], [2**31]]}, ValueError),
+    (["a", "b"], {"token_ids": [[1], [2]], "num_tokens": [1, 2]}, ValueError),
+    (["a", "b"], {"num_tokens": [1, 30]}, SequenceTooLong),
+])
+def test_append_batch_bad_arguments_raise_and_change_nothing(seq_ids, kwargs, error):
+    cache = make_cache(max_tokens_per_seq=20)
+    cache.add_sequence("a", num_tokens=3)
+    cache.add_sequence("b", num_tokens=4)
+    before = snapshot(cache)
+    with pytest.raises(error):
+        cache.append_batch(seq_ids, **kwargs)
+    assert_unchanged(before, cache)
+
+
+def test_append_batch_with_token_granular_pages():
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=1)
+    cache = KVCache(layout, 16, device="cpu", prefix_caching=True)
+    cache.add_sequence("a", [1, 2, 3])
+    cache.add_sequence("b", [1, 2])
+    assert cache.append_batch(["a", "b"], token_ids=[[4], [9, 9]]) == [5, 6, 7]
+    assert cache.pages("a") == [0, 1, 2, 5]
+    assert cache.pages("b") == [3, 4, 6, 7]
+    cache.commit("a")
+    cache.free_sequence("a")
+    assert cache.add_sequence("c", [1, 2, 3, 4, 8]) == 4  # every token but the last
+    cache.check()
+
+
 def test_page_tables_are_padded_int32():
     cache = make_cache()
     cache.add_sequence("a", num_tokens=9)

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvpool import page_counts
 from kvpool.cache import KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.fp8 import FP8_DTYPE
@@ -43,14 +44,17 @@ E4M3_VALUES = torch.arange(1, 127, dtype=torch.uint8).view(FP8_DTYPE).float().to
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier, fp8=False, kind="mha"):
+    def __init__(self, policy, prefix_caching, tier, page_size=PAGE_SIZE, fp8=False,
+                 kind="mha"):
         super().__init__()
         self.fp8 = fp8
+        self.page_size = page_size
+        self.num_pages = NUM_PAGES * PAGE_SIZE // page_size  # the same tokens at any page size
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2 if fp8 else 1,
-                          dtype=FP8_DTYPE if fp8 else torch.float32, page_size=PAGE_SIZE,
+                          dtype=FP8_DTYPE if fp8 else torch.float32, page_size=page_size,
                           kind=kind)
         self.tier = HostTier(TIER_PAGES) if tier else None
-        self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
+        self.cache = KVCache(layout, self.num_pages, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
                              max_tokens_per_seq=MAX_TOKENS,
                              kv_scales=(1.0, 1.0) if fp8 else None)
@@ -82,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
         tier = self.tier
         return (
             {sid: (c.pages(sid), c.num_tokens(sid)) for sid in c.sequences()},
-            [c.allocator.refcount(p) for p in range(NUM_PAGES)],
+            [c.allocator.refcount(p) for p in range(self.num_pages)],
             c.stats(),
             (list(tier), tier.stats()) if tier else None,
             c.pool.kv.view(torch.uint8).clone(),  # the bytes: NaN compares equal to itself
@@ -121,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
         hit, ok = self.attempt(call)
         if not ok:
             return None
-        assert hit % PAGE_SIZE == 0 and hit < max(len(tokens), 1)
+        assert hit % self.page_size == 0 and hit < max(len(tokens), 1)
         # unknown content gets values no other sequence can share
         self.tokens[seq_id] = tokens if known else [("u", seq_id, i) for i in range(len(tokens))]
         self.write(seq_id, hit)
@@ -141,6 +145,34 @@ class CacheMachine(RuleBasedStateMachine):
                 new if known else [("u", seq, start + i) for i in range(len(new))])
             assert slots == self.cache.slots(seq)[start:]
             self.write(seq, start)
+
+    @rule(batch=st.lists(st.tuples(seqs, st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                  max_size=6)), max_size=4),
+          how=st.sampled_from(["token_ids", "num_tokens", "decode"]))
+    def append_batch(self, batch, how):
+        news = {seq: new for seq, new in batch if seq in self.tokens}
+        if how == "decode":
+            news = {seq: new[:1] for seq, new in news.items()}
+        calls = {"token_ids": lambda: self.cache.append_batch(list(news),
+                                                              token_ids=list(news.values())),
+                 "num_tokens": lambda: self.cache.append_batch(list(news),
+                                                               [len(n) for n in news.values()]),
+                 "decode": lambda: self.cache.append_batch(list(news))}
+        slots, ok = self.attempt(calls[how])
+        if ok:
+            expected = []
+            for seq, new in news.items():
+                start = len(self.tokens[seq])
+                self.tokens[seq] = self.tokens[seq] + (new if how == "token_ids" else [
+                    ("u", seq, start + i) for i in range(len(new))])
+                expected += self.cache.slots(seq)[start:]
+                self.write(seq, start)
+            assert slots == expected
+
+    @rule(seq=seqs)
+    def append_batch_listing_a_sequence_twice(self, seq):
+        if seq in self.tokens:
+            self.fails(ValueError, lambda: self.cache.append_batch([seq, seq]))
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
@@ -226,7 +258,7 @@ class CacheMachine(RuleBasedStateMachine):
     def structures_are_consistent(self):
         self.cache.check()
         s = self.cache.stats()
-        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == NUM_PAGES
+        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == self.num_pages
 
     @invariant()
     def every_sequence_reads_its_own_values(self):
@@ -240,7 +272,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free_sequence(seq_id)
         if self.cache.prefix_cache is not None:
             self.cache.prefix_cache.clear()
-        assert self.cache.allocator.num_free == NUM_PAGES
+        assert self.cache.allocator.num_free == self.num_pages
         self.cache.check()
 
 
@@ -249,9 +281,22 @@ class CacheMachine(RuleBasedStateMachine):
 @pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
                                                       (True, True)])
 def test_random_operations_keep_every_invariant(policy, fp8, prefix_caching, tier):
+    run_machine(policy, prefix_caching, tier, fp8=fp8)
+
+
+def test_random_operations_keep_every_invariant_with_the_python_page_loops(monkeypatch):
+    monkeypatch.setattr(page_counts, "compiled", None)
+    run_machine("lifo", prefix_caching=True, tier=False)
+
+
+def test_random_operations_keep_every_invariant_with_token_granular_pages():
+    run_machine("lifo", prefix_caching=True, tier=True, page_size=1)
+
+
+def run_machine(policy, prefix_caching, tier, page_size=PAGE_SIZE, fp8=False):
     class Machine(CacheMachine):
         def __init__(self):
-            super().__init__(policy, prefix_caching, tier, fp8)
+            super().__init__(policy, prefix_caching, tier, page_size, fp8)
 
     Machine.TestCase.settings = settings(
         max_examples=150, stateful_step_count=50, deadline=None,

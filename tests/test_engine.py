@@ -94,6 +94,17 @@ def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, option
     _assert_drained(llm)
 
 
+def test_token_granular_pages_give_the_greedy_outputs_of_16_token_pages(checkpoint, prompts,
+                                                                         expected):
+    outputs = {}
+    for page_size in (1, 16):  # the same memory either way; later prompts hit earlier ones
+        llm = _llm(checkpoint, page_size=page_size, num_pages=2048 // page_size, max_num_seqs=4)
+        outputs[page_size] = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        assert llm.cache.stats().prefix_hit_tokens > 0
+        _assert_drained(llm)
+    assert outputs[1] == outputs[16] == expected
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, prefix_caching):
     llm = _llm(checkpoint, num_pages=12, page_size=8, prefix_caching=prefix_caching)

@@ -11,15 +11,15 @@ Every call checks before it acts: a call that raises has changed nothing.
 
 from __future__ import annotations
 
-from array import array
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from threading import Lock
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfPages, check_int
 from kvpool.first_fit import FirstFitFreeList
+from kvpool.page_counts import PageCounts
 
 POLICIES = ("lifo", "first_fit")
 
@@ -44,77 +44,6 @@ class AllocatorStats:
         return self.num_used / self.num_pages
 
 
-class _CachedQueue:
-    """Page ids in least-recently-used order: a doubly linked list threaded through two
-    int32 arrays indexed by page id (4 bytes a page each, no object per entry), whose
-    sentinel is the index past the last page. O(1) per page to add, remove or pop. (Lists
-    would make the loops about twice as fast, but cost 0.8 MiB more per 100,000 pages, over
-    the heap budget.)"""
-
-    __slots__ = ("_next", "_prev", "size")
-
-    def __init__(self, num_pages: int) -> None:
-        self._next = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the coldest
-        self._prev = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the warmest
-        self.size = 0  # pages queued (an attribute: len() would cost a Python call)
-
-    def __iter__(self):
-        """The pages, coldest first."""
-        nxt, page = self._next, self._next[-1]
-        for _ in range(self.size):
-            yield page
-            page = nxt[page]
-
-    def push_warm(self, pages: list[int]) -> None:
-        """Add pages (not queued) at the warm end, in order: the last is the warmest."""
-        nxt, prv = self._next, self._prev
-        sentinel = len(nxt) - 1
-        for page in pages:
-            last = prv[sentinel]
-            nxt[last] = page
-            prv[page] = last
-            nxt[page] = sentinel
-            prv[sentinel] = page
-        self.size += len(pages)
-
-    def remove(self, pages: Collection[int]) -> None:
-        """Take queued pages (each once) out of the queue."""
-        nxt, prv = self._next, self._prev
-        for page in pages:
-            before, after = prv[page], nxt[page]
-            nxt[before] = after
-            prv[after] = before
-        self.size -= len(pages)
-
-    def pop_cold(self, n: int) -> list[int]:
-        """Remove and return the `n` coldest pages, coldest first; needs `n <= self.size`."""
-        nxt, prv = self._next, self._prev
-        sentinel = len(nxt) - 1
-        pages = []
-        page = nxt[sentinel]
-        for _ in range(n):
-            pages.append(page)
-            page = nxt[page]
-        nxt[sentinel] = page
-        prv[page] = sentinel
-        self.size -= n
-        return pages
-
-    def problems(self) -> list[str]:
-        """Broken links, described: the list must run from the sentinel through `len(self)`
-        pages back to the sentinel, each page's `prev` naming the page before it."""
-        nxt, prv = self._next, self._prev
-        sentinel = len(nxt) - 1
-        page, before = nxt[sentinel], sentinel
-        for _ in range(self.size):
-            if page == sentinel or prv[page] != before:
-                return [f"the cached queue's links break at page {page}"]
-            page, before = nxt[page], page
-        if page != sentinel or prv[sentinel] != before:
-            return [f"the cached queue holds more than its {self.size} pages"]
-        return []
-
-
 class PageAllocator:
     """Hands out page ids in `[0, num_pages)` and keeps a reference count per page.
 
@@ -125,9 +54,9 @@ class PageAllocator:
     the pool size. `thread_safe=False` drops the lock, for an owner that calls from one thread.
     """
 
-    __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_cached", "_is_cached",
-                 "_refcounts", "_lock", "_num_allocated", "_num_failed",
-                 "_num_evicted", "_fewest_unused", "on_evict")
+    __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_counts", "_refcounts",
+                 "_lock", "_num_allocated", "_num_failed", "_num_evicted", "_fewest_unused",
+                 "on_evict")
 
     def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
                  thread_safe: bool = True) -> None:
@@ -143,9 +72,8 @@ class PageAllocator:
             # A stack whose top is the end of the list: stored descending, so that a fresh
             # allocator hands out 0, 1, 2, ... first.
             self._free = list(range(num_pages - 1, -1, -1))
-        self._cached = _CachedQueue(num_pages)
-        self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
-        self._refcounts = [0] * num_pages
+        self._counts = PageCounts(num_pages)
+        self._refcounts = self._counts.refcounts
         self._lock = Lock() if thread_safe else nullcontext()
         self._num_allocated = 0
         self._num_failed = 0
@@ -166,12 +94,12 @@ class PageAllocator:
     @property
     def num_cached(self) -> int:
         """Pages with count 0 whose content the prefix cache keeps (evictable)."""
-        return self._cached.size
+        return self._counts.num_cached
 
     @property
     def num_used(self) -> int:
         """Pages with a reference count above 0."""
-        return self._num_pages - len(self._free) - self._cached.size
+        return self._num_pages - len(self._free) - self._counts.num_cached
 
     @property
     def reserve(self) -> int:
@@ -192,7 +120,7 @@ class PageAllocator:
     def can_allocate(self, n: int, *, critical: bool = False) -> bool:
         """Whether `allocate(n, critical=critical)` would succeed now."""
         n = check_int("page count", n, 0)
-        return n <= len(self._free) + self._cached.size - (0 if critical else self._reserve)
+        return n <= len(self._free) + self._counts.num_cached - (0 if critical else self._reserve)
 
     def allocate(self, n: int, *, critical: bool = False) -> list[int]:
         """Take `n` pages, each with reference count 1, and return their ids: free pages
@@ -207,7 +135,7 @@ class PageAllocator:
                 return []
         free = self._free
         with self._lock:
-            left = len(free) + self._cached.size - n
+            left = len(free) + self._counts.num_cached - n
             if left < self._reserve and (left < 0 or not critical):
                 self._num_failed += 1
                 raise OutOfPages(self._shortage(n, critical))
@@ -220,9 +148,7 @@ class PageAllocator:
                 ids.reverse()  # top of the stack first
             if fresh < n:
                 ids += self._evict(n - fresh)
-            refcounts = self._refcounts
-            for page in ids:
-                refcounts[page] = 1
+            self._counts.hold(ids)
             self._num_allocated += n
             if left < self._fewest_unused:
                 self._fewest_unused = left
@@ -236,20 +162,8 @@ class PageAllocator:
         that is not an int), changing nothing.
         """
         pages = list(pages)
-        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         with self._lock:
-            revived = []
-            for page in pages:
-                if type(page) is not int or not 0 <= page < num_pages:
-                    raise self._bad_id(page)
-                if not refcounts[page]:
-                    if not is_cached[page]:
-                        raise InvalidPage(f"cannot share page {page}: it is free")
-                    revived.append(page)
-            if revived:
-                self._cached.remove(dict.fromkeys(revived))
-            for page in pages:
-                refcounts[page] += 1
+            self._counts.share(pages)
 
     def free(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference to each page (a page listed twice loses two). A page left with
@@ -261,22 +175,8 @@ class PageAllocator:
         is not an int; either way nothing changes.
         """
         pages = list(pages)
-        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         with self._lock:
-            for page in pages:
-                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                    raise self._not_held(page)
-            if len(set(pages)) < len(pages):
-                self._check_repeats(pages)
-            released, cached = [], []
-            for page in pages:
-                count = refcounts[page] - 1
-                refcounts[page] = count
-                if not count:
-                    (cached if is_cached[page] else released).append(page)
-            if cached:
-                cached.reverse()
-                self._cached.push_warm(cached)
+            released = self._counts.release(pages)
             self._free.extend(released)
         return released
 
@@ -287,40 +187,40 @@ class PageAllocator:
         pages = list(pages)
         with self._lock:
             for page in pages:
-                self._check_id(page)
+                self._counts.check_id(page)
                 if not self._refcounts[page]:
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
-                self._is_cached[page] = 1
+                self._counts.is_cached[page] = 1
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
         telling `on_evict` first; returns their ids."""
         n = check_int("page count", n, 0)
         with self._lock:
-            pages = self._evict(min(n, self._cached.size))
+            pages = self._evict(min(n, self._counts.num_cached))
             self._free.extend(pages)
         return pages
 
     def cached_pages(self) -> list[int]:
         """The cached pages, least recently used first."""
         with self._lock:
-            return list(self._cached)
+            return self._counts.queued()
 
     def refcount(self, page: int) -> int:
         """How many holders page `page` has; 0 means it is free or cached."""
-        self._check_id(page)
+        self._counts.check_id(page)
         return self._refcounts[page]
 
     def is_cached(self, page: int) -> bool:
         """Whether the prefix cache indexes page `page` (held or not)."""
-        self._check_id(page)
-        return bool(self._is_cached[page])
+        self._counts.check_id(page)
+        return bool(self._counts.is_cached[page])
 
     def stats(self) -> AllocatorStats:
         """The counters as of now; `num_freed` counts pages whose holders all let go."""
         with self._lock:
-            unused = len(self._free) + self._cached.size
+            unused = len(self._free) + self._counts.num_cached
             num_used = self._num_pages - unused
             # Pages become used only by allocate and unused only by free, so the cumulative
             # counts differ by exactly the pages in use.
@@ -328,7 +228,7 @@ class PageAllocator:
                 num_pages=self._num_pages, num_free=len(self._free), num_used=num_used,
                 peak_used=self._num_pages - self._fewest_unused,
                 num_allocated=self._num_allocated, num_freed=self._num_allocated - num_used,
-                num_failed=self._num_failed, num_cached=self._cached.size,
+                num_failed=self._num_failed, num_cached=self._counts.num_cached,
                 num_evicted=self._num_evicted)
 
     def fragmentation(self) -> float:
@@ -357,43 +257,18 @@ class PageAllocator:
 
     def _evict(self, n: int) -> list[int]:
         """Take the `n` least recently used cached pages off the queue and the index."""
-        pages = self._cached.pop_cold(n)
-        for page in pages:
-            self._is_cached[page] = 0
+        pages = self._counts.pop_cold(n)
         self._num_evicted += n
         if pages and self.on_evict is not None:
             self.on_evict(pages)
         return pages
 
-    def _check_id(self, page: object) -> None:
-        if type(page) is not int or not 0 <= page < self._num_pages:
-            raise self._bad_id(page)
-
-    def _bad_id(self, page: object) -> Exception:
-        """The error for something that is not a page id."""
-        if type(page) is not int:
-            return TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
-        return InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
-
-    def _not_held(self, page: object) -> Exception:
-        """The error for freeing `page`, which is not a held page id."""
-        if type(page) is not int or not 0 <= page < self._num_pages:
-            return self._bad_id(page)
-        return InvalidPage(f"cannot free page {page}: it is not allocated")
-
-    def _check_repeats(self, pages: list[int]) -> None:
-        """Raise unless every page listed more than once is held that often."""
-        for page, times in Counter(pages).items():
-            if times > self._refcounts[page]:
-                raise InvalidPage(f"cannot free page {page} {times} times: "
-                                  f"its reference count is {self._refcounts[page]}")
-
     def _problems(self) -> list[str]:
         """Every broken invariant, described (empty when all hold)."""
         refcounts = self._refcounts
-        free, cached = list(self._free), list(self._cached)
+        free, cached = list(self._free), self._counts.queued()
         problems = self._free.problems() if isinstance(self._free, FirstFitFreeList) else []
-        problems += self._cached.problems()
+        problems += self._counts.problems()
         unused = free + cached
         if len(set(unused)) != len(unused):
             twice = sorted(p for p, times in Counter(unused).items() if times > 1)
@@ -401,8 +276,9 @@ class PageAllocator:
         held = [p for p in unused if refcounts[p]]
         if held:
             problems.append(f"free or cached pages with references: {held[:5]}")
-        wrong_free = [p for p in free if self._is_cached[p]]
-        wrong_cached = [p for p in cached if not self._is_cached[p]]
+        is_cached = self._counts.is_cached
+        wrong_free = [p for p in free if is_cached[p]]
+        wrong_cached = [p for p in cached if not is_cached[p]]
         if wrong_free or wrong_cached:
             problems.append(f"cached pages on the free list {wrong_free[:5]} or uncached ones "
                             f"on the cached queue {wrong_cached[:5]}")
@@ -423,6 +299,6 @@ class PageAllocator:
     def _shortage(self, n: int, critical: bool) -> str:
         """The OutOfPages message for a request of `n` pages."""
         usable = ", usable by this critical allocation" if critical else ""
-        cached = f" and {self._cached.size} cached" if self._cached.size else ""
+        cached = f" and {self._counts.num_cached} cached" if self._counts.num_cached else ""
         return (f"need {n} pages, {len(self._free)} free{cached} "
                 f"({self._reserve} reserved{usable})")

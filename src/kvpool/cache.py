@@ -158,17 +158,42 @@ class KVCache:
             return []
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        new_pages = self.allocator.allocate(need + cow)
-        if cow:
-            self._copy_on_write(seq, new_pages.pop())
-        seq.pages += new_pages
-        seq.num_tokens = start + n
-        if seq.token_ids is not None:
-            if packed is None:
-                seq.token_ids = None  # content unknown from here on: stop caching it
-            else:
-                seq.token_ids += packed
-        return self._slots(seq, start, start + n)
+        return self._grow(seq, n, packed, self.allocator.allocate(need + cow), cow)
+
+    def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,
+                     *, token_ids: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Grow many sequences in one call: sequence `seq_ids[i]` by `num_tokens[i]` tokens
+        (default 1 each: a decode step) or by `token_ids[i]`. Returns the new tokens' slots,
+        sequence after sequence. Each sequence fills its partial last page first (copied
+        first if shared), then takes whole new pages; one allocation serves the batch, so the
+        call grows every sequence or, raising, changes nothing."""
+        seq_ids = list(seq_ids)
+        seqs = [self._get(sid) for sid in seq_ids]
+        if len(set(seq_ids)) < len(seqs):
+            raise ValueError("append_batch lists a sequence more than once")
+        counts, packed = _batch_counts(len(seqs), num_tokens, token_ids)
+        if self.max_tokens_per_seq is not None:
+            for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
+                self._check_length(sid, seq.num_tokens + n)
+        ps, refcounts = self.page_size, self.allocator.refcounts
+        copied: dict[int, int] = {}  # shared last pages copied away earlier in the batch
+        needs, cows = [], set()  # pages each sequence takes; which copy their last page
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages))
+            if n and seq.num_tokens % ps and refcounts[seq.pages[-1]] > 1:
+                last = seq.pages[-1]
+                if refcounts[last] - copied.get(last, 0) > 1:
+                    copied[last] = copied.get(last, 0) + 1
+                    cows.add(i)
+                    needs[i] += 1
+        new_pages = self.allocator.allocate(sum(needs))
+        slots: list[int] = []
+        taken = 0
+        for i, (seq, n, ids, need) in enumerate(zip(seqs, counts, packed, needs, strict=True)):
+            if n:
+                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], i in cows)
+                taken += need
+        return slots
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Create `child_id` sharing every page of `parent_id` (reference counts +1)."""
@@ -358,8 +383,11 @@ class KVCache:
     def _check_room(self, need: int, hit_pages: list[int]) -> None:
         """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
         alloc = self.allocator
+        room = alloc.num_free + alloc.num_cached - alloc.reserve
+        if need + len(hit_pages) <= room:  # enough even if every hit page is cached
+            return
         taken = self._num_unheld(hit_pages)
-        if need and need + taken > alloc.num_free + alloc.num_cached - alloc.reserve:
+        if need and need + taken > room:
             raise OutOfPages(f"need {need} pages, {alloc.num_free} free "
                              f"({alloc.reserve} reserved), "
                              f"{alloc.num_cached - taken} evictable")
@@ -426,18 +454,40 @@ class KVCache:
         seq.pages[-1] = new_page
         self._num_cow_copies += 1
 
+    def _grow(self, seq: _SequenceState, n: int, packed: bytes | None, new_pages: list[int],
+              cow: bool) -> list[int]:
+        """Add `n` tokens (ids `packed`, or unknown) to `seq` with `new_pages`, the last of
+        them a copy of its shared partial page if `cow`; returns their slots."""
+        if cow:
+            self._copy_on_write(seq, new_pages.pop())
+        start = seq.num_tokens
+        seq.pages += new_pages
+        seq.num_tokens = start + n
+        if seq.token_ids is not None:
+            if packed is None:
+                seq.token_ids = None  # content unknown from here on: stop caching it
+            else:
+                seq.token_ids += packed
+        return self._slots(seq, start, start + n)
+
     def _slots(self, seq: _SequenceState, start: int, end: int) -> list[int]:
-        ps = self.page_size
-        pages = seq.pages
-        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+        """The slots of tokens [start, end) of `seq`, built a page at a time."""
+        ps, pages = self.page_size, seq.pages
+        if ps == 1:  # a token's slot is its page
+            return pages[start:end]
+        slots: list[int] = []
+        for i in range(start // ps, -(-end // ps)):
+            first = i * ps
+            slots += range(pages[i] * ps + max(start - first, 0),
+                           pages[i] * ps + min(end - first, ps))
+        return slots
 
 
 def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
     """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
     if token_ids is not None:
-        if isinstance(token_ids, (str, bytes, bytearray)) or not (
-                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
-            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        if type(token_ids) is not list:  # a list, the common case, needs no further look
+            _check_sequence(token_ids)
         if num_tokens is not None and num_tokens != len(token_ids):
             raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
         return len(token_ids)
@@ -446,9 +496,33 @@ def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int
     return check_int("num_tokens", num_tokens, 0)
 
 
+def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
+                  token_ids: Sequence[Sequence[int]] | None
+                  ) -> tuple[list[int], list[bytes | None]]:
+    """Each sequence's token count (default 1) and packed ids (None where unknown) for a batch
+    of `batch` sequences; ValueError or TypeError naming the first bad entry."""
+    for name, given in (("num_tokens", num_tokens), ("token_ids", token_ids)):
+        if given is not None and len(given) != batch:
+            raise ValueError(f"{name} has {len(given)} entries for {batch} sequences")
+    if token_ids is None:
+        counts = [1] * batch if num_tokens is None else [
+            check_int(f"num_tokens[{i}]", n, 0) for i, n in enumerate(num_tokens)]
+        return counts, [None] * batch
+    counts = [_count(ids, None if num_tokens is None else num_tokens[i])
+              for i, ids in enumerate(token_ids)]
+    return counts, [_pack(ids) for ids in token_ids]
+
+
+def _check_sequence(token_ids: object) -> None:
+    """TypeError unless `token_ids` is a sequence (or a 1-D array or tensor) of ids."""
+    if isinstance(token_ids, (str, bytes, bytearray)) or not (
+            isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
+        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+
+
 def _pack(token_ids: Sequence[int]) -> bytes:
     """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
     or ValueError naming the first id that is not an int32."""
-    if hasattr(token_ids, "tolist"):
+    if type(token_ids) is not list and hasattr(token_ids, "tolist"):  # numpy, torch
         token_ids = token_ids.tolist()
     return pack_tokens(token_ids)

@@ -71,34 +71,22 @@ class PrefixCache:
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
         `pack_tokens`), at most `max_pages` pages. Changes nothing."""
-        page_bytes = self._page_bytes
-        node, depth = self.root, 0
-        pages: list[int] = []
-        start, limit = 0, max_pages * page_bytes
-        while start < limit:
-            child = node.children.get(token_ids[start:start + page_bytes])
-            if child is None:
-                break
-            end = min(start + len(child.tokens), limit)
-            if token_ids[start:end] == child.tokens[:end - start]:
-                depth = (end - start) // page_bytes
-            else:
-                depth = _common_pages(token_ids, start, child.tokens, end, page_bytes)
-            pages += child.pages[:depth]
-            node, start = child, start + depth * page_bytes
-            if depth < len(child.pages):
-                break
-        return PrefixMatch(pages, node, depth)
+        return self._walk(token_ids, [], max_pages, self.root, 0)
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Add the full pages `pages` of a live sequence (whose packed ids are `token_ids`)
-        past the longest prefix of them the tree holds already; the caller knows the first
-        `num_cached` of them to be there. Returns how many of its first pages are in the tree
-        now: all, unless the tree holds the content of one of them in another page (an
-        identical prompt computed at the same time); the sequence keeps its copies from there
-        on uncached."""
+        past the longest prefix of them the tree holds already; the caller knows its first
+        `num_cached` pages to be a path of the tree, and the search starts past them. Returns
+        how many of its first pages are in the tree now: all, unless the tree holds the
+        content of one of them in another page (an identical prompt computed at the same
+        time); the sequence keeps its copies from there on uncached."""
         page_bytes = self._page_bytes
-        path = self.match(token_ids, len(pages))
+        if num_cached:
+            last = self._node_of_page[pages[num_cached - 1]]
+            path = self._walk(token_ids, pages[:num_cached], len(pages), last,
+                              last.pages.index(pages[num_cached - 1]) + 1)
+        else:
+            path = self.match(token_ids, len(pages))
         num_held = len(path.pages)
         if path.pages != pages[:num_held]:
             same = num_cached
@@ -179,6 +167,32 @@ class PrefixCache:
         return path == pages
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _walk(self, token_ids: bytes, pages: list[int], max_pages: int, node: PrefixNode,
+              depth: int) -> PrefixMatch:
+        """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
+        the walk extends), the last `depth` of them the first pages of `node`, up to
+        `max_pages` pages in all. A node's pages are compared in one memcmp, a page at a
+        time only where the run stops matching."""
+        page_bytes = self._page_bytes
+        start, limit = len(pages) * page_bytes, max_pages * page_bytes
+        while start < limit:
+            if depth == len(node.pages):  # past this node's run: enter a child
+                child = node.children.get(token_ids[start:start + page_bytes])
+                if child is None:
+                    break
+                node, depth = child, 0
+            offset = depth * page_bytes
+            end = min(start + len(node.tokens) - offset, limit)
+            if token_ids[start:end] == node.tokens[offset:offset + end - start]:
+                more = (end - start) // page_bytes
+            else:
+                more = _common_pages(token_ids[start:end], node.tokens[offset:], page_bytes)
+            pages += node.pages[depth:depth + more]
+            depth, start = depth + more, start + more * page_bytes
+            if depth < len(node.pages):
+                break
+        return PrefixMatch(pages, node, depth)
 
     def _page_tokens(self, node: PrefixNode, i: int) -> tuple[int, ...]:
         return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
@@ -277,14 +291,11 @@ class NoPrefixCache:
         """Nothing to check."""
 
 
-def _common_pages(token_ids: bytes | bytearray, start: int, tokens: bytearray, end: int,
-                  page_bytes: int) -> int:
-    """How many whole pages (`page_bytes` each) of packed `tokens` equal
-    `token_ids[start:end]` from the front (the first page is known to match)."""
-    depth = 1
-    for offset in range(page_bytes, end - start, page_bytes):
-        if token_ids[start + offset:start + offset + page_bytes] != \
-                tokens[offset:offset + page_bytes]:
+def _common_pages(ids: bytes | bytearray, tokens: bytes | bytearray, page_bytes: int) -> int:
+    """How many whole pages (`page_bytes` each) of packed `ids` equal `tokens` from the front."""
+    depth = 0
+    for offset in range(0, len(ids), page_bytes):
+        if ids[offset:offset + page_bytes] != tokens[offset:offset + page_bytes]:
             break
         depth += 1
     return depth
