@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 import torch
 
 from kvpool.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
 from kvpool.engine import LLM
-from kvpool.server.http_bench import model_info, run_requests
+from kvpool.server.http_bench import model_info, run_requests, session
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -60,14 +60,13 @@ def over_http(workload: Workload) -> BenchResult:
 
 
 async def _client(url: str, workload: Workload) -> BenchResult:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+    async with session(url) as client:
         deadline = time.monotonic() + 120
         while True:
             try:
                 info = await model_info(client)
                 break
-            except httpx.ConnectError:
+            except aiohttp.ClientConnectionError:
                 if time.monotonic() > deadline:
                     raise RuntimeError("kvpool serve did not answer in 120 s") from None
                 await asyncio.sleep(0.2)

@@ -166,18 +166,18 @@ class Server:
     async def _sse(self, generation: Generation,
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:
         """The server-sent events of a streamed generation (closing `events` if the client
-        disconnects, which aborts the request)."""
+        disconnects, which aborts the request). The events of one update go out in one
+        write: each write is a system call, during which the engine thread may take the
+        interpreter and keep it for a while."""
         async with contextlib.aclosing(events):
-            for chunk in generation.role_chunks():
-                yield chunk
+            if generation.chat:
+                yield b"".join(generation.role_chunks())
             try:
                 async for changes in events:
-                    for chunk in generation.chunks(changes):
-                        yield chunk
+                    yield b"".join(generation.chunks(changes))
             except EngineFailure as e:
                 yield sse(RequestError(str(e), status=500, type="internal_error").body())
-            for chunk in generation.final_chunks():
-                yield chunk
+            yield b"".join(generation.final_chunks())
 
 
 def build_app(llm: LLM, *, model_name: str, chat_template: ChatTemplate | None = None,
