@@ -30,7 +30,7 @@ from kvpool.server.engine_loop import (
     RequestStream,
     ServerBusy,
 )
-from kvpool.server.generation import Generation, sse
+from kvpool.server.generation import Change, Generation, sse
 from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import GenerationRequest, RequestError, parse_chat, parse_completion
 
@@ -93,6 +93,12 @@ class Server:
 
     # ---- generation --------------------------------------------------------------------
 
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as log-probabilities name it ("token_id:N" with no tokenizer)."""
+        if self.llm.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.llm.tokenizer.decode([token_id])
+
     async def _generate(self, parsed: GenerationRequest, prompt: list[int], *,
                         chat: bool) -> Response:
         """Run one request: a JSON response when it ends, or a stream of its events."""
@@ -103,7 +109,8 @@ class Server:
         arrival = time.perf_counter()
         stream = await self._add(request_id, prompt, parsed, max_tokens)
         generation = Generation(request_id, self.model_name, n=parsed.n, stop=parsed.stop,
-                                chat=chat, include_usage=parsed.include_usage)
+                                chat=chat, include_usage=parsed.include_usage,
+                                logprobs=parsed.logprobs, token_text=self._token_text)
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),
@@ -135,7 +142,7 @@ class Server:
             raise RequestError(str(e)) from None
 
     async def _events(self, stream: RequestStream, generation: Generation,
-                      arrival: float) -> abc.AsyncIterator[list[tuple[int, str, str | None]]]:
+                      arrival: float) -> abc.AsyncIterator[list[Change]]:
         """The changes of the generation's choices as outputs arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
