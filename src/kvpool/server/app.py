@@ -60,7 +60,7 @@ class Server:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
             prompt = self.llm.tokenizer.encode(prompt)
-        return await self._generate(parsed, prompt, chat=False)
+        return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages rendered by the chat template."""
@@ -71,7 +71,7 @@ class Server:
         text = self.chat_template.render(parsed.messages)
         prompt = self.llm.tokenizer.encode(
             text, add_special_tokens=self.chat_template.add_special_tokens)
-        return await self._generate(parsed, prompt, chat=True)
+        return await self._generate(request, parsed, prompt, chat=True)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""
@@ -99,7 +99,7 @@ class Server:
             return f"token_id:{token_id}"
         return self.llm.tokenizer.decode([token_id])
 
-    async def _generate(self, parsed: GenerationRequest, prompt: list[int], *,
+    async def _generate(self, request: Request, parsed: GenerationRequest, prompt: list[int], *,
                         chat: bool) -> Response:
         """Run one request: a JSON response when it ends, or a stream of its events."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -115,12 +115,23 @@ class Server:
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),
                                      media_type="text/event-stream")
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, request_id))
         try:
             async for _ in events:
                 pass
         except EngineFailure as e:
             return _error(RequestError(str(e), status=500, type="internal_error"))
+        finally:
+            watcher.cancel()
         return JSONResponse(generation.response())
+
+    async def _abort_on_disconnect(self, request: Request, request_id: str) -> None:
+        """Abort the request when its client disconnects. A non-streamed request has
+        nothing to write until it ends, so only the connection can tell that the client
+        left: the server reads it for the disconnect message (the body is read already)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.abort(request_id)
 
     async def _add(self, request_id: str, prompt: list[int], parsed: GenerationRequest,
                    max_tokens: int) -> RequestStream:
