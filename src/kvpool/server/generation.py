@@ -42,8 +42,8 @@ class Generation:
     """
 
     def __init__(self, request_id: str, model: str, *, n: int, stop: tuple[str, ...],
-                 chat: bool, include_usage: bool, logprobs: int | None = None,
-                 token_text: abc.Callable[[int], str] = str):
+                 chat: bool, include_usage: bool, logprobs: int | None,
+                 token_text: abc.Callable[[int], str]):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
@@ -84,7 +84,7 @@ class Generation:
         if self.logprobs is None:
             return None
         start, end = self._num_logprobs_sent[index], self.choices[index].num_tokens
-        self._num_logprobs_sent[index] = max(start, end)
+        self._num_logprobs_sent[index] = end
         return self._logprobs[index][start:end]
 
     @property
