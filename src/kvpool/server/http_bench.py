@@ -2,8 +2,8 @@
 streamed completions, timed by the client.
 
 The client is aiohttp, whose HTTP parser is compiled: on a small machine the client shares
-the cores with the server, and on the default workload httpx took 2.0-2.4 s of CPU time
-where aiohttp takes 0.8-0.9 s (httpx parses in Python, and its connection pool scans every
+the cores with the server, and on the default workload httpx took 1.9-2.6 s of CPU time
+where aiohttp takes 0.7-0.9 s (httpx parses in Python, and its connection pool scans every
 connection for every request).
 
 Each request is sent at its arrival time as token ids, with the same max_tokens and
