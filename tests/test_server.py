@@ -1,6 +1,7 @@
 """`kvpool serve` through the real openai client: completions and chat, whole and streamed,
-n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, the models,
-health and metrics endpoints, and every bad request refused with an OpenAI error body."""
+n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, logprobs in
+both OpenAI forms, the models, health and metrics endpoints, and every bad request refused
+with an OpenAI error body."""
 
 import json
 import re

@@ -1,6 +1,7 @@
 """The server under 64 concurrent streaming clients, some leaving early: every request is
 accounted for, the cache stays consistent, and no page is held once they are done. A client
-that disconnects aborts its request, whose pages come back before the next step."""
+that disconnects, streamed or not, aborts its request, whose pages come back before the next
+step."""
 
 import asyncio
 import json
