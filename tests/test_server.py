@@ -1,6 +1,7 @@
 """`kvpool serve` through the real openai client: completions and chat, whole and streamed,
-n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, the models,
-health and metrics endpoints, and every bad request refused with an OpenAI error body."""
+n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, logprobs in
+both OpenAI forms, the models, health and metrics endpoints, and every bad request refused
+with an OpenAI error body."""
 
 import json
 import re
@@ -29,7 +30,14 @@ def expected(llm):
 
 
 @pytest.fixture(scope="module")
-def server(llm, expected):
+def expected_logprobs(llm):
+    """LLM.generate's greedy sample of PROMPT with 3 alternatives per token, before serving."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+
+
+@pytest.fixture(scope="module")
+def server(llm, expected, expected_logprobs):
     with running_server(llm) as server:
         yield server
 
@@ -124,6 +132,65 @@ def test_a_stop_string_across_tokens_ends_the_choice_before_it(client, expected)
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def _text(token_id):
+    return bytes([token_id]).decode(errors="replace") if token_id < 256 else ""
+
+
+def test_completion_logprobs_are_the_engines_in_openai_form(client, expected_logprobs):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=3,
+                                    **GREEDY)
+    logprobs, entries = out.choices[0].logprobs, expected_logprobs.logprobs
+    tokens = [_text(e.token_id) for e in entries]
+    assert logprobs.tokens == tokens
+    assert logprobs.token_logprobs == [e.logprob for e in entries]
+    # each position's top 3 by text, and the sampled token (here the most likely one)
+    assert logprobs.top_logprobs == [{_text(t): v for t, v in e.top} for e in entries]
+    assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(8)]
+
+
+def test_streamed_completion_logprobs_add_up_to_the_whole(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, logprobs=2,
+                                      **GREEDY).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=20, logprobs=2, stream=True, **GREEDY)]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.logprobs, field)] == getattr(whole, field)
+
+
+def test_chat_logprobs_name_each_token_its_bytes_and_the_top_ones(client):
+    hi = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="tiny", messages=hi, max_tokens=12,
+                                         logprobs=True, top_logprobs=2, **GREEDY)
+    same = client.completions.create(model="tiny", prompt=[256, *b"user: hi\nassistant:"],
+                                     max_tokens=12, logprobs=2, **GREEDY).choices[0].logprobs
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == same.tokens
+    assert [c.logprob for c in content] == same.token_logprobs
+    assert [c.bytes for c in content] == [None if t == "\ufffd" else list(t.encode())
+                                          for t in same.tokens]
+    for c in content:
+        assert len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob)
+    streamed = client.chat.completions.create(model="tiny", messages=hi, max_tokens=12,
+                                              logprobs=True, top_logprobs=2, stream=True,
+                                              **GREEDY)
+    parts = [c.choices[0].logprobs for c in streamed]
+    assert parts[0] is None  # the role chunk
+    assert [x for p in parts if p for x in p.content] == content
+
+
+def test_logprobs_end_where_a_stop_string_ends_the_choice(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32,
+                                    stop=["\u066e{"], logprobs=0, **GREEDY)
+    assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens == 11
+
+
+def test_without_logprobs_choices_carry_none(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, **GREEDY)
+    assert out.choices[0].logprobs is None
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
     prompt = list(range(40))  # two full pages of 16 tokens can be served the second time
     first, second = (client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
@@ -188,8 +255,16 @@ BAD_REQUESTS = [
      "prompt of 100 tokens + max_tokens 300 need 25 pages of 16 tokens; the pool has 24"),
     ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
      "n=9 samples exceed max_num_seqs 8"),
-    ("logprobs", {"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs",
-     "unsupported", "logprobs is not supported by this server, got 2"),
+    ("logprobs over 20", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
+     None, "logprobs must be <= 20, got 21"),
+    ("top_logprobs in a completion", {"model": "tiny", "prompt": "x", "top_logprobs": 2},
+     400, "top_logprobs", None,
+     "top_logprobs is a chat completions field; completions take logprobs (an int)"),
+    ("top_logprobs without logprobs", {"model": "tiny", "top_logprobs": 2,
+                                       "messages": [{"role": "user", "content": "hi"}]},
+     400, "top_logprobs", None, "top_logprobs (2) needs logprobs set to true"),
+    ("echo", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo", "unsupported",
+     "echo is not supported by this server, got True"),
     ("messages missing", {"model": "tiny"}, 400, "messages", None,
      "messages must be a non-empty list, got None"),
 ]
@@ -199,7 +274,8 @@ BAD_REQUESTS = [
                          [case[1:] for case in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
 def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
         server, client, body, status, param, code, message):
-    path = "/v1/chat/completions" if body == {"model": "tiny"} else "/v1/completions"
+    chat = isinstance(body, dict) and "prompt" not in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     content = body if isinstance(body, str) else json.dumps(body)
     response = httpx.post(f"{server.url}{path}", content=content)
     assert response.status_code == status

@@ -1,9 +1,13 @@
 """The server under 64 concurrent streaming clients, some leaving early: every request is
 accounted for, the cache stays consistent, and no page is held once they are done. A client
-that disconnects aborts its request, whose pages come back before the next step."""
+that disconnects, streamed or not, aborts its request, whose pages come back before the next
+step."""
 
 import asyncio
+import json
 import random
+import socket
+import time
 
 import pytest
 
@@ -71,6 +75,27 @@ def test_a_client_that_disconnects_aborts_its_request(server):
     stream.close()
     server.wait_idle(timeout=5)
     assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+
+
+def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
+    before = metrics(server)
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                 + body)
+    deadline = time.monotonic() + 30
+    while not server.on_engine(lambda llm: llm.cache.stats().num_used_pages):
+        assert time.monotonic() < deadline, "the request did not start in 30 s"
+        time.sleep(0.01)
+    sock.close()
+    server.wait_idle(timeout=5)
+    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+    key = "kvpool_requests_total", (("finish_reason", "abort"),)
+    assert metrics(server)[key] - before.get(key, 0) == 1
+    assert metrics(server)["kvpool_generation_tokens_total", ()] - before[
+        "kvpool_generation_tokens_total", ()] < 2000
 
 
 def test_an_abort_gives_the_pages_back_before_the_next_step():

@@ -4,7 +4,7 @@
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.engine.request import CompletionOutput, RequestOutput
+from kvpool.engine.request import CompletionOutput, RequestOutput, TokenLogprobs
 from kvpool.engine.stats import EngineStats, StepRecord
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StepRecord",
+    "TokenLogprobs",
 ]

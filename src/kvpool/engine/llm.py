@@ -19,7 +19,7 @@ from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner
-from kvpool.engine.sampling import Sampler
+from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
@@ -267,7 +267,13 @@ class LLM:
         streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
         tokens = self.sampler(logits, [s.params for s in seqs], streams,
                               [s.num_tokens for s in seqs])
-        requests = self.scheduler.postprocess(seqs, tokens.tolist())  # one copy to the host
+        token_ids = tokens.tolist()  # one copy to the host
+        entries = token_logprobs(logits, tokens, token_ids, [s.params.logprobs for s in seqs])
+        if entries is not None:
+            for seq, entry in zip(seqs, entries, strict=True):
+                if entry is not None:
+                    seq.logprobs.append(entry)
+        requests = self.scheduler.postprocess(seqs, token_ids)
         for request in requests:
             if request.finished:
                 del self._requests[request.request_id]
@@ -340,7 +346,8 @@ class LLM:
         if self.tokenizer is not None:
             shown = token_ids[:-1] if seq.finish_reason == "stop" else token_ids
             text = self.tokenizer.decode(shown)
-        return CompletionOutput(seq.index, token_ids, text, seq.finish_reason)
+        logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
+        return CompletionOutput(seq.index, token_ids, text, seq.finish_reason, logprobs)
 
 
 def _is_token(value: object) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvpool.errors import check_int
 
 SEED_LIMIT = 2**64  # torch generators take seeds in [0, 2**64)
+MAX_LOGPROBS = 20  # alternatives per token at most, as the OpenAI API allows
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,8 @@ class SamplingParams:
     its own random generator, so its samples do not depend on the rest of the batch.
     Generation stops after `max_tokens` tokens, at a token of `stop_token_ids`, or at the
     model's EOS unless `ignore_eos`. `n` samples share the prompt's pages (forked).
+    `logprobs` (None: off) asks for each generated token's log-probability and those of the
+    `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS).
     Every field is checked here, type and range, so a request never fails mid-step.
     """
 
@@ -30,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
@@ -54,6 +58,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} "
                             f"({type(self.ignore_eos).__name__})")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
     @property

@@ -32,6 +32,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     finish_reason: str | None = None  # "stop", "length", "abort"
+    # One per generated token when the request asks for logprobs.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -83,16 +85,30 @@ class Request:
         return self.forked and all(s.finished for s in self.seqs)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probability (natural log) of one generated token under the model, from the
+    logits it was sampled from before temperature, top-k and top-p; and `top`, the
+    (token id, log-probability) pairs of the most likely tokens there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. `token_ids` are the generated tokens, the stop or EOS token
     included; `text` decodes them without the stop token ("" when there is no tokenizer).
-    `finish_reason`: None while running, "stop", "length", "abort" or "error"."""
+    `finish_reason`: None while running, "stop", "length", "abort" or "error".
+    `logprobs`: one TokenLogprobs per token of `token_ids` when the request asked for them
+    (SamplingParams.logprobs), else None."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

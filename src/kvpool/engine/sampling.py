@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from kvpool.engine.params import SamplingParams
+from kvpool.engine.request import TokenLogprobs
 
 # Temperatures below this are greedy: dividing logits by ~1e-38 overflows to inf and the
 # softmax to NaN. vLLM uses the same bound.
@@ -50,6 +51,34 @@ def stop_reason(
     if num_output_tokens >= params.max_tokens:
         return "length"
     return None
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, token_ids: Sequence[int],
+    counts: Sequence[int | None],
+) -> list[TokenLogprobs | None] | None:
+    """The log-probabilities of the sampled tokens for the rows that ask: row i with
+    `counts[i]` not None gets the log_softmax of `logits[i]` (the model's, before
+    temperature, top-k and top-p) at its token `tokens[i]` (= `token_ids[i]`, on the host)
+    and at the `counts[i]` most likely tokens. None when no row asks, so the usual step
+    computes nothing."""
+    rows = [i for i, count in enumerate(counts) if count is not None]
+    if not rows:
+        return None
+    index = torch.tensor(rows).to(logits.device, non_blocking=True)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    sampled = logprobs.gather(1, tokens[index].unsqueeze(1))
+    k = min(max(counts[i] for i in rows), logprobs.shape[-1])
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    values = torch.cat([sampled, top_values], dim=1).tolist()  # one copy each to the host
+    top_ids = top_ids.tolist()
+    entries: list[TokenLogprobs | None] = [None] * len(counts)
+    for row, i in enumerate(rows):
+        n = counts[i]
+        entries[i] = TokenLogprobs(token_ids[i], values[row][0],
+                                   tuple(zip(top_ids[row][:n], values[row][1:n + 1],
+                                             strict=True)))
+    return entries
 
 
 def is_greedy(params: SamplingParams) -> bool:

@@ -30,7 +30,7 @@ from kvpool.server.engine_loop import (
     RequestStream,
     ServerBusy,
 )
-from kvpool.server.generation import Generation, sse
+from kvpool.server.generation import Change, Generation, sse
 from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import GenerationRequest, RequestError, parse_chat, parse_completion
 
@@ -60,7 +60,7 @@ class Server:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
             prompt = self.llm.tokenizer.encode(prompt)
-        return await self._generate(parsed, prompt, chat=False)
+        return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages rendered by the chat template."""
@@ -71,7 +71,7 @@ class Server:
         text = self.chat_template.render(parsed.messages)
         prompt = self.llm.tokenizer.encode(
             text, add_special_tokens=self.chat_template.add_special_tokens)
-        return await self._generate(parsed, prompt, chat=True)
+        return await self._generate(request, parsed, prompt, chat=True)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""
@@ -93,7 +93,13 @@ class Server:
 
     # ---- generation --------------------------------------------------------------------
 
-    async def _generate(self, parsed: GenerationRequest, prompt: list[int], *,
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as log-probabilities name it ("token_id:N" with no tokenizer)."""
+        if self.llm.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.llm.tokenizer.decode([token_id])
+
+    async def _generate(self, request: Request, parsed: GenerationRequest, prompt: list[int], *,
                         chat: bool) -> Response:
         """Run one request: a JSON response when it ends, or a stream of its events."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -103,17 +109,29 @@ class Server:
         arrival = time.perf_counter()
         stream = await self._add(request_id, prompt, parsed, max_tokens)
         generation = Generation(request_id, self.model_name, n=parsed.n, stop=parsed.stop,
-                                chat=chat, include_usage=parsed.include_usage)
+                                chat=chat, include_usage=parsed.include_usage,
+                                logprobs=parsed.logprobs, token_text=self._token_text)
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),
                                      media_type="text/event-stream")
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, request_id))
         try:
             async for _ in events:
                 pass
         except EngineFailure as e:
             return _error(RequestError(str(e), status=500, type="internal_error"))
+        finally:
+            watcher.cancel()
         return JSONResponse(generation.response())
+
+    async def _abort_on_disconnect(self, request: Request, request_id: str) -> None:
+        """Abort the request when its client disconnects. A non-streamed request has
+        nothing to write until it ends, so only the connection can tell that the client
+        left: the server reads it for the disconnect message (the body is read already)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.abort(request_id)
 
     async def _add(self, request_id: str, prompt: list[int], parsed: GenerationRequest,
                    max_tokens: int) -> RequestStream:
@@ -135,7 +153,7 @@ class Server:
             raise RequestError(str(e)) from None
 
     async def _events(self, stream: RequestStream, generation: Generation,
-                      arrival: float) -> abc.AsyncIterator[list[tuple[int, str, str | None]]]:
+                      arrival: float) -> abc.AsyncIterator[list[Change]]:
         """The changes of the generation's choices as outputs arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
@@ -166,18 +184,18 @@ class Server:
     async def _sse(self, generation: Generation,
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:
         """The server-sent events of a streamed generation (closing `events` if the client
-        disconnects, which aborts the request)."""
+        disconnects, which aborts the request). The events of one update go out in one
+        write: each write is a system call, during which the engine thread may take the
+        interpreter and keep it for a while."""
         async with contextlib.aclosing(events):
-            for chunk in generation.role_chunks():
-                yield chunk
+            if generation.chat:
+                yield b"".join(generation.role_chunks())
             try:
                 async for changes in events:
-                    for chunk in generation.chunks(changes):
-                        yield chunk
+                    yield b"".join(generation.chunks(changes))
             except EngineFailure as e:
                 yield sse(RequestError(str(e), status=500, type="internal_error").body())
-            for chunk in generation.final_chunks():
-                yield chunk
+            yield b"".join(generation.final_chunks())
 
 
 def build_app(llm: LLM, *, model_name: str, chat_template: ChatTemplate | None = None,

@@ -1,29 +1,57 @@
 """One request in flight: its choices' text, its usage, and the OpenAI JSON it turns into,
-whole (`response`) or as server-sent-event chunks (`chunks`), for completions and chat."""
+whole (`response`) or as server-sent-event chunks (`chunks`), for completions and chat.
+
+Log-probabilities, when asked for, cover a choice's tokens up to where it ended. A streamed
+chunk carries those of the tokens generated since the previous chunk of its choice: text
+held back (a character not complete yet, the start of a stop string) does not hold back
+its tokens' log-probabilities.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import abc
+from typing import NamedTuple
 
-from kvpool.engine import RequestOutput
+from kvpool.engine import RequestOutput, TokenLogprobs
 from kvpool.server.detokenize import ChoiceText
+
+REPLACEMENT = "\ufffd"
+
+
+class Change(NamedTuple):
+    """What one engine output changed in a choice: its new text, the finish reason if it
+    ended now, and the log-probabilities of its tokens since its previous change (None
+    when the request did not ask for them)."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
 
 
 class Generation:
     """The choices of one request, fed the engine's outputs by `update`.
 
     `chat` selects the chat completion objects; `stop` are the request's stop strings.
-    `done` is True once every choice has ended (the engine may still be running the request
-    when stop strings ended them: the caller aborts it).
+    `logprobs`: the request's count of most likely tokens (None: no log-probabilities), shown
+    with `token_text(token_id)` as each token's text. `done` is True once every choice has
+    ended (the engine may still be running the request when stop strings ended them: the
+    caller aborts it).
     """
 
     def __init__(self, request_id: str, model: str, *, n: int, stop: tuple[str, ...],
-                 chat: bool, include_usage: bool):
+                 chat: bool, include_usage: bool, logprobs: int | None,
+                 token_text: abc.Callable[[int], str]):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
+        self.logprobs, self.token_text = logprobs, token_text
         self.created = int(time.time())
         self.choices = [ChoiceText(stop) for _ in range(n)]
+        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # latest seen
+        self._num_logprobs_sent = [0] * n
+        self._text_offsets = [0] * n  # completions: where the next chunk's tokens start
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
@@ -33,9 +61,8 @@ class Generation:
         """True once every choice has ended."""
         return all(c.finished for c in self.choices)
 
-    def update(self, output: RequestOutput) -> list[tuple[int, str, str | None]]:
-        """Take an engine output; returns (choice index, new text, finish reason if the
-        choice ended now) for each choice that changed."""
+    def update(self, output: RequestOutput) -> list[Change]:
+        """Take an engine output; returns the Change of each choice that changed."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
         self.scheduled_time = output.scheduled_time
@@ -45,9 +72,20 @@ class Generation:
             if choice.finished:
                 continue
             delta = choice.update(sample.text, len(sample.token_ids), sample.finish_reason)
+            if sample.logprobs is not None:
+                self._logprobs[sample.index] = sample.logprobs
             if delta or choice.finished:
-                changes.append((sample.index, delta, choice.finish_reason))
+                changes.append(Change(sample.index, delta, choice.finish_reason,
+                                      self._new_logprobs(sample.index)))
         return changes
+
+    def _new_logprobs(self, index: int) -> list[TokenLogprobs] | None:
+        """The log-probabilities of the choice's tokens not sent yet, up to its end."""
+        if self.logprobs is None:
+            return None
+        start, end = self._num_logprobs_sent[index], self.choices[index].num_tokens
+        self._num_logprobs_sent[index] = end
+        return self._logprobs[index][start:end]
 
     @property
     def num_completion_tokens(self) -> int:
@@ -63,12 +101,16 @@ class Generation:
 
     def response(self) -> dict:
         """The whole (non-streamed) response of a finished generation."""
+        entries = [None if self.logprobs is None else self._logprobs[i][:c.num_tokens]
+                   for i, c in enumerate(self.choices)]
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": None, "finish_reason": c.finish_reason}
+                        "logprobs": self._chat_logprobs(entries[i]),
+                        "finish_reason": c.finish_reason}
                        for i, c in enumerate(self.choices)]
         else:
-            choices = [{"index": i, "text": c.text, "logprobs": None,
+            choices = [{"index": i, "text": c.text,
+                        "logprobs": self._completion_logprobs(entries[i], 0)[0],
                         "finish_reason": c.finish_reason} for i, c in enumerate(self.choices)]
         return {"id": self.request_id, "object": "chat.completion" if self.chat
                 else "text_completion", "created": self.created, "model": self.model,
@@ -84,21 +126,26 @@ class Generation:
                               "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.choices))]
 
-    def chunks(self, changes: list[tuple[int, str, str | None]]) -> list[bytes]:
+    def chunks(self, changes: list[Change]) -> list[bytes]:
         """The events of one update: a text delta per choice that grew, and a chunk with
-        the finish reason for each that ended (chat sends it with an empty delta)."""
+        the finish reason for each that ended (chat sends it with an empty delta, and
+        there the log-probabilities go with the text, or with the finish when no text)."""
         events = []
-        for index, delta, finish_reason in changes:
+        for index, delta, finish_reason, entries in changes:
             if self.chat:
+                logprobs = self._chat_logprobs(entries)
                 if delta:
                     events.append(self._event([{"index": index, "delta": {"content": delta},
-                                                "logprobs": None, "finish_reason": None}]))
+                                                "logprobs": logprobs, "finish_reason": None}]))
                 if finish_reason is not None:
                     events.append(self._event([{"index": index, "delta": {},
-                                                "logprobs": None,
+                                                "logprobs": None if delta else logprobs,
                                                 "finish_reason": finish_reason}]))
             else:
-                events.append(self._event([{"index": index, "text": delta, "logprobs": None,
+                logprobs, self._text_offsets[index] = self._completion_logprobs(
+                    entries, self._text_offsets[index])
+                events.append(self._event([{"index": index, "text": delta,
+                                            "logprobs": logprobs,
                                             "finish_reason": finish_reason}]))
         return events
 
@@ -108,6 +155,44 @@ class Generation:
         if self.include_usage:
             events.append(self._event([], usage=self.usage()))
         return [*events, b"data: [DONE]\n\n"]
+
+    # ---- log-probabilities ----------------------------------------------------------------
+
+    def _completion_logprobs(self, entries: list[TokenLogprobs] | None,
+                             text_offset: int) -> tuple[dict | None, int]:
+        """The completions `logprobs` object of `entries`, whose first token's text starts
+        at `text_offset` (characters) in the choice's text; and where the next would start.
+        As OpenAI's, `top_logprobs` holds the sampled token too (up to logprobs + 1)."""
+        if entries is None:
+            return None, text_offset
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        tops = []
+        for entry, token in zip(entries, tokens, strict=True):
+            top = {self.token_text(t): v for t, v in entry.top}
+            top.setdefault(token, entry.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}, text_offset
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The chat `logprobs` object of `entries`: each token's text, bytes and
+        log-probability, and its `top_logprobs` (the request's count, most likely first)."""
+        if entries is None:
+            return None
+        return {"content": [{**self._chat_token(e.token_id, e.logprob),
+                             "top_logprobs": [self._chat_token(t, v) for t, v in e.top]}
+                            for e in entries]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        """A token as chat logprobs show it: its text, its UTF-8 bytes (None when its text is
+        not whole characters, a byte of a longer character for instance) and logprob."""
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob,
+                "bytes": None if REPLACEMENT in text else list(text.encode())}
 
     def _event(self, choices: list[dict], **extra) -> bytes:
         body = {"id": self.request_id, "object": "chat.completion.chunk" if self.chat

@@ -2,7 +2,7 @@
 
 Every problem raises RequestError naming the field (`param`) and the value, as the OpenAI
 API reports it: `{"error": {"message", "type", "param", "code"}}` with HTTP status 400.
-Fields the engine cannot honour (logprobs, echo, suffix, best_of) are refused, not ignored.
+Fields the engine cannot honour (echo, suffix, best_of) are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvpool.engine import SamplingParams
+from kvpool.engine.params import MAX_LOGPROBS
 
 
 class RequestError(Exception):
@@ -40,7 +41,8 @@ class ChatMessage:
 class GenerationRequest:
     """A parsed completion or chat request. `prompt` is text or token ids (completions) and
     `messages` the chat (chat completions); exactly one is set. `max_tokens` None: whatever
-    the context leaves after the prompt."""
+    the context leaves after the prompt. `logprobs`: how many most likely tokens to show
+    next to each generated token's log-probability (None: no log-probabilities)."""
 
     model: str
     prompt: str | list[int] | None
@@ -56,15 +58,17 @@ class GenerationRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    logprobs: int | None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams for this request, generating `max_tokens` at most."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, n=self.n, seed=self.seed,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              logprobs=self.logprobs)
 
 
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "best_of")
+_UNSUPPORTED = ("echo", "suffix", "best_of")
 
 
 def parse_completion(body: object, model: str) -> GenerationRequest:
@@ -79,8 +83,12 @@ def parse_completion(body: object, model: str) -> GenerationRequest:
     elif not (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         raise RequestError(f"prompt must be a non-empty string or a non-empty list of token "
                            f"ids, got {_show(prompt)}", param="prompt")
+    if fields.get("top_logprobs") is not None:
+        raise RequestError("top_logprobs is a chat completions field; completions take "
+                           "logprobs (an int)", param="top_logprobs")
     return _request(fields, model, prompt=prompt, messages=None,
-                    max_tokens=_int(fields, "max_tokens", 16, minimum=1))
+                    max_tokens=_int(fields, "max_tokens", 16, minimum=1),
+                    logprobs=_int(fields, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS))
 
 
 def parse_chat(body: object, model: str) -> GenerationRequest:
@@ -92,8 +100,14 @@ def parse_chat(body: object, model: str) -> GenerationRequest:
                            param="messages")
     messages = [_message(m, i) for i, m in enumerate(raw)]
     key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    top = _int(fields, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    logprobs = _bool(fields, "logprobs", False)
+    if top is not None and not logprobs:
+        raise RequestError(f"top_logprobs ({top}) needs logprobs set to true",
+                           param="top_logprobs")
     return _request(fields, model, prompt=None, messages=messages,
-                    max_tokens=_int(fields, key, None, minimum=1))
+                    max_tokens=_int(fields, key, None, minimum=1),
+                    logprobs=(top or 0) if logprobs else None)
 
 
 def _fields(body: object, model: str) -> dict:
@@ -109,7 +123,8 @@ def _fields(body: object, model: str) -> dict:
     return body
 
 
-def _request(fields: dict, model: str, *, prompt, messages, max_tokens) -> GenerationRequest:
+def _request(fields: dict, model: str, *, prompt, messages, max_tokens,
+             logprobs) -> GenerationRequest:
     stop = fields.get("stop")
     stop = (stop,) if isinstance(stop, str) else stop
     if stop is None:
@@ -134,7 +149,8 @@ def _request(fields: dict, model: str, *, prompt, messages, max_tokens) -> Gener
         n=_int(fields, "n", 1, minimum=1), seed=_int(fields, "seed", None, minimum=0),
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
-        include_usage=_bool(options or {}, "include_usage", False, param="stream_options"))
+        include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
+        logprobs=logprobs)
 
 
 def _message(raw: object, index: int) -> ChatMessage:
@@ -161,7 +177,8 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(fields: dict, name: str, default: int | None, *, minimum: int) -> int | None:
+def _int(fields: dict, name: str, default: int | None, *, minimum: int,
+         maximum: int | None = None) -> int | None:
     value = fields.get(name)
     if value is None:
         return default
@@ -169,6 +186,8 @@ def _int(fields: dict, name: str, default: int | None, *, minimum: int) -> int |
         raise RequestError(f"{name} must be an integer, got {_show(value)}", param=name)
     if value < minimum:
         raise RequestError(f"{name} must be >= {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise RequestError(f"{name} must be <= {maximum}, got {value}", param=name)
     return value
 
 
