@@ -42,8 +42,8 @@ class KVLayout:
 
     `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
     when every layer attends to the whole context; `groups` gathers the layers by window.
-    Every layer's pages are kept for the whole sequence today, so the bytes per token count
-    all layers whatever their window."""
+    All layers share one page table, so the bytes per token count every layer whatever its
+    window; when every layer is windowed, KVCache gives back the pages that leave the window."""
 
     num_layers: int
     num_kv_heads: int
