@@ -422,14 +422,13 @@ class KVCache:
         self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last])
 
     def _evicted(self, pages: list[int]) -> None:
-        """The allocator took these cached pages: copy them to the tier, drop them from the
-        prefix cache, and scrub them. Eviction runs inside calls that have passed their
+        """The allocator took these cached pages (the prefix cache drops them lazily): copy
+        them to the tier and scrub them. Eviction runs inside calls that have passed their
         checks, and never fails: a page the tier cannot store is lost, as without a tier."""
         if self.tier is not None:
             data = self.pool.read_pages(pages)
             for i, key in enumerate(self.prefix_cache.page_keys(pages)):
                 self._num_tier_stores += self.tier.store(key, data[:, :, i])
-        self.prefix_cache.remove(pages)
         self._scrub(pages)
 
     def _scrub(self, pages: list[int]) -> None:
