@@ -105,9 +105,10 @@ class KVCache:
         self.prefix_cache = PrefixCache(self.allocator, layout.page_size) \
             if prefix_caching else None
         self._index = self.prefix_cache or NoPrefixCache()
-        self.allocator.on_evict = self._evicted
         self.max_tokens_per_seq = max_tokens_per_seq
-        self.scrub_on_free = scrub_on_free
+        self._scrub_on_free = scrub_on_free
+        if tier is not None or scrub_on_free:  # else eviction has nothing to tell this cache
+            self.allocator.on_evict = self._evicted
         self._seqs: dict[Hashable, _SequenceState] = {}
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
@@ -269,6 +270,12 @@ class KVCache:
     def num_available_pages(self) -> int:
         """Pages an allocation could get: free ones plus cached ones no sequence holds."""
         return self.num_free_pages + self.num_cached_pages
+
+    @property
+    def scrub_on_free(self) -> bool:
+        """Whether pages whose content no sequence or cache keeps are zeroed (fixed at
+        construction)."""
+        return self._scrub_on_free
 
     @property
     def device(self) -> torch.device:
@@ -433,7 +440,7 @@ class KVCache:
 
     def _scrub(self, pages: list[int]) -> None:
         """Zero pages whose content no sequence or cache keeps, if asked to."""
-        if self.scrub_on_free and pages:
+        if self._scrub_on_free and pages:
             self.pool.scrub_pages(pages)
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:
