@@ -102,6 +102,12 @@ class PageAllocator:
         return self._num_pages - len(self._free) - self._counts.num_cached
 
     @property
+    def num_available(self) -> int:
+        """Free and cached pages an allocation that is not critical may take (the reserve
+        left out): an allocation of up to this many succeeds."""
+        return len(self._free) + self._counts.num_cached - self._reserve
+
+    @property
     def num_marked(self) -> int:
         """Pages the prefix cache indexes, held or cached (those marked by `mark_cached` and
         not evicted since)."""

@@ -390,7 +390,7 @@ class KVCache:
     def _check_room(self, need: int, hit_pages: list[int]) -> None:
         """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
         alloc = self.allocator
-        room = alloc.num_free + alloc.num_cached - alloc.reserve
+        room = alloc.num_available
         if need + len(hit_pages) <= room:  # enough even if every hit page is cached
             return
         taken = self._num_unheld(hit_pages)

@@ -330,10 +330,11 @@ class NoPrefixCache:
 
     num_pages = 0
     root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
+    no_match = PrefixMatch([], root, 0)  # one for every call: callers never change a match
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The empty match."""
-        return PrefixMatch([], self.root, 0)
+        return self.no_match
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Keeps nothing: none of the sequence's pages is in the cache."""
