@@ -18,8 +18,8 @@ its compiled loop) and the page becomes *dead*, still listed in its node. A page
 is live exactly when it is marked cached. Since eviction takes the coldest page, the dead
 pages of a node are always its last ones, and every page below a dead page is dead too. The
 tree drops dead pages lazily: a walk that meets a node ending in dead pages cuts them (and
-the dead nodes below), and `insert` cuts a reused page from the node that still lists it.
-So eviction costs no Python per page, and the dead pages listed never exceed the pool.
+the dead nodes below), and `insert` does the same to the node that still lists a page it
+reuses. So eviction costs no Python per page, and the dead pages listed never exceed the pool.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
 computed only when a tier asks.
@@ -120,8 +120,8 @@ class PrefixCache:
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
         for page in new_pages:
-            if node_of_page[page] is not None:  # evicted from there, now reused
-                self._cut_at(page)
+            if node_of_page[page] is not None:  # evicted from that node, now reused
+                self._drop_dead(node_of_page[page])
         self.allocator.mark_cached(new_pages)
         if depth < len(node.pages):
             node = self._split(node, depth)
@@ -228,15 +228,6 @@ class PrefixCache:
         while keep and not live[node.pages[keep - 1]]:
             keep -= 1
         self._cut(node, keep)
-
-    def _cut_at(self, page: int) -> None:
-        """Cut the dead `page` from the node listing it, with the pages after it and the
-        nodes below (all dead: they are colder)."""
-        node = self._node_of_page[page]
-        i = len(node.pages) - 1
-        while node.pages[i] != page:  # dead pages are a node's last: search from the end
-            i -= 1
-        self._cut(node, i)
 
     def _cut(self, node: PrefixNode, keep: int) -> None:
         """Drop `node`'s pages from index `keep` on (dead) and every node below it; `node`
