@@ -162,7 +162,7 @@ class PrefixCache:
         return key
 
     def holds_path(self, pages: list[int]) -> bool:
-        """Whether `pages` spell a path of the tree from the root."""
+        """Whether `pages` spell a path of live pages of the tree from the root."""
         if not pages:
             return True
         if not all(self._live[page] for page in pages):
