@@ -783,3 +783,16 @@ def test_scrub_on_free_zeroes_freed_pages():
     fill(cache, "a", value=7)
     cache.free_sequence("a")
     assert torch.count_nonzero(cache.pool.kv[:, :, 0]) == 0
+
+
+def test_scrub_on_free_zeroes_evicted_pages():
+    cache = make_cache(num_pages=2, prefix_caching=True, scrub_on_free=True)
+    cache.add_sequence("a", prompt(8))
+    fill(cache, "a", value=7)
+    cache.commit("a")
+    cache.free_sequence("a")  # both pages stay cached, content kept
+    assert torch.count_nonzero(cache.pool.kv[:, :, 1]) > 0
+    cache.add_sequence("b", num_tokens=4)  # evicts page 1
+    assert cache.pages("b") == [1]
+    assert torch.count_nonzero(cache.pool.kv[:, :, 1]) == 0
+    assert torch.count_nonzero(cache.pool.kv[:, :, 0]) > 0
