@@ -135,6 +135,27 @@ def test_non_critical_allocation_may_not_take_the_reserved_pages():
         allocator.allocate(1)
 
 
+def test_num_available_counts_free_and_cached_pages_past_the_reserve():
+    allocator = PageAllocator(10, reserve=2)
+    pages = allocator.allocate(5)
+    allocator.mark_cached(pages[:2])
+    allocator.free(pages[:3])  # two cached, one free
+    assert (allocator.num_free, allocator.num_cached, allocator.num_available) == (6, 2, 6)
+    assert allocator.can_allocate(6) and not allocator.can_allocate(7)
+
+
+def test_num_marked_counts_cached_marks_until_eviction():
+    allocator = PageAllocator(10)
+    pages = allocator.allocate(3)
+    allocator.mark_cached(pages)
+    allocator.mark_cached(pages[:1])  # marked already: counted once
+    allocator.free(pages)
+    assert allocator.num_marked == 3
+    assert allocator.evict(2) == [2, 1]
+    assert allocator.num_marked == 1
+    allocator.check()
+
+
 def test_critical_allocation_may_take_the_reserved_pages():
     allocator = PageAllocator(10, reserve=2)
     allocator.allocate(8)

@@ -679,6 +679,70 @@ def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path():
     cache.check()
 
 
+# ---- eviction leaves dead pages that later calls drop ----------------------------------
+
+def test_an_evicted_page_stays_listed_dead_until_a_walk_meets_it():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.commit("a")
+    cache.free_sequence("a")
+    pc = cache.prefix_cache
+    assert pc.evict(2) == [3, 2]
+    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (2, 2, 1)
+    cache.check()
+    assert cache.add_sequence("b", prompt(16)) == 8  # the walk stops at page 2, dead
+    assert (pc.num_pages, pc.num_dead_pages) == (2, 0)
+    cache.check()
+
+
+def test_a_node_whose_pages_are_all_evicted_is_a_miss_and_is_dropped():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.commit("a")
+    cache.free_sequence("a")
+    pc = cache.prefix_cache
+    assert pc.clear() == [3, 2, 1, 0]
+    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (0, 4, 0)
+    assert cache.add_sequence("b", prompt(16)) == 0
+    assert pc.num_dead_pages == 0
+    cache.check()
+
+
+def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again():
+    cache = make_cache(num_pages=4, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("b", prompt(8, 100))  # evicts a's last two pages to hold them
+    pc = cache.prefix_cache
+    assert cache.pages("b") == [3, 2]
+    assert (pc.num_pages, pc.num_dead_pages) == (2, 2)
+    cache.commit("b")  # caching pages 3 and 2 again cuts them from a's node
+    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (4, 0, 2)
+    cache.check()
+    cache.free_sequence("b")
+    assert cache.add_sequence("c", prompt(16)) == 8
+    cache.check()
+
+
+def test_pages_dropped_dead_below_a_node_leave_its_children_too():
+    cache = make_cache(num_pages=12, prefix_caching=True)
+    cache.add_sequence("a", prompt(16))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("b", prompt(8) + prompt(9, 100))  # parts from a after two pages
+    cache.commit("b")
+    cache.free_sequence("b")
+    pc = cache.prefix_cache
+    assert pc.num_nodes == 3
+    assert pc.evict(4) == [3, 2, 5, 4]  # both branches below the shared head
+    assert (pc.num_nodes, pc.num_dead_pages) == (1, 4)
+    cache.check()
+    assert cache.add_sequence("c", prompt(8) + prompt(9, 100)) == 8
+    assert (pc.num_nodes, pc.num_pages, pc.num_dead_pages) == (1, 2, 2)  # a's branch: unmet
+    cache.check()
+
+
 # ---- probes and stats --------------------------------------------------------------------
 
 def test_probes_predict_what_calls_take():
@@ -719,3 +783,16 @@ def test_scrub_on_free_zeroes_freed_pages():
     fill(cache, "a", value=7)
     cache.free_sequence("a")
     assert torch.count_nonzero(cache.pool.kv[:, :, 0]) == 0
+
+
+def test_scrub_on_free_zeroes_evicted_pages():
+    cache = make_cache(num_pages=2, prefix_caching=True, scrub_on_free=True)
+    cache.add_sequence("a", prompt(8))
+    fill(cache, "a", value=7)
+    cache.commit("a")
+    cache.free_sequence("a")  # both pages stay cached, content kept
+    assert torch.count_nonzero(cache.pool.kv[:, :, 1]) > 0
+    cache.add_sequence("b", num_tokens=4)  # evicts page 1
+    assert cache.pages("b") == [1]
+    assert torch.count_nonzero(cache.pool.kv[:, :, 1]) == 0
+    assert torch.count_nonzero(cache.pool.kv[:, :, 0]) > 0

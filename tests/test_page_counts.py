@@ -27,7 +27,8 @@ operations = st.lists(st.one_of(
 
 
 def state(counts):
-    return (list(counts.refcounts), bytes(counts.is_cached), counts.queued(), counts.num_cached)
+    return (list(counts.refcounts), bytes(counts.is_cached), counts.queued(), counts.num_cached,
+            counts.num_marked)
 
 
 def apply(counts, op, arg):
@@ -37,9 +38,7 @@ def apply(counts, op, arg):
             free = [p for p in arg if not counts.refcounts[p] and not counts.is_cached[p]]
             return counts.hold(free)
         if op == "mark":  # as the allocator's mark_cached: held pages only
-            for p in arg:
-                counts.is_cached[p] = counts.is_cached[p] or counts.refcounts[p] > 0
-            return None
+            return counts.mark([p for p in arg if counts.refcounts[p] > 0])
         if op == "pop_cold":
             return counts.pop_cold(min(arg, counts.num_cached))
         return getattr(counts, op)(list(arg))

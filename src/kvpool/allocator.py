@@ -102,6 +102,25 @@ class PageAllocator:
         return self._num_pages - len(self._free) - self._counts.num_cached
 
     @property
+    def num_available(self) -> int:
+        """Free and cached pages an allocation that is not critical may take (the reserve
+        left out): an allocation of up to this many succeeds."""
+        return len(self._free) + self._counts.num_cached - self._reserve
+
+    @property
+    def num_marked(self) -> int:
+        """Pages the prefix cache indexes, held or cached (those marked by `mark_cached` and
+        not evicted since)."""
+        return self._counts.num_marked
+
+    @property
+    def cached_marks(self) -> bytearray:
+        """One byte per page, 1 where the prefix cache indexes the page: the live bytearray
+        itself, for fast reads by the prefix cache. Read it, never write it; eviction clears
+        a page's byte."""
+        return self._counts.is_cached
+
+    @property
     def reserve(self) -> int:
         """Free or cached pages only a critical allocation may take."""
         return self._reserve
@@ -190,8 +209,7 @@ class PageAllocator:
                 self._counts.check_id(page)
                 if not self._refcounts[page]:
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
-            for page in pages:
-                self._counts.is_cached[page] = 1
+            self._counts.mark(pages)
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,

@@ -118,9 +118,10 @@ class KVCache:
         self.prefix_cache = PrefixCache(self.allocator, layout.page_size) \
             if prefix_caching else None
         self._index = self.prefix_cache or NoPrefixCache()
-        self.allocator.on_evict = self._evicted
         self.max_tokens_per_seq = max_tokens_per_seq
-        self.scrub_on_free = scrub_on_free
+        self._scrub_on_free = scrub_on_free
+        if tier is not None or scrub_on_free:  # else eviction has nothing to tell this cache
+            self.allocator.on_evict = self._evicted
         windows = layout.layer_windows
         # tokens the last new token attends to when every layer is windowed; else None
         self.window = (max(windows) if free_out_of_window and windows and None not in windows
@@ -296,6 +297,12 @@ class KVCache:
         return self.num_free_pages + self.num_cached_pages
 
     @property
+    def scrub_on_free(self) -> bool:
+        """Whether pages whose content no sequence or cache keeps are zeroed (fixed at
+        construction)."""
+        return self._scrub_on_free
+
+    @property
     def device(self) -> torch.device:
         """Where the pool lives."""
         return self.pool.device
@@ -427,7 +434,7 @@ class KVCache:
     def _check_room(self, need: int, hit_pages: list[int]) -> None:
         """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
         alloc = self.allocator
-        room = alloc.num_free + alloc.num_cached - alloc.reserve
+        room = alloc.num_available
         if need + len(hit_pages) <= room:  # enough even if every hit page is cached
             return
         taken = self._num_unheld(hit_pages)
@@ -466,19 +473,18 @@ class KVCache:
         self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last])
 
     def _evicted(self, pages: list[int]) -> None:
-        """The allocator took these cached pages: copy them to the tier, drop them from the
-        prefix cache, and scrub them. Eviction runs inside calls that have passed their
+        """The allocator took these cached pages (the prefix cache drops them lazily): copy
+        them to the tier and scrub them. Eviction runs inside calls that have passed their
         checks, and never fails: a page the tier cannot store is lost, as without a tier."""
         if self.tier is not None:
             data = self.pool.read_pages(pages)
             for i, key in enumerate(self.prefix_cache.page_keys(pages)):
                 self._num_tier_stores += self.tier.store(key, data[:, :, i])
-        self.prefix_cache.remove(pages)
         self._scrub(pages)
 
     def _scrub(self, pages: list[int]) -> None:
         """Zero pages whose content no sequence or cache keeps, if asked to."""
-        if self.scrub_on_free and pages:
+        if self._scrub_on_free and pages:
             self.pool.scrub_pages(pages)
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:

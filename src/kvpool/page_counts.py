@@ -30,7 +30,7 @@ class PageCounts:
     """Reference counts, cached marks and the cached queue of `num_pages` pages. Callers
     check capacity; `share` and `release` check the ids and change nothing when one is bad."""
 
-    __slots__ = ("refcounts", "is_cached", "next", "prev", "num_cached")
+    __slots__ = ("refcounts", "is_cached", "next", "prev", "num_cached", "num_marked")
 
     def __init__(self, num_pages: int) -> None:
         self.refcounts = [0] * num_pages  # holders of each page
@@ -38,6 +38,7 @@ class PageCounts:
         self.next = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the coldest
         self.prev = array("i", [num_pages]) * (num_pages + 1)  # sentinel's: the warmest
         self.num_cached = 0  # pages on the queue
+        self.num_marked = 0  # pages marked cached, held or queued
 
     def hold(self, pages: list[int]) -> None:
         """Give each page, free until now, its first reference."""
@@ -66,6 +67,14 @@ class PageCounts:
         self.num_cached += queued
         return released
 
+    def mark(self, pages: list[int]) -> None:
+        """Mark held pages cached (a page marked already stays so)."""
+        is_cached = self.is_cached
+        for page in pages:
+            if not is_cached[page]:
+                is_cached[page] = 1
+                self.num_marked += 1
+
     def pop_cold(self, n: int) -> list[int]:
         """Take the `n` coldest pages (`n <= num_cached`) off the queue and unmark them;
         returns them coldest first."""
@@ -74,6 +83,7 @@ class PageCounts:
         else:
             pages = compiled.pop_cold(self.refcounts, self.is_cached, self.next, self.prev, n)
         self.num_cached -= n
+        self.num_marked -= n
         return pages
 
     def queued(self) -> list[int]:
@@ -86,8 +96,9 @@ class PageCounts:
         return pages
 
     def problems(self) -> list[str]:
-        """Broken queue links, described: the list must run from the sentinel through
-        `num_cached` pages back to the sentinel, each page's `prev` naming the one before."""
+        """Broken queue links or a wrong count, described: the list must run from the
+        sentinel through `num_cached` pages back to the sentinel, each page's `prev` naming
+        the one before, and `num_marked` pages must be marked cached."""
         nxt, prv = self.next, self.prev
         sentinel = len(nxt) - 1
         page, before = nxt[sentinel], sentinel
@@ -97,6 +108,9 @@ class PageCounts:
             page, before = nxt[page], page
         if page != sentinel or prv[sentinel] != before:
             return [f"the cached queue holds more than its {self.num_cached} pages"]
+        if self.is_cached.count(1) != self.num_marked:
+            return [f"{self.is_cached.count(1)} pages are marked cached, "
+                    f"num_marked={self.num_marked}"]
         return []
 
     # ---- the reference loops -----------------------------------------------------------

@@ -9,10 +9,17 @@ the tree small: a 16-page prompt is one node and one bytes buffer.
 
 The tree holds no reference on its pages: the allocator counts the sequences holding each
 page, and keeps a page whose count reaches 0 on its cached queue in least-recently-used
-order, taking pages from its cold end when it runs out of free ones (`remove` then drops them
-from the tree). A sequence holds every page of its path from the root, and gives its pages
-back tail first, so a page is always colder than its parent: the coldest cached page is the
-last page of a leaf, and eviction trims leaves from their ends.
+order, taking pages from its cold end when it runs out of free ones. A sequence holds every
+page of its path from the root, and gives its pages back tail first, so a page is always
+colder than its parent: the coldest cached page is the last live page of a leaf.
+
+Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in
+its compiled loop) and the page becomes *dead*, still listed in its node. A page of the tree
+is live exactly when it is marked cached. Since eviction takes the coldest page, the dead
+pages of a node are always its last ones, and every page below a dead page is dead too. The
+tree drops dead pages lazily: a walk that meets a node ending in dead pages cuts them (and
+the dead nodes below), and `insert` does the same to the node that still lists a page it
+reuses. So eviction costs no Python per page, and the dead pages listed never exceed the pool.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
 computed only when a tier asks.
@@ -52,25 +59,38 @@ class PrefixMatch(NamedTuple):
 
 class PrefixCache:
     """Radix tree of committed full pages. `KVCache` asks it for the longest cached prefix
-    of a prompt (`match`), adds a sequence's committed pages (`insert`), and drops the pages
-    the allocator evicts (`remove`)."""
+    of a prompt (`match`) and adds a sequence's committed pages (`insert`); the pages the
+    allocator evicts leave it lazily."""
 
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
+        self._live = allocator.cached_marks  # 1 for each live page of the tree
         self.root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
+        # The node listing each page, live or dead; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
-        self.num_pages = 0  # pages in the tree, held or cached
+
+    @property
+    def num_pages(self) -> int:
+        """Live pages in the tree, held or cached."""
+        return self.allocator.num_marked
 
     @property
     def num_nodes(self) -> int:
-        """Nodes below the root (each a run of pages)."""
-        return sum(1 for _ in self._nodes())
+        """Nodes below the root with a live page (each a run of pages)."""
+        return sum(1 for node in self._nodes() if self._live[node.pages[0]])
+
+    @property
+    def num_dead_pages(self) -> int:
+        """Evicted pages the tree still lists, to be dropped by the next walk that meets
+        them or when they are cached again."""
+        return sum(len(node.pages) for node in self._nodes()) - self.num_pages
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
-        `pack_tokens`), at most `max_pages` pages. Changes nothing."""
+        `pack_tokens`), at most `max_pages` pages. Changes nothing but dropping dead pages
+        it meets."""
         return self._walk(token_ids, [], max_pages, self.root, 0)
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
@@ -98,6 +118,10 @@ class PrefixCache:
             return num_held
         new_pages = pages[num_held:]
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
+        node_of_page = self._node_of_page
+        for page in new_pages:
+            if node_of_page[page] is not None:  # evicted from that node, now reused
+                self._drop_dead(node_of_page[page])
         self.allocator.mark_cached(new_pages)
         if depth < len(node.pages):
             node = self._split(node, depth)
@@ -109,32 +133,16 @@ class PrefixCache:
                               node, base_key=ROOT_KEY if node is self.root else None)
             node.parent.children[node.key] = node
         for page in new_pages:
-            self._node_of_page[page] = node
-        self.num_pages += len(new_pages)
+            node_of_page[page] = node
         return len(pages)
 
-    def remove(self, pages: list[int]) -> None:
-        """Drop evicted pages, each the last page of a leaf when its turn comes."""
-        node_of_page = self._node_of_page
-        for page in pages:
-            node = node_of_page[page]
-            node_of_page[page] = None
-            node.pages.pop()
-            del node.tokens[-self._page_bytes:]
-            if not node.pages:
-                del node.parent.children[node.key]
-        self.num_pages -= len(pages)
-
     def page_keys(self, pages: list[int]) -> list[PageKey]:
-        """The tier keys of `pages`, which `remove` will drop in this order."""
+        """The tier keys of `pages`, pages of the tree (live, or dead and not yet dropped)."""
         keys = []
-        trimmed: dict[int, int] = {}  # id(node) -> its pages dropped before this one
         for page in pages:
             node = self._node_of_page[page]
-            i = len(node.pages) - 1 - trimmed.get(id(node), 0)
-            trimmed[id(node)] = trimmed.get(id(node), 0) + 1
-            parent_key = self.chain_key(node, i)
-            keys.append(PageKey.of(parent_key, self._page_tokens(node, i)))
+            i = node.pages.index(page)
+            keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
         return keys
 
     def evict(self, num_pages: int) -> list[int]:
@@ -154,11 +162,13 @@ class PrefixCache:
         return key
 
     def holds_path(self, pages: list[int]) -> bool:
-        """Whether `pages` spell a path of the tree from the root."""
+        """Whether `pages` spell a path of live pages of the tree from the root."""
         if not pages:
             return True
+        if not all(self._live[page] for page in pages):
+            return False
         node = self._node_of_page[pages[-1]]
-        if node is None or pages[-1] not in node.pages:
+        if node is None:
             return False
         path = node.pages[:node.pages.index(pages[-1]) + 1]
         while node.parent is not self.root:
@@ -173,14 +183,21 @@ class PrefixCache:
         """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
         the walk extends), the last `depth` of them the first pages of `node`, up to
         `max_pages` pages in all. A node's pages are compared in one memcmp, a page at a
-        time only where the run stops matching."""
-        page_bytes = self._page_bytes
+        time only where the run stops matching. Each node the walk enters loses its dead
+        pages first."""
+        page_bytes, live = self._page_bytes, self._live
+        if node.pages and not live[node.pages[-1]]:
+            self._drop_dead(node)
         start, limit = len(pages) * page_bytes, max_pages * page_bytes
         while start < limit:
             if depth == len(node.pages):  # past this node's run: enter a child
                 child = node.children.get(token_ids[start:start + page_bytes])
                 if child is None:
                     break
+                if not live[child.pages[-1]]:
+                    self._drop_dead(child)
+                    if not child.pages:
+                        break
                 node, depth = child, 0
             offset = depth * page_bytes
             end = min(start + len(node.tokens) - offset, limit)
@@ -204,6 +221,31 @@ class PrefixCache:
         if node.base_key is None:
             node.base_key = self.chain_key(node.parent, len(node.parent.pages))
         return node.base_key
+
+    def _drop_dead(self, node: PrefixNode) -> None:
+        """Cut `node`'s dead pages, its last ones, and the nodes below them."""
+        live, keep = self._live, len(node.pages)
+        while keep and not live[node.pages[keep - 1]]:
+            keep -= 1
+        self._cut(node, keep)
+
+    def _cut(self, node: PrefixNode, keep: int) -> None:
+        """Drop `node`'s pages from index `keep` on (dead) and every node below it; `node`
+        itself when nothing is kept."""
+        node_of_page = self._node_of_page
+        for page in node.pages[keep:]:
+            node_of_page[page] = None
+        del node.pages[keep:]
+        del node.tokens[keep * self._page_bytes:]
+        below = list(node.children.values())
+        node.children.clear()
+        while below:
+            child = below.pop()
+            for page in child.pages:
+                node_of_page[page] = None
+            below += child.children.values()
+        if not keep and node.parent.children.get(node.key) is node:
+            del node.parent.children[node.key]
 
     def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
         """Split `node` after its first `depth` pages into a new parent holding those and
@@ -231,14 +273,15 @@ class PrefixCache:
                 stack.append(child)
 
     def check(self) -> None:
-        """Tree invariants: links, keys and the page index consistent, no empty node; the
-        allocator's cached marks exactly the tree's pages; along every path a page is held
-        whenever the page after it is, and is warmer when both are cached (so that eviction
-        always takes a leaf's last page)."""
-        page_bytes = self._page_bytes
+        """Tree invariants: links, keys and the page index consistent, no empty node, each
+        page listed once; the allocator's cached marks exactly the tree's live pages; along
+        every path a live page follows only live pages (the dead ones, evicted but not yet
+        dropped, end it), a page is held whenever the live page after it is, and is warmer
+        when both are cached (so that eviction always takes a leaf's last live page)."""
+        page_bytes, live = self._page_bytes, self._live
         refcounts = self.allocator.refcounts
         rank = {page: i for i, page in enumerate(self.allocator.cached_pages())}
-        seen = 0
+        listed = num_live = 0
         for node in self._nodes():
             where = f"node at page {node.pages[0] if node.pages else '?'}"
             assert node.pages, "an empty node is left in the tree"
@@ -249,6 +292,9 @@ class PrefixCache:
                 f"{where} has {len(node.tokens)} token bytes for {len(node.pages)} pages")
             chain = node.parent.pages[-1:] + node.pages
             for earlier, later in zip(chain[:-1], chain[1:], strict=True):
+                if not live[later]:
+                    continue
+                assert live[earlier], f"live page {later} follows dead page {earlier}"
                 assert refcounts[earlier] or not refcounts[later], (
                     f"page {later} is held but the page before it, {earlier}, is not")
                 if earlier in rank and later in rank:
@@ -257,16 +303,17 @@ class PrefixCache:
             for page in node.pages:
                 assert self._node_of_page[page] is node, (
                     f"page {page} missing from the page index")
-                assert self.allocator.is_cached(page), f"page {page} is not marked cached"
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self.chain_key(node.parent, len(node.parent.pages)), (
                     f"{where}: stale base key")
-            seen += len(node.pages)
+            listed += len(node.pages)
+            num_live += sum(live[page] for page in node.pages)
         indexed = len(self._node_of_page) - self._node_of_page.count(None)
-        marked = sum(map(self.allocator.is_cached, range(self.allocator.num_pages)))
-        assert seen == indexed == marked == self.num_pages, (
-            f"page index holds {indexed} pages, {marked} marked cached, "
-            f"num_pages={self.num_pages}, tree {seen}")
+        marked = live.count(1)
+        assert listed == indexed, f"the page index names {indexed} pages, the tree lists {listed}"
+        assert num_live == marked == self.num_pages, (
+            f"{marked} pages marked cached, num_pages={self.num_pages}, "
+            f"{num_live} live pages in the tree")
 
 
 class NoPrefixCache:
@@ -274,10 +321,11 @@ class NoPrefixCache:
 
     num_pages = 0
     root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
+    no_match = PrefixMatch([], root, 0)  # one for every call: callers never change a match
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The empty match."""
-        return PrefixMatch([], self.root, 0)
+        return self.no_match
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Keeps nothing: none of the sequence's pages is in the cache."""
