@@ -152,3 +152,12 @@ def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
 def test_state_slots_larger_than_the_budget_are_named(checkpoint):
     with pytest.raises(OutOfPages, match=r"after .* of state slots"):
         LLM(checkpoint, kv_cache_memory=2**12, max_num_seqs=4)
+
+
+def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts):
+    llm = _llm(checkpoint, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 0.25))
+    assert llm.cache.layout.dtype == torch.float8_e4m3fn
+    assert llm.cache.kv.pool.scales.tolist() == [[0.5, 0.25]]
+    outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [len(t) for t in _tokens(outputs)] == [MAX_TOKENS] * 3
+    _assert_drained(llm)

@@ -58,7 +58,8 @@ class HybridCache:
                  num_state_slots: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, num_checkpoint_slots: int = 0,
                  checkpoint_interval: int = 64, track_interval: int = 256,
-                 max_tokens_per_seq: int | None = None, scrub_on_free: bool = False):
+                 max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
+                 kv_scales=None):
         check_int("num_state_slots", num_state_slots, 1)
         check_int("num_checkpoint_slots", num_checkpoint_slots, 1 if prefix_caching else 0)
         check_int("checkpoint_interval", checkpoint_interval, 1)
@@ -69,7 +70,7 @@ class HybridCache:
                              f"{track_interval} a multiple of it")
         self.kv = KVCache(layout, num_pages, device=device, policy=policy,
                           prefix_caching=prefix_caching, max_tokens_per_seq=max_tokens_per_seq,
-                          scrub_on_free=scrub_on_free)
+                          scrub_on_free=scrub_on_free, kv_scales=kv_scales)
         self.num_sequence_slots = num_state_slots
         self.states = MambaPool(mamba_layout, num_state_slots + num_checkpoint_slots,
                                 device=self.kv.device)

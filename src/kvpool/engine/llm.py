@@ -75,7 +75,7 @@ class LLM:
                 layout, num_pages, mamba, num_slots, device=device,
                 prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
                 checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
-                max_tokens_per_seq=self.max_model_len)
+                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
         else:
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,

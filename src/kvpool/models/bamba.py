@@ -92,7 +92,8 @@ class BambaForCausalLM(nn.Module):
         """One packed step: input_ids and positions `[T]` int64 -> float32 logits
         `[n, vocab_size]` of the tokens at `logits_indices` (default: each sequence's last
         token). `states.slots[b]` is sequence b's state slot."""
-        for name, held in (("pool", pool.kv.dtype), ("state pool", states.pool.layout.dtype)):
+        kv_dtype = self.dtype if pool.quantized else pool.kv.dtype  # fp8 pages: any model
+        for name, held in (("pool", kv_dtype), ("state pool", states.pool.layout.dtype)):
             if held != self.dtype:
                 raise ValueError(f"the {name} holds {held} but the model computes in "
                                  f"{self.dtype}; build its layout with dtype={self.dtype}")
