@@ -10,6 +10,7 @@ import transformers
 
 from kvpool.cache import HOLE
 from kvpool.engine import LLM, SamplingParams
+from kvpool.engine.config import EngineConfig
 from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
 from kvpool.models.loader import load_model
@@ -255,3 +256,22 @@ def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mist
                 assert sum(page != HOLE for page in llm.cache.pages(seq_id)) <= 3
         llm.cache.check()
     assert decoded_far > 0
+
+
+def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path):
+    hf, _ = mistral
+    llm = LLM(save_hf_model(hf, tmp_path), num_pages=64, page_size=4, max_num_seqs=2,
+              free_out_of_window=False)
+    prompt = prompts(160, lengths=(30,), seed=3)["seq0"]
+    llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                           ignore_eos=True))
+    while llm.has_unfinished():
+        llm.step()
+        for seq_id in llm.cache.sequences():
+            assert HOLE not in llm.cache.pages(seq_id)
+    assert llm.cache.window is None
+
+
+def test_free_out_of_window_must_be_a_bool():
+    with pytest.raises(TypeError, match="free_out_of_window must be a bool, got 'no'"):
+        EngineConfig(free_out_of_window="no")

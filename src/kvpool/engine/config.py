@@ -35,6 +35,8 @@ class EngineConfig:
     None to take each layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
     requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
     prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
+    free_out_of_window: when every layer has a sliding window (Mistral), give back the pages
+    that fall out of it as sequences decode (kvpool.cache); False keeps every page.
     """
 
     page_size: int = 16
@@ -52,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     mamba_checkpoint_slots: int | None = None
+    free_out_of_window: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -66,7 +69,7 @@ class EngineConfig:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0 < fraction <= 1):
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        for name in ("prefix_caching", "enforce_eager"):
+        for name in ("prefix_caching", "enforce_eager", "free_out_of_window"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):

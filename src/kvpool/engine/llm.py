@@ -80,7 +80,8 @@ class LLM:
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,
                                  max_tokens_per_seq=self.max_model_len,
-                                 kv_scales=self.config.kv_scales)
+                                 kv_scales=self.config.kv_scales,
+                                 free_out_of_window=self.config.free_out_of_window)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
