@@ -1,4 +1,4 @@
-"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral,
+"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text,
 DeepSeek-V2/V3, and the hybrid Bamba) into one validated dataclass, the KV layout a config
 implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 
@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     *HYBRID_ARCHITECTURES,
@@ -33,11 +34,13 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "bamba": "BambaForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
@@ -134,6 +137,19 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GemmaConfig:
+    """What Gemma 3 does differently from a Llama decoder: norms scale by (1 + weight), the
+    embedding is multiplied by sqrt(hidden_size), queries are scaled by
+    `query_pre_attn_scalar ** -0.5`, the MLP gates with tanh-approximated GELU, and the
+    sliding-window layers rotate with their own rope base (the full layers use the config's
+    `rope_theta` and `rope_scaling`)."""
+
+    query_pre_attn_scalar: float
+    local_rope_theta: float
+    local_rope_scaling: dict | None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What kvpool needs of a decoder's config.json, normalised across architectures and
     transformers versions (rope settings live in `rope_theta` + `rope_scaling`)."""
@@ -155,7 +171,7 @@ class ModelConfig:
     o_bias: bool  # Llama/Qwen3 when attention_bias
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
-    sliding_window: int | None  # Mistral
+    sliding_window: int | None  # tokens a windowed layer attends to (its own included)
     dtype: torch.dtype | None  # the checkpoint's, None when unstated
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -163,6 +179,9 @@ class ModelConfig:
     moe: MoEConfig | None = None  # DeepSeek's MoE layers; None: every MLP is dense
     partial_rotary_factor: float = 1.0  # Bamba rotates the first half of each head
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
+    # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
+    layer_types: tuple[str, ...] = ()
+    gemma: GemmaConfig | None = None
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -171,6 +190,9 @@ class ModelConfig:
         arch = _architecture(cfg)
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek(cfg, arch)
+        is_gemma = arch == "Gemma3ForCausalLM"
+        if is_gemma:
+            _check_gemma(cfg)
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
         kv_heads = _int(cfg, "num_key_value_heads", heads)
@@ -184,13 +206,16 @@ class ModelConfig:
                 raise ConfigError(f"hidden_size={hidden} is not a multiple of "
                                   f"num_attention_heads={heads} and no head_dim is given")
             head_dim = hidden // heads
-        rope_theta, rope_scaling = _rope(cfg)
         num_layers = _int(cfg, "num_hidden_layers")
+        gemma = None
+        if is_gemma:
+            (rope_theta, rope_scaling), gemma = _gemma_ropes(cfg), _gemma(cfg)
+        else:
+            rope_theta, rope_scaling = _rope(cfg)
         is_bamba = arch == "BambaForCausalLM"
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        if arch.startswith("Qwen") and _bool(cfg, "use_sliding_window"):
-            raise ConfigError(f"{arch} with use_sliding_window=true is not supported")
+        sliding_window, layer_types = _windows(cfg, arch, num_layers)
         return cls(
             architecture=arch,
             vocab_size=_int(cfg, "vocab_size"),
@@ -204,19 +229,22 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-            tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
+            # Gemma 3 ties its head to the embedding unless its config says otherwise
+            tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
+                                 if "tie_word_embeddings" in cfg or not is_gemma else True),
             qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM",
-                                               "BambaForCausalLM"),
+                                               "BambaForCausalLM", "Gemma3ForCausalLM"),
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=(_optional_int(cfg, "sliding_window")
-                            if arch == "MistralForCausalLM" else None),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sliding_window=sliding_window,
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
             partial_rotary_factor=_partial_rotary_factor(cfg) if is_bamba else 1.0,
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
+            layer_types=layer_types,
+            gemma=gemma,
         )
 
     @property
@@ -226,6 +254,12 @@ class ModelConfig:
         if self.mla:
             return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of model layer `layer` in tokens, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == FULL:
+            return None
+        return self.sliding_window
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -332,6 +366,83 @@ def _rope(cfg: dict, rope_types=("linear", "llama3")) -> tuple[float, dict | Non
         if params.get(name):
             _number(params[name], f"{key}.{name}")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types) as transformers reads them: Mistral windows every layer
+    when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, then the layers
+    `layer_types` names (by default those from `max_window_layers` on); Gemma 3 the layers
+    `layer_types` names (by default all but every `sliding_window_pattern`-th). Other
+    architectures have no windows."""
+    if arch == "MistralForCausalLM":
+        window = _optional_int(cfg, "sliding_window")
+        return window, (SLIDING if window else FULL,) * num_layers
+    is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    is_gemma = arch == "Gemma3ForCausalLM"
+    if not (is_qwen or is_gemma):
+        return None, ()
+    window = _optional_int(cfg, "sliding_window")
+    if is_gemma:
+        window = 4096 if "sliding_window" not in cfg else window
+        pattern = _int(cfg, "sliding_window_pattern", 6)
+        default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+    else:
+        window = window if _bool(cfg, "use_sliding_window") else None
+        first = _optional_int(cfg, "max_window_layers", minimum=0)
+        first = 28 if first is None else first
+        default = tuple(SLIDING if window and i >= first else FULL for i in range(num_layers))
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        return window, default
+    if not (isinstance(layer_types, list) and len(layer_types) == num_layers
+            and all(t in (FULL, SLIDING) for t in layer_types)):
+        raise ConfigError(f"config 'layer_types' must list {FULL!r} or {SLIDING!r} for each of "
+                          f"the {num_layers} layers, got {layer_types!r}")
+    if SLIDING in layer_types and window is None:
+        why = "use_sliding_window is false" if is_qwen else "sliding_window is null"
+        raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
+                          f"{SLIDING} layer(s) but {why}: they have no window")
+    return window, tuple(layer_types)
+
+
+def _check_gemma(cfg: dict) -> None:
+    """Raise ConfigError for the Gemma 3 options kvpool does not run."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"Gemma3ForCausalLM with {key}={cfg[key]!r} is not supported "
+                              f"(only null)")
+    if _bool(cfg, "use_bidirectional_attention"):
+        raise ConfigError("Gemma3ForCausalLM with use_bidirectional_attention=true is not "
+                          "supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ConfigError(f"unsupported hidden_activation {cfg['hidden_activation']!r}; "
+                          f"kvpool supports gelu_pytorch_tanh for Gemma 3")
+
+
+def _gemma_ropes(cfg: dict) -> tuple[float, dict | None]:
+    """The full layers' (rope_theta, rope_scaling) of a Gemma 3 config: transformers 5 writes
+    rope_parameters per layer type; older configs rope_theta and rope_scaling (default base
+    1e6)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and FULL in params:
+        return _rope({"rope_parameters": params[FULL]})
+    return _rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0),
+                  "rope_parameters": None})
+
+
+def _gemma(cfg: dict) -> GemmaConfig:
+    """Gemma 3's own settings; the sliding layers' rope comes from rope_parameters or, in
+    older configs, rope_local_base_freq (default 1e4) without scaling."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and SLIDING in params:
+        local_theta, local_scaling = _rope({"rope_parameters": params[SLIDING]})
+    else:
+        local_theta, local_scaling = _float(cfg, "rope_local_base_freq", 10_000.0), None
+    return GemmaConfig(
+        query_pre_attn_scalar=_float(cfg, "query_pre_attn_scalar", 256.0),
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
+    )
 
 
 def _deepseek(cfg: dict, arch: str) -> ModelConfig:

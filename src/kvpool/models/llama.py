@@ -22,16 +22,18 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
-    the pages of layer `layer_idx`, attend through the page tables, project back. With fp8
-    pages, the layer's first K/V written set its scales unless they were given."""
+    the pages of pool layer `layer_idx`, attend through the page tables (to the last
+    `sliding_window` tokens only, when given), project back. With fp8 pages, the layer's first
+    K/V written set its scales unless they were given."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         hidden, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.scale = d**-0.5
-        self.sliding_window = config.sliding_window
+        self.sliding_window = sliding_window
         bias = config.qkv_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, dtype=dtype)
@@ -72,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, layer_idx)
+        self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
@@ -125,6 +127,10 @@ class LlamaForCausalLM(nn.Module):
         self.to_empty(device=device)
         self.rotary_emb = RotaryEmbedding(config, device)
 
+    def rope(self, positions: torch.Tensor):
+        """What the decoder rotates q/k by at `positions` `[T]`: one (cos, sin) pair."""
+        return self.rotary_emb(positions, self.dtype)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, pool: KVPool,
@@ -136,8 +142,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"the pool holds {pool.kv.dtype} but the model computes in "
                              f"{self.dtype}; build the KVLayout with dtype={self.dtype} "
                              f"(or float8_e4m3fn for fp8 pages)")
-        rope = self.rotary_emb(positions, self.dtype)
-        hidden = self.model(input_ids, rope, meta, pool)
+        hidden = self.model(input_ids, self.rope(positions), meta, pool)
         if logits_indices is None:
             logits_indices = meta.cu_seqlens_q[1:] - 1
         hidden = self.model.norm(hidden.index_select(0, logits_indices.long()))

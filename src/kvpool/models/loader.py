@@ -14,6 +14,7 @@ from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
+from kvpool.models.gemma3 import Gemma3ForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvpool.pool import default_device
@@ -23,12 +24,12 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
-# The module class of each architecture that is not a Llama-family decoder.
 # The module class of each architecture that is not run by LlamaForCausalLM.
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

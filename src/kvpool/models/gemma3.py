@@ -1,0 +1,126 @@
+"""Gemma 3 (text): a Llama-style decoder with (1 + weight) RMSNorms before and after both
+attention and MLP, a scaled embedding, q/k norms, tanh-GELU MLP, and sliding-window layers
+(rotating with their own rope base) between full-attention ones. Parameter names mirror the
+Hugging Face `Gemma3ForCausalLM` checkpoints."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.attention import AttentionMetadata
+from kvpool.models.config import ModelConfig
+from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
+from kvpool.models.rotary import RotaryEmbedding
+from kvpool.pool import KVPool
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm whose learned scale is `1 + weight`, applied in float32 before the cast back
+    to the input's dtype (transformers' order for Gemma)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., size]` -> same shape and dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GemmaMLP(nn.Module):
+    """GeGLU feed-forward: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden_size]` -> `[T, hidden_size]`."""
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma3Attention(LlamaAttention):
+    """Llama attention with Gemma's q/k norms and its query scale
+    `query_pre_attn_scalar ** -0.5` (not head_dim's)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 sliding_window: int | None):
+        super().__init__(config, dtype, layer_idx, sliding_window)
+        self.scale = config.gemma.query_pre_attn_scalar**-0.5
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """`x + norm(attn(norm(x)))`, then `x + norm(mlp(norm(x)))`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.sliding = config.layer_window(layer_idx) is not None
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.self_attn = Gemma3Attention(config, dtype, layer_idx,
+                                         config.layer_window(layer_idx))
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.mlp = GemmaMLP(size, config.intermediate_size, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
+                pool: KVPool) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`."""
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rope, meta, pool))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    """Scaled embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # transformers rounds sqrt(hidden_size) to the weights' dtype before multiplying
+        self.embed_scale = math.sqrt(config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, dtype, i) for i in range(config.num_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, ropes: tuple[Rope, Rope],
+                meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+        """input_ids `[T]` and the (full, sliding) layers' ropes -> hidden states
+        `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        full, sliding = ropes
+        for layer in self.layers:
+            x = layer(x, sliding if layer.sliding else full, meta, pool)
+        return x
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's decoder and head (tied to the embedding unless the config unties it); the
+    sliding layers rotate by the config's local rope base."""
+
+    decoder = Gemma3Model
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__(config, dtype=dtype, device=device)
+        local = replace(config, rope_theta=config.gemma.local_rope_theta,
+                        rope_scaling=config.gemma.local_rope_scaling)
+        self.local_rotary_emb = RotaryEmbedding(local, self.rotary_emb.inv_freq.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
+        """(cos, sin) at `positions` `[T]` for the full layers, then for the sliding ones."""
+        return self.rotary_emb(positions, self.dtype), self.local_rotary_emb(positions, self.dtype)

@@ -1,0 +1,174 @@
+"""Models mixing sliding-window and full-attention layers (Qwen2/Qwen3 with layer_types,
+Gemma 3 text) against transformers on sequences longer than the window, and how their
+configs are read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvpool.engine import LLM, SamplingParams
+from kvpool.errors import ConfigError
+from kvpool.models.config import FULL, SLIDING, ModelConfig
+from kvpool.models.loader import load_model
+from models_util import SMALL, PagedRunner, hf_greedy, hf_logits, make_hf_model, save_hf_model
+from test_models import MAX_TOKENS, prompts, relative_error
+
+WINDOW = 8  # shorter than every prompt but the first, and than every continuation
+FOUR = dict(SMALL, num_hidden_layers=4)
+MIXED = [FULL, SLIDING, SLIDING, FULL]
+GEMMA = dict(FOUR, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+             rope_parameters={FULL: {"rope_type": "default", "rope_theta": 1000.0},
+                              SLIDING: {"rope_type": "default", "rope_theta": 50.0}})
+CONFIGS = {
+    "qwen3-layer-types": lambda: transformers.Qwen3Config(
+        **FOUR, head_dim=32, use_sliding_window=True, sliding_window=WINDOW, layer_types=MIXED),
+    "qwen2-max-window-layers": lambda: transformers.Qwen2Config(
+        **FOUR, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2),
+    "gemma3-linear-rope-untied": lambda: transformers.Gemma3TextConfig(
+        **dict(GEMMA, rope_parameters={
+            FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 50.0}}),
+        layer_types=MIXED, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(transformers model, the same checkpoint loaded by kvpool) for one windowed case."""
+    hf = make_hf_model(request.param, configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf, load_model(folder, device="cpu").model
+
+
+def test_each_layer_gets_the_window_transformers_gives_it(pair):
+    hf, model = pair
+    expected = [WINDOW if t == SLIDING else None for t in hf.config.layer_types]
+    assert SLIDING in hf.config.layer_types and FULL in hf.config.layer_types
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == expected
+
+
+def test_packed_prefill_logits_match_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    logits = PagedRunner(model).step(batch, all_logits=True)
+    offset = 0
+    for prompt in batch.values():
+        ref = hf_logits(hf, prompt)
+        assert relative_error(logits[offset:offset + len(prompt)], ref) < 1e-4
+        offset += len(prompt)
+
+
+def test_batched_greedy_decode_matches_transformers_generate(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    ours = PagedRunner(model).greedy(batch, MAX_TOKENS)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair):
+    _, model = pair
+    prompt = prompts(model.config.vocab_size, lengths=(22,))["seq0"]
+    whole = PagedRunner(model).step({"a": prompt}, all_logits=True)
+    runner = PagedRunner(model, seed=1)
+    runner.step({"a": prompt[:9]})
+    second = runner.step({"a": prompt[9:]}, all_logits=True)
+    torch.testing.assert_close(second, whole[9:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3"])
+def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(name, tmp_path):
+    hf = make_hf_model(name, configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path)
+    shared = prompts(160, lengths=(20,), seed=2)["seq0"]
+    batch = list(prompts(160, lengths=(5, 30), seed=3).values())
+    batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
+    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = llm.generate(batch, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
+                                                          for p in batch]
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.cache.check()
+
+
+# --- reading the configs ---
+
+def qwen3(**overrides) -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 2,
+            **overrides}
+
+
+def test_qwen_without_use_sliding_window_has_no_windowed_layer():
+    config = ModelConfig.from_hf(qwen3(sliding_window=8, max_window_layers=1))
+    assert [config.layer_window(i) for i in range(4)] == [None] * 4
+
+
+def test_qwen_windows_the_layers_from_max_window_layers_on():
+    config = ModelConfig.from_hf(qwen3(use_sliding_window=True, sliding_window=8,
+                                       max_window_layers=1))
+    assert [config.layer_window(i) for i in range(4)] == [None, 8, 8, 8]
+
+
+def test_qwen_layer_types_override_max_window_layers():
+    config = ModelConfig.from_hf(qwen3(use_sliding_window=True, sliding_window=8,
+                                       max_window_layers=1, layer_types=MIXED))
+    assert [config.layer_window(i) for i in range(4)] == [None, 8, 8, None]
+
+
+def test_sliding_layer_types_without_a_window_are_a_config_error():
+    with pytest.raises(ConfigError, match="names 2 sliding_attention layer.*use_sliding_window"):
+        ModelConfig.from_hf(qwen3(sliding_window=8, layer_types=MIXED))
+
+
+def test_layer_types_of_the_wrong_length_are_a_config_error():
+    with pytest.raises(ConfigError, match="each of the 4 layers"):
+        ModelConfig.from_hf(qwen3(use_sliding_window=True, sliding_window=8,
+                                  layer_types=MIXED[:3]))
+
+
+def gemma3(**overrides) -> dict:
+    return {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 7, "num_attention_heads": 2,
+            "head_dim": 4, **overrides}
+
+
+def test_gemma3_defaults_window_five_layers_in_six_and_ties_the_head():
+    config = ModelConfig.from_hf(gemma3())
+    windows = [config.layer_window(i) for i in range(7)]
+    assert windows == [4096] * 5 + [None] + [4096]
+    assert config.tie_word_embeddings
+    assert config.gemma.query_pre_attn_scalar == 256.0
+
+
+def test_gemma3_old_style_rope_keys_give_both_bases():
+    config = ModelConfig.from_hf(gemma3(rope_theta=1e6, rope_local_base_freq=1e4,
+                                        rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                        sliding_window_pattern=2))
+    assert (config.rope_theta, config.rope_scaling) == (1e6, {"rope_type": "linear",
+                                                              "factor": 8.0})
+    assert (config.gemma.local_rope_theta, config.gemma.local_rope_scaling) == (1e4, None)
+    assert [config.layer_window(i) is None for i in range(4)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma3_softcapping_is_refused(key):
+    with pytest.raises(ConfigError, match=f"{key}=30.0 is not supported"):
+        ModelConfig.from_hf(gemma3(**{key: 30.0}))
+
+
+def test_gemma3_bidirectional_attention_is_refused():
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf(gemma3(use_bidirectional_attention=True))
