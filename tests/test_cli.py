@@ -86,7 +86,7 @@ def test_plan_without_a_model_lists_the_presets_and_exits_2(capsys):
     assert main(["plan"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvpool plan: error: give a MODEL")
-    assert "(tiny, Llama-3-8B, Qwen2.5-7B, Qwen3-8B, Mistral-7B, Bamba-9B)" in err
+    assert "(tiny, Llama-3-8B, Qwen2.5-7B, Qwen3-8B, Mistral-7B, Gemma-3-4B, Bamba-9B)" in err
 
 
 def test_plan_of_an_unknown_model_exits_2(capsys):
@@ -194,3 +194,23 @@ def test_bad_options_are_one_line_with_exit_2(capsys, argv, message):
     assert main([*argv, "--no-plot"] if argv[0] == "bench" else argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_plan_shows_the_full_and_window_layer_groups_of_gemma3(capsys):
+    table = plan_table(capsys, "Gemma-3-4B", "--device-memory", "24GiB")
+    assert table["KV full attention"] == "layers 5, 11, 17, 23, 29 (5): 20,480 bytes per " \
+                                         "token (20.00 KiB)"
+    assert table["KV window 1,024"] == ("layers 0-4, 6-10, 12-16, 18-22, 24-28, 30-33 (29): "
+                                        "118,784 bytes per token (116.00 KiB)")
+    assert table["KV bytes per token"] == "139,264 (136.00 KiB)"
+
+
+def test_plan_shows_mistrals_single_window_group(capsys):
+    table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB")
+    assert table["KV window 4,096"] == "layers 0-31 (32): 131,072 bytes per token (128.00 KiB)"
+    assert "KV full attention" not in table
+
+
+def test_plan_of_a_model_without_windows_shows_no_groups(capsys):
+    table = plan_table(capsys, "Qwen3-8B", "--device-memory", "24GiB")
+    assert not any(label.startswith(("KV full", "KV window")) for label in table)

@@ -74,3 +74,30 @@ def test_layout_rejects_an_unknown_kind():
 def test_mla_layout_rejects_more_than_one_kv_head():
     with pytest.raises(ValueError, match="num_kv_heads must be 1, got 2"):
         KVLayout(2, 2, 64, kind="mla")
+
+
+# layer groups
+
+def test_a_layout_without_windows_is_one_full_group_of_every_layer():
+    (group,) = KVLayout(3, 2, 64, torch.bfloat16).groups
+    assert (group.kind, group.window, group.layers) == ("full", None, (0, 1, 2))
+    assert group.bytes_per_token == KVLayout(3, 2, 64, torch.bfloat16).bytes_per_token
+
+
+def test_groups_gather_layers_by_window_full_first_then_smallest_window():
+    layout = KVLayout(5, 2, 64, torch.bfloat16, layer_windows=(512, None, 128, 512, None))
+    assert [(g.window, g.layers) for g in layout.groups] == [
+        (None, (1, 4)), (128, (2,)), (512, (0, 3))]
+    assert [g.bytes_per_token for g in layout.groups] == [2 * 2 * 2 * 64 * 2, 2 * 2 * 64 * 2,
+                                                         2 * 2 * 2 * 64 * 2]
+    assert sum(g.bytes_per_token for g in layout.groups) == layout.bytes_per_token
+
+
+def test_layer_windows_must_name_every_layer():
+    with pytest.raises(ValueError, match="layer_windows names 2 layers, the layout has 3"):
+        KVLayout(3, 2, 64, layer_windows=(8, None))
+
+
+def test_a_window_must_be_a_positive_token_count():
+    with pytest.raises(ValueError, match="layer_windows"):
+        KVLayout(2, 2, 64, layer_windows=(0, None))

@@ -61,14 +61,17 @@ def test_kv_bytes_per_token_of_published_models_in_bf16(name, bytes_per_token):
     assert ModelConfig.from_hf(name).kv_layout().bytes_per_token == bytes_per_token
 
 
-@pytest.mark.parametrize(("config_class", "head_dim"), [
-    ("LlamaConfig", 16), ("Qwen2Config", 16), ("Qwen3Config", 128), ("MistralConfig", 16),
-])  # hidden_size 64 / 4 heads, except Qwen3, whose config always states head_dim (default 128)
+@pytest.mark.parametrize(("config_class", "head_dim", "windows"), [
+    ("LlamaConfig", 16, ()), ("Qwen2Config", 16, ()), ("Qwen3Config", 128, ()),
+    ("MistralConfig", 16, (4096, 4096)),
+])  # hidden_size 64 / 4 heads, except Qwen3, whose config always states head_dim (default 128);
+# Mistral windows every layer (transformers' default window: 4096)
 def test_kv_layout_reads_a_checkpoint_folder_written_by_transformers(
-    transformers, tmp_path, config_class, head_dim
+    transformers, tmp_path, config_class, head_dim, windows
 ):
     getattr(transformers, config_class)(**SMALL, dtype="bfloat16").save_pretrained(tmp_path)
-    assert ModelConfig.from_hf(tmp_path).kv_layout() == KVLayout(2, 2, head_dim, torch.bfloat16)
+    assert ModelConfig.from_hf(tmp_path).kv_layout() == KVLayout(2, 2, head_dim, torch.bfloat16,
+                                                                 layer_windows=windows)
 
 
 def test_transformers_5_dtype_and_rope_parameters_are_read(transformers, tmp_path):

@@ -22,6 +22,7 @@ PUBLISHED_PARAMETERS = {
     "Qwen2.5-7B": 7_615_616_512,
     "Qwen3-8B": 8_190_735_360,
     "Mistral-7B": 7_241_732_096,
+    "Gemma-3-4B": 3_880_263_168,  # the text decoder
 }
 
 
@@ -42,7 +43,7 @@ def test_parameter_count_of_published_models(name, num_parameters):
     assert count_parameters(ModelConfig.from_hf(name)) == num_parameters
 
 
-@pytest.mark.parametrize("name", ["Llama-3-8B", "Qwen3-8B"])
+@pytest.mark.parametrize("name", ["Llama-3-8B", "Qwen3-8B", "Gemma-3-4B"])
 def test_parameter_count_of_published_models_matches_transformers(transformers, name):
     config = dict(PRESETS[name])
     config.pop("architectures")
@@ -58,6 +59,8 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("Qwen2Config", {"tie_word_embeddings": True}),
     ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
     ("MistralConfig", {}),
+    ("Gemma3TextConfig", {"head_dim": 16}),
+    ("Gemma3TextConfig", {"head_dim": 16, "tie_word_embeddings": False}),
 ])
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)

@@ -13,7 +13,7 @@ from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
-from kvpool.layout import KVLayout
+from kvpool.layout import KVLayout, LayerGroup
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -191,6 +191,10 @@ def _plan_rows(
         ("KV layout", _layout_text(model, plan.layout)),
         ("KV dtype", dtype_name(plan.layout.dtype)),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
+    ]
+    if len(plan.layout.groups) > 1 or plan.layout.layer_windows:
+        rows += [_group_row(group) for group in plan.layout.groups]
+    rows += [
         ("KV bytes per page", f"{plan.bytes_per_page:,} ({format_bytes(plan.bytes_per_page)}, "
                               f"{plan.page_size} tokens)"),
         ("pages", f"{plan.num_pages:,} ({format_bytes(plan.kv_bytes)})"),
@@ -202,6 +206,26 @@ def _plan_rows(
         rows.append(("checkpoints", f"{plan.max_checkpoints(context_len):,} state slots left "
                                     f"for the prefix cache"))
     return rows
+
+
+def _group_row(group: LayerGroup) -> tuple[str, str]:
+    """One layer group of the layout, e.g. ("KV window 1,024", "layers 0-4, 6-10 (10):
+    81,920 bytes per token")."""
+    label = "KV full attention" if group.window is None else f"KV window {group.window:,}"
+    return (label, f"layers {_ranges(group.layers)} ({len(group.layers)}): "
+                   f"{group.bytes_per_token:,} bytes per token "
+                   f"({format_bytes(group.bytes_per_token)})")
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """Layer indices as runs, e.g. (0, 1, 2, 4) -> "0-2, 4"."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _layout_text(model: ModelConfig, layout: KVLayout) -> str:

@@ -14,6 +14,21 @@ KINDS = ("mha", "mla")
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers of a KVLayout that attend alike: `window` tokens back (None: the whole
+    context); `bytes_per_token` is what one token stores in these layers."""
+
+    window: int | None
+    layers: tuple[int, ...]
+    bytes_per_token: int
+
+    @property
+    def kind(self) -> str:
+        """"full" or "sliding_window"."""
+        return "full" if self.window is None else "sliding_window"
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of the paged KV cache: for every token, in each of `num_layers` layers,
     `num_kv_heads` heads of `head_dim` elements of `dtype` in each of its planes; pages of
@@ -23,7 +38,12 @@ class KVLayout:
     (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
     latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
     serves as the key, and whose first kv_lora_rank values serve as the value. A float8_e4m3fn
-    layout (mha only) holds fp8 pages with per-layer scales (kvpool.fp8)."""
+    layout (mha only) holds fp8 pages with per-layer scales (kvpool.fp8).
+
+    `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
+    when every layer attends to the whole context; `groups` gathers the layers by window.
+    Every layer's pages are kept for the whole sequence today, so the bytes per token count
+    all layers whatever their window."""
 
     num_layers: int
     num_kv_heads: int
@@ -31,6 +51,7 @@ class KVLayout:
     dtype: torch.dtype = torch.float16
     page_size: int = 16
     kind: str = "mha"
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
@@ -46,6 +67,27 @@ class KVLayout:
                              f"num_kv_heads must be 1, got {self.num_kv_heads}")
         if self.kind == "mla" and self.dtype == FP8_DTYPE:
             raise TypeError("fp8 pages are not supported for mla layouts")
+        if not isinstance(self.layer_windows, tuple):
+            raise TypeError(f"layer_windows must be a tuple, got {self.layer_windows!r}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows names {len(self.layer_windows)} layers, the "
+                             f"layout has {self.num_layers}")
+        for window in self.layer_windows:
+            if window is not None:
+                check_int("layer_windows[i]", window, 1)
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layers gathered by window: full attention first, then windows from the
+        smallest; each with its bytes per token (K and V, or the latent, of its layers)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        order = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        per_layer = self.bytes_per_token // self.num_layers
+        groups = []
+        for window in order:
+            layers = tuple(i for i, w in enumerate(windows) if w == window)
+            groups.append(LayerGroup(window, layers, per_layer * len(layers)))
+        return tuple(groups)
 
     @property
     def num_planes(self) -> int:

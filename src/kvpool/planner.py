@@ -169,7 +169,7 @@ def count_parameters(model: ModelConfig) -> int:
     """Exact parameter count of a decoder: embeddings; per layer its mixer (attention, Llama-family:
     q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
     a hybrid's Mamba2 mixer), the MLP (gated; DeepSeek's MoE layers: routed and shared experts
-    and the router) and two RMSNorms; the final norm; the lm_head unless tied to the
+    and the router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied to the
     embeddings."""
     hidden = model.hidden_size
     attention = _mla_parameters(model) if model.mla else _attention_parameters(model)
@@ -178,8 +178,9 @@ def count_parameters(model: ModelConfig) -> int:
         mixers += len(model.mamba.layers) * _mamba_parameters(model.mamba, hidden)
     embeddings = model.vocab_size * hidden
     lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
-    return (embeddings + mixers + model.num_layers * 2 * hidden + _all_mlp_parameters(model)
-            + hidden + lm_head)
+    norms = 4 if model.gemma else 2  # Gemma 3 also norms the attention's and MLP's outputs
+    return (embeddings + mixers + model.num_layers * norms * hidden
+            + _all_mlp_parameters(model) + hidden + lm_head)
 
 
 def _all_mlp_parameters(model: ModelConfig) -> int:
@@ -192,7 +193,8 @@ def _all_mlp_parameters(model: ModelConfig) -> int:
 
 
 def _attention_parameters(model: ModelConfig) -> int:
-    """q, k, v and o projections, their biases, and Qwen3's per-head q/k norms."""
+    """q, k, v and o projections, their biases, and Qwen3's and Gemma 3's per-head q/k
+    norms."""
     hidden, head_dim = model.hidden_size, model.head_dim
     q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
     attention = hidden * (q + 2 * kv) + q * hidden

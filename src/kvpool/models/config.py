@@ -82,6 +82,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     },
+    "Gemma-3-4B": {  # the text decoder of the multimodal checkpoint
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+        "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
     "Bamba-9B": {
         "architectures": ["BambaForCausalLM"], "model_type": "bamba", "vocab_size": 128256,
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -285,10 +295,13 @@ class ModelConfig:
                   kv_cache_dtype: str = "auto") -> KVLayout:
         """The KV layout of this model: its attention layers, KV heads and head_dim (for MLA one
         latent per token and layer), in the dtype its weights load in (see `weights_dtype`) or,
-        with `kv_cache_dtype` "fp8_e4m3", float8_e4m3fn; with pages of `page_size` tokens."""
+        with `kv_cache_dtype` "fp8_e4m3", float8_e4m3fn; with pages of `page_size` tokens; and
+        each attention layer's sliding window when any layer has one."""
+        windows = tuple(self.layer_window(i) for i in self.attention_layers)
         return KVLayout(len(self.attention_layers), self.num_kv_heads, self.head_dim,
                         fp8.kv_cache_dtype(kv_cache_dtype, self.weights_dtype(dtype)), page_size,
-                        kind="mla" if self.mla else "mha")
+                        kind="mla" if self.mla else "mha",
+                        layer_windows=windows if any(windows) else ())
 
 
 def read_hf_config(source: dict | str | Path) -> dict:
