@@ -62,13 +62,16 @@ def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **kwargs) -
 class PagedRunner:
     """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
     free pages are handed out in shuffled order, so page tables are scattered. The pages are
-    of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8 pages)."""
+    of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8 pages); an
+    all-windowed model's pages go back out of the window unless not `free_out_of_window`."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int = 128, page_size: int = 4,
-                 seed: int = 0, kv_dtype: torch.dtype | None = None):
+                 seed: int = 0, kv_dtype: torch.dtype | None = None,
+                 free_out_of_window: bool = True):
         layout = model.config.kv_layout(dtype=kv_dtype or model.dtype, page_size=page_size)
         self.model = model
-        self.cache = KVCache(layout, num_pages, device="cpu")
+        self.cache = KVCache(layout, num_pages, device="cpu",
+                             free_out_of_window=free_out_of_window)
         pages = self.cache.allocator.allocate(num_pages)
         random.Random(seed).shuffle(pages)
         self.cache.allocator.free(pages)

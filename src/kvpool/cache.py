@@ -1,5 +1,6 @@
-"""KVCache: sequences -> page tables, with fork, copy-on-write, commit, a prefix cache and
-an optional tier that evicted prefix pages move to and are loaded back from."""
+"""KVCache: sequences -> page tables, with fork, copy-on-write, commit, a prefix cache, an
+optional tier that evicted prefix pages move to and are loaded back from, and, when every
+layer attends through a sliding window, pages given back once they fall out of it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from kvpool.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
 from kvpool.tiers import PageKey, Tier, page_namespace
 from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
+HOLE = -1  # the page-table entry of a page given back after it fell out of the window
+
 
 @dataclass(slots=True)
 class _SequenceState:
@@ -31,6 +34,7 @@ class _SequenceState:
     num_tokens: int
     token_ids: bytearray | None  # every token's id, packed; None: unknown, or not cached
     num_cached: int  # pages [0, num_cached) are the sequence's path in the prefix cache
+    num_dropped: int = 0  # pages [0, num_dropped) fell out of the window: given back, HOLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +78,22 @@ class KVCache:
     (a float8_e4m3fn layout) take `kv_scales` as KVPool does; with a tier they must be given,
     and join the namespace: a stored page reads back right only under the scales it was
     written with. Not thread-safe: call it from one thread (as the engine's loop does) or
-    under a lock."""
+    under a lock.
+
+    When every layer of `layout` has a sliding window (Mistral) and `free_out_of_window`
+    (the default), `append` gives back the pages wholly before the window of the first new
+    token; their page-table entries become HOLE (page 0 in `page_tables`, which attention
+    never reads there). A sequence holds the pages of the prefix cache's tree as long as it
+    holds anything after them (the tree's eviction order needs it), so at its first drop it
+    lets go of its whole tree path, copying the pages still in its window to fresh ones, and
+    is cached no further; the tree keeps those pages whole, so a prefix hit is always
+    served entirely."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
                  tier: Tier | None = None, model_fingerprint: str = "",
-                 kv_scales=None):
+                 kv_scales=None, free_out_of_window: bool = True):
         if max_tokens_per_seq is not None:
             check_int("max_tokens_per_seq", max_tokens_per_seq, 1)
         if tier is not None and not prefix_caching:
@@ -108,6 +121,10 @@ class KVCache:
         self.allocator.on_evict = self._evicted
         self.max_tokens_per_seq = max_tokens_per_seq
         self.scrub_on_free = scrub_on_free
+        windows = layout.layer_windows
+        # tokens the last new token attends to when every layer is windowed; else None
+        self.window = (max(windows) if free_out_of_window and windows and None not in windows
+                       else None)
         self._seqs: dict[Hashable, _SequenceState] = {}
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
@@ -148,7 +165,8 @@ class KVCache:
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]:
         """Grow a sequence by `num_tokens` (default 1, or `len(token_ids)`); returns the new
-        tokens' slots. A shared partial last page is copied first (copy-on-write)."""
+        tokens' slots. A shared partial last page is copied first (copy-on-write); with
+        windowed layers, the pages wholly before the first new token's window go back."""
         seq = self._get(seq_id)
         n = _count(token_ids, num_tokens, default=1)
         start = seq.num_tokens
@@ -158,9 +176,12 @@ class KVCache:
             return []
         cow = self._needs_cow(seq, n)
         need = -(-(start + n) // self.page_size) - len(seq.pages)
-        new_pages = self.allocator.allocate(need + cow)
+        drop_to, copies = self._out_of_window(seq, start)
+        new_pages = self.allocator.allocate(need + cow + copies)
         if cow:
             self._copy_on_write(seq, new_pages.pop())
+        if drop_to > seq.num_dropped:
+            self._drop(seq, drop_to, [new_pages.pop() for _ in range(copies)])
         seq.pages += new_pages
         seq.num_tokens = start + n
         if seq.token_ids is not None:
@@ -175,10 +196,10 @@ class KVCache:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise DuplicateSequence(f"sequence {child_id!r} already exists")
-        self.allocator.share(parent.pages)
+        self.allocator.share(parent.pages[parent.num_dropped:])
         token_ids = None if parent.token_ids is None else bytearray(parent.token_ids)
         self._seqs[child_id] = _SequenceState(list(parent.pages), parent.num_tokens,
-                                              token_ids, parent.num_cached)
+                                              token_ids, parent.num_cached, parent.num_dropped)
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the KV of every token the sequence holds written; with prefix caching its
@@ -200,7 +221,7 @@ class KVCache:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(f"no sequence {seq_id!r}")
-        self._scrub(self.allocator.free(seq.pages))
+        self._scrub(self.allocator.free(seq.pages[seq.num_dropped:]))
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -209,13 +230,15 @@ class KVCache:
         return self._get(seq_id).num_tokens
 
     def pages(self, seq_id: Hashable) -> list[int]:
-        """The sequence's page table (a copy)."""
+        """The sequence's page table (a copy); HOLE for pages given back out of the window."""
         return list(self._get(seq_id).pages)
 
     def slots(self, seq_id: Hashable) -> list[int]:
-        """The slot of each of the sequence's tokens."""
+        """The slot of each of the sequence's tokens; HOLE for tokens whose page went back
+        out of the window."""
         seq = self._get(seq_id)
-        return self._slots(seq, 0, seq.num_tokens)
+        dropped = seq.num_dropped * self.page_size
+        return [HOLE] * dropped + self._slots(seq, dropped, seq.num_tokens)
 
     def sequences(self) -> list[Hashable]:
         """Ids of the live sequences, in creation order."""
@@ -260,17 +283,21 @@ class KVCache:
         return -(-n // self.page_size) - len(match.pages) + self._num_unheld(match.pages)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
-        """Pages `append(seq_id, num_tokens)` would take, copy-on-write included."""
+        """Pages `append(seq_id, num_tokens)` would take, copy-on-write and the copies of a
+        first drop out of the window included (not counting the pages it gives back)."""
         seq = self._get(seq_id)
         n = _count(None, num_tokens)
         need = -(-(seq.num_tokens + n) // self.page_size) - len(seq.pages)
-        return need + self._needs_cow(seq, n)
+        return need + self._needs_cow(seq, n) + (self._out_of_window(seq, seq.num_tokens)[1]
+                                                 if n else 0)
 
     def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
-        """Page tables `[batch, max_pages]` int32, rows padded with page id 0."""
-        tables = [self._get(sid).pages for sid in seq_ids]
-        width = max((len(t) for t in tables), default=0)
-        rows = [t + [0] * (width - len(t)) for t in tables]
+        """Page tables `[batch, max_pages]` int32, rows padded with page id 0, which also
+        stands for the pages given back out of the window."""
+        seqs = [self._get(sid) for sid in seq_ids]
+        width = max((len(seq.pages) for seq in seqs), default=0)
+        rows = [[0] * seq.num_dropped + seq.pages[seq.num_dropped:]
+                + [0] * (width - len(seq.pages)) for seq in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
@@ -282,6 +309,10 @@ class KVCache:
             if not 0 <= start <= end <= seq.num_tokens:
                 raise ValueError(f"token range [{start}, {end}) is outside sequence {sid!r} "
                                  f"of {seq.num_tokens} tokens")
+            if start < end and start < seq.num_dropped * self.page_size:
+                raise ValueError(f"token range [{start}, {end}) of sequence {sid!r} starts "
+                                 f"in its first {seq.num_dropped * self.page_size} tokens, "
+                                 f"whose pages went back out of the window")
             out.extend(self._slots(seq, start, end))
         return torch.tensor(out, dtype=torch.int64, device=device)
 
@@ -292,7 +323,7 @@ class KVCache:
         ps = self.page_size
         for seq in self._seqs.values():
             nfull = seq.num_tokens // ps
-            full.update(seq.pages[:nfull])
+            full.update(seq.pages[seq.num_dropped:nfull])
             if nfull < len(seq.pages):
                 partial[seq.pages[nfull]] = seq.num_tokens - nfull * ps
         alloc = self.allocator
@@ -309,8 +340,9 @@ class KVCache:
     def check(self) -> None:
         """Invariants: allocator conservation; page tables sized to their tokens; each
         sequence's first `num_cached` pages a path of the prefix cache; each page's reference
-        count equal to the number of sequences whose page table holds it; the prefix tree,
-        the tier and the pool's fp8 scales consistent."""
+        count equal to the number of sequences whose page table holds it; pages given back
+        only before the window of the next token, and never by a sequence on a tree path;
+        the prefix tree, the tier and the pool's fp8 scales consistent."""
         self.allocator.check()
         self.pool.check()
         self._index.check()
@@ -322,7 +354,15 @@ class KVCache:
             assert len(seq.pages) == want, (
                 f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
                 f"expected {want}")
-            assert len(set(seq.pages)) == len(seq.pages), f"sequence {sid!r} repeats a page"
+            held = seq.pages[seq.num_dropped:]
+            assert seq.pages[:seq.num_dropped] == [HOLE] * seq.num_dropped and HOLE not in held, (
+                f"sequence {sid!r} has {seq.num_dropped} pages dropped but page table "
+                f"{seq.pages}")
+            assert seq.num_dropped <= self._out_of_window(seq, seq.num_tokens)[0], (
+                f"sequence {sid!r} dropped {seq.num_dropped} pages, some in its window")
+            assert not (seq.num_dropped and (seq.num_cached or seq.token_ids is not None)), (
+                f"sequence {sid!r} dropped pages but is still cached")
+            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
             if seq.token_ids is not None:
                 assert len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
                     f"sequence {sid!r} keeps {len(seq.token_ids)} bytes of token ids for "
@@ -330,7 +370,7 @@ class KVCache:
             assert self._index.holds_path(seq.pages[:seq.num_cached]), (
                 f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
                 f"are not a path of the prefix cache")
-            holders.update(seq.pages)
+            holders.update(held)
         for page in range(self.allocator.num_pages):
             rc = self.allocator.refcount(page)
             assert rc == holders[page], (
@@ -425,6 +465,30 @@ class KVCache:
         self.allocator.free([old])  # others still hold it: never reaches 0 here
         seq.pages[-1] = new_page
         self._num_cow_copies += 1
+
+    def _out_of_window(self, seq: _SequenceState, position: int) -> tuple[int, int]:
+        """(pages before the window of a token at `position`, pages a drop to there must copy
+        first): 0 pages when layers are not all windowed. The copies are the sequence's
+        tree pages still in the window, at its first drop."""
+        if self.window is None:
+            return 0, 0
+        drop_to = max(position - self.window + 1, 0) // self.page_size
+        if drop_to <= seq.num_dropped:
+            return drop_to, 0
+        return drop_to, max(seq.num_cached - drop_to, 0)
+
+    def _drop(self, seq: _SequenceState, drop_to: int, copies: list[int]) -> None:
+        """Give back pages [num_dropped, drop_to); on a tree path, leave it: copy its pages
+        in the window to `copies`, give back its others, and cache the sequence no more."""
+        keep = seq.pages[drop_to:seq.num_cached] if seq.num_cached else []
+        if keep:
+            self.pool.copy_pages(keep, copies)
+            seq.pages[drop_to:seq.num_cached] = copies
+        gone = seq.pages[seq.num_dropped:drop_to] + keep
+        seq.pages[seq.num_dropped:drop_to] = [HOLE] * (drop_to - seq.num_dropped)
+        seq.num_dropped = drop_to
+        seq.num_cached, seq.token_ids = 0, None
+        self._scrub(self.allocator.free(gone))
 
     def _slots(self, seq: _SequenceState, start: int, end: int) -> list[int]:
         ps = self.page_size
