@@ -4,7 +4,9 @@ Each token's K value is an id unique to its content (the token ids up to and inc
 as real KV is. After every step each live sequence, read through its page table, must give
 back exactly its own values: a wrong share or a missed copy-on-write shows up at once. The
 tier variant evicts into a small host tier, so pages loaded back from it are checked too. The
-fp8 variant stores each id as two float8_e4m3fn values under given scales of 1, exact.
+fp8 variant stores each id as two float8_e4m3fn values under given scales of 1, exact. The
+windowed variant's layer attends through a sliding window: pages out of it go back, and each
+sequence must still read every token of its window.
 """
 
 import pytest
@@ -20,7 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool.cache import KVCache
+from kvpool.cache import HOLE, KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.fp8 import FP8_DTYPE
 from kvpool.layout import KVLayout
@@ -43,12 +45,13 @@ E4M3_VALUES = torch.arange(1, 127, dtype=torch.uint8).view(FP8_DTYPE).float().to
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier, fp8=False, kind="mha"):
+    def __init__(self, policy, prefix_caching, tier, fp8=False, kind="mha", window=None):
         super().__init__()
         self.fp8 = fp8
+        self.window = window
         layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2 if fp8 else 1,
                           dtype=FP8_DTYPE if fp8 else torch.float32, page_size=PAGE_SIZE,
-                          kind=kind)
+                          kind=kind, layer_windows=(window,) if window else ())
         self.tier = HostTier(TIER_PAGES) if tier else None
         self.cache = KVCache(layout, NUM_PAGES, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
@@ -141,6 +144,9 @@ class CacheMachine(RuleBasedStateMachine):
                 new if known else [("u", seq, start + i) for i in range(len(new))])
             assert slots == self.cache.slots(seq)[start:]
             self.write(seq, start)
+            # exactly the pages wholly before the first new token's window went back
+            dropped = max(start - self.window + 1, 0) // PAGE_SIZE if self.window else 0
+            assert self.cache.slots(seq).count(HOLE) == dropped * PAGE_SIZE
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
@@ -232,8 +238,12 @@ class CacheMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_values(self):
         k = self.cache.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim)
         for seq_id, tokens in self.tokens.items():
-            got = k[torch.tensor(self.cache.slots(seq_id), dtype=torch.long)].float().tolist()
-            assert got == [self.value(tokens, p) for p in range(len(tokens))], seq_id
+            slots = self.cache.slots(seq_id)
+            held = [p for p, slot in enumerate(slots) if slot != HOLE]
+            got = k[torch.tensor([slots[p] for p in held], dtype=torch.long)].float().tolist()
+            assert got == [self.value(tokens, p) for p in held], seq_id
+            in_window = range(max(len(tokens) - (self.window or len(tokens)), 0), len(tokens))
+            assert set(in_window) <= set(held), seq_id
 
     def teardown(self):
         for seq_id in list(self.tokens):
@@ -270,6 +280,22 @@ def test_random_operations_on_mla_latent_pages_keep_every_invariant(prefix_cachi
 
     Machine.TestCase.settings = settings(
         max_examples=100, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow])
+    Machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
+                                                      (True, True)])
+def test_random_operations_on_windowed_pages_keep_every_invariant(prefix_caching, tier):
+    """A sliding window of 6 tokens over 4-token pages: appends give back the pages that fall
+    out of it (copying a tree path's pages still in it first), while forks, copy-on-write,
+    prefix hits, eviction and the tier keep working."""
+    class Machine(CacheMachine):
+        def __init__(self):
+            super().__init__("lifo", prefix_caching, tier, window=6)
+
+    Machine.TestCase.settings = settings(
+        max_examples=150, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow])
     Machine.TestCase().runTest()
 
