@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from kvpool.cache import HOLE
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
@@ -172,3 +173,68 @@ def test_gemma3_softcapping_is_refused(key):
 def test_gemma3_bidirectional_attention_is_refused():
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
         ModelConfig.from_hf(gemma3(use_bidirectional_attention=True))
+
+
+# --- pages given back out of the window (every layer windowed: Mistral) ---
+
+MISTRAL = "mistral-window-8"
+PAGE_SIZE = 4  # PagedRunner's
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    hf = make_hf_model(MISTRAL)
+    return hf, load_model(save_hf_model(hf, tmp_path_factory.mktemp(MISTRAL)), device="cpu").model
+
+
+def held_pages(runner: PagedRunner, seq_id: str) -> int:
+    return sum(page != HOLE for page in runner.cache.pages(seq_id))
+
+
+def test_mistral_decodes_on_given_back_pages_like_transformers_holding_a_window(mistral):
+    hf, model = mistral
+    batch = prompts(model.config.vocab_size)
+    runner = PagedRunner(model)
+    out = {seq_id: [runner.step({seq_id: prompt}).argmax(-1).item()]
+           for seq_id, prompt in batch.items()}
+    for _ in range(MAX_TOKENS - 1):
+        logits = runner.step({seq_id: tokens[-1:] for seq_id, tokens in out.items()})
+        for seq_id, token in zip(out, logits.argmax(-1).tolist(), strict=True):
+            out[seq_id].append(token)
+            assert held_pages(runner, seq_id) <= -(-WINDOW // PAGE_SIZE) + 1
+        runner.cache.check()
+    for seq_id, prompt in batch.items():
+        assert out[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert HOLE in runner.cache.pages(seq_id)
+
+
+def test_mistral_chunked_prefill_gives_pages_back_between_chunks(mistral):
+    _, model = mistral
+    prompt = prompts(model.config.vocab_size, lengths=(30,))["seq0"]
+    whole = PagedRunner(model).step({"a": prompt}, all_logits=True)
+    runner = PagedRunner(model, seed=1)
+    for start in range(0, 30, 5):
+        logits = runner.step({"a": prompt[start:start + 5]}, all_logits=True)
+        torch.testing.assert_close(logits, whole[start:start + 5], rtol=1e-5, atol=1e-5)
+        # the chunk's 5 tokens and the 7 before them, on at most 4 pages
+        assert held_pages(runner, "a") <= -(-(WINDOW - 1 + 5) // PAGE_SIZE) + 1
+    assert runner.cache.pages("a")[:4] == [HOLE] * 4
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral, tmp_path,
+                                                                         prefix_caching):
+    hf, _ = mistral
+    folder = save_hf_model(hf, tmp_path)
+    shared = prompts(160, lengths=(20,), seed=2)["seq0"]
+    batch = list(prompts(160, lengths=(5, 30), seed=3).values())
+    batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
+    llm = LLM(folder, num_pages=24, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+              prefix_caching=prefix_caching)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = llm.generate(batch, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
+                                                          for p in batch]
+    assert llm.cache.window == WINDOW
+    assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
+    llm.cache.check()

@@ -1,0 +1,135 @@
+"""KVCache over layers that all attend through a sliding window: the pages that fall out of
+the window go back as sequences grow, and prefix caching stays whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.cache import HOLE, KVCache
+from kvpool.errors import OutOfPages
+from kvpool.layout import KVLayout
+
+WINDOW, PAGE_SIZE = 8, 4
+HELD = -(-WINDOW // PAGE_SIZE) + 1  # pages a decoding sequence holds at most
+
+
+def cache(num_pages=16, windows=(WINDOW, WINDOW), **kwargs) -> KVCache:
+    layout = KVLayout(len(windows), 1, 2, torch.float32, PAGE_SIZE, layer_windows=windows)
+    return KVCache(layout, num_pages, device="cpu", **kwargs)
+
+
+def held(c: KVCache, seq_id) -> list[int]:
+    return [page for page in c.pages(seq_id) if page != HOLE]
+
+
+def test_a_decoding_sequence_holds_at_most_its_window_plus_one_page():
+    c = cache()
+    c.add_sequence("a", num_tokens=3)
+    for _ in range(40):
+        c.append("a")
+        assert len(held(c, "a")) <= HELD
+        c.check()
+    assert c.num_tokens("a") == 43 and len(c.pages("a")) == 11
+    assert c.num_free_pages == 16 - len(held(c, "a"))
+
+
+def test_an_append_gives_back_exactly_the_pages_before_its_first_tokens_window():
+    c = cache()
+    c.add_sequence("a", num_tokens=20)  # pages 0-4
+    c.append("a", 6)  # first new token at 20 attends to 13..20: pages 0-2 are out
+    assert c.pages("a")[:4] == [HOLE, HOLE, HOLE, c.pages("a")[3]]
+    assert len(held(c, "a")) == 4
+
+
+def test_page_tables_show_given_back_pages_as_page_0():
+    c = cache()
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 1)
+    pages = c.pages("a")
+    assert pages[0] == HOLE
+    assert c.page_tables(["a"]).tolist() == [[0, *pages[1:]]]
+
+
+def test_slots_of_given_back_tokens_are_holes():
+    c = cache()
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 1)
+    assert c.slots("a")[:PAGE_SIZE] == [HOLE] * PAGE_SIZE
+    assert HOLE not in c.slots("a")[PAGE_SIZE:]
+
+
+def test_slot_mapping_of_given_back_tokens_is_refused():
+    c = cache()
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 1)
+    with pytest.raises(ValueError, match=r"\[2, 13\) .* first 4 tokens"):
+        c.slot_mapping(["a"], [2], [13])
+
+
+def test_a_layout_with_a_full_layer_gives_nothing_back():
+    c = cache(windows=(WINDOW, None))
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 20)
+    assert HOLE not in c.pages("a") and c.window is None
+
+
+def test_free_out_of_window_false_keeps_every_page():
+    c = cache(free_out_of_window=False)
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 20)
+    assert HOLE not in c.pages("a")
+
+
+def test_fork_and_free_after_a_drop_give_every_page_back():
+    c = cache()
+    c.add_sequence("a", num_tokens=12)
+    c.append("a", 1)
+    c.fork("a", "b")
+    c.append("b", 4)
+    c.check()
+    c.free_sequence("a")
+    c.free_sequence("b")
+    c.check()
+    assert c.num_free_pages == 16
+
+
+def prefilled(c: KVCache, seq_id, tokens: list[int]) -> None:
+    c.add_sequence(seq_id, tokens)
+    c.commit(seq_id)
+
+
+def test_the_first_drop_of_a_cached_sequence_copies_its_tree_pages_in_the_window():
+    c = cache(prefix_caching=True)
+    prompt = list(range(16))
+    prefilled(c, "a", prompt)  # 4 pages, all in the tree
+    tree = c.pages("a")
+    for i, page in enumerate(tree):
+        c.pool.kv[:, :, page] = i + 1
+    # the token at 16 attends to 9..16: pages 0-1 go, tree pages 2-3 are copied
+    assert c.pages_to_append("a") == 1 + 2
+    c.append("a", token_ids=[7])
+    pages = c.pages("a")
+    assert pages[:2] == [HOLE, HOLE] and set(pages[2:4]).isdisjoint(tree)
+    assert torch.equal(c.pool.kv[:, :, pages[2:4]], c.pool.kv[:, :, tree[2:4]])
+    assert c.num_cached_pages == 4  # the tree keeps its pages whole
+    c.check()
+
+
+def test_a_prefix_hit_after_a_drop_is_served_whole():
+    c = cache(prefix_caching=True)
+    prompt = list(range(16))
+    prefilled(c, "a", prompt)
+    c.append("a", token_ids=[7] * 9)
+    assert c.add_sequence("b", prompt + [1]) == 16
+    c.check()
+
+
+def test_a_first_drop_whose_copies_do_not_fit_changes_nothing():
+    c = cache(num_pages=4, prefix_caching=True)
+    prefilled(c, "a", list(range(16)))
+    before = (c.pages("a"), c.stats(), c.pool.kv.clone())
+    with pytest.raises(OutOfPages):
+        c.append("a", token_ids=[7])
+    assert (c.pages("a"), c.stats()) == before[:2] and torch.equal(c.pool.kv, before[2])
+    c.check()
