@@ -238,3 +238,20 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
     assert llm.cache.window == WINDOW
     assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
     llm.cache.check()
+
+
+def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mistral, tmp_path):
+    hf, _ = mistral
+    llm = LLM(save_hf_model(hf, tmp_path), num_pages=24, page_size=4, max_num_seqs=2)
+    for prompt in prompts(160, lengths=(5, 30, 23), seed=3).values():  # at most 30 tokens
+        llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                               ignore_eos=True))
+    decoded_far = 0
+    while llm.has_unfinished():
+        llm.step()
+        for seq_id in llm.cache.sequences():
+            if llm.cache.num_tokens(seq_id) > 40:
+                decoded_far += 1
+                assert sum(page != HOLE for page in llm.cache.pages(seq_id)) <= 3
+        llm.cache.check()
+    assert decoded_far > 0
