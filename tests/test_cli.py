@@ -214,3 +214,13 @@ def test_plan_shows_mistrals_single_window_group(capsys):
 def test_plan_of_a_model_without_windows_shows_no_groups(capsys):
     table = plan_table(capsys, "Qwen3-8B", "--device-memory", "24GiB")
     assert not any(label.startswith(("KV full", "KV window")) for label in table)
+
+
+def test_plan_shows_the_groups_of_a_qwen3_config_with_windowed_top_layers(capsys, tmp_path):
+    config = dict(PRESETS["Qwen3-8B"], use_sliding_window=True, sliding_window=4096,
+                  max_window_layers=28)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    table = plan_table(capsys, str(tmp_path), "--device-memory", "24GiB")
+    assert table["KV full attention"] == ("layers 0-27 (28): 114,688 bytes per token "
+                                          "(112.00 KiB)")
+    assert table["KV window 4,096"] == "layers 28-35 (8): 32,768 bytes per token (32.00 KiB)"

@@ -37,6 +37,7 @@ _MODULE_OF = {
     "UnknownSequence": "kvpool.errors",
     "HybridCache": "kvpool.hybrid_cache",
     "KVLayout": "kvpool.layout",
+    "LayerGroup": "kvpool.layout",
     "MemoryPlan": "kvpool.planner",
     "plan_memory": "kvpool.planner",
     "KVPool": "kvpool.pool",
