@@ -61,7 +61,7 @@ def sequences_held(model: str, kv_cache_dtype: str, free: bool) -> tuple[int, in
             while cache.num_tokens(done) < CONTEXT:
                 cache.append(done, CHUNK)
             done += 1
-    except OutOfPages:
+    except OutOfPages:  # the pool is full: `done` sequences reached CONTEXT together
         pass
     cache.check()
     held = sum(page != HOLE for page in cache.pages(done - 1)) if done else 0

@@ -57,6 +57,21 @@ def _widen(x, dtype):
 
 
 @triton.jit
+def load_tokens(cache, page, slot, kv_head, d, mask, stride_p, stride_s, stride_h,
+                dtype, FP8: tl.constexpr):
+    """The `[BLOCK_N, BLOCK_D]` tile of one KV head's K or V for tokens at (`page`, `slot`),
+    in `dtype` for fp8 pages (see `_widen`), else in the cache's own dtype."""
+    x = tl.load(
+        cache + page[:, None] * stride_p + slot[:, None] * stride_s + kv_head * stride_h
+        + d[None, :],
+        mask=mask, other=0.0,
+    )
+    if FP8:
+        x = _widen(x, dtype)
+    return x
+
+
+@triton.jit
 def _decode_split(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
     k_scale, v_scale, scale_log2, window, group, page_size,
@@ -101,26 +116,16 @@ def _decode_split(
         page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
         slot = t % page_size
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache + page[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kv_head * stride_kh + d[None, :],
-            mask=kv_ok, other=0.0,
-        )
-        if FP8:
-            k = _widen(k, q_tile.dtype)
+        k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
+                        stride_kh, q_tile.dtype, FP8)
         scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kv_head * stride_vh + d[None, :],
-            mask=kv_ok, other=0.0,
-        )
-        if FP8:
-            v = _widen(v, q_tile.dtype)
+        v = load_tokens(v_cache, page, slot, kv_head, d, kv_ok, stride_vp, stride_vs,
+                        stride_vh, q_tile.dtype, FP8)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m = m_new
 

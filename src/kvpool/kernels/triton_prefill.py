@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kvpool.fp8 import is_fp8
-from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, _widen, dot
+from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
 from kvpool.kernels.triton_support import dot_precision, scale_args
 
 BLOCK_M = 64  # query rows per program
@@ -69,13 +69,8 @@ def _prefill(
         page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
         slot = t % page_size
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_cache + page[:, None] * stride_kp + slot[:, None] * stride_ks
-            + kv_head * stride_kh + d[None, :],
-            mask=kv_ok, other=0.0,
-        )
-        if FP8:
-            k = _widen(k, q_tile.dtype)
+        k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
+                        stride_kh, q_tile.dtype, FP8)
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
             visible = visible & (t[None, :] > pos[:, None] - window)
@@ -87,13 +82,8 @@ def _prefill(
         alpha = tl.math.exp2(m - m_safe)
         p = tl.math.exp2(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache + page[:, None] * stride_vp + slot[:, None] * stride_vs
-            + kv_head * stride_vh + d[None, :],
-            mask=kv_ok, other=0.0,
-        )
-        if FP8:
-            v = _widen(v, q_tile.dtype)
+        v = load_tokens(v_cache, page, slot, kv_head, d, kv_ok, stride_vp, stride_vs,
+                        stride_vh, q_tile.dtype, FP8)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m = m_new
 

@@ -117,7 +117,7 @@ class Server:
                                      media_type="text/event-stream")
         watcher = asyncio.create_task(self._abort_on_disconnect(request, request_id))
         try:
-            async for _ in events:
+            async for _ in events:  # each event updates `generation`; answer once they end
                 pass
         except EngineFailure as e:
             return _error(RequestError(str(e), status=500, type="internal_error"))
