@@ -126,3 +126,25 @@ def hf_logits(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.T
     """transformers' logits `[len(prompt), vocab]` of every position."""
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+def prompts(vocab_size: int, lengths=(3, 9, 17, 26), seed: int = 1) -> dict[str, list[int]]:
+    """Seeded random prompts of the given lengths, keyed "seq0", "seq1", ..."""
+    rng = random.Random(seed)
+    return {f"seq{i}": [rng.randrange(vocab_size) for _ in range(n)]
+            for i, n in enumerate(lengths)}
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def assert_logits_match(hf: transformers.PreTrainedModel, batch: dict[str, list[int]],
+                        logits: torch.Tensor, tolerance: float = 1e-4) -> None:
+    """The rows of packed `logits` `[sum of prompt lengths, vocab]` for each prompt of `batch`
+    equal transformers' logits for it, within `tolerance` relative to their largest."""
+    offset = 0
+    for prompt in batch.values():
+        ours = logits[offset:offset + len(prompt)]
+        assert relative_error(ours, hf_logits(hf, prompt)) < tolerance
+        offset += len(prompt)

@@ -1,7 +1,6 @@
 """The hybrid Bamba decoder (Mamba2 mixers and a few attention layers) against transformers,
 loaded through the real checkpoint loader."""
 
-import random
 
 import pytest
 import torch
@@ -9,28 +8,14 @@ import torch
 from hybrid_util import BAMBA_CONFIGS, HybridRunner, make_bamba
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.loader import load_model
-from models_util import hf_greedy, hf_logits, save_hf_model
+from models_util import (
+    assert_logits_match,
+    hf_greedy,
+    prompts,  # lengths 3, 9, 17, 26: one to four chunks of the mixer's 8
+    save_hf_model,
+)
 
-PROMPT_LENGTHS = (3, 9, 17, 26)  # chunk size 8: one, two, three and four chunks
 MAX_TOKENS = 32
-
-
-def prompts(vocab_size, lengths=PROMPT_LENGTHS, seed=1):
-    rng = random.Random(seed)
-    return {f"seq{i}": [rng.randrange(vocab_size) for _ in range(n)]
-            for i, n in enumerate(lengths)}
-
-
-def relative_error(ours, ref):
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
@@ -49,11 +34,7 @@ def test_loader_builds_the_hybrid_model_for_a_bamba_checkpoint(pair):
 def test_packed_prefill_logits_match_transformers(pair):
     hf, model = pair
     batch = prompts(model.config.vocab_size)
-    logits = HybridRunner(model).step(batch, all_logits=True)
-    offset = 0
-    for prompt in batch.values():
-        assert relative_error(logits[offset:offset + len(prompt)], hf_logits(hf, prompt)) < 1e-4
-        offset += len(prompt)
+    assert_logits_match(hf, batch, HybridRunner(model).step(batch, all_logits=True))
 
 
 def test_batched_greedy_decode_matches_transformers_generate(pair):

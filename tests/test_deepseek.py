@@ -20,8 +20,15 @@ from kvpool.models.loader import load_model
 from kvpool.models.mla import softmax_scale
 from kvpool.models.rotary import attention_factor, inv_frequencies
 from kvpool.planner import count_parameters, plan_memory
-from models_util import PagedRunner, hf_greedy, hf_logits, make_hf_model, save_hf_model
-from test_models import MAX_TOKENS, prompts, relative_error
+from models_util import (
+    PagedRunner,
+    assert_logits_match,
+    hf_greedy,
+    make_hf_model,
+    prompts,
+    save_hf_model,
+)
+from test_models import MAX_TOKENS
 
 SMALL = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -54,14 +61,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
     """(transformers model, the same checkpoint loaded by kvpool) for one DeepSeek case."""
@@ -73,12 +72,7 @@ def pair(request, tmp_path_factory):
 def test_packed_prefill_logits_match_transformers(pair):
     hf, model = pair
     batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    offset = 0
-    for prompt in batch.values():
-        ref = hf_logits(hf, prompt)
-        assert relative_error(logits[offset:offset + len(prompt)], ref) < 1e-4
-        offset += len(prompt)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
 
 
 def test_batched_greedy_decode_on_scattered_latent_pages_matches_transformers(pair):

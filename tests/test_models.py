@@ -4,7 +4,6 @@ errors, and the built-in "tiny" preset and its byte tokenizer."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -22,35 +21,15 @@ from kvpool.pool import KVPool
 from models_util import (
     CONFIGS,
     PagedRunner,
+    assert_logits_match,
     hf_greedy,
-    hf_logits,
     make_hf_model,
+    prompts,
     save_hf_model,
 )
 
-PROMPT_LENGTHS = (3, 9, 17, 26)
 MAX_TOKENS = 32
 WEIGHTS = "model.safetensors"
-
-
-def prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 1) -> dict[str, list[int]]:
-    rng = random.Random(seed)
-    return {f"seq{i}": [rng.randrange(vocab_size) for _ in range(n)]
-            for i, n in enumerate(lengths)}
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread is several times faster than two on a busy
-    2-core machine (no spinning threads fighting over the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -87,12 +66,7 @@ def broken(checkpoint, tmp_path):
 def test_packed_prefill_logits_match_transformers(pair):
     hf, model = pair
     batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    offset = 0
-    for prompt in batch.values():
-        ref = hf_logits(hf, prompt)
-        assert relative_error(logits[offset:offset + len(prompt)], ref) < 1e-4
-        offset += len(prompt)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
 
 
 def test_batched_greedy_decode_on_scattered_pages_matches_transformers_generate(pair):

@@ -14,8 +14,16 @@ from kvpool.engine.config import EngineConfig
 from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
 from kvpool.models.loader import load_model
-from models_util import SMALL, PagedRunner, hf_greedy, hf_logits, make_hf_model, save_hf_model
-from test_models import MAX_TOKENS, prompts, relative_error
+from models_util import (
+    SMALL,
+    PagedRunner,
+    assert_logits_match,
+    hf_greedy,
+    make_hf_model,
+    prompts,
+    save_hf_model,
+)
+from test_models import MAX_TOKENS
 
 WINDOW = 8  # shorter than every prompt but the first, and than every continuation
 FOUR = dict(SMALL, num_hidden_layers=4)
@@ -37,14 +45,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory):
     """(transformers model, the same checkpoint loaded by kvpool) for one windowed case."""
@@ -63,12 +63,7 @@ def test_each_layer_gets_the_window_transformers_gives_it(pair):
 def test_packed_prefill_logits_match_transformers(pair):
     hf, model = pair
     batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    offset = 0
-    for prompt in batch.values():
-        ref = hf_logits(hf, prompt)
-        assert relative_error(logits[offset:offset + len(prompt)], ref) < 1e-4
-        offset += len(prompt)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
 
 
 def test_batched_greedy_decode_matches_transformers_generate(pair):
