@@ -537,10 +537,11 @@ class KVCache:
         that another sequence holds (and may yet commit). A page of the prefix index must not
         be held while the page before it is not, so a sequence that drops pages holds none
         that is or may become indexed; it is cached no more."""
-        if seq.num_dropped or self._drop_point(position) == 0:
+        drop_to = self._drop_point(position)
+        if seq.num_dropped or drop_to == 0:
             return []
         refcounts, is_cached = self.allocator.refcounts, self.allocator.is_cached
-        window = range(self._drop_point(position), seq.num_tokens // self.page_size)
+        window = range(drop_to, seq.num_tokens // self.page_size)
         return [i for i in window if refcounts[seq.pages[i]] > 1 or is_cached(seq.pages[i])]
 
     def _drop(self, seq: _SequenceState, drop_to: int, to_copy: list[int],
