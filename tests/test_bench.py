@@ -131,8 +131,8 @@ def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
     assert main(["bench", *SMALL, "--num-pages", "4", "--no-plot"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("kvpool bench: error: no config at 'no/such/folder'")
-    assert err[1].startswith("kvpool bench: error: prompt of 56 tokens + max_tokens 19 "
-                             "need 5 pages")
+    assert err[1].startswith("kvpool bench: error: prompt of 56 tokens + max_tokens 19: "
+                             "74 tokens need 5 pages")
     assert len(err) == 2
 
 

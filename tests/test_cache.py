@@ -796,3 +796,15 @@ def test_scrub_on_free_zeroes_evicted_pages():
     assert cache.pages("b") == [1]
     assert torch.count_nonzero(cache.pool.kv[:, :, 1]) == 0
     assert torch.count_nonzero(cache.pool.kv[:, :, 0]) > 0
+
+
+def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothing():
+    cache = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4)
+    assert cache.can_add(list(range(16))) and not cache.can_add(list(range(17)))
+    assert not cache.can_add(list(range(13)), spare_pages=1)
+    cache.add_sequence("a", list(range(12)))
+    assert cache.can_append("a", 4) and not cache.can_append("a", 5)
+    assert cache.num_tokens("a") == 12 and cache.num_free_pages == 1
+    cache.check_fits(16)
+    with pytest.raises(OutOfPages, match=r"^17 tokens need 5 pages of 4 tokens; the pool has 4$"):
+        cache.check_fits(17)

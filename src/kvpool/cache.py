@@ -325,6 +325,23 @@ class KVCache:
         return need + self._needs_cow(seq, n) + (len(self._to_copy(seq, seq.num_tokens))
                                                  if n else 0)
 
+    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
+        """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
+        pages available. Changes nothing."""
+        return self.pages_to_add(token_ids) + spare_pages <= self.num_available_pages
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether `append(seq_id, num_tokens)` would succeed. Changes nothing."""
+        return self.pages_to_append(seq_id, num_tokens) <= self.num_available_pages
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits in the pool,
+        alone."""
+        need, have = self.layout.num_pages_for(num_tokens), self.num_pages
+        if need > have:
+            raise OutOfPages(f"{num_tokens} tokens need {need} pages of {self.page_size} "
+                             f"tokens; the pool has {have}")
+
     def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
         """Page tables `[batch, max_pages]` int32, rows padded with page id 0, which also
         stands for the pages given back out of the window."""

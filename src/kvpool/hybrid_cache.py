@@ -276,6 +276,19 @@ class HybridCache:
         """Pages `append` would take."""
         return self.kv.pages_to_append(seq_id, num_tokens)
 
+    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
+        """Whether the KV cache could add the sequence leaving `spare_pages` available (a
+        state slot is checked by `add_sequence`)."""
+        return self.kv.can_add(token_ids, spare_pages=spare_pages)
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether `append` would succeed."""
+        return self.kv.can_append(seq_id, num_tokens)
+
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits, alone."""
+        self.kv.check_fits(num_tokens)
+
     def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
         """Page tables `[batch, max_pages]` int32."""
         return self.kv.page_tables(seq_ids, device=device)

@@ -96,12 +96,11 @@ class Scheduler:
             raise SequenceTooLong(
                 f"prompt of {num_prompt} tokens + max_tokens {max_tokens} = {total} tokens, "
                 f"over max_model_len {self.max_model_len}")
-        need = self.cache.layout.num_pages_for(total - 1)
-        have = self.cache.num_pages
-        if need > have:
-            raise OutOfPages(
-                f"prompt of {num_prompt} tokens + max_tokens {max_tokens} need {need} pages "
-                f"of {self.cache.page_size} tokens; the pool has {have}")
+        try:
+            self.cache.check_fits(total - 1)
+        except OutOfPages as e:
+            raise OutOfPages(f"prompt of {num_prompt} tokens + max_tokens {max_tokens}: "
+                             f"{e}") from None
 
     def add_request(self, request: Request) -> None:
         """Queue the request's first sequence (its other samples fork from it later).
@@ -192,8 +191,7 @@ class Scheduler:
         """Can the cache take the sequence's last sampled token (its only token not yet in
         the cache, if any)?"""
         missing = seq.num_tokens - self.cache.num_tokens(seq.seq_id)
-        return not missing or (
-            self.cache.pages_to_append(seq.seq_id, missing) <= self.cache.num_available_pages)
+        return not missing or self.cache.can_append(seq.seq_id, missing)
 
     def _grow(self, seq: Sequence) -> bool:
         """Append the sequence's last sampled token to the cache; True if there was one."""
@@ -204,8 +202,7 @@ class Scheduler:
 
     def _can_admit(self, seq: Sequence) -> bool:
         """Pages for the whole sequence (after prefix hits) plus the watermark available?"""
-        need = self.cache.pages_to_add(seq.token_ids) + self.watermark_pages
-        return need <= self.cache.num_available_pages
+        return self.cache.can_add(seq.token_ids, spare_pages=self.watermark_pages)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and put it at the front of the queue, to recompute."""
