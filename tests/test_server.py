@@ -252,7 +252,8 @@ BAD_REQUESTS = [
      "prompt of 600 tokens + max_tokens 16 = 616 tokens, over max_model_len 512"),
     ("a sample the pool can never hold", {"model": "tiny", "prompt": [1] * 100,
                                           "max_tokens": 300}, 400, "max_tokens", None,
-     "prompt of 100 tokens + max_tokens 300 need 25 pages of 16 tokens; the pool has 24"),
+     "prompt of 100 tokens + max_tokens 300: 399 tokens need 25 pages of 16 tokens; "
+     "the pool has 24"),
     ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
      "n=9 samples exceed max_num_seqs 8"),
     ("logprobs over 20", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
