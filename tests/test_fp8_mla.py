@@ -1,21 +1,27 @@
 """fp8 latent pages for MLA (DeepSeek-V2/V3): one scale per layer for the whole latent, written
 quantized and saturating, read dequantized by the absorbed decode and the expanded prefill; the
 pool, write_latent, the model and the engine with their bad inputs. The cache's state machine
-runs on fp8 latent pages in tests/test_cache_props.py."""
+runs on fp8 latent pages in tests/test_cache_props.py. Without CUDA the Triton decode runs in
+Triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported)."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
 import torch
 
-from kvpool.attention import write_latent
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kvpool.attention import paged_attention, write_latent
 from kvpool.cache import KVCache
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.llm import LLM
 from kvpool.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, dequantize, quantize, scale_of
+from kvpool.kernels import triton_support
 from kvpool.layout import KVLayout
 from kvpool.models import mla
 from kvpool.models.config import ModelConfig
@@ -160,6 +166,22 @@ def test_absorbed_and_expanded_attention_read_fp8_latent_pages_dequantized(v3):
         torch.testing.assert_close(attend(q_nope, q_pe, meta, pages, scale),
                                    attend(q_nope, q_pe, meta, dequantized),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not triton_support.triton_installed(), reason="triton is not installed")
+def test_triton_decode_reads_fp8_latent_pages_as_the_torch_path(v3):
+    # The call the absorbed decode makes: one KV head, K and V the same latent pages, a head of
+    # 48 values (32 + 16, not a power of two), under the latent scale.
+    layer = v3.model.layers[0].self_attn
+    _, _, meta, cache = mixed_batch(layer)
+    scale = scale_of(cache)
+    pages = quantize(cache, scale)
+    q = torch.randn(3, layer.num_heads, cache.shape[-1], generator=torch.Generator().manual_seed(2))
+    args = meta.page_tables, meta.seq_lens, torch.arange(4, dtype=torch.int32)
+    out = {backend: paged_attention(q, pages, pages, *args, scale=layer.scale, backend=backend,
+                                    k_scale=scale, v_scale=scale)
+           for backend in ("triton", "torch")}
+    assert relative_error(out["triton"], out["torch"]) < 1e-5
 
 
 def with_given_scale(runner: PagedRunner) -> PagedRunner:
