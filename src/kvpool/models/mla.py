@@ -21,7 +21,7 @@ quantizes, and both paths read dequantized (absorbed: `paged_attention` with the
 and V scale; expanded: the gathered latents, before kv_b_proj). One scale for both parts: on the
 random DeepSeek configs of the tests the compressed part and the rope part are within a factor
 of two in magnitude, and a scale of its own for the rope part changed neither part's rounding
-error (2.6% RMS either way, `benchmarks/fp8.py`). e4m3 keeps its 3 mantissa bits for every
+error (2.6-2.8% RMS either way, `benchmarks/fp8.py`). e4m3 keeps its 3 mantissa bits for every
 value above 2^-6 of the scale (about 2^-14 of the layer's largest |value|), so a shared scale
 costs a part precision only if it is that much smaller than the other.
 """
