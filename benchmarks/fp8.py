@@ -2,17 +2,23 @@
 tokens a fixed KV budget holds.
 
 Agreement: the parity models of the test suite (tests/models_util.py: small random Llama, Qwen2,
-Qwen3 and Mistral checkpoints), loaded in bfloat16, each continue 16 prompts of 16 to 96 random
-tokens by 32 greedy tokens through the engine, once with bfloat16 pages (the baseline) and once
-with fp8_e4m3 pages (scales from the first prefill). A continuation agrees when all 32 tokens
-are equal; a first difference sends the two continuations apart for good, so the table also
-gives the next-token agreement with the same context: each prompt with its bfloat16
-continuation runs as one prefill with bfloat16 pages and with fp8 pages (scales from that
-prefill), and the greedy token predicted at each of the 32 continuation positions is compared.
-For scale, the same two comparisons between float32 and bfloat16 (weights and pages) show how
-sensitive these random models are to rounding at all.
+Qwen3 and Mistral checkpoints on K/V pages; tests/test_deepseek.py: small random DeepSeek-V2
+and V3 checkpoints on MLA latent pages), loaded in bfloat16, each continue 16 prompts of 16 to
+96 random tokens by 32 greedy tokens through the engine, once with bfloat16 pages (the
+baseline) and once with fp8_e4m3 pages (scales from the first prefill). A continuation
+agrees when all 32 tokens are equal; a first difference sends the two continuations apart for
+good, so the table also gives the next-token agreement with the same context: each prompt with
+its bfloat16 continuation runs as one prefill with bfloat16 pages and with fp8 pages (scales
+from that prefill), and the greedy token predicted at each of the 32 continuation positions is
+compared. For scale, the same two comparisons between float32 and bfloat16 (weights and pages)
+show how sensitive these random models are to rounding at all.
 
-Capacity: tokens held by a 4 GiB pool of each preset's layout in bfloat16 and in fp8.
+MLA latent scale: the latents the DeepSeek models write in one prefill of 3 prompts (float32),
+rounded to e4m3 under one scale per layer for the whole latent (what kvpool stores) and under
+a scale of its own for the rope part; RMS error of each part relative to its RMS, worst layer.
+
+Capacity: tokens held by a 4 GiB pool of each preset's layout (and DeepSeek-V2-Lite's latent
+pages) in bfloat16 and in fp8.
 
 Decode speed: the CPU decode kernel (backend "cpu") over bfloat16 pages (the baseline) and over
 fp8 pages of the same K/V, batch 32, 32 query heads, 8 KV heads, head_dim 128, pages of 16,
@@ -36,12 +42,16 @@ from kvpool.attention import paged_attention
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.formats import format_bytes
-from kvpool.fp8 import FP8_DTYPE, quantize, scale_of
+from kvpool.fp8 import FP8_DTYPE, dequantize, quantize, scale_of
+from kvpool.models import mla
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the parity models
 from models_util import CONFIGS, PagedRunner, make_hf_model, save_hf_model  # noqa: E402
+from models_util import prompts as test_prompts  # noqa: E402
+from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS  # noqa: E402
+from test_deepseek import V2_LITE  # noqa: E402
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 32
@@ -82,13 +92,13 @@ def equal_count(a: list, b: list) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
-def agreement_rows() -> tuple[list[tuple[str, ...]], list[int]]:
-    """A row per parity model, and the totals: continuations equal with fp8 pages, with
-    float32; next tokens equal with fp8 pages, with float32."""
+def agreement_rows(configs: dict) -> tuple[list[tuple[str, ...]], list[int]]:
+    """A row per parity model of `configs`, and the totals: continuations equal with fp8
+    pages, with float32; next tokens equal with fp8 pages, with float32."""
     rows, totals = [], [0, 0, 0, 0]
     with tempfile.TemporaryDirectory() as tmp:
-        for name in CONFIGS:
-            hf = make_hf_model(name)
+        for name in configs:
+            hf = make_hf_model(name, configs=configs)
             folder = save_hf_model(hf, Path(tmp) / name)
             prompt_ids = prompts(hf.config.vocab_size)
             bf16 = continuations(folder, torch.bfloat16, "auto", prompt_ids)
@@ -105,12 +115,53 @@ def agreement_rows() -> tuple[list[tuple[str, ...]], list[int]]:
     return rows, totals
 
 
+def latent_error_rows() -> list[tuple[str, ...]]:
+    """Per DeepSeek config: the worst layer's relative RMS error of the compressed and the
+    rope part of its latents, under one scale for the latent and under one for each part."""
+    written = []
+
+    def record(cache, slots, latent, *, scale=None):
+        written.append(latent[:, 0].clone())
+        write_latent(cache, slots, latent, scale=scale)
+
+    write_latent, mla.write_latent = mla.write_latent, record
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in DEEPSEEK_CONFIGS:
+                hf = make_hf_model(name, configs=DEEPSEEK_CONFIGS)
+                model = load_model(save_hf_model(hf, Path(tmp) / name), device="cpu").model
+                rank = model.config.mla.kv_lora_rank
+                written.clear()
+                PagedRunner(model).step(test_prompts(hf.config.vocab_size, lengths=(40, 60, 80)))
+                shared, own = [[], []], [[], []]  # per part: the error of each layer
+                for latent in written:
+                    split = [rank, latent.shape[1] - rank]
+                    parts = latent.split(split, dim=1)
+                    rounded = _rounded(latent, scale_of(latent)).split(split, dim=1)
+                    for i, part in enumerate(parts):
+                        shared[i].append(_relative_rms(rounded[i], part))
+                        own[i].append(_relative_rms(_rounded(part, scale_of(part)), part))
+                rows.append((name, *(f"{max(errors):.2%}" for errors in (*shared, *own))))
+    finally:
+        mla.write_latent = write_latent
+    return rows
+
+
+def _rounded(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequantize(quantize(x, scale), scale, torch.float32)
+
+
+def _relative_rms(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).norm() / ref.norm()).item()
+
+
 def capacity_rows() -> list[tuple[str, ...]]:
     rows = []
-    for name in PRESETS:
-        layout = ModelConfig.from_hf(name).kv_layout(dtype=torch.bfloat16)
-        fp8 = ModelConfig.from_hf(name).kv_layout(dtype=torch.bfloat16,
-                                                  kv_cache_dtype="fp8_e4m3")
+    for name in (*PRESETS, "DeepSeek-V2-Lite"):
+        config = ModelConfig.from_hf(V2_LITE if name == "DeepSeek-V2-Lite" else name)
+        layout = config.kv_layout(dtype=torch.bfloat16)
+        fp8 = config.kv_layout(dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
         tokens = [BUDGET // lay.bytes_per_page * lay.page_size for lay in (layout, fp8)]
         rows.append((name, format_bytes(layout.bytes_per_token), f"{tokens[0]:,}",
                      format_bytes(fp8.bytes_per_token), f"{tokens[1]:,}",
@@ -159,16 +210,29 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
                      for row in [header, *rows])
 
 
+def summary(label: str, num_models: int, totals: list[int]) -> str:
+    continuations_run = num_models * NUM_PROMPTS
+    positions = continuations_run * MAX_TOKENS
+    return (f"{label}: fp8 pages {totals[0]}/{continuations_run} = "
+            f"{totals[0] / continuations_run:.1%} of continuations equal, "
+            f"{totals[2] / positions:.1%} of next tokens; float32: "
+            f"{totals[1] / continuations_run:.1%} and {totals[3] / positions:.1%}")
+
+
 def main() -> None:
-    rows, totals = agreement_rows()
-    continuations_run, positions = len(rows) * NUM_PROMPTS, len(rows) * NUM_PROMPTS * MAX_TOKENS
+    mha_rows, mha_totals = agreement_rows(CONFIGS)
+    mla_rows, mla_totals = agreement_rows(DEEPSEEK_CONFIGS)
     print(f"greedy {MAX_TOKENS}-token continuations of {NUM_PROMPTS} prompts, against "
           f"bfloat16 weights with bfloat16 pages (the baseline)")
     print(table(("model", "fp8: equal continuations", "fp8: equal next tokens",
-                 "float32: equal continuations", "float32: equal next tokens"), rows))
-    print(f"fp8 pages: {totals[0]}/{continuations_run} = {totals[0] / continuations_run:.1%} "
-          f"of continuations equal, {totals[2] / positions:.1%} of next tokens; float32: "
-          f"{totals[1] / continuations_run:.1%} and {totals[3] / positions:.1%}\n")
+                 "float32: equal continuations", "float32: equal next tokens"),
+                mha_rows + mla_rows))
+    print(summary("K/V pages (mha)", len(mha_rows), mha_totals))
+    print(summary("latent pages (mla)", len(mla_rows), mla_totals) + "\n")
+    print("MLA latents rounded to e4m3: relative RMS error, worst layer")
+    print(table(("model", "one scale: compressed", "one scale: rope",
+                 "own rope scale: compressed", "own rope scale: rope"), latent_error_rows()))
+    print()
     print(f"tokens held by a {format_bytes(BUDGET)} KV pool")
     print(table(("preset", "bf16 bytes/token", "bf16 tokens", "fp8 bytes/token", "fp8 tokens",
                  "ratio"), capacity_rows()))

@@ -78,7 +78,7 @@ def make_case(layer: MLAttention, batch: int, q_len: int, context: int) -> dict:
 def main() -> None:
     config = ModelConfig.from_hf(V2_LITE_ATTENTION)
     with torch.device("meta"):
-        layer = MLAttention(config, torch.float32)
+        layer = MLAttention(config, torch.float32, 0)
     layer.to_empty(device="cpu")
     with torch.no_grad():
         for param in layer.parameters():

@@ -4,7 +4,8 @@ Each token's K value is an id unique to its content (the token ids up to and inc
 as real KV is. After every step each live sequence, read through its page table, must give
 back exactly its own values: a wrong share or a missed copy-on-write shows up at once. The
 tier variant evicts into a small host tier, so pages loaded back from it are checked too. The
-fp8 variant stores each id as two float8_e4m3fn values under given scales of 1, exact. The
+fp8 variants (K/V and MLA latent pages) store each id as two float8_e4m3fn values under given
+scales of 1, exact. The
 windowed variant's layer attends through a sliding window: pages out of it go back, and each
 sequence must still read every token of its window.
 """
@@ -60,7 +61,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = KVCache(layout, self.num_pages, device="cpu", policy=policy,
                              prefix_caching=prefix_caching, tier=self.tier,
                              max_tokens_per_seq=MAX_TOKENS,
-                             kv_scales=(1.0, 1.0) if fp8 else None)
+                             kv_scales=((1.0, 1.0) if kind == "mha" else 1.0) if fp8 else None)
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}  # content prefix -> unique value
         self.next_seq = 0
@@ -316,14 +317,15 @@ def run_machine(policy, prefix_caching, tier, page_size=PAGE_SIZE, fp8=False):
     Machine.TestCase().runTest()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
 @pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
                                                       (True, True)])
-def test_random_operations_on_mla_latent_pages_keep_every_invariant(prefix_caching, tier):
-    """Pages of one latent plane (DeepSeek's MLA) share, copy on write, cache and go to a tier
-    exactly as K/V pages do."""
+def test_random_operations_on_mla_latent_pages_keep_every_invariant(prefix_caching, tier, fp8):
+    """Pages of one latent plane (DeepSeek's MLA), in float32 or fp8 under one latent scale,
+    share, copy on write, cache and go to a tier exactly as K/V pages do."""
     class Machine(CacheMachine):
         def __init__(self):
-            super().__init__("lifo", prefix_caching, tier, kind="mla")
+            super().__init__("lifo", prefix_caching, tier, fp8=fp8, kind="mla")
 
     Machine.TestCase.settings = settings(
         max_examples=100, stateful_step_count=50, deadline=None,

@@ -294,6 +294,18 @@ def test_kvpool_plan_shows_the_mla_layout_of_a_v2_lite_config(tmp_path, capsys):
     assert table["tokens"] == "1,467,344"  # 91,709 pages of 16
 
 
+def test_kvpool_plan_shows_fp8_latent_pages_of_a_v2_lite_config_at_half_the_bytes(
+        tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(V2_LITE))
+    assert main(["plan", str(tmp_path), "--device-memory", "80GiB",
+                 "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    table = dict(line.split("  ", 1) for line in capsys.readouterr().out.splitlines())
+    table = {label.strip(): value.strip() for label, value in table.items()}
+    assert table["KV dtype"] == "float8_e4m3fn"
+    assert table["KV bytes per token"] == "15,552 (15.19 KiB)"  # 27 layers x 576 x 1 byte
+    assert table["tokens"] == "2,934,688"  # 183,418 pages of 16: the bf16 budget, twice the pages
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"moe_layer_freq": 2}, "unsupported moe_layer_freq 2"),
     ({"scoring_func": "sigmoid"}, "unsupported scoring_func 'sigmoid'"),

@@ -101,8 +101,3 @@ def test_layer_windows_must_name_every_layer():
 def test_a_window_must_be_a_positive_token_count():
     with pytest.raises(ValueError, match="layer_windows"):
         KVLayout(2, 2, 64, layer_windows=(0, None))
-
-
-def test_fp8_pages_are_refused_for_an_mla_layout():
-    with pytest.raises(TypeError, match="fp8 pages are not supported for mla layouts"):
-        KVLayout(2, 1, 576, torch.float8_e4m3fn, 16, kind="mla")

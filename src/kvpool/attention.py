@@ -94,18 +94,28 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> No
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def write_latent(cache, slots, latent) -> None:
+def write_latent(cache, slots, latent, *, scale=None) -> None:
     """Store MLA latents `[n, 1, latent_dim]` of n tokens at `slots` `[n]` in one layer's
     latent pages `cache` `[num_pages, page_size, 1, latent_dim]` (a KVLayout of kind "mla").
-    Slots are checked as `write_kv` checks them."""
+    An fp8 cache takes latents of any float dtype and stores them quantized under `scale` (a
+    float or a float32 tensor `[]`); other caches take none. Slots are checked as `write_kv`
+    checks them."""
     if latent.shape[1:] != cache.shape[2:] or slots.shape != latent.shape[:1]:
         raise ValueError(f"write_latent expects latent [n, {cache.shape[2]}, {cache.shape[3]}] "
                          f"and slots [n]; got latent {tuple(latent.shape)}, "
                          f"slots {tuple(slots.shape)}")
-    if latent.dtype != cache.dtype:
+    fp8 = is_fp8(cache.dtype)
+    if fp8 != (scale is not None):
+        need = "needs a scale" if fp8 else "takes no scale"
+        raise ValueError(f"write_latent: a {cache.dtype} cache {need}; got scale {scale!r}")
+    if fp8 and not latent.dtype.is_floating_point:
+        raise ValueError(f"write_latent expects a floating-point latent, got {latent.dtype}")
+    if not fp8 and latent.dtype != cache.dtype:
         raise ValueError(f"write_latent expects latent in the cache's {cache.dtype}, "
                          f"got {latent.dtype}")
     _check_slots("write_latent", cache, slots)
+    if fp8:  # index_copy_ has no fp8 kernel: copy the bytes
+        cache, latent = cache.view(torch.uint8), quantize(latent, scale).view(torch.uint8)
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slots.long(), latent)
 
 

@@ -38,7 +38,7 @@ class KVLayout:
     (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
     latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
     serves as the key, and whose first kv_lora_rank values serve as the value. A float8_e4m3fn
-    layout (mha only) holds fp8 pages with per-layer scales (kvpool.fp8).
+    layout holds fp8 pages with one scale per layer and plane (kvpool.fp8).
 
     `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
     when every layer attends to the whole context; `groups` gathers the layers by window.
@@ -65,8 +65,6 @@ class KVLayout:
         if self.kind == "mla" and self.num_kv_heads != 1:
             raise ValueError(f"an mla layout stores one latent per token and layer: "
                              f"num_kv_heads must be 1, got {self.num_kv_heads}")
-        if self.kind == "mla" and self.dtype == FP8_DTYPE:
-            raise TypeError("fp8 pages are not supported for mla layouts")
         if not isinstance(self.layer_windows, tuple):
             raise TypeError(f"layer_windows must be a tuple, got {self.layer_windows!r}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:

@@ -11,7 +11,8 @@ from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.layout import KVLayout
 
-ScalePair = tuple[float, float]  # (K scale, V scale) of one layer
+# What one layer's scales are called, one per plane: K and V, or the MLA latent.
+SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 
 
 def default_device() -> torch.device:
@@ -28,17 +29,18 @@ class KVPool:
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
 
-    A float8_e4m3fn layout also holds `scales` `[num_layers, 2]` (float32, on the device): the
-    K and V scale of each layer (kvpool.fp8). `kv_scales` gives them, one (K, V) pair for every
-    layer or a sequence of one pair per layer; a layer without is calibrated by the first K/V
-    written to it (`calibrate`), and keeps its scales for the pool's lifetime.
+    A float8_e4m3fn layout also holds `scales` `[num_layers, num_planes]` (float32, on the
+    device): the scale of each layer's planes (kvpool.fp8), K and V ("mha") or the latent
+    ("mla"). `kv_scales` gives them: for "mha" one (k_scale, v_scale) pair for every layer or a
+    sequence of one pair per layer, for "mla" one number for every layer or a sequence of one
+    number per layer. A layer without is calibrated by the first K/V (latent) written to it
+    (`calibrate`), and keeps its scales for the pool's lifetime.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, *, device=None,
-                 kv_scales: ScalePair | Sequence[ScalePair] | None = None):
+    def __init__(self, layout: KVLayout, num_pages: int, *, device=None, kv_scales=None):
         self.layout = layout
         self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
-        pairs = _scale_pairs(layout, kv_scales)
+        per_layer = _layer_scales(layout, kv_scales)
         self.device = torch.device(device) if device is not None else default_device()
         shape = (layout.num_layers, layout.num_planes, num_pages, layout.page_size,
                  layout.num_kv_heads, layout.head_dim)
@@ -52,10 +54,10 @@ class KVPool:
         self._has_scales = [False] * layout.num_layers  # host copy: reading `scales` syncs
         self._calibrating = True
         if self.quantized:
-            self.scales = torch.ones(layout.num_layers, 2, dtype=torch.float32,
+            self.scales = torch.ones(layout.num_layers, layout.num_planes, dtype=torch.float32,
                                      device=self.device)
-            for layer, pair in enumerate(pairs or ()):
-                self.set_scales(layer, *pair)
+            for layer, scales in enumerate(per_layer or ()):
+                self.set_scales(layer, *scales)
 
     @property
     def quantized(self) -> bool:
@@ -69,32 +71,38 @@ class KVPool:
 
     def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's K and V scale as float32 tensors `[]` on the device (views, so kernels
-        read the value current when they run), or (None, None) when pages are not fp8."""
+        read the value current when they run; for "mla" both are the latent's, as K and V are
+        both its plane), or (None, None) when pages are not fp8."""
         if self.scales is None:
             return None, None
-        return self.scales[layer, 0], self.scales[layer, 1]
+        return self.scales[layer, 0], self.scales[layer, -1]
 
-    def set_scales(self, layer: int, k_scale: float, v_scale: float) -> None:
-        """Give `layer` its K and V scale (positive finite floats), before any K/V is written
-        to it. ValueError (changing nothing) if the pages are not fp8, or the layer has its
-        scales already: its pages may hold values stored under them."""
+    def set_scales(self, layer: int, *scales: float) -> None:
+        """Give `layer` its scales, one positive finite float per plane (`k_scale, v_scale`
+        for "mha", `latent_scale` for "mla"), before anything is written to it. ValueError
+        (changing nothing) if the pages are not fp8, or the layer has its scales already: its
+        pages may hold values stored under them."""
         check_int("layer", layer, 0, self.layout.num_layers - 1)
-        pair = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        names = SCALE_NAMES[self.layout.kind]
+        if len(scales) != len(names):
+            raise TypeError(f"an {self.layout.kind} pool takes {', '.join(names)} for each "
+                            f"layer, got {len(scales)} scales: {scales!r}")
+        checked = [check_scale(name, x) for name, x in zip(names, scales, strict=True)]
         if not self.quantized:
             raise ValueError(f"scales apply to fp8 pages; this pool holds {self.layout.dtype}")
         if self._has_scales[layer]:
             raise ValueError(f"layer {layer} has its scales already "
                              f"({self.scales[layer].tolist()}); they cannot change")
-        self.scales[layer] = torch.tensor(pair)
+        self.scales[layer] = torch.tensor(checked)
         self._has_scales[layer] = True
 
-    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Take the layer's scales from K and V about to be written, if it has none yet
-        (kvpool.fp8.scale_of; nothing is read back from the device). Does nothing for pages
-        that are not fp8, and while calibration is paused."""
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Take the layer's scales from K and V (for "mla" the latent `k`, `v` None) about to
+        be written, if it has none yet (kvpool.fp8.scale_of; nothing is read back from the
+        device). Does nothing for pages that are not fp8, and while calibration is paused."""
         if self.quantized and self._calibrating and not self._has_scales[layer]:
-            self.scales[layer, 0] = scale_of(k)
-            self.scales[layer, 1] = scale_of(v)
+            for plane, x in enumerate((k, v)[: self.layout.num_planes]):
+                self.scales[layer, plane] = scale_of(x)
             self._has_scales[layer] = True
 
     @contextmanager
@@ -124,8 +132,8 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
         """Write one layer's K/V `[n, num_kv_heads, head_dim]` for n tokens at `slots` [n];
-        for "mla" `k` is the latent and `v` must be None. fp8 pages are written quantized under
-        the layer's scales, calibrating them first if needed."""
+        for "mla" `k` is the latent `[n, 1, latent_dim]` and `v` must be None. fp8 pages are
+        written quantized under the layer's scales, calibrating them first if needed."""
         if (v is None) != (self.layout.kind == "mla"):
             raise ValueError(f"a {self.layout.kind} pool writes "
                              f"{'the latent alone' if v is not None else 'both K and V'}")
@@ -137,13 +145,14 @@ class KVPool:
             if lo < 0 or hi >= flat.shape[1]:
                 raise IndexError(f"slots must lie in [0, {flat.shape[1]}), "
                                  f"got min {int(lo)}, max {int(hi)}")
+        planes = (k, v)[: self.layout.num_planes]
         if self.quantized:
             self.calibrate(layer, k, v)
-            k_scale, v_scale = self.kv_scales(layer)
             # index_copy_ has no fp8 kernel: copy the bytes.
             flat = flat.view(torch.uint8)
-            k, v = quantize(k, k_scale).view(torch.uint8), quantize(v, v_scale).view(torch.uint8)
-        for plane, x in zip(flat, (k, v) if v is not None else (k,), strict=True):
+            planes = [quantize(x, scale).view(torch.uint8)
+                      for x, scale in zip(planes, self.scales[layer], strict=True)]
+        for plane, x in zip(flat, planes, strict=True):
             plane.index_copy_(0, slots, x.to(flat.dtype))
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -194,19 +203,31 @@ class KVPool:
         return index.to(self.device)
 
 
-def _scale_pairs(layout: KVLayout, kv_scales) -> list[ScalePair] | None:
-    """`kv_scales` as one (K, V) pair per layer, checked (TypeError/ValueError naming the bad
-    value); None stays None."""
+def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
+    """`kv_scales` as one tuple of scales per layer (one per plane), checked (TypeError or
+    ValueError naming the bad value); None stays None."""
     if kv_scales is None:
         return None
     if not is_fp8(layout.dtype):
         raise ValueError(f"kv_scales apply to fp8 pages; the layout holds {layout.dtype}")
-    pairs = list(kv_scales)
-    if len(pairs) == 2 and not isinstance(pairs[0], (tuple, list)):
-        pairs = [tuple(pairs)] * layout.num_layers
-    if len(pairs) != layout.num_layers or any(
-            not isinstance(pair, (tuple, list)) or len(pair) != 2 for pair in pairs):
-        raise ValueError(f"kv_scales must be one (k_scale, v_scale) pair, or one per layer "
-                         f"({layout.num_layers}); got {kv_scales!r}")
-    return [(check_scale(f"k_scale of layer {i}", k), check_scale(f"v_scale of layer {i}", v))
-            for i, (k, v) in enumerate(pairs)]
+    if layout.kind == "mla":
+        form = f"one latent scale (a number), or one per layer ({layout.num_layers})"
+        every_layer = not isinstance(kv_scales, (tuple, list))
+        rows = [kv_scales] * layout.num_layers if every_layer else list(kv_scales)
+        if len(rows) != layout.num_layers or any(isinstance(x, (tuple, list)) for x in rows):
+            raise ValueError(f"an mla layout's kv_scales must be {form}; got {kv_scales!r}")
+        rows = [(x,) for x in rows]
+    else:
+        form = f"one (k_scale, v_scale) pair, or one per layer ({layout.num_layers})"
+        if not isinstance(kv_scales, (tuple, list)):
+            raise ValueError(f"kv_scales must be {form}; got {kv_scales!r}")
+        rows = list(kv_scales)
+        if len(rows) == 2 and not isinstance(rows[0], (tuple, list)):
+            rows = [tuple(rows)] * layout.num_layers
+        if len(rows) != layout.num_layers or any(
+                not isinstance(row, (tuple, list)) or len(row) != 2 for row in rows):
+            raise ValueError(f"kv_scales must be {form}; got {kv_scales!r}")
+    names = SCALE_NAMES[layout.kind]
+    return [tuple(check_scale(f"{name} of layer {i}", x) for name, x in zip(names, row,
+                                                                              strict=True))
+            for i, row in enumerate(rows)]

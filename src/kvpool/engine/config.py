@@ -31,8 +31,9 @@ class EngineConfig:
     max_model_len None: the model's
     max_position_embeddings. dtype None: the checkpoint's. kv_cache_dtype "auto" stores KV
     pages in the model's dtype, "fp8_e4m3" in float8_e4m3fn (half the bytes of 16-bit pages)
-    with one K and one V scale per layer: `kv_scales` (k_scale, v_scale) for every layer, or
-    None to take each layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
+    with one K and one V scale per layer (one latent scale for an MLA model's latent pages):
+    `kv_scales` (k_scale, v_scale) for every layer (MLA: one number), or None to take each
+    layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
     requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
     prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
     free_out_of_window: when every layer has a sliding window (Mistral), give back the pages
@@ -49,7 +50,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: torch.dtype | None = None
     kv_cache_dtype: str = "auto"
-    kv_scales: tuple[float, float] | None = None
+    kv_scales: tuple[float, float] | float | None = None
     device: str | torch.device | None = None
     seed: int = 0
     enforce_eager: bool = False
@@ -81,14 +82,25 @@ class EngineConfig:
             if self.kv_cache_dtype == "auto":
                 raise ValueError(f"kv_scales {self.kv_scales!r} apply to fp8 pages; "
                                  f"pass kv_cache_dtype='fp8_e4m3'")
-            if not isinstance(self.kv_scales, tuple) or len(self.kv_scales) != 2:
-                raise ValueError(f"kv_scales must be a (k_scale, v_scale) pair, "
-                                 f"got {self.kv_scales!r}")
-            check_scale("k_scale", self.kv_scales[0])
-            check_scale("v_scale", self.kv_scales[1])
+            if isinstance(self.kv_scales, tuple) and len(self.kv_scales) == 2:
+                check_scale("k_scale", self.kv_scales[0])
+                check_scale("v_scale", self.kv_scales[1])
+            elif isinstance(self.kv_scales, (int, float)) and not isinstance(self.kv_scales, bool):
+                check_scale("latent_scale", self.kv_scales)
+            else:
+                raise ValueError(f"kv_scales must be a (k_scale, v_scale) pair, or one number "
+                                 f"for MLA latent pages; got {self.kv_scales!r}")
 
     def kv_layout(self, model: ModelConfig) -> KVLayout:
-        """The KV layout of `model` under these options (dtype, kv_cache_dtype, page_size)."""
+        """The KV layout of `model` under these options (dtype, kv_cache_dtype, page_size).
+        ValueError if `kv_scales` does not fit it: a pair for K/V pages, a number for MLA."""
+        if model.mla and isinstance(self.kv_scales, tuple):
+            raise ValueError(f"an MLA model's latent pages have one scale per layer: kv_scales "
+                             f"must be one number, got {self.kv_scales!r}")
+        if not model.mla and self.kv_scales is not None and not isinstance(self.kv_scales,
+                                                                           tuple):
+            raise ValueError(f"K/V pages have a K and a V scale per layer: kv_scales must be a "
+                             f"(k_scale, v_scale) pair, got {self.kv_scales!r}")
         return model.kv_layout(dtype=self.dtype, page_size=self.page_size,
                                kv_cache_dtype=self.kv_cache_dtype)
 

@@ -23,7 +23,7 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         eps, moe = config.rms_norm_eps, config.moe
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = MLAttention(config, dtype)
+        self.self_attn = MLAttention(config, dtype, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         if moe is not None and index >= moe.first_k_dense:
             self.mlp = MoE(config, dtype)
@@ -31,9 +31,9 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                cache: torch.Tensor) -> torch.Tensor:
+                pool: KVPool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -51,8 +51,8 @@ class DeepseekModel(nn.Module):
                 pool: KVPool) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, pool.k_cache(i))
+        for layer in self.layers:
+            x = layer(x, rope, meta, pool)
         return x
 
 

@@ -14,6 +14,16 @@ two ways, numerically equal up to rounding:
 the context), expanded prefill takes 0.73-0.99x absorbed's time (its heads are 192/128 values
 wide, not 576/576), so decode rows run absorbed and prefill rows (chunks, prefix hits) run
 expanded.
+
+fp8 latent pages (float8_e4m3fn) hold each layer's latents under one scale for the whole
+vector: the pool calibrates it from the layer's first latents (or is given it), the write
+quantizes, and both paths read dequantized (absorbed: `paged_attention` with the scale as its K
+and V scale; expanded: the gathered latents, before kv_b_proj). One scale for both parts: on the
+random DeepSeek configs of the tests the compressed part and the rope part are within a factor
+of two in magnitude, and a scale of its own for the rope part changed neither part's rounding
+error (2.6-2.8% RMS either way, `benchmarks/fp8.py`). e4m3 keeps its 3 mantissa bits for every
+value above 2^-6 of the scale (about 2^-14 of the layer's largest |value|), so a shared scale
+costs a part precision only if it is that much smaller than the other.
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_latent
+from kvpool.fp8 import dequantize
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import RMSNorm
 from kvpool.models.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
+from kvpool.pool import KVPool
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, qk_rope_head_dim // 2]
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
@@ -35,11 +47,14 @@ LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm w
 
 class MLAttention(nn.Module):
     """DeepSeek's attention: queries from the hidden state (directly, or through the q_lora
-    bottleneck), one latent per token written into the layer's latent pages, attention over
-    the pages, and the output projection. Parameter names follow the checkpoints."""
+    bottleneck), one latent per token written into the latent pages of pool layer
+    `layer_idx`, attention over the pages, and the output projection. With fp8 pages, the
+    layer's first latents written set its scale unless it was given. Parameter names follow
+    the checkpoints."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
         self.num_heads, self.mla = heads, mla
         q_size = heads * mla.qk_head_dim
@@ -59,9 +74,9 @@ class MLAttention(nn.Module):
         self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                cache: torch.Tensor) -> torch.Tensor:
+                pool: KVPool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' latents at
-        `meta.slot_mapping` into `cache` `[num_pages, page_size, 1, latent_dim]`."""
+        `meta.slot_mapping` into the layer's latent pages."""
         tokens, mla = x.shape[0], self.mla
         if mla.q_lora_rank is None:
             q = self.q_proj(x)
@@ -73,47 +88,58 @@ class MLAttention(nn.Module):
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = torch.cat((self.kv_a_layernorm(compressed)[:, None],
                             self.rotate(k_pe[:, None], *rope)), dim=-1)
-        write_latent(cache, meta.slot_mapping, latent)
-        out = self.attend(q_nope, self.rotate(q_pe, *rope), meta, cache)
+        layer = self.layer_idx
+        cache = pool.k_cache(layer)
+        pool.calibrate(layer, latent)
+        latent_scale, _ = pool.kv_scales(layer)
+        write_latent(cache, meta.slot_mapping, latent, scale=latent_scale)
+        out = self.attend(q_nope, self.rotate(q_pe, *rope), meta, cache, latent_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
 
-    def attend(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def attend(self, q_nope, q_pe, meta: AttentionMetadata, cache,
+               latent_scale=None) -> torch.Tensor:
         """Attention of the packed queries (`[T, heads, nope]` and rotated `[T, heads, rope]`)
-        over the latent pages -> `[T, heads, v_head_dim]`: decode rows absorbed, the rest
-        expanded (see the module's docstring)."""
+        over the latent pages `cache` (fp8 ones read under `latent_scale`) ->
+        `[T, heads, v_head_dim]`: decode rows absorbed, the rest expanded (see the module's
+        docstring)."""
         if meta.max_query_len == 1:
-            return self.attend_absorbed(q_nope, q_pe, meta, cache)
+            return self.attend_absorbed(q_nope, q_pe, meta, cache, latent_scale)
         starts = meta.cu_seqlens_q.tolist()
         q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
         decode = [b for b, n in enumerate(q_lens) if n == 1]
         prefill = [b for b, n in enumerate(q_lens) if n != 1]
         if not prefill:
-            return self.attend_absorbed(q_nope, q_pe, meta, cache)
+            return self.attend_absorbed(q_nope, q_pe, meta, cache, latent_scale)
         if not decode:
-            return self.attend_expanded(q_nope, q_pe, meta, cache)
+            return self.attend_expanded(q_nope, q_pe, meta, cache, latent_scale)
         out = q_nope.new_empty(*q_nope.shape[:2], self.mla.v_head_dim)
         for seqs, attend in ((decode, self.attend_absorbed), (prefill, self.attend_expanded)):
             rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs])
             rows = rows.to(q_nope.device)
-            out[rows] = attend(q_nope[rows], q_pe[rows], _select(meta, seqs, q_lens), cache)
+            out[rows] = attend(q_nope[rows], q_pe[rows], _select(meta, seqs, q_lens), cache,
+                               latent_scale)
         return out
 
-    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, cache,
+                        latent_scale=None) -> torch.Tensor:
         """Multi-query attention over the latent: q_nope @ W_UK per head becomes the query's
-        latent part, and the output's first kv_lora_rank values @ W_UV^T per head the value."""
+        latent part, and the output's first kv_lora_rank values @ W_UV^T per head the value
+        (fp8 pages: the latent scale is the K and the V scale)."""
         w_uk, w_uv = self._kv_b_weights()
         q_latent = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe),
                              dim=-1)
         out = paged_attention(q_latent, cache, cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
                               max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
-                              workspace=meta.workspace)
+                              workspace=meta.workspace, k_scale=latent_scale,
+                              v_scale=latent_scale)
         rank = self.mla.kv_lora_rank
         return torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, cache) -> torch.Tensor:
-        """Per sequence: project the latents of its whole context to per-head keys and values
-        (kv_b_proj) and attend causally."""
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, cache,
+                        latent_scale=None) -> torch.Tensor:
+        """Per sequence: project the latents of its whole context (fp8 pages: dequantized
+        under `latent_scale`) to per-head keys and values (kv_b_proj) and attend causally."""
         mla, heads = self.mla, self.num_heads
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_empty(*q.shape[:2], mla.v_head_dim)
@@ -124,6 +150,8 @@ class MLAttention(nn.Module):
             q_len = rows.stop - rows.start
             pages = meta.page_tables[b, : -(-seq_len // page_size)].long()
             latent = cache.index_select(0, pages).flatten(0, 1)[:seq_len, 0]
+            if latent_scale is not None:
+                latent = dequantize(latent, latent_scale, q.dtype)
             kv = self.kv_b_proj(latent[:, : mla.kv_lora_rank]).view(seq_len, heads, -1)
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k_pe = latent[:, None, mla.kv_lora_rank:].expand(seq_len, heads, mla.qk_rope_head_dim)
