@@ -36,6 +36,18 @@ def test_free_returns_the_pages_and_the_slot():
     c.check()
 
 
+def test_append_batch_grows_every_sequence_as_appends_one_by_one_would_or_none():
+    c = cache(num_pages=5)
+    c.add_sequence("a", [1, 2, 3])
+    c.add_sequence("b", [4, 5, 6, 7])
+    assert c.append_batch(["a", "b"], token_ids=[[8], [9, 10]]) == [3, 8, 9]
+    assert (c.num_tokens("a"), c.num_tokens("b"), c.pages("b")) == (4, 6, [1, 2])
+    with pytest.raises(OutOfPages):
+        c.append_batch(["a", "b"], [5, 3])  # 3 pages needed, 2 free
+    assert (c.num_tokens("a"), c.num_tokens("b"), c.num_free_pages) == (4, 6, 2)
+    c.check()
+
+
 def test_fork_shares_pages_and_copies_the_state_into_a_new_slot():
     c = cache()
     c.add_sequence("a", num_tokens=6)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvpool.cache import KVCache
+from kvpool.cache import HOLE, KVCache
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import Request, SequenceStatus
 from kvpool.engine.scheduler import Scheduler
@@ -18,8 +18,9 @@ PAGE = 4
 
 
 def _scheduler(num_pages=16, *, max_num_seqs=8, max_num_batched_tokens=64, watermark_pages=1,
-               prefix_caching=False, max_model_len=64):
-    layout = KVLayout(1, 1, 4, dtype=torch.float32, page_size=PAGE)
+               prefix_caching=False, max_model_len=64, window=None):
+    layout = KVLayout(1, 1, 4, dtype=torch.float32, page_size=PAGE,
+                      layer_windows=() if window is None else (window,))
     cache = KVCache(layout, num_pages, device="cpu", prefix_caching=prefix_caching)
     return Scheduler(cache, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -230,12 +231,12 @@ def test_more_samples_than_max_num_seqs_are_refused():
         s.check_fits(_request(1, n=3))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_random_workloads_finish_without_leaking_pages(seed):
     rng = random.Random(seed)
     s = _scheduler(num_pages=rng.choice([6, 10, 24]), max_num_seqs=rng.choice([2, 5, 8]),
                    max_num_batched_tokens=rng.choice([4, 9, 64]), watermark_pages=rng.randint(0, 2),
-                   prefix_caching=rng.random() < 0.5)
+                   prefix_caching=rng.random() < 0.5, window=rng.choice([None, 5, 8]))
     requests = []
     for i in range(12):
         shared = rng.random() < 0.5  # half the prompts start alike, to hit the prefix cache
@@ -253,3 +254,35 @@ def test_random_workloads_finish_without_leaking_pages(seed):
         assert r.finished
         if not r.aborted:
             assert [len(q.output_token_ids) for q in r.seqs] == [r.params.max_tokens] * r.params.n
+
+
+def test_windowed_prompt_takes_its_pages_chunk_by_chunk_and_gives_back_what_leaves_the_window():
+    s = _scheduler(num_pages=16, max_num_batched_tokens=8, window=8)
+    _add(s, 40, max_tokens=2)
+    held = []
+    while s.has_unfinished():
+        _step(s)
+        held += [len([p for p in s.cache.pages(seq) if p != HOLE]) for seq in s.cache.sequences()]
+    # at most the window's 2 pages and the chunk's 2, where a whole prompt would hold 10
+    assert held == [2, 4, 4, 4, 4]
+
+
+def test_windowed_prompts_too_long_to_hold_whole_together_run_together():
+    s = _scheduler(num_pages=12, max_num_batched_tokens=16, window=8, watermark_pages=0)
+    _add(s, 40, "a", max_tokens=2)
+    _add(s, 40, "b", start=100, max_tokens=2)
+    assert _step(s) == [("a", 0, 0, 16)]  # the budget is spent
+    assert _step(s) == [("a", 0, 16, 32)]
+    assert _step(s) == [("a", 0, 32, 40)] + [("b", 0, 0, 8)]
+    _run(s)
+    assert s.num_preemptions == 0
+
+
+def test_windowed_prompt_is_committed_chunk_by_chunk_until_its_first_page_leaves_the_window():
+    s = _scheduler(num_pages=24, max_num_batched_tokens=8, window=8, prefix_caching=True)
+    _add(s, 40, "a", max_tokens=1)
+    _run(s)
+    again = _add(s, 40, "b", max_tokens=1)
+    _step(s)
+    # chunks [0, 8) and [8, 16) were committed; the chunk at 16 gave back pages 0 and 1
+    assert again.num_cached_tokens == 16

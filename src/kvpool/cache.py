@@ -325,6 +325,19 @@ class KVCache:
         return need + self._needs_cow(seq, n) + (len(self._to_copy(seq, seq.num_tokens))
                                                  if n else 0)
 
+    @property
+    def frees_out_of_window(self) -> bool:
+        """Whether pages go back as sequences grow past the window (every layer windowed,
+        and `free_out_of_window`)."""
+        return self.window is not None
+
+    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` the device's prefix cache would serve to `add_sequence`
+        (whole pages, never the last token; pages a tier would load are not counted).
+        Changes nothing."""
+        ids = _pack(token_ids)
+        return len(self._match(ids, _count(token_ids, None)).pages) * self.page_size
+
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
         """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
         pages available. Changes nothing."""

@@ -115,13 +115,29 @@ class HybridCache:
         """Grow the sequence's pages (its state slot is updated in place by the model)."""
         seq = self._get(seq_id)
         slots = self.kv.append(seq_id, num_tokens, token_ids=token_ids)
-        if seq.token_ids is not None:
-            if token_ids is None:
-                seq.token_ids = None  # content unknown from here on: no more checkpoints
-            else:
-                seq.token_ids += pack_tokens(token_ids)
+        self._extend(seq, token_ids)
         self._drop_orphans()
         return slots
+
+    def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,
+                     *, token_ids: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Grow many sequences' pages in one call, as `KVCache.append_batch`: all or, raising,
+        none."""
+        seqs = [self._get(seq_id) for seq_id in seq_ids]
+        slots = self.kv.append_batch(seq_ids, num_tokens, token_ids=token_ids)
+        for i, seq in enumerate(seqs):
+            self._extend(seq, None if token_ids is None else token_ids[i])
+        self._drop_orphans()
+        return slots
+
+    @staticmethod
+    def _extend(seq: _HybridSequence, token_ids: Sequence[int] | None) -> None:
+        """Record the ids of tokens appended to `seq` (None: unknown, no more checkpoints)."""
+        if seq.token_ids is not None:
+            if token_ids is None:
+                seq.token_ids = None
+            else:
+                seq.token_ids += pack_tokens(token_ids)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Create `child_id` sharing the parent's pages, with a copy of its state in a slot of
@@ -275,6 +291,11 @@ class HybridCache:
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append` would take."""
         return self.kv.pages_to_append(seq_id, num_tokens)
+
+    @property
+    def frees_out_of_window(self) -> bool:
+        """False: a hybrid model's KV pages are kept for the whole context."""
+        return False
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
         """Whether the KV cache could add the sequence leaving `spare_pages` available (a

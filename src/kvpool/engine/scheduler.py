@@ -7,8 +7,12 @@ and admits waiting ones while seats, pages and the token budget allow; it never 
 model. Order is first come, first served: when the token budget runs out, the newest
 running sequences wait a step. A running sequence that cannot get a page preempts the most
 recently admitted one, which frees its pages and is recomputed later from its tokens
-(prompt and output kept). A prompt's pages are taken whole at admission; they are
-committed to the prefix cache once its last chunk is computed, and then after every decode.
+(prompt and output kept). A prompt's pages are taken whole at admission, so that its
+prefill never preempts; when the cache gives pages back as sequences grow (every layer
+windowed), they are taken chunk by chunk instead, so that a long prompt never holds more
+than its window and one chunk. A sequence is committed to the prefix cache whenever every
+token the cache holds for it is computed: after a prompt's last chunk (or after each chunk,
+when taken chunk by chunk), and after every decode.
 """
 
 from __future__ import annotations
@@ -127,47 +131,87 @@ class Scheduler:
         """Pick this step's tokens: running sequences first (decodes and prefill chunks,
         preempting the newest when pages run out), then waiting ones in order."""
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        queue, self.running = self.running, deque()
-        while queue and budget:
-            seq = queue.popleft()
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._can_grow(seq):
-                self._preempt(queue.pop() if queue else seq)
-                if seq.status is SequenceStatus.WAITING:
-                    break
-            else:
-                batch.add(seq, num_new, decode=self._grow(seq))
-                self.running.append(seq)
-                budget -= num_new
-        self.running.extend(queue)
+        try:
+            budget = self._schedule_running_at_once(batch)
+        except OutOfPages:
+            budget = self._schedule_running_one_by_one(batch)
         seats = sum(self._seats(s) for s in self.running)
         while self.waiting and budget and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
-            if self.running and not self._can_admit(seq):
+            held = self._tokens_to_admit(seq, budget)
+            if self.running and not self.cache.can_add(held, spare_pages=self.watermark_pages):
                 break
             self.waiting.popleft()
             seats += self._seats(seq)
-            seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, held)
             seq.status = SequenceStatus.RUNNING
             if seq.request.scheduled_time is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
                 seq.request.scheduled_time = time.perf_counter()
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(held) - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
             self.running.append(seq)
             budget -= num_new
         return batch
 
+    def _schedule_running_at_once(self, batch: ScheduledBatch) -> int:
+        """Schedule the running sequences in order while the token budget lasts, growing
+        them in the cache with one call. Raises OutOfPages, having changed nothing, when
+        the pages run out. Returns the budget left."""
+        budget = self.max_num_batched_tokens
+        seqs, ends = [], []
+        for seq in self.running:
+            if not budget:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seqs.append(seq)
+            ends.append(seq.num_computed_tokens + num_new)
+            budget -= num_new
+        grow_ids, grow_tokens = [], []
+        for seq, end in zip(seqs, ends, strict=True):
+            held = self.cache.num_tokens(seq.seq_id)
+            if end > held:
+                grow_ids.append(seq.seq_id)
+                grow_tokens.append(seq.token_ids[held:end])
+        self.cache.append_batch(grow_ids, token_ids=grow_tokens)
+        for seq, end in zip(seqs, ends, strict=True):
+            num_new = end - seq.num_computed_tokens
+            batch.add(seq, num_new, decode=self._is_decode(seq, num_new))
+        return budget
+
+    def _schedule_running_one_by_one(self, batch: ScheduledBatch) -> int:
+        """Schedule the running sequences in order while the token budget lasts; one that
+        cannot grow preempts the newest (itself, if it is the newest left). Returns the
+        budget left."""
+        budget = self.max_num_batched_tokens
+        queue, self.running = self.running, deque()
+        while queue and budget:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + num_new
+            while not self._can_grow(seq, end):
+                self._preempt(queue.pop() if queue else seq)
+                if seq.status is SequenceStatus.WAITING:
+                    break
+            else:
+                self._grow(seq, end)
+                batch.add(seq, num_new, decode=self._is_decode(seq, num_new))
+                self.running.append(seq)
+                budget -= num_new
+        self.running.extend(queue)
+        return budget
+
     def update(self, batch: ScheduledBatch) -> Samples:
-        """After the forward: record the computed tokens, commit them to the cache, and fork
-        the samples of prompts just prefilled. Returns who samples now, from which rows."""
+        """After the forward: record the computed tokens, commit them to the cache once it
+        holds no token still to compute, and fork the samples of prompts just prefilled.
+        Returns who samples now, from which rows."""
         seqs, rows = [], []
         row = 0
         for seq, end, sampled in zip(batch.seqs, batch.ends, batch.sampled, strict=True):
             seq.num_computed_tokens = end
-            if sampled:
+            if end == self.cache.num_tokens(seq.seq_id):
                 self.cache.commit(seq.seq_id)
+            if sampled:
                 family = [seq] if seq.request.forked else [seq, *self._fork(seq)]
                 seqs += family
                 rows += [row] * len(family)
@@ -187,22 +231,31 @@ class Scheduler:
 
     # ---- check / act -------------------------------------------------------------------
 
-    def _can_grow(self, seq: Sequence) -> bool:
-        """Can the cache take the sequence's last sampled token (its only token not yet in
-        the cache, if any)?"""
-        missing = seq.num_tokens - self.cache.num_tokens(seq.seq_id)
-        return not missing or self.cache.can_append(seq.seq_id, missing)
+    def _can_grow(self, seq: Sequence, end: int) -> bool:
+        """Can the cache hold the sequence's tokens up to `end` (its last sampled token, or
+        its next prompt chunk when pages are taken chunk by chunk)?"""
+        missing = end - self.cache.num_tokens(seq.seq_id)
+        return missing <= 0 or self.cache.can_append(seq.seq_id, missing)
 
-    def _grow(self, seq: Sequence) -> bool:
-        """Append the sequence's last sampled token to the cache; True if there was one."""
-        missing = seq.num_tokens - self.cache.num_tokens(seq.seq_id)
-        if missing:
-            self.cache.append(seq.seq_id, token_ids=seq.token_ids[-missing:])
-        return bool(missing)
+    def _grow(self, seq: Sequence, end: int) -> None:
+        """Append the sequence's tokens up to `end` that the cache does not hold yet."""
+        held = self.cache.num_tokens(seq.seq_id)
+        if end > held:
+            self.cache.append(seq.seq_id, token_ids=seq.token_ids[held:end])
 
-    def _can_admit(self, seq: Sequence) -> bool:
-        """Pages for the whole sequence (after prefix hits) plus the watermark available?"""
-        return self.cache.can_add(seq.token_ids, spare_pages=self.watermark_pages)
+    def _tokens_to_admit(self, seq: Sequence, budget: int) -> list[int]:
+        """The tokens a waiting sequence enters the cache with: all of them, or, when pages
+        are taken chunk by chunk, its prefix hit and the first chunk the budget allows."""
+        if not self.cache.frees_out_of_window:
+            return seq.token_ids
+        hit = self.cache.prefix_hit(seq.token_ids)
+        return seq.token_ids[:hit + min(seq.num_tokens - hit, budget)]
+
+    @staticmethod
+    def _is_decode(seq: Sequence, num_new: int) -> bool:
+        """Does the step compute just the token the sequence sampled last?"""
+        return (num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+                and seq.num_computed_tokens >= len(seq.request.prompt_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and put it at the front of the queue, to recompute."""
