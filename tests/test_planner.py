@@ -257,3 +257,24 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
     graphs = config.cuda_graph_bytes(model, torch.bfloat16)
     budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
     assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21
+
+
+def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
+    plan = plan_memory("Gemma-3-4B", 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
+    full, window = plan.groups
+    assert (full.group.window, window.group.window) == (None, 1024)
+    assert window.num_pages == 32 * 65 + 512
+    assert full.nbytes + window.nbytes <= plan.num_pages * plan.bytes_per_page
+    assert plan.num_pages * plan.bytes_per_page - full.nbytes - window.nbytes < \
+        full.bytes_per_page
+    assert plan.max_tokens == full.max_tokens and plan.kv_bytes == full.nbytes + window.nbytes
+    assert plan.max_sequences(8192) == min(full.num_pages // 512, window.num_pages // 65)
+
+
+def test_a_mixed_model_plan_keeps_one_pool_when_told_to():
+    plan = plan_memory("Gemma-3-4B", 24 * GiB, free_out_of_window=False)
+    assert plan.groups == () and plan.max_tokens == plan.num_pages * 16
+
+
+def test_an_all_windowed_model_plans_one_pool():
+    assert plan_memory("Mistral-7B", 24 * GiB).groups == ()
