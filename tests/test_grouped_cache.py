@@ -6,6 +6,7 @@ import torch
 from kvpool.cache import HOLE
 from kvpool.errors import OutOfPages, SequenceTooLong
 from kvpool.grouped_cache import GroupedCache
+from kvpool.hybrid_cache import SCRATCH
 from kvpool.layout import KVLayout
 
 PAGE_SIZE = 4
@@ -166,7 +167,7 @@ def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_s
     c.free_sequence("a")
     c.groups[SLIDING].prefix_cache.evict(2)
     hit = prefill(c, "b", PROMPT)
-    (scratch,) = c.groups[FULL].slots(next(iter(c.groups[FULL].sequences())))
+    (scratch,) = c.groups[FULL].slots(SCRATCH)
     full = c.slot_mapping(["b"], [hit], [17], group=FULL).tolist()
     window = c.slot_mapping(["b"], [hit], [17], group=SLIDING).tolist()
     assert full == [scratch] * 8 + c.slots("b", FULL)[16:]  # tokens 8-15 are shared pages
