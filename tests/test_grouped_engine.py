@@ -76,3 +76,12 @@ def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint):
     prompt = batch()[1]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint):
+    _, folder = checkpoint
+    llm = LLM(folder, kv_cache_dtype="fp8_e4m3", **ENGINE)
+    out = llm.generate([batch()[1]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    assert llm.cache.pool.quantized and llm.cache.pool.scales_ready
+    llm.cache.check()
