@@ -224,3 +224,53 @@ def test_plan_shows_the_groups_of_a_qwen3_config_with_windowed_top_layers(capsys
     assert table["KV full attention"] == ("layers 0-27 (28): 114,688 bytes per token "
                                           "(112.00 KiB)")
     assert table["KV window 4,096"] == "layers 28-35 (8): 32,768 bytes per token (32.00 KiB)"
+
+
+def write_config(folder, config: dict) -> str:
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_plan_of_gemma3_splits_the_budget_between_a_full_and_a_window_pool(capsys, tmp_path):
+    folder = write_config(tmp_path, PRESETS["Gemma-3-4B"])
+    table = plan_table(capsys, folder, "--device-memory", "24GiB", "--context-len", "8192",
+                       "--max-num-seqs", "32")
+    # the window pool: 32 windows of 65 pages and one 8,192-token prompt; the full pool the rest
+    assert table["pool window 1,024"] == ("2,592 pages (4.59 GiB), 41,472 tokens, 65 pages a "
+                                          "decoding sequence")
+    assert table["pool full attention"] == ("30,791 pages (9.40 GiB), 492,656 tokens, 512 "
+                                            "pages a decoding sequence")
+    assert table["tokens"] == "492,656; one pool of every layer: 107,824"
+    assert table["sequences @ 8,192"] == "39"
+
+
+QWEN3_LAYER_TYPES = dict(PRESETS["Qwen3-8B"], use_sliding_window=True, sliding_window=4096,
+                         layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 9)
+
+
+def test_plan_of_qwen3_with_layer_types_shows_each_pool(capsys, tmp_path):
+    folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
+    table = plan_table(capsys, folder, "--device-memory", "40GiB", "--context-len", "32768",
+                       "--max-num-seqs", "8")
+    assert table["KV full attention"] == ("layers 3, 7, 11, 15, 19, 23, 27, 31, 35 (9): "
+                                          "36,864 bytes per token (36.00 KiB)")
+    assert table["pool window 4,096"] == ("4,104 pages (6.76 GiB), 65,664 tokens, 257 pages "
+                                          "a decoding sequence")
+    assert table["pool full attention"] == ("24,872 pages (13.66 GiB), 397,952 tokens, 2,048 "
+                                            "pages a decoding sequence")
+    assert table["tokens"] == "397,952; one pool of every layer: 148,736"
+
+
+def test_a_window_pool_never_holds_more_tokens_than_the_full_pool(capsys, tmp_path):
+    folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
+    table = plan_table(capsys, folder, "--device-memory", "40GiB", "--context-len", "32768",
+                       "--max-num-seqs", "32")  # 32 windows and a prompt would need 10,272 pages
+    assert table["pool window 4,096"].startswith("9,296 pages")
+    assert table["pool full attention"].startswith("9,296 pages")
+
+
+def test_plan_one_pool_keeps_every_page_of_a_mixed_model(capsys, tmp_path):
+    folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
+    table = plan_table(capsys, folder, "--device-memory", "40GiB", "--one-pool")
+    assert table["pages"] == "9,296 (20.43 GiB)"
+    assert not any(label.startswith("pool ") for label in table)

@@ -6,6 +6,8 @@ import torch
 
 from kvpool import planner
 from kvpool.engine.config import EngineConfig
+from kvpool.group_plan import split_budget
+from kvpool.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import count_parameters, estimate_activation_bytes, plan_memory
 
@@ -257,3 +259,40 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
     graphs = config.cuda_graph_bytes(model, torch.bfloat16)
     budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
     assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21
+
+
+def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
+    plan = plan_memory("Gemma-3-4B", 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
+    full, window = plan.groups
+    assert (full.group.window, window.group.window) == (None, 1024)
+    assert window.num_pages == 32 * 65 + 512
+    assert full.nbytes + window.nbytes <= plan.num_pages * plan.bytes_per_page
+    assert plan.num_pages * plan.bytes_per_page - full.nbytes - window.nbytes < \
+        full.bytes_per_page
+    assert plan.max_tokens == full.max_tokens and plan.kv_bytes == full.nbytes + window.nbytes
+    assert plan.max_sequences(8192) == min(full.num_pages // 512, window.num_pages // 65)
+
+
+def test_a_mixed_model_plan_keeps_one_pool_when_told_to():
+    plan = plan_memory("Gemma-3-4B", 24 * GiB, free_out_of_window=False)
+    assert plan.groups == () and plan.max_tokens == plan.num_pages * 16
+
+
+def test_an_all_windowed_model_plans_one_pool():
+    assert plan_memory("Mistral-7B", 24 * GiB).groups == ()
+
+
+def test_split_budget_gives_the_window_pool_its_windows_and_a_prompt_and_the_rest_to_the_full():
+    layout = KVLayout(4, 1, 8, torch.float16, 4, layer_windows=(None, 8, 8, None))
+    full, window = split_budget(layout, 10 * layout.bytes_per_page, max_num_seqs=1,
+                                prefill_tokens=8)
+    assert window.num_pages == 3 + 2  # one window (2 pages and 1) and an 8-token prompt
+    assert full.num_pages == 15  # the bytes of 10 pages of 4 layers, less 5 of 2 layers
+    assert window.pages_per_sequence(100) == 3 and full.pages_per_sequence(100) == 25
+
+
+def test_split_budget_never_gives_a_window_pool_more_tokens_than_one_pool_holds():
+    layout = KVLayout(4, 1, 8, torch.float16, 4, layer_windows=(None, 8, 8, None))
+    full, window = split_budget(layout, 10 * layout.bytes_per_page, max_num_seqs=8,
+                                prefill_tokens=8)
+    assert (full.num_pages, window.num_pages) == (10, 10)

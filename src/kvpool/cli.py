@@ -13,6 +13,7 @@ from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
+from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import (
@@ -56,8 +57,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV page dtype: auto (the weights') or fp8_e4m3 (one byte per "
                              "value; default: auto)")
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
-                        help="tokens per sequence when counting sequences "
+                        help="tokens per sequence when counting sequences, and the prompt "
+                             "pages a window pool holds beside its windows "
                              "(default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
+                        help="models mixing full and windowed layers: sequences whose windows "
+                             "the window pool holds (default: 64, the engine's)")
+    parser.add_argument("--one-pool", action="store_true",
+                        help="models mixing full and windowed layers: plan one pool that keeps "
+                             "every page (the engine's free_out_of_window=False)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -69,11 +77,12 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"give a MODEL: a config.json, a checkpoint folder or a preset "
                          f"({', '.join(PRESETS)})")
     model = ModelConfig.from_hf(args.model)
+    context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
                        device=args.device, mamba_memory_ratio=args.mamba_memory_ratio,
-                       kv_cache_dtype=args.kv_cache_dtype)
-    context_len = model.max_position_embeddings if args.context_len is None else args.context_len
+                       kv_cache_dtype=args.kv_cache_dtype, free_out_of_window=not args.one_pool,
+                       max_num_seqs=args.max_num_seqs, prefill_tokens=context_len)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
     print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype)))
     if plan.reason:
@@ -194,14 +203,26 @@ def _plan_rows(
     ]
     if len(plan.layout.groups) > 1 or plan.layout.layer_windows:
         rows += [_group_row(group) for group in plan.layout.groups]
-    rows += [
-        ("KV bytes per page", f"{plan.bytes_per_page:,} ({format_bytes(plan.bytes_per_page)}, "
-                              f"{plan.page_size} tokens)"),
-        ("pages", f"{plan.num_pages:,} ({format_bytes(plan.kv_bytes)})"),
-        ("tokens", f"{plan.max_tokens:,}"),
-        (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,} "
-                                          f"({pages_per_seq:,} pages each)"),
-    ]
+    rows.append(("KV bytes per page", f"{plan.bytes_per_page:,} "
+                                      f"({format_bytes(plan.bytes_per_page)}, "
+                                      f"{plan.page_size} tokens)"))
+    if plan.groups:
+        rows += [_pool_row(pool, context_len) for pool in plan.groups]
+        rows += [
+            ("pages", f"{sum(pool.num_pages for pool in plan.groups):,} in "
+                      f"{len(plan.groups)} pools ({format_bytes(plan.kv_bytes)}); one pool "
+                      f"of every layer: {plan.num_pages:,}"),
+            ("tokens", f"{plan.max_tokens:,}; one pool of every layer: "
+                       f"{plan.num_pages * plan.page_size:,}"),
+            (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,}"),
+        ]
+    else:
+        rows += [
+            ("pages", f"{plan.num_pages:,} ({format_bytes(plan.kv_bytes)})"),
+            ("tokens", f"{plan.max_tokens:,}"),
+            (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,} "
+                                              f"({pages_per_seq:,} pages each)"),
+        ]
     if plan.mamba_layout:
         rows.append(("checkpoints", f"{plan.max_checkpoints(context_len):,} state slots left "
                                     f"for the prefix cache"))
@@ -215,6 +236,15 @@ def _group_row(group: LayerGroup) -> tuple[str, str]:
     return (label, f"layers {_ranges(group.layers)} ({len(group.layers)}): "
                    f"{group.bytes_per_token:,} bytes per token "
                    f"({format_bytes(group.bytes_per_token)})")
+
+
+def _pool_row(pool: GroupPlan, context_len: int) -> tuple[str, str]:
+    """One pool of a pair, e.g. ("pool window 1,024", "4,368 pages (...), 69,888 tokens, ...")."""
+    label = "pool full attention" if pool.group.window is None else \
+        f"pool window {pool.group.window:,}"
+    return (label, f"{pool.num_pages:,} pages ({format_bytes(pool.nbytes)}), "
+                   f"{pool.max_tokens:,} tokens, {pool.pages_per_sequence(context_len):,} pages "
+                   f"a decoding sequence")
 
 
 def _ranges(layers: tuple[int, ...]) -> str:

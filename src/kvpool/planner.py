@@ -7,7 +7,9 @@ on the device when planning (other processes) comes out of that share, and so do
 the activations and any other memory the caller reserves; the KV cache gets the whole pages
 of what is left. For a hybrid model (attention and Mamba layers), `mamba_memory_ratio` of
 that rest goes to state slots (one per running sequence or cached checkpoint) and the
-pages get the remainder."""
+pages get the remainder. A model mixing full-attention and sliding-window layers splits the
+bytes of those pages between a full pool and window pools (kvpool.group_plan), as the engine
+does."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 
 from kvpool.errors import check_int
 from kvpool.formats import format_bytes
+from kvpool.group_plan import GroupPlan, split_budget
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 from kvpool.models.hybrid_config import MambaConfig
@@ -41,7 +44,10 @@ class MemoryPlan:
     - activation_bytes - reserved_bytes (negative when the model alone does not fit); the KV
     cache gets the whole pages that fit in it. When not one page fits, num_pages is 0 and
     `reason` says why. A hybrid model's state slots take `mamba_memory_ratio` of the budget
-    first (`mamba_layout` None and no slots for attention-only models)."""
+    first (`mamba_layout` None and no slots for attention-only models). `num_pages` counts
+    pages of every layer, as one pool holds them; a model mixing full and windowed layers
+    splits their bytes between the pools of `groups` (empty for one pool), and then `kv_bytes`,
+    `max_tokens` and `max_sequences` are the pair's."""
 
     layout: KVLayout
     num_parameters: int
@@ -58,6 +64,7 @@ class MemoryPlan:
     mamba_layout: MambaLayout | None = None
     num_state_slots: int = 0
     mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
+    groups: tuple[GroupPlan, ...] = ()  # the full and window pools of a mixed model
 
     @property
     def state_bytes(self) -> int:
@@ -86,19 +93,28 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the KV pool: `num_pages` pages."""
+        """Bytes of the KV pool: `num_pages` pages (or the groups' pools)."""
+        if self.groups:
+            return sum(group.nbytes for group in self.groups)
         return self.num_pages * self.bytes_per_page
 
     @property
     def max_tokens(self) -> int:
-        """Token slots in the KV pool."""
+        """Token slots in the KV pool (for a pair, in the first group's pool, full attention:
+        every token of a sequence has a slot there)."""
+        if self.groups:
+            return self.groups[0].max_tokens
         return self.num_pages * self.page_size
 
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens fit at once, each in whole pages (and,
-        for a hybrid, each with a state slot)."""
+        for a hybrid, each with a state slot; for a pair, what each pool holds of a decoding
+        sequence: all its pages in the full pool, a window and a page in a window pool)."""
         check_int("context_len", context_len, 1)
         by_pages = self.num_pages // self.layout.num_pages_for(context_len)
+        if self.groups:
+            by_pages = min(group.num_pages // group.pages_per_sequence(context_len)
+                           for group in self.groups)
         return min(by_pages, self.num_state_slots) if self.mamba_layout else by_pages
 
     def max_checkpoints(self, context_len: int) -> int:
@@ -118,6 +134,9 @@ def plan_memory(
     device: str | torch.device | None = None,
     mamba_memory_ratio: float = DEFAULT_MAMBA_MEMORY_RATIO,
     kv_cache_dtype: str = "auto",
+    free_out_of_window: bool = True,
+    max_num_seqs: int = 64,
+    prefill_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
     the memory after the weights, the activations and `reserved_bytes`. `device_memory`
@@ -127,7 +146,9 @@ def plan_memory(
     pages' unless `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
     `activation_bytes` None: `estimate_activation_bytes` with its defaults.
     `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots (ignored
-    for attention-only models)."""
+    for attention-only models). A model mixing full and windowed layers gets a full pool and
+    window pools unless not `free_out_of_window`; the window pools hold `max_num_seqs` windows
+    and `prefill_tokens` of prompt pages (None: the config's max_position_embeddings)."""
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -155,6 +176,12 @@ def plan_memory(
         num_pages=max(budget - state_bytes, 0) // layout.bytes_per_page,
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
     )
+    if free_out_of_window and len(layout.groups) > 1 and plan.num_pages:
+        if prefill_tokens is None:
+            prefill_tokens = model.max_position_embeddings
+        plan = replace(plan, groups=split_budget(
+            layout, plan.num_pages * layout.bytes_per_page, max_num_seqs=max_num_seqs,
+            prefill_tokens=prefill_tokens))
     if plan.num_pages and (mamba is None or num_slots):
         return plan
     return replace(plan, reason=_reason(plan))

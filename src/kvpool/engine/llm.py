@@ -23,6 +23,8 @@ from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.group_plan import split_budget
+from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
 from kvpool.models.loader import resolve_device
@@ -41,7 +43,11 @@ class LLM:
     enforce_eager). `on_step` is called with a StepRecord after every step. `cache` is the
     KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
     (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
-    from the cache's budget; no CUDA graphs.
+    from the cache's budget; no CUDA graphs. A model mixing full-attention and sliding-window
+    layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
+    pages of every layer (planned or given) split between a full pool and a window pool
+    (kvpool.group_plan), run without CUDA graphs; `free_out_of_window=False` keeps one pool
+    and every page instead.
     """
 
     def __init__(self, model: str | Path, *,
@@ -76,23 +82,35 @@ class LLM:
                 prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
                 checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
                 max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
+        elif len(layout.groups) > 1 and self.config.free_out_of_window:
+            pools = split_budget(layout, num_pages * layout.bytes_per_page,
+                                 max_num_seqs=self.config.max_num_seqs,
+                                 prefill_tokens=self.max_model_len)
+            self.cache = GroupedCache(layout, [pool.num_pages for pool in pools], device=device,
+                                      prefix_caching=self.config.prefix_caching,
+                                      max_tokens_per_seq=self.max_model_len,
+                                      kv_scales=self.config.kv_scales)
         else:
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,
                                  max_tokens_per_seq=self.max_model_len,
                                  kv_scales=self.config.kv_scales,
                                  free_out_of_window=self.config.free_out_of_window)
+        smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
+            if isinstance(self.cache, GroupedCache) else num_pages
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, watermark_pages=max(1, num_pages // 100),
+            max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
             eos_token_ids=eos)
         self.workspace = Workspace(
             self.config.workspace_bytes(mc, layout, self.max_model_len), device)
         self.runner = ModelRunner(self.model, self.cache, self.workspace)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if device.type == "cuda" and not self.config.enforce_eager and mamba is None:
+        # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.
+        if (device.type == "cuda" and not self.config.enforce_eager and mamba is None
+                and not isinstance(self.cache, GroupedCache)):
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
                                           self.max_model_len)
             self.graphs.capture()

@@ -4,11 +4,16 @@ model's inputs and runs a single forward over the paged KV cache.
 The step's metadata (input ids, positions, slot mapping, seq_lens, cu_seqlens_q, logits
 indices, page tables) is built on the host into one flat int64 buffer, pinned and reused
 when the device is CUDA, and reaches the device in one non-blocking copy into the
-workspace. Nothing in the forward reads back from the device."""
+workspace. Nothing in the forward reads back from the device.
+
+A GroupedCache (one pool per layer group) puts its first group's slot mapping and page tables
+in the flat buffer as any cache; the other groups' follow as tensors of their own, each in an
+AttentionMetadata that shares the step's seq_lens and cu_seqlens_q, and the model gets them
+all in one GroupedMetadata."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -16,6 +21,8 @@ import torch
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.grouped_cache import GroupedCache
+from kvpool.grouped_pool import GroupedMetadata
 from kvpool.hybrid_cache import HybridCache
 from kvpool.state_pool import StateBatch
 from kvpool.workspace import Workspace
@@ -27,7 +34,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata | GroupedMetadata
     logits_indices: torch.Tensor  # [num_logits] int64: packed rows whose logits are returned
     states: StateBatch | None = None  # a hybrid model's state slots, in batch order
 
@@ -94,7 +101,7 @@ class ModelRunner:
     """Runs `model(input_ids, positions, meta, pool, logits_indices)` for a batch, with its
     metadata in `workspace` (reset at the start of every step)."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache,
+    def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache | GroupedCache,
                  workspace: Workspace):
         self.model = model
         self.cache = cache
@@ -157,7 +164,21 @@ class ModelRunner:
         if isinstance(self.cache, HybridCache):
             inputs.states = self.cache.state_batch([seq.seq_id for seq in batch.seqs],
                                                    batch.starts, batch.ends)
+        if isinstance(self.cache, GroupedCache):
+            inputs.meta = self.group_metadata(batch, inputs.meta)
         return self.forward(inputs)
+
+    def group_metadata(self, batch: ScheduledBatch, meta: AttentionMetadata) -> GroupedMetadata:
+        """`meta` (the first group's, from the flat buffer) and the other groups' slot
+        mappings and page tables in AttentionMetadata of their own."""
+        seq_ids = [seq.seq_id for seq in batch.seqs]
+        metas = [meta]
+        for group in range(1, len(self.cache.groups)):
+            slots = self.cache.slot_mapping(seq_ids, batch.starts, batch.ends, group=group)
+            tables = self.cache.page_tables(seq_ids, group=group)
+            metas.append(replace(meta, slot_mapping=slots.to(self.device),
+                                 page_tables=tables.to(self.device)))
+        return GroupedMetadata(tuple(metas))
 
     def _host(self, size: int) -> torch.Tensor:
         """`size` elements of the pinned staging buffer, grown (doubling) when too small."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+from kvpool.grouped_pool import GroupedMetadata, GroupedPool
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.rotary import RotaryEmbedding, apply_rotary
@@ -24,7 +25,9 @@ class LlamaAttention(nn.Module):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
     the pages of pool layer `layer_idx`, attend through the page tables (to the last
     `sliding_window` tokens only, when given), project back. With fp8 pages, the layer's first
-    K/V written set its scales unless they were given."""
+    K/V written set its scales unless they were given. Over a GroupedPool (one pool per layer
+    group), `layer_idx` is the model layer: the layer reads its group's pool, page tables and
+    slot mapping."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  sliding_window: int | None = None):
@@ -44,8 +47,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata | GroupedMetadata,
+                pool: KVPool | GroupedPool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
@@ -55,6 +58,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         layer = self.layer_idx
+        if isinstance(pool, GroupedPool):
+            pool, layer, meta = pool.locate(layer, meta)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
         pool.calibrate(layer, k, v)
         k_scale, v_scale = pool.kv_scales(layer)
@@ -138,8 +143,8 @@ class LlamaForCausalLM(nn.Module):
         """One packed step: input_ids and positions `[T]` int64 -> float32 logits
         `[n, vocab_size]` of the tokens at `logits_indices` `[n]` (default: the last token of
         each sequence, `meta.cu_seqlens_q[1:] - 1`)."""
-        if pool.kv.dtype != self.dtype and not pool.quantized:
-            raise ValueError(f"the pool holds {pool.kv.dtype} but the model computes in "
+        if pool.layout.dtype != self.dtype and not pool.quantized:
+            raise ValueError(f"the pool holds {pool.layout.dtype} but the model computes in "
                              f"{self.dtype}; build the KVLayout with dtype={self.dtype} "
                              f"(or float8_e4m3fn for fp8 pages)")
         hidden = self.model(input_ids, self.rope(positions), meta, pool)

@@ -1,0 +1,198 @@
+"""GroupedCache: a full-attention pool and a sliding-window pool behind one sequence API."""
+
+import pytest
+import torch
+
+from kvpool.cache import HOLE
+from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.grouped_cache import GroupedCache
+from kvpool.hybrid_cache import SCRATCH
+from kvpool.layout import KVLayout
+
+PAGE_SIZE = 4
+WINDOW = 8
+FULL, SLIDING = 0, 1  # group indexes: full attention comes first
+
+
+def layout(windows=(None, WINDOW, WINDOW, None)) -> KVLayout:
+    return KVLayout(num_layers=len(windows), num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    page_size=PAGE_SIZE, layer_windows=windows)
+
+
+def cache(num_pages=(16, 8), **kwargs) -> GroupedCache:
+    return GroupedCache(layout(), num_pages, device="cpu", **kwargs)
+
+
+def held(c: GroupedCache, seq_id, group: int) -> list[int]:
+    return [p for p in c.pages(seq_id, group) if p != HOLE]
+
+
+def test_each_group_has_a_pool_of_its_layers_and_the_model_layers_map_to_them():
+    c = cache()
+    assert [pool.layout.num_layers for pool in c.pool.pools] == [2, 2]
+    assert [pool.num_pages for pool in c.pool.pools] == [16, 8]
+    assert c.pool.where == ((FULL, 0), (SLIDING, 0), (SLIDING, 1), (FULL, 1))
+    assert c.groups[SLIDING].window == WINDOW and c.groups[FULL].window is None
+
+
+def test_a_layout_of_one_group_is_refused():
+    with pytest.raises(ValueError, match="at least two layer groups, got 1: use KVCache"):
+        GroupedCache(layout((WINDOW, WINDOW)), (8,), device="cpu")
+
+
+def test_pool_sizes_must_name_every_group():
+    with pytest.raises(ValueError, match="num_pages gives 1 pool sizes for 2 layer groups"):
+        GroupedCache(layout(), (8,), device="cpu")
+
+
+def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_the_other():
+    c = cache()
+    c.add_sequence("a", num_tokens=5)
+    for _ in range(30):
+        c.append("a")
+        c.check()
+        assert len(held(c, "a", SLIDING)) <= -(-WINDOW // PAGE_SIZE) + 1
+    assert len(held(c, "a", FULL)) == -(-35 // PAGE_SIZE) == 9
+    assert c.pages("a", SLIDING)[:6] == [HOLE] * 6
+
+
+def test_append_returns_the_new_tokens_slots_in_each_group():
+    c = cache()
+    c.add_sequence("a", num_tokens=4)
+    slots = c.append("a", 2)
+    assert slots == (c.slots("a", FULL)[4:], c.slots("a", SLIDING)[4:])
+
+
+def test_an_append_the_window_pool_cannot_take_changes_neither_pool():
+    c = cache(num_pages=(16, 2))
+    c.add_sequence("a", num_tokens=8)  # both window pages
+    before = (c.pages("a", FULL), c.pages("a", SLIDING), c.stats())
+    with pytest.raises(OutOfPages, match="window 8 pool: need 1 pages, 0 free, 0 evictable"):
+        c.append("a")
+    assert (c.pages("a", FULL), c.pages("a", SLIDING), c.stats()) == before
+    assert not c.can_append("a")
+
+
+def test_append_batch_grows_every_sequence_in_every_group_or_none():
+    c = cache(num_pages=(16, 3))
+    c.add_sequence("a", num_tokens=4)
+    c.add_sequence("b", num_tokens=4)
+    with pytest.raises(OutOfPages, match="window 8 pool: need 2 pages, 1 free"):
+        c.append_batch(["a", "b"])
+    assert c.num_tokens("a") == c.num_tokens("b") == 4
+    c.free_sequence("b")
+    full, window = c.append_batch(["a"], [3])
+    assert full == c.slots("a", FULL)[4:] and window == c.slots("a", SLIDING)[4:]
+    c.check()
+
+
+def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_holds_it():
+    c = cache(num_pages=(16, 3))
+    c.add_sequence("a", num_tokens=6)  # two window pages, the second partial
+    c.fork("a", "b")
+    # a copies the shared partial page, b then holds the original alone: one page, not two
+    c.append_batch(["a", "b"])
+    assert c.groups[SLIDING].num_free_pages == 0
+    assert c.pages("a", SLIDING)[1] != c.pages("b", SLIDING)[1]
+    c.check()
+
+
+def test_check_fits_names_the_pool_a_sequence_overflows():
+    c = cache(num_pages=(16, 4))
+    c.check_fits(16)
+    with pytest.raises(OutOfPages, match="^window 8 pool: 17 tokens need 5 pages of 4 tokens; "
+                                         "the pool has 4$"):
+        c.check_fits(17)
+
+
+def test_can_add_asks_every_pool():
+    c = cache(num_pages=(16, 3))
+    assert c.can_add(list(range(12)))
+    assert not c.can_add(list(range(13)))
+    assert not c.can_add(list(range(12)), spare_pages=1)
+
+
+def test_the_length_limit_applies_to_the_sequence_in_every_group():
+    c = cache(max_tokens_per_seq=10)
+    c.add_sequence("a", num_tokens=9)
+    with pytest.raises(SequenceTooLong, match="would hold 11 tokens, over the limit of 10"):
+        c.append("a", 2)
+    c.check()
+
+
+def test_stats_sum_the_pools_and_group_stats_give_each():
+    c = cache()
+    c.add_sequence("a", num_tokens=20)
+    full, window = c.group_stats()
+    assert (full.num_used_pages, window.num_used_pages) == (5, 5)
+    s = c.stats()
+    assert (s.num_pages, s.num_used_pages, s.num_free_pages) == (24, 10, 14)
+    assert s.num_tokens == 40  # 20 tokens in each pool
+    assert c.num_pages == 24 and c.num_available_pages == 14
+
+
+def prefill(c: GroupedCache, seq_id, tokens: list[int]) -> int:
+    """Add a prompt, write nothing (the values do not matter here), commit it."""
+    hit = c.add_sequence(seq_id, tokens)
+    c.commit(seq_id)
+    return hit
+
+
+PROMPT = list(range(17))  # four full pages and one token
+
+
+def test_a_prefix_hit_is_served_by_every_group():
+    c = cache(prefix_caching=True)
+    prefill(c, "a", PROMPT)
+    c.free_sequence("a")
+    assert prefill(c, "b", PROMPT) == 16
+    assert c.stats().prefix_hit_tokens == 16 and c.stats().prefix_query_tokens == 34
+    c.check()
+
+
+def test_a_hit_is_bounded_by_the_group_that_evicted_its_pages():
+    c = cache(prefix_caching=True)
+    prefill(c, "a", PROMPT)
+    c.free_sequence("a")
+    c.groups[SLIDING].prefix_cache.evict(2)  # the window pool's last two cached pages
+    assert prefill(c, "b", PROMPT) == 8
+    full, window = c.group_stats()
+    assert (full.prefix_hit_tokens, window.prefix_hit_tokens) == (16, 8)  # each group's match
+    c.check()
+
+
+def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_shared_one():
+    c = cache(prefix_caching=True)
+    prefill(c, "a", PROMPT)
+    c.free_sequence("a")
+    c.groups[SLIDING].prefix_cache.evict(2)
+    hit = prefill(c, "b", PROMPT)
+    (scratch,) = c.groups[FULL].slots(SCRATCH)
+    full = c.slot_mapping(["b"], [hit], [17], group=FULL).tolist()
+    window = c.slot_mapping(["b"], [hit], [17], group=SLIDING).tolist()
+    assert full == [scratch] * 8 + c.slots("b", FULL)[16:]  # tokens 8-15 are shared pages
+    assert window == c.slots("b", SLIDING)[8:]  # the window pool computes them anew
+
+
+def test_a_window_sequence_that_dropped_pages_is_no_longer_matched_past_its_committed_prompt():
+    c = cache(num_pages=(32, 16), prefix_caching=True)
+    prefill(c, "a", PROMPT)
+    for token in range(17, 40):
+        c.append("a", token_ids=[token])
+        c.commit("a")
+    c.free_sequence("a")
+    # the full pool caches all 39 tokens' pages; the window pool only the prompt's
+    assert prefill(c, "b", list(range(40))) == 16
+    c.check()
+
+
+def test_fork_shares_the_pages_of_every_group():
+    c = cache()
+    c.add_sequence("a", num_tokens=10)
+    c.fork("a", "b")
+    assert c.pages("b", FULL) == c.pages("a", FULL)
+    assert c.pages("b", SLIDING) == c.pages("a", SLIDING)
+    c.free_sequence("a")
+    c.free_sequence("b")
+    assert c.num_free_pages == 24
+    c.check()

@@ -1,0 +1,87 @@
+"""The engine on models mixing sliding-window and full-attention layers (Qwen3 with
+layer_types, Gemma 3): a full pool and a window pool, greedy outputs equal to transformers'
+on sequences longer than the window, with chunked prefill, prefix hits and preemption."""
+
+import pytest
+
+from kvpool.cache import HOLE, KVCache
+from kvpool.engine import LLM, SamplingParams
+from kvpool.grouped_cache import GroupedCache
+from models_util import hf_greedy, make_hf_model, prompts, save_hf_model
+from test_models import MAX_TOKENS
+from test_windows import CONFIGS, WINDOW
+
+PAGE_SIZE = 4
+WINDOW_PAGES = -(-WINDOW // PAGE_SIZE) + 1  # what a decoding sequence holds in the window pool
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+# 64 tokens at most: 16 pages. The window pool holds 2 windows (3 pages each) and one prompt
+# (16 pages); the full pool gets the rest of the bytes of 22 pages of every layer: 22 pages
+# (half the layers are windowed), less than two whole sequences, so the engine preempts.
+ENGINE = dict(num_pages=22, page_size=PAGE_SIZE, max_num_seqs=2, max_num_batched_tokens=16,
+              max_model_len=64)
+
+
+@pytest.fixture(scope="module", params=["qwen3-layer-types", "gemma3"])
+def checkpoint(request, tmp_path_factory):
+    """(transformers model, its checkpoint folder)."""
+    hf = make_hf_model(request.param, configs=CONFIGS)
+    return hf, save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+
+
+def batch() -> list[list[int]]:
+    """Prompts of 5-31 tokens, two of them continuing one 20-token prefix."""
+    shared = prompts(160, lengths=(20,), seed=2)["seq0"]
+    out = list(prompts(160, lengths=(5, 30), seed=3).values())
+    return out + [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
+
+
+def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint):
+    _, folder = checkpoint
+    llm = LLM(folder, **ENGINE)
+    assert isinstance(llm.cache, GroupedCache)
+    assert [cache.num_pages for cache in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
+    assert llm.graphs is None
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemption(
+        checkpoint, prefix_caching):
+    hf, folder = checkpoint
+    llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE)
+    prompts_ = batch()
+    ids = [llm.add_request(p, GREEDY) for p in prompts_]
+    outputs = {}
+    windowed = 0  # steps of sequences that gave window pages back
+    while llm.has_unfinished():
+        for out in llm.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        for seq_id in llm.cache.sequences():
+            pages = llm.cache.pages(seq_id, 1)
+            if HOLE in pages:  # decoding: a window of pages and no more
+                assert len(pages) - pages.count(HOLE) <= WINDOW_PAGES
+                windowed += 1
+            assert HOLE not in llm.cache.pages(seq_id, 0)
+        llm.cache.check()
+    assert windowed > 0
+    assert [outputs[i] for i in ids] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts_]
+    assert llm.stats().num_preemptions > 0
+    assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
+
+
+def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint):
+    hf, folder = checkpoint
+    llm = LLM(folder, free_out_of_window=False, **ENGINE)
+    assert isinstance(llm.cache, KVCache) and llm.cache.num_pages == 22
+    prompt = batch()[1]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint):
+    _, folder = checkpoint
+    llm = LLM(folder, kv_cache_dtype="fp8_e4m3", **ENGINE)
+    out = llm.generate([batch()[1]], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    assert llm.cache.pool.quantized and llm.cache.pool.scales_ready
+    llm.cache.check()
