@@ -58,8 +58,8 @@ def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemptio
                 outputs[out.request_id] = out.outputs[0].token_ids
         for seq_id in llm.cache.sequences():
             pages = llm.cache.pages(seq_id, 1)
-            if HOLE in pages:  # decoding: a window of pages and no more
-                assert len(pages) - pages.count(HOLE) <= WINDOW_PAGES
+            if HOLE in pages:  # its window, and the chunk of 16 tokens it took last
+                assert len(pages) - pages.count(HOLE) <= WINDOW_PAGES + 16 // PAGE_SIZE
                 windowed += 1
             assert HOLE not in llm.cache.pages(seq_id, 0)
         llm.cache.check()

@@ -3,10 +3,11 @@ and sliding-window pools, as a GroupedCache keeps them).
 
 The rule: each window group's pool gets the pages of `max_num_seqs` sequences' windows (a
 decoding sequence holds ceil(window / page_size) + 1 pages there) plus `prefill_tokens` of
-prompt pages (the scheduler gives a prompt all its pages when it admits it, so one longest
-prompt must fit beside the windows), but never more tokens than the full pool gets; the full
-pool gets the rest. A window pool so capped holds as many tokens as the full pool: the pair
-then holds what one pool of every layer would."""
+prompt pages (the scheduler takes a windowed prompt's pages chunk by chunk, but a prompt
+admitted with a prefix hit holds the hit's whole path until its next chunk gives the pages
+before its window back, so one longest prompt must fit beside the windows), but never more
+tokens than the full pool gets; the full pool gets the rest. A window pool so capped holds as
+many tokens as the full pool: the pair then holds what one pool of every layer would."""
 
 from __future__ import annotations
 

@@ -202,6 +202,17 @@ class GroupedCache:
             offset += end - start
         return slots
 
+    @property
+    def frees_out_of_window(self) -> bool:
+        """Whether a group gives pages back as sequences grow (so the scheduler takes a
+        prompt's pages chunk by chunk)."""
+        return any(cache.frees_out_of_window for cache in self.groups)
+
+    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens `add_sequence(seq_id, token_ids)` would be served: the shortest of the
+        groups' matches. Changes nothing."""
+        return min(cache.prefix_hit(token_ids) for cache in self.groups)
+
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
         """Whether `add_sequence` would succeed leaving `spare_pages` available in every
         group. Changes nothing."""
