@@ -35,6 +35,7 @@ _MODULE_OF = {
     "OutOfStateSlots": "kvpool.errors",
     "SequenceTooLong": "kvpool.errors",
     "UnknownSequence": "kvpool.errors",
+    "GroupedCache": "kvpool.grouped_cache",
     "HybridCache": "kvpool.hybrid_cache",
     "KVLayout": "kvpool.layout",
     "LayerGroup": "kvpool.layout",

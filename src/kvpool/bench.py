@@ -221,7 +221,7 @@ def summary_rows(llm: LLM, requests: list[BenchRequest],
         ("TPOT p50 / p99", _percentiles_ms(tpots)),
         ("peak pages used", f"{peak:,} ({peak / num_pages:.0%} of the pool)"),
         ("pool pages", f"{num_pages:,} x {page_size} tokens = {num_pages * page_size:,} "
-                       f"tokens ({format_bytes(num_pages * llm.cache.layout.bytes_per_page)})"),
+                       f"tokens ({format_bytes(llm.cache.pool.nbytes)})"),
         ("KV utilization", f"{np.mean([s.kv_utilization for s in result.steps]):.1%} "
                            f"(filled slots of used pages, mean over steps)"),
         ("prefix hit rate", hit_rate),

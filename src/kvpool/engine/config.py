@@ -36,8 +36,10 @@ class EngineConfig:
     layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
     requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
     prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
-    free_out_of_window: when every layer has a sliding window (Mistral), give back the pages
-    that fall out of it as sequences decode (kvpool.cache); False keeps every page.
+    free_out_of_window: give back the pages that fall out of a sliding window as sequences
+    grow: in the one pool when every layer is windowed (Mistral, kvpool.cache), in a window
+    pool beside a full pool when layers mix (Gemma 3, Qwen with layer_types:
+    kvpool.grouped_cache); False keeps every page of every layer in one pool.
     """
 
     page_size: int = 16
