@@ -180,7 +180,7 @@ class PageAllocator:
         Every page must be held or cached; otherwise raises InvalidPage (TypeError for an id
         that is not an int), changing nothing.
         """
-        pages = list(pages)
+        pages = pages if type(pages) is list else list(pages)
         with self._lock:
             self._counts.share(pages)
 
@@ -193,7 +193,7 @@ class PageAllocator:
         Raises InvalidPage for an id out of range or dropped below 0, TypeError for an id that
         is not an int; either way nothing changes.
         """
-        pages = list(pages)
+        pages = pages if type(pages) is list else list(pages)
         with self._lock:
             released = self._counts.release(pages)
             self._free.extend(released)
@@ -203,7 +203,7 @@ class PageAllocator:
         """The prefix cache now indexes these held pages: when their counts reach 0 they
         wait on the cached queue instead of the free list. Raises InvalidPage, changing
         nothing, for a page nobody holds."""
-        pages = list(pages)
+        pages = pages if type(pages) is list else list(pages)
         with self._lock:
             for page in pages:
                 self._counts.check_id(page)
