@@ -149,7 +149,8 @@ static void sort_ids(int32_t *ids, Py_ssize_t n) {
 }
 
 /* 1 if some valid id of `pages` is listed more times than it is held, 0 if none is, -1 with
-   MemoryError set. */
+   MemoryError set. Ids that only rise or only fall (as a page table's usually do) are
+   distinct, so only others are sorted and counted. */
 static int repeats_exceed_counts(Pages *p, PyObject *pages, Py_ssize_t n) {
     int32_t small[SMALL_BATCH];
     int32_t *ids = n > SMALL_BATCH ? PyMem_Malloc(n * sizeof(int32_t)) : small;
@@ -157,15 +158,22 @@ static int repeats_exceed_counts(Pages *p, PyObject *pages, Py_ssize_t n) {
         PyErr_NoMemory();
         return -1;
     }
+    int rising = 1, falling = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         ids[i] = (int32_t)page_at(p, pages, i);
+        if (i > 0) {
+            rising &= ids[i] > ids[i - 1];
+            falling &= ids[i] < ids[i - 1];
+        }
     }
-    sort_ids(ids, n);
     int exceed = 0;
-    for (Py_ssize_t i = 0, run = 1; i < n; i++, run++) {
-        if (i + 1 == n || ids[i + 1] != ids[i]) {
-            exceed |= run > count_of(p, ids[i]);
-            run = 0;
+    if (!rising && !falling) {
+        sort_ids(ids, n);
+        for (Py_ssize_t i = 0, run = 1; i < n; i++, run++) {
+            if (i + 1 == n || ids[i + 1] != ids[i]) {
+                exceed |= run > count_of(p, ids[i]);
+                run = 0;
+            }
         }
     }
     if (ids != small) {
@@ -235,7 +243,11 @@ static PyObject *release(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     PyMem_Free(queued);
     close_pages(&p);
-    return Py_BuildValue("(Nn)", released, num_queued);
+    PyObject *count = PyLong_FromSsize_t(num_queued);
+    PyObject *result = count == NULL ? NULL : PyTuple_Pack(2, released, count);
+    Py_XDECREF(count);
+    Py_DECREF(released);
+    return result;
 fail:
     PyMem_Free(queued);
     Py_DECREF(released);

@@ -184,9 +184,9 @@ class PageAllocator:
         """
         pages = pages if type(pages) is list else list(pages)
         if self._lock is None:
-            return self._release(pages)
+            return self._counts.release(pages, self._free)
         with self._lock:
-            return self._release(pages)
+            return self._counts.release(pages, self._free)
 
     def mark_cached(self, pages: Iterable[int]) -> None:
         """The prefix cache now indexes these held pages: when their counts reach 0 they
@@ -194,9 +194,10 @@ class PageAllocator:
         nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
+            refcounts, num_pages = self._refcounts, self._num_pages
             for page in pages:
-                self._counts.check_id(page)
-                if not self._refcounts[page]:
+                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                    self._counts.check_id(page)  # raises the error naming a bad id
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             self._counts.mark(pages)
 
@@ -270,7 +271,9 @@ class PageAllocator:
             self._num_failed += 1
             raise OutOfPages(self._shortage(n, critical))
         fresh = n if n <= len(free) else len(free)
-        if isinstance(free, FirstFitFreeList):
+        if not fresh:
+            ids = []
+        elif isinstance(free, FirstFitFreeList):
             ids = free.take(fresh)
         else:
             ids = free[len(free) - fresh:]
@@ -283,12 +286,6 @@ class PageAllocator:
         if left < self._fewest_unused:
             self._fewest_unused = left
         return ids
-
-    def _release(self, pages: list[int]) -> list[int]:
-        """`free`, the lock held."""
-        released = self._counts.release(pages)
-        self._free.extend(released)
-        return released
 
     def _evict(self, n: int) -> list[int]:
         """Take the `n` least recently used cached pages off the queue and the index."""
