@@ -41,7 +41,9 @@ def apply(counts, op, arg):
             return counts.mark([p for p in arg if counts.refcounts[p] > 0])
         if op == "pop_cold":
             return counts.pop_cold(min(arg, counts.num_cached))
-        return getattr(counts, op)(list(arg))
+        if op == "release":
+            return counts.release(list(arg), [])
+        return counts.share(list(arg))
     except (TypeError, InvalidPage) as error:
         return type(error), str(error)
 

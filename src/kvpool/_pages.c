@@ -13,6 +13,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define SMALL_BATCH 32 /* ids a call sorts on the stack, by insertion */
 
@@ -148,28 +149,35 @@ static void sort_ids(int32_t *ids, Py_ssize_t n) {
     }
 }
 
-/* 1 if some valid id of `pages` is listed more times than it is held, 0 if none is, -1 with
-   MemoryError set. */
-static int repeats_exceed_counts(Pages *p, PyObject *pages, Py_ssize_t n) {
+/* 1 if some id of `ids` (valid ones) is listed more times than it is held, 0 if none is, -1
+   with MemoryError set. Ids that only rise or only fall (as a page table's usually do) are
+   distinct; only others are sorted, in a copy, and counted. */
+static int repeats_exceed_counts(Pages *p, const int32_t *ids, Py_ssize_t n) {
+    int rising = 1, falling = 1;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        rising &= ids[i] > ids[i - 1];
+        falling &= ids[i] < ids[i - 1];
+    }
+    if (rising || falling) {
+        return 0;
+    }
     int32_t small[SMALL_BATCH];
-    int32_t *ids = n > SMALL_BATCH ? PyMem_Malloc(n * sizeof(int32_t)) : small;
-    if (ids == NULL) {
+    int32_t *sorted = n > SMALL_BATCH ? PyMem_Malloc(n * sizeof(int32_t)) : small;
+    if (sorted == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        ids[i] = (int32_t)page_at(p, pages, i);
-    }
-    sort_ids(ids, n);
+    memcpy(sorted, ids, n * sizeof(int32_t));
+    sort_ids(sorted, n);
     int exceed = 0;
     for (Py_ssize_t i = 0, run = 1; i < n; i++, run++) {
-        if (i + 1 == n || ids[i + 1] != ids[i]) {
-            exceed |= run > count_of(p, ids[i]);
+        if (i + 1 == n || sorted[i + 1] != sorted[i]) {
+            exceed |= run > count_of(p, sorted[i]);
             run = 0;
         }
     }
-    if (ids != small) {
-        PyMem_Free(ids);
+    if (sorted != small) {
+        PyMem_Free(sorted);
     }
     return exceed;
 }
@@ -186,61 +194,62 @@ static PyObject *release(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (open_pages(&p, args) < 0) {
         return NULL;
     }
-    PyObject *pages = args[4];
-    Py_ssize_t n = PyList_GET_SIZE(pages);
+    PyObject *pages = args[4], *released = NULL, *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(pages), num_queued = 0;
+    int32_t small[SMALL_BATCH];  /* the ids, then (a prefix of it) the ids to queue */
+    int32_t *ids = n > SMALL_BATCH ? PyMem_Malloc(n * sizeof(int32_t)) : small;
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t page = page_at(&p, pages, i);
         if (page < 0 || count_of(&p, page) <= 0) {
-            close_pages(&p);
-            Py_RETURN_NONE;
+            result = Py_NewRef(Py_None);
+            goto done;
         }
+        ids[i] = (int32_t)page;
     }
-    int exceed = n > 1 ? repeats_exceed_counts(&p, pages, n) : 0;
+    int exceed = repeats_exceed_counts(&p, ids, n);
     if (exceed != 0) {
-        close_pages(&p);
-        if (exceed < 0) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
+        result = exceed < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
     }
-    int32_t *queued = PyMem_Malloc((n + 1) * sizeof(int32_t));
-    PyObject *released = PyList_New(0);
-    if (queued == NULL || released == NULL) {
-        PyMem_Free(queued);
-        Py_XDECREF(released);
-        close_pages(&p);
-        return PyErr_NoMemory();
+    released = PyList_New(0);
+    if (released == NULL) {
+        goto done;
     }
-    Py_ssize_t num_queued = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t page = page_at(&p, pages, i);
+        int32_t page = ids[i];
         long count = count_of(&p, page) - 1;
         if (set_count(&p, page, count) < 0) {
-            goto fail;
+            goto done;
         }
         if (count == 0) {
             if (p.is_cached[page]) {
-                queued[num_queued++] = (int32_t)page;
+                ids[num_queued++] = page;
             } else if (PyList_Append(released, PyList_GET_ITEM(pages, i)) < 0) {
-                goto fail;
+                goto done;
             }
         }
     }
     for (Py_ssize_t i = num_queued - 1; i >= 0; i--) {  /* the first to reach 0 goes last */
-        int32_t page = queued[i], last = p.prev[p.sentinel];
+        int32_t page = ids[i], last = p.prev[p.sentinel];
         p.next[last] = page;
         p.prev[page] = last;
         p.next[page] = p.sentinel;
         p.prev[p.sentinel] = page;
     }
-    PyMem_Free(queued);
+    PyObject *count = PyLong_FromSsize_t(num_queued);
+    result = count == NULL ? NULL : PyTuple_Pack(2, released, count);
+    Py_XDECREF(count);
+done:
+    if (ids != small) {
+        PyMem_Free(ids);
+    }
+    Py_XDECREF(released);
     close_pages(&p);
-    return Py_BuildValue("(Nn)", released, num_queued);
-fail:
-    PyMem_Free(queued);
-    Py_DECREF(released);
-    close_pages(&p);
-    return NULL;
+    return result;
 }
 
 /* pop_cold(refcounts, is_cached, next, prev, n) -> the n coldest queued pages, coldest first, off the

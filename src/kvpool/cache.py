@@ -21,7 +21,7 @@ from kvpool.errors import (
 from kvpool.fp8 import is_fp8
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
-from kvpool.prefix_cache import NoPrefixCache, PrefixCache, PrefixMatch
+from kvpool.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
 from kvpool.tiers import PageKey, Tier, page_namespace
 from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
@@ -148,8 +148,9 @@ class KVCache:
         self._check_length(seq_id, n)
         match = self._match(ids, n)
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
-        self._check_room(need, match.pages)
-        loaded = self._fetch_from_tier(ids, n, match)
+        if need + len(match.pages) > self.allocator.num_available:
+            self._check_room(need, match.pages)
+        loaded = [] if self.tier is None else self._fetch_from_tier(ids, n, match)
         if match.pages:
             self.allocator.share(match.pages)
         pages = match.pages + self.allocator.allocate(need)
@@ -238,8 +239,8 @@ class KVCache:
         full = seq.num_tokens // self.page_size
         if seq.token_ids is None or full <= seq.num_cached:
             return
-        seq.num_cached = self._index.insert(bytes(seq.token_ids[:full * self._page_bytes]),
-                                            seq.pages[:full], seq.num_cached)
+        seq.num_cached = self._index.insert(bytes(seq.token_ids), seq.pages[:full],
+                                            seq.num_cached)
         if seq.num_cached < full:
             seq.token_ids = None
 
@@ -249,7 +250,8 @@ class KVCache:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(f"no sequence {seq_id!r}")
-        self._scrub(self.allocator.free(seq.pages[seq.num_dropped:]))
+        del seq.pages[:seq.num_dropped]  # HOLE entries
+        self._scrub(self.allocator.free(seq.pages))
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -453,8 +455,9 @@ class KVCache:
     def _match(self, token_ids: bytes | None, n: int) -> PrefixMatch:
         """The cached prefix of a sequence of `n` tokens: whole pages, never the last token
         (its logits must be computed); the empty match when the content is unknown."""
-        return self._index.match(b"" if token_ids is None else token_ids,
-                                 (n - 1) // self.page_size if n else 0)
+        if token_ids is None:
+            return NO_MATCH
+        return self._index.match(token_ids, (n - 1) // self.page_size if n else 0)
 
     def _num_unheld(self, pages: list[int]) -> int:
         """How many of `pages` no sequence holds (cached): a hit takes them off the queue."""
@@ -462,13 +465,11 @@ class KVCache:
         return [refcounts[page] for page in pages].count(0)
 
     def _check_room(self, need: int, hit_pages: list[int]) -> None:
-        """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held."""
+        """Raise OutOfPages unless `need` pages can be allocated once `hit_pages` are held
+        (the cached ones among them leave the cached queue)."""
         alloc = self.allocator
-        room = alloc.num_available
-        if need + len(hit_pages) <= room:  # enough even if every hit page is cached
-            return
         taken = self._num_unheld(hit_pages)
-        if need and need + taken > room:
+        if need and need + taken > alloc.num_available:
             raise OutOfPages(f"need {need} pages, {alloc.num_free} free "
                              f"({alloc.reserve} reserved), "
                              f"{alloc.num_cached - taken} evictable")
@@ -478,7 +479,7 @@ class KVCache:
         """The data of the pages continuing the device's `match` in the tier, page by
         page up to the first miss, never covering the last token; `token_ids` packed. Only
         `get` touches the tier, and only once the call is known to succeed."""
-        if self.tier is None or token_ids is None or n == 0:
+        if token_ids is None:
             return []
         page_bytes = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)

@@ -55,6 +55,8 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> in
     """`value` if it is an int (not a bool) in `[low, high]`; else TypeError for another
     type, ValueError out of range, each naming `name`, the range and the value. The one
     argument check of the core."""
+    if type(value) is int and low <= value and (high is None or value <= high):
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):

@@ -55,15 +55,16 @@ class PageCounts:
             revived = self._share(pages)
         self.num_cached -= revived
 
-    def release(self, pages: list[int]) -> list[int]:
+    def release(self, pages: list[int], free: list[int]) -> list[int]:
         """Drop one reference to each page (a page listed twice loses two). A page left with
         none joins the queue's warm end if cached (the first to reach 0 warmest, as a page
-        table's tail is worth least), else is returned, in the order they reached 0.
-        Raises InvalidPage for an id out of range or dropped below 0, TypeError for an id
-        that is not an int; either way nothing changes."""
+        table's tail is worth least), else the `free` list; returns the latter, in the
+        order they reached 0. Raises InvalidPage for an id out of range or dropped below 0,
+        TypeError for an id that is not an int; either way nothing changes."""
         done = None if compiled is None else compiled.release(
             self.refcounts, self.is_cached, self.next, self.prev, pages)
         released, queued = self._release(pages) if done is None else done
+        free.extend(released)
         self.num_cached += queued
         return released
 

@@ -91,29 +91,31 @@ class PrefixCache:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
         `pack_tokens`), at most `max_pages` pages. Changes nothing but dropping dead pages
         it meets."""
-        return self._walk(token_ids, [], max_pages, self.root, 0)
+        pages: list[int] = []
+        node, depth = self._walk(token_ids, pages, max_pages, self.root, 0)
+        return PrefixMatch(pages, node, depth)
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
-        """Add the full pages `pages` of a live sequence (whose packed ids are `token_ids`)
-        past the longest prefix of them the tree holds already; the caller knows its first
-        `num_cached` pages to be a path of the tree, and the search starts past them. Returns
-        how many of its first pages are in the tree now: all, unless the tree holds the
-        content of one of them in another page (an identical prompt computed at the same
-        time); the sequence keeps its copies from there on uncached."""
+        """Add the full pages `pages` of a live sequence (whose packed ids start
+        `token_ids`) past the longest prefix of them the tree holds already; the caller knows
+        its first `num_cached` pages to be a path of the tree, and the search starts past
+        them. Returns how many of its first pages are in the tree now: all, unless the tree
+        holds the content of one of them in another page (an identical prompt computed at
+        the same time); the sequence keeps its copies from there on uncached."""
         page_bytes = self._page_bytes
+        path = pages[:num_cached]
+        node, depth = self.root, num_cached
         if num_cached:
-            last = self._node_of_page[pages[num_cached - 1]]
-            path = self._walk(token_ids, pages[:num_cached], len(pages), last,
-                              last.pages.index(pages[num_cached - 1]) + 1)
-        else:
-            path = self.match(token_ids, len(pages))
-        num_held = len(path.pages)
-        if path.pages != pages[:num_held]:
-            same = num_cached
-            while pages[same] == path.pages[same]:
-                same += 1
-            return same
-        node, depth = path.node, path.depth
+            node = self._node_of_page[pages[num_cached - 1]]
+            above = node.parent
+            while above is not self.root:
+                depth -= len(above.pages)
+                above = above.parent
+        node, depth = self._walk(token_ids, path, len(pages), node, depth)
+        for i in range(num_cached, len(path)):
+            if path[i] != pages[i]:
+                return i
+        num_held = len(path)
         if num_held == len(pages):
             return num_held
         new_pages = pages[num_held:]
@@ -179,12 +181,12 @@ class PrefixCache:
     # ---- internals ---------------------------------------------------------------------
 
     def _walk(self, token_ids: bytes, pages: list[int], max_pages: int, node: PrefixNode,
-              depth: int) -> PrefixMatch:
+              depth: int) -> tuple[PrefixNode, int]:
         """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
         the walk extends), the last `depth` of them the first pages of `node`, up to
-        `max_pages` pages in all. A node's pages are compared in one memcmp, a page at a
-        time only where the run stops matching. Each node the walk enters loses its dead
-        pages first."""
+        `max_pages` pages in all; returns where it stopped: a node and a depth in it. A
+        node's pages are compared in one memcmp, a page at a time only where the run stops
+        matching. Each node the walk enters loses its dead pages first."""
         page_bytes, live = self._page_bytes, self._live
         if node.pages and not live[node.pages[-1]]:
             self._drop_dead(node)
@@ -200,8 +202,10 @@ class PrefixCache:
                         break
                 node, depth = child, 0
             offset = depth * page_bytes
-            end = min(start + len(node.tokens) - offset, limit)
-            if token_ids[start:end] == node.tokens[offset:offset + end - start]:
+            end = start + len(node.tokens) - offset
+            if end > limit:
+                end = limit
+            if node.tokens.startswith(token_ids[start:end], offset):
                 more = (end - start) // page_bytes
             else:
                 more = _common_pages(token_ids[start:end], node.tokens[offset:], page_bytes)
@@ -209,7 +213,7 @@ class PrefixCache:
             depth, start = depth + more, start + more * page_bytes
             if depth < len(node.pages):
                 break
-        return PrefixMatch(pages, node, depth)
+        return node, depth
 
     def _page_tokens(self, node: PrefixNode, i: int) -> tuple[int, ...]:
         return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
@@ -316,16 +320,19 @@ class PrefixCache:
             f"{num_live} live pages in the tree")
 
 
+# The match of a prompt whose content is unknown, or of any prompt when caching is off: one
+# for every call, as callers never change a match.
+NO_MATCH = PrefixMatch([], PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None), 0)
+
+
 class NoPrefixCache:
     """Stands in for the prefix cache when caching is off: matches nothing, keeps nothing."""
 
     num_pages = 0
-    root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
-    no_match = PrefixMatch([], root, 0)  # one for every call: callers never change a match
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The empty match."""
-        return self.no_match
+        return NO_MATCH
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
         """Keeps nothing: none of the sequence's pages is in the cache."""
