@@ -5,6 +5,7 @@ with an OpenAI error body."""
 
 import json
 import re
+from functools import partial
 
 import httpx
 import pytest
@@ -17,9 +18,13 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 PROMPT = "The pool"
 
 
+# The served engine (built in the engine process), and the one the tests compare it with.
+ENGINE = partial(LLM, "tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
+    return ENGINE()
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,8 @@ def expected_logprobs(llm):
 
 
 @pytest.fixture(scope="module")
-def server(llm, expected, expected_logprobs):
-    with running_server(llm) as server:
+def server():
+    with running_server(ENGINE) as server:
         yield server
 
 
@@ -252,7 +257,8 @@ BAD_REQUESTS = [
      "prompt of 600 tokens + max_tokens 16 = 616 tokens, over max_model_len 512"),
     ("a sample the pool can never hold", {"model": "tiny", "prompt": [1] * 100,
                                           "max_tokens": 300}, 400, "max_tokens", None,
-     "prompt of 100 tokens + max_tokens 300 need 25 pages of 16 tokens; the pool has 24"),
+     "prompt of 100 tokens + max_tokens 300: 399 tokens need 25 pages of 16 tokens; "
+     "the pool has 24"),
     ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
      "n=9 samples exceed max_num_seqs 8"),
     ("logprobs over 20", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",

@@ -14,8 +14,9 @@ import time
 from collections import abc
 from typing import NamedTuple
 
-from kvpool.engine import RequestOutput, TokenLogprobs
+from kvpool.engine import TokenLogprobs
 from kvpool.server.detokenize import ChoiceText
+from kvpool.server.engine_loop import Update
 
 REPLACEMENT = "\ufffd"
 
@@ -41,18 +42,18 @@ class Generation:
     caller aborts it).
     """
 
-    def __init__(self, request_id: str, model: str, *, n: int, stop: tuple[str, ...],
-                 chat: bool, include_usage: bool, logprobs: int | None,
+    def __init__(self, request_id: str, model: str, *, num_prompt_tokens: int, n: int,
+                 stop: tuple[str, ...], chat: bool, include_usage: bool, logprobs: int | None,
                  token_text: abc.Callable[[int], str]):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
         self.created = int(time.time())
         self.choices = [ChoiceText(stop) for _ in range(n)]
-        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # latest seen
+        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # all received
         self._num_logprobs_sent = [0] * n
         self._text_offsets = [0] * n  # completions: where the next chunk's tokens start
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
 
@@ -61,19 +62,18 @@ class Generation:
         """True once every choice has ended."""
         return all(c.finished for c in self.choices)
 
-    def update(self, output: RequestOutput) -> list[Change]:
-        """Take an engine output; returns the Change of each choice that changed."""
-        self.num_prompt_tokens = len(output.prompt_token_ids)
-        self.num_cached_tokens = output.num_cached_tokens
-        self.scheduled_time = output.scheduled_time
+    def update(self, update: Update) -> list[Change]:
+        """Take an engine update; returns the Change of each choice that changed."""
+        self.num_cached_tokens = update.num_cached_tokens
+        self.scheduled_time = update.scheduled_time
         changes = []
-        for sample in output.outputs:
+        for sample in update.samples:
             choice = self.choices[sample.index]
             if choice.finished:
                 continue
-            delta = choice.update(sample.text, len(sample.token_ids), sample.finish_reason)
-            if sample.logprobs is not None:
-                self._logprobs[sample.index] = sample.logprobs
+            delta = choice.update(sample.text, sample.num_tokens, sample.finish_reason)
+            if sample.new_logprobs is not None:
+                self._logprobs[sample.index] += sample.new_logprobs
             if delta or choice.finished:
                 changes.append(Change(sample.index, delta, choice.finish_reason,
                                       self._new_logprobs(sample.index)))
