@@ -37,6 +37,16 @@ from kvpool.server.http_bench import model_info, run_requests, session
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+def run_client(coroutine):
+    """Run the client on uvloop when it is installed (the server extra brings it): the
+    client shares the cores with the server, and uvloop takes less of them."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
 def in_process(workload: Workload) -> BenchResult:
     llm = LLM("tiny", num_pages=DEFAULT_NUM_PAGES, seed=workload.seed)
     return run_workload(llm, make_workload(workload, llm.model_config.vocab_size),
@@ -53,7 +63,7 @@ def over_http(workload: Workload) -> BenchResult:
         env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())},
         stderr=subprocess.DEVNULL)
     try:
-        return asyncio.run(_client(f"http://127.0.0.1:{port}", workload))
+        return run_client(_client(f"http://127.0.0.1:{port}", workload))
     finally:
         server.terminate()
         server.wait(60)

@@ -56,6 +56,9 @@ class Generation:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
+        head = _json({"id": request_id, "object": "chat.completion.chunk" if chat
+                      else "text_completion", "created": self.created, "model": model})
+        self._event_head = b"data: " + head[:-1] + b', "choices": '  # each event's start
 
     @property
     def done(self) -> bool:
@@ -194,15 +197,19 @@ class Generation:
         return {"token": text, "logprob": logprob,
                 "bytes": None if REPLACEMENT in text else list(text.encode())}
 
-    def _event(self, choices: list[dict], **extra) -> bytes:
-        body = {"id": self.request_id, "object": "chat.completion.chunk" if self.chat
-                else "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
+    def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        """An event of the stream: the fields every event repeats (encoded once), `choices`,
+        and `usage` when the request asked for it (null but in the last)."""
+        tail = b"}\n\n"
         if self.include_usage:
-            body["usage"] = extra.get("usage")
-        return sse(body)
+            tail = b', "usage": ' + _json(usage) + tail
+        return self._event_head + _json(choices) + tail
 
 
 def sse(body: dict) -> bytes:
     """One server-sent event carrying `body` as JSON."""
-    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json(body) + b"\n\n"
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()
