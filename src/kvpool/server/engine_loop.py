@@ -9,11 +9,14 @@ engine steps while the server writes.
 Two pipes of small messages join them. The server sends commands (add, abort, call, stop)
 through a writer thread, so the event loop never waits on a full pipe; the engine runs every
 queued command before each step, so an abort gives its pages back before the next step runs.
-After each step the engine sends one message holding an Update of every request that
-advanced (its samples' text and token counts, not their token ids); the event loop reads it
-when the pipe is readable and hands each request its update. An exception inside a step
-fails the requests in flight (their streams get an EngineFailure) and the engine goes on
-serving.
+After each step the engine sends one message with the news of every request that advanced:
+per sample, its text from where the text sent before could still change (a trailing U+FFFD
+may become a character), its token count (not its token ids) and finish reason. Plain tuples
+and text deltas keep that message cheap to pickle on both sides: at 100 requests, a step's
+message as NamedTuples with whole texts took 1.1 ms to pickle and 0.7 ms to unpickle, as
+tuples with deltas 0.1 ms each. The event loop reads it when the pipe is readable and hands
+each request an Update. An exception inside a step fails the requests in flight (their
+streams get an EngineFailure) and the engine goes on serving.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from kvpool.engine import LLM, RequestOutput, SamplingParams, TokenLogprobs
 from kvpool.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+REPLACEMENT = "\ufffd"
 
 
 class ServerBusy(Exception):
@@ -62,7 +67,9 @@ class EngineInfo(NamedTuple):
 class Sample(NamedTuple):
     """One sample of an Update: its decoded text so far, its generated tokens (a count),
     its finish reason (None while it runs) and the log-probabilities of the tokens it got
-    since the previous update (None when the request did not ask for them)."""
+    since the previous update (None when the request did not ask for them). The engine
+    sends it as the tuple (index, start, text[start:], num_tokens, finish_reason,
+    new_logprobs)."""
 
     index: int
     text: str
@@ -90,13 +97,25 @@ class RequestStream:
     log-probabilities of the updates it skipped come with it. (A list and one future, not an
     asyncio.Queue: a queue's bookkeeping cost more than the rest of a token's trip.)"""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, n: int):
         self.request_id = request_id
+        self._texts = [""] * n  # each sample's text, as the engine's news rebuild it
         self._items: list[Update | EngineFailure] = []
         self._waiter: asyncio.Future | None = None
 
+    def receive(self, finished: bool, num_cached_tokens: int, scheduled_time: float | None,
+                samples: list[tuple]) -> None:
+        """Take the engine's news of this request (as `_Engine._news` sends it)."""
+        texts = self._texts
+        updated = []
+        for index, start, tail, num_tokens, finish_reason, new_logprobs in samples:
+            texts[index] = texts[index][:start] + tail
+            updated.append(Sample(index, texts[index], num_tokens, finish_reason,
+                                  new_logprobs))
+        self.put(Update(self.request_id, finished, num_cached_tokens, scheduled_time, updated))
+
     def put(self, item: Update | EngineFailure) -> None:
-        """Called on the event loop when the engine's message arrives."""
+        """Queue an update, or the failure that ends the stream."""
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -195,7 +214,7 @@ class EngineLoop:
         EngineStopped, and then the engine holds nothing of it."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
             await self._submit("add", request_id, prompt_token_ids, params)
@@ -245,13 +264,13 @@ class EngineLoop:
             self._close()
 
     def _dispatch(self, kind: str, *args: Any) -> None:
-        if kind == "updates":
-            for update in args[0]:
-                stream = self._streams.get(update.request_id)
-                if update.finished:
-                    self._streams.pop(update.request_id, None)
+        if kind == "news":
+            for request_id, finished, *news in args[0]:
+                stream = self._streams.get(request_id)
+                if finished:
+                    self._streams.pop(request_id, None)
                 if stream is not None:
-                    stream.put(update)
+                    stream.receive(finished, *news)
         elif kind == "reply":
             call_id, result, error = args
             future = self._calls.get(call_id)
@@ -322,8 +341,9 @@ class _Engine:
         self.llm = llm
         self.max_waiting = max_waiting
         self.events = events
-        # unfinished request -> log-probabilities sent so far, per sample
-        self._requests: dict[str, list[int]] = {}
+        # unfinished request -> per sample, (characters of its text sent that cannot change,
+        # log-probabilities sent)
+        self._requests: dict[str, list[tuple[int, int]]] = {}
         self._stopping = False
 
     def run(self, commands: Connection) -> None:
@@ -364,7 +384,7 @@ class _Engine:
             logger.exception("a step failed; the requests in flight fail with it")
             self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             return
-        self._send("updates", [self._update(output) for output in outputs])
+        self._send("news", [self._news(output) for output in outputs])
 
     def _add(self, request_id: str, prompt_token_ids: list[int],
              params: SamplingParams) -> None:
@@ -375,12 +395,12 @@ class _Engine:
             raise ServerBusy(f"{waiting} sequences wait already; this request's {params.n} "
                              f"would pass max_waiting {self.max_waiting}")
         self.llm.add_request(prompt_token_ids, params, request_id=request_id)
-        self._requests[request_id] = [0] * params.n
+        self._requests[request_id] = [(0, 0)] * params.n
 
     def _abort(self, request_id: str) -> None:
         output = self.llm.abort(request_id)
         if output is not None and request_id in self._requests:
-            self._send("updates", [self._update(output)])
+            self._send("news", [self._news(output)])
 
     def _fail_all(self, message: str) -> None:
         """Abort every request in flight and tell the server they failed."""
@@ -390,20 +410,24 @@ class _Engine:
             self.llm.abort(request_id)
         self._send("failed", request_ids, message)
 
-    def _update(self, output: RequestOutput) -> Update:
-        """The output as an Update (a finished request is forgotten here)."""
+    def _news(self, output: RequestOutput) -> tuple:
+        """What the server needs of an output, as plain tuples (see RequestStream.receive);
+        a finished request is forgotten here. A sample's text goes from where the text sent
+        before ended, less its trailing U+FFFD (a character whose bytes had not all come)."""
         sent = self._requests.pop(output.request_id) if output.finished else \
             self._requests[output.request_id]
         samples = []
         for sample in output.outputs:
-            new_logprobs = None
+            start, num_logprobs = sent[sample.index]
+            text, new_logprobs = sample.text, None
             if sample.logprobs is not None:
-                new_logprobs = sample.logprobs[sent[sample.index]:]
-                sent[sample.index] = len(sample.logprobs)
-            samples.append(Sample(sample.index, sample.text, len(sample.token_ids),
-                                  sample.finish_reason, new_logprobs))
-        return Update(output.request_id, output.finished, output.num_cached_tokens,
-                      output.scheduled_time, samples)
+                new_logprobs = sample.logprobs[num_logprobs:]
+                num_logprobs = len(sample.logprobs)
+            samples.append((sample.index, start, text[start:], len(sample.token_ids),
+                            sample.finish_reason, new_logprobs))
+            sent[sample.index] = len(text.rstrip(REPLACEMENT)), num_logprobs
+        return (output.request_id, output.finished, output.num_cached_tokens,
+                output.scheduled_time, samples)
 
     def _send(self, *message: Any) -> None:
         """Send a message; one whose contents do not pickle (a call's odd result or error)
