@@ -256,12 +256,14 @@ class EngineLoop:
             self._calls.pop(call_id, None)
 
     def _read(self) -> None:
-        """Take every message the engine has sent (called when its pipe is readable)."""
+        """Take a message of the engine (called while its pipe is readable, so once for
+        each message, without asking the pipe whether another waits)."""
         try:
-            while self._events.poll():
-                self._dispatch(*self._events.recv())
+            message = self._events.recv()
         except (EOFError, OSError):
             self._close()
+        else:
+            self._dispatch(*message)
 
     def _dispatch(self, kind: str, *args: Any) -> None:
         if kind == "news":

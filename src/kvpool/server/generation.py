@@ -202,7 +202,7 @@ class Generation:
         and `usage` when the request asked for it (null but in the last)."""
         tail = b"}\n\n"
         if self.include_usage:
-            tail = b', "usage": ' + _json(usage) + tail
+            tail = (b', "usage": null' if usage is None else b', "usage": ' + _json(usage)) + tail
         return self._event_head + _json(choices) + tail
 
 
@@ -211,5 +211,8 @@ def sse(body: dict) -> bytes:
     return b"data: " + _json(body) + b"\n\n"
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps would build one per call
+
+
 def _json(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False).encode()
+    return _ENCODER.encode(value).encode()
