@@ -1,7 +1,10 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
-an exception inside a step fails the requests in flight with 500 and the server serves on."""
+an exception inside a step fails the requests in flight with 500 and the server serves on;
+an engine process that dies fails its requests, and later ones get 503."""
 
 import json
+import os
+import signal
 from functools import partial
 
 import httpx
@@ -63,3 +66,18 @@ def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server
     assert rest[-1] == "data: [DONE]"
     server.wait_idle(timeout=5)
     server.on_engine(check_cache)
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503():
+    with running_server(partial(LLM, "tiny", num_pages=64)) as server, \
+            httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
+        lines = response.iter_lines()
+        next(lines)  # the first chunk: the request runs
+        os.kill(server.engine.pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+        refused = httpx.post(f"{server.url}/v1/completions", json={**LONG, "stream": False})
+    assert json.loads(rest[-2].removeprefix("data: ")) == {"error": {
+        **INTERNAL, "message": "the engine process exited"}}
+    assert rest[-1] == "data: [DONE]"
+    assert refused.status_code == 503
+    assert refused.json()["error"]["message"] == "the engine process has exited"

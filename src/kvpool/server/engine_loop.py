@@ -170,6 +170,11 @@ class EngineLoop:
         self._stopping = False
 
     @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    @property
     def num_requests(self) -> int:
         """Requests the engine holds (waiting or running) as the server last heard."""
         return len(self._streams)
@@ -212,6 +217,8 @@ class EngineLoop:
         """Queue a request; returns its stream once the engine took it. Raises what
         `LLM.add_request` raises (SequenceTooLong, OutOfPages, ValueError), ServerBusy or
         EngineStopped, and then the engine holds nothing of it."""
+        if self._closed.done():
+            raise EngineStopped("the engine process has exited")
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         stream = RequestStream(request_id, params.n)
