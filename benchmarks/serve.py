@@ -8,7 +8,9 @@ The server is a separate process, as in use: the HTTP client (this process) and 
 share the machine's cores. Both engines run torch on `--threads` threads (default 1): on a
 small machine that other processes also load, two OpenMP threads that wait for each other
 at every operation made either side up to 14x slower, which would swamp the comparison.
-Prints the median of the rounds, the ratio of throughputs, and each round's ratio.
+Prints the median of the rounds and of their throughput ratios (HTTP over in process in the
+same round: the two run back to back, so a change in the machine's load reaches both more
+alike than it reaches two rounds), and each round's ratio.
 Target: the HTTP path at most 10% slower (generated tok/s ratio >= 0.90).
 
 It also prints the CPU time each side used while the workload ran (read from /proc: Linux):
@@ -149,17 +151,19 @@ def main() -> None:
           f"interleaved rounds; {args.threads} torch thread(s) per engine")
     print(f"{'path':<12}{'wall s':>9}{'gen tok/s':>11}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
           f"{'ratio':>8}   CPU s: engine  server  client")
-    base = statistics.median(r[1] for r in runs["in process"])
+    pairs = list(zip(runs["in process"], runs["HTTP"], strict=True))
+    ratios = {"in process": [1.0] * args.rounds,
+              "HTTP": [http[1] / local[1] for local, http in pairs]}
     for name, rows in runs.items():
         wall, rate, ttft, tpot, engine, server, client = (
             statistics.median(column) for column in zip(*rows, strict=True))
         print(f"{name:<12}{wall:>9.2f}{rate:>11,.1f}{ttft:>13,.1f}{tpot:>13.1f}"
-              f"{rate / base:>8.2f}{engine:>16.2f}{server:>8.2f}{client:>8.2f}")
-    pairs = list(zip(runs["in process"], runs["HTTP"], strict=True))
-    rounds = ", ".join(f"{http[1] / local[1]:.2f} (load {load:.1f})"
-                       for (local, http), load in zip(pairs, loads, strict=True))
-    print(f"ratio: generated tok/s against in process (target >= 0.90); each round's, with "
-          f"the load average at its end: {rounds}")
+              f"{statistics.median(ratios[name]):>8.2f}{engine:>16.2f}{server:>8.2f}"
+              f"{client:>8.2f}")
+    rounds = ", ".join(f"{ratio:.2f} (load {load:.1f})"
+                       for ratio, load in zip(ratios["HTTP"], loads, strict=True))
+    print(f"ratio: generated tok/s against in process in the same round, median of the rounds "
+          f"(target >= 0.90); each round's, with the load average at its end: {rounds}")
     cpu_ratios = [local[4] / sum(http[4:]) for local, http in pairs]
     print(f"CPU ratio: in-process engine CPU over the HTTP path's engine + server + client: "
           f"median {statistics.median(cpu_ratios):.2f}; each round's: "

@@ -8,8 +8,11 @@ connection for every request).
 
 Each request is sent at its arrival time as token ids, with the same max_tokens and
 ignore_eos as in-process. TTFT runs from the arrival to the first chunk that carries text,
-TPOT from there to the end over the generated tokens (from the usage chunk) less one. The
-server's preemptions and prefix-cache counters are read from /metrics before and after.
+TPOT from there to the end over the generated tokens (from the usage chunk) less one. So a
+stream's events are decoded up to the first text and the last (the usage, or the server's
+error), not the deltas in between: on the default workload that took the client from
+0.70-0.72 s of CPU time to 0.58-0.60 s. The server's preemptions and prefix-cache counters
+are read from /metrics before and after.
 """
 
 from __future__ import annotations
