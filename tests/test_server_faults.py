@@ -1,9 +1,11 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
 an exception inside a step fails the requests in flight with 500 and the server serves on;
-an engine process that dies fails its requests, and later ones get 503."""
+an engine process that dies fails its requests, and later ones get 503; a call into the
+engine that does not pickle fails its caller alone."""
 
 import json
 import os
+import pickle
 import signal
 from functools import partial
 
@@ -66,6 +68,12 @@ def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server
     assert rest[-1] == "data: [DONE]"
     server.wait_idle(timeout=5)
     server.on_engine(check_cache)
+
+
+def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(server):
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        server.on_engine(lambda llm: llm.cache.stats())  # a lambda pickles by name: no
+    assert server.on_engine(used_pages) == 0
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503():

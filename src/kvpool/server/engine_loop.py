@@ -161,7 +161,7 @@ class EngineLoop:
         self.info: EngineInfo | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._events: Connection | None = None  # the engine's messages
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # its commands
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # its commands
         self._streams: dict[str, RequestStream] = {}  # unfinished requests
         self._calls: dict[int, asyncio.Future] = {}  # commands waiting for their reply
         self._next_call = 0
@@ -233,7 +233,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its pages come back before the next step."""
         if not self._stopping:
-            self._outbox.put(("abort", request_id))
+            self._command("abort", request_id)
 
     async def call(self, fn: abc.Callable[[LLM], Any]) -> Any:
         """Run `fn(llm)` in the engine between two steps; return its result. `fn` and its
@@ -244,7 +244,7 @@ class EngineLoop:
         """Take no new request, abort those in flight, and end the engine process."""
         if not self._stopping:
             self._stopping = True
-            self._outbox.put(("stop",))
+            self._command("stop")
             self._outbox.put(None)  # the writer thread ends
         await self._closed
         await asyncio.to_thread(self._process.join)
@@ -254,13 +254,18 @@ class EngineLoop:
         if self._closed.done():
             raise EngineStopped("the engine process has exited")
         call_id, self._next_call = self._next_call, self._next_call + 1
+        self._command(kind, call_id, *args)  # a call that does not pickle raises here
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._outbox.put((kind, call_id, *args))
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
+
+    def _command(self, *command: Any) -> None:
+        """Queue a command for the writer thread, pickled here so that what does not pickle
+        fails its caller rather than the thread."""
+        self._outbox.put(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _read(self) -> None:
         """Take a message of the engine (called while its pipe is readable, so once for
@@ -312,10 +317,11 @@ class EngineLoop:
 
 
 def _write(outbox: queue.SimpleQueue, commands: Connection) -> None:
-    """The writer thread: send the queued commands until None (or the engine is gone)."""
+    """The writer thread: send the queued commands (pickled) until None (or the engine is
+    gone); the engine's `recv` unpickles them."""
     try:
         while (command := outbox.get()) is not None:
-            commands.send(command)
+            commands.send_bytes(command)
     except OSError:  # the engine process exited; the reader fails what waits
         pass
     finally:
