@@ -154,7 +154,7 @@ class Server:
 
     async def _events(self, stream: RequestStream, generation: Generation,
                       arrival: float) -> abc.AsyncIterator[list[Change]]:
-        """The changes of the generation's choices as outputs arrive, until every choice
+        """The changes of the generation's choices as updates arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
         first_token, finished, failed = None, False, False
@@ -185,8 +185,7 @@ class Server:
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:
         """The server-sent events of a streamed generation (closing `events` if the client
         disconnects, which aborts the request). The events of one update go out in one
-        write: each write is a system call, during which the engine thread may take the
-        interpreter and keep it for a while."""
+        write: each write is a system call and a trip through Starlette and uvicorn."""
         async with contextlib.aclosing(events):
             if generation.chat:
                 yield b"".join(generation.role_chunks())

@@ -22,7 +22,7 @@ REPLACEMENT = "\ufffd"
 
 
 class Change(NamedTuple):
-    """What one engine output changed in a choice: its new text, the finish reason if it
+    """What one engine update changed in a choice: its new text, the finish reason if it
     ended now, and the log-probabilities of its tokens since its previous change (None
     when the request did not ask for them)."""
 
@@ -33,9 +33,10 @@ class Change(NamedTuple):
 
 
 class Generation:
-    """The choices of one request, fed the engine's outputs by `update`.
+    """The choices of one request, fed the engine's updates by `update`.
 
-    `chat` selects the chat completion objects; `stop` are the request's stop strings.
+    `num_prompt_tokens`: the prompt's length, for `usage`. `chat` selects the chat
+    completion objects; `stop` are the request's stop strings.
     `logprobs`: the request's count of most likely tokens (None: no log-probabilities), shown
     with `token_text(token_id)` as each token's text. `done` is True once every choice has
     ended (the engine may still be running the request when stop strings ended them: the
