@@ -8,8 +8,16 @@ The server is a separate process, as in use: the HTTP client (this process) and 
 share the machine's cores. Both engines run torch on `--threads` threads (default 1): on a
 small machine that other processes also load, two OpenMP threads that wait for each other
 at every operation made either side up to 14x slower, which would swamp the comparison.
-Prints the median of the rounds, the ratio of throughputs, and each round's ratio.
+Prints the median of the rounds and of their throughput ratios (HTTP over in process in the
+same round: the two run back to back, so a change in the machine's load reaches both more
+alike than it reaches two rounds), and each round's ratio.
 Target: the HTTP path at most 10% slower (generated tok/s ratio >= 0.90).
+
+It also prints the CPU time each side used while the workload ran (read from /proc: Linux):
+the engine's (in process: this process; over HTTP: the server's child processes), the
+server's event loop and the client's. When other jobs keep every core busy, a process group
+gets its share of the cores whatever it runs, so the wall-time ratio tends to in-process CPU
+over the HTTP path's total; that ratio is printed too, and it moves far less with the load.
 
     python benchmarks/serve.py [--num-requests N] [--rounds R]
 """
@@ -25,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import numpy as np
@@ -37,13 +46,45 @@ from kvpool.server.http_bench import model_info, run_requests, session
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def in_process(workload: Workload) -> BenchResult:
+def run_client(coroutine):
+    """Run the client on uvloop when it is installed (the server extra brings it): the
+    client shares the cores with the server, and uvloop takes less of them."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+class Cpu(NamedTuple):
+    """CPU seconds of each side while the workload ran (0 where a side is absent)."""
+
+    engine: float
+    server: float
+    client: float
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of process `pid` (those of every thread)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+
+
+def in_process(workload: Workload) -> tuple[BenchResult, Cpu]:
     llm = LLM("tiny", num_pages=DEFAULT_NUM_PAGES, seed=workload.seed)
-    return run_workload(llm, make_workload(workload, llm.model_config.vocab_size),
-                        show_progress=False)
+    requests = make_workload(workload, llm.model_config.vocab_size)
+    start = time.process_time()
+    result = run_workload(llm, requests, show_progress=False)
+    return result, Cpu(time.process_time() - start, 0.0, 0.0)
 
 
-def over_http(workload: Workload) -> BenchResult:
+def over_http(workload: Workload) -> tuple[BenchResult, Cpu]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -53,13 +94,13 @@ def over_http(workload: Workload) -> BenchResult:
         env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())},
         stderr=subprocess.DEVNULL)
     try:
-        return asyncio.run(_client(f"http://127.0.0.1:{port}", workload))
+        return run_client(_client(f"http://127.0.0.1:{port}", workload, server.pid))
     finally:
         server.terminate()
         server.wait(60)
 
 
-async def _client(url: str, workload: Workload) -> BenchResult:
+async def _client(url: str, workload: Workload, server_pid: int) -> tuple[BenchResult, Cpu]:
     async with session(url) as client:
         deadline = time.monotonic() + 120
         while True:
@@ -71,7 +112,13 @@ async def _client(url: str, workload: Workload) -> BenchResult:
                     raise RuntimeError("kvpool serve did not answer in 120 s") from None
                 await asyncio.sleep(0.2)
         requests = make_workload(workload, info["vocab_size"])
-        return await run_requests(client, info["id"], requests, show_progress=False)
+        engines = child_pids(server_pid)
+        before = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server_pid),
+                     time.process_time())
+        result = await run_requests(client, info["id"], requests, show_progress=False)
+        after = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server_pid),
+                    time.process_time())
+    return result, Cpu(*(a - b for a, b in zip(after, before, strict=True)))
 
 
 def summary(result: BenchResult) -> tuple[float, float, float, float]:
@@ -90,30 +137,37 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     workload = Workload(args.num_requests)
-    runs: dict[str, list[tuple[float, float, float, float]]] = {"in process": [], "HTTP": []}
-    tokens = {}
+    runs: dict[str, list[tuple[float, ...]]] = {"in process": [], "HTTP": []}
+    tokens, loads = {}, []
     for _ in range(args.rounds):
         for name, run in (("in process", in_process), ("HTTP", over_http)):
-            result = run(workload)
+            result, cpu = run(workload)
             tokens[name] = sum(t.num_output_tokens for t in result.timings)
-            runs[name].append(summary(result))
+            runs[name].append((*summary(result), *cpu))
+        loads.append(os.getloadavg()[0])
     assert tokens["in process"] == tokens["HTTP"], tokens
     print(f"kvpool bench workload: {args.num_requests} requests, {tokens['HTTP']:,} generated "
           f"tokens, tiny model, {DEFAULT_NUM_PAGES} pages; median of {args.rounds} "
-          f"interleaved rounds; {args.threads} torch thread(s) per engine; load average "
-          f"{os.getloadavg()[0]:.1f}")
+          f"interleaved rounds; {args.threads} torch thread(s) per engine")
     print(f"{'path':<12}{'wall s':>9}{'gen tok/s':>11}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
-          f"{'ratio':>8}")
-    base = statistics.median(r[1] for r in runs["in process"])
+          f"{'ratio':>8}   CPU s: engine  server  client")
+    pairs = list(zip(runs["in process"], runs["HTTP"], strict=True))
+    ratios = {"in process": [1.0] * args.rounds,
+              "HTTP": [http[1] / local[1] for local, http in pairs]}
     for name, rows in runs.items():
-        wall, rate, ttft, tpot = (statistics.median(column) for column in zip(*rows,
-                                                                              strict=True))
+        wall, rate, ttft, tpot, engine, server, client = (
+            statistics.median(column) for column in zip(*rows, strict=True))
         print(f"{name:<12}{wall:>9.2f}{rate:>11,.1f}{ttft:>13,.1f}{tpot:>13.1f}"
-              f"{rate / base:>8.2f}")
-    rounds = ", ".join(f"{http[1] / local[1]:.2f}"
-                       for local, http in zip(runs["in process"], runs["HTTP"], strict=True))
-    print(f"ratio: generated tok/s against in process (target >= 0.90); each round's: {rounds}")
-
+              f"{statistics.median(ratios[name]):>8.2f}{engine:>16.2f}{server:>8.2f}"
+              f"{client:>8.2f}")
+    rounds = ", ".join(f"{ratio:.2f} (load {load:.1f})"
+                       for ratio, load in zip(ratios["HTTP"], loads, strict=True))
+    print(f"ratio: generated tok/s against in process in the same round, median of the rounds "
+          f"(target >= 0.90); each round's, with the load average at its end: {rounds}")
+    cpu_ratios = [local[4] / sum(http[4:]) for local, http in pairs]
+    print(f"CPU ratio: in-process engine CPU over the HTTP path's engine + server + client: "
+          f"median {statistics.median(cpu_ratios):.2f}; each round's: "
+          f"{', '.join(f'{r:.2f}' for r in cpu_ratios)}")
 
 if __name__ == "__main__":
     main()

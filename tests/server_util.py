@@ -1,5 +1,6 @@
 """Helpers for the server tests: a real uvicorn server on 127.0.0.1 (a free port, in a
-thread) serving an LLM, and reading the engine's state safely between two of its steps."""
+thread) serving an LLM in its engine process, and reading the engine's state between two of
+its steps. What runs in the engine process must pickle, so the probes are functions here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -19,11 +21,10 @@ from kvpool.server.app import build_app
 
 
 class RunningServer:
-    """A server started by `running_server`: its URL, app, LLM and event loop."""
+    """A server started by `running_server`: its URL, app, engine loop and event loop."""
 
-    def __init__(self, llm: LLM, **options):
-        self.llm = llm
-        self.app = build_app(llm, model_name="tiny", **options)
+    def __init__(self, make_llm: Callable[[], LLM], **options):
+        self.app = build_app(make_llm, model_name="tiny", **options)
         self.engine = self.app.state.server.engine
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
@@ -56,21 +57,22 @@ class RunningServer:
                                   **options)
 
     def on_engine(self, fn):
-        """fn(llm), run on the engine thread between two steps; its result."""
+        """fn(llm), run in the engine process between two steps; its result."""
         return asyncio.run_coroutine_threadsafe(self.engine.call(fn), self.loop).result(30)
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Wait until the engine holds no request."""
         deadline = time.monotonic() + timeout
-        while self.on_engine(lambda llm: llm.has_unfinished()) or self.engine.num_requests:
+        while self.on_engine(has_unfinished) or self.engine.num_requests:
             assert time.monotonic() < deadline, f"the engine still runs after {timeout} s"
             time.sleep(0.02)
 
 
 @contextlib.contextmanager
-def running_server(llm: LLM, **options):
-    """Serve `llm` as "tiny" for the duration of the block."""
-    server = RunningServer(llm, **options)
+def running_server(make_llm: Callable[[], LLM], **options):
+    """Serve the LLM `make_llm()` builds (in the engine process) as "tiny" for the duration
+    of the block."""
+    server = RunningServer(make_llm, **options)
     server.start()
     try:
         yield server
@@ -83,3 +85,34 @@ def metrics(server: RunningServer) -> dict:
     text = httpx.get(f"{server.url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# ---- probes run in the engine process --------------------------------------------------
+
+
+def has_unfinished(llm: LLM) -> bool:
+    return llm.has_unfinished()
+
+
+def check_cache(llm: LLM) -> None:
+    llm.cache.check()
+
+
+def cache_stats(llm: LLM):
+    return llm.cache.stats()
+
+
+def used_pages(llm: LLM) -> int:
+    return llm.cache.stats().num_used_pages
+
+
+def num_steps(llm: LLM) -> int:
+    return llm.stats().num_steps
+
+
+def fail_next_forward(llm: LLM) -> None:
+    """Make the engine's next forward raise RuntimeError("injected"), once."""
+    def run_once(batch):
+        del llm.runner.run  # back to the real method
+        raise RuntimeError("injected")
+    llm.runner.run = run_once

@@ -5,6 +5,7 @@ with an OpenAI error body."""
 
 import json
 import re
+from functools import partial
 
 import httpx
 import pytest
@@ -17,9 +18,13 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 PROMPT = "The pool"
 
 
+# The served engine (built in the engine process), and the one the tests compare it with.
+ENGINE = partial(LLM, "tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
+    return ENGINE()
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,8 @@ def expected_logprobs(llm):
 
 
 @pytest.fixture(scope="module")
-def server(llm, expected, expected_logprobs):
-    with running_server(llm) as server:
+def server():
+    with running_server(ENGINE) as server:
         yield server
 
 

@@ -1,13 +1,19 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
-an exception inside a step fails the requests in flight with 500 and the server serves on."""
+an exception inside a step fails the requests in flight with 500 and the server serves on;
+an engine process that dies fails its requests, and later ones get 503; a call into the
+engine that does not pickle fails its caller alone."""
 
 import json
+import os
+import pickle
+import signal
+from functools import partial
 
 import httpx
 import pytest
 
 from kvpool.engine import LLM
-from server_util import running_server
+from server_util import check_cache, fail_next_forward, running_server, used_pages
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
         "stream": True}
@@ -18,7 +24,8 @@ INTERNAL = {"type": "internal_error", "param": None, "code": None,
 @pytest.fixture(scope="module")
 def server():
     # One seat and one waiting place: a third request finds the queue full.
-    with running_server(LLM("tiny", num_pages=256, max_num_seqs=1), max_waiting=1) as server:
+    with running_server(partial(LLM, "tiny", num_pages=256, max_num_seqs=1),
+                        max_waiting=1) as server:
         yield server
 
 
@@ -40,14 +47,14 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
 
 
 def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
-    _fail_next_step(server)
+    server.on_engine(fail_next_forward)
     response = httpx.post(f"{server.url}/v1/completions",
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
     assert response.status_code == 500
     assert response.json() == {"error": INTERNAL}
     server.wait_idle(timeout=5)
-    server.on_engine(lambda llm: llm.cache.check())
-    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+    server.on_engine(check_cache)
+    assert server.on_engine(used_pages) == 0
     assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
 
 
@@ -55,19 +62,30 @@ def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server
     with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
         lines = response.iter_lines()
         next(lines)  # the first chunk: the request runs
-        _fail_next_step(server)
+        server.on_engine(fail_next_forward)
         rest = [line for line in lines if line]
     assert json.loads(rest[-2].removeprefix("data: ")) == {"error": INTERNAL}
     assert rest[-1] == "data: [DONE]"
     server.wait_idle(timeout=5)
-    server.on_engine(lambda llm: llm.cache.check())
+    server.on_engine(check_cache)
 
 
-def _fail_next_step(server) -> None:
-    """Make the engine's next forward raise RuntimeError("injected"), once."""
-    def fail(llm):
-        def run_once(batch):
-            del llm.runner.run  # back to the real method
-            raise RuntimeError("injected")
-        llm.runner.run = run_once
-    server.on_engine(fail)
+def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(server):
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        server.on_engine(lambda llm: llm.cache.stats())  # a lambda pickles by name: no
+    assert server.on_engine(used_pages) == 0
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503():
+    with running_server(partial(LLM, "tiny", num_pages=64)) as server, \
+            httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
+        lines = response.iter_lines()
+        next(lines)  # the first chunk: the request runs
+        os.kill(server.engine.pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+        refused = httpx.post(f"{server.url}/v1/completions", json={**LONG, "stream": False})
+    assert json.loads(rest[-2].removeprefix("data: ")) == {"error": {
+        **INTERNAL, "message": "the engine process exited"}}
+    assert rest[-1] == "data: [DONE]"
+    assert refused.status_code == 503
+    assert refused.json()["error"]["message"] == "the engine process has exited"

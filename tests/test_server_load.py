@@ -8,12 +8,13 @@ import json
 import random
 import socket
 import time
+from functools import partial
 
 import pytest
 
 from kvpool.engine import LLM, SamplingParams
 from kvpool.server.engine_loop import EngineLoop
-from server_util import metrics, running_server
+from server_util import cache_stats, check_cache, metrics, num_steps, running_server, used_pages
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
@@ -21,7 +22,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(LLM("tiny", num_pages=512)) as server:
+    with running_server(partial(LLM, "tiny", num_pages=512)) as server:
         yield server
 
 
@@ -56,8 +57,8 @@ def test_64_streaming_clients_some_leaving_early_are_all_accounted_for(server):
     results = asyncio.run(all_clients())
     assert results == ["left" if i in leaving else "length" for i in range(NUM_CLIENTS)]
     server.wait_idle()
-    server.on_engine(lambda llm: llm.cache.check())
-    stats = server.on_engine(lambda llm: llm.cache.stats())
+    server.on_engine(check_cache)
+    stats = server.on_engine(cache_stats)
     assert (stats.num_used_pages, stats.num_sequences) == (0, 0)
     after = metrics(server)
     for reason, count in (("length", NUM_CLIENTS - len(leaving)), ("abort", len(leaving))):
@@ -71,10 +72,10 @@ def test_a_client_that_disconnects_aborts_its_request(server):
                                        stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
-    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) > 0
+    assert server.on_engine(used_pages) > 0
     stream.close()
     server.wait_idle(timeout=5)
-    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+    assert server.on_engine(used_pages) == 0
 
 
 def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
@@ -86,12 +87,12 @@ def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
                  + body)
     deadline = time.monotonic() + 30
-    while not server.on_engine(lambda llm: llm.cache.stats().num_used_pages):
+    while not server.on_engine(used_pages):
         assert time.monotonic() < deadline, "the request did not start in 30 s"
         time.sleep(0.01)
     sock.close()
     server.wait_idle(timeout=5)
-    assert server.on_engine(lambda llm: llm.cache.stats().num_used_pages) == 0
+    assert server.on_engine(used_pages) == 0
     key = "kvpool_requests_total", (("finish_reason", "abort"),)
     assert metrics(server)[key] - before.get(key, 0) == 1
     assert metrics(server)["kvpool_generation_tokens_total", ()] - before[
@@ -99,18 +100,18 @@ def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
 
 
 def test_an_abort_gives_the_pages_back_before_the_next_step():
-    llm = LLM("tiny", num_pages=64)
+    engine = EngineLoop(partial(LLM, "tiny", num_pages=64), max_waiting=8)
+    engine.start()
 
     async def main():
-        engine = EngineLoop(llm, max_waiting=8)
-        engine.start()
+        engine.attach()
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
         stream = await engine.add("a", [256, *b"Hello"], params)
         await stream.get()
-        steps = await engine.call(lambda llm: llm.stats().num_steps)
+        steps = await engine.call(num_steps)
         engine.abort("a")
-        pages, steps_after = await engine.call(
-            lambda llm: (llm.cache.stats().num_used_pages, llm.stats().num_steps))
+        pages = await engine.call(used_pages)
+        steps_after = await engine.call(num_steps)
         await engine.stop()
         return pages, steps_after - steps
 

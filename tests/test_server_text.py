@@ -1,14 +1,18 @@
-"""What a choice sends as it streams (stop strings on decoded text, characters never split),
-and chat templates rendered exactly as transformers renders them."""
+"""What a choice sends as it streams (its text rebuilt from the engine's deltas, stop strings
+on decoded text, characters never split), and chat templates rendered exactly as
+transformers renders them."""
 
+import asyncio
 import json
 
 import pytest
 import tokenizers
 import transformers
 
+from kvpool.engine import TokenLogprobs
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText
+from kvpool.server.engine_loop import RequestStream
 from kvpool.server.protocol import ChatMessage, RequestError
 
 
@@ -25,6 +29,28 @@ def test_a_replacement_character_is_sent_once_text_follows_it_or_the_choice_ends
     assert choice.update("a\ufffdb\ufffd", 4, None) == "\ufffdb"
     assert choice.update("a\ufffdb\ufffd", 4, "length") == "\ufffd"
     assert choice.finish_reason == "length"
+
+
+def test_a_stream_rebuilds_each_samples_text_from_the_engines_deltas():
+    # The engine resends a text from its trailing U+FFFD, which a later byte may complete.
+    stream = RequestStream("r", n=2)
+    stream.receive(False, 0, None, [(0, 0, "ab\ufffd", 3, None, None),
+                                    (1, 0, "x", 1, None, None)])
+    stream.receive(False, 0, None, [(0, 2, "\u00e9c", 5, None, None),
+                                    (1, 1, "y", 2, "length", None)])
+    update = asyncio.run(stream.get())
+    assert [(s.text, s.num_tokens, s.finish_reason) for s in update.samples] == [
+        ("ab\u00e9c", 5, None), ("xy", 2, "length")]
+
+
+def test_a_reader_that_fell_behind_gets_the_log_probabilities_of_every_update_it_skipped():
+    first, second = TokenLogprobs(1, -0.5, ()), TokenLogprobs(2, -1.5, ())
+    stream = RequestStream("r", n=1)
+    stream.receive(False, 0, None, [(0, 0, "a", 1, None, [first])])
+    stream.receive(False, 0, None, [(0, 1, "b", 2, None, [second])])
+    update = asyncio.run(stream.get())
+    assert update.samples[0].text == "ab"
+    assert update.samples[0].new_logprobs == [first, second]
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():

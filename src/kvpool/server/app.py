@@ -41,10 +41,10 @@ class Server:
     """What the routes share: the engine loop, the served model's name, its chat template
     and the metrics."""
 
-    def __init__(self, llm: LLM, *, model_name: str, chat_template: ChatTemplate,
-                 max_waiting: int):
-        self.llm = llm
-        self.engine = EngineLoop(llm, max_waiting=max_waiting)
+    def __init__(self, make_llm: abc.Callable[[], LLM], *, model_name: str,
+                 chat_template: ChatTemplate, max_waiting: int):
+        self.engine = EngineLoop(make_llm, max_waiting=max_waiting)
+        self.info = self.engine.start()
         self.model_name = model_name
         self.chat_template = chat_template
         self.metrics = ServerMetrics()
@@ -56,20 +56,20 @@ class Server:
         parsed = parse_completion(await _json_body(request), self.model_name)
         prompt = parsed.prompt
         if isinstance(prompt, str):
-            if self.llm.tokenizer is None:
+            if self.info.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
-            prompt = self.llm.tokenizer.encode(prompt)
+            prompt = self.info.tokenizer.encode(prompt)
         return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages rendered by the chat template."""
         parsed = parse_chat(await _json_body(request), self.model_name)
-        if self.llm.tokenizer is None:
+        if self.info.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot chat",
                                param="messages")
         text = self.chat_template.render(parsed.messages)
-        prompt = self.llm.tokenizer.encode(
+        prompt = self.info.tokenizer.encode(
             text, add_special_tokens=self.chat_template.add_special_tokens)
         return await self._generate(request, parsed, prompt, chat=True)
 
@@ -77,8 +77,8 @@ class Server:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
-            "max_model_len": self.llm.max_model_len,
-            "vocab_size": self.llm.model_config.vocab_size}]})
+            "max_model_len": self.info.max_model_len,
+            "vocab_size": self.info.vocab_size}]})
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 while the server runs."""
@@ -86,8 +86,7 @@ class Server:
 
     async def metrics_text(self, request: Request) -> Response:
         """GET /metrics: Prometheus text, the engine read between two steps."""
-        snapshot = await self.engine.call(
-            lambda llm: EngineSnapshot(llm.stats(), llm.cache.stats()))
+        snapshot = await self.engine.call(_snapshot)
         return Response(self.metrics.render(snapshot),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -95,9 +94,9 @@ class Server:
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, as log-probabilities name it ("token_id:N" with no tokenizer)."""
-        if self.llm.tokenizer is None:
+        if self.info.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.llm.tokenizer.decode([token_id])
+        return self.info.tokenizer.decode([token_id])
 
     async def _generate(self, request: Request, parsed: GenerationRequest, prompt: list[int], *,
                         chat: bool) -> Response:
@@ -105,12 +104,13 @@ class Server:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         max_tokens = parsed.max_tokens
         if max_tokens is None:  # whatever the context leaves (at least 1, or it is too long)
-            max_tokens = max(1, self.llm.max_model_len - len(prompt))
+            max_tokens = max(1, self.info.max_model_len - len(prompt))
         arrival = time.perf_counter()
         stream = await self._add(request_id, prompt, parsed, max_tokens)
-        generation = Generation(request_id, self.model_name, n=parsed.n, stop=parsed.stop,
-                                chat=chat, include_usage=parsed.include_usage,
-                                logprobs=parsed.logprobs, token_text=self._token_text)
+        generation = Generation(request_id, self.model_name, num_prompt_tokens=len(prompt),
+                                n=parsed.n, stop=parsed.stop, chat=chat,
+                                include_usage=parsed.include_usage, logprobs=parsed.logprobs,
+                                token_text=self._token_text)
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),
@@ -154,16 +154,16 @@ class Server:
 
     async def _events(self, stream: RequestStream, generation: Generation,
                       arrival: float) -> abc.AsyncIterator[list[Change]]:
-        """The changes of the generation's choices as outputs arrive, until every choice
+        """The changes of the generation's choices as updates arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
         first_token, finished, failed = None, False, False
         try:
             while not generation.done:
-                output = await stream.get()
-                finished = output.finished
-                changes = generation.update(output)
-                if first_token is None and any(o.token_ids for o in output.outputs):
+                update = await stream.get()
+                finished = update.finished
+                changes = generation.update(update)
+                if first_token is None and any(s.num_tokens for s in update.samples):
                     first_token = time.perf_counter()
                 if changes:
                     yield changes
@@ -185,8 +185,7 @@ class Server:
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:
         """The server-sent events of a streamed generation (closing `events` if the client
         disconnects, which aborts the request). The events of one update go out in one
-        write: each write is a system call, during which the engine thread may take the
-        interpreter and keep it for a while."""
+        write: each write is a system call and a trip through Starlette and uvicorn."""
         async with contextlib.aclosing(events):
             if generation.chat:
                 yield b"".join(generation.role_chunks())
@@ -198,18 +197,20 @@ class Server:
             yield b"".join(generation.final_chunks())
 
 
-def build_app(llm: LLM, *, model_name: str, chat_template: ChatTemplate | None = None,
-              max_waiting: int = 1024) -> Starlette:
-    """The ASGI app serving `llm` as `model_name`. Its engine thread starts with the app's
-    lifespan and stops (aborting what runs) when the app shuts down. `app.state.server` is
-    the Server."""
-    server = Server(llm, model_name=model_name,
+def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
+              chat_template: ChatTemplate | None = None, max_waiting: int = 1024) -> Starlette:
+    """The ASGI app serving the LLM that `make_llm()` builds, as `model_name`. The engine
+    process starts here, builds the LLM (raising what that raises) and waits; the app's
+    lifespan connects it to the event loop, and stops it (aborting what runs) when the app
+    shuts down. `make_llm` must pickle, e.g. functools.partial(LLM, "tiny", num_pages=64).
+    `app.state.server` is the Server."""
+    server = Server(make_llm, model_name=model_name,
                     chat_template=chat_template or ChatTemplate.for_model(model_name),
                     max_waiting=max_waiting)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        server.engine.start()
+        server.engine.attach()
         yield
         await server.engine.stop()
 
@@ -229,6 +230,11 @@ async def _json_body(request: Request) -> object:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def _snapshot(llm: LLM) -> EngineSnapshot:
+    """The engine's and the cache's counters now (run in the engine process)."""
+    return EngineSnapshot(llm.stats(), llm.cache.stats())
 
 
 def _error(error: RequestError) -> JSONResponse:

@@ -49,6 +49,8 @@ class ChoiceText:
     def _find_stop(self, text: str) -> int | None:
         """Where the first stop string starts in `text`, or None. Text already sent holds
         none, so the search starts where a stop string could overlap the new text."""
+        if not self.stop:
+            return None
         start = max(0, len(self.text) - self._longest_stop + 1)
         found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(found, default=None)

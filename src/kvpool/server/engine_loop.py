@@ -1,25 +1,46 @@
-"""The engine loop: one background thread owns the LLM and drives it step by step; the HTTP
-handlers, on the asyncio event loop, only submit and abort requests and read their outputs.
+"""The engine loop: a child process owns the LLM and drives it step by step; the HTTP
+handlers, on the server's event loop, only submit and abort requests and read their updates.
 
-Handlers put commands on a thread-safe queue; the thread runs every queued command before
-each step, so an abort gives its pages back before the next step runs. Each step's outputs
-go back to the event loop in one `call_soon_threadsafe`, into one queue per request. An
-exception inside a step fails the requests in flight (their streams get an EngineFailure)
-and the loop goes on serving.
+The engine runs in its own process because it is Python code for the most part: sharing one
+interpreter with the event loop, the two took turns holding its lock, and each step waited
+while the event loop formatted and wrote the chunks of the one before. In its own process the
+engine steps while the server writes.
+
+Two pipes of small messages join them. The server sends commands (add, abort, call, stop)
+through a writer thread, so the event loop never waits on a full pipe; the engine runs every
+queued command before each step, so an abort gives its pages back before the next step runs.
+After each step the engine sends one message with the news of every request that advanced:
+per sample, its text from where the text sent before could still change (a trailing U+FFFD
+may become a character), its token count (not its token ids) and finish reason. Plain tuples
+and text deltas keep that message cheap to pickle on both sides: at 100 requests, a step's
+message as NamedTuples with whole texts took 1.1 ms to pickle and 0.7 ms to unpickle, as
+tuples with deltas 0.1 ms each. The event loop reads it when the pipe is readable and hands
+each request an Update. An exception inside a step fails the requests in flight (their
+streams get an EngineFailure) and the engine goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import multiprocessing
+import pickle
 import queue
+import signal
 import threading
 from collections import abc
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
 
-from kvpool.engine import LLM, RequestOutput, SamplingParams
+import torch
+
+from kvpool.engine import LLM, RequestOutput, SamplingParams, TokenLogprobs
+from kvpool.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+REPLACEMENT = "\ufffd"
 
 
 class ServerBusy(Exception):
@@ -34,136 +55,353 @@ class EngineFailure(Exception):
     """A step raised; the requests in flight fail with this (HTTP 500)."""
 
 
+class EngineInfo(NamedTuple):
+    """What the server needs of the engine's model: its tokenizer (None: token ids only),
+    its context length and its vocabulary size (tokens)."""
+
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    vocab_size: int
+
+
+class Sample(NamedTuple):
+    """One sample of an Update: its decoded text so far, its generated tokens (a count),
+    its finish reason (None while it runs) and the log-probabilities of the tokens it got
+    since the previous update (None when the request did not ask for them). The engine
+    sends it as the tuple (index, start, text[start:], num_tokens, finish_reason,
+    new_logprobs)."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    new_logprobs: list[TokenLogprobs] | None
+
+
+class Update(NamedTuple):
+    """A request's state after a step or an abort: a RequestOutput without its token ids,
+    which would make every message as long as the requests' prompts and outputs.
+    `scheduled_time`: time.perf_counter() of its first admission (a system-wide clock, so
+    the server process can compare it with its own readings)."""
+
+    request_id: str
+    finished: bool
+    num_cached_tokens: int
+    scheduled_time: float | None
+    samples: list[Sample]
+
+
 class RequestStream:
-    """The outputs of one request as the engine produces them. Each RequestOutput holds
-    the request's whole state so far, so a reader that falls behind gets the latest one."""
+    """The updates of one request as the engine sends them. Each Update holds the request's
+    whole text so far, so a reader that falls behind gets the latest one; the
+    log-probabilities of the updates it skipped come with it. (A list and one future, not an
+    asyncio.Queue: a queue's bookkeeping cost more than the rest of a token's trip.)"""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, n: int):
         self.request_id = request_id
-        self._outputs: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self._texts = [""] * n  # each sample's text, as the engine's news rebuild it
+        self._items: list[Update | EngineFailure] = []
+        self._waiter: asyncio.Future | None = None
 
-    def put(self, item: RequestOutput | EngineFailure) -> None:
-        """Called on the event loop by the engine thread's hand-off."""
-        self._outputs.put_nowait(item)
+    def receive(self, finished: bool, num_cached_tokens: int, scheduled_time: float | None,
+                samples: list[tuple]) -> None:
+        """Take the engine's news of this request (as `_Engine._news` sends it)."""
+        texts = self._texts
+        updated = []
+        for index, start, tail, num_tokens, finish_reason, new_logprobs in samples:
+            texts[index] = texts[index][:start] + tail
+            updated.append(Sample(index, texts[index], num_tokens, finish_reason,
+                                  new_logprobs))
+        self.put(Update(self.request_id, finished, num_cached_tokens, scheduled_time, updated))
 
-    async def get(self) -> RequestOutput:
-        """The latest output (waits for one); raises EngineFailure if the engine failed."""
-        item = await self._outputs.get()
-        while not self._outputs.empty():
-            item = self._outputs.get_nowait()
-        if isinstance(item, EngineFailure):
-            raise item
-        return item
+    def put(self, item: Update | EngineFailure) -> None:
+        """Queue an update, or the failure that ends the stream."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Update:
+        """The latest update (waits for one); raises EngineFailure if the engine failed."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        if isinstance(items[-1], EngineFailure):
+            raise items[-1]
+        return _merge(items) if len(items) > 1 else items[0]
+
+
+def _merge(updates: list[Update]) -> Update:
+    """The last of consecutive updates, with the new log-probabilities of them all."""
+    last = updates[-1]
+    if all(s.new_logprobs is None for s in last.samples):
+        return last
+    new: dict[int, list[TokenLogprobs]] = {}
+    for update in updates:
+        for sample in update.samples:
+            new.setdefault(sample.index, []).extend(sample.new_logprobs or ())
+    return last._replace(samples=[s._replace(new_logprobs=new.get(s.index, []))
+                                  for s in last.samples])
 
 
 class EngineLoop:
-    """Runs `llm` in a background thread. `max_waiting`: sequences that may wait for a
-    seat (the scheduler's waiting queue); a request beyond it raises ServerBusy."""
+    """Runs the LLM that `make_llm()` builds in a child process. `make_llm` must pickle (a
+    function of a module, or functools.partial of LLM with its arguments). `max_waiting`:
+    sequences that may wait for a seat (the scheduler's waiting queue); a request beyond it
+    raises ServerBusy."""
 
-    def __init__(self, llm: LLM, *, max_waiting: int):
+    def __init__(self, make_llm: abc.Callable[[], LLM], *, max_waiting: int):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
-        self.llm = llm
+        self.make_llm = make_llm
         self.max_waiting = max_waiting
-        self._commands: queue.SimpleQueue[abc.Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # unfinished requests; engine thread only
+        self.info: EngineInfo | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._events: Connection | None = None  # the engine's messages
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # its commands
+        self._streams: dict[str, RequestStream] = {}  # unfinished requests
+        self._calls: dict[int, asyncio.Future] = {}  # commands waiting for their reply
+        self._next_call = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._closed: asyncio.Future | None = None  # done when the engine's pipe closes
         self._stopping = False
 
     @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._process.pid
+
+    @property
     def num_requests(self) -> int:
-        """Requests the engine holds (waiting or running)."""
+        """Requests the engine holds (waiting or running) as the server last heard."""
         return len(self._streams)
 
-    # ---- event-loop side ---------------------------------------------------------------
+    def start(self) -> EngineInfo:
+        """Start the engine process and wait until it has built its LLM; raises what
+        building it raised (then no process is left)."""
+        context = multiprocessing.get_context("spawn")  # a fork could not use CUDA
+        commands_in, commands_out = context.Pipe(duplex=False)
+        events_in, events_out = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=_engine_main, args=(self.make_llm, self.max_waiting, torch.get_num_threads(),
+                                       commands_in, events_out),
+            name="kvpool-engine", daemon=True)
+        self._process.start()
+        commands_in.close()
+        events_out.close()
+        try:
+            ok, info = events_in.recv()
+        except EOFError:  # it died before it could say
+            self._process.join()
+            raise RuntimeError(f"the engine process exited with code "
+                               f"{self._process.exitcode}") from None
+        if not ok:
+            self._process.join()
+            raise info
+        self.info, self._events = info, events_in
+        threading.Thread(target=_write, args=(self._outbox, commands_out),
+                         name="kvpool-engine-commands", daemon=True).start()
+        return info
 
-    def start(self) -> None:
-        """Start the thread; call from the event loop that will read the outputs."""
+    def attach(self) -> None:
+        """Read the engine's messages on the running event loop from now on."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
-        self._thread.start()
+        self._closed = self._loop.create_future()
+        self._loop.add_reader(self._events.fileno(), self._read)
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: SamplingParams) -> RequestStream:
         """Queue a request; returns its stream once the engine took it. Raises what
         `LLM.add_request` raises (SequenceTooLong, OutOfPages, ValueError), ServerBusy or
         EngineStopped, and then the engine holds nothing of it."""
+        if self._closed.done():
+            raise EngineStopped("the engine process has exited")
         if self._stopping:
             raise EngineStopped("the server is shutting down")
-        stream = RequestStream(request_id)
-        await self._submit(lambda: self._add(stream, prompt_token_ids, params))
+        stream = RequestStream(request_id, params.n)
+        self._streams[request_id] = stream
+        try:
+            await self._submit("add", request_id, prompt_token_ids, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its pages come back before the next step."""
-        self._commands.put(lambda: self._abort(request_id))
+        if not self._stopping:
+            self._command("abort", request_id)
 
     async def call(self, fn: abc.Callable[[LLM], Any]) -> Any:
-        """Run `fn(llm)` on the engine thread between two steps; return its result."""
-        return await self._submit(lambda: fn(self.llm))
+        """Run `fn(llm)` in the engine between two steps; return its result. `fn` and its
+        result must pickle."""
+        return await self._submit("call", fn)
 
     async def stop(self) -> None:
-        """Take no new request, abort those in flight, and end the thread."""
-        self._stopping = True
-        self._commands.put(self._abort_all)
-        await asyncio.to_thread(self._thread.join)
+        """Take no new request, abort those in flight, and end the engine process."""
+        if not self._stopping:
+            self._stopping = True
+            self._command("stop")
+            self._outbox.put(None)  # the writer thread ends
+        await self._closed
+        await asyncio.to_thread(self._process.join)
 
-    async def _submit(self, command: abc.Callable[[], Any]) -> Any:
-        """Run `command` on the engine thread; its result or exception comes back here."""
+    async def _submit(self, kind: str, *args: Any) -> Any:
+        """Send a command that the engine answers; its result or exception comes back."""
+        if self._closed.done():
+            raise EngineStopped("the engine process has exited")
+        call_id, self._next_call = self._next_call, self._next_call + 1
+        self._command(kind, call_id, *args)  # a call that does not pickle raises here
         future = self._loop.create_future()
+        self._calls[call_id] = future
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
 
-        def run() -> None:
-            try:
-                result = command()
-            except Exception as e:  # the caller gets it (a refusal, or a failed check)
-                self._loop.call_soon_threadsafe(_settle, future, None, e)
-            else:
-                self._loop.call_soon_threadsafe(_settle, future, result, None)
+    def _command(self, *command: Any) -> None:
+        """Queue a command for the writer thread, pickled here so that what does not pickle
+        fails its caller rather than the thread."""
+        self._outbox.put(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
 
-        self._commands.put(run)
-        return await future
+    def _read(self) -> None:
+        """Take a message of the engine (called while its pipe is readable, so once for
+        each message, without asking the pipe whether another waits)."""
+        try:
+            message = self._events.recv()
+        except (EOFError, OSError):
+            self._close()
+        else:
+            self._dispatch(*message)
 
-    # ---- engine thread -----------------------------------------------------------------
+    def _dispatch(self, kind: str, *args: Any) -> None:
+        if kind == "news":
+            for request_id, finished, *news in args[0]:
+                stream = self._streams.get(request_id)
+                if finished:
+                    self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.receive(finished, *news)
+        elif kind == "reply":
+            call_id, result, error = args
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():  # else the handler went away
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+        elif kind == "failed":
+            request_ids, message = args
+            for request_id in request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(EngineFailure(message))
 
-    def _run(self) -> None:
-        while not (self._stopping and not self._streams):
-            self._run_commands(block=not self.llm.has_unfinished())
-            if self.llm.has_unfinished():
+    def _close(self) -> None:
+        """The engine's pipe closed (it stopped, or died): fail whatever still waits."""
+        self._loop.remove_reader(self._events.fileno())
+        self._events.close()
+        self._stopping = True
+        self._outbox.put(None)
+        failure = EngineFailure("the engine process exited")
+        for stream in self._streams.values():
+            stream.put(failure)
+        self._streams.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineStopped("the engine process has exited"))
+        self._closed.set_result(None)
+
+
+def _write(outbox: queue.SimpleQueue, commands: Connection) -> None:
+    """The writer thread: send the queued commands (pickled) until None (or the engine is
+    gone); the engine's `recv` unpickles them."""
+    try:
+        while (command := outbox.get()) is not None:
+            commands.send_bytes(command)
+    except OSError:  # the engine process exited; the reader fails what waits
+        pass
+    finally:
+        commands.close()
+
+
+# ---- the engine process ------------------------------------------------------------------
+
+
+def _engine_main(make_llm: abc.Callable[[], LLM], max_waiting: int, num_threads: int,
+                 commands: Connection, events: Connection) -> None:
+    """The engine process: build the LLM, say so (or send what building it raised), then
+    serve commands and step until told to stop or the server's pipe closes. It runs torch
+    on the server's number of threads, as the engine did inside the server."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the server stops us
+    torch.set_num_threads(num_threads)
+    try:
+        llm = make_llm()
+    except Exception as e:
+        events.send((False, e))
+        return
+    events.send((True, EngineInfo(llm.tokenizer, llm.max_model_len,
+                                  llm.model_config.vocab_size)))
+    with contextlib.suppress(EOFError):  # the server is gone
+        _Engine(llm, max_waiting, events).run(commands)
+
+
+class _Engine:
+    """The engine process's loop over one LLM."""
+
+    def __init__(self, llm: LLM, max_waiting: int, events: Connection):
+        self.llm = llm
+        self.max_waiting = max_waiting
+        self.events = events
+        # unfinished request -> per sample, (characters of its text sent that cannot change,
+        # log-probabilities sent)
+        self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._stopping = False
+
+    def run(self, commands: Connection) -> None:
+        while not self._stopping:
+            busy = self.llm.has_unfinished()
+            if not busy or commands.poll():
+                self._run_commands(commands, block=not busy)
+            if self.llm.has_unfinished() and not self._stopping:
                 self._step()
 
-    def _run_commands(self, *, block: bool) -> None:
-        """Run the queued commands; when `block`, wait for the first one."""
-        try:
-            command = self._commands.get(block=block)
-        except queue.Empty:
-            return
-        while True:
+    def _run_commands(self, commands: Connection, *, block: bool) -> None:
+        """Run the commands queued; when `block`, wait for the first one."""
+        if block:
+            self._run(*commands.recv())
+        while commands.poll():
+            self._run(*commands.recv())
+
+    def _run(self, kind: str, *args: Any) -> None:
+        if kind == "abort":
+            self._abort(*args)
+        elif kind == "stop":
+            self._stopping = True
+            for request_id in list(self._requests):
+                self._abort(request_id)
+        else:  # add or call: the server waits for the reply
+            call_id, *rest = args
             try:
-                command()
-            except Exception:  # an abort that failed: log it, keep the loop alive
-                logger.exception("an engine command failed")
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+                result = self._add(*rest) if kind == "add" else rest[0](self.llm)
+            except Exception as e:  # the caller gets it (a refusal, or a failed check)
+                self._send("reply", call_id, None, e)
+            else:
+                self._send("reply", call_id, result, None)
 
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
         except Exception as e:
             logger.exception("a step failed; the requests in flight fail with it")
-            self._fail_all(EngineFailure(f"the engine failed: {type(e).__name__}: {e}"))
+            self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             return
-        handoff = []
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if output.finished:
-                del self._streams[output.request_id]
-            handoff.append((stream, output))
-        self._loop.call_soon_threadsafe(_deliver, handoff)
+        self._send("news", [self._news(output) for output in outputs])
 
-    def _add(self, stream: RequestStream, prompt_token_ids: list[int],
+    def _add(self, request_id: str, prompt_token_ids: list[int],
              params: SamplingParams) -> None:
         if self._stopping:
             raise EngineStopped("the server is shutting down")
@@ -171,38 +409,48 @@ class EngineLoop:
         if waiting + params.n > self.max_waiting:
             raise ServerBusy(f"{waiting} sequences wait already; this request's {params.n} "
                              f"would pass max_waiting {self.max_waiting}")
-        self.llm.add_request(prompt_token_ids, params, request_id=stream.request_id)
-        self._streams[stream.request_id] = stream
+        self.llm.add_request(prompt_token_ids, params, request_id=request_id)
+        self._requests[request_id] = [(0, 0)] * params.n
 
     def _abort(self, request_id: str) -> None:
         output = self.llm.abort(request_id)
-        stream = self._streams.pop(request_id, None)
-        if output is not None and stream is not None:
-            self._loop.call_soon_threadsafe(_deliver, [(stream, output)])
+        if output is not None and request_id in self._requests:
+            self._send("news", [self._news(output)])
 
-    def _abort_all(self) -> None:
-        for request_id in list(self._streams):
-            self._abort(request_id)
+    def _fail_all(self, message: str) -> None:
+        """Abort every request in flight and tell the server they failed."""
+        request_ids = list(self._requests)
+        self._requests.clear()
+        for request_id in request_ids:
+            self.llm.abort(request_id)
+        self._send("failed", request_ids, message)
 
-    def _fail_all(self, failure: EngineFailure) -> None:
-        """Abort every request in flight and hand each stream the failure."""
-        streams = list(self._streams.values())
-        self._streams.clear()
-        for stream in streams:
-            self.llm.abort(stream.request_id)
-        self._loop.call_soon_threadsafe(_deliver, [(s, failure) for s in streams])
+    def _news(self, output: RequestOutput) -> tuple:
+        """What the server needs of an output, as plain tuples (see RequestStream.receive);
+        a finished request is forgotten here. A sample's text goes from where the text sent
+        before ended, less its trailing U+FFFD (a character whose bytes had not all come)."""
+        sent = self._requests.pop(output.request_id) if output.finished else \
+            self._requests[output.request_id]
+        samples = []
+        for sample in output.outputs:
+            start, num_logprobs = sent[sample.index]
+            text, new_logprobs = sample.text, None
+            if sample.logprobs is not None:
+                new_logprobs = sample.logprobs[num_logprobs:]
+                num_logprobs = len(sample.logprobs)
+            samples.append((sample.index, start, text[start:], len(sample.token_ids),
+                            sample.finish_reason, new_logprobs))
+            sent[sample.index] = len(text.rstrip(REPLACEMENT)), num_logprobs
+        return (output.request_id, output.finished, output.num_cached_tokens,
+                output.scheduled_time, samples)
 
-
-def _deliver(handoff: list[tuple[RequestStream | None, RequestOutput | EngineFailure]]) -> None:
-    for stream, item in handoff:
-        if stream is not None:
-            stream.put(item)
-
-
-def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
-    if future.done():  # the handler went away (client disconnected)
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    def _send(self, *message: Any) -> None:
+        """Send a message; one whose contents do not pickle (a call's odd result or error)
+        goes as a RuntimeError reply naming it."""
+        try:
+            self.events.send(message)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # it did not pickle
+            if message[0] != "reply":
+                raise
+            self.events.send(("reply", message[1], None,
+                              RuntimeError(f"the engine's reply does not pickle: {e}")))

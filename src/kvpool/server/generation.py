@@ -14,14 +14,15 @@ import time
 from collections import abc
 from typing import NamedTuple
 
-from kvpool.engine import RequestOutput, TokenLogprobs
+from kvpool.engine import TokenLogprobs
 from kvpool.server.detokenize import ChoiceText
+from kvpool.server.engine_loop import Update
 
 REPLACEMENT = "\ufffd"
 
 
 class Change(NamedTuple):
-    """What one engine output changed in a choice: its new text, the finish reason if it
+    """What one engine update changed in a choice: its new text, the finish reason if it
     ended now, and the log-probabilities of its tokens since its previous change (None
     when the request did not ask for them)."""
 
@@ -32,48 +33,51 @@ class Change(NamedTuple):
 
 
 class Generation:
-    """The choices of one request, fed the engine's outputs by `update`.
+    """The choices of one request, fed the engine's updates by `update`.
 
-    `chat` selects the chat completion objects; `stop` are the request's stop strings.
+    `num_prompt_tokens`: the prompt's length, for `usage`. `chat` selects the chat
+    completion objects; `stop` are the request's stop strings.
     `logprobs`: the request's count of most likely tokens (None: no log-probabilities), shown
     with `token_text(token_id)` as each token's text. `done` is True once every choice has
     ended (the engine may still be running the request when stop strings ended them: the
     caller aborts it).
     """
 
-    def __init__(self, request_id: str, model: str, *, n: int, stop: tuple[str, ...],
-                 chat: bool, include_usage: bool, logprobs: int | None,
+    def __init__(self, request_id: str, model: str, *, num_prompt_tokens: int, n: int,
+                 stop: tuple[str, ...], chat: bool, include_usage: bool, logprobs: int | None,
                  token_text: abc.Callable[[int], str]):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
         self.created = int(time.time())
         self.choices = [ChoiceText(stop) for _ in range(n)]
-        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # latest seen
+        self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # all received
         self._num_logprobs_sent = [0] * n
         self._text_offsets = [0] * n  # completions: where the next chunk's tokens start
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
+        head = _json({"id": request_id, "object": "chat.completion.chunk" if chat
+                      else "text_completion", "created": self.created, "model": model})
+        self._event_head = b"data: " + head[:-1] + b', "choices": '  # each event's start
 
     @property
     def done(self) -> bool:
         """True once every choice has ended."""
         return all(c.finished for c in self.choices)
 
-    def update(self, output: RequestOutput) -> list[Change]:
-        """Take an engine output; returns the Change of each choice that changed."""
-        self.num_prompt_tokens = len(output.prompt_token_ids)
-        self.num_cached_tokens = output.num_cached_tokens
-        self.scheduled_time = output.scheduled_time
+    def update(self, update: Update) -> list[Change]:
+        """Take an engine update; returns the Change of each choice that changed."""
+        self.num_cached_tokens = update.num_cached_tokens
+        self.scheduled_time = update.scheduled_time
         changes = []
-        for sample in output.outputs:
+        for sample in update.samples:
             choice = self.choices[sample.index]
             if choice.finished:
                 continue
-            delta = choice.update(sample.text, len(sample.token_ids), sample.finish_reason)
-            if sample.logprobs is not None:
-                self._logprobs[sample.index] = sample.logprobs
+            delta = choice.update(sample.text, sample.num_tokens, sample.finish_reason)
+            if sample.new_logprobs is not None:
+                self._logprobs[sample.index] += sample.new_logprobs
             if delta or choice.finished:
                 changes.append(Change(sample.index, delta, choice.finish_reason,
                                       self._new_logprobs(sample.index)))
@@ -194,15 +198,22 @@ class Generation:
         return {"token": text, "logprob": logprob,
                 "bytes": None if REPLACEMENT in text else list(text.encode())}
 
-    def _event(self, choices: list[dict], **extra) -> bytes:
-        body = {"id": self.request_id, "object": "chat.completion.chunk" if self.chat
-                else "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
+    def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        """An event of the stream: the fields every event repeats (encoded once), `choices`,
+        and `usage` when the request asked for it (null but in the last)."""
+        tail = b"}\n\n"
         if self.include_usage:
-            body["usage"] = extra.get("usage")
-        return sse(body)
+            tail = (b', "usage": null' if usage is None else b', "usage": ' + _json(usage)) + tail
+        return self._event_head + _json(choices) + tail
 
 
 def sse(body: dict) -> bytes:
     """One server-sent event carrying `body` as JSON."""
-    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json(body) + b"\n\n"
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps would build one per call
+
+
+def _json(value: object) -> bytes:
+    return _ENCODER.encode(value).encode()

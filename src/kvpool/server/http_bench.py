@@ -8,8 +8,11 @@ connection for every request).
 
 Each request is sent at its arrival time as token ids, with the same max_tokens and
 ignore_eos as in-process. TTFT runs from the arrival to the first chunk that carries text,
-TPOT from there to the end over the generated tokens (from the usage chunk) less one. The
-server's preemptions and prefix-cache counters are read from /metrics before and after.
+TPOT from there to the end over the generated tokens (from the usage chunk) less one. So a
+stream's events are decoded up to the first text and the last (the usage, or the server's
+error), not the deltas in between: on the default workload that took the client from
+0.70-0.72 s of CPU time to 0.58-0.60 s. The server's preemptions and prefix-cache counters
+are read from /metrics before and after.
 """
 
 from __future__ import annotations
@@ -77,17 +80,23 @@ async def _stream(client: aiohttp.ClientSession, model: str, request: BenchReque
         if response.status != 200:
             raise RuntimeError(f"the server answered {response.status}: "
                                f"{await response.text()}")
-        async for line in response.content:  # one line at a time
-            line = line.rstrip(b"\r\n")
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
-            if timing.first_token is None and any(c["text"] for c in chunk["choices"]):
-                timing.first_token = time.perf_counter() - start
-            if chunk.get("usage"):
-                timing.num_output_tokens = chunk["usage"]["completion_tokens"]
+        pending, last = b"", None  # bytes of an event not complete yet; the last data event
+        async for data in response.content.iter_any():
+            *events, pending = (pending + data).split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: {"):  # the end: data: [DONE]
+                    continue
+                last = event
+                if timing.first_token is None and any(
+                        c.get("text") for c in json.loads(event[6:]).get("choices", ())):
+                    timing.first_token = time.perf_counter() - start
+    # After the first text only the last event counts: the usage, or the server's error.
+    if last is None:
+        raise RuntimeError("the server's stream ended without an event")
+    chunk = json.loads(last[6:])
+    if "error" in chunk:
+        raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
+    timing.num_output_tokens = chunk["usage"]["completion_tokens"]
     timing.finish = time.perf_counter() - start
     if timing.first_token is None:  # every token was held back until the end
         timing.first_token = timing.finish

@@ -1,10 +1,10 @@
 """Prometheus metrics of the server, every name prefixed `kvpool_`.
 
-The pool and the scheduler are read when /metrics is scraped (a snapshot taken on the engine
-thread): pages used / cached / free, KV utilization, running and waiting sequences, and the
-engine's cumulative counters (preemptions, prefix-cache lookups and hits in tokens). The
-request-level series are recorded by the handlers as requests finish: requests by finish
-reason, prompt and generated tokens, and latency histograms in seconds.
+The pool and the scheduler are read when /metrics is scraped (a snapshot taken in the engine
+process between two steps): pages used / cached / free, KV utilization, running and waiting
+sequences, and the engine's cumulative counters (preemptions, prefix-cache lookups and hits
+in tokens). The request-level series are recorded by the handlers as requests finish:
+requests by finish reason, prompt and generated tokens, and latency histograms in seconds.
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ def parse_completion(body: object, model: str) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
-    elif not (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+    # `type(t) is int` (not _is_int: a prompt holds thousands): JSON's integers parse to int
+    # itself, true and false to bool.
+    elif not (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         raise RequestError(f"prompt must be a non-empty string or a non-empty list of token "
                            f"ids, got {_show(prompt)}", param="prompt")
     if fields.get("top_logprobs") is not None:
