@@ -211,6 +211,16 @@ def test_plan_shows_mistrals_single_window_group(capsys):
     assert "KV full attention" not in table
 
 
+def test_plan_counts_a_window_of_pages_for_each_of_mistrals_sequences(capsys):
+    table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
+                       "32768")
+    assert table["pages"] == "4,037 (7.88 GiB)"
+    assert table["sequences @ 32,768"] == "15 (257 pages each)"  # 4,037 // 257
+    table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
+                       "32768", "--one-pool")
+    assert table["sequences @ 32,768"] == "1 (2,048 pages each)"
+
+
 def test_plan_of_a_model_without_windows_shows_no_groups(capsys):
     table = plan_table(capsys, "Qwen3-8B", "--device-memory", "24GiB")
     assert not any(label.startswith(("KV full", "KV window")) for label in table)

@@ -282,6 +282,16 @@ def test_an_all_windowed_model_plans_one_pool():
     assert plan_memory("Mistral-7B", 24 * GiB).groups == ()
 
 
+def test_an_all_windowed_model_counts_a_window_of_pages_per_sequence_unless_it_keeps_them():
+    given_back = plan_memory("Mistral-7B", 24 * GiB)
+    kept = plan_memory("Mistral-7B", 24 * GiB, free_out_of_window=False)
+    assert (given_back.window, kept.window) == (4096, None)
+    assert given_back.num_pages == kept.num_pages
+    assert given_back.max_sequences(32768) == kept.num_pages // (256 + 1)
+    assert kept.max_sequences(32768) == kept.num_pages // 2048
+    assert given_back.max_sequences(1024) == kept.max_sequences(1024) == kept.num_pages // 64
+
+
 def test_split_budget_gives_the_window_pool_its_windows_and_a_prompt_and_the_rest_to_the_full():
     layout = KVLayout(4, 1, 8, torch.float16, 4, layer_windows=(None, 8, 8, None))
     full, window = split_budget(layout, 10 * layout.bytes_per_page, max_num_seqs=1,

@@ -64,8 +64,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models mixing full and windowed layers: sequences whose windows "
                              "the window pool holds (default: 64, the engine's)")
     parser.add_argument("--one-pool", action="store_true",
-                        help="models mixing full and windowed layers: plan one pool that keeps "
-                             "every page (the engine's free_out_of_window=False)")
+                        help="windowed models: plan one pool that keeps every page (the "
+                             "engine's free_out_of_window=False)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -175,7 +175,7 @@ def _plan_rows(
     name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing `plan` for the model `name`."""
-    pages_per_seq = plan.layout.num_pages_for(context_len)
+    pages_per_seq = plan.pages_per_sequence(context_len)
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),

@@ -65,6 +65,7 @@ class MemoryPlan:
     num_state_slots: int = 0
     mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
     groups: tuple[GroupPlan, ...] = ()  # the full and window pools of a mixed model
+    window: int | None = None  # every layer windowed and pages given back: the widest window
 
     @property
     def state_bytes(self) -> int:
@@ -109,13 +110,22 @@ class MemoryPlan:
     def max_sequences(self, context_len: int) -> int:
         """How many sequences of `context_len` tokens fit at once, each in whole pages (and,
         for a hybrid, each with a state slot; for a pair, what each pool holds of a decoding
-        sequence: all its pages in the full pool, a window and a page in a window pool)."""
-        check_int("context_len", context_len, 1)
-        by_pages = self.num_pages // self.layout.num_pages_for(context_len)
+        sequence: all its pages in the full pool, a window and a page in a window pool; when
+        every layer is windowed and pages go back, a window and a page)."""
+        by_pages = self.num_pages // self.pages_per_sequence(context_len)
         if self.groups:
             by_pages = min(group.num_pages // group.pages_per_sequence(context_len)
                            for group in self.groups)
         return min(by_pages, self.num_state_slots) if self.mamba_layout else by_pages
+
+    def pages_per_sequence(self, context_len: int) -> int:
+        """Pages of the one pool a decoding sequence of `context_len` tokens holds: all of
+        them, or a window and a page when every layer is windowed and pages go back."""
+        check_int("context_len", context_len, 1)
+        pages = self.layout.num_pages_for(context_len)
+        if self.window is not None:
+            pages = min(pages, self.layout.num_pages_for(self.window) + 1)
+        return pages
 
     def max_checkpoints(self, context_len: int) -> int:
         """State slots left for the prefix cache's checkpoints while `max_sequences` run."""
@@ -176,6 +186,9 @@ def plan_memory(
         num_pages=max(budget - state_bytes, 0) // layout.bytes_per_page,
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
     )
+    windows = layout.layer_windows
+    if free_out_of_window and windows and None not in windows:  # as KVCache gives pages back
+        plan = replace(plan, window=max(windows))
     if free_out_of_window and len(layout.groups) > 1 and plan.num_pages:
         if prefill_tokens is None:
             prefill_tokens = model.max_position_embeddings
