@@ -808,3 +808,11 @@ def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothin
     cache.check_fits(16)
     with pytest.raises(OutOfPages, match=r"^17 tokens need 5 pages of 4 tokens; the pool has 4$"):
         cache.check_fits(17)
+
+
+def test_can_add_entering_by_chunks_asks_a_windowed_cache_for_the_entering_tokens_only():
+    windowed = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4, layer_windows=(8,)), 4)
+    whole = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4)
+    prompt = list(range(40))  # 10 pages; the pools hold 4
+    assert windowed.can_add(prompt, entering=16) and not windowed.can_add(prompt)
+    assert not whole.can_add(prompt, entering=16)

@@ -97,6 +97,14 @@ def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_h
     c.check()
 
 
+def test_a_prompt_entering_by_chunks_needs_room_for_all_of_it_in_the_full_pool_only():
+    c = cache((6, 3))  # the full pool: 24 tokens; the window pool: 12
+    prompt = list(range(40))
+    assert c.can_add(prompt[:20], entering=8) and not c.can_add(prompt[:28], entering=8)
+    assert not c.can_add(prompt[:20])  # all 20 tokens at once need 5 window pages of 3
+    assert c.num_free_pages == 9 and c.sequences() == []
+
+
 def test_check_fits_names_the_pool_a_sequence_overflows():
     c = cache(num_pages=(16, 4))
     c.check_fits(16)

@@ -340,9 +340,15 @@ class KVCache:
         ids = _pack(token_ids)
         return len(self._match(ids, _count(token_ids, None)).pages) * self.page_size
 
-    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
+    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
+                entering: int | None = None) -> bool:
         """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
-        pages available. Changes nothing."""
+        pages available. With `entering`, the sequence enters with its first `entering`
+        tokens and takes the rest later, chunk by chunk: a cache that gives pages back out of
+        the window asks room for those alone, one that keeps every page for all of them (its
+        pages must all fit before the prompt can finish). Changes nothing."""
+        if entering is not None and self.frees_out_of_window:
+            token_ids = token_ids[:entering]
         return self.pages_to_add(token_ids) + spare_pages <= self.num_available_pages
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:

@@ -213,10 +213,13 @@ class GroupedCache:
         groups' matches. Changes nothing."""
         return min(cache.prefix_hit(token_ids) for cache in self.groups)
 
-    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
+    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
+                entering: int | None = None) -> bool:
         """Whether `add_sequence` would succeed leaving `spare_pages` available in every
-        group. Changes nothing."""
-        return all(cache.can_add(token_ids, spare_pages=spare_pages) for cache in self.groups)
+        group; with `entering` (see KVCache.can_add), a window group asks room for the first
+        `entering` tokens, a full group for all of them. Changes nothing."""
+        return all(cache.can_add(token_ids, spare_pages=spare_pages, entering=entering)
+                   for cache in self.groups)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether `append(seq_id, num_tokens)` would succeed in every group."""

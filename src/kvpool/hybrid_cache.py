@@ -297,10 +297,11 @@ class HybridCache:
         """False: a hybrid model's KV pages are kept for the whole context."""
         return False
 
-    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0) -> bool:
+    def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
+                entering: int | None = None) -> bool:
         """Whether the KV cache could add the sequence leaving `spare_pages` available (a
-        state slot is checked by `add_sequence`)."""
-        return self.kv.can_add(token_ids, spare_pages=spare_pages)
+        state slot is checked by `add_sequence`); `entering` as for KVCache."""
+        return self.kv.can_add(token_ids, spare_pages=spare_pages, entering=entering)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether `append` would succeed."""

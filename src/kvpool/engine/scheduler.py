@@ -139,7 +139,8 @@ class Scheduler:
         while self.waiting and budget and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             held = self._tokens_to_admit(seq, budget)
-            if self.running and not self.cache.can_add(held, spare_pages=self.watermark_pages):
+            if self.running and not self.cache.can_add(seq.token_ids, entering=len(held),
+                                                       spare_pages=self.watermark_pages):
                 break
             self.waiting.popleft()
             seats += self._seats(seq)
