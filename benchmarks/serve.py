@@ -41,19 +41,9 @@ import torch
 
 from kvpool.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
 from kvpool.engine import LLM
-from kvpool.server.http_bench import model_info, run_requests, session
+from kvpool.server.http_bench import model_info, run_client, run_requests, session
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def run_client(coroutine):
-    """Run the client on uvloop when it is installed (the server extra brings it): the
-    client shares the cores with the server, and uvloop takes less of them."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
 
 
 class Cpu(NamedTuple):

@@ -336,14 +336,12 @@ def run(args: argparse.Namespace) -> int:
 def run_url(args: argparse.Namespace) -> int:
     """`kvpool bench --url`: the same seeded workload sent to a running server through
     HTTP streaming; prints the table's client-side rows and the server's counters."""
-    import asyncio
-
-    from kvpool.server.http_bench import bench_url
+    from kvpool.server.http_bench import bench_url, run_client
 
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
-    model, rows = asyncio.run(bench_url(args.url.rstrip("/"),
-                                        lambda vocab: make_workload(workload, vocab)))
+    model, rows = run_client(bench_url(args.url.rstrip("/"),
+                                       lambda vocab: make_workload(workload, vocab)))
     print(format_table([("model", model), ("url", args.url), *rows]))
     return 0

@@ -28,6 +28,16 @@ from tqdm import tqdm
 from kvpool.bench import BenchRequest, BenchResult, RequestTiming, _percentiles_ms
 
 
+def run_client(coroutine):
+    """Run the client on uvloop when it is installed (the server extra brings it): the
+    client shares the cores with the server, and uvloop takes less of them."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
 def session(url: str) -> aiohttp.ClientSession:
     """A client session for the server at `url`: no limit on connections, no timeout."""
     return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
