@@ -319,13 +319,10 @@ class EngineLoop:
 def _write(outbox: queue.SimpleQueue, commands: Connection) -> None:
     """The writer thread: send the queued commands (pickled) until None (or the engine is
     gone); the engine's `recv` unpickles them."""
-    try:
+    # OSError: the engine process exited; the reader fails what waits.
+    with contextlib.suppress(OSError), contextlib.closing(commands):
         while (command := outbox.get()) is not None:
             commands.send_bytes(command)
-    except OSError:  # the engine process exited; the reader fails what waits
-        pass
-    finally:
-        commands.close()
 
 
 # ---- the engine process ------------------------------------------------------------------
