@@ -170,10 +170,10 @@ class Scheduler:
             budget -= num_new
         grow_ids, grow_tokens = [], []
         for seq, end in zip(seqs, ends, strict=True):
-            held = self.cache.num_tokens(seq.seq_id)
-            if end > held:
+            missing = self._missing(seq, end)
+            if missing:
                 grow_ids.append(seq.seq_id)
-                grow_tokens.append(seq.token_ids[held:end])
+                grow_tokens.append(missing)
         self.cache.append_batch(grow_ids, token_ids=grow_tokens)
         for seq, end in zip(seqs, ends, strict=True):
             num_new = end - seq.num_computed_tokens
@@ -232,17 +232,21 @@ class Scheduler:
 
     # ---- check / act -------------------------------------------------------------------
 
+    def _missing(self, seq: Sequence, end: int) -> list[int]:
+        """The sequence's tokens up to `end` that the cache does not hold yet: its last
+        sampled token, or its next prompt chunk when pages are taken chunk by chunk."""
+        return seq.token_ids[self.cache.num_tokens(seq.seq_id):end]
+
     def _can_grow(self, seq: Sequence, end: int) -> bool:
-        """Can the cache hold the sequence's tokens up to `end` (its last sampled token, or
-        its next prompt chunk when pages are taken chunk by chunk)?"""
-        missing = end - self.cache.num_tokens(seq.seq_id)
-        return missing <= 0 or self.cache.can_append(seq.seq_id, missing)
+        """Can the cache hold the sequence's tokens up to `end`?"""
+        missing = self._missing(seq, end)
+        return not missing or self.cache.can_append(seq.seq_id, len(missing))
 
     def _grow(self, seq: Sequence, end: int) -> None:
         """Append the sequence's tokens up to `end` that the cache does not hold yet."""
-        held = self.cache.num_tokens(seq.seq_id)
-        if end > held:
-            self.cache.append(seq.seq_id, token_ids=seq.token_ids[held:end])
+        missing = self._missing(seq, end)
+        if missing:
+            self.cache.append(seq.seq_id, token_ids=missing)
 
     def _tokens_to_admit(self, seq: Sequence, budget: int) -> list[int]:
         """The tokens a waiting sequence enters the cache with: all of them, or, when pages
