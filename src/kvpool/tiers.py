@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import struct
 import tempfile
 import time
@@ -29,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -279,9 +279,10 @@ class DiskTier(Tier):
     Each file carries a header (format version, namespace, key, shape, dtype, payload length
     and CRC-32) checked on every load: a page that fails is a miss, removed and counted.
     Files are written atomically (to a temporary name, then renamed), removed on eviction and
-    by `clear()`. Binding to a directory that holds pages of the same namespace indexes them
-    again, least recently used (by file modification time) first; other namespaces' files
-    are left alone and never served."""
+    by `clear()`. Binding indexes the namespace's pages already in the directory again, least
+    recently used (by file modification time) first, and removes those whose header fails,
+    those beyond capacity and temporaries of interrupted writes; other namespaces' files are
+    left alone and never served."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -291,8 +292,7 @@ class DiskTier(Tier):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"cannot create tier directory {str(self.directory)!r}: {e}") \
-                from e
+            raise ValueError(f"cannot create tier directory {str(self.directory)!r}: {e}") from e
         self._tag = ""  # file name prefix of the bound namespace
         self._last_use_ns = 0  # mtime stamped on the most recently used page file
 
@@ -301,37 +301,33 @@ class DiskTier(Tier):
         return self.directory / f"{self._tag}-{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Index this namespace's pages already in the directory, least recently used
-        first; drop those whose header fails its checks, those beyond capacity and
-        temporaries of interrupted writes."""
         self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
-        pattern = re.compile(rf"^{self._tag}-[0-9a-f]{{16}}\.kvpage$")
         for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
-            f.unlink(missing_ok=True)
-        files = [f for f in self.directory.iterdir() if pattern.match(f.name)]
-        mtimes = {f: f.stat().st_mtime_ns for f in files}
-        files.sort(key=mtimes.__getitem__)
-        self._last_use_ns = max(mtimes.values(), default=0)
-        for f in files:
-            header = _read_header(f, namespace, page_shape, dtype)
-            key = None if header is None else _key_of(header)
-            if key is None or self.path(key) != f:
+            _remove(f)
+        files = self.directory.glob(f"{self._tag}-*.kvpage")
+        stamped = sorted((f.stat().st_mtime_ns, f) for f in files)
+        self._last_use_ns = stamped[-1][0] if stamped else 0
+        for _, path in stamped:
+            header = None
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                header = _read_header(f, namespace, page_shape, dtype)
+            if header is None or self.path(header[0]) != path:
                 self._num_corrupt += 1
-                _remove(f)
-                continue
-            self._keys[key.chain_key] = key
+                _remove(path)
+            else:
+                self._keys[header[0].chain_key] = header[0]
         while len(self._keys) > self.capacity_pages:
             self._discard(self._keys.popitem(last=False)[1])
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        payload = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        payload = payload.numpy().tobytes()
+        payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         header = json.dumps({
             "version": _FORMAT_VERSION, "namespace": self.namespace,
             "parent_key": key.parent_key, "token_ids": list(key.token_ids),
             "shape": list(self.page_shape), "dtype": str(self.dtype),
             "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
         }).encode()
+        path = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)  # it may have been removed
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP_PREFIX, suffix=".tmp")
         try:
@@ -339,24 +335,25 @@ class DiskTier(Tier):
                 f.write(_PREFIX.pack(_MAGIC, len(header), zlib.crc32(header)))
                 f.write(header)
                 f.write(payload)
-            os.replace(tmp, self.path(key))
+            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self._touch(self.path(key))
+        self._touch(path)
 
     def _read(self, key: PageKey) -> torch.Tensor | None:
         path = self.path(key)
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:
+                header = _read_header(f, self.namespace, self.page_shape, self.dtype)
+                payload = bytearray(f.read())
         except OSError:
             return None
-        data = _decode(raw, key, self.namespace, self.page_shape, self.dtype)
-        if data is None:
+        if header != (key, len(payload), zlib.crc32(payload)):
             self._num_corrupt += 1
             return None
         self._touch(path)
-        return data
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.page_shape)
 
     def _discard(self, key: PageKey) -> None:
         _remove(self.path(key))
@@ -377,62 +374,24 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _split(raw: bytes) -> tuple[dict, bytes] | None:
-    """A page file's header and payload, None unless the magic and header CRC match."""
-    if len(raw) < _PREFIX.size:
-        return None
-    magic, header_len, header_crc = _PREFIX.unpack_from(raw)
-    header = raw[_PREFIX.size:_PREFIX.size + header_len]
-    if magic != _MAGIC or len(header) != header_len or zlib.crc32(header) != header_crc:
-        return None
+def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> tuple[PageKey, object, object] | None:
+    """The key, payload length and payload CRC-32 in the header of the page file open as
+    `f`, which is left at the payload; None unless the magic and the header's CRC-32 match
+    and the header names this format version, namespace, shape and dtype."""
     try:
-        return json.loads(header), raw[_PREFIX.size + header_len:]
-    except ValueError:
+        magic, header_len, header_crc = _PREFIX.unpack(f.read(_PREFIX.size))
+        raw = f.read(header_len)
+        if magic != _MAGIC or len(raw) != header_len or zlib.crc32(raw) != header_crc:
+            return None
+        header = json.loads(raw)
+        key = PageKey.of(header["parent_key"], header["token_ids"])
+    except (struct.error, ValueError, KeyError, TypeError):
         return None
-
-
-def _matches(header: dict, namespace: str, page_shape: tuple[int, ...],
-             dtype: torch.dtype) -> bool:
-    return (header.get("version") == _FORMAT_VERSION and header.get("namespace") == namespace
-            and header.get("shape") == list(page_shape) and header.get("dtype") == str(dtype))
-
-
-def _key_of(header: dict) -> PageKey | None:
-    try:
-        return PageKey.of(header["parent_key"], header["token_ids"])
-    except (KeyError, TypeError):
+    if (header.get("version") != _FORMAT_VERSION or header.get("namespace") != namespace
+            or header.get("shape") != list(page_shape) or header.get("dtype") != str(dtype)):
         return None
-
-
-def _read_header(path: Path, namespace: str, page_shape: tuple[int, ...],
-                 dtype: torch.dtype) -> dict | None:
-    """The header of a page file of this namespace, shape and dtype, else None."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            header_len = _PREFIX.unpack(prefix)[1] if len(prefix) == _PREFIX.size else 0
-            parts = _split(prefix + f.read(header_len))
-    except OSError:
-        return None
-    if parts is None or not _matches(parts[0], namespace, page_shape, dtype):
-        return None
-    return parts[0]
-
-
-def _decode(raw: bytes, key: PageKey, namespace: str, page_shape: tuple[int, ...],
-            dtype: torch.dtype) -> torch.Tensor | None:
-    """The page in a file's bytes, None unless its header matches `key`, the namespace,
-    shape and dtype, and its payload matches its length and CRC-32."""
-    parts = _split(raw)
-    if parts is None:
-        return None
-    header, payload = parts
-    if not _matches(header, namespace, page_shape, dtype) or _key_of(header) != key:
-        return None
-    if header.get("payload_bytes") != len(payload) or \
-            header.get("payload_crc32") != zlib.crc32(payload):
-        return None
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(page_shape)
+    return key, header.get("payload_bytes"), header.get("payload_crc32")
 
 
 def _physical_memory() -> int | None:
