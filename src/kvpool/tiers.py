@@ -1,16 +1,8 @@
 """Tiers below the pool: host memory and disk, where evicted prefix pages go instead of
 being lost, to be loaded back into fresh pages when a later prompt continues their prefix.
-
-A page is stored under a `PageKey`: its chain key `hash((parent_key, token_ids))` names
-the whole prefix up to and including the page, and the key also keeps the parent's chain
-key and the page's own token ids, which `get` compares so that a hash collision is a miss,
-never wrong KV. CPython hashes ints and tuples of ints the same way in every process (hash
-randomization only touches str and bytes), so chain keys are stable across runs. Each tier
-keeps at most `capacity_pages` pages and drops the least recently used (put or hit) beyond.
-
-A tier belongs to one namespace (model and layout: see `KVCache`), fixed by `bind` before
-its first use: a page of another namespace is never served. A tier's failures never reach
-the cache: `store` drops a page it cannot keep, and `get` misses a page it cannot read.
+A page is stored under a `PageKey`, which names its whole prefix. A tier belongs to one
+namespace (model and layout: see `KVCache`), fixed by `bind` before its first use: a page
+of another namespace is never served.
 """
 
 from __future__ import annotations
@@ -38,14 +30,17 @@ ROOT_KEY = 0  # chain key of the empty prefix
 
 
 def chain_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    """The chain key of a page holding `token_ids` below the prefix named `parent_key`."""
+    """The chain key of a page holding `token_ids` below the prefix named `parent_key`.
+    CPython hashes ints and tuples of ints the same way in every process (hash randomization
+    only touches str and bytes), so chain keys are stable across runs."""
     return hash((parent_key, token_ids))
 
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """Names one page by its whole prefix: `chain_key` of the prefix through this page,
-    `parent_key` of the prefix before it, and the page's own `token_ids`."""
+    `parent_key` of the prefix before it, and the page's own `token_ids`, which a tier
+    compares on every lookup so that a hash collision is a miss, never wrong KV."""
 
     chain_key: int
     parent_key: int
@@ -71,20 +66,12 @@ class TierStats:
     num_dropped: int = 0  # pages `store` could not keep (a failed write)
     num_corrupt: int = 0  # stored pages that failed their checks on load, and were removed
 
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of `get` calls that returned a page."""
-        lookups = self.num_hits + self.num_misses
-        return self.num_hits / lookups if lookups else 0.0
-
 
 class Tier(ABC):
     """Storage for evicted prefix pages, at most `capacity_pages` of them, LRU beyond that.
-
     A page's data is shaped `[num_layers, num_planes, page_size, num_kv_heads, head_dim]`
     (one page of `KVPool.read_pages`). Subclasses say where the data lives (`_write`, `_read`,
-    `_discard`); this class keeps the index, the recency order and the counters.
-    """
+    `_discard`); this class keeps the index, the recency order and the counters."""
 
     def __init__(self, capacity_pages: int):
         self.capacity_pages = check_int("capacity_pages", capacity_pages, 1)
@@ -104,15 +91,14 @@ class Tier(ABC):
         Binding again to the same is allowed (caches of one model may share a tier); to
         anything else raises ValueError, changing nothing."""
         wanted = (namespace, tuple(page_shape), dtype)
-        if self.namespace is not None:
-            if (self.namespace, self.page_shape, self.dtype) != wanted:
-                raise ValueError(
-                    f"this tier holds pages of {self.namespace!r} shaped {self.page_shape} "
-                    f"({self.dtype}); a cache of {namespace!r} shaped {tuple(page_shape)} "
-                    f"({dtype}) cannot share it")
-            return
-        self._open(*wanted)
-        self.namespace, self.page_shape, self.dtype = wanted
+        if self.namespace is None:
+            self._open(*wanted)
+            self.namespace, self.page_shape, self.dtype = wanted
+        elif (self.namespace, self.page_shape, self.dtype) != wanted:
+            raise ValueError(
+                f"this tier holds pages of {self.namespace!r} shaped {self.page_shape} "
+                f"({self.dtype}); a cache of {namespace!r} shaped {tuple(page_shape)} "
+                f"({dtype}) cannot share it")
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """Store one page's data under `key` (replacing what its chain key held), dropping
@@ -134,9 +120,8 @@ class Tier(ABC):
         self._num_stored += 1
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
-        """`put` that never raises: a page the tier cannot keep, for any reason, is dropped
-        and counted. What eviction calls, since eviction must not fail. Returns whether the
-        page was stored."""
+        """`put` that never raises, for eviction, which must not fail: a page the tier cannot
+        keep, for any reason, is dropped and counted. Returns whether the page was stored."""
         try:
             self.put(key, data)
         except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
@@ -145,19 +130,17 @@ class Tier(ABC):
         return True
 
     def get(self, key: PageKey) -> torch.Tensor | None:
-        """A copy of the page stored under `key`, or None (a miss) if the tier holds no page
-        for this exact prefix or cannot read it. A hit makes the page the most recently
-        used. Never raises."""
-        data = self._read(key) if key in self else None
-        if data is None:
-            if key in self:  # indexed but unreadable (a damaged or removed file): forget it
-                del self._keys[key.chain_key]
-                self._discard(key)
-            self._num_misses += 1
-            return None
-        self._keys.move_to_end(key.chain_key)
-        self._num_hits += 1
-        return data
+        """A copy of the page stored under `key`, or None (a miss) if the tier holds none for
+        this exact prefix or cannot read it; a hit becomes the most recently used. Never raises."""
+        if key in self:
+            data = self._read(key)
+            if data is not None:
+                self._keys.move_to_end(key.chain_key)
+                self._num_hits += 1
+                return data
+            self._discard(self._keys.pop(key.chain_key))
+        self._num_misses += 1
+        return None
 
     def __contains__(self, key: PageKey) -> bool:
         """Whether the tier holds a page for exactly this prefix. Changes nothing."""
@@ -225,8 +208,7 @@ class HostTier(Tier):
     @property
     def nbytes(self) -> int:
         """Bytes held by the store (0 before the tier is bound)."""
-        t = self.buffer
-        return 0 if t is None else t.numel() * t.element_size()
+        return 0 if self.buffer is None else self.buffer.nbytes
 
     def check(self) -> None:
         """Index invariants plus: every stored page has its own slot; slots in use and
@@ -242,7 +224,9 @@ class HostTier(Tier):
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         shape = (self.capacity_pages, *page_shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        ram = _physical_memory()
+        ram = None  # where the platform does not say
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if ram is not None and nbytes > ram:
             raise OutOfMemory(f"HostTier of {self.capacity_pages:,} pages needs {nbytes:,} "
                               f"bytes, more than this machine's {ram:,} bytes of memory")
@@ -392,14 +376,6 @@ def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
             or header.get("shape") != list(page_shape) or header.get("dtype") != str(dtype)):
         return None
     return key, header.get("payload_bytes"), header.get("payload_crc32")
-
-
-def _physical_memory() -> int | None:
-    """Bytes of physical memory, None where the platform does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def page_namespace(layout, model_fingerprint: str = "", kv_scales=None) -> str:
