@@ -482,6 +482,19 @@ def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeyp
     cache.check()
 
 
+def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_pages(
+        tmp_path, monkeypatch):
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(2)
+    for i in range(2):
+        tier.put(k[i], page(i))
+    (tmp_path / ".kvpage-interrupted.tmp").write_bytes(b"half a page")
+    monkeypatch.setattr(Path, "unlink", read_only_file_system)
+    again = bound(DiskTier(tmp_path, 4))
+    assert list(again) == k and torch.equal(again.get(k[1]), page(1))
+    assert (tmp_path / ".kvpage-interrupted.tmp").exists()
+
+
 def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_read(tmp_path):
     tier = DiskTier(tmp_path / "tier", 8)
     cache = make_cache(tier)

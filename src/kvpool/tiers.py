@@ -1,16 +1,8 @@
 """Tiers below the pool: host memory and disk, where evicted prefix pages go instead of
 being lost, to be loaded back into fresh pages when a later prompt continues their prefix.
-
-A page is stored under a `PageKey`: its chain key `hash((parent_key, token_ids))` names
-the whole prefix up to and including the page, and the key also keeps the parent's chain
-key and the page's own token ids, which `get` compares so that a hash collision is a miss,
-never wrong KV. CPython hashes ints and tuples of ints the same way in every process (hash
-randomization only touches str and bytes), so chain keys are stable across runs. Each tier
-keeps at most `capacity_pages` pages and drops the least recently used (put or hit) beyond.
-
-A tier belongs to one namespace (model and layout: see `KVCache`), fixed by `bind` before
-its first use: a page of another namespace is never served. A tier's failures never reach
-the cache: `store` drops a page it cannot keep, and `get` misses a page it cannot read.
+A page is stored under a `PageKey`, which names its whole prefix. A tier belongs to one
+namespace (model and layout: see `KVCache`), fixed by `bind` before its first use: a page
+of another namespace is never served.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import struct
 import tempfile
 import time
@@ -29,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -38,14 +30,17 @@ ROOT_KEY = 0  # chain key of the empty prefix
 
 
 def chain_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    """The chain key of a page holding `token_ids` below the prefix named `parent_key`."""
+    """The chain key of a page holding `token_ids` below the prefix named `parent_key`.
+    CPython hashes ints and tuples of ints the same way in every process (hash randomization
+    only touches str and bytes), so chain keys are stable across runs."""
     return hash((parent_key, token_ids))
 
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """Names one page by its whole prefix: `chain_key` of the prefix through this page,
-    `parent_key` of the prefix before it, and the page's own `token_ids`."""
+    `parent_key` of the prefix before it, and the page's own `token_ids`, which a tier
+    compares on every lookup so that a hash collision is a miss, never wrong KV."""
 
     chain_key: int
     parent_key: int
@@ -71,20 +66,12 @@ class TierStats:
     num_dropped: int = 0  # pages `store` could not keep (a failed write)
     num_corrupt: int = 0  # stored pages that failed their checks on load, and were removed
 
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of `get` calls that returned a page."""
-        lookups = self.num_hits + self.num_misses
-        return self.num_hits / lookups if lookups else 0.0
-
 
 class Tier(ABC):
     """Storage for evicted prefix pages, at most `capacity_pages` of them, LRU beyond that.
-
     A page's data is shaped `[num_layers, num_planes, page_size, num_kv_heads, head_dim]`
     (one page of `KVPool.read_pages`). Subclasses say where the data lives (`_write`, `_read`,
-    `_discard`); this class keeps the index, the recency order and the counters.
-    """
+    `_discard`); this class keeps the index, the recency order and the counters."""
 
     def __init__(self, capacity_pages: int):
         self.capacity_pages = check_int("capacity_pages", capacity_pages, 1)
@@ -104,15 +91,14 @@ class Tier(ABC):
         Binding again to the same is allowed (caches of one model may share a tier); to
         anything else raises ValueError, changing nothing."""
         wanted = (namespace, tuple(page_shape), dtype)
-        if self.namespace is not None:
-            if (self.namespace, self.page_shape, self.dtype) != wanted:
-                raise ValueError(
-                    f"this tier holds pages of {self.namespace!r} shaped {self.page_shape} "
-                    f"({self.dtype}); a cache of {namespace!r} shaped {tuple(page_shape)} "
-                    f"({dtype}) cannot share it")
-            return
-        self._open(*wanted)
-        self.namespace, self.page_shape, self.dtype = wanted
+        if self.namespace is None:
+            self._open(*wanted)
+            self.namespace, self.page_shape, self.dtype = wanted
+        elif (self.namespace, self.page_shape, self.dtype) != wanted:
+            raise ValueError(
+                f"this tier holds pages of {self.namespace!r} shaped {self.page_shape} "
+                f"({self.dtype}); a cache of {namespace!r} shaped {tuple(page_shape)} "
+                f"({dtype}) cannot share it")
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """Store one page's data under `key` (replacing what its chain key held), dropping
@@ -134,9 +120,8 @@ class Tier(ABC):
         self._num_stored += 1
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
-        """`put` that never raises: a page the tier cannot keep, for any reason, is dropped
-        and counted. What eviction calls, since eviction must not fail. Returns whether the
-        page was stored."""
+        """`put` that never raises, for eviction, which must not fail: a page the tier cannot
+        keep, for any reason, is dropped and counted. Returns whether the page was stored."""
         try:
             self.put(key, data)
         except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
@@ -145,19 +130,17 @@ class Tier(ABC):
         return True
 
     def get(self, key: PageKey) -> torch.Tensor | None:
-        """A copy of the page stored under `key`, or None (a miss) if the tier holds no page
-        for this exact prefix or cannot read it. A hit makes the page the most recently
-        used. Never raises."""
-        data = self._read(key) if key in self else None
-        if data is None:
-            if key in self:  # indexed but unreadable (a damaged or removed file): forget it
-                del self._keys[key.chain_key]
-                self._discard(key)
-            self._num_misses += 1
-            return None
-        self._keys.move_to_end(key.chain_key)
-        self._num_hits += 1
-        return data
+        """A copy of the page stored under `key`, or None (a miss) if the tier holds none for
+        this exact prefix or cannot read it; a hit becomes the most recently used. Never raises."""
+        if key in self:
+            data = self._read(key)
+            if data is not None:
+                self._keys.move_to_end(key.chain_key)
+                self._num_hits += 1
+                return data
+            self._discard(self._keys.pop(key.chain_key))
+        self._num_misses += 1
+        return None
 
     def __contains__(self, key: PageKey) -> bool:
         """Whether the tier holds a page for exactly this prefix. Changes nothing."""
@@ -225,8 +208,7 @@ class HostTier(Tier):
     @property
     def nbytes(self) -> int:
         """Bytes held by the store (0 before the tier is bound)."""
-        t = self.buffer
-        return 0 if t is None else t.numel() * t.element_size()
+        return 0 if self.buffer is None else self.buffer.nbytes
 
     def check(self) -> None:
         """Index invariants plus: every stored page has its own slot; slots in use and
@@ -242,7 +224,9 @@ class HostTier(Tier):
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         shape = (self.capacity_pages, *page_shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        ram = _physical_memory()
+        ram = None  # where the platform does not say
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if ram is not None and nbytes > ram:
             raise OutOfMemory(f"HostTier of {self.capacity_pages:,} pages needs {nbytes:,} "
                               f"bytes, more than this machine's {ram:,} bytes of memory")
@@ -279,9 +263,10 @@ class DiskTier(Tier):
     Each file carries a header (format version, namespace, key, shape, dtype, payload length
     and CRC-32) checked on every load: a page that fails is a miss, removed and counted.
     Files are written atomically (to a temporary name, then renamed), removed on eviction and
-    by `clear()`. Binding to a directory that holds pages of the same namespace indexes them
-    again, least recently used (by file modification time) first; other namespaces' files
-    are left alone and never served."""
+    by `clear()`. Binding indexes the namespace's pages already in the directory again, least
+    recently used (by file modification time) first, and removes those whose header fails,
+    those beyond capacity and temporaries of interrupted writes; other namespaces' files are
+    left alone and never served."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -291,8 +276,7 @@ class DiskTier(Tier):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"cannot create tier directory {str(self.directory)!r}: {e}") \
-                from e
+            raise ValueError(f"cannot create tier directory {str(self.directory)!r}: {e}") from e
         self._tag = ""  # file name prefix of the bound namespace
         self._last_use_ns = 0  # mtime stamped on the most recently used page file
 
@@ -301,37 +285,33 @@ class DiskTier(Tier):
         return self.directory / f"{self._tag}-{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Index this namespace's pages already in the directory, least recently used
-        first; drop those whose header fails its checks, those beyond capacity and
-        temporaries of interrupted writes."""
         self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
-        pattern = re.compile(rf"^{self._tag}-[0-9a-f]{{16}}\.kvpage$")
         for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
-            f.unlink(missing_ok=True)
-        files = [f for f in self.directory.iterdir() if pattern.match(f.name)]
-        mtimes = {f: f.stat().st_mtime_ns for f in files}
-        files.sort(key=mtimes.__getitem__)
-        self._last_use_ns = max(mtimes.values(), default=0)
-        for f in files:
-            header = _read_header(f, namespace, page_shape, dtype)
-            key = None if header is None else _key_of(header)
-            if key is None or self.path(key) != f:
+            _remove(f)
+        files = self.directory.glob(f"{self._tag}-*.kvpage")
+        stamped = sorted((f.stat().st_mtime_ns, f) for f in files)
+        self._last_use_ns = stamped[-1][0] if stamped else 0
+        for _, path in stamped:
+            header = None
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                header = _read_header(f, namespace, page_shape, dtype)
+            if header is None or self.path(header[0]) != path:
                 self._num_corrupt += 1
-                _remove(f)
-                continue
-            self._keys[key.chain_key] = key
+                _remove(path)
+            else:
+                self._keys[header[0].chain_key] = header[0]
         while len(self._keys) > self.capacity_pages:
             self._discard(self._keys.popitem(last=False)[1])
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        payload = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        payload = payload.numpy().tobytes()
+        payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         header = json.dumps({
             "version": _FORMAT_VERSION, "namespace": self.namespace,
             "parent_key": key.parent_key, "token_ids": list(key.token_ids),
             "shape": list(self.page_shape), "dtype": str(self.dtype),
             "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
         }).encode()
+        path = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)  # it may have been removed
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP_PREFIX, suffix=".tmp")
         try:
@@ -339,24 +319,25 @@ class DiskTier(Tier):
                 f.write(_PREFIX.pack(_MAGIC, len(header), zlib.crc32(header)))
                 f.write(header)
                 f.write(payload)
-            os.replace(tmp, self.path(key))
+            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self._touch(self.path(key))
+        self._touch(path)
 
     def _read(self, key: PageKey) -> torch.Tensor | None:
         path = self.path(key)
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:
+                header = _read_header(f, self.namespace, self.page_shape, self.dtype)
+                payload = bytearray(f.read())
         except OSError:
             return None
-        data = _decode(raw, key, self.namespace, self.page_shape, self.dtype)
-        if data is None:
+        if header != (key, len(payload), zlib.crc32(payload)):
             self._num_corrupt += 1
             return None
         self._touch(path)
-        return data
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.page_shape)
 
     def _discard(self, key: PageKey) -> None:
         _remove(self.path(key))
@@ -377,70 +358,24 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _split(raw: bytes) -> tuple[dict, bytes] | None:
-    """A page file's header and payload, None unless the magic and header CRC match."""
-    if len(raw) < _PREFIX.size:
-        return None
-    magic, header_len, header_crc = _PREFIX.unpack_from(raw)
-    header = raw[_PREFIX.size:_PREFIX.size + header_len]
-    if magic != _MAGIC or len(header) != header_len or zlib.crc32(header) != header_crc:
-        return None
+def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> tuple[PageKey, object, object] | None:
+    """The key, payload length and payload CRC-32 in the header of the page file open as
+    `f`, which is left at the payload; None unless the magic and the header's CRC-32 match
+    and the header names this format version, namespace, shape and dtype."""
     try:
-        return json.loads(header), raw[_PREFIX.size + header_len:]
-    except ValueError:
+        magic, header_len, header_crc = _PREFIX.unpack(f.read(_PREFIX.size))
+        raw = f.read(header_len)
+        if magic != _MAGIC or len(raw) != header_len or zlib.crc32(raw) != header_crc:
+            return None
+        header = json.loads(raw)
+        key = PageKey.of(header["parent_key"], header["token_ids"])
+    except (struct.error, ValueError, KeyError, TypeError):
         return None
-
-
-def _matches(header: dict, namespace: str, page_shape: tuple[int, ...],
-             dtype: torch.dtype) -> bool:
-    return (header.get("version") == _FORMAT_VERSION and header.get("namespace") == namespace
-            and header.get("shape") == list(page_shape) and header.get("dtype") == str(dtype))
-
-
-def _key_of(header: dict) -> PageKey | None:
-    try:
-        return PageKey.of(header["parent_key"], header["token_ids"])
-    except (KeyError, TypeError):
+    if (header.get("version") != _FORMAT_VERSION or header.get("namespace") != namespace
+            or header.get("shape") != list(page_shape) or header.get("dtype") != str(dtype)):
         return None
-
-
-def _read_header(path: Path, namespace: str, page_shape: tuple[int, ...],
-                 dtype: torch.dtype) -> dict | None:
-    """The header of a page file of this namespace, shape and dtype, else None."""
-    try:
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            header_len = _PREFIX.unpack(prefix)[1] if len(prefix) == _PREFIX.size else 0
-            parts = _split(prefix + f.read(header_len))
-    except OSError:
-        return None
-    if parts is None or not _matches(parts[0], namespace, page_shape, dtype):
-        return None
-    return parts[0]
-
-
-def _decode(raw: bytes, key: PageKey, namespace: str, page_shape: tuple[int, ...],
-            dtype: torch.dtype) -> torch.Tensor | None:
-    """The page in a file's bytes, None unless its header matches `key`, the namespace,
-    shape and dtype, and its payload matches its length and CRC-32."""
-    parts = _split(raw)
-    if parts is None:
-        return None
-    header, payload = parts
-    if not _matches(header, namespace, page_shape, dtype) or _key_of(header) != key:
-        return None
-    if header.get("payload_bytes") != len(payload) or \
-            header.get("payload_crc32") != zlib.crc32(payload):
-        return None
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(page_shape)
-
-
-def _physical_memory() -> int | None:
-    """Bytes of physical memory, None where the platform does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
+    return key, header.get("payload_bytes"), header.get("payload_crc32")
 
 
 def page_namespace(layout, model_fingerprint: str = "", kv_scales=None) -> str:
