@@ -11,7 +11,8 @@ from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.layout import KVLayout
 
-# What one layer's scales are called, one per plane: K and V, or the MLA latent.
+# What one layer's scales are called, one per plane (K and V, or the MLA latent), and the
+# form kv_scales gives them in.
 SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
              "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
@@ -23,10 +24,9 @@ def default_device() -> torch.device:
 
 
 class KVPool:
-    """`num_pages` pages of K and V for every layer, in one tensor shaped
-    `[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]`: planes K and V
-    (layout kind "mha"), or the one latent plane (kind "mla", whose K and V views are both
-    that plane).
+    """`num_pages` pages of K and V for every layer in one tensor `[num_layers, num_planes,
+    num_pages, page_size, num_kv_heads, head_dim]`: planes K and V (layout kind "mha"), or the
+    one latent plane (kind "mla", whose K and V views are both that plane).
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
@@ -71,9 +71,8 @@ class KVPool:
         return all(self._has_scales) or not self.quantized
 
     def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The layer's K and V scale as float32 tensors `[]` on the device (views, so kernels
-        read the value current when they run; for "mla" both are the latent's, as K and V are
-        both its plane), or (None, None) when pages are not fp8."""
+        """The layer's K and V scale, float32 views `[]` on the device that kernels read when
+        they run (for "mla" both the latent's), or (None, None) when pages are not fp8."""
         if self.scales is None:
             return None, None
         return self.scales[layer, 0], self.scales[layer, -1]
@@ -126,8 +125,7 @@ class KVPool:
         return self.kv[layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer's V pages, a view `[num_pages, page_size, num_kv_heads, head_dim]` (for "mla",
-        the latent plane, as `k_cache`)."""
+        """Layer's V pages, a view shaped as `k_cache`'s (for "mla" the same latent plane)."""
         return self.kv[layer, self.layout.num_planes - 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
@@ -161,8 +159,7 @@ class KVPool:
         self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """A copy of the pages' KV in every layer: `[num_layers, num_planes, n, page_size,
-        kvh, d]`."""
+        """A copy of the pages' KV, all layers: `[num_layers, num_planes, n, page_size, kvh, d]`."""
         return self.kv[:, :, self._index(pages)]
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
@@ -209,9 +206,9 @@ def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None
     if not is_fp8(layout.dtype):
         raise ValueError(f"kv_scales apply to fp8 pages; the layout holds {layout.dtype}")
     names = SCALE_NAMES[layout.kind]
-    rows = [kv_scales] * layout.num_layers if _is_row(kv_scales, names) else kv_scales
+    rows = [kv_scales] * layout.num_layers if _is_row(kv_scales, len(names)) else kv_scales
     if not (isinstance(rows, (tuple, list)) and len(rows) == layout.num_layers
-            and all(_is_row(row, names) for row in rows)):
+            and all(_is_row(row, len(names)) for row in rows)):
         raise ValueError(f"{ROW_FORMS[layout.kind]}, or one per layer ({layout.num_layers}); "
                          f"got {kv_scales!r}")
     if len(names) == 1:
@@ -220,10 +217,10 @@ def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None
                   for name, x in zip(names, row, strict=True)) for i, row in enumerate(rows)]
 
 
-def _is_row(x, names: tuple[str, ...]) -> bool:
-    """Whether `x` has the form of one layer's scales `names`: a bare number for one, a tuple
-    or list of numbers for several."""
-    if len(names) == 1:
+def _is_row(x, num_planes: int) -> bool:
+    """Whether `x` has the form of one layer's scales: a bare number for one plane, a tuple or
+    list of numbers, one per plane, for several."""
+    if num_planes == 1:
         return not isinstance(x, (tuple, list))
-    return (isinstance(x, (tuple, list)) and len(x) == len(names)
+    return (isinstance(x, (tuple, list)) and len(x) == num_planes
             and not isinstance(x[0], (tuple, list)))

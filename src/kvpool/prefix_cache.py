@@ -1,32 +1,32 @@
 """PrefixCache: a radix tree over committed full pages, keyed by the pages' token ids.
 
-Each node below the root holds a run of one or more pages (`pages`) and their token ids
-(`tokens`, packed as in tokens.py, `page_size` ids per page); the path from the root spells
-the whole prefix. A node is entered by its first page's packed ids, so a lookup hashes one
-page per node and compares the rest of the node's ids in one memcmp: matching a long cached
-prefix costs a few Python operations per node, not per page or per token. Runs also keep
-the tree small: a 16-page prompt is one node and one bytes buffer.
+Each node below the root holds a run of pages (`pages`) and their token ids (`tokens`,
+packed as in tokens.py, `page_size` ids per page); the path from the root spells the whole
+prefix. A node is entered by its first page's packed ids and the rest of its ids compare in
+one memcmp, so matching a long cached prefix costs a few Python operations per node, not per
+page or token, and a 16-page prompt is one node and one bytes buffer.
 
 The tree holds no reference on its pages: the allocator counts the sequences holding each
-page, and keeps a page whose count reaches 0 on its cached queue in least-recently-used
-order, taking pages from its cold end when it runs out of free ones. A sequence holds every
-page of its path from the root, and gives its pages back tail first, so a page is always
-colder than its parent: the coldest cached page is the last live page of a leaf.
+page and keeps a page whose count reaches 0 on its cached queue in least-recently-used order,
+taking pages from its cold end when it runs out of free ones. A sequence holds every page of
+its path from the root and gives its pages back tail first, so a page is always colder than
+its parent: the coldest cached page is the last live page of a leaf.
 
-Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in
-its compiled loop) and the page becomes *dead*, still listed in its node. A page of the tree
-is live exactly when it is marked cached. Since eviction takes the coldest page, the dead
-pages of a node are always its last ones, and every page below a dead page is dead too. The
-tree drops dead pages lazily: a walk that meets a node ending in dead pages cuts them (and
-the dead nodes below), and `insert` does the same to the node that still lists a page it
-reuses. So eviction costs no Python per page, and the dead pages listed never exceed the pool.
+Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in its
+compiled loop) and the page becomes *dead*, still listed in its node; a page of the tree is
+live exactly when it is marked cached. As eviction takes the coldest page, a node's dead
+pages are its last ones, and every page below a dead page is dead too. The tree drops dead
+pages lazily: a walk that meets a node ending in dead pages cuts them and the nodes below,
+and `insert` does the same to the node still listing a page it reuses. So eviction costs no
+Python per page, and the dead pages listed never exceed the pool.
 
-A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
-computed only when a tier asks.
+A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
+a tier asks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
@@ -79,13 +79,13 @@ class PrefixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes below the root with a live page (each a run of pages)."""
-        return sum(1 for node in self._nodes() if self._live[node.pages[0]])
+        return sum(1 for node in self._nodes(self.root) if self._live[node.pages[0]])
 
     @property
     def num_dead_pages(self) -> int:
         """Evicted pages the tree still lists, to be dropped by the next walk that meets
         them or when they are cached again."""
-        return sum(len(node.pages) for node in self._nodes()) - self.num_pages
+        return sum(len(node.pages) for node in self._nodes(self.root)) - self.num_pages
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
@@ -221,15 +221,12 @@ class PrefixCache:
             keep -= 1
         for page in node.pages[keep:]:
             node_of_page[page] = None
+        for below in self._nodes(node):
+            for page in below.pages:
+                node_of_page[page] = None
         del node.pages[keep:]
         del node.tokens[keep * self._page_bytes:]
-        below = list(node.children.values())
         node.children.clear()
-        while below:
-            child = below.pop()
-            for page in child.pages:
-                node_of_page[page] = None
-            below += child.children.values()
         if not keep and node.parent.children.get(node.key) is node:
             del node.parent.children[node.key]
 
@@ -250,8 +247,9 @@ class PrefixCache:
             self._node_of_page[page] = head
         return head
 
-    def _nodes(self):
-        stack = [self.root]
+    def _nodes(self, top: PrefixNode) -> Iterator[PrefixNode]:
+        """Every node below `top`."""
+        stack = [top]
         while stack:
             node = stack.pop()
             for child in node.children.values():
@@ -267,7 +265,7 @@ class PrefixCache:
         page_bytes, live, refcounts = self._page_bytes, self._live, self.allocator.refcounts
         rank = {page: i for i, page in enumerate(self.allocator.cached_pages())}
         listed = num_live = 0
-        for node in self._nodes():
+        for node in self._nodes(self.root):
             assert node.pages, "an empty node is left in the tree"
             where = f"node at page {node.pages[0]}"
             assert node.parent.children.get(node.key) is node, f"{where} is misplaced"
@@ -308,8 +306,6 @@ NO_MATCH = PrefixMatch([], PrefixNode(b"", bytearray(), [], None, base_key=ROOT_
 class NoPrefixCache:
     """Stands in for the prefix cache when caching is off: matches nothing, keeps nothing,
     holds only the empty path."""
-
-    num_pages = 0
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         return NO_MATCH
