@@ -103,11 +103,13 @@ class PrefixCache:
         holds the content of one of them in another page (an identical prompt computed at
         the same time); the sequence keeps its copies from there on uncached."""
         page_bytes = self._page_bytes
-        node = self._node_of_page[pages[num_cached - 1]] if num_cached else self.root
-        depth, above = num_cached, node.parent
-        while above is not None:
-            depth -= len(above.pages)
-            above = above.parent
+        node, depth = self.root, num_cached
+        if num_cached:
+            node = self._node_of_page[pages[num_cached - 1]]
+            above = node.parent
+            while above is not self.root:
+                depth -= len(above.pages)
+                above = above.parent
         path = pages[:num_cached]
         node, depth = self._walk(token_ids, path, len(pages), node, depth)
         for i in range(num_cached, len(path)):
