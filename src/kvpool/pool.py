@@ -11,8 +11,11 @@ from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.layout import KVLayout
 
-# What one layer's scales are called, one per plane: K and V, or the MLA latent.
+# What one layer's scales are called, one per plane (K and V, or the MLA latent), and the
+# form kv_scales gives them in.
 SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
+ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
+             "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
 
 
 def default_device() -> torch.device:
@@ -21,19 +24,18 @@ def default_device() -> torch.device:
 
 
 class KVPool:
-    """`num_pages` pages of K and V for every layer, in one tensor shaped
-    `[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]`: planes K and V
-    (layout kind "mha"), or the one latent plane (kind "mla", whose K and V views are both
-    that plane).
+    """`num_pages` pages of K and V for every layer in one tensor `[num_layers, num_planes,
+    num_pages, page_size, num_kv_heads, head_dim]`: planes K and V (layout kind "mha"), or the
+    one latent plane (kind "mla", whose K and V views are both that plane).
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
 
     A float8_e4m3fn layout also holds `scales` `[num_layers, num_planes]` (float32, on the
     device): the scale of each layer's planes (kvpool.fp8), K and V ("mha") or the latent
-    ("mla"). `kv_scales` gives them: for "mha" one (k_scale, v_scale) pair for every layer or a
-    sequence of one pair per layer, for "mla" one number for every layer or a sequence of one
-    number per layer. A layer without is calibrated by the first K/V (latent) written to it
+    ("mla"). `kv_scales` gives them: one layer's scales for every layer, or a sequence of one
+    layer's scales per layer, where one layer's are a (k_scale, v_scale) pair for "mha" and one
+    number for "mla". A layer without is calibrated by the first K/V (latent) written to it
     (`calibrate`), and keeps its scales for the pool's lifetime.
     """
 
@@ -51,13 +53,12 @@ class KVPool:
             raise OutOfMemory(f"a pool of {num_pages:,} pages needs {nbytes:,} bytes on "
                               f"{self.device}, which cannot be allocated: {e}") from None
         self.scales: torch.Tensor | None = None
-        self._has_scales = [False] * layout.num_layers  # host copy: reading `scales` syncs
+        # Which layers have their scales, kept on the host: reading `scales` syncs.
+        self._has_scales = [per_layer is not None] * layout.num_layers
         self._calibrating = True
         if self.quantized:
-            self.scales = torch.ones(layout.num_layers, layout.num_planes, dtype=torch.float32,
-                                     device=self.device)
-            for layer, scales in enumerate(per_layer or ()):
-                self.set_scales(layer, *scales)
+            rows = per_layer or [(1.0,) * layout.num_planes] * layout.num_layers
+            self.scales = torch.tensor(rows, dtype=torch.float32, device=self.device)
 
     @property
     def quantized(self) -> bool:
@@ -70,9 +71,8 @@ class KVPool:
         return all(self._has_scales) or not self.quantized
 
     def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The layer's K and V scale as float32 tensors `[]` on the device (views, so kernels
-        read the value current when they run; for "mla" both are the latent's, as K and V are
-        both its plane), or (None, None) when pages are not fp8."""
+        """The layer's K and V scale, float32 views `[]` on the device that kernels read when
+        they run (for "mla" both the latent's), or (None, None) when pages are not fp8."""
         if self.scales is None:
             return None, None
         return self.scales[layer, 0], self.scales[layer, -1]
@@ -125,8 +125,7 @@ class KVPool:
         return self.kv[layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer's V pages, a view `[num_pages, page_size, num_kv_heads, head_dim]` (for "mla",
-        the latent plane, as `k_cache`)."""
+        """Layer's V pages, a view shaped as `k_cache`'s (for "mla" the same latent plane)."""
         return self.kv[layer, self.layout.num_planes - 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
@@ -140,11 +139,8 @@ class KVPool:
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
                                    self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
-        if slots.numel() and slots.device.type == "cpu":  # checked before scales are set
-            lo, hi = torch.aminmax(slots)
-            if lo < 0 or hi >= flat.shape[1]:
-                raise IndexError(f"slots must lie in [0, {flat.shape[1]}), "
-                                 f"got min {int(lo)}, max {int(hi)}")
+        if slots.device.type == "cpu":  # before scales are set; on a GPU the check would sync
+            _check_within(slots, flat.shape[1], "slots", IndexError)
         planes = (k, v)[: self.layout.num_planes]
         if self.quantized:
             self.calibrate(layer, k, v)
@@ -160,13 +156,10 @@ class KVPool:
         if len(src) != len(dst):
             raise ValueError(f"copy_pages needs as many sources as destinations, "
                              f"got {len(src)} and {len(dst)}")
-        if not src:
-            return
         self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """A copy of the pages' KV in every layer: `[num_layers, num_planes, n, page_size,
-        kvh, d]`."""
+        """A copy of the pages' KV, all layers: `[num_layers, num_planes, n, page_size, kvh, d]`."""
         return self.kv[:, :, self._index(pages)]
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
@@ -175,59 +168,59 @@ class KVPool:
         if tuple(data.shape) != expected:
             raise ValueError(f"write_pages expected data of shape {expected}, "
                              f"got {tuple(data.shape)}")
-        if pages:
-            self.kv[:, :, self._index(pages)] = data.to(self.kv.device, self.kv.dtype)
+        self.kv[:, :, self._index(pages)] = data.to(self.kv.device, self.kv.dtype)
 
     def scrub_pages(self, pages: Sequence[int]) -> None:
         """Zero the pages in every layer, so freed KV cannot be read by the next owner."""
-        if pages:
-            self.kv[:, :, self._index(pages)] = 0
+        self.kv[:, :, self._index(pages)] = 0
 
     def check(self) -> None:
         """Raise AssertionError unless every layer that has scales has positive finite ones."""
         if self.scales is None:
             return
-        scales = self.scales.cpu()
-        for layer, has in enumerate(self._has_scales):
-            row = scales[layer]
-            assert not has or bool(torch.isfinite(row).all() and (row > 0).all()), (
+        for layer, row in enumerate(self.scales.cpu()):
+            assert not self._has_scales[layer] or bool((row > 0).all() and row.isfinite().all()), (
                 f"layer {layer} has scales {row.tolist()}, not positive finite numbers")
 
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
         index = torch.as_tensor(pages, dtype=torch.long)
         if index.ndim != 1:
             raise ValueError(f"expected a flat list of page ids, got shape {tuple(index.shape)}")
-        if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.num_pages):
-            raise InvalidPage(f"page ids must lie in [0, {self.num_pages}), "
-                             f"got min {int(index.min())}, max {int(index.max())}")
+        _check_within(index, self.num_pages, "page ids", InvalidPage)
         return index.to(self.device)
 
 
+def _check_within(index: torch.Tensor, bound: int, what: str, error: type[Exception]) -> None:
+    """Raise `error` naming the extremes unless every value of `index` lies in [0, bound)."""
+    if index.numel():
+        lo, hi = (int(x) for x in torch.aminmax(index))
+        if lo < 0 or hi >= bound:
+            raise error(f"{what} must lie in [0, {bound}), got min {lo}, max {hi}")
+
+
 def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
-    """`kv_scales` as one tuple of scales per layer (one per plane), checked (TypeError or
-    ValueError naming the bad value); None stays None."""
+    """`kv_scales` (see KVPool) as one tuple of scales per layer, one per plane, checked
+    (TypeError or ValueError naming the bad value); None stays None."""
     if kv_scales is None:
         return None
     if not is_fp8(layout.dtype):
         raise ValueError(f"kv_scales apply to fp8 pages; the layout holds {layout.dtype}")
-    if layout.kind == "mla":
-        form = f"one latent scale (a number), or one per layer ({layout.num_layers})"
-        every_layer = not isinstance(kv_scales, (tuple, list))
-        rows = [kv_scales] * layout.num_layers if every_layer else list(kv_scales)
-        if len(rows) != layout.num_layers or any(isinstance(x, (tuple, list)) for x in rows):
-            raise ValueError(f"an mla layout's kv_scales must be {form}; got {kv_scales!r}")
-        rows = [(x,) for x in rows]
-    else:
-        form = f"one (k_scale, v_scale) pair, or one per layer ({layout.num_layers})"
-        if not isinstance(kv_scales, (tuple, list)):
-            raise ValueError(f"kv_scales must be {form}; got {kv_scales!r}")
-        rows = list(kv_scales)
-        if len(rows) == 2 and not isinstance(rows[0], (tuple, list)):
-            rows = [tuple(rows)] * layout.num_layers
-        if len(rows) != layout.num_layers or any(
-                not isinstance(row, (tuple, list)) or len(row) != 2 for row in rows):
-            raise ValueError(f"kv_scales must be {form}; got {kv_scales!r}")
     names = SCALE_NAMES[layout.kind]
-    return [tuple(check_scale(f"{name} of layer {i}", x) for name, x in zip(names, row,
-                                                                              strict=True))
-            for i, row in enumerate(rows)]
+    rows = [kv_scales] * layout.num_layers if _is_row(kv_scales, len(names)) else kv_scales
+    if not (isinstance(rows, (tuple, list)) and len(rows) == layout.num_layers
+            and all(_is_row(row, len(names)) for row in rows)):
+        raise ValueError(f"{ROW_FORMS[layout.kind]}, or one per layer ({layout.num_layers}); "
+                         f"got {kv_scales!r}")
+    if len(names) == 1:
+        rows = [(row,) for row in rows]
+    return [tuple(check_scale(f"{name} of layer {i}", x)
+                  for name, x in zip(names, row, strict=True)) for i, row in enumerate(rows)]
+
+
+def _is_row(x, num_planes: int) -> bool:
+    """Whether `x` has the form of one layer's scales: a bare number for one plane, a tuple or
+    list of numbers, one per plane, for several."""
+    if num_planes == 1:
+        return not isinstance(x, (tuple, list))
+    return (isinstance(x, (tuple, list)) and len(x) == num_planes
+            and not isinstance(x[0], (tuple, list)))

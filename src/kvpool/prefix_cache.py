@@ -1,33 +1,34 @@
 """PrefixCache: a radix tree over committed full pages, keyed by the pages' token ids.
 
-Each node below the root holds a run of one or more pages (`pages`) and their token ids
-(`tokens`, packed as in tokens.py, `page_size` ids per page); the path from the root spells
-the whole prefix. A node is entered by its first page's packed ids, so a lookup hashes one
-page per node and compares the rest of the node's ids in one memcmp: matching a long cached
-prefix costs a few Python operations per node, not per page or per token. Runs also keep
-the tree small: a 16-page prompt is one node and one bytes buffer.
+Each node below the root holds a run of pages (`pages`) and their token ids (`tokens`,
+packed as in tokens.py, `page_size` ids per page); the path from the root spells the whole
+prefix. A node is entered by its first page's packed ids and the rest of its ids compare in
+one memcmp, so matching a long cached prefix costs a few Python operations per node, not per
+page or token, and a 16-page prompt is one node and one bytes buffer.
 
 The tree holds no reference on its pages: the allocator counts the sequences holding each
-page, and keeps a page whose count reaches 0 on its cached queue in least-recently-used
-order, taking pages from its cold end when it runs out of free ones. A sequence holds every
-page of its path from the root, and gives its pages back tail first, so a page is always
-colder than its parent: the coldest cached page is the last live page of a leaf.
+page and keeps a page whose count reaches 0 on its cached queue in least-recently-used order,
+taking pages from its cold end when it runs out of free ones. A sequence holds every page of
+its path from the root and gives its pages back tail first, so a page is always colder than
+its parent: the coldest cached page is the last live page of a leaf.
 
-Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in
-its compiled loop) and the page becomes *dead*, still listed in its node. A page of the tree
-is live exactly when it is marked cached. Since eviction takes the coldest page, the dead
-pages of a node are always its last ones, and every page below a dead page is dead too. The
-tree drops dead pages lazily: a walk that meets a node ending in dead pages cuts them (and
-the dead nodes below), and `insert` does the same to the node that still lists a page it
-reuses. So eviction costs no Python per page, and the dead pages listed never exceed the pool.
+Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in its
+compiled loop) and the page becomes *dead*, still listed in its node; a page of the tree is
+live exactly when it is marked cached. As eviction takes the coldest page, a node's dead
+pages are its last ones, and every page below a dead page is dead too. The tree drops dead
+pages lazily: a walk that meets a node ending in dead pages cuts them and the nodes below,
+and `insert` does the same to the node still listing a page it reuses. So eviction costs no
+Python per page, and the dead pages listed never exceed the pool.
 
-A tier names a page by the chain key of its whole prefix (see tiers.py); chain keys are
-computed only when a tier asks.
+A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
+a tier asks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import NamedTuple
 
 from kvpool.allocator import PageAllocator
@@ -45,7 +46,7 @@ class PrefixNode:
     pages: list[int]
     parent: PrefixNode | None
     children: dict[bytes, PrefixNode] = field(default_factory=dict)
-    base_key: int | None = ROOT_KEY  # chain key of the prefix before pages[0]; None: unknown
+    base_key: int | None = None  # chain key of the prefix before pages[0]; None: not known yet
 
 
 class PrefixMatch(NamedTuple):
@@ -58,16 +59,15 @@ class PrefixMatch(NamedTuple):
 
 
 class PrefixCache:
-    """Radix tree of committed full pages. `KVCache` asks it for the longest cached prefix
-    of a prompt (`match`) and adds a sequence's committed pages (`insert`); the pages the
-    allocator evicts leave it lazily."""
+    """Radix tree of committed full pages: the longest cached prefix of a prompt (`match`),
+    and a sequence's committed pages added (`insert`)."""
 
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
         self._live = allocator.cached_marks  # 1 for each live page of the tree
-        self.root = PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None)
+        self.root = PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
         # The node listing each page, live or dead; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
 
@@ -79,13 +79,13 @@ class PrefixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes below the root with a live page (each a run of pages)."""
-        return sum(1 for node in self._nodes() if self._live[node.pages[0]])
+        return sum(1 for node in self._nodes(self.root) if self._live[node.pages[0]])
 
     @property
     def num_dead_pages(self) -> int:
         """Evicted pages the tree still lists, to be dropped by the next walk that meets
         them or when they are cached again."""
-        return sum(len(node.pages) for node in self._nodes()) - self.num_pages
+        return sum(len(node.pages) for node in self._nodes(self.root)) - self.num_pages
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
@@ -103,7 +103,6 @@ class PrefixCache:
         holds the content of one of them in another page (an identical prompt computed at
         the same time); the sequence keeps its copies from there on uncached."""
         page_bytes = self._page_bytes
-        path = pages[:num_cached]
         node, depth = self.root, num_cached
         if num_cached:
             node = self._node_of_page[pages[num_cached - 1]]
@@ -111,6 +110,7 @@ class PrefixCache:
             while above is not self.root:
                 depth -= len(above.pages)
                 above = above.parent
+        path = pages[:num_cached]
         node, depth = self._walk(token_ids, path, len(pages), node, depth)
         for i in range(num_cached, len(path)):
             if path[i] != pages[i]:
@@ -131,8 +131,7 @@ class PrefixCache:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
-            node = PrefixNode(bytes(new_tokens[:page_bytes]), bytearray(new_tokens), new_pages,
-                              node, base_key=ROOT_KEY if node is self.root else None)
+            node = PrefixNode(new_tokens[:page_bytes], bytearray(new_tokens), new_pages, node)
             node.parent.children[node.key] = node
         for page in new_pages:
             node_of_page[page] = node
@@ -148,8 +147,7 @@ class PrefixCache:
         return keys
 
     def evict(self, num_pages: int) -> list[int]:
-        """Evict up to `num_pages` cached pages, least recently used first; returns their
-        ids, now free."""
+        """Evict up to `num_pages` cached pages, coldest first; returns their ids, now free."""
         return self.allocator.evict(num_pages)
 
     def clear(self) -> list[int]:
@@ -158,7 +156,9 @@ class PrefixCache:
 
     def chain_key(self, node: PrefixNode, depth: int) -> int:
         """The chain key naming the prefix through the first `depth` pages of `node`."""
-        key = self._base_key(node)
+        if node.base_key is None:  # computed once, when a tier first asks
+            node.base_key = self.chain_key(node.parent, len(node.parent.pages))
+        key = node.base_key
         for i in range(depth):
             key = chain_key(key, self._page_tokens(node, i))
         return key
@@ -170,8 +170,6 @@ class PrefixCache:
         if not all(self._live[page] for page in pages):
             return False
         node = self._node_of_page[pages[-1]]
-        if node is None:
-            return False
         path = node.pages[:node.pages.index(pages[-1]) + 1]
         while node.parent is not self.root:
             node = node.parent
@@ -184,9 +182,8 @@ class PrefixCache:
               depth: int) -> tuple[PrefixNode, int]:
         """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
         the walk extends), the last `depth` of them the first pages of `node`, up to
-        `max_pages` pages in all; returns where it stopped: a node and a depth in it. A
-        node's pages are compared in one memcmp, a page at a time only where the run stops
-        matching. Each node the walk enters loses its dead pages first."""
+        `max_pages` pages in all; returns where it stopped: a node and a depth in it. Each
+        node the walk enters loses its dead pages first."""
         page_bytes, live = self._page_bytes, self._live
         if node.pages and not live[node.pages[-1]]:
             self._drop_dead(node)
@@ -218,36 +215,20 @@ class PrefixCache:
     def _page_tokens(self, node: PrefixNode, i: int) -> tuple[int, ...]:
         return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
 
-    def _base_key(self, node: PrefixNode) -> int:
-        """The chain key of the prefix before `node`'s first page, computed once."""
-        if node is self.root:
-            return ROOT_KEY
-        if node.base_key is None:
-            node.base_key = self.chain_key(node.parent, len(node.parent.pages))
-        return node.base_key
-
     def _drop_dead(self, node: PrefixNode) -> None:
-        """Cut `node`'s dead pages, its last ones, and the nodes below them."""
-        live, keep = self._live, len(node.pages)
+        """Cut `node`'s dead pages, its last ones, and every node below them; `node` itself
+        when all its pages are dead."""
+        live, node_of_page, keep = self._live, self._node_of_page, len(node.pages)
         while keep and not live[node.pages[keep - 1]]:
             keep -= 1
-        self._cut(node, keep)
-
-    def _cut(self, node: PrefixNode, keep: int) -> None:
-        """Drop `node`'s pages from index `keep` on (dead) and every node below it; `node`
-        itself when nothing is kept."""
-        node_of_page = self._node_of_page
         for page in node.pages[keep:]:
             node_of_page[page] = None
+        for below in self._nodes(node):
+            for page in below.pages:
+                node_of_page[page] = None
         del node.pages[keep:]
         del node.tokens[keep * self._page_bytes:]
-        below = list(node.children.values())
         node.children.clear()
-        while below:
-            child = below.pop()
-            for page in child.pages:
-                node_of_page[page] = None
-            below += child.children.values()
         if not keep and node.parent.children.get(node.key) is node:
             del node.parent.children[node.key]
 
@@ -268,8 +249,9 @@ class PrefixCache:
             self._node_of_page[page] = head
         return head
 
-    def _nodes(self):
-        stack = [self.root]
+    def _nodes(self, top: PrefixNode) -> Iterator[PrefixNode]:
+        """Every node below `top`."""
+        stack = [top]
         while stack:
             node = stack.pop()
             for child in node.children.values():
@@ -282,20 +264,18 @@ class PrefixCache:
         every path a live page follows only live pages (the dead ones, evicted but not yet
         dropped, end it), a page is held whenever the live page after it is, and is warmer
         when both are cached (so that eviction always takes a leaf's last live page)."""
-        page_bytes, live = self._page_bytes, self._live
-        refcounts = self.allocator.refcounts
+        page_bytes, live, refcounts = self._page_bytes, self._live, self.allocator.refcounts
         rank = {page: i for i, page in enumerate(self.allocator.cached_pages())}
         listed = num_live = 0
-        for node in self._nodes():
-            where = f"node at page {node.pages[0] if node.pages else '?'}"
+        for node in self._nodes(self.root):
             assert node.pages, "an empty node is left in the tree"
+            where = f"node at page {node.pages[0]}"
             assert node.parent.children.get(node.key) is node, f"{where} is misplaced"
             assert type(node.key) is bytes and node.key == node.tokens[:page_bytes], (
                 f"{where} has a stale key")
             assert len(node.tokens) == page_bytes * len(node.pages), (
                 f"{where} has {len(node.tokens)} token bytes for {len(node.pages)} pages")
-            chain = node.parent.pages[-1:] + node.pages
-            for earlier, later in zip(chain[:-1], chain[1:], strict=True):
+            for earlier, later in pairwise(node.parent.pages[-1:] + node.pages):
                 if not live[later]:
                     continue
                 assert live[earlier], f"live page {later} follows dead page {earlier}"
@@ -320,30 +300,26 @@ class PrefixCache:
             f"{num_live} live pages in the tree")
 
 
-# The match of a prompt whose content is unknown, or of any prompt when caching is off: one
-# for every call, as callers never change a match.
-NO_MATCH = PrefixMatch([], PrefixNode(key=b"", tokens=bytearray(), pages=[], parent=None), 0)
+# The match of a prompt whose content is unknown, or of any prompt when caching is off
+# (shared: callers never change a match).
+NO_MATCH = PrefixMatch([], PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY), 0)
 
 
 class NoPrefixCache:
-    """Stands in for the prefix cache when caching is off: matches nothing, keeps nothing."""
-
-    num_pages = 0
+    """Stands in for the prefix cache when caching is off: matches nothing, keeps nothing,
+    holds only the empty path."""
 
     def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
-        """The empty match."""
         return NO_MATCH
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
-        """Keeps nothing: none of the sequence's pages is in the cache."""
         return 0
 
     def holds_path(self, pages: list[int]) -> bool:
-        """Only the empty path."""
         return not pages
 
     def check(self) -> None:
-        """Nothing to check."""
+        pass
 
 
 def _common_pages(ids: bytes | bytearray, tokens: bytes | bytearray, page_bytes: int) -> int:
