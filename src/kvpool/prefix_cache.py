@@ -319,7 +319,7 @@ class NoPrefixCache:
         return not pages
 
     def check(self) -> None:
-        pass
+        """Nothing to check: it holds no state."""
 
 
 def _common_pages(ids: bytes | bytearray, tokens: bytes | bytearray, page_bytes: int) -> int:
