@@ -403,7 +403,7 @@ class PageAllocator:
         """Every broken invariant, described (empty when all hold)."""
         problems = self._free.problems() if isinstance(self._free, FirstFitFreeList) else []
         broken_links = self._link_problems()
-        if broken_links:  # then the cached pages cannot be listed
+        if broken_links:  # the checks below walk the queue
             return problems + broken_links
         refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         free, cached = list(self._free), self._queued()
@@ -430,7 +430,8 @@ class PageAllocator:
         return problems + [message for broken, message in checks if broken]
 
     def _link_problems(self) -> list[str]:
-        """Whether the cached queue runs from the sentinel through `num_cached` pages back."""
+        """The cached queue's broken links, described: it must run from the sentinel through
+        `num_cached` pages back to the sentinel, each page's `prev` naming the one before."""
         nxt, prv, sentinel = self._next, self._prev, self._num_pages
         page, before = nxt[sentinel], sentinel
         for _ in range(self._num_cached):
