@@ -1,18 +1,18 @@
 """Page ids and their reference counts: which pages of the pool are free, cached, or held.
 
-A page's reference count is its number of holders (the sequences whose page tables list it).
-A page with count 0 is free (its content is worthless) or cached (the prefix cache indexes
-its content). Cached pages wait on a queue in least-recently-used order, which allocations
-take from at the cold end once the free pages run out: eviction costs what allocation costs,
-a step per page, and is never a pass of its own. The queue is a doubly linked list threaded
-through two int32 arrays indexed by page id, its sentinel the index past the last page (4
-bytes a page each; lists would make the Python loops about twice as fast but cost 0.8 MiB
-more per 100,000 pages).
+A page's reference count is its number of holders (the sequences whose page tables list it). A
+page with count 0 is free (its content is worthless) or cached (the prefix cache indexes its
+content). Cached pages wait on a queue in least-recently-used order, which allocations take from
+at the cold end once the free pages run out: eviction costs what allocation costs, a step per
+page, never a pass of its own. The queue is a doubly linked list threaded through two int32
+arrays indexed by page id, its sentinel the index past the last page: 4 bytes a page each, where
+lists would make the Python loops about twice as fast but cost 0.8 MiB more per 100,000 pages.
 
-The per-page loops (the `_in_python` methods) are the readable reference for `_pages.c`,
-which compiles them when a C compiler is there. Where the reference would raise, the compiled
-loops change nothing and return None, so that the reference runs and raises the error naming
-the page. Every call checks before it acts: a call that raises has changed nothing.
+The per-page loops (`_allocate`'s and the `_in_python` methods) are the readable reference
+for `_pages.c`, which compiles them when a C compiler is there. Where the reference would
+raise, the compiled loops change nothing and return None, so that the reference runs and
+raises the error naming the page. Every call checks before it acts: a call that raises has
+changed nothing.
 """
 
 from __future__ import annotations
