@@ -21,7 +21,7 @@ import argparse
 import os
 import subprocess
 
-from kvpool import page_counts
+from kvpool import allocator as allocator_module
 from kvpool.allocator import PageAllocator
 
 PAGE_SIZE = 16
@@ -42,7 +42,7 @@ def main() -> None:
                         help="the allocator's per-page loops in Python, not compiled")
     args = parser.parse_args()
     if args.python_loops:
-        page_counts.compiled = None
+        allocator_module.compiled = None
     if args.case == "alloc":
         allocator = PageAllocator(100_000)
         allocator.allocate(50_000)

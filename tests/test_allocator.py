@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpool import page_counts
+from kvpool import allocator as allocator_module
 from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, KVPoolError, OutOfPages
 
@@ -12,10 +12,10 @@ from kvpool.errors import InvalidPage, KVPoolError, OutOfPages
 @pytest.fixture(autouse=True, params=["compiled", "portable"])
 def loops(request, monkeypatch):
     """Every test runs twice: with the compiled per-page loops, and with the Python ones."""
-    if request.param == "compiled" and page_counts.compiled is None:
+    if request.param == "compiled" and allocator_module.compiled is None:
         pytest.skip("the package was built without a C compiler")
     if request.param == "portable":
-        monkeypatch.setattr(page_counts, "compiled", None)
+        monkeypatch.setattr(allocator_module, "compiled", None)
     return request.param
 
 

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool import page_counts
+from kvpool import allocator as allocator_module
 from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, OutOfPages
 
@@ -116,11 +116,11 @@ class PortableMachine(AllocatorMachine):
     """The lifo machine with the per-page loops in Python, not compiled."""
 
     def __init__(self):
-        self.compiled, page_counts.compiled = page_counts.compiled, None
+        self.compiled, allocator_module.compiled = allocator_module.compiled, None
         super().__init__()
 
     def teardown(self):
-        page_counts.compiled = self.compiled
+        allocator_module.compiled = self.compiled
 
 
 SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)

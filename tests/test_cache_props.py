@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool import page_counts
+from kvpool import allocator as allocator_module
 from kvpool.cache import HOLE, KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.fp8 import FP8_DTYPE
@@ -298,7 +298,7 @@ def test_random_operations_keep_every_invariant(policy, fp8, prefix_caching, tie
 
 
 def test_random_operations_keep_every_invariant_with_the_python_page_loops(monkeypatch):
-    monkeypatch.setattr(page_counts, "compiled", None)
+    monkeypatch.setattr(allocator_module, "compiled", None)
     run_machine("lifo", prefix_caching=True, tier=False)
 
 

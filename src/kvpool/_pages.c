@@ -1,13 +1,14 @@
 /* The allocator's per-page loops, compiled: `hold`, `share`, `release` and `pop_cold` of
-   page_counts.py's `PageCounts` without the interpreter, on the allocator's own containers:
+   allocator.py's `PageAllocator` without the interpreter, on the allocator's own containers:
    `refcounts` (a list of ints, one per page), `is_cached` (a bytearray, one byte per page)
    and the cached queue's links `next` and `prev` (array('i') of num_pages + 1 entries, the
    last being the sentinel).
 
-   page_counts.py's Python methods of the same names are the reference; these do exactly what
-   they do. Where the reference would raise (an id that is not a plain int, out of range, not
-   held, freed more times than it is held), these change nothing and return None, and
-   page_counts.py runs the reference, which raises the error that names the page. */
+   The allocator's Python loops (`_share_in_python`, `_release_in_python`, `_pop_cold_in_python`
+   and the loop of `_allocate`) are the reference; these do exactly what they do. Where the
+   reference would raise (an id that is not a plain int, out of range, not held, freed more
+   times than it is held), these change nothing and return None, and the allocator runs the
+   reference, which raises the error that names the page. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -329,7 +330,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pages", "The allocator's per-page loops, compiled (see page_counts.py).",
+    PyModuleDef_HEAD_INIT, "_pages", "The allocator's per-page loops, compiled (see allocator.py).",
     -1, methods,
 };
 

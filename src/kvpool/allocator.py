@@ -1,16 +1,23 @@
 """Page ids and their reference counts: which pages of the pool are free, cached, or held.
 
-`PageAllocator` hands out page ids in `[0, num_pages)` and keeps one reference count per page:
-the number of holders (the sequences whose page tables list it). A page with count 0 is free
-(its content is worthless) or cached (the prefix cache indexes its content). Cached pages
-wait on a queue in least-recently-used order; an allocation takes free pages first, then
-cached ones from the queue's cold end, telling `on_evict` which cached pages it took. So
-eviction costs what allocation costs, a step per page, and is never a pass of its own.
-Every call checks before it acts: a call that raises has changed nothing.
+A page's reference count is its number of holders (the sequences whose page tables list it). A
+page with count 0 is free (its content is worthless) or cached (the prefix cache indexes its
+content). Cached pages wait on a queue in least-recently-used order, which allocations take from
+at the cold end once the free pages run out: eviction costs what allocation costs, a step per
+page, never a pass of its own. The queue is a doubly linked list threaded through two int32
+arrays indexed by page id, its sentinel the index past the last page: 4 bytes a page each, where
+lists would make the Python loops about twice as fast but cost 0.8 MiB more per 100,000 pages.
+
+The per-page loops (`_allocate`'s and the `_in_python` methods) are the readable reference
+for `_pages.c`, which compiles them when a C compiler is there. Where the reference would
+raise, the compiled loops change nothing and return None, so that the reference runs and
+raises the error naming the page. Every call checks before it acts: a call that raises has
+changed nothing.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -19,7 +26,11 @@ from threading import Lock
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfPages, check_int
 from kvpool.first_fit import FirstFitFreeList
-from kvpool.page_counts import PageCounts
+
+try:
+    from kvpool import _pages as compiled
+except ImportError:  # built without a C compiler
+    compiled = None
 
 POLICIES = ("lifo", "first_fit")
 
@@ -48,15 +59,15 @@ class PageAllocator:
     """Hands out page ids in `[0, num_pages)` and keeps a reference count per page.
 
     `policy="lifo"` reuses the most recently freed page first (cache-warm); `"first_fit"`
-    always returns the lowest free ids, ascending. Cached pages are taken only when no free
-    page is left, least recently used first. The last `reserve` free or cached pages go only
-    to critical allocations. Allocating, sharing or freeing a batch costs O(batch), whatever
-    the pool size. `thread_safe=False` drops the lock, for an owner that calls from one thread.
+    always returns the lowest free ids, ascending. The last `reserve` free or cached pages go
+    only to critical allocations. Allocating, sharing or freeing a batch costs O(batch),
+    whatever the pool size. `thread_safe=False` drops the lock, for an owner that calls from
+    one thread.
     """
 
-    __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_counts", "_refcounts",
-                 "_lock", "_num_allocated", "_num_failed", "_num_evicted", "_fewest_unused",
-                 "on_evict")
+    __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_refcounts", "_is_cached",
+                 "_next", "_prev", "_num_cached", "_lock", "_num_allocated",
+                 "_num_failed", "_num_evicted", "_fewest_unused", "on_evict")
 
     def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
                  thread_safe: bool = True) -> None:
@@ -65,15 +76,15 @@ class PageAllocator:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
         self._reserve = check_int("reserve", reserve, 0, num_pages)
-        self._free: list[int] | FirstFitFreeList
-        if policy == "first_fit":
-            self._free = FirstFitFreeList(num_pages)
-        else:
-            # A stack whose top is the end of the list: stored descending, so that a fresh
-            # allocator hands out 0, 1, 2, ... first.
-            self._free = list(range(num_pages - 1, -1, -1))
-        self._counts = PageCounts(num_pages)
-        self._refcounts = self._counts.refcounts
+        # lifo's free list is a stack whose top is the end of the list: stored descending, so
+        # that a fresh allocator hands out 0, 1, 2, ... first.
+        self._free = (FirstFitFreeList(num_pages) if policy == "first_fit"
+                      else list(range(num_pages - 1, -1, -1)))
+        self._refcounts = [0] * num_pages  # holders of each page
+        self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
+        self._next = array("i", [num_pages]) * (num_pages + 1)  # the sentinel's: the coldest
+        self._prev = array("i", [num_pages]) * (num_pages + 1)  # the sentinel's: the warmest
+        self._num_cached = 0  # pages on the queue
         # Without a lock the hot calls (allocate, share, free) skip the `with` statement, which
         # costs about 2,000 instructions, a tenth of allocate(16) + free(16).
         self._lock = Lock() if thread_safe else None
@@ -96,31 +107,28 @@ class PageAllocator:
     @property
     def num_cached(self) -> int:
         """Pages with count 0 whose content the prefix cache keeps (evictable)."""
-        return self._counts.num_cached
+        return self._num_cached
 
     @property
     def num_used(self) -> int:
         """Pages with a reference count above 0."""
-        return self._num_pages - len(self._free) - self._counts.num_cached
+        return self._num_pages - len(self._free) - self._num_cached
 
     @property
     def num_available(self) -> int:
-        """Free and cached pages an allocation that is not critical may take (the reserve
-        left out): an allocation of up to this many succeeds."""
-        return len(self._free) + self._counts.num_cached - self._reserve
+        """The most pages an allocation that is not critical may take: free + cached - reserve."""
+        return len(self._free) + self._num_cached - self._reserve
 
     @property
     def num_marked(self) -> int:
-        """Pages the prefix cache indexes, held or cached (those marked by `mark_cached` and
-        not evicted since)."""
-        return self._counts.num_marked
+        """Pages the prefix cache indexes, held or cached (marked, not evicted). O(num_pages)."""
+        return self._is_cached.count(1)
 
     @property
     def cached_marks(self) -> bytearray:
-        """One byte per page, 1 where the prefix cache indexes the page: the live bytearray
-        itself, for fast reads by the prefix cache. Read it, never write it; eviction clears
-        a page's byte."""
-        return self._counts.is_cached
+        """One byte per page, 1 where the prefix cache indexes the page: the live bytearray, for
+        fast reads by the prefix cache. Read it, never write it; eviction clears a page's byte."""
+        return self._is_cached
 
     @property
     def reserve(self) -> int:
@@ -141,7 +149,7 @@ class PageAllocator:
     def can_allocate(self, n: int, *, critical: bool = False) -> bool:
         """Whether `allocate(n, critical=critical)` would succeed now."""
         n = check_int("page count", n, 0)
-        return n <= len(self._free) + self._counts.num_cached - (0 if critical else self._reserve)
+        return n <= len(self._free) + self._num_cached - (0 if critical else self._reserve)
 
     def allocate(self, n: int, *, critical: bool = False) -> list[int]:
         """Take `n` pages, each with reference count 1, and return their ids: free pages
@@ -168,10 +176,9 @@ class PageAllocator:
         """
         pages = pages if type(pages) is list else list(pages)
         if self._lock is None:
-            self._counts.share(pages)
-            return
+            return self._share(pages)
         with self._lock:
-            self._counts.share(pages)
+            return self._share(pages)
 
     def free(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference to each page (a page listed twice loses two). A page left with
@@ -184,59 +191,59 @@ class PageAllocator:
         """
         pages = pages if type(pages) is list else list(pages)
         if self._lock is None:
-            return self._counts.release(pages, self._free)
+            return self._release(pages)
         with self._lock:
-            return self._counts.release(pages, self._free)
+            return self._release(pages)
 
     def mark_cached(self, pages: Iterable[int]) -> None:
         """The prefix cache now indexes these held pages: when their counts reach 0 they
-        wait on the cached queue instead of the free list. Raises InvalidPage, changing
-        nothing, for a page nobody holds."""
+        wait on the cached queue instead of the free list (a page marked already stays so).
+        Raises InvalidPage, changing nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
             refcounts, num_pages = self._refcounts, self._num_pages
             for page in pages:
                 if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                    self._counts.check_id(page)  # raises the error naming a bad id
+                    self._check_id(page)
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
-            self._counts.mark(pages)
+            for page in pages:
+                self._is_cached[page] = 1
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
         telling `on_evict` first; returns their ids."""
         n = check_int("page count", n, 0)
         with self._lock or nullcontext():
-            pages = self._evict(min(n, self._counts.num_cached))
+            pages = self._evict(min(n, self._num_cached))
             self._free.extend(pages)
         return pages
 
     def cached_pages(self) -> list[int]:
         """The cached pages, least recently used first."""
         with self._lock or nullcontext():
-            return self._counts.queued()
+            return self._queued()
 
     def refcount(self, page: int) -> int:
         """How many holders page `page` has; 0 means it is free or cached."""
-        self._counts.check_id(page)
+        self._check_id(page)
         return self._refcounts[page]
 
     def is_cached(self, page: int) -> bool:
         """Whether the prefix cache indexes page `page` (held or not)."""
-        self._counts.check_id(page)
-        return bool(self._counts.is_cached[page])
+        self._check_id(page)
+        return bool(self._is_cached[page])
 
     def stats(self) -> AllocatorStats:
         """The counters as of now; `num_freed` counts pages whose holders all let go."""
         with self._lock or nullcontext():
-            unused = len(self._free) + self._counts.num_cached
-            num_used = self._num_pages - unused
+            num_used = self._num_pages - len(self._free) - self._num_cached
             # Pages become used only by allocate and unused only by free, so the cumulative
             # counts differ by exactly the pages in use.
             return AllocatorStats(
                 num_pages=self._num_pages, num_free=len(self._free), num_used=num_used,
                 peak_used=self._num_pages - self._fewest_unused,
                 num_allocated=self._num_allocated, num_freed=self._num_allocated - num_used,
-                num_failed=self._num_failed, num_cached=self._counts.num_cached,
+                num_failed=self._num_failed, num_cached=self._num_cached,
                 num_evicted=self._num_evicted)
 
     def fragmentation(self) -> float:
@@ -251,13 +258,11 @@ class PageAllocator:
             is_free = bytearray(self._num_pages)  # one byte per page, 1 if free
             for page in self._free:
                 is_free[page] = 1
-            num_free = len(self._free)
-        longest = max(map(len, bytes(is_free).split(b"\x00")))
-        return 1.0 - longest / num_free
+            return 1.0 - max(map(len, is_free.split(b"\x00"))) / len(self._free)
 
     def check(self) -> None:
-        """Verify the conservation law and the counters; raise AssertionError naming each
-        broken invariant. O(num_pages): meant for tests and debugging."""
+        """Verify the conservation law, the cached queue's links and the counters; raise
+        AssertionError naming each broken invariant. O(num_pages): for tests and debugging."""
         with self._lock or nullcontext():
             problems = self._problems()
         if problems:
@@ -266,7 +271,7 @@ class PageAllocator:
     def _allocate(self, n: int, critical: bool) -> list[int]:
         """`allocate` of `n` > 0 pages, the lock held."""
         free = self._free
-        left = len(free) + self._counts.num_cached - n
+        left = len(free) + self._num_cached - n
         if left < self._reserve and (left < 0 or not critical):
             self._num_failed += 1
             raise OutOfPages(self._shortage(n, critical))
@@ -281,56 +286,165 @@ class PageAllocator:
             ids.reverse()  # top of the stack first
         if fresh < n:
             ids += self._evict(n - fresh)
-        self._counts.hold(ids)
+        if compiled is None or compiled.hold(self._refcounts, ids) is None:
+            for page in ids:
+                self._refcounts[page] = 1
         self._num_allocated += n
         if left < self._fewest_unused:
             self._fewest_unused = left
         return ids
 
+    def _share(self, pages: list[int]) -> None:
+        """`share`, the lock held."""
+        revived = None if compiled is None else compiled.share(
+            self._refcounts, self._is_cached, self._next, self._prev, pages)
+        if revived is None:
+            revived = self._share_in_python(pages)
+        self._num_cached -= revived
+
+    def _release(self, pages: list[int]) -> list[int]:
+        """`free`, the lock held."""
+        done = None if compiled is None else compiled.release(
+            self._refcounts, self._is_cached, self._next, self._prev, pages)
+        released, queued = self._release_in_python(pages) if done is None else done
+        self._free.extend(released)
+        self._num_cached += queued
+        return released
+
     def _evict(self, n: int) -> list[int]:
-        """Take the `n` least recently used cached pages off the queue and the index."""
-        pages = self._counts.pop_cold(n)
+        """Take the `n` (at most `num_cached`) least recently used cached pages off the queue
+        and unmark them, telling `on_evict`; returns them coldest first."""
+        if compiled is None:
+            pages = self._pop_cold_in_python(n)
+        else:
+            pages = compiled.pop_cold(self._refcounts, self._is_cached, self._next, self._prev, n)
+        self._num_cached -= n
         self._num_evicted += n
         if pages and self.on_evict is not None:
             self.on_evict(pages)
         return pages
 
+    def _share_in_python(self, pages: list[int]) -> int:
+        """`_share`'s loop; returns how many pages left the queue."""
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
+        for page in pages:
+            if type(page) is not int or not 0 <= page < num_pages:
+                self._check_id(page)
+            if not refcounts[page] and not is_cached[page]:
+                raise InvalidPage(f"cannot share page {page}: it is free")
+        nxt, prv = self._next, self._prev
+        revived = 0
+        for page in pages:
+            if not refcounts[page]:  # cached: held again, off the queue
+                before, after = prv[page], nxt[page]
+                nxt[before] = after
+                prv[after] = before
+                revived += 1
+            refcounts[page] += 1
+        return revived
+
+    def _release_in_python(self, pages: list[int]) -> tuple[list[int], int]:
+        """`_release`'s loop; returns the released pages and how many joined the queue."""
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
+        for page in pages:
+            if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                self._check_id(page)
+                raise InvalidPage(f"cannot free page {page}: it is not allocated")
+        if len(set(pages)) < len(pages):
+            for page, times in Counter(pages).items():
+                if times > refcounts[page]:
+                    raise InvalidPage(f"cannot free page {page} {times} times: "
+                                      f"its reference count is {refcounts[page]}")
+        released, queued = [], []
+        for page in pages:
+            count = refcounts[page] - 1
+            refcounts[page] = count
+            if not count:
+                (queued if is_cached[page] else released).append(page)
+        nxt, prv, sentinel = self._next, self._prev, num_pages
+        for page in reversed(queued):
+            last = prv[sentinel]
+            nxt[last] = page
+            prv[page] = last
+            nxt[page] = sentinel
+            prv[sentinel] = page
+        return released, len(queued)
+
+    def _pop_cold_in_python(self, n: int) -> list[int]:
+        """`_evict`'s loop: the `n` coldest pages, off the queue and unmarked."""
+        nxt, sentinel = self._next, self._num_pages
+        pages = []
+        page = nxt[sentinel]
+        for _ in range(n):
+            pages.append(page)
+            self._is_cached[page] = 0
+            page = nxt[page]
+        nxt[sentinel] = page
+        self._prev[page] = sentinel
+        return pages
+
+    def _queued(self) -> list[int]:
+        """The pages on the cached queue, coldest first, following `num_cached` links."""
+        nxt, page = self._next, self._next[-1]
+        pages = []
+        for _ in range(self._num_cached):
+            pages.append(page)
+            page = nxt[page]
+        return pages
+
+    def _check_id(self, page: object) -> None:
+        """Raise TypeError unless `page` is an int, InvalidPage unless it is in range."""
+        if type(page) is not int:
+            raise TypeError(f"page ids must be int, got {type(page).__name__} {page!r}")
+        if not 0 <= page < self._num_pages:
+            raise InvalidPage(f"page {page} is out of range [0, {self._num_pages})")
+
     def _problems(self) -> list[str]:
         """Every broken invariant, described (empty when all hold)."""
-        refcounts = self._refcounts
-        free, cached = list(self._free), self._counts.queued()
         problems = self._free.problems() if isinstance(self._free, FirstFitFreeList) else []
-        problems += self._counts.problems()
+        broken_links = self._link_problems()
+        if broken_links:  # the checks below walk the queue
+            return problems + broken_links
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
+        free, cached = list(self._free), self._queued()
         unused = free + cached
-        if len(set(unused)) != len(unused):
-            twice = sorted(p for p, times in Counter(unused).items() if times > 1)
-            problems.append(f"pages on the free list or cached queue twice: {twice[:5]}")
+        twice = sorted(p for p, times in Counter(unused).items() if times > 1)
         held = [p for p in unused if refcounts[p]]
-        if held:
-            problems.append(f"free or cached pages with references: {held[:5]}")
-        is_cached = self._counts.is_cached
         wrong_free = [p for p in free if is_cached[p]]
         wrong_cached = [p for p in cached if not is_cached[p]]
-        if wrong_free or wrong_cached:
-            problems.append(f"cached pages on the free list {wrong_free[:5]} or uncached ones "
-                            f"on the cached queue {wrong_cached[:5]}")
-        if min(refcounts) < 0:
-            negative = [p for p, count in enumerate(refcounts) if count < 0]
-            problems.append(f"pages with negative reference counts: {negative[:5]}")
+        negative = [p for p, count in enumerate(refcounts) if count < 0]
         num_unheld = refcounts.count(0)
-        if num_unheld != len(unused):
-            problems.append(f"{num_unheld} pages have no references but {len(free)} are free "
-                            f"and {len(cached)} cached")
-        num_used, peak_used = self._num_pages - len(unused), self._num_pages - self._fewest_unused
-        if not num_used <= peak_used <= min(self._num_pages, self._num_allocated):
-            problems.append(
-                f"peak_used {peak_used} not between num_used {num_used} and "
-                f"min(num_pages, num_allocated) {min(self._num_pages, self._num_allocated)}")
-        return problems
+        num_used, peak_used = num_pages - len(unused), num_pages - self._fewest_unused
+        most_used = min(num_pages, self._num_allocated)
+        checks = [
+            (twice, f"pages on the free list or cached queue twice: {twice[:5]}"),
+            (held, f"free or cached pages with references: {held[:5]}"),
+            (wrong_free or wrong_cached, f"cached pages on the free list {wrong_free[:5]} or "
+                                         f"uncached ones on the cached queue {wrong_cached[:5]}"),
+            (negative, f"pages with negative reference counts: {negative[:5]}"),
+            (num_unheld != len(unused), f"{num_unheld} pages have no references but "
+                                        f"{len(free)} are free and {len(cached)} cached"),
+            (not num_used <= peak_used <= most_used, f"peak_used {peak_used} not between "
+             f"num_used {num_used} and min(num_pages, num_allocated) {most_used}"),
+        ]
+        return problems + [message for broken, message in checks if broken]
+
+    def _link_problems(self) -> list[str]:
+        """The cached queue's broken links, described: it must run from the sentinel through
+        `num_cached` pages back to the sentinel, each page's `prev` naming the one before."""
+        nxt, prv, sentinel = self._next, self._prev, self._num_pages
+        page, before = nxt[sentinel], sentinel
+        for _ in range(self._num_cached):
+            if page == sentinel or prv[page] != before:
+                return [f"the cached queue's links break at page {page}"]
+            page, before = nxt[page], page
+        if page != sentinel or prv[sentinel] != before:
+            return [f"the cached queue holds more than its {self._num_cached} pages"]
+        return []
 
     def _shortage(self, n: int, critical: bool) -> str:
         """The OutOfPages message for a request of `n` pages."""
         usable = ", usable by this critical allocation" if critical else ""
-        cached = f" and {self._counts.num_cached} cached" if self._counts.num_cached else ""
+        cached = f" and {self._num_cached} cached" if self._num_cached else ""
         return (f"need {n} pages, {len(self._free)} free{cached} "
                 f"({self._reserve} reserved{usable})")
