@@ -143,8 +143,7 @@ class KVCache:
         past the device's match."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        n = _count(token_ids, num_tokens)
-        ids = None if token_ids is None else _pack(token_ids)
+        n, ids = _tokens(token_ids, num_tokens)
         self._check_length(seq_id, n)
         match = self._match(ids, n)
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
@@ -170,10 +169,9 @@ class KVCache:
         tokens' slots. A shared partial last page is copied first (copy-on-write); with
         windowed layers, the pages wholly before the first new token's window go back."""
         seq = self._get(seq_id)
-        n = _count(token_ids, num_tokens, default=1)
+        n, packed = _tokens(token_ids, num_tokens, default=1)
         start = seq.num_tokens
         self._check_length(seq_id, start + n)
-        packed = None if token_ids is None else _pack(token_ids)
         if n == 0:
             return []
         cow = self._needs_cow(seq, n)
@@ -314,15 +312,15 @@ class KVCache:
         """Available pages `add_sequence` would consume: new pages (tier hits included: they
         are loaded into new pages) plus the cached pages its prefix hit would take off the
         cached queue. Changes nothing."""
-        n = _count(token_ids, num_tokens)
-        match = self._match(None if token_ids is None else _pack(token_ids), n)
+        n, ids = _tokens(token_ids, num_tokens)
+        match = self._match(ids, n)
         return -(-n // self.page_size) - len(match.pages) + self._num_unheld(match.pages)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append(seq_id, num_tokens)` would take, copy-on-write and the copies of a
         first drop out of the window included (not counting the pages it gives back)."""
         seq = self._get(seq_id)
-        n = _count(None, num_tokens)
+        n = check_int("num_tokens", num_tokens, 0)
         need = -(-(seq.num_tokens + n) // self.page_size) - len(seq.pages)
         return need + self._needs_cow(seq, n) + (len(self._to_copy(seq, seq.num_tokens))
                                                  if n else 0)
@@ -337,8 +335,8 @@ class KVCache:
         """Tokens of `token_ids` the device's prefix cache would serve to `add_sequence`
         (whole pages, never the last token; pages a tier would load are not counted).
         Changes nothing."""
-        ids = _pack(token_ids)
-        return len(self._match(ids, _count(token_ids, None)).pages) * self.page_size
+        n, ids = _tokens(token_ids, None)
+        return len(self._match(ids, n).pages) * self.page_size
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
                 entering: int | None = None) -> bool:
@@ -609,17 +607,25 @@ class KVCache:
         return slots
 
 
-def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
-    """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
-    if token_ids is not None:
-        if type(token_ids) is not list:  # a list, the common case, needs no further look
-            _check_sequence(token_ids)
-        if num_tokens is not None and num_tokens != len(token_ids):
-            raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
-        return len(token_ids)
-    if num_tokens is None:
-        return default
-    return check_int("num_tokens", num_tokens, 0)
+def _tokens(token_ids: Sequence[int] | None, num_tokens: int | None,
+            default: int = 0) -> tuple[int, bytes | None]:
+    """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree),
+    and the ids packed (None when not given). `token_ids` is a sequence of ints or a 1-D
+    integer array or tensor; TypeError or ValueError naming the first bad one."""
+    if token_ids is None:
+        if num_tokens is None:
+            return default, None
+        return check_int("num_tokens", num_tokens, 0), None
+    if type(token_ids) is not list:  # a list, the common case, needs no further look
+        if isinstance(token_ids, (str, bytes, bytearray)) or not (
+                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
+            raise TypeError(f"token_ids must be a sequence of ints, "
+                            f"got {type(token_ids).__name__}")
+        if hasattr(token_ids, "tolist"):  # numpy, torch
+            token_ids = token_ids.tolist()
+    if num_tokens is not None and num_tokens != len(token_ids):
+        raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
+    return len(token_ids), pack_tokens(token_ids)
 
 
 def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
@@ -634,21 +640,6 @@ def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
         counts = [1] * batch if num_tokens is None else [
             check_int(f"num_tokens[{i}]", n, 0) for i, n in enumerate(num_tokens)]
         return counts, [None] * batch
-    counts = [_count(ids, None if num_tokens is None else num_tokens[i])
-              for i, ids in enumerate(token_ids)]
-    return counts, [_pack(ids) for ids in token_ids]
-
-
-def _check_sequence(token_ids: object) -> None:
-    """TypeError unless `token_ids` is a sequence (or a 1-D array or tensor) of ids."""
-    if isinstance(token_ids, (str, bytes, bytearray)) or not (
-            isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
-        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-
-
-def _pack(token_ids: Sequence[int]) -> bytes:
-    """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
-    or ValueError naming the first id that is not an int32."""
-    if type(token_ids) is not list and hasattr(token_ids, "tolist"):  # numpy, torch
-        token_ids = token_ids.tolist()
-    return pack_tokens(token_ids)
+    counted = [_tokens(ids, None if num_tokens is None else num_tokens[i])
+               for i, ids in enumerate(token_ids)]
+    return [n for n, _ in counted], [packed for _, packed in counted]
