@@ -170,15 +170,11 @@ class KVCache:
         windowed layers, the pages wholly before the first new token's window go back."""
         seq = self._get(seq_id)
         n, packed = _tokens(token_ids, num_tokens, default=1)
-        start = seq.num_tokens
-        self._check_length(seq_id, start + n)
+        self._check_length(seq_id, seq.num_tokens + n)
         if n == 0:
             return []
-        cow = self._needs_cow(seq, n)
-        need = -(-(start + n) // self.page_size) - len(seq.pages)
-        to_copy = self._to_copy(seq, start)
-        new_pages = self.allocator.allocate(need + cow + len(to_copy))
-        return self._grow(seq, n, packed, new_pages, cow, to_copy)
+        need, cow, to_copy = self._growth(seq, n, {})
+        return self._grow(seq, n, packed, self.allocator.allocate(need), cow, to_copy)
 
     def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,
                      *, token_ids: Sequence[Sequence[int]] | None = None) -> list[int]:
@@ -195,26 +191,14 @@ class KVCache:
         if self.max_tokens_per_seq is not None:
             for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
                 self._check_length(sid, seq.num_tokens + n)
-        ps, refcounts = self.page_size, self.allocator.refcounts
-        copied: dict[int, int] = {}  # shared last pages copied away earlier in the batch
-        needs, cows = [], set()  # pages each sequence takes; which copy their last page
-        to_copy = []  # pages each sequence copies as it leaves the prefix cache (`_to_copy`)
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            to_copy.append(self._to_copy(seq, seq.num_tokens) if n else [])
-            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages) + len(to_copy[i]))
-            if n and seq.num_tokens % ps and refcounts[seq.pages[-1]] > 1:
-                last = seq.pages[-1]
-                if refcounts[last] - copied.get(last, 0) > 1:
-                    copied[last] = copied.get(last, 0) + 1
-                    cows.add(i)
-                    needs[i] += 1
-        new_pages = self.allocator.allocate(sum(needs))
+        copied: dict[int, int] = {}
+        growths = [self._growth(seq, n, copied) for seq, n in zip(seqs, counts, strict=True)]
+        new_pages = self.allocator.allocate(sum(need for need, _, _ in growths))
         slots: list[int] = []
         taken = 0
-        for i, (seq, n, ids, need) in enumerate(zip(seqs, counts, packed, needs, strict=True)):
+        for seq, n, ids, (need, cow, to_copy) in zip(seqs, counts, packed, growths, strict=True):
             if n:
-                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], i in cows,
-                                    to_copy[i])
+                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], cow, to_copy)
                 taken += need
         return slots
 
@@ -320,10 +304,8 @@ class KVCache:
         """Pages `append(seq_id, num_tokens)` would take, copy-on-write and the copies of a
         first drop out of the window included (not counting the pages it gives back)."""
         seq = self._get(seq_id)
-        n = check_int("num_tokens", num_tokens, 0)
-        need = -(-(seq.num_tokens + n) // self.page_size) - len(seq.pages)
-        return need + self._needs_cow(seq, n) + (len(self._to_copy(seq, seq.num_tokens))
-                                                 if n else 0)
+        need, _, _ = self._growth(seq, check_int("num_tokens", num_tokens, 0), {})
+        return need
 
     @property
     def frees_out_of_window(self) -> bool:
@@ -528,9 +510,25 @@ class KVCache:
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
-    def _needs_cow(self, seq: _SequenceState, n: int) -> bool:
-        return (n > 0 and seq.num_tokens % self.page_size != 0
-                and self.allocator.refcounts[seq.pages[-1]] > 1)
+    def _growth(self, seq: _SequenceState, n: int,
+                copied: dict[int, int]) -> tuple[int, bool, list[int]]:
+        """What appending `n` tokens to `seq` takes: the new pages (those it grows by, one for
+        each page `_to_copy`, and one more if it copies its shared partial last page first),
+        whether it makes that copy-on-write copy, and `_to_copy`. `copied` counts the copies
+        of each page made by sequences earlier in the same batch; this one's is added."""
+        if n == 0:
+            return 0, False, []
+        start, ps = seq.num_tokens, self.page_size
+        to_copy = self._to_copy(seq, start)
+        need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
+        if start % ps == 0:
+            return need, False, to_copy
+        last = seq.pages[-1]
+        holders = self.allocator.refcounts[last]
+        cow = holders > 1 and holders - copied.get(last, 0) > 1
+        if cow:
+            copied[last] = copied.get(last, 0) + 1
+        return need + cow, cow, to_copy
 
     def _copy_on_write(self, seq: _SequenceState, new_page: int) -> None:
         old = seq.pages[-1]
