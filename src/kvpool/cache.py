@@ -71,23 +71,16 @@ class CacheStats:
 class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
-    a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
-    and a later prompt continuing their prefix loads them back instead of recomputing; the
-    tier is bound to this cache's namespace (its layout and `model_fingerprint`, a string
-    naming the model and its weights), so it never serves another model's pages. fp8 pages
-    (a float8_e4m3fn layout) take `kv_scales` as KVPool does; with a tier they must be given,
-    and join the namespace: a stored page reads back right only under the scales it was
-    written with. Not thread-safe: call it from one thread (as the engine's loop does) or
-    under a lock.
+    a call that raises has changed nothing. Not thread-safe: call it from one thread (as the
+    engine's loop does) or under a lock.
 
-    When every layer of `layout` has a sliding window (Mistral) and `free_out_of_window`
-    (the default), `append` gives back the pages wholly before the window of the first new
-    token; their page-table entries become HOLE (page 0 in `page_tables`, which attention
-    never reads there). A sequence holds the pages of the prefix cache's tree as long as it
-    holds anything after them (the tree's eviction order needs it), so at its first drop it
-    lets go of its whole tree path, copying the pages still in its window to fresh ones, and
-    is cached no further; the tree keeps those pages whole, so a prefix hit is always
-    served entirely."""
+    With a `tier`, evicted prefix pages move there, and a later prompt continuing their
+    prefix loads them back instead of recomputing. The tier is bound to this cache's
+    namespace: its layout, `model_fingerprint` (a string naming the model and its weights)
+    and the `kv_scales` of fp8 pages (as KVPool takes them; with a tier they must be given,
+    since a stored page reads back right only under the scales it was written with). When
+    every layer of `layout` has a sliding window and `free_out_of_window`, `append` gives
+    back the pages that fall out of it (see `_to_copy`)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
@@ -127,11 +120,8 @@ class KVCache:
         self.window = (max(windows) if free_out_of_window and windows and None not in windows
                        else None)
         self._seqs: dict[Hashable, _SequenceState] = {}
-        self._prefix_query_tokens = 0
-        self._prefix_hit_tokens = 0
-        self._num_cow_copies = 0
-        self._num_tier_loads = 0
-        self._num_tier_stores = 0
+        self._prefix_query_tokens = self._prefix_hit_tokens = 0
+        self._num_cow_copies = self._num_tier_loads = self._num_tier_stores = 0
 
     # ---- sequences ---------------------------------------------------------------------
 
@@ -149,7 +139,7 @@ class KVCache:
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
         if need + len(match.pages) > self.allocator.num_available:
             self._check_room(need, match.pages)
-        loaded = [] if self.tier is None else self._fetch_from_tier(ids, n, match)
+        loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
         if match.pages:
             self.allocator.share(match.pages)
         pages = match.pages + self.allocator.allocate(need)
@@ -229,9 +219,8 @@ class KVCache:
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache
         (evictable once nobody else holds them)."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequence(f"no sequence {seq_id!r}")
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
         del seq.pages[:seq.num_dropped]  # HOLE entries
         self._scrub(self.allocator.free(seq.pages))
 
@@ -324,9 +313,9 @@ class KVCache:
                 entering: int | None = None) -> bool:
         """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
         pages available. With `entering`, the sequence enters with its first `entering`
-        tokens and takes the rest later, chunk by chunk: a cache that gives pages back out of
-        the window asks room for those alone, one that keeps every page for all of them (its
-        pages must all fit before the prompt can finish). Changes nothing."""
+        tokens and takes the rest chunk by chunk: a cache that gives pages back out of the
+        window asks room for those alone; one that keeps every page, for all of them.
+        Changes nothing."""
         if entering is not None and self.frees_out_of_window:
             token_ids = token_ids[:entering]
         return self.pages_to_add(token_ids) + spare_pages <= self.num_available_pages
@@ -402,33 +391,27 @@ class KVCache:
             self.tier.check()
         holders: Counter[int] = Counter()
         for sid, seq in self._seqs.items():
-            want = -(-seq.num_tokens // self.page_size)
-            assert len(seq.pages) == want, (
-                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
-                f"expected {want}")
             held = seq.pages[seq.num_dropped:]
+            holders.update(held)
+            assert len(seq.pages) == -(-seq.num_tokens // self.page_size), (
+                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages")
+            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
             assert seq.pages[:seq.num_dropped] == [HOLE] * seq.num_dropped and HOLE not in held, (
-                f"sequence {sid!r} has {seq.num_dropped} pages dropped but page table "
-                f"{seq.pages}")
+                f"sequence {sid!r} has {seq.num_dropped} pages dropped, page table {seq.pages}")
             assert seq.num_dropped <= self._drop_point(seq.num_tokens), (
                 f"sequence {sid!r} dropped {seq.num_dropped} pages, some in its window")
             assert not (seq.num_dropped and (seq.num_cached or seq.token_ids is not None)), (
                 f"sequence {sid!r} dropped pages but is still cached")
             assert not (seq.num_dropped and any(map(self.allocator.is_cached, held))), (
                 f"sequence {sid!r} dropped pages but holds pages the prefix cache indexes")
-            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
-            if seq.token_ids is not None:
-                assert len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
-                    f"sequence {sid!r} keeps {len(seq.token_ids)} bytes of token ids for "
-                    f"{seq.num_tokens} tokens")
+            assert seq.token_ids is None or len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
+                f"sequence {sid!r}: {len(seq.token_ids)} bytes of ids, {seq.num_tokens} tokens")
             assert self._index.holds_path(seq.pages[:seq.num_cached]), (
                 f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
                 f"are not a path of the prefix cache")
-            holders.update(held)
         for page in range(self.allocator.num_pages):
-            rc = self.allocator.refcount(page)
-            assert rc == holders[page], (
-                f"page {page} has refcount {rc} but {holders[page]} holders")
+            assert self.allocator.refcount(page) == holders[page], (
+                f"page {page}: refcount {self.allocator.refcount(page)}, {holders[page]} holders")
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -460,13 +443,10 @@ class KVCache:
                              f"({alloc.reserve} reserved), "
                              f"{alloc.num_cached - taken} evictable")
 
-    def _fetch_from_tier(self, token_ids: bytes | None, n: int,
-                         match: PrefixMatch) -> list[torch.Tensor]:
+    def _fetch_from_tier(self, token_ids: bytes, n: int, match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's `match` in the tier, page by
         page up to the first miss, never covering the last token; `token_ids` packed. Only
         `get` touches the tier, and only once the call is known to succeed."""
-        if token_ids is None:
-            return []
         page_bytes = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
@@ -512,14 +492,14 @@ class KVCache:
 
     def _growth(self, seq: _SequenceState, n: int,
                 copied: dict[int, int]) -> tuple[int, bool, list[int]]:
-        """What appending `n` tokens to `seq` takes: the new pages (those it grows by, one for
-        each page `_to_copy`, and one more if it copies its shared partial last page first),
-        whether it makes that copy-on-write copy, and `_to_copy`. `copied` counts the copies
-        of each page made by sequences earlier in the same batch; this one's is added."""
+        """What appending `n` tokens to `seq` takes: new pages (those it grows by, one for each
+        page `_to_copy`, one if it copies its shared partial last page), whether it makes that
+        copy (copy-on-write), and `_to_copy`. `copied` counts the copies of each page made by
+        sequences earlier in the batch; this one's is added."""
         if n == 0:
             return 0, False, []
         start, ps = seq.num_tokens, self.page_size
-        to_copy = self._to_copy(seq, start)
+        to_copy = self._to_copy(seq)
         need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
         if start % ps == 0:
             return need, False, to_copy
@@ -539,9 +519,8 @@ class KVCache:
 
     def _grow(self, seq: _SequenceState, n: int, packed: bytes | None, new_pages: list[int],
               cow: bool, to_copy: list[int]) -> list[int]:
-        """Add `n` tokens (ids `packed`, or unknown) to `seq` with `new_pages`: the pages it
-        grows by, then one for each page `to_copy` (see `_to_copy`), then, if `cow`, the copy
-        of its shared partial page. Returns the new tokens' slots."""
+        """Add `n` tokens (ids `packed`, or unknown) to `seq` as its `_growth` planned, with
+        `new_pages`; returns the new tokens' slots."""
         start = seq.num_tokens
         drop_to = self._drop_point(start)
         if cow:
@@ -564,13 +543,14 @@ class KVCache:
             return 0
         return max(position - self.window + 1, 0) // self.page_size
 
-    def _to_copy(self, seq: _SequenceState, position: int) -> list[int]:
-        """Indexes of the pages that appending a token at `position` must copy first: at the
-        sequence's first drop, its full pages in the window that the prefix cache indexes or
-        that another sequence holds (and may yet commit). A page of the prefix index must not
-        be held while the page before it is not, so a sequence that drops pages holds none
-        that is or may become indexed; it is cached no more."""
-        drop_to = self._drop_point(position)
+    def _to_copy(self, seq: _SequenceState) -> list[int]:
+        """Indexes of the pages that appending to `seq` must copy to fresh ones first: at its
+        first drop out of the window, its full pages in the window that the prefix cache
+        indexes or that another sequence holds (and may yet commit). A sequence holds the
+        tree's pages only while it holds the pages before them (the eviction order needs it),
+        so at its first drop it lets go of its whole tree path and is cached no further; the
+        tree keeps those pages whole, so a prefix hit is always served entirely."""
+        drop_to = self._drop_point(seq.num_tokens)
         if seq.num_dropped or drop_to == 0:
             return []
         refcounts, is_cached = self.allocator.refcounts, self.allocator.is_cached
