@@ -219,8 +219,9 @@ class KVCache:
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache
         (evictable once nobody else holds them)."""
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}")
         del seq.pages[:seq.num_dropped]  # HOLE entries
         self._scrub(self.allocator.free(seq.pages))
 
@@ -499,7 +500,9 @@ class KVCache:
         if n == 0:
             return 0, False, []
         start, ps = seq.num_tokens, self.page_size
-        to_copy = self._to_copy(seq)
+        drop_to = self._drop_point(start)
+        first_drop = drop_to > 0 and not seq.num_dropped
+        to_copy = self._to_copy(seq, drop_to) if first_drop else []
         need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
         if start % ps == 0:
             return need, False, to_copy
@@ -543,16 +546,13 @@ class KVCache:
             return 0
         return max(position - self.window + 1, 0) // self.page_size
 
-    def _to_copy(self, seq: _SequenceState) -> list[int]:
-        """Indexes of the pages that appending to `seq` must copy to fresh ones first: at its
-        first drop out of the window, its full pages in the window that the prefix cache
-        indexes or that another sequence holds (and may yet commit). A sequence holds the
-        tree's pages only while it holds the pages before them (the eviction order needs it),
-        so at its first drop it lets go of its whole tree path and is cached no further; the
-        tree keeps those pages whole, so a prefix hit is always served entirely."""
-        drop_to = self._drop_point(seq.num_tokens)
-        if seq.num_dropped or drop_to == 0:
-            return []
+    def _to_copy(self, seq: _SequenceState, drop_to: int) -> list[int]:
+        """Indexes of the pages that `seq`, giving back its first pages [0, drop_to) out of the
+        window, must copy to fresh ones first: its full pages in the window that the prefix
+        cache indexes or that another sequence holds (and may yet commit). A sequence holds
+        the tree's pages only while it holds the pages before them (the eviction order needs
+        it), so at its first drop it lets go of its whole tree path and is cached no further;
+        the tree keeps those pages whole, so a prefix hit is always served entirely."""
         refcounts, is_cached = self.allocator.refcounts, self.allocator.is_cached
         window = range(drop_to, seq.num_tokens // self.page_size)
         return [i for i in window if refcounts[seq.pages[i]] > 1 or is_cached(seq.pages[i])]
@@ -562,10 +562,9 @@ class KVCache:
         """Give back pages [num_dropped, drop_to), and the pages at indexes `to_copy` after
         copying them to `copies`; cache the sequence no more."""
         kept = [seq.pages[i] for i in to_copy]
-        if kept:
-            self.pool.copy_pages(kept, copies)
-            for i, page in zip(to_copy, copies, strict=True):
-                seq.pages[i] = page
+        self.pool.copy_pages(kept, copies)
+        for i, page in zip(to_copy, copies, strict=True):
+            seq.pages[i] = page
         gone = seq.pages[seq.num_dropped:drop_to] + kept
         seq.pages[seq.num_dropped:drop_to] = [HOLE] * (drop_to - seq.num_dropped)
         seq.num_dropped = drop_to
