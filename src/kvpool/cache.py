@@ -183,7 +183,7 @@ class KVCache:
                 self._check_length(sid, seq.num_tokens + n)
         copied: dict[int, int] = {}
         growths = [self._growth(seq, n, copied) for seq, n in zip(seqs, counts, strict=True)]
-        new_pages = self.allocator.allocate(sum(need for need, _, _ in growths))
+        new_pages = self.allocator.allocate(sum([need for need, _, _ in growths]))
         slots: list[int] = []
         taken = 0
         for seq, n, ids, (need, cow, to_copy) in zip(seqs, counts, packed, growths, strict=True):
@@ -272,8 +272,7 @@ class KVCache:
 
     @property
     def scrub_on_free(self) -> bool:
-        """Whether pages whose content no sequence or cache keeps are zeroed (fixed at
-        construction)."""
+        """Whether pages no sequence or cache keeps are zeroed (fixed at construction)."""
         return self._scrub_on_free
 
     @property
@@ -326,8 +325,7 @@ class KVCache:
         return self.pages_to_append(seq_id, num_tokens) <= self.num_available_pages
 
     def check_fits(self, num_tokens: int) -> None:
-        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits in the pool,
-        alone."""
+        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits in the pool alone."""
         need, have = self.layout.num_pages_for(num_tokens), self.num_pages
         if need > have:
             raise OutOfPages(f"{num_tokens} tokens need {need} pages of {self.page_size} "
