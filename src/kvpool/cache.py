@@ -71,23 +71,16 @@ class CacheStats:
 class KVCache:
     """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
     maps each sequence to its page table. Every mutating call checks first and then acts:
-    a call that raises has changed nothing. With a `tier`, evicted prefix pages move there
-    and a later prompt continuing their prefix loads them back instead of recomputing; the
-    tier is bound to this cache's namespace (its layout and `model_fingerprint`, a string
-    naming the model and its weights), so it never serves another model's pages. fp8 pages
-    (a float8_e4m3fn layout) take `kv_scales` as KVPool does; with a tier they must be given,
-    and join the namespace: a stored page reads back right only under the scales it was
-    written with. Not thread-safe: call it from one thread (as the engine's loop does) or
-    under a lock.
+    a call that raises has changed nothing. Not thread-safe: call it from one thread (as the
+    engine's loop does) or under a lock.
 
-    When every layer of `layout` has a sliding window (Mistral) and `free_out_of_window`
-    (the default), `append` gives back the pages wholly before the window of the first new
-    token; their page-table entries become HOLE (page 0 in `page_tables`, which attention
-    never reads there). A sequence holds the pages of the prefix cache's tree as long as it
-    holds anything after them (the tree's eviction order needs it), so at its first drop it
-    lets go of its whole tree path, copying the pages still in its window to fresh ones, and
-    is cached no further; the tree keeps those pages whole, so a prefix hit is always
-    served entirely."""
+    With a `tier`, evicted prefix pages move there, and a later prompt continuing their
+    prefix loads them back instead of recomputing. The tier is bound to this cache's
+    namespace: its layout, `model_fingerprint` (a string naming the model and its weights)
+    and the `kv_scales` of fp8 pages (as KVPool takes them; with a tier they must be given,
+    since a stored page reads back right only under the scales it was written with). When
+    every layer of `layout` has a sliding window and `free_out_of_window`, `append` gives
+    back the pages that fall out of it (see `_to_copy`)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
@@ -127,11 +120,8 @@ class KVCache:
         self.window = (max(windows) if free_out_of_window and windows and None not in windows
                        else None)
         self._seqs: dict[Hashable, _SequenceState] = {}
-        self._prefix_query_tokens = 0
-        self._prefix_hit_tokens = 0
-        self._num_cow_copies = 0
-        self._num_tier_loads = 0
-        self._num_tier_stores = 0
+        self._prefix_query_tokens = self._prefix_hit_tokens = 0
+        self._num_cow_copies = self._num_tier_loads = self._num_tier_stores = 0
 
     # ---- sequences ---------------------------------------------------------------------
 
@@ -143,14 +133,13 @@ class KVCache:
         past the device's match."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        n = _count(token_ids, num_tokens)
-        ids = None if token_ids is None else _pack(token_ids)
+        n, ids = _tokens(token_ids, num_tokens)
         self._check_length(seq_id, n)
         match = self._match(ids, n)
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
         if need + len(match.pages) > self.allocator.num_available:
             self._check_room(need, match.pages)
-        loaded = [] if self.tier is None else self._fetch_from_tier(ids, n, match)
+        loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
         if match.pages:
             self.allocator.share(match.pages)
         pages = match.pages + self.allocator.allocate(need)
@@ -170,17 +159,12 @@ class KVCache:
         tokens' slots. A shared partial last page is copied first (copy-on-write); with
         windowed layers, the pages wholly before the first new token's window go back."""
         seq = self._get(seq_id)
-        n = _count(token_ids, num_tokens, default=1)
-        start = seq.num_tokens
-        self._check_length(seq_id, start + n)
-        packed = None if token_ids is None else _pack(token_ids)
+        n, packed = _tokens(token_ids, num_tokens, default=1)
+        self._check_length(seq_id, seq.num_tokens + n)
         if n == 0:
             return []
-        cow = self._needs_cow(seq, n)
-        need = -(-(start + n) // self.page_size) - len(seq.pages)
-        to_copy = self._to_copy(seq, start)
-        new_pages = self.allocator.allocate(need + cow + len(to_copy))
-        return self._grow(seq, n, packed, new_pages, cow, to_copy)
+        need, cow, to_copy = self._growth(seq, n, {})
+        return self._grow(seq, n, packed, self.allocator.allocate(need), cow, to_copy)
 
     def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,
                      *, token_ids: Sequence[Sequence[int]] | None = None) -> list[int]:
@@ -197,26 +181,14 @@ class KVCache:
         if self.max_tokens_per_seq is not None:
             for sid, seq, n in zip(seq_ids, seqs, counts, strict=True):
                 self._check_length(sid, seq.num_tokens + n)
-        ps, refcounts = self.page_size, self.allocator.refcounts
-        copied: dict[int, int] = {}  # shared last pages copied away earlier in the batch
-        needs, cows = [], set()  # pages each sequence takes; which copy their last page
-        to_copy = []  # pages each sequence copies as it leaves the prefix cache (`_to_copy`)
-        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            to_copy.append(self._to_copy(seq, seq.num_tokens) if n else [])
-            needs.append(-(-(seq.num_tokens + n) // ps) - len(seq.pages) + len(to_copy[i]))
-            if n and seq.num_tokens % ps and refcounts[seq.pages[-1]] > 1:
-                last = seq.pages[-1]
-                if refcounts[last] - copied.get(last, 0) > 1:
-                    copied[last] = copied.get(last, 0) + 1
-                    cows.add(i)
-                    needs[i] += 1
-        new_pages = self.allocator.allocate(sum(needs))
+        copied: dict[int, int] = {}
+        growths = [self._growth(seq, n, copied) for seq, n in zip(seqs, counts, strict=True)]
+        new_pages = self.allocator.allocate(sum([need for need, _, _ in growths]))
         slots: list[int] = []
         taken = 0
-        for i, (seq, n, ids, need) in enumerate(zip(seqs, counts, packed, needs, strict=True)):
+        for seq, n, ids, (need, cow, to_copy) in zip(seqs, counts, packed, growths, strict=True):
             if n:
-                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], i in cows,
-                                    to_copy[i])
+                slots += self._grow(seq, n, ids, new_pages[taken:taken + need], cow, to_copy)
                 taken += need
         return slots
 
@@ -300,8 +272,7 @@ class KVCache:
 
     @property
     def scrub_on_free(self) -> bool:
-        """Whether pages whose content no sequence or cache keeps are zeroed (fixed at
-        construction)."""
+        """Whether pages no sequence or cache keeps are zeroed (fixed at construction)."""
         return self._scrub_on_free
 
     @property
@@ -314,18 +285,16 @@ class KVCache:
         """Available pages `add_sequence` would consume: new pages (tier hits included: they
         are loaded into new pages) plus the cached pages its prefix hit would take off the
         cached queue. Changes nothing."""
-        n = _count(token_ids, num_tokens)
-        match = self._match(None if token_ids is None else _pack(token_ids), n)
+        n, ids = _tokens(token_ids, num_tokens)
+        match = self._match(ids, n)
         return -(-n // self.page_size) - len(match.pages) + self._num_unheld(match.pages)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append(seq_id, num_tokens)` would take, copy-on-write and the copies of a
         first drop out of the window included (not counting the pages it gives back)."""
         seq = self._get(seq_id)
-        n = _count(None, num_tokens)
-        need = -(-(seq.num_tokens + n) // self.page_size) - len(seq.pages)
-        return need + self._needs_cow(seq, n) + (len(self._to_copy(seq, seq.num_tokens))
-                                                 if n else 0)
+        need, _, _ = self._growth(seq, check_int("num_tokens", num_tokens, 0), {})
+        return need
 
     @property
     def frees_out_of_window(self) -> bool:
@@ -337,16 +306,16 @@ class KVCache:
         """Tokens of `token_ids` the device's prefix cache would serve to `add_sequence`
         (whole pages, never the last token; pages a tier would load are not counted).
         Changes nothing."""
-        ids = _pack(token_ids)
-        return len(self._match(ids, _count(token_ids, None)).pages) * self.page_size
+        n, ids = _tokens(token_ids, None)
+        return len(self._match(ids, n).pages) * self.page_size
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
                 entering: int | None = None) -> bool:
         """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
         pages available. With `entering`, the sequence enters with its first `entering`
-        tokens and takes the rest later, chunk by chunk: a cache that gives pages back out of
-        the window asks room for those alone, one that keeps every page for all of them (its
-        pages must all fit before the prompt can finish). Changes nothing."""
+        tokens and takes the rest chunk by chunk: a cache that gives pages back out of the
+        window asks room for those alone; one that keeps every page, for all of them.
+        Changes nothing."""
         if entering is not None and self.frees_out_of_window:
             token_ids = token_ids[:entering]
         return self.pages_to_add(token_ids) + spare_pages <= self.num_available_pages
@@ -356,8 +325,7 @@ class KVCache:
         return self.pages_to_append(seq_id, num_tokens) <= self.num_available_pages
 
     def check_fits(self, num_tokens: int) -> None:
-        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits in the pool,
-        alone."""
+        """Raise OutOfPages unless one sequence of `num_tokens` tokens fits in the pool alone."""
         need, have = self.layout.num_pages_for(num_tokens), self.num_pages
         if need > have:
             raise OutOfPages(f"{num_tokens} tokens need {need} pages of {self.page_size} "
@@ -422,33 +390,27 @@ class KVCache:
             self.tier.check()
         holders: Counter[int] = Counter()
         for sid, seq in self._seqs.items():
-            want = -(-seq.num_tokens // self.page_size)
-            assert len(seq.pages) == want, (
-                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages, "
-                f"expected {want}")
             held = seq.pages[seq.num_dropped:]
+            holders.update(held)
+            assert len(seq.pages) == -(-seq.num_tokens // self.page_size), (
+                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages")
+            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
             assert seq.pages[:seq.num_dropped] == [HOLE] * seq.num_dropped and HOLE not in held, (
-                f"sequence {sid!r} has {seq.num_dropped} pages dropped but page table "
-                f"{seq.pages}")
+                f"sequence {sid!r} has {seq.num_dropped} pages dropped, page table {seq.pages}")
             assert seq.num_dropped <= self._drop_point(seq.num_tokens), (
                 f"sequence {sid!r} dropped {seq.num_dropped} pages, some in its window")
             assert not (seq.num_dropped and (seq.num_cached or seq.token_ids is not None)), (
                 f"sequence {sid!r} dropped pages but is still cached")
             assert not (seq.num_dropped and any(map(self.allocator.is_cached, held))), (
                 f"sequence {sid!r} dropped pages but holds pages the prefix cache indexes")
-            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
-            if seq.token_ids is not None:
-                assert len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
-                    f"sequence {sid!r} keeps {len(seq.token_ids)} bytes of token ids for "
-                    f"{seq.num_tokens} tokens")
+            assert seq.token_ids is None or len(seq.token_ids) == seq.num_tokens * TOKEN_BYTES, (
+                f"sequence {sid!r}: {len(seq.token_ids)} bytes of ids, {seq.num_tokens} tokens")
             assert self._index.holds_path(seq.pages[:seq.num_cached]), (
                 f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
                 f"are not a path of the prefix cache")
-            holders.update(held)
         for page in range(self.allocator.num_pages):
-            rc = self.allocator.refcount(page)
-            assert rc == holders[page], (
-                f"page {page} has refcount {rc} but {holders[page]} holders")
+            assert self.allocator.refcount(page) == holders[page], (
+                f"page {page}: refcount {self.allocator.refcount(page)}, {holders[page]} holders")
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -480,13 +442,10 @@ class KVCache:
                              f"({alloc.reserve} reserved), "
                              f"{alloc.num_cached - taken} evictable")
 
-    def _fetch_from_tier(self, token_ids: bytes | None, n: int,
-                         match: PrefixMatch) -> list[torch.Tensor]:
+    def _fetch_from_tier(self, token_ids: bytes, n: int, match: PrefixMatch) -> list[torch.Tensor]:
         """The data of the pages continuing the device's `match` in the tier, page by
         page up to the first miss, never covering the last token; `token_ids` packed. Only
         `get` touches the tier, and only once the call is known to succeed."""
-        if token_ids is None:
-            return []
         page_bytes = self._page_bytes
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
@@ -530,9 +489,27 @@ class KVCache:
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
-    def _needs_cow(self, seq: _SequenceState, n: int) -> bool:
-        return (n > 0 and seq.num_tokens % self.page_size != 0
-                and self.allocator.refcounts[seq.pages[-1]] > 1)
+    def _growth(self, seq: _SequenceState, n: int,
+                copied: dict[int, int]) -> tuple[int, bool, list[int]]:
+        """What appending `n` tokens to `seq` takes: new pages (those it grows by, one for each
+        page `_to_copy`, one if it copies its shared partial last page), whether it makes that
+        copy (copy-on-write), and `_to_copy`. `copied` counts the copies of each page made by
+        sequences earlier in the batch; this one's is added."""
+        if n == 0:
+            return 0, False, []
+        start, ps = seq.num_tokens, self.page_size
+        drop_to = self._drop_point(start)
+        first_drop = drop_to > 0 and not seq.num_dropped
+        to_copy = self._to_copy(seq, drop_to) if first_drop else []
+        need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
+        if start % ps == 0:
+            return need, False, to_copy
+        last = seq.pages[-1]
+        holders = self.allocator.refcounts[last]
+        cow = holders > 1 and holders - copied.get(last, 0) > 1
+        if cow:
+            copied[last] = copied.get(last, 0) + 1
+        return need + cow, cow, to_copy
 
     def _copy_on_write(self, seq: _SequenceState, new_page: int) -> None:
         old = seq.pages[-1]
@@ -543,9 +520,8 @@ class KVCache:
 
     def _grow(self, seq: _SequenceState, n: int, packed: bytes | None, new_pages: list[int],
               cow: bool, to_copy: list[int]) -> list[int]:
-        """Add `n` tokens (ids `packed`, or unknown) to `seq` with `new_pages`: the pages it
-        grows by, then one for each page `to_copy` (see `_to_copy`), then, if `cow`, the copy
-        of its shared partial page. Returns the new tokens' slots."""
+        """Add `n` tokens (ids `packed`, or unknown) to `seq` as its `_growth` planned, with
+        `new_pages`; returns the new tokens' slots."""
         start = seq.num_tokens
         drop_to = self._drop_point(start)
         if cow:
@@ -568,15 +544,13 @@ class KVCache:
             return 0
         return max(position - self.window + 1, 0) // self.page_size
 
-    def _to_copy(self, seq: _SequenceState, position: int) -> list[int]:
-        """Indexes of the pages that appending a token at `position` must copy first: at the
-        sequence's first drop, its full pages in the window that the prefix cache indexes or
-        that another sequence holds (and may yet commit). A page of the prefix index must not
-        be held while the page before it is not, so a sequence that drops pages holds none
-        that is or may become indexed; it is cached no more."""
-        drop_to = self._drop_point(position)
-        if seq.num_dropped or drop_to == 0:
-            return []
+    def _to_copy(self, seq: _SequenceState, drop_to: int) -> list[int]:
+        """Indexes of the pages that `seq`, giving back its first pages [0, drop_to) out of the
+        window, must copy to fresh ones first: its full pages in the window that the prefix
+        cache indexes or that another sequence holds (and may yet commit). A sequence holds
+        the tree's pages only while it holds the pages before them (the eviction order needs
+        it), so at its first drop it lets go of its whole tree path and is cached no further;
+        the tree keeps those pages whole, so a prefix hit is always served entirely."""
         refcounts, is_cached = self.allocator.refcounts, self.allocator.is_cached
         window = range(drop_to, seq.num_tokens // self.page_size)
         return [i for i in window if refcounts[seq.pages[i]] > 1 or is_cached(seq.pages[i])]
@@ -586,10 +560,9 @@ class KVCache:
         """Give back pages [num_dropped, drop_to), and the pages at indexes `to_copy` after
         copying them to `copies`; cache the sequence no more."""
         kept = [seq.pages[i] for i in to_copy]
-        if kept:
-            self.pool.copy_pages(kept, copies)
-            for i, page in zip(to_copy, copies, strict=True):
-                seq.pages[i] = page
+        self.pool.copy_pages(kept, copies)
+        for i, page in zip(to_copy, copies, strict=True):
+            seq.pages[i] = page
         gone = seq.pages[seq.num_dropped:drop_to] + kept
         seq.pages[seq.num_dropped:drop_to] = [HOLE] * (drop_to - seq.num_dropped)
         seq.num_dropped = drop_to
@@ -609,17 +582,25 @@ class KVCache:
         return slots
 
 
-def _count(token_ids: Sequence[int] | None, num_tokens: int | None, default: int = 0) -> int:
-    """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree)."""
-    if token_ids is not None:
-        if type(token_ids) is not list:  # a list, the common case, needs no further look
-            _check_sequence(token_ids)
-        if num_tokens is not None and num_tokens != len(token_ids):
-            raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
-        return len(token_ids)
-    if num_tokens is None:
-        return default
-    return check_int("num_tokens", num_tokens, 0)
+def _tokens(token_ids: Sequence[int] | None, num_tokens: int | None,
+            default: int = 0) -> tuple[int, bytes | None]:
+    """The token count a call asks for, from `token_ids` or `num_tokens` (which must agree),
+    and the ids packed (None when not given). `token_ids` is a sequence of ints or a 1-D
+    integer array or tensor; TypeError or ValueError naming the first bad one."""
+    if token_ids is None:
+        if num_tokens is None:
+            return default, None
+        return check_int("num_tokens", num_tokens, 0), None
+    if type(token_ids) is not list:  # a list, the common case, needs no further look
+        if isinstance(token_ids, (str, bytes, bytearray)) or not (
+                isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
+            raise TypeError(f"token_ids must be a sequence of ints, "
+                            f"got {type(token_ids).__name__}")
+        if hasattr(token_ids, "tolist"):  # numpy, torch
+            token_ids = token_ids.tolist()
+    if num_tokens is not None and num_tokens != len(token_ids):
+        raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
+    return len(token_ids), pack_tokens(token_ids)
 
 
 def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
@@ -634,21 +615,6 @@ def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
         counts = [1] * batch if num_tokens is None else [
             check_int(f"num_tokens[{i}]", n, 0) for i, n in enumerate(num_tokens)]
         return counts, [None] * batch
-    counts = [_count(ids, None if num_tokens is None else num_tokens[i])
-              for i, ids in enumerate(token_ids)]
-    return counts, [_pack(ids) for ids in token_ids]
-
-
-def _check_sequence(token_ids: object) -> None:
-    """TypeError unless `token_ids` is a sequence (or a 1-D array or tensor) of ids."""
-    if isinstance(token_ids, (str, bytes, bytearray)) or not (
-            isinstance(token_ids, Sequence) or hasattr(token_ids, "tolist")):
-        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-
-
-def _pack(token_ids: Sequence[int]) -> bytes:
-    """`token_ids` (a sequence of ints, or a 1-D integer array or tensor) packed; TypeError
-    or ValueError naming the first id that is not an int32."""
-    if type(token_ids) is not list and hasattr(token_ids, "tolist"):  # numpy, torch
-        token_ids = token_ids.tolist()
-    return pack_tokens(token_ids)
+    counted = [_tokens(ids, None if num_tokens is None else num_tokens[i])
+               for i, ids in enumerate(token_ids)]
+    return [n for n, _ in counted], [packed for _, packed in counted]
