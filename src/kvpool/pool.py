@@ -156,7 +156,8 @@ class KVPool:
         if len(src) != len(dst):
             raise ValueError(f"copy_pages needs as many sources as destinations, "
                              f"got {len(src)} and {len(dst)}")
-        self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
+        if src:
+            self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         """A copy of the pages' KV, all layers: `[num_layers, num_planes, n, page_size, kvh, d]`."""
