@@ -1,5 +1,21 @@
+import pytest
 import torch
 
 # The suite runs many tiny forwards; one thread per process keeps them fast and steady on a
 # small shared machine (two threads contend with each other and with the test runner).
 torch.set_num_threads(1)
+
+# Every case that touches tensors runs on an explicit device: the CPU always, CUDA as well
+# when present (skipped with a reason otherwise), so a reference built on the wrong device
+# fails on a GPU machine instead of passing by coincidence on a CPU-only one.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """The device a test builds everything on, its references included."""
+    return torch.device(request.param)
