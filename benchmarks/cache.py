@@ -108,9 +108,9 @@ def bench_add_free(n: int = 5_000, repeats: int = 15) -> tuple[list[tuple[str, f
     """(case, microseconds per request) rows net of the timer's cost, and that cost."""
     pages = TOKENS // PAGE_SIZE
     alloc = PageAllocator(4096)
-    off = KVCache(LAYOUT, 4096)
-    same = KVCache(LAYOUT, 4096, prefix_caching=True)
-    fresh = KVCache(LAYOUT, 4096, prefix_caching=True)  # holds 256 prompts: all miss
+    off = KVCache(LAYOUT, 4096, device="cpu")
+    same = KVCache(LAYOUT, 4096, device="cpu", prefix_caching=True)
+    fresh = KVCache(LAYOUT, 4096, device="cpu", prefix_caching=True)  # holds 256 prompts: all miss
     rng = random.Random(0)
     hit_prompt = random_prompts(1, rng)
     serve_prompts(same)(0, tokenizer_output(hit_prompt[0]))  # cached from now on
@@ -151,7 +151,7 @@ def kvcache_pass(prompts: list[bytes], num_pages: int) -> tuple[float, float, Ca
     (add_sequence + commit, evictions included) and of free_sequence, and the cache's stats
     (the cache itself is dropped, so that later passes do not pay for collecting it)."""
     clock = time.perf_counter_ns
-    cache = KVCache(LAYOUT, num_pages, prefix_caching=True)
+    cache = KVCache(LAYOUT, num_pages, device="cpu", prefix_caching=True)
     add_ns = free_ns = 0
     for i, packed in enumerate(prompts):
         prompt = tokenizer_output(packed)
@@ -221,7 +221,8 @@ def bench_large_cache(num_prompts: int = 6_250) -> list[tuple[str, float, int]]:
         return [tokenizer_output(p) for p in prompts]
 
     def as_kvcache():
-        cache = KVCache(LAYOUT, num_prompts * TOKENS // PAGE_SIZE, prefix_caching=True)
+        cache = KVCache(LAYOUT, num_prompts * TOKENS // PAGE_SIZE, device="cpu",
+                        prefix_caching=True)
         for i, packed in enumerate(prompts):
             cache.add_sequence(i, tokenizer_output(packed))
             cache.commit(i)
@@ -237,8 +238,8 @@ def bench_eviction(cached: int, calls: int = 2_000, k: int = 16) -> tuple[float,
     pool of `cached` pages: once when every page is cached, so that it evicts `k` of them,
     and once, the baseline, from a pool of free pages. Calls alternate between the two;
     freeing and re-caching happen outside the timed region."""
-    cache = KVCache(LAYOUT, cached, prefix_caching=True)
-    fresh = KVCache(LAYOUT, cached, prefix_caching=True)
+    cache = KVCache(LAYOUT, cached, device="cpu", prefix_caching=True)
+    fresh = KVCache(LAYOUT, cached, device="cpu", prefix_caching=True)
     counter = iter(range(10**9))
     page = struct.Struct(f"<{PAGE_SIZE}i")
 
@@ -289,7 +290,7 @@ def bench_batch_growth(page_size: int, step_tokens: int, batch: int = 64, steps:
     samples: dict[Callable, list[float]] = {batched: [], one_by_one: []}
     for _ in range(rounds):
         for grow, times in samples.items():
-            cache = KVCache(layout, num_pages)
+            cache = KVCache(layout, num_pages, device="cpu")
             for seq_id in seq_ids:
                 cache.add_sequence(seq_id, [rng.randrange(VOCAB) for _ in range(100)])
             t0 = clock()

@@ -57,7 +57,7 @@ def main() -> None:
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
                       page_size=PAGE_SIZE)
-    cache = KVCache(layout, 4096, prefix_caching=args.case == "hit")
+    cache = KVCache(layout, 4096, device="cpu", prefix_caching=args.case == "hit")
     if args.case == "hit":
         cache.add_sequence(-1, PROMPT)
         cache.commit(-1)

@@ -69,10 +69,11 @@ class CacheStats:
 
 
 class KVCache:
-    """Owns a `KVPool`, a `PageAllocator` and (when `prefix_caching`) a `PrefixCache`, and
-    maps each sequence to its page table. Every mutating call checks first and then acts:
-    a call that raises has changed nothing. Not thread-safe: call it from one thread (as the
-    engine's loop does) or under a lock.
+    """Owns a `KVPool` on `device`, a `PageAllocator` and (when `prefix_caching`) a
+    `PrefixCache`, and maps each sequence to its page table (host bookkeeping: the page tables
+    and slot mappings it builds are host tensors). Every mutating call checks first and then
+    acts: a call that raises has changed nothing. Not thread-safe: call it from one thread (as
+    the engine's loop does) or under a lock.
 
     With a `tier`, evicted prefix pages move there, and a later prompt continuing their
     prefix loads them back instead of recomputing. The tier is bound to this cache's
@@ -82,7 +83,8 @@ class KVCache:
     every layer of `layout` has a sliding window and `free_out_of_window`, `append` gives
     back the pages that fall out of it (see `_to_copy`)."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, *, device=None, policy: str = "lifo",
+    def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
+                 policy: str = "lifo",
                  prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
                  tier: Tier | None = None, model_fingerprint: str = "",
@@ -331,18 +333,20 @@ class KVCache:
             raise OutOfPages(f"{num_tokens} tokens need {need} pages of {self.page_size} "
                              f"tokens; the pool has {have}")
 
-    def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
-        """Page tables `[batch, max_pages]` int32, rows padded with page id 0, which also
+    def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """Page tables `[batch, max_pages]` int32 on the host (bookkeeping: whoever hands them
+        to a kernel moves them to the pool's device), rows padded with page id 0, which also
         stands for the pages given back out of the window."""
         seqs = [self._get(sid) for sid in seq_ids]
         width = max((len(seq.pages) for seq in seqs), default=0)
         rows = [[0] * seq.num_dropped + seq.pages[seq.num_dropped:]
                 + [0] * (width - len(seq.pages)) for seq in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width)
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
-                     ends: Sequence[int], *, device=None) -> torch.Tensor:
-        """Slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated."""
+                     ends: Sequence[int]) -> torch.Tensor:
+        """Slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated, on the
+        host (as page tables are)."""
         out: list[int] = []
         for sid, start, end in zip(seq_ids, starts, ends, strict=True):
             seq = self._get(sid)
@@ -354,7 +358,7 @@ class KVCache:
                                  f"in its first {seq.num_dropped * self.page_size} tokens, "
                                  f"whose pages went back out of the window")
             out.extend(self._slots(seq, start, end))
-        return torch.tensor(out, dtype=torch.int64, device=device)
+        return torch.tensor(out, dtype=torch.int64)
 
     def stats(self) -> CacheStats:
         """Page counts, filled slots, prefix-cache and copy-on-write counters."""

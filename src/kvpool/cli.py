@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
+from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
@@ -78,9 +79,10 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"({', '.join(PRESETS)})")
     model = ModelConfig.from_hf(args.model)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
+    device = None if args.device_memory is not None else engine_device(args.device)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
-                       device=args.device, mamba_memory_ratio=args.mamba_memory_ratio,
+                       device=device, mamba_memory_ratio=args.mamba_memory_ratio,
                        kv_cache_dtype=args.kv_cache_dtype, free_out_of_window=not args.one_pool,
                        max_num_seqs=args.max_num_seqs, prefill_tokens=context_len)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))

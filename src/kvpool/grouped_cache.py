@@ -52,8 +52,8 @@ class GroupedCache:
     page for the cache's lifetime. Queries that name pages, slots or page tables take the
     group (0, the first of `layout.groups`: full attention when the model has it)."""
 
-    def __init__(self, layout: KVLayout, num_pages: Sequence[int], *, device=None,
-                 policy: str = "lifo", prefix_caching: bool = False,
+    def __init__(self, layout: KVLayout, num_pages: Sequence[int], *,
+                 device: str | torch.device, policy: str = "lifo", prefix_caching: bool = False,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
                  kv_scales=None):
         groups = layout.groups
@@ -183,17 +183,17 @@ class GroupedCache:
         """Ids of the live sequences, in creation order."""
         return list(self._seqs)
 
-    def page_tables(self, seq_ids: Sequence[Hashable], *, group: int = 0,
-                    device=None) -> torch.Tensor:
-        """Page tables `[batch, max_pages]` int32 of `group`'s pool."""
-        return self.groups[group].page_tables(seq_ids, device=device)
+    def page_tables(self, seq_ids: Sequence[Hashable], *, group: int = 0) -> torch.Tensor:
+        """Page tables `[batch, max_pages]` int32 of `group`'s pool, on the host
+        (KVCache.page_tables)."""
+        return self.groups[group].page_tables(seq_ids)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
-                     ends: Sequence[int], *, group: int = 0, device=None) -> torch.Tensor:
-        """Slots int64 of tokens [starts[i], ends[i]) of each sequence in `group`'s pool; the
-        tokens of the group's match that are computed again (a shorter hit elsewhere) write
-        to the group's scratch page instead of the shared pages."""
-        slots = self.groups[group].slot_mapping(seq_ids, starts, ends, device=device)
+                     ends: Sequence[int], *, group: int = 0) -> torch.Tensor:
+        """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence in `group`'s
+        pool; the tokens of the group's match that are computed again (a shorter hit
+        elsewhere) write to the group's scratch page instead of the shared pages."""
+        slots = self.groups[group].slot_mapping(seq_ids, starts, ends)
         offset = 0
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             shared = self._get(seq_id).shared[group]

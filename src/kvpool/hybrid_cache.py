@@ -55,7 +55,7 @@ class HybridCache:
     cache's lifetime."""
 
     def __init__(self, layout: KVLayout, num_pages: int, mamba_layout: MambaLayout,
-                 num_state_slots: int, *, device=None, policy: str = "lifo",
+                 num_state_slots: int, *, device: str | torch.device, policy: str = "lifo",
                  prefix_caching: bool = False, num_checkpoint_slots: int = 0,
                  checkpoint_interval: int = 64, track_interval: int = 256,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
@@ -311,16 +311,16 @@ class HybridCache:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits, alone."""
         self.kv.check_fits(num_tokens)
 
-    def page_tables(self, seq_ids: Sequence[Hashable], *, device=None) -> torch.Tensor:
-        """Page tables `[batch, max_pages]` int32."""
-        return self.kv.page_tables(seq_ids, device=device)
+    def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """Page tables `[batch, max_pages]` int32 on the host (KVCache.page_tables)."""
+        return self.kv.page_tables(seq_ids)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
-                     ends: Sequence[int], *, device=None) -> torch.Tensor:
-        """KV slots int64 of tokens [starts[i], ends[i]) of each sequence, concatenated; the
+                     ends: Sequence[int]) -> torch.Tensor:
+        """KV slots int64 on the host of tokens [starts[i], ends[i]) of each sequence; the
         tokens of a sequence's KV match (computed again after a shallower checkpoint hit)
         write to the scratch page instead of the shared pages."""
-        slots = self.kv.slot_mapping(seq_ids, starts, ends, device=device)
+        slots = self.kv.slot_mapping(seq_ids, starts, ends)
         offset = 0
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             shared = self._get(seq_id).num_shared

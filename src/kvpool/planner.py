@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvpool.devices import check_device
 from kvpool.errors import check_int
 from kvpool.formats import format_bytes
 from kvpool.group_plan import GroupPlan, split_budget
@@ -150,8 +151,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
     the memory after the weights, the activations and `reserved_bytes`. `device_memory`
-    (bytes) is the memory to plan in; None reads `device` (default CUDA if available, else
-    CPU): its total memory (a CUDA device's, or the host's RAM), less what is already in use.
+    (bytes) is the memory to plan in; None reads `device` (which must then be given; the
+    plan's `device` names it): its total memory (a CUDA device's, or the host's RAM), less
+    what is already in use.
     `dtype` None: the config's, else float32 (as the loader does): the weights', and the KV
     pages' unless `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
     `activation_bytes` None: `estimate_activation_bytes` with its defaults.
@@ -340,7 +342,10 @@ def _memory(
     device's total memory and what is not free on it (a CUDA device, or the host's RAM)."""
     if device_memory is not None:
         return None, device_memory, 0
-    device = _device(device)
+    if device is None:
+        raise ValueError("plan_memory needs device_memory (bytes) or the device to read it "
+                         "from (e.g. device='cpu' or 'cuda')")
+    device = check_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     elif device.type == "cpu":
@@ -349,18 +354,6 @@ def _memory(
         raise ValueError(f"cannot read the memory of device {str(device)!r}; "
                          f"pass device_memory")
     return str(device), total, total - free
-
-
-def _device(device: str | torch.device | None) -> torch.device:
-    """`device` parsed; None means CUDA if available, else CPU."""
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        msg = f"bad device {device!r}: expected e.g. 'cpu', 'cuda' or 'cuda:1'"
-        raise ValueError(msg) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"cannot read the memory of {str(device)!r}: CUDA is not available")
-    return device
 
 
 def host_memory() -> tuple[int, int]:

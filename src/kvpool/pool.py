@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvpool.devices import check_device
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.layout import KVLayout
@@ -16,11 +17,6 @@ from kvpool.layout import KVLayout
 SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
              "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
-
-
-def default_device() -> torch.device:
-    """CUDA when present, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class KVPool:
@@ -39,11 +35,12 @@ class KVPool:
     (`calibrate`), and keeps its scales for the pool's lifetime.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, *, device=None, kv_scales=None):
+    def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
+                 kv_scales=None):
         self.layout = layout
         self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
         per_layer = _layer_scales(layout, kv_scales)
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = check_device(device)
         shape = (layout.num_layers, layout.num_planes, num_pages, layout.page_size,
                  layout.num_kv_heads, layout.head_dim)
         nbytes = num_pages * layout.bytes_per_page

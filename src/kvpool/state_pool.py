@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvpool.devices import check_device
 from kvpool.errors import InvalidStateSlot, OutOfStateSlots, check_int
-from kvpool.pool import default_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,18 +70,18 @@ class StateStats:
 
 
 class MambaPool:
-    """`num_slots` state slots per Mamba layer, allocated once on `device` (None: CUDA when
-    available, else the CPU), with a LIFO free list and one reference count per slot.
+    """`num_slots` state slots per Mamba layer, allocated once on `device`, with a LIFO
+    free list and one reference count per slot.
 
     `conv_state(layer)` `[num_slots, conv_dim, conv_kernel - 1]` and `ssm_state(layer)`
     `[num_slots, num_heads, head_dim, state_size]` are views the model reads and writes by
     slot. Allocating a slot never touches its contents: a sequence's first step starts from a
     zero state without reading it."""
 
-    def __init__(self, layout: MambaLayout, num_slots: int, *, device=None):
+    def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
         check_int("num_slots", num_slots, 1)
         self.layout = layout
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = check_device(device)
         layers = layout.num_layers
         self.conv = torch.zeros((layers, num_slots, *layout.conv_shape), dtype=layout.dtype,
                                 device=self.device)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvpool.devices import check_device
 from kvpool.errors import KVPoolError
 
 ALIGNMENT = 256  # bytes; what CUDA's own allocator aligns to, enough for any dtype and vector load
@@ -25,10 +26,10 @@ class WorkspaceFull(KVPoolError, MemoryError):
 class Workspace:
     """`nbytes` bytes on `device`, handed out by `alloc(shape, dtype)` until `reset()`."""
 
-    def __init__(self, nbytes: int, device: str | torch.device | None = None):
+    def __init__(self, nbytes: int, *, device: str | torch.device):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"workspace size must be an int >= 0 bytes, got {nbytes!r}")
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=check_device(device))
         self.used = 0  # bytes handed out since the last reset, alignment padding included
         self.peak = 0  # the most bytes ever in use at once
         self.num_allocs = 0  # allocations since the last reset

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages, check_int
 from kvpool.formats import format_bytes
@@ -19,6 +20,15 @@ from kvpool.workspace import ALIGNMENT
 GiB = 2**30
 
 
+def engine_device(device: str | torch.device | None) -> torch.device:
+    """The device an engine (LLM, the CLI) runs on: `device` checked, or for None CUDA when
+    present, else the CPU. The one place that picks a device for the user: everything below
+    takes the device it is given."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return check_device(device)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Keyword options of `LLM` (vLLM's names).
@@ -29,7 +39,8 @@ class EngineConfig:
     weights, the activations, the workspace and (on CUDA) the CUDA graphs come out of it, and
     the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
     max_model_len None: the model's
-    max_position_embeddings. dtype None: the checkpoint's. kv_cache_dtype "auto" stores KV
+    max_position_embeddings. dtype None: the checkpoint's. device None: CUDA when present,
+    else the CPU (`engine_device`). kv_cache_dtype "auto" stores KV
     pages in the model's dtype, "fp8_e4m3" in float8_e4m3fn (half the bytes of 16-bit pages)
     with one K and one V scale per layer (one latent scale for an MLA model's latent pages):
     `kv_scales` (k_scale, v_scale) for every layer (MLA: one number), or None to take each

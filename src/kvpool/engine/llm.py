@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpool.cache import KVCache
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
@@ -27,7 +27,6 @@ from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
-from kvpool.models.loader import resolve_device
 from kvpool.threads import limit_threads
 from kvpool.workspace import Workspace
 
@@ -54,7 +53,7 @@ class LLM:
                  on_step: abc.Callable[[StepRecord], None] | None = None, **options):
         self.config = EngineConfig(**options)
         limit_threads()
-        device = resolve_device(self.config.device)
+        device = engine_device(self.config.device)
         mc = load_config(model)
         self.max_model_len = self.config.resolve_max_model_len(mc)
         # Planned before loading, from the config: the memory read then still holds the
@@ -105,7 +104,7 @@ class LLM:
             max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
             eos_token_ids=eos)
         self.workspace = Workspace(
-            self.config.workspace_bytes(mc, layout, self.max_model_len), device)
+            self.config.workspace_bytes(mc, layout, self.max_model_len), device=device)
         self.runner = ModelRunner(self.model, self.cache, self.workspace)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
         # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata
+from kvpool.devices import check_device
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LlamaAttention, Rope
 from kvpool.models.mamba2 import Mamba2Mixer
 from kvpool.models.rotary import RotaryEmbedding
-from kvpool.pool import KVPool, default_device
+from kvpool.pool import KVPool
 from kvpool.state_pool import StateBatch
 
 
@@ -72,9 +73,10 @@ class BambaForCausalLM(nn.Module):
     The model never allocates pages or state slots: it writes K/V at the slots it is given,
     reads through the page tables, and updates the state slots of `states`."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device):
         super().__init__()
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device(device)
         self.config = config
         self.dtype = dtype
         with torch.device("meta"):  # skip the default init: weights are loaded next
@@ -82,7 +84,7 @@ class BambaForCausalLM(nn.Module):
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device)
-        self.rotary_emb = RotaryEmbedding(config, device)
+        self.rotary_emb = RotaryEmbedding(config, device=device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

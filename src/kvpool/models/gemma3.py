@@ -115,11 +115,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     decoder = Gemma3Model
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device):
         super().__init__(config, dtype=dtype, device=device)
         local = replace(config, rope_theta=config.gemma.local_rope_theta,
                         rope_scaling=config.gemma.local_rope_scaling)
-        self.local_rotary_emb = RotaryEmbedding(local, self.rotary_emb.inv_freq.device)
+        self.local_rotary_emb = RotaryEmbedding(local, device=self.rotary_emb.inv_freq.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
         """(cos, sin) at `positions` `[T]` for the full layers, then for the sliding ones."""

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+from kvpool.devices import check_device
 from kvpool.grouped_pool import GroupedMetadata, GroupedPool
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.rotary import RotaryEmbedding, apply_rotary
-from kvpool.pool import KVPool, default_device
+from kvpool.pool import KVPool
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
 
@@ -120,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
 
     decoder = LlamaModel
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device):
         super().__init__()
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device(device)
         self.config = config
         self.dtype = dtype
         with torch.device("meta"):  # skip the default init: weights are loaded next
@@ -130,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(
                 config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device=device)
-        self.rotary_emb = RotaryEmbedding(config, device)
+        self.rotary_emb = RotaryEmbedding(config, device=device)
 
     def rope(self, positions: torch.Tensor):
         """What the decoder rotates q/k by at `positions` `[T]`: one (cos, sin) pair."""

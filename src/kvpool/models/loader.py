@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvpool.devices import check_device
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
@@ -17,7 +18,6 @@ from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from kvpool.pool import default_device
 
 TINY_PRESET = "tiny"
 TINY_SEED = 0
@@ -43,12 +43,12 @@ class LoadedModel:
 
 
 def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
-               device=None) -> LoadedModel:
-    """Load a checkpoint folder or the "tiny" preset. dtype None: the config's (float32 if it
-    states none); device None: CUDA when available, else the CPU. Raises ConfigError for a
+               device: str | torch.device) -> LoadedModel:
+    """Load a checkpoint folder or the "tiny" preset onto `device`. dtype None: the config's
+    (float32 if it states none). Raises ValueError for a bad device, ConfigError for a
     missing, malformed or unsupported config and CheckpointError for weights that do not
     match it."""
-    device = resolve_device(device)
+    device = check_device(device)
     config = load_config(model)
     if model == TINY_PRESET:
         net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
@@ -82,26 +82,6 @@ def load_config(model: str | Path) -> ModelConfig:
         return ModelConfig.from_hf(model)
     folder = Path(model)
     return _with_generation_eos(ModelConfig.from_hf(folder), folder)
-
-
-def resolve_device(device) -> torch.device:
-    """`device` as a torch.device (None: CUDA when available, else the CPU). A device this
-    machine does not have raises ValueError instead of failing inside torch."""
-    if device is None:
-        return default_device()
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device {str(device)!r} needs CUDA, and this machine has no CUDA "
-                             f"device (torch {torch.__version__}); use device='cpu'")
-        if device.index is not None and device.index >= count:
-            raise ValueError(f"device {str(device)!r} does not exist: this machine has "
-                             f"{count} CUDA device(s)")
-    return device
 
 
 def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:

@@ -20,9 +20,9 @@ from kvpool.models.config import ModelConfig
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def inv_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
+def inv_frequencies(config: ModelConfig, *, device: str | torch.device) -> torch.Tensor:
     """`[rotary_dim // 2]` float32 inverse frequencies (radians per position) of the config's
-    rope type."""
+    rope type, on `device`."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -102,9 +102,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin of the rotary angles for a step's positions; computed per forward pass (cheap:
     tokens x head_dim/2 values) rather than cached up to max_position_embeddings."""
 
-    def __init__(self, config: ModelConfig, device=None):
+    def __init__(self, config: ModelConfig, *, device: str | torch.device):
         super().__init__()
-        self.register_buffer("inv_freq", inv_frequencies(config, device), persistent=False)
+        self.register_buffer("inv_freq", inv_frequencies(config, device=device), persistent=False)
         self.attention_factor = attention_factor(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
