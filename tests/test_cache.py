@@ -18,16 +18,17 @@ from kvpool.tokens import pack_tokens
 PS = 4
 
 
-def make_cache(num_pages=8, **kw):
+def make_cache(num_pages=8, *, device, **kw):
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=PS)
-    return KVCache(layout, num_pages, device="cpu", **kw)
+    return KVCache(layout, num_pages, device=device, **kw)
 
 
 def fill(cache, seq_id, start=0, value=None):
     """Write a distinct K value into every slot of the sequence from `start` on."""
-    slots = torch.tensor(cache.slots(seq_id)[start:])
+    slots = torch.tensor(cache.slots(seq_id)[start:], device=cache.device)
     base = float(value if value is not None else hash(seq_id) % 1000)
-    k = (base + torch.arange(len(slots), dtype=torch.float32))[:, None, None].expand(-1, 1, 2)
+    k = (base + torch.arange(len(slots), dtype=torch.float32, device=cache.device))
+    k = k[:, None, None].expand(-1, 1, 2)
     for layer in range(2):
         cache.pool.write(layer, slots, k, -k)
 
@@ -35,7 +36,7 @@ def fill(cache, seq_id, start=0, value=None):
 def read(cache, seq_id, layer=0):
     """The K values of the sequence's tokens, read through its page table."""
     k = cache.pool.k_cache(layer).reshape(-1, 1, 2)
-    return k[torch.tensor(cache.slots(seq_id))][:, 0, 0].tolist()
+    return k[torch.tensor(cache.slots(seq_id), device=cache.device)][:, 0, 0].tolist()
 
 
 def snapshot(cache):
@@ -58,15 +59,15 @@ def assert_unchanged(before, cache):
 
 # ---- page tables and slots ---------------------------------------------------------------
 
-def test_add_sequence_takes_whole_pages_ascending():
-    cache = make_cache()
+def test_add_sequence_takes_whole_pages_ascending(device):
+    cache = make_cache(device=device)
     assert cache.add_sequence("a", num_tokens=9) == 0
     assert cache.pages("a") == [0, 1, 2]
     assert cache.num_tokens("a") == 9
 
 
-def test_slots_follow_the_page_table():
-    cache = make_cache()
+def test_slots_follow_the_page_table(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=2)
     cache.add_sequence("b", num_tokens=6)
     assert cache.slots("b") == [4, 5, 6, 7, 8, 9]
@@ -74,22 +75,22 @@ def test_slots_follow_the_page_table():
     assert cache.pages("a") == [0, 3]
 
 
-def test_append_within_a_page_takes_no_page():
-    cache = make_cache()
+def test_append_within_a_page_takes_no_page(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=1)
     assert cache.append("a") == [1]
     assert cache.allocator.num_free == 7
 
 
-def test_append_token_ids_sets_the_count():
-    cache = make_cache()
+def test_append_token_ids_sets_the_count(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", [1, 2])
     assert cache.append("a", token_ids=[3, 4, 5]) == [2, 3, 4]
     assert cache.num_tokens("a") == 5
 
 
-def test_empty_sequence_holds_no_page():
-    cache = make_cache()
+def test_empty_sequence_holds_no_page(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=0)
     assert cache.pages("a") == []
     assert cache.append("a") == [0]
@@ -98,8 +99,8 @@ def test_empty_sequence_holds_no_page():
 # ---- growing a batch of sequences in one call ---------------------------------------------
 
 
-def test_append_batch_fills_each_partial_last_page_before_taking_new_pages():
-    cache = make_cache()
+def test_append_batch_fills_each_partial_last_page_before_taking_new_pages(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=3)  # page 0, one slot left
     cache.add_sequence("b", num_tokens=4)  # page 1, full
     assert cache.append_batch(["a", "b"], [6, 2]) == [3, 8, 9, 10, 11, 12, 16, 17]
@@ -109,8 +110,8 @@ def test_append_batch_fills_each_partial_last_page_before_taking_new_pages():
     cache.check()
 
 
-def test_append_batch_decode_takes_a_page_only_where_the_last_is_full():
-    cache = make_cache()
+def test_append_batch_decode_takes_a_page_only_where_the_last_is_full(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=4)
     cache.add_sequence("b", num_tokens=5)
     cache.add_sequence("c", num_tokens=8)
@@ -121,8 +122,8 @@ def test_append_batch_decode_takes_a_page_only_where_the_last_is_full():
     cache.check()
 
 
-def test_append_batch_with_token_ids_keeps_the_sequences_cacheable():
-    cache = make_cache(prefix_caching=True)
+def test_append_batch_with_token_ids_keeps_the_sequences_cacheable(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", [1, 2, 3])
     cache.add_sequence("b", [5])
     assert cache.append_batch(["a", "b"], token_ids=[[4, 5], [6, 7, 8]]) == [3, 2 * PS, 5, 6, 7]
@@ -133,8 +134,8 @@ def test_append_batch_with_token_ids_keeps_the_sequences_cacheable():
     cache.check()
 
 
-def test_append_batch_copies_a_shared_partial_page_only_while_it_is_still_shared():
-    cache = make_cache()
+def test_append_batch_copies_a_shared_partial_page_only_while_it_is_still_shared(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     fill(cache, "a", value=100)
     cache.fork("a", "b")
@@ -147,8 +148,8 @@ def test_append_batch_copies_a_shared_partial_page_only_while_it_is_still_shared
     cache.check()
 
 
-def test_append_batch_out_of_pages_changes_nothing():
-    cache = make_cache(num_pages=4)
+def test_append_batch_out_of_pages_changes_nothing(device):
+    cache = make_cache(num_pages=4, device=device)
     cache.add_sequence("a", num_tokens=3)
     cache.add_sequence("b", num_tokens=4)
     before = snapshot(cache)
@@ -167,8 +168,8 @@ def test_append_batch_out_of_pages_changes_nothing():
     (["a", "b"], {"token_ids": [[1], [2]], "num_tokens": [1, 2]}, ValueError),
     (["a", "b"], {"num_tokens": [1, 30]}, SequenceTooLong),
 ])
-def test_append_batch_bad_arguments_raise_and_change_nothing(seq_ids, kwargs, error):
-    cache = make_cache(max_tokens_per_seq=20)
+def test_append_batch_bad_arguments_raise_and_change_nothing(seq_ids, kwargs, error, device):
+    cache = make_cache(max_tokens_per_seq=20, device=device)
     cache.add_sequence("a", num_tokens=3)
     cache.add_sequence("b", num_tokens=4)
     before = snapshot(cache)
@@ -177,9 +178,9 @@ def test_append_batch_bad_arguments_raise_and_change_nothing(seq_ids, kwargs, er
     assert_unchanged(before, cache)
 
 
-def test_append_batch_with_token_granular_pages():
+def test_append_batch_with_token_granular_pages(device):
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=1)
-    cache = KVCache(layout, 16, device="cpu", prefix_caching=True)
+    cache = KVCache(layout, 16, device=device, prefix_caching=True)
     cache.add_sequence("a", [1, 2, 3])
     cache.add_sequence("b", [1, 2])
     assert cache.append_batch(["a", "b"], token_ids=[[4], [9, 9]]) == [5, 6, 7]
@@ -191,33 +192,33 @@ def test_append_batch_with_token_granular_pages():
     cache.check()
 
 
-def test_page_tables_are_padded_int32():
-    cache = make_cache()
+def test_page_tables_are_padded_int32(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=9)
     cache.add_sequence("b", num_tokens=1)
     tables = cache.page_tables(["b", "a"])
-    assert tables.dtype == torch.int32
+    assert tables.dtype == torch.int32 and tables.device.type == "cpu"
     assert tables.tolist() == [[3, 0, 0], [0, 1, 2]]
 
 
-def test_slot_mapping_concatenates_token_ranges():
-    cache = make_cache()
+def test_slot_mapping_concatenates_token_ranges(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     cache.add_sequence("b", num_tokens=3)
     mapping = cache.slot_mapping(["a", "b"], [4, 0], [6, 2])
-    assert mapping.dtype == torch.int64
+    assert mapping.dtype == torch.int64 and mapping.device.type == "cpu"
     assert mapping.tolist() == [4, 5, 8, 9]
 
 
-def test_slot_mapping_rejects_a_range_past_the_end():
-    cache = make_cache()
+def test_slot_mapping_rejects_a_range_past_the_end(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=3)
     with pytest.raises(ValueError, match=r"\[0, 4\).*3 tokens"):
         cache.slot_mapping(["a"], [0], [4])
 
 
-def test_free_sequence_returns_its_pages():
-    cache = make_cache()
+def test_free_sequence_returns_its_pages(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=9)
     cache.free_sequence("a")
     assert cache.allocator.num_free == 8
@@ -227,8 +228,8 @@ def test_free_sequence_returns_its_pages():
 
 # ---- fork and copy-on-write --------------------------------------------------------------
 
-def test_fork_shares_every_page():
-    cache = make_cache()
+def test_fork_shares_every_page(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     cache.fork("a", "b")
     assert cache.pages("b") == [0, 1]
@@ -237,8 +238,8 @@ def test_fork_shares_every_page():
     cache.check()
 
 
-def test_fork_then_append_copies_shared_partial_page():
-    cache = make_cache()
+def test_fork_then_append_copies_shared_partial_page(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     fill(cache, "a", value=100)
     cache.fork("a", "b")
@@ -253,16 +254,16 @@ def test_fork_then_append_copies_shared_partial_page():
     cache.check()
 
 
-def test_append_on_exclusive_page_copies_nothing():
-    cache = make_cache()
+def test_append_on_exclusive_page_copies_nothing(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     assert cache.append("a") == [6]
     assert cache.pages("a") == [0, 1]
     assert cache.stats().num_cow_copies == 0
 
 
-def test_fork_then_append_on_full_page_takes_a_new_page_without_copy():
-    cache = make_cache()
+def test_fork_then_append_on_full_page_takes_a_new_page_without_copy(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=8)
     cache.fork("a", "b")
     cache.append("b")
@@ -270,8 +271,8 @@ def test_fork_then_append_on_full_page_takes_a_new_page_without_copy():
     assert cache.stats().num_cow_copies == 0
 
 
-def test_after_one_side_copies_the_other_writes_in_place():
-    cache = make_cache()
+def test_after_one_side_copies_the_other_writes_in_place(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     cache.fork("a", "b")
     cache.append("a")
@@ -283,8 +284,8 @@ def test_after_one_side_copies_the_other_writes_in_place():
 
 # ---- errors change nothing ---------------------------------------------------------------
 
-def test_unknown_sequence_is_a_typed_error():
-    cache = make_cache()
+def test_unknown_sequence_is_a_typed_error(device):
+    cache = make_cache(device=device)
     for call in (lambda: cache.append("x"), lambda: cache.free_sequence("x"),
                  lambda: cache.fork("x", "y"), lambda: cache.commit("x"),
                  lambda: cache.pages("x")):
@@ -292,8 +293,8 @@ def test_unknown_sequence_is_a_typed_error():
             call()
 
 
-def test_duplicate_sequence_is_a_typed_error_and_changes_nothing():
-    cache = make_cache()
+def test_duplicate_sequence_is_a_typed_error_and_changes_nothing(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=5)
     cache.add_sequence("b", num_tokens=1)
     before = snapshot(cache)
@@ -304,8 +305,8 @@ def test_duplicate_sequence_is_a_typed_error_and_changes_nothing():
     assert_unchanged(before, cache)
 
 
-def test_sequence_too_long_names_the_limit_and_changes_nothing():
-    cache = make_cache(max_tokens_per_seq=10)
+def test_sequence_too_long_names_the_limit_and_changes_nothing(device):
+    cache = make_cache(max_tokens_per_seq=10, device=device)
     cache.add_sequence("a", num_tokens=9)
     before = snapshot(cache)
     with pytest.raises(SequenceTooLong, match="12 tokens.*limit of 10"):
@@ -315,8 +316,8 @@ def test_sequence_too_long_names_the_limit_and_changes_nothing():
     assert_unchanged(before, cache)
 
 
-def test_out_of_pages_on_add_names_the_numbers_and_changes_nothing():
-    cache = make_cache(num_pages=4)
+def test_out_of_pages_on_add_names_the_numbers_and_changes_nothing(device):
+    cache = make_cache(num_pages=4, device=device)
     cache.add_sequence("a", num_tokens=9)
     fill(cache, "a")
     before = snapshot(cache)
@@ -325,8 +326,8 @@ def test_out_of_pages_on_add_names_the_numbers_and_changes_nothing():
     assert_unchanged(before, cache)
 
 
-def test_out_of_pages_on_copy_on_write_changes_nothing():
-    cache = make_cache(num_pages=2)
+def test_out_of_pages_on_copy_on_write_changes_nothing(device):
+    cache = make_cache(num_pages=2, device=device)
     cache.add_sequence("a", num_tokens=6)
     cache.fork("a", "b")
     before = snapshot(cache)
@@ -335,15 +336,15 @@ def test_out_of_pages_on_copy_on_write_changes_nothing():
     assert_unchanged(before, cache)
 
 
-def test_reserve_is_kept_back():
-    cache = make_cache(num_pages=4, reserve=1)
+def test_reserve_is_kept_back(device):
+    cache = make_cache(num_pages=4, reserve=1, device=device)
     cache.add_sequence("a", num_tokens=12)
     with pytest.raises(OutOfPages, match=r"1 reserved"):
         cache.append("a", 1)
 
 
-def test_bad_counts_are_rejected():
-    cache = make_cache()
+def test_bad_counts_are_rejected(device):
+    cache = make_cache(device=device)
     with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
         cache.add_sequence("a", num_tokens=-1)
     with pytest.raises(TypeError, match="num_tokens must be an int, got bool True"):
@@ -355,8 +356,8 @@ def test_bad_counts_are_rejected():
     assert cache.sequences() == []
 
 
-def test_bad_token_ids_name_the_position_and_change_nothing():
-    cache = make_cache(prefix_caching=True)
+def test_bad_token_ids_name_the_position_and_change_nothing(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(6))
     cache.commit("a")
     before = snapshot(cache)
@@ -383,8 +384,8 @@ def test_bad_token_ids_name_the_position_and_change_nothing():
     ([2**31], ValueError, "token id 0 is 2147483648, outside int32"),
 ])
 def test_token_ids_are_checked_with_or_without_prefix_caching(prefix_caching, token_ids, error,
-                                                              message):
-    cache = make_cache(prefix_caching=prefix_caching)
+                                                              message, device):
+    cache = make_cache(prefix_caching=prefix_caching, device=device)
     cache.add_sequence("a", prompt(2))
     before = snapshot(cache)
     with pytest.raises(error, match=message):
@@ -395,8 +396,8 @@ def test_token_ids_are_checked_with_or_without_prefix_caching(prefix_caching, to
     assert cache.sequences() == ["a"] and cache.num_tokens("a") == 2
 
 
-def test_appending_zero_tokens_changes_nothing_and_keeps_caching():
-    cache = make_cache(prefix_caching=True)
+def test_appending_zero_tokens_changes_nothing_and_keeps_caching(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(6))
     assert cache.append("a", 0) == []
     cache.append("a", token_ids=prompt(3, 6))
@@ -405,14 +406,14 @@ def test_appending_zero_tokens_changes_nothing_and_keeps_caching():
     assert cache.add_sequence("b", prompt(9)) == 8
 
 
-def test_a_pool_past_int32_page_ids_is_refused_naming_the_limit():
+def test_a_pool_past_int32_page_ids_is_refused_naming_the_limit(device):
     with pytest.raises(ValueError, match=r"num_pages must be in \[1, 2147483647\], "
                                          r"got 10000000000000"):
-        make_cache(10**13)
+        make_cache(10**13, device=device)
 
 
-def test_token_ids_may_be_any_sequence_of_integers():
-    cache = make_cache(prefix_caching=True)
+def test_token_ids_may_be_any_sequence_of_integers(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", range(9))
     cache.commit("a")
     assert cache.add_sequence("b", tuple(range(9))) == 8
@@ -421,8 +422,8 @@ def test_token_ids_may_be_any_sequence_of_integers():
     cache.check()
 
 
-def test_errors_share_the_library_base_class():
-    cache = make_cache()
+def test_errors_share_the_library_base_class(device):
+    cache = make_cache(device=device)
     with pytest.raises(KVPoolError):
         cache.append("nope")
 
@@ -433,8 +434,8 @@ def prompt(n, base=0):
     return list(range(base, base + n))
 
 
-def test_committed_full_pages_are_served_to_a_later_prompt():
-    cache = make_cache(prefix_caching=True)
+def test_committed_full_pages_are_served_to_a_later_prompt(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(10))
     fill(cache, "a", value=50)
     cache.commit("a")
@@ -446,22 +447,22 @@ def test_committed_full_pages_are_served_to_a_later_prompt():
     cache.check()
 
 
-def test_prefix_match_never_covers_the_last_token():
-    cache = make_cache(prefix_caching=True)
+def test_prefix_match_never_covers_the_last_token(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8))
     cache.commit("a")
     assert cache.add_sequence("b", prompt(8)) == 4  # page 2 would hold the last token
     assert cache.pages("b") == [0, 2]
 
 
-def test_uncommitted_pages_are_not_matched():
-    cache = make_cache(prefix_caching=True)
+def test_uncommitted_pages_are_not_matched(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(10))
     assert cache.add_sequence("b", prompt(10)) == 0
 
 
-def test_a_different_token_ends_the_match():
-    cache = make_cache(prefix_caching=True)
+def test_a_different_token_ends_the_match(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(12))
     cache.commit("a")
     other = prompt(12)
@@ -469,24 +470,24 @@ def test_a_different_token_ends_the_match():
     assert cache.add_sequence("b", other) == 4
 
 
-def test_appended_token_ids_extend_the_key():
-    cache = make_cache(prefix_caching=True)
+def test_appended_token_ids_extend_the_key(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(3))
     cache.append("a", token_ids=[3, 4, 5])
     cache.commit("a")
     assert cache.add_sequence("b", prompt(7)) == 4
 
 
-def test_append_without_token_ids_stops_caching_the_sequence():
-    cache = make_cache(prefix_caching=True)
+def test_append_without_token_ids_stops_caching_the_sequence(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(3))
     cache.append("a", 5)
     cache.commit("a")
     assert cache.prefix_cache.num_pages == 0
 
 
-def test_freed_sequence_leaves_its_committed_pages_cached():
-    cache = make_cache(prefix_caching=True)
+def test_freed_sequence_leaves_its_committed_pages_cached(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(10))
     cache.commit("a")
     cache.free_sequence("a")
@@ -497,8 +498,8 @@ def test_freed_sequence_leaves_its_committed_pages_cached():
     cache.check()
 
 
-def test_same_content_computed_twice_at_once_is_cached_once():
-    cache = make_cache(prefix_caching=True)
+def test_same_content_computed_twice_at_once_is_cached_once(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(9))
     cache.add_sequence("b", prompt(9) + [7, 7, 7])
     cache.commit("a")
@@ -514,8 +515,8 @@ def test_same_content_computed_twice_at_once_is_cached_once():
     cache.check()
 
 
-def test_forked_child_holds_pages_its_parent_commits_later():
-    cache = make_cache(prefix_caching=True)
+def test_forked_child_holds_pages_its_parent_commits_later(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(9))
     cache.fork("a", "b")
     cache.commit("a")
@@ -526,8 +527,8 @@ def test_forked_child_holds_pages_its_parent_commits_later():
     cache.check()
 
 
-def test_eviction_runs_when_pages_run_out_least_recently_used_first():
-    cache = make_cache(num_pages=5, prefix_caching=True)
+def test_eviction_runs_when_pages_run_out_least_recently_used_first(device):
+    cache = make_cache(num_pages=5, prefix_caching=True, device=device)
     for sid, base in (("a", 0), ("b", 100)):
         cache.add_sequence(sid, prompt(8, base))
         cache.commit(sid)
@@ -543,8 +544,8 @@ def test_eviction_runs_when_pages_run_out_least_recently_used_first():
     cache.check()
 
 
-def test_children_are_evicted_before_parents():
-    cache = make_cache(num_pages=4, prefix_caching=True)
+def test_children_are_evicted_before_parents(device):
+    cache = make_cache(num_pages=4, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(12))
     cache.commit("a")
     cache.free_sequence("a")
@@ -557,8 +558,8 @@ def test_children_are_evicted_before_parents():
     cache.check()
 
 
-def test_eviction_skips_cached_pages_a_live_sequence_holds():
-    cache = make_cache(num_pages=4, prefix_caching=True)
+def test_eviction_skips_cached_pages_a_live_sequence_holds(device):
+    cache = make_cache(num_pages=4, prefix_caching=True, device=device)
     for sid, base in (("a", 0), ("b", 100)):
         cache.add_sequence(sid, prompt(5, base))
         cache.commit(sid)
@@ -570,8 +571,8 @@ def test_eviction_skips_cached_pages_a_live_sequence_holds():
     cache.check()
 
 
-def test_pages_of_a_live_sequence_are_never_evicted():
-    cache = make_cache(num_pages=4, prefix_caching=True)
+def test_pages_of_a_live_sequence_are_never_evicted(device):
+    cache = make_cache(num_pages=4, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(12))
     cache.commit("a")
     before = snapshot(cache)
@@ -580,8 +581,8 @@ def test_pages_of_a_live_sequence_are_never_evicted():
     assert_unchanged(before, cache)
 
 
-def test_a_prefix_hit_pins_the_pages_it_reuses():
-    cache = make_cache(num_pages=3, prefix_caching=True)
+def test_a_prefix_hit_pins_the_pages_it_reuses(device):
+    cache = make_cache(num_pages=3, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(9))
     cache.commit("a")
     cache.free_sequence("a")
@@ -592,8 +593,8 @@ def test_a_prefix_hit_pins_the_pages_it_reuses():
     assert cache.stats().num_evicted_pages == 0
 
 
-def test_clear_drops_every_evictable_page():
-    cache = make_cache(prefix_caching=True)
+def test_clear_drops_every_evictable_page(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8))
     cache.commit("a")
     cache.add_sequence("b", prompt(8, 50))
@@ -610,8 +611,8 @@ def test_clear_drops_every_evictable_page():
 
 # ---- runs of pages in one node -----------------------------------------------------------
 
-def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_refreshes_only_its_pages():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_refreshes_only_its_pages(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     pc = cache.prefix_cache
@@ -627,8 +628,8 @@ def test_a_committed_prompt_is_one_node_and_a_hit_inside_it_refreshes_only_its_p
     cache.check()
 
 
-def test_commits_of_a_growing_sequence_extend_its_own_node():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_commits_of_a_growing_sequence_extend_its_own_node(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(5))
     cache.commit("a")
     for token in range(5, 17):
@@ -640,8 +641,8 @@ def test_commits_of_a_growing_sequence_extend_its_own_node():
     cache.check()
 
 
-def test_prompts_that_part_inside_a_node_share_its_head():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_prompts_that_part_inside_a_node_share_its_head(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
@@ -654,8 +655,8 @@ def test_prompts_that_part_inside_a_node_share_its_head():
     cache.check()
 
 
-def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_both():
-    cache = make_cache(prefix_caching=True)
+def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_both(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(9))
     cache.fork("a", "b")
     cache.commit("a")  # caches pages 0 and 1, which "b" holds outside its cached path
@@ -667,8 +668,8 @@ def test_pages_a_fork_shares_before_its_parent_commits_become_evictable_with_bot
     cache.check()
 
 
-def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path():
-    cache = make_cache(prefix_caching=True)
+def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(9))
     cache.fork("a", "b")
     cache.commit("a")
@@ -681,8 +682,8 @@ def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path():
 
 # ---- eviction leaves dead pages that later calls drop ----------------------------------
 
-def test_an_evicted_page_stays_listed_dead_until_a_walk_meets_it():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_an_evicted_page_stays_listed_dead_until_a_walk_meets_it(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
@@ -695,8 +696,8 @@ def test_an_evicted_page_stays_listed_dead_until_a_walk_meets_it():
     cache.check()
 
 
-def test_a_node_whose_pages_are_all_evicted_is_a_miss_and_is_dropped():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_a_node_whose_pages_are_all_evicted_is_a_miss_and_is_dropped(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
@@ -708,8 +709,8 @@ def test_a_node_whose_pages_are_all_evicted_is_a_miss_and_is_dropped():
     cache.check()
 
 
-def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again():
-    cache = make_cache(num_pages=4, prefix_caching=True)
+def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again(device):
+    cache = make_cache(num_pages=4, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
@@ -725,8 +726,8 @@ def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again():
     cache.check()
 
 
-def test_pages_dropped_dead_below_a_node_leave_its_children_too():
-    cache = make_cache(num_pages=12, prefix_caching=True)
+def test_pages_dropped_dead_below_a_node_leave_its_children_too(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
@@ -745,8 +746,8 @@ def test_pages_dropped_dead_below_a_node_leave_its_children_too():
 
 # ---- probes and stats --------------------------------------------------------------------
 
-def test_probes_predict_what_calls_take():
-    cache = make_cache(prefix_caching=True)
+def test_probes_predict_what_calls_take(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(6))
     cache.fork("a", "b")
     assert cache.pages_to_append("b", 1) == 1  # the copy of the shared partial page
@@ -755,8 +756,8 @@ def test_probes_predict_what_calls_take():
     assert cache.num_available_pages == 6
 
 
-def test_stats_count_shared_slots_once():
-    cache = make_cache()
+def test_stats_count_shared_slots_once(device):
+    cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)
     cache.fork("a", "b")
     s = cache.stats()
@@ -764,8 +765,8 @@ def test_stats_count_shared_slots_once():
     assert s.kv_utilization == 6 / 8
 
 
-def test_page_counts_for_the_engine_agree_with_stats():
-    cache = make_cache(prefix_caching=True)
+def test_page_counts_for_the_engine_agree_with_stats(device):
+    cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", token_ids=list(range(9)))
     cache.commit("a")
     cache.free_sequence("a")
@@ -777,16 +778,16 @@ def test_page_counts_for_the_engine_agree_with_stats():
     assert cache.device == torch.device("cpu")
 
 
-def test_scrub_on_free_zeroes_freed_pages():
-    cache = make_cache(scrub_on_free=True)
+def test_scrub_on_free_zeroes_freed_pages(device):
+    cache = make_cache(scrub_on_free=True, device=device)
     cache.add_sequence("a", num_tokens=4)
     fill(cache, "a", value=7)
     cache.free_sequence("a")
     assert torch.count_nonzero(cache.pool.kv[:, :, 0]) == 0
 
 
-def test_scrub_on_free_zeroes_evicted_pages():
-    cache = make_cache(num_pages=2, prefix_caching=True, scrub_on_free=True)
+def test_scrub_on_free_zeroes_evicted_pages(device):
+    cache = make_cache(num_pages=2, prefix_caching=True, scrub_on_free=True, device=device)
     cache.add_sequence("a", prompt(8))
     fill(cache, "a", value=7)
     cache.commit("a")
@@ -798,8 +799,8 @@ def test_scrub_on_free_zeroes_evicted_pages():
     assert torch.count_nonzero(cache.pool.kv[:, :, 0]) > 0
 
 
-def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothing():
-    cache = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4)
+def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothing(device):
+    cache = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4, device=device)
     assert cache.can_add(list(range(16))) and not cache.can_add(list(range(17)))
     assert not cache.can_add(list(range(13)), spare_pages=1)
     cache.add_sequence("a", list(range(12)))
@@ -810,9 +811,10 @@ def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothin
         cache.check_fits(17)
 
 
-def test_can_add_entering_by_chunks_asks_a_windowed_cache_for_the_entering_tokens_only():
-    windowed = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4, layer_windows=(8,)), 4)
-    whole = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4)
+def test_can_add_entering_by_chunks_asks_a_windowed_cache_for_the_entering_tokens_only(device):
+    windowed = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4, layer_windows=(8,)), 4,
+                       device=device)
+    whole = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 4, device=device)
     prompt = list(range(40))  # 10 pages; the pools hold 4
     assert windowed.can_add(prompt, entering=16) and not windowed.can_add(prompt)
     assert not whole.can_add(prompt, entering=16)

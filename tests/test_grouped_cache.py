@@ -19,34 +19,34 @@ def layout(windows=(None, WINDOW, WINDOW, None)) -> KVLayout:
                     page_size=PAGE_SIZE, layer_windows=windows)
 
 
-def cache(num_pages=(16, 8), **kwargs) -> GroupedCache:
-    return GroupedCache(layout(), num_pages, device="cpu", **kwargs)
+def cache(num_pages=(16, 8), *, device, **kwargs) -> GroupedCache:
+    return GroupedCache(layout(), num_pages, device=device, **kwargs)
 
 
 def held(c: GroupedCache, seq_id, group: int) -> list[int]:
     return [p for p in c.pages(seq_id, group) if p != HOLE]
 
 
-def test_each_group_has_a_pool_of_its_layers_and_the_model_layers_map_to_them():
-    c = cache()
+def test_each_group_has_a_pool_of_its_layers_and_the_model_layers_map_to_them(device):
+    c = cache(device=device)
     assert [pool.layout.num_layers for pool in c.pool.pools] == [2, 2]
     assert [pool.num_pages for pool in c.pool.pools] == [16, 8]
     assert c.pool.where == ((FULL, 0), (SLIDING, 0), (SLIDING, 1), (FULL, 1))
     assert c.groups[SLIDING].window == WINDOW and c.groups[FULL].window is None
 
 
-def test_a_layout_of_one_group_is_refused():
+def test_a_layout_of_one_group_is_refused(device):
     with pytest.raises(ValueError, match="at least two layer groups, got 1: use KVCache"):
-        GroupedCache(layout((WINDOW, WINDOW)), (8,), device="cpu")
+        GroupedCache(layout((WINDOW, WINDOW)), (8,), device=device)
 
 
-def test_pool_sizes_must_name_every_group():
+def test_pool_sizes_must_name_every_group(device):
     with pytest.raises(ValueError, match="num_pages gives 1 pool sizes for 2 layer groups"):
-        GroupedCache(layout(), (8,), device="cpu")
+        GroupedCache(layout(), (8,), device=device)
 
 
-def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_the_other():
-    c = cache()
+def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_the_other(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=5)
     for _ in range(30):
         c.append("a")
@@ -56,15 +56,15 @@ def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_t
     assert c.pages("a", SLIDING)[:6] == [HOLE] * 6
 
 
-def test_append_returns_the_new_tokens_slots_in_each_group():
-    c = cache()
+def test_append_returns_the_new_tokens_slots_in_each_group(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=4)
     slots = c.append("a", 2)
     assert slots == (c.slots("a", FULL)[4:], c.slots("a", SLIDING)[4:])
 
 
-def test_an_append_the_window_pool_cannot_take_changes_neither_pool():
-    c = cache(num_pages=(16, 2))
+def test_an_append_the_window_pool_cannot_take_changes_neither_pool(device):
+    c = cache(num_pages=(16, 2), device=device)
     c.add_sequence("a", num_tokens=8)  # both window pages
     before = (c.pages("a", FULL), c.pages("a", SLIDING), c.stats())
     with pytest.raises(OutOfPages, match="window 8 pool: need 1 pages, 0 free, 0 evictable"):
@@ -73,8 +73,8 @@ def test_an_append_the_window_pool_cannot_take_changes_neither_pool():
     assert not c.can_append("a")
 
 
-def test_append_batch_grows_every_sequence_in_every_group_or_none():
-    c = cache(num_pages=(16, 3))
+def test_append_batch_grows_every_sequence_in_every_group_or_none(device):
+    c = cache(num_pages=(16, 3), device=device)
     c.add_sequence("a", num_tokens=4)
     c.add_sequence("b", num_tokens=4)
     with pytest.raises(OutOfPages, match="window 8 pool: need 2 pages, 1 free"):
@@ -86,8 +86,8 @@ def test_append_batch_grows_every_sequence_in_every_group_or_none():
     c.check()
 
 
-def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_holds_it():
-    c = cache(num_pages=(16, 3))
+def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_holds_it(device):
+    c = cache(num_pages=(16, 3), device=device)
     c.add_sequence("a", num_tokens=6)  # two window pages, the second partial
     c.fork("a", "b")
     # a copies the shared partial page, b then holds the original alone: one page, not two
@@ -97,39 +97,39 @@ def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_h
     c.check()
 
 
-def test_a_prompt_entering_by_chunks_needs_room_for_all_of_it_in_the_full_pool_only():
-    c = cache((6, 3))  # the full pool: 24 tokens; the window pool: 12
+def test_a_prompt_entering_by_chunks_needs_room_for_all_of_it_in_the_full_pool_only(device):
+    c = cache((6, 3), device=device)  # the full pool: 24 tokens; the window pool: 12
     prompt = list(range(40))
     assert c.can_add(prompt[:20], entering=8) and not c.can_add(prompt[:28], entering=8)
     assert not c.can_add(prompt[:20])  # all 20 tokens at once need 5 window pages of 3
     assert c.num_free_pages == 9 and c.sequences() == []
 
 
-def test_check_fits_names_the_pool_a_sequence_overflows():
-    c = cache(num_pages=(16, 4))
+def test_check_fits_names_the_pool_a_sequence_overflows(device):
+    c = cache(num_pages=(16, 4), device=device)
     c.check_fits(16)
     with pytest.raises(OutOfPages, match="^window 8 pool: 17 tokens need 5 pages of 4 tokens; "
                                          "the pool has 4$"):
         c.check_fits(17)
 
 
-def test_can_add_asks_every_pool():
-    c = cache(num_pages=(16, 3))
+def test_can_add_asks_every_pool(device):
+    c = cache(num_pages=(16, 3), device=device)
     assert c.can_add(list(range(12)))
     assert not c.can_add(list(range(13)))
     assert not c.can_add(list(range(12)), spare_pages=1)
 
 
-def test_the_length_limit_applies_to_the_sequence_in_every_group():
-    c = cache(max_tokens_per_seq=10)
+def test_the_length_limit_applies_to_the_sequence_in_every_group(device):
+    c = cache(max_tokens_per_seq=10, device=device)
     c.add_sequence("a", num_tokens=9)
     with pytest.raises(SequenceTooLong, match="would hold 11 tokens, over the limit of 10"):
         c.append("a", 2)
     c.check()
 
 
-def test_stats_sum_the_pools_and_group_stats_give_each():
-    c = cache()
+def test_stats_sum_the_pools_and_group_stats_give_each(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=20)
     full, window = c.group_stats()
     assert (full.num_used_pages, window.num_used_pages) == (5, 5)
@@ -149,8 +149,8 @@ def prefill(c: GroupedCache, seq_id, tokens: list[int]) -> int:
 PROMPT = list(range(17))  # four full pages and one token
 
 
-def test_a_prefix_hit_is_served_by_every_group():
-    c = cache(prefix_caching=True)
+def test_a_prefix_hit_is_served_by_every_group(device):
+    c = cache(prefix_caching=True, device=device)
     prefill(c, "a", PROMPT)
     c.free_sequence("a")
     assert prefill(c, "b", PROMPT) == 16
@@ -158,8 +158,8 @@ def test_a_prefix_hit_is_served_by_every_group():
     c.check()
 
 
-def test_a_hit_is_bounded_by_the_group_that_evicted_its_pages():
-    c = cache(prefix_caching=True)
+def test_a_hit_is_bounded_by_the_group_that_evicted_its_pages(device):
+    c = cache(prefix_caching=True, device=device)
     prefill(c, "a", PROMPT)
     c.free_sequence("a")
     c.groups[SLIDING].prefix_cache.evict(2)  # the window pool's last two cached pages
@@ -169,8 +169,8 @@ def test_a_hit_is_bounded_by_the_group_that_evicted_its_pages():
     c.check()
 
 
-def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_shared_one():
-    c = cache(prefix_caching=True)
+def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_shared_one(device):
+    c = cache(prefix_caching=True, device=device)
     prefill(c, "a", PROMPT)
     c.free_sequence("a")
     c.groups[SLIDING].prefix_cache.evict(2)
@@ -182,8 +182,9 @@ def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_s
     assert window == c.slots("b", SLIDING)[8:]  # the window pool computes them anew
 
 
-def test_a_window_sequence_that_dropped_pages_is_no_longer_matched_past_its_committed_prompt():
-    c = cache(num_pages=(32, 16), prefix_caching=True)
+def test_a_window_sequence_that_dropped_pages_is_no_longer_matched_past_its_committed_prompt(
+        device):
+    c = cache(num_pages=(32, 16), prefix_caching=True, device=device)
     prefill(c, "a", PROMPT)
     for token in range(17, 40):
         c.append("a", token_ids=[token])
@@ -194,8 +195,8 @@ def test_a_window_sequence_that_dropped_pages_is_no_longer_matched_past_its_comm
     c.check()
 
 
-def test_fork_shares_the_pages_of_every_group():
-    c = cache()
+def test_fork_shares_the_pages_of_every_group(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=10)
     c.fork("a", "b")
     assert c.pages("b", FULL) == c.pages("a", FULL)

@@ -17,27 +17,27 @@ STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_
                      state_size=2, dtype=torch.float32)
 
 
-def cache(num_pages=8, num_slots=3):
-    return HybridCache(LAYOUT, num_pages, STATES, num_slots, device="cpu")
+def cache(num_pages=8, num_slots=3, *, device):
+    return HybridCache(LAYOUT, num_pages, STATES, num_slots, device=device)
 
 
-def test_a_sequence_holds_its_pages_and_one_state_slot():
-    c = cache()
+def test_a_sequence_holds_its_pages_and_one_state_slot(device):
+    c = cache(device=device)
     assert c.add_sequence("a", num_tokens=6) == 0
     assert (c.pages("a"), c.state_slot("a"), c.num_free_state_slots) == ([0, 1], 0, 2)
     c.check()
 
 
-def test_free_returns_the_pages_and_the_slot():
-    c = cache()
+def test_free_returns_the_pages_and_the_slot(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=6)
     c.free_sequence("a")
     assert (c.num_free_pages, c.num_free_state_slots, c.sequences()) == (8, 3, [])
     c.check()
 
 
-def test_append_batch_grows_every_sequence_as_appends_one_by_one_would_or_none():
-    c = cache(num_pages=5)
+def test_append_batch_grows_every_sequence_as_appends_one_by_one_would_or_none(device):
+    c = cache(num_pages=5, device=device)
     c.add_sequence("a", [1, 2, 3])
     c.add_sequence("b", [4, 5, 6, 7])
     assert c.append_batch(["a", "b"], token_ids=[[8], [9, 10]]) == [3, 8, 9]
@@ -48,12 +48,12 @@ def test_append_batch_grows_every_sequence_as_appends_one_by_one_would_or_none()
     c.check()
 
 
-def test_fork_shares_pages_and_copies_the_state_into_a_new_slot():
-    c = cache()
+def test_fork_shares_pages_and_copies_the_state_into_a_new_slot(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=6)
     parent = c.state_slot("a")
-    c.states.conv[:, parent] = torch.randn(2, 3, 2)
-    c.states.ssm[:, parent] = torch.randn(2, 1, 2, 2)
+    c.states.conv[:, parent] = torch.randn(2, 3, 2, device=device)
+    c.states.ssm[:, parent] = torch.randn(2, 1, 2, 2, device=device)
     c.fork("a", "b")
     child = c.state_slot("b")
     assert c.pages("b") == c.pages("a") and child != parent
@@ -62,8 +62,8 @@ def test_fork_shares_pages_and_copies_the_state_into_a_new_slot():
     c.check()
 
 
-def test_out_of_state_slots_names_the_numbers_and_takes_no_pages():
-    c = cache(num_slots=1)
+def test_out_of_state_slots_names_the_numbers_and_takes_no_pages(device):
+    c = cache(num_slots=1, device=device)
     c.add_sequence("a", num_tokens=1)
     with pytest.raises(OutOfStateSlots, match="need 1 state slot, 0 free of 1"):
         c.add_sequence("b", num_tokens=4)
@@ -71,16 +71,16 @@ def test_out_of_state_slots_names_the_numbers_and_takes_no_pages():
     c.check()
 
 
-def test_out_of_pages_takes_no_state_slot():
-    c = cache(num_pages=2)
+def test_out_of_pages_takes_no_state_slot(device):
+    c = cache(num_pages=2, device=device)
     with pytest.raises(OutOfPages):
         c.add_sequence("a", num_tokens=9)
     assert c.num_free_state_slots == 3
     c.check()
 
 
-def test_fork_without_a_free_slot_shares_no_page():
-    c = cache(num_slots=1)
+def test_fork_without_a_free_slot_shares_no_page(device):
+    c = cache(num_slots=1, device=device)
     c.add_sequence("a", num_tokens=5)
     with pytest.raises(OutOfStateSlots):
         c.fork("a", "b")
@@ -88,8 +88,8 @@ def test_fork_without_a_free_slot_shares_no_page():
     c.check()
 
 
-def test_duplicate_and_unknown_ids_are_refused():
-    c = cache()
+def test_duplicate_and_unknown_ids_are_refused(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=1)
     with pytest.raises(DuplicateSequence):
         c.add_sequence("a", num_tokens=1)
@@ -100,8 +100,8 @@ def test_duplicate_and_unknown_ids_are_refused():
     c.check()
 
 
-def test_state_batch_lists_the_slots_in_order():
-    c = cache()
+def test_state_batch_lists_the_slots_in_order(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=1)
     c.add_sequence("b", num_tokens=1)
     batch = c.state_batch(["b", "a"])
@@ -116,7 +116,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = cache(num_pages=10, num_slots=4)
+        self.cache = cache(num_pages=10, num_slots=4, device="cpu")
         self.tokens = {}
         self.next_id = 0
 

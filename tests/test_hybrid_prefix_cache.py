@@ -18,9 +18,10 @@ STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_
                      state_size=2, dtype=torch.float32)
 
 
-def cache(num_pages=64, page_size=16, interval=64, track=256, num_checkpoint_slots=8):
+def cache(num_pages=64, page_size=16, interval=64, track=256, num_checkpoint_slots=8, *,
+          device):
     layout = KVLayout(1, 1, 2, dtype=torch.float32, page_size=page_size)
-    return HybridCache(layout, num_pages, STATES, 2, device="cpu", prefix_caching=True,
+    return HybridCache(layout, num_pages, STATES, 2, device=device, prefix_caching=True,
                        num_checkpoint_slots=num_checkpoint_slots,
                        checkpoint_interval=interval, track_interval=track)
 
@@ -46,8 +47,8 @@ def cached_then_freed(c, tokens, seq_id="a", chunk=64):
     return made, pages
 
 
-def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_192():
-    c = cache()
+def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_192(device):
+    c = cache(device=device)
     tokens = list(range(230))
     made, _ = cached_then_freed(c, tokens)
     assert made == [64, 128, 192]
@@ -56,8 +57,8 @@ def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_19
     c.check()
 
 
-def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192():
-    c = cache()
+def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192(device):
+    c = cache(device=device)
     tokens = list(range(280))
     made, pages = cached_then_freed(c, tokens)
     assert made == [64, 128, 192, 256]
@@ -78,8 +79,8 @@ def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192():
     c.check()
 
 
-def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_reaches():
-    c = cache()
+def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_reaches(device):
+    c = cache(device=device)
     c.add_sequence("a", list(range(300)))
     assert compute(c, "a", 0, 100) == [64]
     assert compute(c, "a", 100, 120) == []  # no multiple of 64 in (100, 120]
@@ -87,8 +88,8 @@ def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_rea
     c.check()
 
 
-def test_decode_saves_a_checkpoint_every_track_interval_only():
-    c = cache()
+def test_decode_saves_a_checkpoint_every_track_interval_only(device):
+    c = cache(device=device)
     tokens = list(range(250))
     c.add_sequence("a", tokens)
     assert compute(c, "a", 0, 250) == [192]
@@ -100,8 +101,8 @@ def test_decode_saves_a_checkpoint_every_track_interval_only():
     c.check()
 
 
-def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them():
-    c = cache()
+def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them(device):
+    c = cache(device=device)
     cached_then_freed(c, list(range(200)))
     assert c.checkpoints.lengths() == [64, 128, 192]
     c.evict(c.num_cached_pages)
@@ -109,8 +110,8 @@ def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them():
     c.check()
 
 
-def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages():
-    c = cache()
+def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages(device):
+    c = cache(device=device)
     _, pages = cached_then_freed(c, list(range(60)))  # 3 full pages, no checkpoint below 64
     assert c.add_sequence("b", list(range(60))) == 0
     assert c.pages("b")[:3] == pages[:3]
@@ -119,8 +120,8 @@ def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages()
     c.check()
 
 
-def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used():
-    c = cache(num_checkpoint_slots=2)
+def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used(device):
+    c = cache(num_checkpoint_slots=2, device=device)
     cached_then_freed(c, list(range(200)))  # 64, 128, 192: the third evicts the first
     assert c.checkpoints.lengths() == [128, 192]
     assert c.add_sequence("b", list(range(150))) == 128  # a hit: 128 most recently used
@@ -130,8 +131,8 @@ def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used():
     c.check()
 
 
-def test_failed_add_changes_nothing():
-    c = cache(num_pages=16)
+def test_failed_add_changes_nothing(device):
+    c = cache(num_pages=16, device=device)
     cached_then_freed(c, list(range(130)))
     order = c.checkpoints.lengths()
     with pytest.raises(OutOfPages):
@@ -140,18 +141,18 @@ def test_failed_add_changes_nothing():
     c.check()
 
 
-def test_sequence_slots_are_not_taken_by_checkpoints():
-    c = cache()
+def test_sequence_slots_are_not_taken_by_checkpoints(device):
+    c = cache(device=device)
     c.add_sequence("a", [1])
     c.add_sequence("b", [2])
     with pytest.raises(OutOfStateSlots, match="0 free of 2"):
         c.add_sequence("c", [3])
 
 
-def test_interval_not_a_multiple_of_the_page_size_is_refused():
+def test_interval_not_a_multiple_of_the_page_size_is_refused(device):
     with pytest.raises(ValueError, match="checkpoint_interval 6 must be a multiple of "
                                          "page_size 4"):
-        cache(page_size=4, interval=6, track=12)
+        cache(page_size=4, interval=6, track=12, device=device)
 
 
 PAGE, INTERVAL, TRACK = 2, 4, 8
@@ -165,7 +166,7 @@ class HybridPrefixMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.cache = cache(num_pages=40, page_size=PAGE, interval=INTERVAL, track=TRACK,
-                           num_checkpoint_slots=4)
+                           num_checkpoint_slots=4, device="cpu")
         self.computed = {}  # seq id -> tokens computed
         self.next_id = 0
 

@@ -10,78 +10,78 @@ from kvpool.pool import KVPool
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
 
 
-def make_pool(num_pages=5):
-    pool = KVPool(LAYOUT, num_pages, device="cpu")
+def make_pool(num_pages=5, *, device):
+    pool = KVPool(LAYOUT, num_pages, device=device)
     pool.kv.zero_()
     return pool
 
 
-def test_pool_is_one_tensor_of_the_documented_shape():
-    pool = make_pool()
+def test_pool_is_one_tensor_of_the_documented_shape(device):
+    pool = make_pool(device=device)
     assert pool.kv.shape == (3, 2, 5, 4, 2, 4)
     assert pool.nbytes == 3 * 2 * 5 * 4 * 2 * 4 * 4 == 5 * LAYOUT.bytes_per_page
 
 
-def test_layer_views_share_the_pool_storage():
-    pool = make_pool()
+def test_layer_views_share_the_pool_storage(device):
+    pool = make_pool(device=device)
     pool.k_cache(1)[2, 3] = 1.0
     pool.v_cache(2)[0, 0] = 2.0
     assert pool.kv[1, 0, 2, 3].eq(1).all() and pool.kv[2, 1, 0, 0].eq(2).all()
     assert pool.k_cache(0).shape == (5, 4, 2, 4)
 
 
-def test_write_puts_each_token_at_its_slot():
-    pool = make_pool()
-    k = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4)
-    pool.write(1, torch.tensor([5, 18]), k, -k)
+def test_write_puts_each_token_at_its_slot(device):
+    pool = make_pool(device=device)
+    k = torch.arange(2 * 2 * 4, dtype=torch.float32, device=device).view(2, 2, 4)
+    pool.write(1, torch.tensor([5, 18], device=device), k, -k)
     assert torch.equal(pool.k_cache(1)[1, 1], k[0])  # slot 5 = page 1, offset 1
     assert torch.equal(pool.v_cache(1)[4, 2], -k[1])  # slot 18 = page 4, offset 2
     assert torch.count_nonzero(pool.kv[0]) == 0 and torch.count_nonzero(pool.kv[2]) == 0
 
 
-def test_copy_pages_copies_every_layer():
-    pool = make_pool()
-    pool.kv[:, :, 1] = torch.randn(3, 2, 4, 2, 4)
+def test_copy_pages_copies_every_layer(device):
+    pool = make_pool(device=device)
+    pool.kv[:, :, 1] = torch.randn(3, 2, 4, 2, 4, device=device)
     pool.copy_pages([1], [3])
     assert torch.equal(pool.kv[:, :, 3], pool.kv[:, :, 1])
     assert torch.count_nonzero(pool.kv[:, :, 2]) == 0
 
 
-def test_read_pages_then_write_pages_round_trips():
-    pool = make_pool()
+def test_read_pages_then_write_pages_round_trips(device):
+    pool = make_pool(device=device)
     pool.kv.normal_()
     data = pool.read_pages([4, 0])
-    other = make_pool()
+    other = make_pool(device=device)
     other.write_pages([1, 2], data)
     assert torch.equal(other.kv[:, :, 1], pool.kv[:, :, 4])
     assert torch.equal(other.kv[:, :, 2], pool.kv[:, :, 0])
 
 
-def test_write_pages_rejects_the_wrong_shape():
-    pool = make_pool()
+def test_write_pages_rejects_the_wrong_shape(device):
+    pool = make_pool(device=device)
     with pytest.raises(ValueError, match=r"expected data of shape \(3, 2, 2, 4, 2, 4\)"):
-        pool.write_pages([0, 1], torch.zeros(3, 2, 1, 4, 2, 4))
+        pool.write_pages([0, 1], torch.zeros(3, 2, 1, 4, 2, 4, device=device))
 
 
-def test_scrub_pages_zeroes_only_those_pages():
-    pool = make_pool()
+def test_scrub_pages_zeroes_only_those_pages(device):
+    pool = make_pool(device=device)
     pool.kv.fill_(1.0)
     pool.scrub_pages([2])
     assert torch.count_nonzero(pool.kv[:, :, 2]) == 0
     assert pool.kv[:, :, 3].eq(1).all()
 
 
-def test_out_of_range_page_ids_are_invalid_pages():
-    pool = make_pool()
+def test_out_of_range_page_ids_are_invalid_pages(device):
+    pool = make_pool(device=device)
     with pytest.raises(InvalidPage, match=r"\[0, 5\).*max 5"):
         pool.copy_pages([0], [5])
     with pytest.raises(InvalidPage, match="min -1"):
         pool.read_pages([-1])
 
 
-def test_copy_pages_needs_matching_lengths():
+def test_copy_pages_needs_matching_lengths(device):
     with pytest.raises(ValueError, match="got 2 and 1"):
-        make_pool().copy_pages([0, 1], [2])
+        make_pool(device=device).copy_pages([0, 1], [2])
 
 
 @pytest.mark.parametrize(("bad", "error", "message"), [
@@ -91,9 +91,9 @@ def test_copy_pages_needs_matching_lengths():
     (2.5, TypeError, "num_pages must be an int, got float 2.5"),
     (True, TypeError, "num_pages must be an int, got bool True"),
 ])
-def test_pool_size_must_be_a_positive_int32(bad, error, message):
+def test_pool_size_must_be_a_positive_int32(bad, error, message, device):
     with pytest.raises(error, match=message):
-        KVPool(LAYOUT, bad)
+        KVPool(LAYOUT, bad, device=device)
 
 
 def test_a_pool_too_large_for_memory_names_the_bytes():
@@ -107,34 +107,35 @@ MLA = KVLayout(num_layers=3, num_kv_heads=1, head_dim=4, dtype=torch.float32, pa
                kind="mla")
 
 
-def test_mla_pool_holds_one_latent_plane_that_is_both_k_and_v():
-    pool = KVPool(MLA, 5, device="cpu")
+def test_mla_pool_holds_one_latent_plane_that_is_both_k_and_v(device):
+    pool = KVPool(MLA, 5, device=device)
     assert pool.kv.shape == (3, 1, 5, 4, 1, 4)
     assert pool.nbytes == 5 * MLA.bytes_per_page
     assert pool.k_cache(2).data_ptr() == pool.v_cache(2).data_ptr() == pool.kv[2, 0].data_ptr()
 
 
-def test_mla_pool_writes_the_latent_alone_at_its_slots():
-    pool = KVPool(MLA, 5, device="cpu")
+def test_mla_pool_writes_the_latent_alone_at_its_slots(device):
+    pool = KVPool(MLA, 5, device=device)
     pool.kv.zero_()
-    latent = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4) + 1
-    pool.write(1, torch.tensor([5, 18]), latent)
+    latent = torch.arange(2 * 4, dtype=torch.float32, device=device).view(2, 1, 4) + 1
+    pool.write(1, torch.tensor([5, 18], device=device), latent)
     assert torch.equal(pool.k_cache(1)[1, 1], latent[0])
     assert torch.equal(pool.k_cache(1)[4, 2], latent[1])
     assert torch.count_nonzero(pool.kv) == 8
 
 
-def test_mla_pool_refuses_a_v_and_an_mha_pool_needs_one():
-    latent = torch.ones(1, 1, 4)
+def test_mla_pool_refuses_a_v_and_an_mha_pool_needs_one(device):
+    latent = torch.ones(1, 1, 4, device=device)
     with pytest.raises(ValueError, match="a mla pool writes the latent alone"):
-        KVPool(MLA, 2, device="cpu").write(0, torch.tensor([0]), latent, latent)
+        KVPool(MLA, 2, device=device).write(0, torch.tensor([0], device=device), latent, latent)
     with pytest.raises(ValueError, match="a mha pool writes both K and V"):
-        make_pool().write(0, torch.tensor([0]), torch.ones(1, 2, 4))
+        make_pool(device=device).write(0, torch.tensor([0], device=device),
+                                       torch.ones(1, 2, 4, device=device))
 
 
-def test_mla_pool_copies_and_moves_pages_like_any_other():
-    pool = KVPool(MLA, 5, device="cpu")
-    pool.kv.copy_(torch.randn(pool.kv.shape))
+def test_mla_pool_copies_and_moves_pages_like_any_other(device):
+    pool = KVPool(MLA, 5, device=device)
+    pool.kv.copy_(torch.randn(pool.kv.shape, device=device))
     pool.copy_pages([0, 1], [3, 4])
     assert torch.equal(pool.kv[:, :, 3:5], pool.kv[:, :, 0:2])
     data = pool.read_pages([2])

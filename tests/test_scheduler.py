@@ -18,10 +18,10 @@ PAGE = 4
 
 
 def _scheduler(num_pages=16, *, max_num_seqs=8, max_num_batched_tokens=64, watermark_pages=1,
-               prefix_caching=False, max_model_len=64, window=None):
+               prefix_caching=False, max_model_len=64, window=None, device):
     layout = KVLayout(1, 1, 4, dtype=torch.float32, page_size=PAGE,
                       layer_windows=() if window is None else (window,))
-    cache = KVCache(layout, num_pages, device="cpu", prefix_caching=prefix_caching)
+    cache = KVCache(layout, num_pages, device=device, prefix_caching=prefix_caching)
     return Scheduler(cache, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      watermark_pages=watermark_pages, eos_token_ids={1})
@@ -54,8 +54,8 @@ def _run(scheduler, max_steps=200):
     raise AssertionError("scheduler did not finish")
 
 
-def test_prompt_is_prefilled_then_decoded_one_token_per_step():
-    s = _scheduler()
+def test_prompt_is_prefilled_then_decoded_one_token_per_step(device):
+    s = _scheduler(device=device)
     request = _add(s, 6, max_tokens=3)
     assert _step(s) == [("r", 0, 0, 6)]
     assert _step(s) == [("r", 0, 6, 7)]
@@ -65,8 +65,8 @@ def test_prompt_is_prefilled_then_decoded_one_token_per_step():
     assert s.cache.sequences() == [] and not s.has_unfinished()
 
 
-def test_long_prompt_is_prefilled_in_chunks_of_the_remaining_budget():
-    s = _scheduler(max_num_batched_tokens=8)
+def test_long_prompt_is_prefilled_in_chunks_of_the_remaining_budget(device):
+    s = _scheduler(max_num_batched_tokens=8, device=device)
     _add(s, 3, "a", max_tokens=4)
     _add(s, 12, "b", max_tokens=2)
     assert _step(s) == [("a", 0, 0, 3), ("b", 0, 0, 5)]
@@ -74,8 +74,8 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_remaining_budget():
     assert _step(s) == [("a", 0, 4, 5), ("b", 0, 12, 13)]
 
 
-def test_chunk_in_progress_does_not_sample():
-    s = _scheduler(max_num_batched_tokens=5)
+def test_chunk_in_progress_does_not_sample(device):
+    s = _scheduler(max_num_batched_tokens=5, device=device)
     request = _add(s, 12, max_tokens=2)
     batch = s.schedule()
     assert batch.sampled == [False]
@@ -83,24 +83,24 @@ def test_chunk_in_progress_does_not_sample():
     assert request.seqs[0].token_ids == list(range(10, 22))
 
 
-def test_waiting_requests_are_admitted_in_order_up_to_max_num_seqs():
-    s = _scheduler(max_num_seqs=2)
+def test_waiting_requests_are_admitted_in_order_up_to_max_num_seqs(device):
+    s = _scheduler(max_num_seqs=2, device=device)
     for name in "abc":
         _add(s, 2, name, max_tokens=5)
     assert [w[0] for w in _step(s)] == ["a", "b"]
     assert [seq.request.request_id for seq in s.waiting] == ["c"]
 
 
-def test_request_with_n_samples_takes_n_seats_before_its_fork():
-    s = _scheduler(max_num_seqs=4)
+def test_request_with_n_samples_takes_n_seats_before_its_fork(device):
+    s = _scheduler(max_num_seqs=4, device=device)
     _add(s, 2, "a", n=3, max_tokens=5)
     _add(s, 2, "b", n=2, max_tokens=5)
     assert [w[0] for w in _step(s)] == ["a"]
     assert [(w[0], w[1]) for w in _step(s)] == [("a", 0), ("a", 1), ("a", 2)]
 
 
-def test_n_samples_fork_after_prefill_and_share_the_prompt_pages():
-    s = _scheduler()
+def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(device):
+    s = _scheduler(device=device)
     request = _add(s, 6, n=3, max_tokens=4)
     _step(s)
     assert len(request.seqs) == 3
@@ -114,15 +114,15 @@ def test_n_samples_fork_after_prefill_and_share_the_prompt_pages():
     assert s.cache.allocator.refcount(pages[0][0]) == 3
 
 
-def test_forked_samples_are_numbered_by_their_index():
-    s = _scheduler()
+def test_forked_samples_are_numbered_by_their_index(device):
+    s = _scheduler(device=device)
     request = _add(s, 2, n=2, seed=5)
     _step(s)
     assert [seq.index for seq in request.seqs] == [0, 1]
 
 
-def test_newest_sequence_is_preempted_to_the_front_of_the_queue():
-    s = _scheduler(num_pages=4, watermark_pages=0)
+def test_newest_sequence_is_preempted_to_the_front_of_the_queue(device):
+    s = _scheduler(num_pages=4, watermark_pages=0, device=device)
     a = _add(s, 4, "a", max_tokens=8)
     b = _add(s, 4, "b", max_tokens=8)
     c = _add(s, 4, "c", max_tokens=8)
@@ -141,8 +141,8 @@ def test_newest_sequence_is_preempted_to_the_front_of_the_queue():
     assert all(len(r.seqs[0].token_ids) == 12 for r in (a, b, c))
 
 
-def test_preempted_sequence_recomputes_its_prompt_and_outputs():
-    s = _scheduler(num_pages=3, watermark_pages=0)
+def test_preempted_sequence_recomputes_its_prompt_and_outputs(device):
+    s = _scheduler(num_pages=3, watermark_pages=0, device=device)
     _add(s, 4, "a", max_tokens=5)
     b = _add(s, 4, "b", max_tokens=3)
     _step(s)
@@ -155,8 +155,8 @@ def test_preempted_sequence_recomputes_its_prompt_and_outputs():
     assert b.seqs[0].token_ids == [10, 11, 12, 13, 9, 9, 9]
 
 
-def test_admission_keeps_the_watermark_while_others_run():
-    s = _scheduler(num_pages=6, watermark_pages=2)
+def test_admission_keeps_the_watermark_while_others_run(device):
+    s = _scheduler(num_pages=6, watermark_pages=2, device=device)
     _add(s, 8, "a", max_tokens=2)  # 2 pages
     _add(s, 8, "b", max_tokens=2)  # 2 more would leave 2 free: allowed
     _add(s, 5, "c", max_tokens=2)  # 2 more would leave 0 free: waits
@@ -164,22 +164,22 @@ def test_admission_keeps_the_watermark_while_others_run():
     assert [q.request.request_id for q in s.waiting] == ["c"]
 
 
-def test_watermark_is_ignored_when_nothing_runs():
-    s = _scheduler(num_pages=4, watermark_pages=2)
+def test_watermark_is_ignored_when_nothing_runs(device):
+    s = _scheduler(num_pages=4, watermark_pages=2, device=device)
     _add(s, 15, max_tokens=2)
     assert _step(s) == [("r", 0, 0, 15)]
 
 
-def test_prefix_cache_serves_committed_pages_of_a_shared_prompt():
-    s = _scheduler(prefix_caching=True)
+def test_prefix_cache_serves_committed_pages_of_a_shared_prompt(device):
+    s = _scheduler(prefix_caching=True, device=device)
     _add(s, 10, "a", max_tokens=1)
     _run(s)
     _add(s, 11, "b", max_tokens=1)  # same first 10 tokens: two full pages are cached
     assert _step(s) == [("b", 0, 8, 11)]
 
 
-def test_abort_frees_pages_at_once_and_removes_the_request_everywhere():
-    s = _scheduler(max_num_seqs=1)
+def test_abort_frees_pages_at_once_and_removes_the_request_everywhere(device):
+    s = _scheduler(max_num_seqs=1, device=device)
     a = _add(s, 6, "a", n=1, max_tokens=8)
     b = _add(s, 6, "b", max_tokens=8)
     _step(s)
@@ -191,15 +191,15 @@ def test_abort_frees_pages_at_once_and_removes_the_request_everywhere():
     assert a.seqs[0].finish_reason == b.seqs[0].finish_reason == "abort"
 
 
-def test_abort_before_the_fork_finishes_the_request():
-    s = _scheduler()
+def test_abort_before_the_fork_finishes_the_request(device):
+    s = _scheduler(device=device)
     request = _add(s, 6, n=3)
     s.abort(request)
     assert request.finished and len(request.seqs) == 1
 
 
-def test_stop_token_and_eos_finish_a_sample():
-    s = _scheduler()
+def test_stop_token_and_eos_finish_a_sample(device):
+    s = _scheduler(device=device)
     request = Request("r", None, [3, 4], SamplingParams(max_tokens=10))
     s.add_request(request)
     _step(s, token=1)  # eos
@@ -211,32 +211,33 @@ def _request(prompt_len, **params):
     return Request("r", None, [5] * prompt_len, SamplingParams(**params))
 
 
-def test_request_over_max_model_len_is_refused_with_the_numbers():
-    s = _scheduler(max_model_len=20)
+def test_request_over_max_model_len_is_refused_with_the_numbers(device):
+    s = _scheduler(max_model_len=20, device=device)
     with pytest.raises(SequenceTooLong, match=r"12 tokens \+ max_tokens 9 = 21 .*max_model_len 20"):
         s.check_fits(_request(12, max_tokens=9))
     s.check_fits(_request(12, max_tokens=8))
 
 
-def test_request_over_the_pool_is_refused_with_the_numbers():
-    s = _scheduler(num_pages=4)  # 16 tokens; the last sampled token needs no slot
+def test_request_over_the_pool_is_refused_with_the_numbers(device):
+    s = _scheduler(num_pages=4, device=device)  # 16 tokens; the last sampled token needs no slot
     s.check_fits(_request(10, max_tokens=7))
     with pytest.raises(OutOfPages, match=r"need 5 pages of 4 tokens; the pool has 4"):
         s.check_fits(_request(10, max_tokens=8))
 
 
-def test_more_samples_than_max_num_seqs_are_refused():
-    s = _scheduler(max_num_seqs=2)
+def test_more_samples_than_max_num_seqs_are_refused(device):
+    s = _scheduler(max_num_seqs=2, device=device)
     with pytest.raises(ValueError, match="n=3 samples exceed max_num_seqs 2"):
         s.check_fits(_request(1, n=3))
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_random_workloads_finish_without_leaking_pages(seed):
+def test_random_workloads_finish_without_leaking_pages(seed, device):
     rng = random.Random(seed)
     s = _scheduler(num_pages=rng.choice([6, 10, 24]), max_num_seqs=rng.choice([2, 5, 8]),
                    max_num_batched_tokens=rng.choice([4, 9, 64]), watermark_pages=rng.randint(0, 2),
-                   prefix_caching=rng.random() < 0.5, window=rng.choice([None, 5, 8]))
+                   prefix_caching=rng.random() < 0.5, window=rng.choice([None, 5, 8]),
+                   device=device)
     requests = []
     for i in range(12):
         shared = rng.random() < 0.5  # half the prompts start alike, to hit the prefix cache
@@ -256,8 +257,9 @@ def test_random_workloads_finish_without_leaking_pages(seed):
             assert [len(q.output_token_ids) for q in r.seqs] == [r.params.max_tokens] * r.params.n
 
 
-def test_windowed_prompt_takes_its_pages_chunk_by_chunk_and_gives_back_what_leaves_the_window():
-    s = _scheduler(num_pages=16, max_num_batched_tokens=8, window=8)
+def test_windowed_prompt_takes_its_pages_chunk_by_chunk_and_gives_back_what_leaves_the_window(
+        device):
+    s = _scheduler(num_pages=16, max_num_batched_tokens=8, window=8, device=device)
     _add(s, 40, max_tokens=2)
     held = []
     while s.has_unfinished():
@@ -267,8 +269,9 @@ def test_windowed_prompt_takes_its_pages_chunk_by_chunk_and_gives_back_what_leav
     assert held == [2, 4, 4, 4, 4]
 
 
-def test_windowed_prompts_too_long_to_hold_whole_together_run_together():
-    s = _scheduler(num_pages=12, max_num_batched_tokens=16, window=8, watermark_pages=0)
+def test_windowed_prompts_too_long_to_hold_whole_together_run_together(device):
+    s = _scheduler(num_pages=12, max_num_batched_tokens=16, window=8, watermark_pages=0,
+                   device=device)
     _add(s, 40, "a", max_tokens=2)
     _add(s, 40, "b", start=100, max_tokens=2)
     assert _step(s) == [("a", 0, 0, 16)]  # the budget is spent
@@ -278,8 +281,9 @@ def test_windowed_prompts_too_long_to_hold_whole_together_run_together():
     assert s.num_preemptions == 0
 
 
-def test_windowed_prompt_is_committed_chunk_by_chunk_until_its_first_page_leaves_the_window():
-    s = _scheduler(num_pages=24, max_num_batched_tokens=8, window=8, prefix_caching=True)
+def test_windowed_prompt_is_committed_chunk_by_chunk_until_its_first_page_leaves_the_window(device):
+    s = _scheduler(num_pages=24, max_num_batched_tokens=8, window=8, prefix_caching=True,
+                   device=device)
     _add(s, 40, "a", max_tokens=1)
     _run(s)
     again = _add(s, 40, "b", max_tokens=1)

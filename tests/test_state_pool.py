@@ -14,30 +14,30 @@ LAYOUT = MambaLayout(num_layers=3, conv_dim=10, conv_kernel=4, num_heads=2, head
                      state_size=5, dtype=torch.float32)
 
 
-def pool(num_slots=4):
-    return MambaPool(LAYOUT, num_slots, device="cpu")
+def pool(num_slots=4, *, device):
+    return MambaPool(LAYOUT, num_slots, device=device)
 
 
-def test_bytes_per_slot_counts_conv_and_ssm_states_of_every_layer():
+def test_bytes_per_slot_counts_conv_and_ssm_states_of_every_layer(device):
     assert LAYOUT.bytes_per_slot == 3 * (10 * 3 + 2 * 3 * 5) * 4
-    assert pool(4).nbytes == 4 * LAYOUT.bytes_per_slot
+    assert pool(4, device=device).nbytes == 4 * LAYOUT.bytes_per_slot
 
 
-def test_state_views_are_shaped_per_slot():
-    p = pool(4)
+def test_state_views_are_shaped_per_slot(device):
+    p = pool(4, device=device)
     assert p.conv_state(1).shape == (4, 10, 3)
     assert p.ssm_state(2).shape == (4, 2, 3, 5)
 
 
-def test_fresh_pool_hands_out_slots_ascending_and_reuses_the_last_freed_first():
-    p = pool(4)
+def test_fresh_pool_hands_out_slots_ascending_and_reuses_the_last_freed_first(device):
+    p = pool(4, device=device)
     assert [p.allocate() for _ in range(3)] == [0, 1, 2]
     p.free(1)
     assert p.allocate() == 1
 
 
-def test_exhausted_pool_names_the_numbers_and_changes_nothing():
-    p = pool(2)
+def test_exhausted_pool_names_the_numbers_and_changes_nothing(device):
+    p = pool(2, device=device)
     p.allocate(), p.allocate()
     with pytest.raises(OutOfStateSlots, match="need 1 state slot, 0 free of 2"):
         p.allocate()
@@ -45,40 +45,40 @@ def test_exhausted_pool_names_the_numbers_and_changes_nothing():
     p.check()
 
 
-def test_shared_slot_returns_to_the_free_list_with_its_last_holder():
-    p = pool()
+def test_shared_slot_returns_to_the_free_list_with_its_last_holder(device):
+    p = pool(device=device)
     slot = p.allocate()
     p.share(slot)
     assert p.free(slot) is False and p.refcount(slot) == 1
     assert p.free(slot) is True and p.refcount(slot) == 0
 
 
-def test_double_free_is_refused():
-    p = pool()
+def test_double_free_is_refused(device):
+    p = pool(device=device)
     p.free(p.allocate())
     with pytest.raises(InvalidStateSlot, match="state slot 0 is not allocated"):
         p.free(0)
     p.check()
 
 
-def test_slot_out_of_range_is_a_value_error():
+def test_slot_out_of_range_is_a_value_error(device):
     with pytest.raises(ValueError, match=r"slot must be in \[0, 3\], got 4"):
-        pool().share(4)
+        pool(device=device).share(4)
 
 
-def test_copy_copies_every_layers_conv_and_ssm_state():
-    p = pool()
+def test_copy_copies_every_layers_conv_and_ssm_state(device):
+    p = pool(device=device)
     src, dst = p.allocate(), p.allocate()
-    p.conv[:, src] = torch.randn(3, 10, 3)
-    p.ssm[:, src] = torch.randn(3, 2, 3, 5)
+    p.conv[:, src] = torch.randn(3, 10, 3, device=device)
+    p.ssm[:, src] = torch.randn(3, 2, 3, 5, device=device)
     p.copy(src, dst)
     assert torch.equal(p.conv[:, dst], p.conv[:, src])
     assert torch.equal(p.ssm[:, dst], p.ssm[:, src])
     assert p.stats().num_copies == 1
 
 
-def test_copy_into_a_free_slot_is_refused():
-    p = pool()
+def test_copy_into_a_free_slot_is_refused(device):
+    p = pool(device=device)
     with pytest.raises(InvalidStateSlot):
         p.copy(p.allocate(), 3)
 
@@ -93,7 +93,7 @@ class MambaPoolMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.pool = pool(6)
+        self.pool = pool(6, device="cpu")
         self.refs = {}
         self.free = list(range(5, -1, -1))
         self.failed = 0

@@ -14,17 +14,17 @@ WINDOW, PAGE_SIZE = 8, 4
 HELD = -(-WINDOW // PAGE_SIZE) + 1  # pages a decoding sequence holds at most
 
 
-def cache(num_pages=16, windows=(WINDOW, WINDOW), **kwargs) -> KVCache:
+def cache(num_pages=16, windows=(WINDOW, WINDOW), *, device, **kwargs) -> KVCache:
     layout = KVLayout(len(windows), 1, 2, torch.float32, PAGE_SIZE, layer_windows=windows)
-    return KVCache(layout, num_pages, device="cpu", **kwargs)
+    return KVCache(layout, num_pages, device=device, **kwargs)
 
 
 def held(c: KVCache, seq_id) -> list[int]:
     return [page for page in c.pages(seq_id) if page != HOLE]
 
 
-def test_a_decoding_sequence_holds_at_most_its_window_plus_one_page():
-    c = cache()
+def test_a_decoding_sequence_holds_at_most_its_window_plus_one_page(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=3)
     for _ in range(40):
         c.append("a")
@@ -34,16 +34,16 @@ def test_a_decoding_sequence_holds_at_most_its_window_plus_one_page():
     assert c.num_free_pages == 16 - len(held(c, "a"))
 
 
-def test_an_append_gives_back_exactly_the_pages_before_its_first_tokens_window():
-    c = cache()
+def test_an_append_gives_back_exactly_the_pages_before_its_first_tokens_window(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=20)  # pages 0-4
     c.append("a", 6)  # first new token at 20 attends to 13..20: pages 0-2 are out
     assert c.pages("a")[:4] == [HOLE, HOLE, HOLE, c.pages("a")[3]]
     assert len(held(c, "a")) == 4
 
 
-def test_page_tables_show_given_back_pages_as_page_0():
-    c = cache()
+def test_page_tables_show_given_back_pages_as_page_0(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 1)
     pages = c.pages("a")
@@ -51,38 +51,38 @@ def test_page_tables_show_given_back_pages_as_page_0():
     assert c.page_tables(["a"]).tolist() == [[0, *pages[1:]]]
 
 
-def test_slots_of_given_back_tokens_are_holes():
-    c = cache()
+def test_slots_of_given_back_tokens_are_holes(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 1)
     assert c.slots("a")[:PAGE_SIZE] == [HOLE] * PAGE_SIZE
     assert HOLE not in c.slots("a")[PAGE_SIZE:]
 
 
-def test_slot_mapping_of_given_back_tokens_is_refused():
-    c = cache()
+def test_slot_mapping_of_given_back_tokens_is_refused(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 1)
     with pytest.raises(ValueError, match=r"\[2, 13\) .* first 4 tokens"):
         c.slot_mapping(["a"], [2], [13])
 
 
-def test_a_layout_with_a_full_layer_gives_nothing_back():
-    c = cache(windows=(WINDOW, None))
+def test_a_layout_with_a_full_layer_gives_nothing_back(device):
+    c = cache(windows=(WINDOW, None), device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 20)
     assert HOLE not in c.pages("a") and c.window is None
 
 
-def test_free_out_of_window_false_keeps_every_page():
-    c = cache(free_out_of_window=False)
+def test_free_out_of_window_false_keeps_every_page(device):
+    c = cache(free_out_of_window=False, device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 20)
     assert HOLE not in c.pages("a")
 
 
-def test_fork_and_free_after_a_drop_give_every_page_back():
-    c = cache()
+def test_fork_and_free_after_a_drop_give_every_page_back(device):
+    c = cache(device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 1)
     c.fork("a", "b")
@@ -99,8 +99,8 @@ def prefilled(c: KVCache, seq_id, tokens: list[int]) -> None:
     c.commit(seq_id)
 
 
-def test_the_first_drop_of_a_cached_sequence_copies_its_tree_pages_in_the_window():
-    c = cache(prefix_caching=True)
+def test_the_first_drop_of_a_cached_sequence_copies_its_tree_pages_in_the_window(device):
+    c = cache(prefix_caching=True, device=device)
     prompt = list(range(16))
     prefilled(c, "a", prompt)  # 4 pages, all in the tree
     tree = c.pages("a")
@@ -116,8 +116,8 @@ def test_the_first_drop_of_a_cached_sequence_copies_its_tree_pages_in_the_window
     c.check()
 
 
-def test_a_prefix_hit_after_a_drop_is_served_whole():
-    c = cache(prefix_caching=True)
+def test_a_prefix_hit_after_a_drop_is_served_whole(device):
+    c = cache(prefix_caching=True, device=device)
     prompt = list(range(16))
     prefilled(c, "a", prompt)
     c.append("a", token_ids=[7] * 9)
@@ -125,8 +125,8 @@ def test_a_prefix_hit_after_a_drop_is_served_whole():
     c.check()
 
 
-def test_a_first_drop_whose_copies_do_not_fit_changes_nothing():
-    c = cache(num_pages=4, prefix_caching=True)
+def test_a_first_drop_whose_copies_do_not_fit_changes_nothing(device):
+    c = cache(num_pages=4, prefix_caching=True, device=device)
     prefilled(c, "a", list(range(16)))
     before = (c.pages("a"), c.stats(), c.pool.kv.view(torch.uint8).clone())  # NaN-safe bytes
     with pytest.raises(OutOfPages):
@@ -136,10 +136,10 @@ def test_a_first_drop_whose_copies_do_not_fit_changes_nothing():
     c.check()
 
 
-def test_a_sequence_whose_fork_committed_its_pages_copies_them_at_its_first_drop():
+def test_a_sequence_whose_fork_committed_its_pages_copies_them_at_its_first_drop(device):
     """The fork's commit puts pages the parent holds into the prefix index: when the parent
     drops the first of them, it must not keep holding the later ones."""
-    c = cache(prefix_caching=True)
+    c = cache(prefix_caching=True, device=device)
     c.add_sequence("a", list(range(11)))  # pages 0-2
     c.fork("a", "b")
     c.commit("b")  # pages 0-1 are indexed, and held by "a" too
@@ -149,8 +149,8 @@ def test_a_sequence_whose_fork_committed_its_pages_copies_them_at_its_first_drop
     c.check()
 
 
-def test_a_fork_that_commits_after_its_parent_dropped_pages_leaves_the_parent_whole():
-    c = cache(prefix_caching=True)
+def test_a_fork_that_commits_after_its_parent_dropped_pages_leaves_the_parent_whole(device):
+    c = cache(prefix_caching=True, device=device)
     c.add_sequence("a", list(range(11)))  # pages 0-2
     c.fork("a", "b")
     c.append("a", 1)  # token 11 attends to 4..11: page 0 goes back, pages 1-2 copied
