@@ -134,7 +134,7 @@ def test_memory_fraction_is_of_the_given_memory():
 def test_plan_reads_cuda_total_and_excludes_memory_others_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
-    plan = plan_memory("Llama-3-8B", activation_bytes=0)
+    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cuda", 80 * GiB, 10 * GiB)
     assert plan.budget_bytes == int(80 * GiB * 0.9) - 10 * GiB - 16_060_522_496
 
@@ -169,9 +169,14 @@ def test_reserved_bytes_come_out_of_the_budget_and_are_named_when_it_is_short():
                             "100% of 11.26 MiB (11.26 MiB)")
 
 
-def test_plan_reads_this_machine_memory_by_default():
-    plan = plan_memory("tiny")
-    assert plan.device in ("cpu", "cuda") and plan.device_memory > 0
+def test_plan_reads_the_memory_of_the_device_it_is_given(device):
+    plan = plan_memory("tiny", device=device)
+    assert plan.device == str(device) and plan.device_memory > 0
+
+
+def test_plan_needs_device_memory_or_a_device_to_read_it_from():
+    with pytest.raises(ValueError, match="needs device_memory .bytes. or the device to read"):
+        plan_memory("tiny")
 
 
 def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
@@ -186,7 +191,7 @@ def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
 def test_the_reason_names_memory_already_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * GiB, 24 * GiB))
-    plan = plan_memory("Llama-3-8B", activation_bytes=0)
+    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
     assert plan.reason == ("weights 14.96 GiB + activations 0 B + 20.00 GiB already in use exceed "
                            "90% of 24.00 GiB (21.60 GiB)")
 
@@ -232,13 +237,13 @@ def test_max_sequences_rejects_a_context_len_below_one():
 
 def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(ValueError, match="needs CUDA, and this machine has no CUDA device"):
         plan_memory("tiny", device="cuda")
 
 
 @pytest.mark.parametrize(("device", "message"), [
     ("meta", "cannot read the memory of device 'meta'; pass device_memory"),
-    ("gpu0", "bad device 'gpu0'"),
+    ("gpu0", "device 'gpu0' is not a torch device"),
 ])
 def test_plan_rejects_devices_it_cannot_read(device, message):
     with pytest.raises(ValueError, match=message):

@@ -24,8 +24,8 @@ TIERS = {
 }
 
 
-def make_cache(tier, num_pages=4):
-    return KVCache(LAYOUT, num_pages, device="cpu", prefix_caching=True, tier=tier)
+def make_cache(tier, num_pages=4, *, device):
+    return KVCache(LAYOUT, num_pages, device=device, prefix_caching=True, tier=tier)
 
 
 def prompt(n, base=0):
@@ -45,9 +45,10 @@ def page(value, dtype=torch.float32):
 
 def fill(cache, seq_id, value):
     """Write distinct K (and -K) values into every slot of the sequence, in both layers."""
-    slots = torch.tensor(cache.slots(seq_id))
+    slots = torch.tensor(cache.slots(seq_id), device=cache.device)
     for layer in range(2):
-        k = (value + 1000 * layer + torch.arange(len(slots), dtype=torch.float32))
+        k = (value + 1000 * layer + torch.arange(len(slots), dtype=torch.float32,
+                                                 device=cache.device))
         k = k[:, None, None].expand(-1, 1, 2)
         cache.pool.write(layer, slots, k, -k)
 
@@ -72,9 +73,9 @@ def evict_prompt_to_tier(cache, tokens, value=100):
 
 @pytest.mark.parametrize("kind", TIERS)
 def test_page_evicted_from_the_device_comes_back_from_the_tier_with_identical_kv(
-        kind, tmp_path):
+        kind, tmp_path, device):
     tier = TIERS[kind](tmp_path)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     original = evict_prompt_to_tier(cache, prompt(9))
     assert len(tier) == 2
     assert cache.add_sequence("b", prompt(9)) == 8
@@ -86,9 +87,9 @@ def test_page_evicted_from_the_device_comes_back_from_the_tier_with_identical_kv
     cache.check()
 
 
-def test_reloaded_pages_are_cached_on_the_device_again():
+def test_reloaded_pages_are_cached_on_the_device_again(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("b", prompt(9))
     cache.free_sequence("b")
@@ -99,9 +100,9 @@ def test_reloaded_pages_are_cached_on_the_device_again():
     cache.check()
 
 
-def test_tier_continues_the_device_match():
+def test_tier_continues_the_device_match(device):
     tier = HostTier(8)
-    cache = make_cache(tier, num_pages=5)
+    cache = make_cache(tier, num_pages=5, device=device)
     cache.add_sequence("a", prompt(13))
     fill(cache, "a", 100)
     original = cache.pool.read_pages([1, 2]).clone()
@@ -117,26 +118,26 @@ def test_tier_continues_the_device_match():
     cache.check()
 
 
-def test_tier_never_serves_the_last_token():
+def test_tier_never_serves_the_last_token(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(8))
     assert cache.add_sequence("b", prompt(8)) == 4  # page 1 would hold the last token
     assert cache.stats().num_tier_loads == 1
 
 
-def test_same_page_tokens_under_another_prefix_are_not_served():
+def test_same_page_tokens_under_another_prefix_are_not_served(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     other = prompt(4, 100) + prompt(5, 4)  # second page as a's, below another first page
     assert cache.add_sequence("b", other) == 0
     assert cache.stats().num_tier_loads == 0
 
 
-def test_a_page_evicted_twice_is_stored_once():
+def test_a_page_evicted_twice_is_stored_once(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("b", prompt(9))
     cache.commit("b")
@@ -147,9 +148,9 @@ def test_a_page_evicted_twice_is_stored_once():
     cache.check()
 
 
-def test_a_page_the_tier_cannot_store_is_lost_and_eviction_still_succeeds(tmp_path):
+def test_a_page_the_tier_cannot_store_is_lost_and_eviction_still_succeeds(tmp_path, device):
     tier = DiskTier(tmp_path / "tier", 8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     cache.add_sequence("a", prompt(9))
     cache.commit("a")
     cache.free_sequence("a")
@@ -164,8 +165,8 @@ def test_a_page_the_tier_cannot_store_is_lost_and_eviction_still_succeeds(tmp_pa
     assert cache.add_sequence("b", prompt(9)) == 0
 
 
-def test_pages_to_add_counts_tier_hits_as_fresh_pages():
-    cache = make_cache(HostTier(8))
+def test_pages_to_add_counts_tier_hits_as_fresh_pages(device):
+    cache = make_cache(HostTier(8), device=device)
     evict_prompt_to_tier(cache, prompt(9))
     available = cache.num_available_pages
     assert cache.pages_to_add(prompt(9)) == 3
@@ -173,9 +174,9 @@ def test_pages_to_add_counts_tier_hits_as_fresh_pages():
     assert available - cache.num_available_pages == 3
 
 
-def test_failed_add_sequence_with_a_tier_hit_changes_nothing():
+def test_failed_add_sequence_with_a_tier_hit_changes_nothing(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("y", num_tokens=8)  # two of the four pages: b's three do not fit
     before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
@@ -192,9 +193,9 @@ def test_failed_add_sequence_with_a_tier_hit_changes_nothing():
     cache.check()
 
 
-def test_a_tier_needs_prefix_caching():
+def test_a_tier_needs_prefix_caching(device):
     with pytest.raises(ValueError, match="prefix_caching=True"):
-        KVCache(LAYOUT, 4, device="cpu", tier=HostTier(4))
+        KVCache(LAYOUT, 4, device=device, tier=HostTier(4))
 
 
 # ---- HostTier ----------------------------------------------------------------------------
@@ -383,19 +384,20 @@ def test_disk_tier_directory_must_be_usable(tmp_path):
 
 # ---- a tier never serves another namespace's page or a damaged one; eviction never fails --
 
-def test_a_disk_tier_reused_by_a_cache_of_another_dtype_misses(tmp_path):
-    first = make_cache(DiskTier(tmp_path, 8))
+def test_a_disk_tier_reused_by_a_cache_of_another_dtype_misses(tmp_path, device):
+    first = make_cache(DiskTier(tmp_path, 8), device=device)
     evict_prompt_to_tier(first, prompt(9))
     half = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float16, page_size=PS)
-    second = KVCache(half, 4, device="cpu", prefix_caching=True, tier=DiskTier(tmp_path, 8))
+    second = KVCache(half, 4, device=device, prefix_caching=True, tier=DiskTier(tmp_path, 8))
     assert second.add_sequence("b", prompt(9)) == 0
     assert second.stats().num_tier_loads == 0
-    assert make_cache(DiskTier(tmp_path, 8)).add_sequence("c", prompt(9)) == 8  # still there
+    assert make_cache(DiskTier(tmp_path, 8),
+                      device=device).add_sequence("c", prompt(9)) == 8  # still there
 
 
-def test_a_disk_tier_reused_by_another_model_of_the_same_layout_misses(tmp_path):
+def test_a_disk_tier_reused_by_another_model_of_the_same_layout_misses(tmp_path, device):
     def cache_of(model):
-        return KVCache(LAYOUT, 4, device="cpu", prefix_caching=True,
+        return KVCache(LAYOUT, 4, device=device, prefix_caching=True,
                        tier=DiskTier(tmp_path, 8), model_fingerprint=model)
     evict_prompt_to_tier(cache_of("llama weights a"), prompt(9))
     assert cache_of("llama weights b").add_sequence("b", prompt(9)) == 0
@@ -407,9 +409,9 @@ def first_page_file(tier):
 
 
 @pytest.mark.parametrize("damage", ["payload bit", "header bit", "truncated"])
-def test_a_damaged_page_file_is_a_miss_removed_and_counted(tmp_path, damage):
+def test_a_damaged_page_file_is_a_miss_removed_and_counted(tmp_path, damage, device):
     tier = DiskTier(tmp_path, 8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     path = first_page_file(tier)
     raw = bytearray(path.read_bytes())
@@ -424,29 +426,29 @@ def test_a_damaged_page_file_is_a_miss_removed_and_counted(tmp_path, damage):
     cache.check()
 
 
-def test_a_host_tier_belongs_to_one_layout():
+def test_a_host_tier_belongs_to_one_layout(device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     wider = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PS)
     with pytest.raises(ValueError, match="cannot share it"):
-        KVCache(wider, 4, device="cpu", prefix_caching=True, tier=tier)
+        KVCache(wider, 4, device=device, prefix_caching=True, tier=tier)
     evict_prompt_to_tier(cache, prompt(9))
     assert cache.add_sequence("b", prompt(9)) == 8
     cache.check()
 
 
-def test_a_host_tier_larger_than_memory_is_refused_when_the_cache_is_built():
+def test_a_host_tier_larger_than_memory_is_refused_when_the_cache_is_built(device):
     big = KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16)
     tier = HostTier(10**7)
     with pytest.raises(OutOfMemory, match=r"HostTier of 10,000,000 pages needs "
                                           r"52,428,800,000,000 bytes"):
-        KVCache(big, 4, device="cpu", prefix_caching=True, tier=tier)
+        KVCache(big, 4, device=device, prefix_caching=True, tier=tier)
     assert tier.namespace is None and tier.nbytes == 0
 
 
-def test_a_store_failing_with_any_error_drops_the_page_and_eviction_succeeds(monkeypatch):
+def test_a_store_failing_with_any_error_drops_the_page_and_eviction_succeeds(monkeypatch, device):
     tier = HostTier(8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     cache.add_sequence("a", prompt(9))
     cache.commit("a")
     cache.free_sequence("a")
@@ -465,11 +467,11 @@ def read_only_file_system(*args, **kwargs):
     raise PermissionError(13, "Read-only file system")
 
 
-def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeypatch):
+def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeypatch, device):
     # What a read-only mount does to every write, provoked the same way whoever runs the
     # test (root may write through permission bits)
     tier = DiskTier(tmp_path, 8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     original = evict_prompt_to_tier(cache, prompt(9))
     for module, name in ((os, "utime"), (tempfile, "mkstemp"), (Path, "unlink")):
         monkeypatch.setattr(module, name, read_only_file_system)
@@ -495,9 +497,10 @@ def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_
     assert (tmp_path / ".kvpage-interrupted.tmp").exists()
 
 
-def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_read(tmp_path):
+def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_read(tmp_path,
+        device):
     tier = DiskTier(tmp_path / "tier", 8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     tier.directory.chmod(0o555)
     try:
@@ -519,9 +522,9 @@ def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_
         tier.directory.chmod(0o755)
 
 
-def test_a_disk_tier_whose_directory_is_deleted_misses_then_stores_again(tmp_path):
+def test_a_disk_tier_whose_directory_is_deleted_misses_then_stores_again(tmp_path, device):
     tier = DiskTier(tmp_path / "tier", 8)
-    cache = make_cache(tier)
+    cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     shutil.rmtree(tier.directory)
     cache.check()
@@ -536,8 +539,8 @@ def test_a_disk_tier_whose_directory_is_deleted_misses_then_stores_again(tmp_pat
     cache.check()
 
 
-def test_token_ids_in_a_tensor_hit_the_tier():
-    cache = make_cache(HostTier(8))
+def test_token_ids_in_a_tensor_hit_the_tier(device):
+    cache = make_cache(HostTier(8), device=device)
     evict_prompt_to_tier(cache, prompt(9))
     assert cache.add_sequence("b", torch.tensor(prompt(9))) == 8
     assert cache.stats().num_tier_loads == 2

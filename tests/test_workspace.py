@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from kvpool.workspace import ALIGNMENT, Workspace, WorkspaceFull
 
 
-def test_alloc_returns_tensors_of_the_shape_and_dtype_inside_the_buffer():
-    ws = Workspace(4096)
+def test_alloc_returns_tensors_of_the_shape_and_dtype_inside_the_buffer(device):
+    ws = Workspace(4096, device=device)
     a = ws.alloc((3, 5), torch.float32)
     b = ws.alloc((7,), torch.int64)
     assert (a.shape, a.dtype, b.shape, b.dtype) == ((3, 5), torch.float32, (7,), torch.int64)
@@ -19,23 +19,23 @@ def test_alloc_returns_tensors_of_the_shape_and_dtype_inside_the_buffer():
     assert ws.used == ALIGNMENT + 56
 
 
-def test_allocations_do_not_overlap():
-    ws = Workspace(4096)
+def test_allocations_do_not_overlap(device):
+    ws = Workspace(4096, device=device)
     a, b = ws.alloc((10,), torch.float32), ws.alloc((10,), torch.float32)
     a.fill_(1.0)
     b.fill_(2.0)
     assert a.tolist() == [1.0] * 10
 
 
-def test_reset_hands_the_same_memory_out_again():
-    ws = Workspace(1024)
+def test_reset_hands_the_same_memory_out_again(device):
+    ws = Workspace(1024, device=device)
     first = ws.alloc((16,), torch.float16).data_ptr()
     ws.reset()
     assert ws.used == 0 and ws.alloc((16,), torch.float16).data_ptr() == first
 
 
-def test_the_buffer_is_allocated_once():
-    ws = Workspace(1024)
+def test_the_buffer_is_allocated_once(device):
+    ws = Workspace(1024, device=device)
     ptr = ws.buffer.data_ptr()
     for _ in range(3):
         ws.alloc((8,), torch.float32)
@@ -43,8 +43,8 @@ def test_the_buffer_is_allocated_once():
     assert ws.buffer.data_ptr() == ptr and ws.nbytes == 1024
 
 
-def test_an_alloc_that_does_not_fit_names_the_numbers_and_changes_nothing():
-    ws = Workspace(1024)
+def test_an_alloc_that_does_not_fit_names_the_numbers_and_changes_nothing(device):
+    ws = Workspace(1024, device=device)
     ws.alloc((100,), torch.uint8)
     with pytest.raises(WorkspaceFull, match="800 bytes .* needs 1056 .* holds 1024 .100 in use"):
         ws.alloc((200,), torch.float32)
@@ -52,8 +52,8 @@ def test_an_alloc_that_does_not_fit_names_the_numbers_and_changes_nothing():
     ws.check()
 
 
-def test_peak_remembers_the_largest_step():
-    ws = Workspace(4096)
+def test_peak_remembers_the_largest_step(device):
+    ws = Workspace(4096, device=device)
     ws.alloc((1000,), torch.uint8)
     ws.reset()
     ws.alloc((10,), torch.uint8)
@@ -62,14 +62,14 @@ def test_peak_remembers_the_largest_step():
 
 @pytest.mark.parametrize(("nbytes", "error"), [(-1, ValueError), (1.5, ValueError),
                                                (True, ValueError)])
-def test_bad_sizes_are_refused(nbytes, error):
+def test_bad_sizes_are_refused(nbytes, error, device):
     with pytest.raises(error, match="workspace size"):
-        Workspace(nbytes)
+        Workspace(nbytes, device=device)
 
 
-def test_bad_shapes_are_refused():
+def test_bad_shapes_are_refused(device):
     with pytest.raises(ValueError, match="shape"):
-        Workspace(64).alloc((2, -1), torch.float32)
+        Workspace(64, device=device).alloc((2, -1), torch.float32)
 
 
 def _overlap(a, b):
@@ -81,7 +81,7 @@ def _overlap(a, b):
                                                                  torch.float32, torch.int64]))),
                 max_size=30))
 def test_random_allocs_and_resets_keep_the_invariants(ops):
-    ws = Workspace(2048)
+    ws = Workspace(2048, device="cpu")
     live = []
     for op in ops:
         if op is None:
@@ -104,8 +104,8 @@ def test_random_allocs_and_resets_keep_the_invariants(ops):
         ws.check()
 
 
-def test_scope_takes_back_what_was_allocated_inside_it():
-    workspace = Workspace(4096)
+def test_scope_takes_back_what_was_allocated_inside_it(device):
+    workspace = Workspace(4096, device=device)
     kept = workspace.alloc((16,), torch.int64)
     with workspace.scope():
         first = workspace.alloc((8,), torch.float32)
