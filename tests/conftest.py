@@ -15,7 +15,8 @@ DEVICES = [
 ]
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(scope="session", params=DEVICES)
 def device(request) -> torch.device:
-    """The device a test builds everything on, its references included."""
+    """The device a test builds everything on, its references included (session-scoped, so
+    that a module's fixtures, models loaded once, take it too)."""
     return torch.device(request.param)

@@ -48,19 +48,21 @@ def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 class HybridRunner:
     """Runs packed forward passes of a hybrid model for several sequences: pages from a KVCache
     handed out in shuffled order, one state slot each from a MambaPool whose unwritten
-    states are NaN (a sequence's first step must not read its slot)."""
+    states are NaN (a sequence's first step must not read its slot), on the model's device."""
 
     def __init__(self, model, *, num_pages: int = 128, page_size: int = 4, num_slots: int = 8,
                  seed: int = 0):
         config = model.config
         self.model = model
+        self.device = model.rotary_emb.inv_freq.device
         self.cache = KVCache(config.kv_layout(dtype=model.dtype, page_size=page_size),
-                             num_pages, device="cpu")
+                             num_pages, device=self.device)
         pages = self.cache.allocator.allocate(num_pages)
         random.Random(seed).shuffle(pages)
         self.cache.allocator.free(pages)
         self.cache.pool.kv.fill_(float("nan"))
-        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots, device="cpu")
+        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots,
+                                device=self.device)
         self.states.conv.fill_(float("nan"))
         self.states.ssm.fill_(float("nan"))
         self.slots: dict[str, int] = {}
@@ -78,17 +80,20 @@ class HybridRunner:
                 self.cache.add_sequence(seq_id, num_tokens=len(tokens))
                 self.slots[seq_id] = self.states.allocate()
             ends.append(self.cache.num_tokens(seq_id))
+        device = self.device
         q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
         meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends),
-            page_tables=self.cache.page_tables(seq_ids),
-            seq_lens=torch.tensor(ends, dtype=torch.int32),
-            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends).to(device),
+            page_tables=self.cache.page_tables(seq_ids).to(device),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32),
         )
-        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens])
+        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens], device=device)
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        logits_indices = torch.arange(len(input_ids)) if all_logits else None
-        states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids]))
+        positions = positions.to(device)
+        logits_indices = torch.arange(len(input_ids), device=device) if all_logits else None
+        states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids],
+                                                      device=device))
         return self.model(input_ids, positions, meta, self.cache.pool, logits_indices,
                           states=states)
 

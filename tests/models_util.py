@@ -61,7 +61,9 @@ def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **kwargs) -
 
 class PagedRunner:
     """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
-    free pages are handed out in shuffled order, so page tables are scattered. The pages are
+    free pages are handed out in shuffled order, so page tables are scattered, on the model's
+    device (page tables and slots moved there from the host, as the engine's runner does). The
+    pages are
     of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8 pages); an
     all-windowed model's pages go back out of the window unless not `free_out_of_window`."""
 
@@ -70,7 +72,8 @@ class PagedRunner:
                  free_out_of_window: bool = True):
         layout = model.config.kv_layout(dtype=kv_dtype or model.dtype, page_size=page_size)
         self.model = model
-        self.cache = KVCache(layout, num_pages, device="cpu",
+        self.device = model.rotary_emb.inv_freq.device
+        self.cache = KVCache(layout, num_pages, device=self.device,
                              free_out_of_window=free_out_of_window)
         pages = self.cache.allocator.allocate(num_pages)
         random.Random(seed).shuffle(pages)
@@ -90,16 +93,18 @@ class PagedRunner:
                 starts.append(0)
                 self.cache.add_sequence(seq_id, num_tokens=len(tokens))
             ends.append(self.cache.num_tokens(seq_id))
+        device = self.device
         q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
         meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends),
-            page_tables=self.cache.page_tables(seq_ids),
-            seq_lens=torch.tensor(ends, dtype=torch.int32),
-            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends).to(device),
+            page_tables=self.cache.page_tables(seq_ids).to(device),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32),
         )
-        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens])
+        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens], device=device)
         positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        logits_indices = torch.arange(len(input_ids)) if all_logits else None
+        positions = positions.to(device)
+        logits_indices = torch.arange(len(input_ids), device=device) if all_logits else None
         return self.model(input_ids, positions, meta, self.cache.pool, logits_indices)
 
     def greedy(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
@@ -118,14 +123,15 @@ class PagedRunner:
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy continuation of one prompt (no padding, never stops early)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+        out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
+                             max_new_tokens=max_tokens)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logits(model: transformers.PreTrainedModel, prompt: list[int]) -> torch.Tensor:
     """transformers' logits `[len(prompt), vocab]` of every position."""
     with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
+        return model(torch.tensor([prompt], device=model.device)).logits[0].float()
 
 
 def prompts(vocab_size: int, lengths=(3, 9, 17, 26), seed: int = 1) -> dict[str, list[int]]:

@@ -40,11 +40,11 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one architecture case."""
     hf = make_hf_model(request.param)
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(folder, device="cpu").model
+    return hf.to(device), load_model(folder, device=device).model
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,8 @@ def test_batched_greedy_decode_on_scattered_pages_matches_transformers_generate(
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-window-8"])
-def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(name, tmp_path):
-    model = load_model(save_hf_model(make_hf_model(name), tmp_path), device="cpu").model
+def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(name, tmp_path, device):
+    model = load_model(save_hf_model(make_hf_model(name), tmp_path), device=device).model
     prompt = prompts(model.config.vocab_size, lengths=(22,))["seq0"]
     whole = PagedRunner(model).step({"a": prompt}, all_logits=True)
     runner = PagedRunner(model, seed=1)
@@ -102,135 +102,137 @@ def test_default_logits_are_those_of_each_sequences_last_token(pair):
 
 # --- loading ---
 
-def test_loaded_weights_take_the_configs_dtype_unless_overridden(broken):
+def test_loaded_weights_take_the_configs_dtype_unless_overridden(broken, device):
     config = json.loads((broken / "config.json").read_text())
     config["dtype"] = "bfloat16"
     (broken / "config.json").write_text(json.dumps(config))
-    assert load_model(broken, device="cpu").model.dtype == torch.bfloat16
-    model = load_model(broken, dtype=torch.float16, device="cpu").model
+    assert load_model(broken, device=device).model.dtype == torch.bfloat16
+    model = load_model(broken, dtype=torch.float16, device=device).model
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
-def test_config_without_dtype_loads_float32(broken):
+def test_config_without_dtype_loads_float32(broken, device):
     config = json.loads((broken / "config.json").read_text())
     del config["dtype"]
     (broken / "config.json").write_text(json.dumps(config))
-    assert load_model(broken, device="cpu").model.dtype == torch.float32
+    assert load_model(broken, device=device).model.dtype == torch.float32
 
 
-def test_pool_of_another_dtype_is_refused(checkpoint):
-    model = load_model(checkpoint, device="cpu").model
+def test_pool_of_another_dtype_is_refused(checkpoint, device):
+    model = load_model(checkpoint, device=device).model
     config = model.config
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
                       dtype=torch.float16, page_size=4)
-    meta = AttentionMetadata(torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32),
-                             torch.tensor([1], dtype=torch.int32),
-                             torch.tensor([0, 1], dtype=torch.int32))
+    meta = AttentionMetadata(torch.tensor([0], device=device),
+                             torch.tensor([[0]], dtype=torch.int32, device=device),
+                             torch.tensor([1], dtype=torch.int32, device=device),
+                             torch.tensor([0, 1], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="float16"):
-        model(torch.tensor([1]), torch.tensor([0]), meta, KVPool(layout, 1, device="cpu"))
+        model(torch.tensor([1], device=device), torch.tensor([0], device=device), meta,
+              KVPool(layout, 1, device=device))
 
 
-def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path, device):
     hf = make_hf_model("llama")
-    single = load_model(save_hf_model(hf, tmp_path / "single"), device="cpu").model
+    single = load_model(save_hf_model(hf, tmp_path / "single"), device=device).model
     sharded_dir = save_hf_model(hf, tmp_path / "sharded", max_shard_size="20KB")
     assert (sharded_dir / "model.safetensors.index.json").is_file()
-    sharded = load_model(sharded_dir, device="cpu").model
+    sharded = load_model(sharded_dir, device=device).model
     assert_same_weights(single, sharded)
 
 
-def test_missing_weight_is_named(broken):
+def test_missing_weight_is_named(broken, device):
     tensors = load_file(broken / WEIGHTS)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"missing weights: model\.layers\.1\.mlp\.up_proj"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_unexpected_weight_is_named(broken):
+def test_unexpected_weight_is_named(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.0\.mlp\.extra"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_misshapen_weight_names_both_shapes(broken):
+def test_misshapen_weight_names_both_shapes(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.norm.weight"] = torch.ones(65)
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(65,\) .*\(64,\)"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_rotary_inv_freq_buffers_in_a_checkpoint_are_ignored(broken):
+def test_rotary_inv_freq_buffers_in_a_checkpoint_are_ignored(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     save_file(tensors, broken / WEIGHTS)
-    load_model(broken, device="cpu")
+    load_model(broken, device=device)
 
 
-def test_unknown_architecture_names_the_supported_ones(broken):
+def test_unknown_architecture_names_the_supported_ones(broken, device):
     config = json.loads((broken / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_invalid_config_json_is_a_config_error(broken):
+def test_invalid_config_json_is_a_config_error(broken, device):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_missing_config_json_is_a_config_error(broken):
+def test_missing_config_json_is_a_config_error(broken, device):
     (broken / "config.json").unlink()
     with pytest.raises(ConfigError, match="no config"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_folder_without_safetensors_is_a_checkpoint_error(broken):
+def test_folder_without_safetensors_is_a_checkpoint_error(broken, device):
     (broken / WEIGHTS).unlink()
     with pytest.raises(CheckpointError, match="no .*safetensors"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_tokenizer_json_is_loaded_with_the_configs_special_ids(broken):
+def test_tokenizer_json_is_loaded_with_the_configs_special_ids(broken, device):
     tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(broken / "tokenizer.json"))
     config = json.loads((broken / "config.json").read_text())
     config.update(bos_token_id=1, eos_token_id=[2, 0])
     (broken / "config.json").write_text(json.dumps(config))
-    loaded = load_model(broken, device="cpu")
+    loaded = load_model(broken, device=device)
     assert loaded.tokenizer.encode("hello world") == [1, 2]
     assert loaded.tokenizer.decode([1, 2]) == "hello world"
     assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_ids) == (1, (2, 0))
 
 
-def test_folder_without_tokenizer_json_has_no_tokenizer(checkpoint):
-    assert load_model(checkpoint, device="cpu").tokenizer is None
+def test_folder_without_tokenizer_json_has_no_tokenizer(checkpoint, device):
+    assert load_model(checkpoint, device=device).tokenizer is None
 
 
 # --- the tiny preset ---
 
-def test_tiny_preset_loads_identical_weights_every_time():
-    a, b = load_model("tiny", device="cpu"), load_model("tiny", device="cpu")
+def test_tiny_preset_loads_identical_weights_every_time(device):
+    a, b = load_model("tiny", device=device), load_model("tiny", device=device)
     assert a.config.architecture == "LlamaForCausalLM"
     assert isinstance(a.tokenizer, ByteTokenizer)
     assert_same_weights(a.model, b.model)
 
 
-def test_tiny_preset_generates_varied_tokens():
-    tiny = load_model("tiny", device="cpu")
+def test_tiny_preset_generates_varied_tokens(device):
+    tiny = load_model("tiny", device=device)
     out = PagedRunner(tiny.model).greedy({"a": tiny.tokenizer.encode("Hello")}, 16)["a"]
     assert len(set(out)) > 4
 
 
-def test_planning_presets_have_no_weights_to_load():
+def test_planning_presets_have_no_weights_to_load(device):
     with pytest.raises(ConfigError, match="planning only"):
-        load_model("Llama-3-8B", device="cpu")
+        load_model("Llama-3-8B", device=device)
 
 
 def test_byte_tokenizer_round_trips_utf8_text():
@@ -247,61 +249,61 @@ def test_byte_tokenizer_replaces_invalid_utf8():
 # --- damaged checkpoints: one CheckpointError naming the problem ---
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_weight_is_named(broken, value):
+def test_non_finite_weight_is_named(broken, value, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.layers.1.mlp.up_proj.weight"][3, 4] = value
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"weight model\.layers\.1\.mlp\.up_proj\.weight "
                                               r"in model\.safetensors holds 1 NaN or infinite"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_weight_that_overflows_the_requested_dtype_is_named(broken):
+def test_weight_that_overflows_the_requested_dtype_is_named(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.norm.weight"][0] = 1e6  # float16 tops out at 65504
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight .* 1 NaN or infinite "
                                               r"value\(s\) of 64 \(as torch\.float16\)"):
-        load_model(broken, dtype=torch.float16, device="cpu")
+        load_model(broken, dtype=torch.float16, device=device)
 
 
-def test_truncated_safetensors_file_is_a_checkpoint_error(broken):
+def test_truncated_safetensors_file_is_a_checkpoint_error(broken, device):
     data = (broken / WEIGHTS).read_bytes()
     (broken / WEIGHTS).write_bytes(data[:len(data) // 2])
     with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable "
                                               r"safetensors file"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_safetensors_file_with_its_tail_cut_inside_a_tensor_is_a_checkpoint_error(broken):
+def test_safetensors_file_with_its_tail_cut_inside_a_tensor_is_a_checkpoint_error(broken, device):
     data = (broken / WEIGHTS).read_bytes()
     (broken / WEIGHTS).write_bytes(data[:-8])
     with pytest.raises(CheckpointError, match="safetensors"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_garbage_tokenizer_json_is_a_checkpoint_error(broken):
+def test_garbage_tokenizer_json_is_a_checkpoint_error(broken, device):
     (broken / "tokenizer.json").write_text("<html>not a tokenizer</html>")
     with pytest.raises(CheckpointError, match="tokenizer.json is not a readable tokenizer.json"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_model_safetensors_directory_is_named(broken):
+def test_model_safetensors_directory_is_named(broken, device):
     (broken / WEIGHTS).unlink()
     (broken / WEIGHTS).mkdir()
     with pytest.raises(CheckpointError, match=r"weight files are missing: .*model\.safetensors "
                                               r"is a directory$"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_index_whose_weight_map_is_a_list_is_a_checkpoint_error(broken):
+def test_index_whose_weight_map_is_a_list_is_a_checkpoint_error(broken, device):
     (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [WEIGHTS]}))
     with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to file "
                                               "names, got a list"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
 
 
-def test_generation_config_with_a_bad_eos_is_a_config_error(broken):
+def test_generation_config_with_a_bad_eos_is_a_config_error(broken, device):
     (broken / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(ConfigError, match="'eos_token_id' must be a token id"):
-        load_model(broken, device="cpu")
+        load_model(broken, device=device)
