@@ -19,11 +19,11 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, device):
     """(transformers Bamba, the same checkpoint loaded by kvpool)."""
     hf = make_bamba(request.param)
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(folder, device="cpu").model
+    return hf.to(device), load_model(folder, device=device).model
 
 
 def test_loader_builds_the_hybrid_model_for_a_bamba_checkpoint(pair):
@@ -59,10 +59,10 @@ def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair, sp
     torch.testing.assert_close(second, whole[split:], rtol=1e-5, atol=1e-5)
 
 
-def test_state_pool_of_another_dtype_is_refused(pair):
+def test_state_pool_of_another_dtype_is_refused(pair, device):
     _, model = pair
     runner = HybridRunner(model)
     runner.states = type(runner.states)(
-        model.config.mamba_layout(dtype=torch.float16), 2, device="cpu")
+        model.config.mamba_layout(dtype=torch.float16), 2, device=device)
     with pytest.raises(ValueError, match="state pool holds torch.float16"):
         runner.step({"a": [1, 2]})

@@ -62,11 +62,11 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one DeepSeek case."""
     hf = make_hf_model(request.param, configs=CONFIGS)
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(folder, device="cpu").model
+    return hf.to(device), load_model(folder, device=device).model
 
 
 def test_packed_prefill_logits_match_transformers(pair):
@@ -96,16 +96,16 @@ def with_an_extra_layer(folder):
     return folder
 
 
-def test_v3_loads_without_its_multi_token_prediction_layers(tmp_path):
+def test_v3_loads_without_its_multi_token_prediction_layers(tmp_path, device):
     hf = make_hf_model("v3-rope-not-interleaved", configs=CONFIGS)
-    model = load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device="cpu").model
+    model = load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device=device).model
     assert len(model.model.layers) == 3
 
 
-def test_v2_refuses_tensors_of_a_layer_it_does_not_have(tmp_path):
+def test_v2_refuses_tensors_of_a_layer_it_does_not_have(tmp_path, device):
     hf = make_hf_model("v2-lite", configs=CONFIGS)
     with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.3\.eh_proj"):
-        load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device="cpu")
+        load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device=device)
 
 
 # --- through the engine ---
@@ -114,29 +114,32 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine_case(tmp_path_factory):
+def engine_case(tmp_path_factory, device):
     """A V3 checkpoint, 8 prompts (four share a 24-token prefix) and transformers' greedy
     continuations of each, run alone."""
     hf = make_hf_model("v3-yarn", configs=CONFIGS)
     folder = save_hf_model(hf, tmp_path_factory.mktemp("v3-engine"))
+    hf.to(device)
     shared = prompts(160, lengths=(24,), seed=2)["seq0"]
     batch = list(prompts(160, lengths=(5, 13, 30, 41), seed=3).values())
     batch += [shared + tail for tail in prompts(160, lengths=(1, 6, 9, 17), seed=4).values()]
     return folder, batch, [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in batch]
 
 
-def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(engine_case):
+def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(engine_case, device):
     folder, batch, expected = engine_case
-    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              device=device)
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.cache.stats().prefix_hit_tokens > 0
     llm.cache.check()
 
 
-def test_engine_greedy_outputs_survive_preemption(engine_case):
+def test_engine_greedy_outputs_survive_preemption(engine_case, device):
     folder, batch, expected = engine_case
-    llm = LLM(folder, num_pages=24, page_size=4)  # 96 slots; the longest request needs 73
+    llm = LLM(folder, num_pages=24, page_size=4,
+              device=device)  # 96 slots; the longest request needs 73
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -145,24 +148,26 @@ def test_engine_greedy_outputs_survive_preemption(engine_case):
 
 # --- latent pages ---
 
-def test_write_latent_puts_each_token_at_its_slot_and_nothing_else():
-    cache = torch.zeros(3, 4, 1, 8)
-    latent = torch.arange(16, dtype=torch.float32).view(2, 1, 8) + 1
-    write_latent(cache, torch.tensor([5, 11]), latent)
+def test_write_latent_puts_each_token_at_its_slot_and_nothing_else(device):
+    cache = torch.zeros(3, 4, 1, 8, device=device)
+    latent = torch.arange(16, dtype=torch.float32, device=device).view(2, 1, 8) + 1
+    write_latent(cache, torch.tensor([5, 11], device=device), latent)
     assert torch.equal(cache[1, 1], latent[0]) and torch.equal(cache[2, 3], latent[1])
     assert torch.count_nonzero(cache) == 16
 
 
-def test_write_latent_refuses_a_slot_outside_the_pages_and_writes_nothing():
-    cache = torch.zeros(3, 4, 1, 8)
+def test_write_latent_refuses_a_slot_outside_the_pages_and_writes_nothing(device):
+    cache = torch.zeros(3, 4, 1, 8, device=device)
     with pytest.raises(IndexError, match=r"write_latent: slot 12 \(token 1\) is outside"):
-        write_latent(cache, torch.tensor([0, 12]), torch.ones(2, 1, 8))
+        write_latent(cache, torch.tensor([0, 12], device=device),
+                     torch.ones(2, 1, 8, device=device))
     assert torch.count_nonzero(cache) == 0
 
 
-def test_write_latent_refuses_a_latent_of_the_wrong_shape():
+def test_write_latent_refuses_a_latent_of_the_wrong_shape(device):
     with pytest.raises(ValueError, match=r"expects latent \[n, 1, 8\]"):
-        write_latent(torch.zeros(3, 4, 1, 8), torch.tensor([0]), torch.ones(1, 1, 6))
+        write_latent(torch.zeros(3, 4, 1, 8, device=device), torch.tensor([0], device=device),
+                     torch.ones(1, 1, 6, device=device))
 
 
 # --- absorbed and expanded attention ---
@@ -171,24 +176,25 @@ def mixed_batch(layer, cache_pages: int = 24, page_size: int = 4):
     """A batch of a decode row, a whole prompt and a chunk over a prefix, on shuffled pages
     of random latents (seq_lens 13, 6 and 11 tokens; 1, 6 and 3 new)."""
     mla, heads = layer.mla, layer.num_heads
+    device = next(layer.parameters()).device
     torch.manual_seed(0)
-    cache = torch.randn(cache_pages, page_size, 1, mla.latent_dim)
+    cache = torch.randn(cache_pages, page_size, 1, mla.latent_dim).to(device)
     q_lens, seq_lens = [1, 6, 3], [13, 6, 11]
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
-        page_tables=torch.randperm(cache_pages)[:12].view(3, 4).int(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 1, 7, 10], dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+        page_tables=torch.randperm(cache_pages)[:12].view(3, 4).int().to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, 1, 7, 10], dtype=torch.int32, device=device),
     )
-    q_nope = torch.randn(sum(q_lens), heads, mla.qk_nope_head_dim)
-    q_pe = torch.randn(sum(q_lens), heads, mla.qk_rope_head_dim)
+    q_nope = torch.randn(sum(q_lens), heads, mla.qk_nope_head_dim).to(device)
+    q_pe = torch.randn(sum(q_lens), heads, mla.qk_rope_head_dim).to(device)
     return q_nope, q_pe, meta, cache
 
 
 @pytest.fixture(scope="module")
-def v2_lite(tmp_path_factory):
+def v2_lite(tmp_path_factory, device):
     hf = make_hf_model("v2-lite", configs=CONFIGS)
-    return load_model(save_hf_model(hf, tmp_path_factory.mktemp("v2-lite")), device="cpu").model
+    return load_model(save_hf_model(hf, tmp_path_factory.mktemp("v2-lite")), device=device).model
 
 
 def test_absorbed_and_expanded_attention_agree_on_every_kind_of_row(v2_lite):
@@ -330,7 +336,7 @@ def test_yarn_frequencies_factor_and_softmax_scale_equal_transformers(config, hf
     hf_config = hf_class.from_dict(config)
     hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
     ours = ModelConfig.from_hf(config)
-    assert torch.equal(inv_frequencies(ours), hf_inv_freq)
+    assert torch.equal(inv_frequencies(ours, device="cpu"), hf_inv_freq)
     assert attention_factor(ours) == hf_factor
     hf_module = transformers.models.deepseek_v3.modeling_deepseek_v3
     assert softmax_scale(ours) == hf_module.yarn_apply_mscale(hf_config.rope_parameters,
