@@ -3,6 +3,7 @@ transformers' whatever the pool size, prefix caching or chunking; seeded samplin
 samples sharing pages; abort; refused requests; stats."""
 
 import collections
+import copy
 import random
 import threading
 
@@ -49,20 +50,21 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(hf_model, prompts):
+def expected(hf_model, prompts, device):
     """transformers' greedy continuation of each prompt, run alone without padding."""
     out = []
+    hf_model = copy.deepcopy(hf_model).to(device)
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                     max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
             out.append(gen[0, len(prompt):].tolist())
     return out
 
 
-def _llm(checkpoint, **options):
-    return LLM(checkpoint, **{"num_pages": 128, **options})
+def _llm(checkpoint, *, device, **options):
+    return LLM(checkpoint, device=device, **{"num_pages": 128, **options})
 
 
 def _tokens(outputs):
@@ -85,8 +87,8 @@ def _assert_drained(llm):
     {"max_num_batched_tokens": 16, "max_num_seqs": 8},
     {"max_num_batched_tokens": 7, "max_num_seqs": 4, "page_size": 4},
 ], ids=["roomy", "no-prefix-caching", "chunked-16", "chunked-7"])
-def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options):
-    llm = _llm(checkpoint, **options)
+def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options, device):
+    llm = _llm(checkpoint, **options, device=device)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
@@ -95,10 +97,11 @@ def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, option
 
 
 def test_token_granular_pages_give_the_greedy_outputs_of_16_token_pages(checkpoint, prompts,
-                                                                         expected):
+                                                                         expected, device):
     outputs = {}
     for page_size in (1, 16):  # the same memory either way; later prompts hit earlier ones
-        llm = _llm(checkpoint, page_size=page_size, num_pages=2048 // page_size, max_num_seqs=4)
+        llm = _llm(checkpoint, page_size=page_size, num_pages=2048 // page_size, max_num_seqs=4,
+                   device=device)
         outputs[page_size] = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         assert llm.cache.stats().prefix_hit_tokens > 0
         _assert_drained(llm)
@@ -106,8 +109,8 @@ def test_token_granular_pages_give_the_greedy_outputs_of_16_token_pages(checkpoi
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, prefix_caching):
-    llm = _llm(checkpoint, num_pages=12, page_size=8, prefix_caching=prefix_caching)
+def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, prefix_caching, device):
+    llm = _llm(checkpoint, num_pages=12, page_size=8, prefix_caching=prefix_caching, device=device)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert _tokens(outputs) == expected
@@ -122,18 +125,19 @@ def _shared_prefix_group(prompts):
     return shared, [p for p in prompts if tuple(p[:40]) != prefix]
 
 
-def test_greedy_outputs_with_prefix_hits_equal_transformers(checkpoint, prompts, expected):
-    llm = _llm(checkpoint, max_num_seqs=4)  # later prompts find earlier ones' pages cached
+def test_greedy_outputs_with_prefix_hits_equal_transformers(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, max_num_seqs=4,
+               device=device)  # later prompts find earlier ones' pages cached
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.cache.stats().prefix_hit_tokens > 0
     assert _tokens(outputs) == expected
     _assert_drained(llm)
 
 
-def test_prefix_cache_serves_prompts_seen_before(checkpoint, prompts, expected):
+def test_prefix_cache_serves_prompts_seen_before(checkpoint, prompts, expected, device):
     _, distinct = _shared_prefix_group(prompts)
     want = [e for p, e in zip(prompts, expected, strict=True) if p in distinct]
-    llm = _llm(checkpoint)
+    llm = _llm(checkpoint, device=device)
     llm.generate(distinct, GREEDY, use_tqdm=False)
     before = llm.stats()
     again = llm.generate(distinct, GREEDY, use_tqdm=False)  # their full pages are cached
@@ -145,9 +149,9 @@ def test_prefix_cache_serves_prompts_seen_before(checkpoint, prompts, expected):
     assert computed == sum(len(p) - (len(p) - 1) // 16 * 16 for p in distinct)
 
 
-def test_prefix_cache_shares_a_prefix_between_requests_of_later_steps(checkpoint, prompts):
+def test_prefix_cache_shares_a_prefix_between_requests_of_later_steps(checkpoint, prompts, device):
     shared, _ = _shared_prefix_group(prompts)
-    llm = _llm(checkpoint, max_num_seqs=1)  # one request at a time
+    llm = _llm(checkpoint, max_num_seqs=1, device=device)  # one request at a time
     llm.generate(shared, GREEDY, use_tqdm=False)
     # the first prompt is computed in full; the others reuse its two full pages of 16
     assert llm.cache.stats().prefix_hit_tokens == 32 * (len(shared) - 1)
@@ -155,8 +159,8 @@ def test_prefix_cache_shares_a_prefix_between_requests_of_later_steps(checkpoint
 
 # ---- sampling ----------------------------------------------------------------------------
 
-def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     seeded = SamplingParams(max_tokens=8, seed=11, ignore_eos=True)
     alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(seed=3)] * 3
@@ -166,8 +170,8 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts):
     assert llm.generate([prompts[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint):
-    llm = _llm(checkpoint)
+def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint, device):
+    llm = _llm(checkpoint, device=device)
     prompt = list(range(40))  # two full pages and a partial one
     request_id = llm.add_request(prompt, SamplingParams(n=4, max_tokens=6, seed=0,
                                                         ignore_eos=True))
@@ -191,17 +195,17 @@ def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint):
     _assert_drained(llm)
 
 
-def test_n_greedy_samples_are_identical(checkpoint, prompts, expected):
+def test_n_greedy_samples_are_identical(checkpoint, prompts, expected, device):
     i = next(i for i, p in enumerate(prompts) if len(p) % 16)  # a partial last page
-    llm = _llm(checkpoint)
+    llm = _llm(checkpoint, device=device)
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     (output,) = llm.generate([prompts[i]], params, use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == [expected[i]] * 3
     assert llm.cache.stats().num_cow_copies == 2  # the last sample writes in place
 
 
-def test_stop_token_ends_a_sample(checkpoint, prompts, expected):
-    llm = _llm(checkpoint)
+def test_stop_token_ends_a_sample(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, device=device)
     stop = expected[0][4]
     first = expected[0].index(stop)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=(stop,))
@@ -212,8 +216,8 @@ def test_stop_token_ends_a_sample(checkpoint, prompts, expected):
 
 # ---- step API, abort, refusals -----------------------------------------------------------
 
-def test_abort_frees_the_pages_at_once(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_abort_frees_the_pages_at_once(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     keep = llm.add_request(prompts[0], params)
     drop = llm.add_request(prompts[1], params, request_id="drop")
@@ -232,8 +236,8 @@ def test_abort_frees_the_pages_at_once(checkpoint, prompts):
     _assert_drained(llm)
 
 
-def test_abort_of_a_waiting_request(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_abort_of_a_waiting_request(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     request_id = llm.add_request(prompts[0], SamplingParams(n=2))
     output = llm.abort(request_id)
     assert output.finished and [c.finish_reason for c in output.outputs] == ["abort"] * 2
@@ -241,8 +245,8 @@ def test_abort_of_a_waiting_request(checkpoint, prompts):
 
 
 def test_impossible_requests_get_an_error_and_the_others_complete(checkpoint, expected,
-                                                                  prompts):
-    llm = _llm(checkpoint, num_pages=8, max_model_len=200)  # 8 pages: 128 tokens
+                                                                  prompts, device):
+    llm = _llm(checkpoint, num_pages=8, max_model_len=200, device=device)  # 8 pages: 128 tokens
     too_long = SamplingParams(max_tokens=190, ignore_eos=True)
     too_big = SamplingParams(max_tokens=120, ignore_eos=True)
     params = [GREEDY, too_long, too_big, GREEDY]
@@ -258,8 +262,8 @@ def test_impossible_requests_get_an_error_and_the_others_complete(checkpoint, ex
     _assert_drained(llm)
 
 
-def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoint):
-    llm = _llm(checkpoint)
+def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoint, device):
+    llm = _llm(checkpoint, device=device)
     prompt = list(range(40))  # 2 full pages of 16 can be served next time
     first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     second = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
@@ -267,8 +271,8 @@ def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoi
     assert first.scheduled_time < second.scheduled_time
 
 
-def test_bad_prompts_raise_before_anything_runs(checkpoint):
-    llm = _llm(checkpoint)
+def test_bad_prompts_raise_before_anything_runs(checkpoint, device):
+    llm = _llm(checkpoint, device=device)
     with pytest.raises(ValueError, match="at least one token"):
         llm.generate([[1, 2], []], use_tqdm=False)
     with pytest.raises(ValueError, match=r"\[0, 128\)"):
@@ -278,8 +282,8 @@ def test_bad_prompts_raise_before_anything_runs(checkpoint):
     assert not llm.has_unfinished()
 
 
-def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected):
-    llm = _llm(checkpoint, max_num_batched_tokens=40)
+def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, max_num_batched_tokens=40, device=device)
     a = llm.add_request(prompts[0], GREEDY)
     b = llm.add_request(prompts[1], GREEDY)
     seen = {a: [], b: []}
@@ -291,8 +295,8 @@ def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected):
 
 # ---- text, options, stats ----------------------------------------------------------------
 
-def test_tiny_model_generates_text_from_strings():
-    llm = LLM("tiny", num_pages=32)
+def test_tiny_model_generates_text_from_strings(device):
+    llm = LLM("tiny", num_pages=32, device=device)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     outputs = llm.generate(["Hello", "The pool"], params, use_tqdm=False)
     assert [o.prompt for o in outputs] == ["Hello", "The pool"]
@@ -309,7 +313,7 @@ def test_tiny_model_generates_text_from_strings():
 
 
 def test_num_pages_is_planned_from_the_kv_cache_memory_budget(checkpoint):
-    llm = LLM(checkpoint, kv_cache_memory=2**20, page_size=16)
+    llm = LLM(checkpoint, kv_cache_memory=2**20, page_size=16, device="cpu")
     # 2 layers x K and V x 2 heads x 16 dims x 4 bytes = 512 bytes per token
     assert llm.cache.allocator.num_pages == 2**20 // (16 * 512)
 
@@ -358,18 +362,18 @@ def test_a_share_too_small_for_the_model_fails_before_loading(monkeypatch, check
         LLM(checkpoint, device="cpu")
 
 
-def test_options_are_validated(checkpoint):
+def test_options_are_validated(checkpoint, device):
     with pytest.raises(ValueError, match="max_num_seqs"):
-        LLM(checkpoint, max_num_seqs=0)
+        LLM(checkpoint, max_num_seqs=0, device=device)
     with pytest.raises(ValueError, match="max_model_len 1000 exceeds"):
-        LLM(checkpoint, max_model_len=1000)
+        LLM(checkpoint, max_model_len=1000, device=device)
     with pytest.raises(TypeError, match="unexpected keyword"):
-        LLM(checkpoint, num_blocks=10)
+        LLM(checkpoint, num_blocks=10, device=device)
 
 
-def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, prompts):
+def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, prompts, device):
     records = []
-    llm = LLM(checkpoint, num_pages=24, page_size=8, on_step=records.append)
+    llm = LLM(checkpoint, num_pages=24, page_size=8, on_step=records.append, device=device)
     llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.stats()
     assert stats.num_generated_tokens == MAX_TOKENS * len(prompts)
@@ -398,27 +402,27 @@ def test_ignore_eos_must_be_a_bool():
         SamplingParams(ignore_eos="no")
 
 
-def test_largest_seeds_generate_with_n_samples(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_largest_seeds_generate_with_n_samples(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     params = SamplingParams(max_tokens=3, seed=2**64 - 2, n=2, ignore_eos=True)
     (output,) = llm.generate([prompts[0]], params, use_tqdm=False)
     assert [len(c.token_ids) for c in output.outputs] == [3, 3]
     _assert_drained(llm)
 
 
-def test_generate_with_a_bad_second_request_queues_nothing(checkpoint, prompts):
-    llm = _llm(checkpoint, max_num_seqs=2)
+def test_generate_with_a_bad_second_request_queues_nothing(checkpoint, prompts, device):
+    llm = _llm(checkpoint, max_num_seqs=2, device=device)
     with pytest.raises(ValueError, match="n=3 samples exceed max_num_seqs 2"):
         llm.generate([prompts[0], prompts[1]], [GREEDY, SamplingParams(n=3)], use_tqdm=False)
     assert not llm.has_unfinished() and llm.cache.sequences() == []
 
 
-def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, expected):
+def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, expected, device):
     def interrupt(record):
         if record.step == 2:
             raise KeyboardInterrupt
 
-    llm = _llm(checkpoint, on_step=interrupt)
+    llm = _llm(checkpoint, on_step=interrupt, device=device)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts[:4], GREEDY, use_tqdm=False)
     _assert_drained(llm)
@@ -427,8 +431,8 @@ def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, e
 
 
 def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint, prompts,
-                                                                      expected):
-    llm = _llm(checkpoint, max_num_seqs=1)  # the second prompt waits for the first
+                                                                      expected, device):
+    llm = _llm(checkpoint, max_num_seqs=1, device=device)  # the second prompt waits for the first
     llm.on_step = lambda record: llm.abort("1") if record.step == 0 else None
     outputs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
     assert _tokens(outputs[:1]) == expected[:1]
@@ -437,8 +441,8 @@ def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint
     _assert_drained(llm)
 
 
-def test_request_aborted_from_on_step_while_running_finishes_generate(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_request_aborted_from_on_step_while_running_finishes_generate(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     llm.on_step = lambda record: llm.abort("0") if record.step == 3 else None
     (output,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
     assert output.outputs[0].finish_reason == "abort"
@@ -446,9 +450,10 @@ def test_request_aborted_from_on_step_while_running_finishes_generate(checkpoint
     _assert_drained(llm)
 
 
-def test_request_aborted_from_another_thread_finishes_generate(checkpoint, prompts, expected):
+def test_request_aborted_from_another_thread_finishes_generate(checkpoint, prompts, expected,
+        device):
     stepped = threading.Event()
-    llm = _llm(checkpoint, max_num_seqs=1, on_step=lambda record: stepped.set())
+    llm = _llm(checkpoint, max_num_seqs=1, on_step=lambda record: stepped.set(), device=device)
     params = [GREEDY, SamplingParams(max_tokens=200, ignore_eos=True)]
     aborter = threading.Thread(target=lambda: stepped.wait() and llm.abort("1"))
     aborter.start()
@@ -460,8 +465,8 @@ def test_request_aborted_from_another_thread_finishes_generate(checkpoint, promp
 
 
 def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, prompts,
-                                                                  expected):
-    llm = _llm(checkpoint)
+                                                                  expected, device):
+    llm = _llm(checkpoint, device=device)
     rid = llm.add_request(prompts[0], GREEDY)
     llm.step()
     with pytest.raises(RuntimeError, match=r"1 request\(s\) of add_request are unfinished"):
@@ -474,7 +479,7 @@ def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, pro
     assert _tokens(llm.generate([prompts[1]], GREEDY, use_tqdm=False)) == [expected[1]]
 
 
-def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompts):
+def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompts, device):
     refusals = []
 
     def meddle(record):
@@ -483,15 +488,15 @@ def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompt
                 call()
             refusals.append(str(error.value))
 
-    llm = _llm(checkpoint, on_step=meddle)
+    llm = _llm(checkpoint, on_step=meddle, device=device)
     (output,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
     assert len(refusals) == 2 * llm.stats().num_steps
     _assert_drained(llm)
 
 
-def test_output_prompt_token_ids_are_the_callers_copy(checkpoint, prompts, expected):
-    llm = _llm(checkpoint)
+def test_output_prompt_token_ids_are_the_callers_copy(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, device=device)
     rid = llm.add_request(prompts[0], GREEDY)
     (output,) = llm.step()
     output.prompt_token_ids[:] = [0] * len(prompts[0])
@@ -509,7 +514,7 @@ def test_cuda_device_without_cuda_is_a_clear_error(checkpoint, monkeypatch):
         LLM(checkpoint, device="gpu")
 
 
-def test_engine_seed_must_fit_a_generator(checkpoint):
+def test_engine_seed_must_fit_a_generator(checkpoint, device):
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\), "
                                          r"got 18446744073709551616"):
-        LLM(checkpoint, seed=2**64)
+        LLM(checkpoint, seed=2**64, device=device)

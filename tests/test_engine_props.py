@@ -32,7 +32,7 @@ def engine() -> LLM:
     """One small engine for every example (building it is the slow part); each example
     starts with no request in it."""
     return LLM("tiny", num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_model_len=MAX_MODEL_LEN,
-               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32)
+               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, device="cpu")
 
 
 class EngineMachine(RuleBasedStateMachine):

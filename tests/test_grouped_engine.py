@@ -22,10 +22,11 @@ ENGINE = dict(num_pages=22, page_size=PAGE_SIZE, max_num_seqs=2, max_num_batched
 
 
 @pytest.fixture(scope="module", params=["qwen3-layer-types", "gemma3"])
-def checkpoint(request, tmp_path_factory):
-    """(transformers model, its checkpoint folder)."""
+def checkpoint(request, tmp_path_factory, device):
+    """(transformers model on the device, its checkpoint folder)."""
     hf = make_hf_model(request.param, configs=CONFIGS)
-    return hf, save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf.to(device), folder
 
 
 def batch() -> list[list[int]]:
@@ -35,9 +36,9 @@ def batch() -> list[list[int]]:
     return out + [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
 
 
-def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint):
+def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint, device):
     _, folder = checkpoint
-    llm = LLM(folder, **ENGINE)
+    llm = LLM(folder, **ENGINE, device=device)
     assert isinstance(llm.cache, GroupedCache)
     assert [cache.num_pages for cache in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
     assert llm.graphs is None
@@ -45,9 +46,9 @@ def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemption(
-        checkpoint, prefix_caching):
+        checkpoint, prefix_caching, device):
     hf, folder = checkpoint
-    llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE)
+    llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE, device=device)
     prompts_ = batch()
     ids = [llm.add_request(p, GREEDY) for p in prompts_]
     outputs = {}
@@ -69,18 +70,18 @@ def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemptio
     assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
 
 
-def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint):
+def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint, device):
     hf, folder = checkpoint
-    llm = LLM(folder, free_out_of_window=False, **ENGINE)
+    llm = LLM(folder, free_out_of_window=False, **ENGINE, device=device)
     assert isinstance(llm.cache, KVCache) and llm.cache.num_pages == 22
     prompt = batch()[1]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
-def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint):
+def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint, device):
     _, folder = checkpoint
-    llm = LLM(folder, kv_cache_dtype="fp8_e4m3", **ENGINE)
+    llm = LLM(folder, kv_cache_dtype="fp8_e4m3", **ENGINE, device=device)
     out = llm.generate([batch()[1]], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     assert llm.cache.pool.quantized and llm.cache.pool.scales_ready

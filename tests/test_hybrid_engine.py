@@ -2,6 +2,7 @@
 greedy outputs equal transformers' with continuous batching, chunked prefill, preemption and
 forked samples; every sequence's pages and state slot come back."""
 
+import copy
 import random
 
 import pytest
@@ -36,12 +37,14 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(hf_model, prompts):
+def expected(hf_model, prompts, device):
+    hf_model = copy.deepcopy(hf_model).to(device)
     return [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
 
 
-def _llm(checkpoint, **options):
-    return LLM(checkpoint, **{"num_pages": 128, "page_size": 4, "max_num_seqs": 8, **options})
+def _llm(checkpoint, *, device, **options):
+    return LLM(checkpoint, device=device,
+               **{"num_pages": 128, "page_size": 4, "max_num_seqs": 8, **options})
 
 
 def _tokens(outputs):
@@ -56,8 +59,8 @@ def _assert_drained(llm):
         llm.cache.checkpoints)
 
 
-def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint):
-    llm = _llm(checkpoint)
+def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint, device):
+    llm = _llm(checkpoint, device=device)
     assert isinstance(llm.cache, HybridCache)
     assert llm.cache.states.num_slots == 16  # 8 for sequences, 8 for checkpoints
     assert llm.cache.layout.num_layers == 1  # the KV pool holds the attention layer only
@@ -67,16 +70,16 @@ def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint):
     {},
     {"max_num_batched_tokens": 7, "max_num_seqs": 4},
 ], ids=["roomy", "chunked-7"])
-def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options):
-    llm = _llm(checkpoint, **options)
+def test_greedy_outputs_equal_transformers(checkpoint, prompts, expected, options, device):
+    llm = _llm(checkpoint, **options, device=device)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
     assert all(len(set(tokens)) > 4 for tokens in expected)  # varied, not a constant
     _assert_drained(llm)
 
 
-def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected):
-    llm = _llm(checkpoint, num_pages=24)
+def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, num_pages=24, device=device)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert _tokens(outputs) == expected
@@ -84,8 +87,8 @@ def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected):
 
 
 def test_forked_greedy_samples_each_continue_from_a_copy_of_the_state(checkpoint, prompts,
-                                                                      expected):
-    llm = _llm(checkpoint)
+                                                                      expected, device):
+    llm = _llm(checkpoint, device=device)
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     (output,) = llm.generate([prompts[5]], params, use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == [expected[5]] * 3
@@ -93,8 +96,8 @@ def test_forked_greedy_samples_each_continue_from_a_copy_of_the_state(checkpoint
     _assert_drained(llm)
 
 
-def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts):
-    llm = _llm(checkpoint)
+def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
     request_id = llm.add_request(prompts[7], GREEDY)
     llm.step()
     assert llm.cache.num_free_state_slots == 16 - 2  # its own, and a checkpoint after 40
@@ -103,13 +106,14 @@ def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts):
 
 
 def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
-        checkpoint, hf_model):
+        checkpoint, hf_model, device):
     rng = random.Random(1)
     shared = [rng.randrange(160) for _ in range(21)]
     prompts = [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 4, 9, 12)]
+    hf_model = copy.deepcopy(hf_model).to(device)
     expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
     # one at a time: later prompts hit the checkpoints of earlier ones
-    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8)
+    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8, device=device)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
     # a checkpoint after the first prompt's 16 tokens (a multiple of 8): the later prompts,
@@ -118,8 +122,8 @@ def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
     _assert_drained(llm)
 
 
-def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected):
-    llm = _llm(checkpoint, num_pages=24)
+def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, num_pages=24, device=device)
     twice = prompts + prompts
     outputs = llm.generate(twice, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0 and llm.cache.stats().prefix_hit_tokens > 0
@@ -127,8 +131,8 @@ def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts,
     _assert_drained(llm)
 
 
-def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts):
-    llm = _llm(checkpoint, prefix_caching=False)
+def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts, device):
+    llm = _llm(checkpoint, prefix_caching=False, device=device)
     llm.generate([prompts[7], prompts[7]], GREEDY, use_tqdm=False)
     assert llm.cache.prefix_cache is None and llm.stats().prefix_hit_rate == 0
     assert llm.cache.states.num_slots == 8 and len(llm.cache.checkpoints) == 0
@@ -136,18 +140,18 @@ def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts):
 
 def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
     llm = LLM(checkpoint, kv_cache_memory=2**20, max_num_seqs=4, page_size=4,
-              prefix_caching=False)
+              prefix_caching=False, device="cpu")
     states = llm.cache.states.nbytes
     assert llm.cache.num_pages == (2**20 - states) // llm.cache.layout.bytes_per_page
 
 
 def test_state_slots_larger_than_the_budget_are_named(checkpoint):
     with pytest.raises(OutOfPages, match=r"after .* of state slots"):
-        LLM(checkpoint, kv_cache_memory=2**12, max_num_seqs=4)
+        LLM(checkpoint, kv_cache_memory=2**12, max_num_seqs=4, device="cpu")
 
 
-def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts):
-    llm = _llm(checkpoint, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 0.25))
+def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts, device):
+    llm = _llm(checkpoint, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 0.25), device=device)
     assert llm.cache.layout.dtype == torch.float8_e4m3fn
     assert llm.cache.kv.pool.scales.tolist() == [[0.5, 0.25]]
     outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)

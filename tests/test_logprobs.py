@@ -16,20 +16,20 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(device):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval().to(device)
 
 
 @pytest.fixture(scope="module")
-def llm(hf_model, tmp_path_factory):
+def llm(hf_model, tmp_path_factory, device):
     folder = tmp_path_factory.mktemp("llama")
     hf_model.save_pretrained(folder)
-    return LLM(folder, num_pages=64, page_size=4)
+    return LLM(folder, num_pages=64, page_size=4, device=device)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def prompts():
 
 def reference(hf_model, prompt, generated):
     """transformers' log_softmax over the vocabulary at each generated token's position."""
-    ids = torch.tensor([prompt + generated[:-1]])
+    ids = torch.tensor([prompt + generated[:-1]], device=hf_model.device)
     with torch.no_grad():
         logits = hf_model(ids).logits[0, len(prompt) - 1:].float()
     return logits.log_softmax(dim=-1)
@@ -105,10 +105,10 @@ def test_each_of_n_samples_has_its_own_logprobs(llm, hf_model, prompts):
             [expected[i, t].item() for i, t in enumerate(sample.token_ids)], abs=1e-4)
 
 
-def test_preempted_sequences_keep_one_entry_per_token(hf_model, llm, prompts, tmp_path):
+def test_preempted_sequences_keep_one_entry_per_token(hf_model, llm, prompts, tmp_path, device):
     hf_model.save_pretrained(tmp_path)
     # 16 pages of 4 tokens; the three sequences end at 23, 37 and 50 tokens: 29 pages
-    small = LLM(tmp_path, num_pages=16, page_size=4)
+    small = LLM(tmp_path, num_pages=16, page_size=4, device=device)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
     roomy = llm.generate(prompts, params, use_tqdm=False)
     tight = small.generate(prompts, params, use_tqdm=False)

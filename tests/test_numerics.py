@@ -66,7 +66,7 @@ def bf16_agreement(tmp_path_factory):
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         batched = hf.generate(ids, attention_mask=mask, **gen)[:, width:].tolist()
-    llm = LLM(folder, dtype=torch.bfloat16, num_pages=256)
+    llm = LLM(folder, dtype=torch.bfloat16, num_pages=256, device="cpu")
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     return _leading_agreement(ours, alone), _leading_agreement(batched, alone)

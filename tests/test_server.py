@@ -23,8 +23,8 @@ ENGINE = partial(LLM, "tiny", num_pages=24, max_model_len=512, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return ENGINE()
+def llm(device):
+    return ENGINE(device=device)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def expected_logprobs(llm):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(ENGINE) as server:
+def server(device):
+    with running_server(partial(ENGINE, device=device)) as server:
         yield server
 
 

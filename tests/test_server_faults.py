@@ -22,9 +22,9 @@ INTERNAL = {"type": "internal_error", "param": None, "code": None,
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(device):
     # One seat and one waiting place: a third request finds the queue full.
-    with running_server(partial(LLM, "tiny", num_pages=256, max_num_seqs=1),
+    with running_server(partial(LLM, "tiny", num_pages=256, max_num_seqs=1, device=device),
                         max_waiting=1) as server:
         yield server
 
@@ -76,8 +76,8 @@ def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(s
     assert server.on_engine(used_pages) == 0
 
 
-def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503():
-    with running_server(partial(LLM, "tiny", num_pages=64)) as server, \
+def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503(device):
+    with running_server(partial(LLM, "tiny", num_pages=64, device=device)) as server, \
             httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
         lines = response.iter_lines()
         next(lines)  # the first chunk: the request runs

@@ -21,8 +21,8 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(partial(LLM, "tiny", num_pages=512)) as server:
+def server(device):
+    with running_server(partial(LLM, "tiny", num_pages=512, device=device)) as server:
         yield server
 
 
@@ -99,8 +99,8 @@ def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
         "kvpool_generation_tokens_total", ()] < 2000
 
 
-def test_an_abort_gives_the_pages_back_before_the_next_step():
-    engine = EngineLoop(partial(LLM, "tiny", num_pages=64), max_waiting=8)
+def test_an_abort_gives_the_pages_back_before_the_next_step(device):
+    engine = EngineLoop(partial(LLM, "tiny", num_pages=64, device=device), max_waiting=8)
     engine.start()
 
     async def main():

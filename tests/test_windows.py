@@ -46,11 +46,11 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def pair(request, tmp_path_factory):
+def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one windowed case."""
     hf = make_hf_model(request.param, configs=CONFIGS)
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(folder, device="cpu").model
+    return hf.to(device), load_model(folder, device=device).model
 
 
 def test_each_layer_gets_the_window_transformers_gives_it(pair):
@@ -85,13 +85,16 @@ def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair):
 
 
 @pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3"])
-def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(name, tmp_path):
+def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(name, tmp_path,
+        device):
     hf = make_hf_model(name, configs=CONFIGS)
     folder = save_hf_model(hf, tmp_path)
+    hf.to(device)
     shared = prompts(160, lengths=(20,), seed=2)["seq0"]
     batch = list(prompts(160, lengths=(5, 30), seed=3).values())
     batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
-    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+              device=device)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(batch, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
@@ -178,9 +181,10 @@ PAGE_SIZE = 4  # PagedRunner's
 
 
 @pytest.fixture(scope="module")
-def mistral(tmp_path_factory):
+def mistral(tmp_path_factory, device):
     hf = make_hf_model(MISTRAL)
-    return hf, load_model(save_hf_model(hf, tmp_path_factory.mktemp(MISTRAL)), device="cpu").model
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(MISTRAL))
+    return hf.to(device), load_model(folder, device=device).model
 
 
 def held_pages(runner: PagedRunner, seq_id: str) -> int:
@@ -219,14 +223,14 @@ def test_mistral_chunked_prefill_gives_pages_back_between_chunks(mistral):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral, tmp_path,
-                                                                         prefix_caching):
+                                                                         prefix_caching, device):
     hf, _ = mistral
     folder = save_hf_model(hf, tmp_path)
     shared = prompts(160, lengths=(20,), seed=2)["seq0"]
     batch = list(prompts(160, lengths=(5, 30), seed=3).values())
     batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
     llm = LLM(folder, num_pages=24, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
-              prefix_caching=prefix_caching)
+              prefix_caching=prefix_caching, device=device)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(batch, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
@@ -236,9 +240,10 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
     llm.cache.check()
 
 
-def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mistral, tmp_path):
+def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mistral, tmp_path,
+        device):
     hf, _ = mistral
-    llm = LLM(save_hf_model(hf, tmp_path), num_pages=24, page_size=4, max_num_seqs=2)
+    llm = LLM(save_hf_model(hf, tmp_path), num_pages=24, page_size=4, max_num_seqs=2, device=device)
     for prompt in prompts(160, lengths=(5, 30, 23), seed=3).values():  # at most 30 tokens
         llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                ignore_eos=True))
@@ -253,10 +258,10 @@ def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mist
     assert decoded_far > 0
 
 
-def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path):
+def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path, device):
     hf, _ = mistral
     llm = LLM(save_hf_model(hf, tmp_path), num_pages=64, page_size=4, max_num_seqs=2,
-              free_out_of_window=False)
+              free_out_of_window=False, device=device)
     prompt = prompts(160, lengths=(30,), seed=3)["seq0"]
     llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                            ignore_eos=True))

@@ -1,0 +1,90 @@
+"""Devices are explicit below LLM and the CLI: every pool, cache, state pool, workspace and model
+takes a keyword-only device with no default; a bad one is a ValueError that says what was
+expected. Only the engine picks one (CUDA when present, else the CPU)."""
+
+import pytest
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.devices import check_device
+from kvpool.engine.config import engine_device
+from kvpool.grouped_cache import GroupedCache
+from kvpool.hybrid_cache import HybridCache
+from kvpool.layout import KVLayout
+from kvpool.models.config import ModelConfig
+from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.loader import LoadedModel, load_model
+from kvpool.pool import KVPool
+from kvpool.state_pool import MambaLayout, MambaPool
+from kvpool.workspace import Workspace
+
+LAYOUT = KVLayout(1, 1, 4, torch.float32, page_size=4)
+MIXED = KVLayout(2, 1, 4, torch.float32, page_size=4, layer_windows=(None, 8))
+STATES = MambaLayout(num_layers=1, conv_dim=3, conv_kernel=3, num_heads=1, head_dim=2,
+                     state_size=2, dtype=torch.float32)
+BUILDERS = {
+    "KVPool": lambda **device: KVPool(LAYOUT, 2, **device),
+    "KVCache": lambda **device: KVCache(LAYOUT, 2, **device),
+    "GroupedCache": lambda **device: GroupedCache(MIXED, (2, 2), **device),
+    "HybridCache": lambda **device: HybridCache(LAYOUT, 2, STATES, 1, **device),
+    "MambaPool": lambda **device: MambaPool(STATES, 1, **device),
+    "Workspace": lambda **device: Workspace(64, **device),
+    "LlamaForCausalLM": lambda **device: LlamaForCausalLM(ModelConfig.from_hf("tiny"), **device),
+    "load_model": lambda **device: load_model("tiny", **device),
+}
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_a_missing_device_is_a_type_error(name):
+    with pytest.raises(TypeError, match="device"):
+        BUILDERS[name]()
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_none_is_no_device(name):
+    with pytest.raises(ValueError, match="device must be given"):
+        BUILDERS[name](device=None)
+
+
+def device_types(built) -> set[str]:
+    """The device types of what `built` holds."""
+    module = built.model if isinstance(built, LoadedModel) else built
+    if isinstance(module, torch.nn.Module):
+        return {t.device.type for t in [*module.parameters(), *module.buffers()]}
+    return {built.device.type}
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_everything_lands_on_the_device_it_is_given(name, device):
+    assert device_types(BUILDERS[name](device=device)) == {device.type}
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    (None, "device must be given"),
+    ("gpu", "device 'gpu' is not a torch device"),
+    (0, "device must be a torch.device or a name such as 'cpu' or 'cuda', got int 0"),
+])
+def test_check_device_refuses_what_is_not_a_device(device, message):
+    with pytest.raises(ValueError, match=message):
+        check_device(device)
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda:0' needs CUDA, and this machine has no"):
+        check_device("cuda:0")
+
+
+def test_a_cuda_device_past_the_last_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="'cuda:2' does not exist: this machine has 2 CUDA"):
+        check_device("cuda:2")
+
+
+def test_the_engine_picks_cuda_when_present_else_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_device(None) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_device(None) == torch.device("cuda")
+    assert engine_device("cpu") == torch.device("cpu")
