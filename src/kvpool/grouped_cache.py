@@ -47,10 +47,11 @@ def group_name(group: LayerGroup) -> str:
 
 class GroupedCache:
     """One KVCache per layer group of `layout` (at least two groups), group g with
-    `num_pages[g]` pages. Every mutating call checks every group first and then acts in each:
-    a call that raises has changed nothing. With prefix caching each group holds one scratch
-    page for the cache's lifetime. Queries that name pages, slots or page tables take the
-    group (0, the first of `layout.groups`: full attention when the model has it)."""
+    `num_pages[g]` pages, every pool on `device` (keyword-only, no default). Every mutating
+    call checks every group first and then acts in each: a call that raises has changed
+    nothing. With prefix caching each group holds one scratch page for the cache's lifetime.
+    Queries that name pages, slots or page tables take the group (0, the first of
+    `layout.groups`: full attention when the model has it)."""
 
     def __init__(self, layout: KVLayout, num_pages: Sequence[int], *,
                  device: str | torch.device, policy: str = "lifo", prefix_caching: bool = False,

@@ -50,9 +50,9 @@ class _HybridSequence:
 class HybridCache:
     """`num_pages` KV pages of `layout`, and state slots of `mamba_layout`: `num_state_slots`
     for sequences (each live sequence holds one) plus `num_checkpoint_slots` for the prefix
-    cache's checkpoints. Every mutating call checks first and then acts: a call that raises
-    has changed nothing. With prefix caching one page is the scratch page, held for the
-    cache's lifetime."""
+    cache's checkpoints, all on `device` (keyword-only, no default). Every mutating call checks
+    first and then acts: a call that raises has changed nothing. With prefix caching one page
+    is the scratch page, held for the cache's lifetime."""
 
     def __init__(self, layout: KVLayout, num_pages: int, mamba_layout: MambaLayout,
                  num_state_slots: int, *, device: str | torch.device, policy: str = "lifo",

@@ -20,9 +20,10 @@ ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
 
 
 class KVPool:
-    """`num_pages` pages of K and V for every layer in one tensor `[num_layers, num_planes,
-    num_pages, page_size, num_kv_heads, head_dim]`: planes K and V (layout kind "mha"), or the
-    one latent plane (kind "mla", whose K and V views are both that plane).
+    """`num_pages` pages of K and V for every layer in one tensor on `device` (keyword-only, no
+    default) `[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]`: planes K
+    and V (layout kind "mha"), or the one latent plane (kind "mla", whose K and V views are both
+    that plane).
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.

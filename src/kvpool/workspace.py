@@ -24,7 +24,8 @@ class WorkspaceFull(KVPoolError, MemoryError):
 
 
 class Workspace:
-    """`nbytes` bytes on `device`, handed out by `alloc(shape, dtype)` until `reset()`."""
+    """`nbytes` bytes on `device` (keyword-only, no default), handed out by `alloc(shape,
+    dtype)` until `reset()`."""
 
     def __init__(self, nbytes: int, *, device: str | torch.device):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
