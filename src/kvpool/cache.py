@@ -84,8 +84,7 @@ class KVCache:
     back the pages that fall out of it (see `_to_copy`)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
-                 policy: str = "lifo",
-                 prefix_caching: bool = False, reserve: int = 0,
+                 policy: str = "lifo", prefix_caching: bool = False, reserve: int = 0,
                  max_tokens_per_seq: int | None = None, scrub_on_free: bool = False,
                  tier: Tier | None = None, model_fingerprint: str = "",
                  kv_scales=None, free_out_of_window: bool = True):
