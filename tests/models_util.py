@@ -63,9 +63,9 @@ class PagedRunner:
     """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
     free pages are handed out in shuffled order, so page tables are scattered, on the model's
     device (page tables and slots moved there from the host, as the engine's runner does). The
-    pages are
-    of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8 pages); an
-    all-windowed model's pages go back out of the window unless not `free_out_of_window`."""
+    pages are of the model's dtype unless `kv_dtype` says otherwise (float8_e4m3fn: fp8
+    pages); an all-windowed model's pages go back out of the window unless not
+    `free_out_of_window`."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int = 128, page_size: int = 4,
                  seed: int = 0, kv_dtype: torch.dtype | None = None,
