@@ -28,6 +28,7 @@ from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
 from kvpool.models.loader import resolve_device
+from kvpool.state_pool import RESERVED_SLOTS
 from kvpool.threads import limit_threads
 from kvpool.workspace import Workspace
 
@@ -65,7 +66,8 @@ class LLM:
         num_checkpoints = 0
         if self.config.prefix_caching:
             num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
-        state_bytes = (num_slots + num_checkpoints) * mamba.bytes_per_slot if mamba else 0
+        state_bytes = (num_slots + num_checkpoints + RESERVED_SLOTS) * mamba.bytes_per_slot \
+            if mamba else 0
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
