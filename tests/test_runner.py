@@ -1,6 +1,7 @@
 """The model runner's step inputs (one flat buffer in the workspace, identical to packing each
-tensor on its own) and the CUDA-graph runner's buckets and padding (on the pool's reserved
-page: no sequence, any number of runners), on the CPU and, where present, CUDA."""
+tensor on its own), its staging buffer and inference mode, and the CUDA-graph runner's buckets
+and padding (on the pool's reserved page: no sequence, any number of runners), on the CPU and,
+where present, CUDA."""
 
 from types import SimpleNamespace
 
@@ -112,6 +113,48 @@ def test_a_step_resets_the_workspace(llm):
     _inputs(llm, _mixed_batch(llm))
     _inputs(llm, _mixed_batch(llm))
     assert llm.workspace.num_allocs == 1
+
+
+def test_the_staging_buffer_is_allocated_at_setup_for_the_largest_step(llm, device):
+    staging = llm.runner.staging
+    assert not staging.is_inference() and staging.device.type == "cpu"
+    assert staging.is_pinned() == (device.type == "cuda")
+    largest = StepLayout(12, llm.config.max_num_batched_tokens, 64 // PAGE, 12)
+    assert staging.numel() == largest.size
+
+
+def test_a_step_in_inference_mode_leaves_buffers_a_later_step_writes_outside_it(llm):
+    batch = _mixed_batch(llm)
+    with torch.inference_mode():
+        llm.runner.run(batch)
+    # what failed on CUDA when the staging buffer was made lazily in inference mode:
+    # "Inplace update to inference tensor outside InferenceMode"
+    flat = llm.runner.stage(batch, llm.runner.layout(batch))
+    assert not flat.is_inference() and not llm.runner.staging.is_inference()
+
+
+def test_the_engine_runs_each_step_in_inference_mode(llm, monkeypatch):
+    seen = []
+    schedule = llm.scheduler.schedule
+
+    def recording_schedule():
+        seen.append(torch.is_inference_mode_enabled())
+        return schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert seen and all(seen) and not torch.is_inference_mode_enabled()
+
+
+def test_a_step_larger_than_the_staging_buffer_is_refused_before_the_workspace_changes(llm):
+    batch = _mixed_batch(llm)
+    _inputs(llm, batch)
+    used = llm.workspace.used
+    too_large = StepLayout(12, llm.config.max_num_batched_tokens + 1, 64 // PAGE, 12)
+    with pytest.raises(ValueError, match=r"needs \d+ metadata elements; the staging buffer "
+                                         r"holds \d+"):
+        llm.runner.stage(batch, too_large)
+    assert llm.workspace.used == used
 
 
 def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm, device):

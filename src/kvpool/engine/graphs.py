@@ -101,7 +101,6 @@ class CUDAGraphRunner:
                                f"({e}); pass enforce_eager=True to run without graphs") from e
         self.graphs[bucket] = graph
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
         a view valid until the next step."""
