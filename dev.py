@@ -82,7 +82,8 @@ def gpu_check(args: list[str]) -> int:
     of the GPU's memory), then benchmarks/gpu.py; one summary at the end. It runs in the Python
     that runs this script, which needs a CUDA build of torch and kvpool's test extra: .venv
     holds a CPU build. Without CUDA it says so and returns 0."""
-    python, env = sys.executable, {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    python, env = sys.executable, {**os.environ, "PYTHONPATH": path}
     count, device = cuda_devices(python, env)
     if not count:
         print(f"gpu-check: no CUDA device visible to {python} ({device}); nothing checked")
