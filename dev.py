@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Run kvpool from a local virtual environment, creating or refreshing it first.
 
-    python3 dev.py bench [args]   # kvpool bench on the built-in model
-    python3 dev.py test [args]    # the test suite
-    python3 dev.py <cmd> [args]   # any kvpool subcommand (plan, generate, ...)
+    python3 dev.py bench [args]       # kvpool bench on the built-in model
+    python3 dev.py test [args]        # the test suite
+    python3 dev.py gpu-check [args]   # the suite with CUDA visible, then benchmarks/gpu.py
+    python3 dev.py <cmd> [args]       # any kvpool subcommand (plan, generate, ...)
 """
 
 import hashlib
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import venv
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -23,6 +27,10 @@ TORCH = "torch==2.13.0"
 # What the install builds from: a change to any of these reinstalls.
 BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c",
                 ROOT / "src" / "kvpool" / "_pages.c")
+# gpu-check: test workers sharing the one GPU, and the share of its memory each may take
+# (tests/conftest.py applies it), so that a test that overflows fails alone.
+GPU_WORKERS = min(8, os.cpu_count() or 1)
+SHARE_VARIABLE = "KVPOOL_TEST_CUDA_MEMORY_FRACTION"
 
 
 def _pip(*args: str) -> None:
@@ -44,8 +52,71 @@ def ensure_venv() -> None:
         STAMP.write_text(digest)
 
 
+def cuda_devices(python: str, env: dict) -> tuple[int, str]:
+    """(CUDA devices `python`'s torch sees, what it says): (0, why) without torch or CUDA."""
+    probe = subprocess.run(
+        [python, "-c", "import torch; print(torch.cuda.device_count(), torch.__version__, "
+                       "torch.cuda.get_device_name() if torch.cuda.is_available() else '')"],
+        capture_output=True, text=True, env=env)
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines()
+        return 0, f"torch does not load: {lines[-1] if lines else probe.returncode}"
+    count, version, *name = probe.stdout.split(maxsplit=2)
+    return int(count), f"{' '.join(name).strip() or 'no CUDA device'}, torch {version}"
+
+
+def failures(report: Path) -> list[tuple[str, str]]:
+    """(test, first line of its error) of every failed or erroring test in a JUnit XML report."""
+    found = []
+    for case in ET.parse(report).iter("testcase"):
+        for problem in case:
+            if problem.tag in ("failure", "error"):
+                lines = (problem.get("message") or problem.text or problem.tag).strip().splitlines()
+                found.append((f"{case.get('classname')}::{case.get('name')}",
+                              lines[0] if lines else problem.tag))
+    return found
+
+
+def gpu_check(args: list[str]) -> int:
+    """The whole suite with CUDA visible (GPU_WORKERS pytest-xdist workers, each with its share
+    of the GPU's memory), then benchmarks/gpu.py; one summary at the end. It runs in the Python
+    that runs this script, which needs a CUDA build of torch and kvpool's test extra: .venv
+    holds a CPU build. Without CUDA it says so and returns 0."""
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    python, env = sys.executable, {**os.environ, "PYTHONPATH": path}
+    count, device = cuda_devices(python, env)
+    if not count:
+        print(f"gpu-check: no CUDA device visible to {python} ({device}); nothing checked")
+        return 0
+    if subprocess.run([python, "-c", "import xdist"], capture_output=True).returncode:
+        print(f"gpu-check needs pytest-xdist in {python}: pip install -e '.[test]'")
+        return 1
+    env[SHARE_VARIABLE] = f"{0.9 / GPU_WORKERS:.3f}"
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "suite.xml"
+        suite = subprocess.run([python, "-m", "pytest", "-n", str(GPU_WORKERS), "-p",
+                                "no:cacheprovider", f"--junitxml={report}", *args],
+                               cwd=ROOT, env=env)
+        failed = failures(report) if report.exists() else [
+            ("pytest", f"exited with {suite.returncode} before writing its report")]
+    suite_s = time.monotonic() - start
+    bench = subprocess.run([python, "benchmarks/gpu.py"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, text=True)
+    print(f"\n==== gpu-check on {device}: suite {suite_s:.0f} s with {GPU_WORKERS} workers, "
+          f"{len(failed)} failed; benchmarks {time.monotonic() - start - suite_s:.0f} s")
+    for test, line in failed:
+        print(f"FAILED {test}: {line}")
+    print(bench.stdout, end="")
+    if bench.returncode:
+        print(f"benchmarks/gpu.py exited with {bench.returncode}")
+    return int(bool(failed) or suite.returncode not in (0, 1) or bench.returncode != 0)
+
+
 def main() -> int:
     args = sys.argv[1:] or ["bench"]
+    if args[0] == "gpu-check":
+        return gpu_check(args[1:])
     ensure_venv()
     if args[0] == "test":
         cmd = [str(PY), "-m", "pytest", *args[1:]]

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,15 @@ DEVICES = [
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs CUDA")),
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cuda_memory_share():
+    """Under `python3 dev.py gpu-check` several workers share one GPU: each takes the share of
+    its memory the variable gives, so a test that overflows it fails alone."""
+    share = os.environ.get("KVPOOL_TEST_CUDA_MEMORY_FRACTION")
+    if share and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(share))
 
 
 @pytest.fixture(scope="session", params=DEVICES)

@@ -27,8 +27,8 @@ def test_plan_prints_the_plan_for_given_memory(capsys):
     assert table["memory"] == "24.00 GiB given x 90% = 21.60 GiB"
     assert table["KV bytes per token"] == "131,072 (128.00 KiB)"
     assert table["KV bytes per page"] == "2,097,152 (2.00 MiB, 16 tokens)"
-    assert table["pages"] == "3,238 (6.32 GiB)"
-    assert table["tokens"] == "51,808"
+    assert table["pages"] == "3,237 (6.32 GiB)"  # and the pool's reserved page, in the bytes
+    assert table["tokens"] == "51,792"
 
 
 def test_plan_counts_sequences_at_the_models_max_position_embeddings(capsys):
@@ -214,8 +214,8 @@ def test_plan_shows_mistrals_single_window_group(capsys):
 def test_plan_counts_a_window_of_pages_for_each_of_mistrals_sequences(capsys):
     table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
                        "32768")
-    assert table["pages"] == "4,037 (7.88 GiB)"
-    assert table["sequences @ 32,768"] == "15 (257 pages each)"  # 4,037 // 257
+    assert table["pages"] == "4,036 (7.88 GiB)"
+    assert table["sequences @ 32,768"] == "15 (257 pages each)"  # 4,036 // 257
     table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
                        "32768", "--one-pool")
     assert table["sequences @ 32,768"] == "1 (2,048 pages each)"
@@ -248,9 +248,9 @@ def test_plan_of_gemma3_splits_the_budget_between_a_full_and_a_window_pool(capsy
     # the window pool: 32 windows of 65 pages and one 8,192-token prompt; the full pool the rest
     assert table["pool window 1,024"] == ("2,592 pages (4.59 GiB), 41,472 tokens, 65 pages a "
                                           "decoding sequence")
-    assert table["pool full attention"] == ("30,791 pages (9.40 GiB), 492,656 tokens, 512 "
+    assert table["pool full attention"] == ("30,784 pages (9.39 GiB), 492,544 tokens, 512 "
                                             "pages a decoding sequence")
-    assert table["tokens"] == "492,656; one pool of every layer: 107,824"
+    assert table["tokens"] == "492,544; one pool of every layer: 107,808"
     assert table["sequences @ 8,192"] == "39"
 
 
@@ -266,21 +266,21 @@ def test_plan_of_qwen3_with_layer_types_shows_each_pool(capsys, tmp_path):
                                           "36,864 bytes per token (36.00 KiB)")
     assert table["pool window 4,096"] == ("4,104 pages (6.76 GiB), 65,664 tokens, 257 pages "
                                           "a decoding sequence")
-    assert table["pool full attention"] == ("24,872 pages (13.66 GiB), 397,952 tokens, 2,048 "
+    assert table["pool full attention"] == ("24,868 pages (13.66 GiB), 397,888 tokens, 2,048 "
                                             "pages a decoding sequence")
-    assert table["tokens"] == "397,952; one pool of every layer: 148,736"
+    assert table["tokens"] == "397,888; one pool of every layer: 148,720"
 
 
 def test_a_window_pool_never_holds_more_tokens_than_the_full_pool(capsys, tmp_path):
     folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
     table = plan_table(capsys, folder, "--device-memory", "40GiB", "--context-len", "32768",
                        "--max-num-seqs", "32")  # 32 windows and a prompt would need 10,272 pages
-    assert table["pool window 4,096"].startswith("9,296 pages")
-    assert table["pool full attention"].startswith("9,296 pages")
+    assert table["pool window 4,096"].startswith("9,295 pages")
+    assert table["pool full attention"].startswith("9,295 pages")
 
 
 def test_plan_one_pool_keeps_every_page_of_a_mixed_model(capsys, tmp_path):
     folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
     table = plan_table(capsys, folder, "--device-memory", "40GiB", "--one-pool")
-    assert table["pages"] == "9,296 (20.43 GiB)"
+    assert table["pages"] == "9,295 (20.43 GiB)"
     assert not any(label.startswith("pool ") for label in table)

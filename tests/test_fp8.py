@@ -321,6 +321,6 @@ def test_a_write_to_a_slot_outside_the_pool_sets_no_scales():
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=FP8_DTYPE, page_size=4)
     pool = KVPool(layout, 2, device="cpu")
     k = torch.ones(1, 1, 4)
-    with pytest.raises(IndexError, match=r"\[0, 8\)"):
-        pool.write(0, torch.tensor([8]), k, k)
+    with pytest.raises(IndexError, match=r"\[0, 12\)"):  # the padding page's slots included
+        pool.write(0, torch.tensor([12]), k, k)
     assert not pool.scales_ready

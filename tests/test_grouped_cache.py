@@ -35,6 +35,15 @@ def test_each_group_has_a_pool_of_its_layers_and_the_model_layers_map_to_them(de
     assert c.groups[SLIDING].window == WINDOW and c.groups[FULL].window is None
 
 
+def test_each_groups_pool_sets_its_own_padding_page_apart(device):
+    c = GroupedCache(layout(), (16, 8), device=device)
+    assert [(pool.padding_page, pool.padding_slot) for pool in c.pool.pools] == [(16, 64), (8, 32)]
+    assert c.pool.nbytes == (16 + 1 + 8 + 1) * layout().groups[FULL].bytes_per_token * PAGE_SIZE
+    stats = c.stats()
+    assert (stats.num_pages, stats.num_used_pages, stats.num_reserved_pages) == (24, 0, 2)
+    c.check()
+
+
 def test_a_layout_of_one_group_is_refused(device):
     with pytest.raises(ValueError, match="at least two layer groups, got 1: use KVCache"):
         GroupedCache(layout((WINDOW, WINDOW)), (8,), device=device)

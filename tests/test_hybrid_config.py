@@ -68,9 +68,10 @@ def test_time_step_limit_as_transformers_writes_infinity():
 def test_plan_gives_the_state_share_to_whole_slots_and_the_rest_to_pages():
     plan = plan_memory("Bamba-9B", 40 * GiB, mamba_memory_ratio=0.25)
     slot = plan.mamba_layout.bytes_per_slot
-    assert plan.num_state_slots == int(plan.budget_bytes * 0.25) // slot
-    assert plan.num_pages == (plan.budget_bytes - plan.num_state_slots * slot) // (
-        plan.bytes_per_page)
+    # each pool sets one aside: the padding slot, the padding page
+    assert plan.num_state_slots == int(plan.budget_bytes * 0.25) // slot - 1
+    assert plan.num_pages == (plan.budget_bytes - (plan.num_state_slots + 1) * slot) // (
+        plan.bytes_per_page) - 1
     assert plan.state_bytes + plan.kv_bytes <= plan.budget_bytes
 
 

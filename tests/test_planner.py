@@ -108,22 +108,22 @@ def test_plan_for_given_device_memory():
     plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
     assert plan.budget_bytes == int(24 * GiB * 0.9) - 16_060_522_496 == 7_132_300_902
     assert (plan.bytes_per_token, plan.bytes_per_page, plan.page_size) == (131_072, 2 * 2**20, 16)
-    assert plan.num_pages == 3400  # 7,132,300,902 // 2,097,152
+    assert plan.num_pages == 3399  # 7,132,300,902 // 2,097,152 = 3400, one of them reserved
     assert plan.kv_bytes == 3400 * 2 * 2**20
-    assert plan.max_tokens == 3400 * 16
+    assert plan.max_tokens == 3399 * 16
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == (None, 24 * GiB, 0)
     assert plan.reason is None
 
 
 def test_max_sequences_gives_each_sequence_whole_pages():
     plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
-    assert plan.max_sequences(8192) == 3400 // 512
-    assert plan.max_sequences(17) == 3400 // 2
+    assert plan.max_sequences(8192) == 3399 // 512
+    assert plan.max_sequences(17) == 3399 // 2
 
 
 def test_a_larger_page_size_gives_fewer_pages_of_the_same_bytes():
     plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0, page_size=64)
-    assert (plan.num_pages, plan.bytes_per_page) == (850, 8 * 2**20)
+    assert (plan.num_pages, plan.bytes_per_page) == (849, 8 * 2**20)
 
 
 def test_memory_fraction_is_of_the_given_memory():
@@ -160,9 +160,9 @@ def test_host_memory_falls_back_to_the_os_page_counts_without_meminfo(monkeypatc
 def test_reserved_bytes_come_out_of_the_budget_and_are_named_when_it_is_short():
     weights = 2_952_448 * 4
     plan = plan_memory("tiny", weights + 2**20, memory_fraction=1.0, activation_bytes=0,
-                       reserved_bytes=2**20 - 32 * 2**10)
+                       reserved_bytes=2**20 - 64 * 2**10)
     assert (plan.reserved_bytes, plan.budget_bytes, plan.num_pages) == (
-        2**20 - 32 * 2**10, 32 * 2**10, 1)
+        2**20 - 64 * 2**10, 64 * 2**10, 1)  # a page of 32 KiB and the reserved one
     short = plan_memory("tiny", weights, memory_fraction=1.0, activation_bytes=0,
                         reserved_bytes=2**20)
     assert short.reason == ("weights 11.26 MiB + activations 0 B + reserved 1.00 MiB exceed "
@@ -200,7 +200,8 @@ def test_a_budget_below_one_page_gets_no_pages_and_a_reason():
     weights = 2_952_448 * 4
     plan = plan_memory("tiny", weights + 1000, memory_fraction=1.0, activation_bytes=0)
     assert (plan.num_pages, plan.budget_bytes) == (0, 1000)
-    assert plan.reason == "the 1000 B left for the KV cache is less than one page (32.00 KiB)"
+    assert plan.reason == ("the 1000 B left for the KV cache is less than one page (32.00 KiB) "
+                           "and the pool's reserved one")
 
 
 # Argument validation
@@ -263,7 +264,7 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
     workspace = config.workspace_bytes(model, layout, 8192)
     graphs = config.cuda_graph_bytes(model, torch.bfloat16)
     budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
-    assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21
+    assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21 - 1
 
 
 def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
@@ -271,8 +272,9 @@ def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
     full, window = plan.groups
     assert (full.group.window, window.group.window) == (None, 1024)
     assert window.num_pages == 32 * 65 + 512
-    assert full.nbytes + window.nbytes <= plan.num_pages * plan.bytes_per_page
-    assert plan.num_pages * plan.bytes_per_page - full.nbytes - window.nbytes < \
+    # each pool's reserved page on top: one page of every layer in all, as one pool's
+    assert full.nbytes + window.nbytes <= (plan.num_pages + 1) * plan.bytes_per_page
+    assert (plan.num_pages + 1) * plan.bytes_per_page - full.nbytes - window.nbytes < \
         full.bytes_per_page
     assert plan.max_tokens == full.max_tokens and plan.kv_bytes == full.nbytes + window.nbytes
     assert plan.max_sequences(8192) == min(full.num_pages // 512, window.num_pages // 65)

@@ -1,11 +1,12 @@
-"""KVPool: one tensor, per-layer views, writes by slot, page copies for CoW and tiers."""
+"""KVPool: one tensor, per-layer views, writes by slot, page copies for CoW and tiers, and
+the reserved padding page beside the allocator's pages."""
 
 import pytest
 import torch
 
 from kvpool.errors import InvalidPage, OutOfMemory
 from kvpool.layout import KVLayout
-from kvpool.pool import KVPool
+from kvpool.pool import KVPool, pages_within
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
 
@@ -18,8 +19,35 @@ def make_pool(num_pages=5, *, device):
 
 def test_pool_is_one_tensor_of_the_documented_shape(device):
     pool = make_pool(device=device)
-    assert pool.kv.shape == (3, 2, 5, 4, 2, 4)
-    assert pool.nbytes == 3 * 2 * 5 * 4 * 2 * 4 * 4 == 5 * LAYOUT.bytes_per_page
+    assert pool.kv.shape == (3, 2, 5 + 1, 4, 2, 4)  # the padding page last
+    assert pool.nbytes == 3 * 2 * 6 * 4 * 2 * 4 * 4 == 6 * LAYOUT.bytes_per_page
+    assert (pool.num_pages, pool.num_reserved_pages) == (5, 1)
+
+
+def test_the_padding_page_is_the_page_after_the_allocators(device):
+    pool = make_pool(device=device)
+    assert (pool.padding_page, pool.padding_slot) == (5, 20)
+    pool.check()
+
+
+def test_writes_reach_the_padding_page_and_page_calls_refuse_it(device):
+    pool = make_pool(device=device)
+    k = torch.ones(1, 2, 4, device=device)
+    pool.write(0, torch.tensor([pool.padding_slot], device=device), k, -k)
+    assert torch.equal(pool.k_cache(0)[pool.padding_page, 0], k[0])
+    assert torch.count_nonzero(pool.kv[:, :, :5]) == 0
+    for call in (lambda: pool.read_pages([5]), lambda: pool.scrub_pages([5]),
+                 lambda: pool.copy_pages([0], [5])):
+        with pytest.raises(InvalidPage, match=r"page ids must lie in \[0, 5\), got min 5"):
+            call()
+
+
+def test_pages_within_a_budget_leave_room_for_the_reserved_page(device):
+    page = LAYOUT.bytes_per_page
+    assert pages_within(LAYOUT, 10 * page) == 9
+    assert pages_within(LAYOUT, 10 * page - 1) == 8
+    assert pages_within(LAYOUT, 2 * page - 1) == pages_within(LAYOUT, -page) == 0
+    assert KVPool(LAYOUT, pages_within(LAYOUT, 10 * page), device=device).nbytes == 10 * page
 
 
 def test_layer_views_share_the_pool_storage(device):
@@ -27,7 +55,7 @@ def test_layer_views_share_the_pool_storage(device):
     pool.k_cache(1)[2, 3] = 1.0
     pool.v_cache(2)[0, 0] = 2.0
     assert pool.kv[1, 0, 2, 3].eq(1).all() and pool.kv[2, 1, 0, 0].eq(2).all()
-    assert pool.k_cache(0).shape == (5, 4, 2, 4)
+    assert pool.k_cache(0).shape == (6, 4, 2, 4)
 
 
 def test_write_puts_each_token_at_its_slot(device):
@@ -85,9 +113,10 @@ def test_copy_pages_needs_matching_lengths(device):
 
 
 @pytest.mark.parametrize(("bad", "error", "message"), [
-    (0, ValueError, r"num_pages must be in \[1, 2147483647\], got 0"),
-    (-3, ValueError, r"num_pages must be in \[1, 2147483647\], got -3"),
-    (2**31, ValueError, r"num_pages must be in \[1, 2147483647\], got 2147483648"),
+    (0, ValueError, r"num_pages must be in \[1, 2147483646\], got 0"),
+    (-3, ValueError, r"num_pages must be in \[1, 2147483646\], got -3"),
+    # the padding page's id, num_pages, must fit an int32 page table too
+    (2**31 - 1, ValueError, r"num_pages must be in \[1, 2147483646\], got 2147483647"),
     (2.5, TypeError, "num_pages must be an int, got float 2.5"),
     (True, TypeError, "num_pages must be an int, got bool True"),
 ])
@@ -98,8 +127,8 @@ def test_pool_size_must_be_a_positive_int32(bad, error, message, device):
 
 def test_a_pool_too_large_for_memory_names_the_bytes():
     huge = KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16)
-    with pytest.raises(OutOfMemory, match=r"a pool of 2,000,000,000 pages needs "
-                                          r"10,485,760,000,000,000 bytes on cpu"):
+    with pytest.raises(OutOfMemory, match=r"a pool of 2,000,000,000 pages and 1 reserved "
+                                          r"needs 10,485,760,005,242,880 bytes on cpu"):
         KVPool(huge, 2_000_000_000, device="cpu")
 
 
@@ -109,8 +138,8 @@ MLA = KVLayout(num_layers=3, num_kv_heads=1, head_dim=4, dtype=torch.float32, pa
 
 def test_mla_pool_holds_one_latent_plane_that_is_both_k_and_v(device):
     pool = KVPool(MLA, 5, device=device)
-    assert pool.kv.shape == (3, 1, 5, 4, 1, 4)
-    assert pool.nbytes == 5 * MLA.bytes_per_page
+    assert pool.kv.shape == (3, 1, 6, 4, 1, 4)
+    assert pool.nbytes == 6 * MLA.bytes_per_page
     assert pool.k_cache(2).data_ptr() == pool.v_cache(2).data_ptr() == pool.kv[2, 0].data_ptr()
 
 

@@ -1,31 +1,32 @@
 """The model runner's step inputs (one flat buffer in the workspace, identical to packing each
-tensor on its own) and the CUDA-graph runner's buckets and padding, on the CPU."""
+tensor on its own), its staging buffer and inference mode, and the CUDA-graph runner's buckets
+and padding (on the pool's reserved page: no sequence, any number of runners), on the CPU and,
+where present, CUDA."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hybrid_util import make_bamba
 from kvpool.attention import AttentionMetadata
-from kvpool.engine.graphs import (
-    PADDING_SEQ_ID,
-    CUDAGraphRunner,
-    graph_batch_sizes,
-    is_decode_only,
-)
+from kvpool.engine.graphs import CUDAGraphRunner, graph_batch_sizes, is_decode_only
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.kernels import MAX_DECODE_SPLITS
+from kvpool.state_pool import StateBatch
 from kvpool.workspace import ALIGNMENT
+from models_util import save_hf_model
 
 PAGE = 4
 
 
 @pytest.fixture
-def llm():
-    return LLM("tiny", num_pages=64, page_size=PAGE, max_model_len=64, max_num_seqs=12)
+def llm(device):
+    return LLM("tiny", num_pages=64, page_size=PAGE, max_model_len=64, max_num_seqs=12,
+               device=device)
 
 
 def _batch(llm, chunks):
@@ -114,16 +115,59 @@ def test_a_step_resets_the_workspace(llm):
     assert llm.workspace.num_allocs == 1
 
 
-def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm):
+def test_the_staging_buffer_is_allocated_at_setup_for_the_largest_step(llm, device):
+    staging = llm.runner.staging
+    assert not staging.is_inference() and staging.device.type == "cpu"
+    assert staging.is_pinned() == (device.type == "cuda")
+    largest = StepLayout(12, llm.config.max_num_batched_tokens, 64 // PAGE, 12)
+    assert staging.numel() == largest.size
+
+
+def test_a_step_in_inference_mode_leaves_buffers_a_later_step_writes_outside_it(llm):
+    batch = _mixed_batch(llm)
+    with torch.inference_mode():
+        llm.runner.run(batch)
+    # what failed on CUDA when the staging buffer was made lazily in inference mode:
+    # "Inplace update to inference tensor outside InferenceMode"
+    flat = llm.runner.stage(batch, llm.runner.layout(batch))
+    assert not flat.is_inference() and not llm.runner.staging.is_inference()
+
+
+def test_the_engine_runs_each_step_in_inference_mode(llm, monkeypatch):
+    seen = []
+    schedule = llm.scheduler.schedule
+
+    def recording_schedule():
+        seen.append(torch.is_inference_mode_enabled())
+        return schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", recording_schedule)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert seen and all(seen) and not torch.is_inference_mode_enabled()
+
+
+def test_a_step_larger_than_the_staging_buffer_is_refused_before_the_workspace_changes(llm):
+    batch = _mixed_batch(llm)
+    _inputs(llm, batch)
+    used = llm.workspace.used
+    too_large = StepLayout(12, llm.config.max_num_batched_tokens + 1, 64 // PAGE, 12)
+    with pytest.raises(ValueError, match=r"needs \d+ metadata elements; the staging buffer "
+                                         r"holds \d+"):
+        llm.runner.stage(batch, too_large)
+    assert llm.workspace.used == used
+
+
+def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm, device):
     batch = _mixed_batch(llm)
     ref = _reference_inputs(llm.cache, batch)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(ref["slot_mapping"]),
-        page_tables=torch.tensor(ref["page_tables"], dtype=torch.int32),
-        seq_lens=torch.tensor(ref["seq_lens"], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(ref["cu_seqlens_q"], dtype=torch.int32))
-    expected = llm.model(torch.tensor(ref["input_ids"]), torch.tensor(ref["positions"]), meta,
-                         llm.cache.pool, torch.tensor(ref["logits_indices"]))
+        slot_mapping=torch.tensor(ref["slot_mapping"], device=device),
+        page_tables=torch.tensor(ref["page_tables"], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(ref["seq_lens"], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(ref["cu_seqlens_q"], dtype=torch.int32, device=device))
+    expected = llm.model(torch.tensor(ref["input_ids"], device=device),
+                         torch.tensor(ref["positions"], device=device), meta,
+                         llm.cache.pool, torch.tensor(ref["logits_indices"], device=device))
     assert torch.equal(llm.runner.run(batch), expected)
 
 
@@ -162,15 +206,78 @@ def test_prefill_and_oversized_batches_run_eagerly(llm):
     assert not is_decode_only(unsampled) and graphs.bucket(unsampled) is None
 
 
-def test_the_padding_page_is_held_by_its_own_sequence(llm):
-    before = llm.cache.stats().num_used_pages
+def test_padded_rows_use_the_pools_reserved_page_which_no_sequence_holds(llm):
+    before = llm.cache.stats()
     graphs = CUDAGraphRunner(llm.runner, 12, 64)
-    assert llm.cache.pages(PADDING_SEQ_ID) == [graphs.pad_page]
-    assert graphs.pad_slot == graphs.pad_page * PAGE
-    assert llm.cache.stats().num_used_pages == before + 1
+    assert (graphs.pad_page, graphs.pad_slot) == (64, 64 * PAGE)  # the page after the 64
+    assert graphs.pad_page == llm.cache.pool.padding_page
+    assert llm.cache.stats() == before
     llm.cache.check()
     others = llm.cache.allocator.allocate(llm.cache.allocator.num_free)
     assert graphs.pad_page not in others
+
+
+def _run_padded(graphs, batch, bucket):
+    """What a replay of `bucket`'s graph computes for `batch`, run eagerly (any device)."""
+    return graphs.runner.forward(graphs.inputs(graphs.stage(batch, bucket), bucket))
+
+
+def test_after_a_padded_run_the_cache_holds_no_sequence_and_no_used_page(llm):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    batch = _decodes(llm, 3)
+    _run_padded(graphs, batch, 4)
+    _run_padded(graphs, ScheduledBatch(), 8)  # a capture's batch: padding alone
+    for seq in batch.seqs:
+        llm.cache.free_sequence(seq.seq_id)
+    stats = llm.cache.stats()
+    assert (stats.num_sequences, stats.num_used_pages, stats.num_reserved_pages) == (0, 0, 1)
+    assert stats.num_free_pages + stats.num_cached_pages == stats.num_pages == 64
+    assert llm.cache.sequences() == []
+    llm.cache.check()
+
+
+def test_two_graph_runners_share_one_cache_and_its_padding_page(llm):
+    first, second = CUDAGraphRunner(llm.runner, 12, 64), CUDAGraphRunner(llm.runner, 4, 64)
+    assert first.pad_page == second.pad_page
+    batch = _decodes(llm, 3)
+    torch.testing.assert_close(_run_padded(first, batch, 8)[:3],
+                               _run_padded(second, batch, 4)[:3], rtol=1e-5, atol=1e-5)
+    assert llm.cache.stats().num_sequences == 3
+    llm.cache.check()
+
+
+def test_after_generate_the_cache_holds_no_sequence_and_no_used_page(llm):
+    llm.generate([[1, 2, 3] * 5, [4, 5]], SamplingParams(max_tokens=4), use_tqdm=False)
+    stats = llm.cache.stats()
+    assert (stats.num_sequences, stats.num_used_pages, llm.stats().num_used_pages) == (0, 0, 0)
+    llm.cache.check()
+
+
+def test_graph_runners_capture_and_replay_on_one_cache_as_often_as_wanted(llm, device):
+    if device.type != "cuda":
+        pytest.skip("capturing CUDA graphs needs CUDA")
+    runners = [CUDAGraphRunner(llm.runner, 4, 64) for _ in range(2)]
+    for graphs in runners:
+        graphs.capture(progress=False)
+    runners[0].capture(progress=False)  # again: the padding page takes any number
+    batch = _decodes(llm, 3)
+    with torch.inference_mode():
+        eager = llm.runner.run(batch).clone()
+        replays = [graphs.run(batch, 4).clone() for graphs in runners]
+    for logits in replays:
+        torch.testing.assert_close(logits, eager, rtol=1e-3, atol=1e-3)
+    assert llm.cache.stats().num_sequences == 3
+    llm.cache.check()
+
+
+def test_a_forward_of_padding_alone_changes_no_page_of_the_allocator(llm):
+    graphs = CUDAGraphRunner(llm.runner, 12, 64)
+    pool = llm.cache.pool
+    pool.kv.normal_()
+    before = pool.kv.clone()
+    _run_padded(graphs, ScheduledBatch(), 12)
+    assert torch.equal(pool.kv[:, :, : pool.num_pages], before[:, :, : pool.num_pages])
+    assert not torch.equal(pool.kv[:, :, pool.padding_page], before[:, :, pool.padding_page])
 
 
 def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
@@ -207,7 +314,7 @@ def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
     written = llm.cache.slot_mapping([s.seq_id for s in batch.seqs], batch.starts, batch.ends)
     after_eager = llm.cache.pool.kv.clone()
     llm.cache.pool.kv.copy_(before)
-    padded = llm.runner.forward(graphs.inputs(graphs.stage(batch, 8), 8))
+    padded = _run_padded(graphs, batch, 8)
     torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
     kv = llm.cache.pool.kv.flatten(2, 3)  # [layers, 2, slots, heads, head_dim]
     changed = (kv != before.flatten(2, 3)).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
@@ -215,6 +322,45 @@ def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
     real = written.tolist()  # the same K/V as eager, up to the matmuls' batch-size rounding
     torch.testing.assert_close(kv[:, :, real], after_eager.flatten(2, 3)[:, :, real],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bamba_checkpoint(tmp_path_factory):
+    return save_hf_model(make_bamba("bamba"), tmp_path_factory.mktemp("bamba"))
+
+
+def test_padded_hybrid_rows_use_the_padding_page_and_the_padding_state_slot(
+        bamba_checkpoint, device):
+    llm = LLM(bamba_checkpoint, num_pages=32, page_size=PAGE, max_num_seqs=4, max_model_len=64,
+              prefix_caching=False, device=device)
+    cache, states = llm.cache, llm.cache.states
+    graphs = CUDAGraphRunner(llm.runner, 4, 64)
+    batch = _decodes(llm, 2)
+    llm.runner.run(_batch(llm, [(s.seq_id, s.token_ids, 0, a, False)
+                                for s, a in zip(batch.seqs, batch.starts, strict=True)]))
+    kv, conv, ssm = cache.pool.kv.clone(), states.conv.clone(), states.ssm.clone()
+    eager = llm.runner.run(batch)
+    cache.pool.kv.copy_(kv)
+    states.conv.copy_(conv)
+    states.ssm.copy_(ssm)
+    inputs = graphs.inputs(graphs.stage(batch, 4), 4)
+    real = cache.state_batch([s.seq_id for s in batch.seqs]).slots.tolist()
+    inputs.states = StateBatch(states, torch.tensor(real + [states.padding_slot] * 2,
+                                                    device=device))
+    padded = llm.runner.forward(inputs)
+    torch.testing.assert_close(padded[:2], eager, rtol=1e-4, atol=1e-4)
+    others = [slot for slot in range(states.num_slots) if slot not in real]
+    assert torch.equal(states.conv[:, others], conv[:, others])
+    assert torch.equal(states.ssm[:, others], ssm[:, others])
+    assert not torch.equal(states.ssm[:, states.padding_slot], ssm[:, states.padding_slot])
+    written = cache.slot_mapping([s.seq_id for s in batch.seqs], batch.starts, batch.ends)
+    flat, before = cache.pool.kv.flatten(2, 3), kv.flatten(2, 3)
+    untouched = [slot for slot in range(cache.num_pages * PAGE) if slot not in written.tolist()]
+    assert torch.equal(flat[:, :, untouched], before[:, :, untouched])
+    stats = cache.stats()
+    assert (stats.num_sequences, states.stats().num_used, states.stats().num_reserved) == (
+        2, 2, 1)
+    cache.check()
 
 
 # ---- workspace planning and stats --------------------------------------------------------
@@ -227,7 +373,9 @@ def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratc
     assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
 
 
-def test_stats_report_the_workspace_and_no_graphs_on_the_cpu(llm):
+def test_stats_report_the_workspace_and_no_graphs_on_the_cpu():
+    llm = LLM("tiny", num_pages=64, page_size=PAGE, max_model_len=64, max_num_seqs=12,
+              device="cpu")
     llm.generate([[1, 2, 3] * 9, [4, 5]], SamplingParams(max_tokens=3), use_tqdm=False)
     stats = llm.stats()
     assert stats.workspace_bytes == llm.workspace.nbytes

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import InvalidStateSlot, OutOfStateSlots
-from kvpool.state_pool import MambaLayout, MambaPool
+from kvpool.state_pool import MambaLayout, MambaPool, slots_within
 
 LAYOUT = MambaLayout(num_layers=3, conv_dim=10, conv_kernel=4, num_heads=2, head_dim=3,
                      state_size=5, dtype=torch.float32)
@@ -20,13 +20,33 @@ def pool(num_slots=4, *, device):
 
 def test_bytes_per_slot_counts_conv_and_ssm_states_of_every_layer(device):
     assert LAYOUT.bytes_per_slot == 3 * (10 * 3 + 2 * 3 * 5) * 4
-    assert pool(4, device=device).nbytes == 4 * LAYOUT.bytes_per_slot
+    # the padding slot included
+    assert pool(4, device=device).nbytes == (4 + 1) * LAYOUT.bytes_per_slot
 
 
-def test_state_views_are_shaped_per_slot(device):
+def test_state_views_are_shaped_per_slot_the_padding_slot_last(device):
     p = pool(4, device=device)
-    assert p.conv_state(1).shape == (4, 10, 3)
-    assert p.ssm_state(2).shape == (4, 2, 3, 5)
+    assert p.conv_state(1).shape == (4 + 1, 10, 3)
+    assert p.ssm_state(2).shape == (4 + 1, 2, 3, 5)
+
+
+def test_the_padding_slot_is_never_allocated_or_counted(device):
+    p = pool(2, device=device)
+    assert p.padding_slot == 2
+    assert sorted([p.allocate(), p.allocate()]) == [0, 1]
+    with pytest.raises(OutOfStateSlots):
+        p.allocate()
+    stats = p.stats()
+    assert (stats.num_slots, stats.num_used, stats.num_free, stats.num_reserved) == (2, 2, 0, 1)
+    with pytest.raises(ValueError, match="slot"):
+        p.share(p.padding_slot)
+    p.check()
+
+
+def test_slots_within_a_budget_leave_room_for_the_padding_slot(device):
+    slot = LAYOUT.bytes_per_slot
+    assert slots_within(LAYOUT, 5 * slot) == 4 and slots_within(LAYOUT, 2 * slot - 1) == 0
+    assert pool(slots_within(LAYOUT, 5 * slot), device=device).nbytes == 5 * slot
 
 
 def test_fresh_pool_hands_out_slots_ascending_and_reuses_the_last_freed_first(device):

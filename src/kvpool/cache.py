@@ -39,7 +39,8 @@ class _SequenceState:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """A snapshot of the cache. Pages: free + cached + used == num_pages."""
+    """A snapshot of the cache. Pages: free + cached + used == num_pages; the pool's reserved
+    pages (the padding page) are counted apart, in none of them."""
 
     num_pages: int
     num_free_pages: int  # on the allocator's free list
@@ -54,6 +55,7 @@ class CacheStats:
     page_size: int
     num_tier_loads: int = 0  # cumulative pages loaded back from the tier
     num_tier_stores: int = 0  # cumulative evicted pages the tier took (all but failed writes)
+    num_reserved_pages: int = 0  # set aside by the pool beyond num_pages: never a sequence's
 
     @property
     def kv_utilization(self) -> float:
@@ -378,16 +380,21 @@ class KVCache:
             prefix_hit_tokens=self._prefix_hit_tokens,
             num_evicted_pages=alloc.stats().num_evicted,
             num_cow_copies=self._num_cow_copies, page_size=ps,
-            num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores)
+            num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores,
+            num_reserved_pages=self.pool.num_reserved_pages)
 
     def check(self) -> None:
         """Invariants: allocator conservation; page tables sized to their tokens; each
         sequence's first `num_cached` pages a path of the prefix cache; each page's reference
         count equal to the number of sequences whose page table holds it; pages given back
         only before the window of the next token, and never by a sequence on a tree path;
-        the prefix tree, the tier and the pool's fp8 scales consistent."""
+        the prefix tree, the tier and the pool's fp8 scales consistent; the pool's reserved
+        pages outside the allocator's ids."""
         self.allocator.check()
         self.pool.check()
+        assert self.pool.num_pages == self.allocator.num_pages, (
+            f"the pool holds {self.pool.num_pages} pages, the allocator "
+            f"{self.allocator.num_pages}")
         self._index.check()
         if self.tier is not None:
             self.tier.check()
@@ -414,6 +421,8 @@ class KVCache:
         for page in range(self.allocator.num_pages):
             assert self.allocator.refcount(page) == holders[page], (
                 f"page {page}: refcount {self.allocator.refcount(page)}, {holders[page]} holders")
+        reserved = sorted(page for page in holders if page >= self.allocator.num_pages)
+        assert not reserved, f"sequences hold reserved or unknown pages {reserved}"
 
     # ---- internals ---------------------------------------------------------------------
 

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from kvpool.errors import check_int
 from kvpool.layout import KVLayout, LayerGroup
+from kvpool.pool import RESERVED_PAGES
 
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
-    """The pool of one layer group: `num_pages` pages of `page_size` tokens."""
+    """The pool of one layer group: `num_pages` pages of `page_size` tokens, and the pool's
+    reserved page beside them."""
 
     group: LayerGroup
     num_pages: int
@@ -32,8 +34,8 @@ class GroupPlan:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pool."""
-        return self.num_pages * self.bytes_per_page
+        """Bytes of the pool, its reserved page included."""
+        return (self.num_pages + RESERVED_PAGES) * self.bytes_per_page
 
     @property
     def max_tokens(self) -> int:
@@ -52,7 +54,9 @@ class GroupPlan:
 def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
                  prefill_tokens: int) -> tuple[GroupPlan, ...]:
     """The pools of `layout.groups` in `budget_bytes` (see the module's rule), in group order.
-    The full group (or, without one, the widest window) gets what the others leave."""
+    The full group (or, without one, the widest window) gets what the others leave. Each
+    pool's reserved page comes on top: together they take one page of every layer, as one
+    pool's would, so a budget that holds `num_pages` pages and a reserved one holds these."""
     check_int("max_num_seqs", max_num_seqs, 1)
     check_int("prefill_tokens", prefill_tokens, 0)
     ps, groups = layout.page_size, layout.groups

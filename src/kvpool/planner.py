@@ -27,7 +27,8 @@ from kvpool.group_plan import GroupPlan, split_budget
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 from kvpool.models.hybrid_config import MambaConfig
-from kvpool.state_pool import MambaLayout
+from kvpool.pool import RESERVED_PAGES, pages_within
+from kvpool.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
 
 ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
 
@@ -70,8 +71,11 @@ class MemoryPlan:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the state pool: `num_state_slots` slots."""
-        return self.num_state_slots * self.mamba_layout.bytes_per_slot if self.mamba_layout else 0
+        """Bytes of the state pool: `num_state_slots` slots and the reserved one (0 without
+        slots)."""
+        if not self.num_state_slots:
+            return 0
+        return (self.num_state_slots + RESERVED_SLOTS) * self.mamba_layout.bytes_per_slot
 
     @property
     def page_size(self) -> int:
@@ -95,10 +99,11 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the KV pool: `num_pages` pages (or the groups' pools)."""
+        """Bytes of the KV pool: `num_pages` pages and the reserved one (or the groups'
+        pools; 0 without pages)."""
         if self.groups:
             return sum(group.nbytes for group in self.groups)
-        return self.num_pages * self.bytes_per_page
+        return (self.num_pages + RESERVED_PAGES) * self.bytes_per_page if self.num_pages else 0
 
     @property
     def max_tokens(self) -> int:
@@ -180,12 +185,12 @@ def plan_memory(
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
     mamba = model.mamba_layout(dtype=dtype)
     ratio = mamba_memory_ratio if mamba else 0.0
-    num_slots = int(max(budget, 0) * ratio) // mamba.bytes_per_slot if mamba else 0
-    state_bytes = num_slots * mamba.bytes_per_slot if mamba else 0
+    num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
+    state_bytes = (num_slots + RESERVED_SLOTS) * mamba.bytes_per_slot if num_slots else 0
     plan = MemoryPlan(
         layout, num_parameters, weight_bytes, activation_bytes, reserved_bytes, device_name,
         device_memory, in_use_bytes, memory_fraction, budget,
-        num_pages=max(budget - state_bytes, 0) // layout.bytes_per_page,
+        num_pages=pages_within(layout, budget - state_bytes),
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
     )
     windows = layout.layer_windows
@@ -324,7 +329,7 @@ def _reason(plan: MemoryPlan) -> str:
                 f"({format_bytes(plan.mamba_layout.bytes_per_slot)})")
     if plan.budget_bytes >= 0:
         return (f"the {format_bytes(plan.budget_bytes)} left for the KV cache is less than "
-                f"one page ({format_bytes(plan.bytes_per_page)})")
+                f"one page ({format_bytes(plan.bytes_per_page)}) and the pool's reserved one")
     parts = [f"weights {format_bytes(plan.weight_bytes)}",
              f"activations {format_bytes(plan.activation_bytes)}"]
     if plan.reserved_bytes:

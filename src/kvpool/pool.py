@@ -17,13 +17,27 @@ from kvpool.layout import KVLayout
 SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
              "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
+# Pages a pool sets aside beyond its num_pages: the padding page, which padded rows of a
+# CUDA-graph step write to and read, as do writes whose K/V no one reads.
+RESERVED_PAGES = 1
+
+
+def pages_within(layout: KVLayout, nbytes: int) -> int:
+    """The num_pages of the largest pool of `layout` that fits in `nbytes`, its reserved
+    pages included (0 when not even one page fits beside them)."""
+    return max(nbytes // layout.bytes_per_page - RESERVED_PAGES, 0)
 
 
 class KVPool:
-    """`num_pages` pages of K and V for every layer in one tensor on `device` (keyword-only, no
-    default) `[num_layers, num_planes, num_pages, page_size, num_kv_heads, head_dim]`: planes K
-    and V (layout kind "mha"), or the one latent plane (kind "mla", whose K and V views are both
-    that plane).
+    """`num_pages` pages of K and V for every layer, and RESERVED_PAGES more, in one tensor on
+    `device` (keyword-only, no default) `[num_layers, num_planes, num_pages + 1, page_size,
+    num_kv_heads, head_dim]`: planes K and V (layout kind "mha"), or the one latent plane (kind
+    "mla", whose K and V views are both that plane).
+
+    Page ids [0, num_pages) are the allocator's. The reserved page, `padding_page` (id
+    num_pages), is no sequence's and never counted as used: padded rows of a CUDA-graph step
+    write their K/V to `padding_slot` and read only that page. Page-level calls (copy, read,
+    write and scrub pages) take allocator page ids only.
 
     Allocating a page never touches its contents: a fresh or reused page holds whatever
     bits were there, and readers only look at the slots a sequence has written.
@@ -39,17 +53,19 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
                  kv_scales=None):
         self.layout = layout
-        self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES)
+        # the padding page's id, num_pages, travels in int32 page tables too
+        self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES - RESERVED_PAGES)
         per_layer = _layer_scales(layout, kv_scales)
         self.device = check_device(device)
-        shape = (layout.num_layers, layout.num_planes, num_pages, layout.page_size,
-                 layout.num_kv_heads, layout.head_dim)
-        nbytes = num_pages * layout.bytes_per_page
+        shape = (layout.num_layers, layout.num_planes, num_pages + RESERVED_PAGES,
+                 layout.page_size, layout.num_kv_heads, layout.head_dim)
+        nbytes = (num_pages + RESERVED_PAGES) * layout.bytes_per_page
         try:
             self.kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
-            raise OutOfMemory(f"a pool of {num_pages:,} pages needs {nbytes:,} bytes on "
-                              f"{self.device}, which cannot be allocated: {e}") from None
+            raise OutOfMemory(f"a pool of {num_pages:,} pages and {RESERVED_PAGES} reserved "
+                              f"needs {nbytes:,} bytes on {self.device}, which cannot be "
+                              f"allocated: {e}") from None
         self.scales: torch.Tensor | None = None
         # Which layers have their scales, kept on the host: reading `scales` syncs.
         self._has_scales = [per_layer is not None] * layout.num_layers
@@ -57,6 +73,21 @@ class KVPool:
         if self.quantized:
             rows = per_layer or [(1.0,) * layout.num_planes] * layout.num_layers
             self.scales = torch.tensor(rows, dtype=torch.float32, device=self.device)
+
+    @property
+    def padding_page(self) -> int:
+        """The reserved page's id (num_pages): outside the allocator's ids, no sequence's."""
+        return self.num_pages
+
+    @property
+    def padding_slot(self) -> int:
+        """The first slot of the padding page: where a padded row writes its K/V."""
+        return self.padding_page * self.layout.page_size
+
+    @property
+    def num_reserved_pages(self) -> int:
+        """Pages the pool holds beyond num_pages (the padding page)."""
+        return RESERVED_PAGES
 
     @property
     def quantized(self) -> bool:
@@ -115,11 +146,12 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the pool tensor."""
+        """Bytes held by the pool tensor, the reserved page's included."""
         return self.kv.numel() * self.kv.element_size()
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        """Layer's K pages, a view `[num_pages, page_size, num_kv_heads, head_dim]`."""
+        """Layer's K pages, a view `[num_pages + 1, page_size, num_kv_heads, head_dim]` (the
+        padding page last)."""
         return self.kv[layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
@@ -174,7 +206,11 @@ class KVPool:
         self.kv[:, :, self._index(pages)] = 0
 
     def check(self) -> None:
-        """Raise AssertionError unless every layer that has scales has positive finite ones."""
+        """Raise AssertionError unless the tensor holds num_pages pages and the reserved ones,
+        and every layer that has scales has positive finite ones."""
+        assert self.kv.shape[2] == self.num_pages + RESERVED_PAGES, (
+            f"the pool tensor holds {self.kv.shape[2]} pages for {self.num_pages} and "
+            f"{RESERVED_PAGES} reserved")
         if self.scales is None:
             return
         for layer, row in enumerate(self.scales.cpu()):

@@ -3,7 +3,8 @@
 A Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token:
 the last `conv_kernel - 1` inputs of its causal convolution and its SSM state. The pool
 allocates `num_slots` such states per Mamba layer once, and hands out state slots (indices
-into them) with a free list and reference counts, as the allocator does for pages."""
+into them) with a free list and reference counts, as the allocator does for pages. One more
+state per layer, the padding slot, is set aside beyond them, as KVPool sets its padding page."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import torch
 
 from kvpool.devices import check_device
 from kvpool.errors import InvalidStateSlot, OutOfStateSlots, check_int
+
+# State slots a pool sets aside beyond its num_slots: the padding slot, which padded rows of a
+# CUDA-graph step read and write.
+RESERVED_SLOTS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,12 @@ class MambaLayout:
         return self.num_layers * (conv + ssm) * self.dtype.itemsize
 
 
+def slots_within(layout: MambaLayout, nbytes: int) -> int:
+    """The num_slots of the largest MambaPool of `layout` that fits in `nbytes`, its reserved
+    slots included (0 when not even one slot fits beside them)."""
+    return max(nbytes // layout.bytes_per_slot - RESERVED_SLOTS, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class StateStats:
     """Counters of a MambaPool (slots; cumulative where marked)."""
@@ -67,25 +78,27 @@ class StateStats:
     num_freed: int  # cumulative: slots that went back to the free list
     num_failed: int  # cumulative: allocations refused
     num_copies: int  # cumulative: slot-to-slot state copies
+    num_reserved: int = RESERVED_SLOTS  # set aside beyond num_slots: never free or used
 
 
 class MambaPool:
     """`num_slots` state slots per Mamba layer, allocated once on `device`, with a LIFO
     free list and one reference count per slot.
 
-    `conv_state(layer)` `[num_slots, conv_dim, conv_kernel - 1]` and `ssm_state(layer)`
-    `[num_slots, num_heads, head_dim, state_size]` are views the model reads and writes by
+    `conv_state(layer)` `[num_slots + 1, conv_dim, conv_kernel - 1]` and `ssm_state(layer)`
+    `[num_slots + 1, num_heads, head_dim, state_size]` are views the model reads and writes by
     slot. Allocating a slot never touches its contents: a sequence's first step starts from a
-    zero state without reading it."""
+    zero state without reading it. The last row, `padding_slot` (index num_slots), is reserved:
+    never allocated, never counted as used; padded rows of a CUDA-graph step use it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
         check_int("num_slots", num_slots, 1)
         self.layout = layout
         self.device = check_device(device)
-        layers = layout.num_layers
-        self.conv = torch.zeros((layers, num_slots, *layout.conv_shape), dtype=layout.dtype,
+        layers, rows = layout.num_layers, num_slots + RESERVED_SLOTS
+        self.conv = torch.zeros((layers, rows, *layout.conv_shape), dtype=layout.dtype,
                                 device=self.device)
-        self.ssm = torch.zeros((layers, num_slots, *layout.ssm_shape), dtype=layout.dtype,
+        self.ssm = torch.zeros((layers, rows, *layout.ssm_shape), dtype=layout.dtype,
                                device=self.device)
         self._free = list(range(num_slots - 1, -1, -1))  # top at the end: 0 goes first
         self._refs = [0] * num_slots
@@ -97,21 +110,26 @@ class MambaPool:
         return len(self._refs)
 
     @property
+    def padding_slot(self) -> int:
+        """The reserved slot's index (num_slots): outside the allocatable slots."""
+        return self.num_slots
+
+    @property
     def num_free(self) -> int:
         """Slots on the free list."""
         return len(self._free)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the state tensors."""
-        return self.num_slots * self.layout.bytes_per_slot
+        """Bytes of the state tensors, the padding slot's included."""
+        return (self.num_slots + RESERVED_SLOTS) * self.layout.bytes_per_slot
 
     def conv_state(self, layer: int) -> torch.Tensor:
-        """Conv states of Mamba layer `layer`: `[num_slots, conv_dim, conv_kernel - 1]`."""
+        """Conv states of Mamba layer `layer`: `[num_slots + 1, conv_dim, conv_kernel - 1]`."""
         return self.conv[layer]
 
     def ssm_state(self, layer: int) -> torch.Tensor:
-        """SSM states of Mamba layer `layer`: `[num_slots, num_heads, head_dim, state_size]`."""
+        """SSM states of Mamba layer `layer`: `[num_slots + 1, heads, head_dim, state_size]`."""
         return self.ssm[layer]
 
     def allocate(self) -> int:
@@ -161,7 +179,12 @@ class MambaPool:
 
     def check(self) -> None:
         """Conservation: every slot is free (count 0, once on the free list) or held (count
-        > 0); AssertionError naming what is broken."""
+        > 0), and the state tensors hold one row more, the padding slot; AssertionError naming
+        what is broken."""
+        rows = self.num_slots + RESERVED_SLOTS
+        assert self.conv.shape[1] == self.ssm.shape[1] == rows, (
+            f"the state tensors hold {self.conv.shape[1]} and {self.ssm.shape[1]} slots for "
+            f"{self.num_slots} and {RESERVED_SLOTS} reserved")
         free = set(self._free)
         assert len(free) == len(self._free), f"a slot is on the free list twice: {self._free}"
         for slot, refs in enumerate(self._refs):

@@ -15,6 +15,7 @@ from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 from kvpool.planner import estimate_activation_bytes, plan_memory
+from kvpool.pool import RESERVED_PAGES, pages_within
 from kvpool.workspace import ALIGNMENT
 
 GiB = 2**30
@@ -170,11 +171,12 @@ class EngineConfig:
         if device.type == "cpu":
             budget = min(self.kv_cache_memory, budget)
         budget -= state_bytes
-        num_pages = max(budget, 0) // layout.bytes_per_page
+        num_pages = pages_within(layout, budget)
         if num_pages == 0:
             states = f" (after {format_bytes(state_bytes)} of state slots)" if state_bytes else ""
             raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device}"
                              f"{states} holds no page of {format_bytes(layout.bytes_per_page)} "
-                             f"({plan.reason or 'kv_cache_memory is below one page'}); pass "
-                             f"num_pages or a larger kv_cache_memory / memory_fraction")
+                             f"({plan.reason or 'kv_cache_memory is too small'}; a pool holds "
+                             f"{RESERVED_PAGES} reserved page beside its own); pass num_pages "
+                             f"or a larger kv_cache_memory / memory_fraction")
         return num_pages

@@ -6,7 +6,8 @@ A graph replays fixed addresses and shapes: its inputs are the first allocation 
 workspace (the same address every step) laid out for the bucket with full-length page tables,
 and attention gets host bounds (max_seq_len = max_model_len, max_query_len = 1) so the
 kernels' launch configuration never depends on the data. Padded rows are one-token sequences
-that write their K/V to a page held for them alone and read only that page."""
+that write their K/V to the pool's reserved padding page and read only that page: no sequence
+holds it, so any number of runners and captures share one cache."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from tqdm.auto import tqdm
 
 from kvpool.engine.runner import ModelRunner, StepInputs, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
-
-PADDING_SEQ_ID = "cuda-graph-padding"  # the cache sequence that holds the padding page
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -39,18 +38,16 @@ class CUDAGraphRunner:
     """Pads decode-only batches up to a bucket and runs them by graph replay.
 
     `bucket`, `stage` and `inputs` (bucket choice, padding, the static layout) run on any
-    device; `capture` and `run` need CUDA. The padding page is held by the cache sequence
-    PADDING_SEQ_ID for the runner's lifetime, so it is counted as used and never handed to
-    a request."""
+    device; `capture` and `run` need CUDA. Padded rows use the pool's padding page, which
+    the allocator never hands out and the cache's stats never count."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int):
         self.runner = runner
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // runner.cache.page_size)  # pages of a longest sequence
-        runner.cache.add_sequence(PADDING_SEQ_ID, num_tokens=1)
-        (self.pad_page,) = runner.cache.pages(PADDING_SEQ_ID)
-        (self.pad_slot,) = runner.cache.slots(PADDING_SEQ_ID)
+        self.pad_page = runner.cache.pool.padding_page
+        self.pad_slot = runner.cache.pool.padding_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by replay
         self.num_replays = 0
@@ -104,7 +101,6 @@ class CUDAGraphRunner:
                                f"({e}); pass enforce_eager=True to run without graphs") from e
         self.graphs[bucket] = graph
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
         a view valid until the next step."""

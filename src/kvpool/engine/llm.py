@@ -18,7 +18,7 @@ from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
-from kvpool.engine.runner import ModelRunner
+from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
@@ -27,6 +27,7 @@ from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
+from kvpool.state_pool import RESERVED_SLOTS
 from kvpool.threads import limit_threads
 from kvpool.workspace import Workspace
 
@@ -64,7 +65,8 @@ class LLM:
         num_checkpoints = 0
         if self.config.prefix_caching:
             num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
-        state_bytes = (num_slots + num_checkpoints) * mamba.bytes_per_slot if mamba else 0
+        state_bytes = (num_slots + num_checkpoints + RESERVED_SLOTS) * mamba.bytes_per_slot \
+            if mamba else 0
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
@@ -105,7 +107,10 @@ class LLM:
             eos_token_ids=eos)
         self.workspace = Workspace(
             self.config.workspace_bytes(mc, layout, self.max_model_len), device=device)
-        self.runner = ModelRunner(self.model, self.cache, self.workspace)
+        seqs, width = self.config.max_num_seqs, -(-self.max_model_len // layout.page_size)
+        # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
+        max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
+        self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
         # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.
         if (device.type == "cuda" and not self.config.enforce_eager and mamba is None
@@ -250,7 +255,9 @@ class LLM:
         first while another thread waits to add or abort."""
         with self._turns:
             self._turns.wait_for(lambda: self._num_waiting == 0)
-        with self._lock:
+        # One inference mode for the whole step; buffers a step writes in place were
+        # allocated at setup, outside it.
+        with self._lock, torch.inference_mode():
             return self._step_locked()
 
     @contextmanager

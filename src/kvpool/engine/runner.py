@@ -2,9 +2,10 @@
 model's inputs and runs a single forward over the paged KV cache.
 
 The step's metadata (input ids, positions, slot mapping, seq_lens, cu_seqlens_q, logits
-indices, page tables) is built on the host into one flat int64 buffer, pinned and reused
-when the device is CUDA, and reaches the device in one non-blocking copy into the
-workspace. Nothing in the forward reads back from the device.
+indices, page tables) is built on the host into one flat int64 staging buffer, allocated at
+setup for the largest step (pinned when the device is CUDA), and reaches the device in one
+non-blocking copy into the workspace. Nothing in the forward reads back from the device.
+The runner enters no inference mode of its own: the engine enters it once per step.
 
 A GroupedCache (one pool per layer group) puts its first group's slot mapping and page tables
 in the flat buffer as any cache; the other groups' follow as tensors of their own, each in an
@@ -99,17 +100,22 @@ def pack_step(batch: ScheduledBatch, cache: KVCache, host: torch.Tensor, layout:
 
 class ModelRunner:
     """Runs `model(input_ids, positions, meta, pool, logits_indices)` for a batch, with its
-    metadata in `workspace` (reset at the start of every step)."""
+    metadata in `workspace` (reset at the start of every step). `max_step` is the layout of
+    the largest step it will run (padded graph steps included): the host staging buffer is
+    allocated for it once, here."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache | GroupedCache,
-                 workspace: Workspace):
+                 workspace: Workspace, *, max_step: StepLayout):
         self.model = model
         self.cache = cache
         self.workspace = workspace
         self.device = cache.device
-        # Reused across steps: the previous step's copy has completed by the time this is
-        # rewritten, because every step ends by copying its sampled tokens to the host.
-        self._pinned = torch.empty(0, dtype=torch.int64)
+        # Allocated now, outside inference mode, since every step writes it in place; the
+        # same path on every device, pinned where pinning exists. Reused across steps: the
+        # previous step's copy has completed by the time it is rewritten, because every step
+        # ends by copying its sampled tokens to the host.
+        self.staging = torch.empty(max_step.size, dtype=torch.int64,
+                                   pin_memory=self.device.type == "cuda")
 
     def layout(self, batch: ScheduledBatch) -> StepLayout:
         """The flat buffer's sections for `batch` as it is (no padding)."""
@@ -118,14 +124,19 @@ class ModelRunner:
 
     def stage(self, batch: ScheduledBatch, layout: StepLayout, *, pad_slot: int = 0,
               pad_page: int = 0) -> torch.Tensor:
-        """Reset the workspace and put the step's flat metadata (`pack_step`) in it as its
-        first allocation, so the same layout always lands at the same address; returns it."""
+        """Reset the workspace and put the step's flat metadata (`pack_step`, staged on the
+        host) in it as its first allocation, so the same layout always lands at the same
+        address; returns it."""
+        if layout.size > self.staging.numel():
+            raise ValueError(f"a step of {layout.num_seqs} sequences, {layout.num_tokens} tokens "
+                             f"and {layout.width} page-table columns needs {layout.size} "
+                             f"metadata elements; the staging buffer holds "
+                             f"{self.staging.numel()} (max_step)")
         self.workspace.reset()
         flat = self.workspace.alloc((layout.size,), torch.int64)
-        host = flat if self.device.type == "cpu" else self._host(layout.size)
+        host = self.staging[: layout.size]
         pack_step(batch, self.cache, host, layout, pad_slot=pad_slot, pad_page=pad_page)
-        if host is not flat:
-            flat.copy_(host, non_blocking=True)
+        flat.copy_(host, non_blocking=True)
         return flat
 
     def inputs(self, flat: torch.Tensor, layout: StepLayout, *, max_seq_len: int,
@@ -152,7 +163,6 @@ class ModelRunner:
             return self.model(*args)
         return self.model(*args, states=inputs.states)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Write the KV of the batch's tokens and return float32 logits `[n, vocab]` of the
         last token of each sequence whose chunk is `sampled`, in batch order."""
@@ -179,10 +189,3 @@ class ModelRunner:
             metas.append(replace(meta, slot_mapping=slots.to(self.device),
                                  page_tables=tables.to(self.device)))
         return GroupedMetadata(tuple(metas))
-
-    def _host(self, size: int) -> torch.Tensor:
-        """`size` elements of the pinned staging buffer, grown (doubling) when too small."""
-        if self._pinned.numel() < size:
-            self._pinned = torch.empty(max(size, 2 * self._pinned.numel()), dtype=torch.int64,
-                                       pin_memory=True)
-        return self._pinned[:size]
