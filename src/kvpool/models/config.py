@@ -17,6 +17,7 @@ from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
+from kvpool.models.layers import ACTIVATIONS
 from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
@@ -192,6 +193,7 @@ class ModelConfig:
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
     gemma: GemmaConfig | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -223,6 +225,8 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _rope(cfg)
         is_bamba = arch == "BambaForCausalLM"
+        if not is_bamba:
+            _check_no_partial_rotary(cfg)
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
@@ -255,6 +259,7 @@ class ModelConfig:
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
             layer_types=layer_types,
             gemma=gemma,
+            hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
         )
 
     @property
@@ -416,6 +421,28 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
         raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
                           f"{SLIDING} layer(s) but {why}: they have no window")
     return window, tuple(layer_types)
+
+
+def _hidden_act(cfg: dict, arch: str) -> str:
+    """The MLP activation `hidden_act` names (default silu); Bamba's Mamba mixer gates with
+    it too, and runs silu only."""
+    act = cfg.get("hidden_act", "silu")
+    supported = ("silu",) if arch == "BambaForCausalLM" else tuple(ACTIVATIONS)
+    if act not in supported:
+        raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
+                          f"{', '.join(supported)}")
+    return act
+
+
+def _check_no_partial_rotary(cfg: dict) -> None:
+    """transformers rotates int(head_dim * partial_rotary_factor) channels of a Llama-family
+    head; kvpool rotates them all there, so refuse any other factor than 1."""
+    params = cfg.get("rope_parameters")
+    for value in (cfg.get("partial_rotary_factor"),
+                  params.get("partial_rotary_factor") if isinstance(params, dict) else None):
+        if value is not None and value != 1:
+            raise ConfigError(f"unsupported partial_rotary_factor {value!r}; kvpool rotates "
+                              f"whole heads (1.0) for this architecture")
 
 
 def _check_gemma(cfg: dict) -> None:
