@@ -104,15 +104,16 @@ class LLM:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
             eos_token_ids=eos)
-        self.workspace = Workspace(
-            self.config.workspace_bytes(mc, layout, self.max_model_len), device)
+        # Page tables are sized by the longest sequence the pool can hold, not by a context
+        # of max_position_embeddings tokens that it never could.
+        longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
+        self.workspace = Workspace(self.config.workspace_bytes(mc, layout, longest), device)
         self.runner = ModelRunner(self.model, self.cache, self.workspace)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
         # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.
         if (device.type == "cuda" and not self.config.enforce_eager and mamba is None
                 and not isinstance(self.cache, GroupedCache)):
-            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
-                                          self.max_model_len)
+            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, longest)
             self.graphs.capture()
         self.sampler = Sampler(self.config.seed)
         self.on_step = on_step

@@ -18,6 +18,7 @@ from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
 from kvpool.models.layers import ACTIVATIONS
+from kvpool.numeric import INT64_MAX
 from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
@@ -43,6 +44,30 @@ _ARCH_BY_MODEL_TYPE = {
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
+# Sane architectural limits of config sizes, far above any published model: a size past one
+# is a broken config, refused before anything is planned or allocated by it. Every other
+# integer is bounded by int64.
+SIZE_LIMITS = {
+    "num_hidden_layers": 2**12,
+    "hidden_size": 2**20,
+    "intermediate_size": 2**22,
+    "moe_intermediate_size": 2**22,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "head_dim": 2**14,
+    "vocab_size": 2**27,
+    "max_position_embeddings": 2**31 - 1,  # positions and lengths travel as int32
+    "q_lora_rank": 2**16,
+    "kv_lora_rank": 2**16,
+    "qk_nope_head_dim": 2**14,
+    "qk_rope_head_dim": 2**14,
+    "v_head_dim": 2**14,
+    "n_routed_experts": 2**16,
+    "num_experts_per_tok": 2**16,
+    "n_shared_experts": 2**10,
+    "n_group": 2**16,
+    "topk_group": 2**16,
+}
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -326,6 +351,8 @@ def read_hf_config(source: dict | str | Path) -> dict:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a model config") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} holds a {type(cfg).__name__}, expected a JSON object")
     return cfg
@@ -621,12 +648,18 @@ def _optional_int(cfg: dict, key: str, *, minimum: int = 1) -> int | None:
     if value is not None and not (_is_int(value) and value >= minimum):
         raise ConfigError(f"config {key!r} must be an integer >= {minimum} or null, "
                           f"got {value!r}")
+    limit = SIZE_LIMITS.get(key)
+    if value is not None and value > (limit or INT64_MAX):
+        bound = f"at most {limit} (a sane architectural limit)" if limit else "in int64"
+        raise ConfigError(f"config {key!r} must be {bound}, got {value!r}")
     return value
 
 
 def _positive(value: Any, key: str) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ConfigError(f"config {key!r} must be a positive integer, got {value!r}")
+    limit = SIZE_LIMITS.get(key)
+    if not _is_int(value) or not 0 < value <= (limit or INT64_MAX):
+        bound = f" at most {limit} (a sane architectural limit)" if limit else " in int64"
+        raise ConfigError(f"config {key!r} must be a positive integer{bound}, got {value!r}")
     return value
 
 
