@@ -99,3 +99,13 @@ def test_plan_of_10_to_the_19_layers_is_one_line_with_exit_2(capsys, tmp_path):
     assert main(["plan", folder]) == 2
     _one_line_error(capsys, "plan", "'num_hidden_layers' must be a positive integer at most "
                                     "4096 (a sane architectural limit), got 10000000000000000000")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("rope_theta", 1e39, "config 'rope_theta' must be finite as a float32"),
+    ("rope_theta", 10**400, "config 'rope_theta' must be finite as a float32"),
+    ("rms_norm_eps", 1e-46, "config 'rms_norm_eps' must be a normal float32"),
+], ids=["rope-theta-1e39", "rope-theta-10**400", "rms-norm-eps-1e-46"])
+def test_a_config_number_float32_cannot_hold_is_refused(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**PRESETS["tiny"], field: value})

@@ -38,11 +38,16 @@ def check_scale(name: str, value: object) -> float:
     """`value` as a float if it is a positive normal float32 (the pool stores scales in
     float32: 1e39 would be inf there and 1e-46 zero); else TypeError/ValueError naming `name`
     and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+    if not value > 0:  # NaN included
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     try:
-        return check_float32(name, value, low=0.0, open_low=True, normal=True)
+        return check_float32(name, value, normal=True)
     except ValueError:
-        raise ValueError(f"{name} must be a positive finite number (a normal float32, in "
-                         f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}]), got {value!r}") from None
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}, which the "
+                         f"pool's float32 scales cannot hold: they take [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}]") from None
 
 
 def scale_of(x: torch.Tensor) -> torch.Tensor:

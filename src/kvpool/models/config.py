@@ -5,7 +5,6 @@ implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
 from kvpool.models.layers import ACTIVATIONS
-from kvpool.numeric import INT64_MAX
+from kvpool.numeric import INT64_MAX, check_float32
 from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
@@ -670,10 +669,14 @@ def _float(cfg: dict, key: str, default: float) -> float:
 
 
 def _number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 < value < math.inf):
+    """A positive number that float32, where the model computes with it, holds as a normal
+    finite value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"config {key!r} must be a positive finite number, got {value!r}")
-    return float(value)
+    try:
+        return check_float32(f"config {key!r}", value, normal=True)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _bool(cfg: dict, key: str) -> bool:
