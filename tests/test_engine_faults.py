@@ -117,3 +117,34 @@ def test_failures_injected_into_sampling_harm_no_other_request(requests):
         assert [o.token_ids for o in output.outputs] == \
             [o.token_ids for o in expected[i].outputs]
     assert_nothing_leaks(llm)
+
+
+def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed():
+    llm = engine()
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    real, calls = llm.runner.run, []
+
+    def run_failing_on_the_third_call(batch):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("injected forward failure")
+        return real(batch)
+
+    llm.runner.run = run_failing_on_the_third_call
+    try:
+        ids = [llm.add_request(p, params) for p in prompts]
+        final = {}
+        while llm.has_unfinished():
+            try:
+                outputs = llm.step()
+            except RuntimeError as e:
+                assert str(e) == "injected forward failure"
+                continue
+            llm.cache.check()
+            final.update((o.request_id, o) for o in outputs if o.finished)
+    finally:
+        del llm.runner.run
+    assert [final[i].outputs[0].token_ids for i in ids] == expected
+    assert_nothing_leaks(llm)
