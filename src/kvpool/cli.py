@@ -10,13 +10,14 @@ from typing import NamedTuple
 
 from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
-from kvpool.errors import KVPoolError, check_int
+from kvpool.errors import KVPoolError
 from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
 from kvpool.models import load_config
 from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.numeric import check_int64
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
@@ -135,7 +136,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """Check the port and the model's config here, so that a bad one is one line and exit 2
     rather than a failure inside the server; then serve."""
-    check_int("--port", args.port, 0, MAX_PORT)
+    check_int64("--port", args.port, 0, MAX_PORT)
     load_config(args.model)
     return serve.run(args)
 
