@@ -155,6 +155,33 @@ def test_interval_not_a_multiple_of_the_page_size_is_refused(device):
         cache(page_size=4, interval=6, track=12, device=device)
 
 
+@pytest.mark.parametrize(("starts", "ends"), [([0], [130]), ([0, 0], [130]), (None, [130, 70])])
+def test_state_batch_with_ranges_not_one_per_sequence_is_refused_reserving_nothing(starts,
+                                                                                   ends):
+    c = cache()
+    c.add_sequence("a", list(range(130)))
+    c.add_sequence("b", list(range(1000, 1070)))
+    free = c.num_free_state_slots
+    with pytest.raises(ValueError, match="starts and ends must each give one token index per "
+                                         "sequence \\(2\\)"):
+        c.state_batch(["a", "b"], starts, ends)
+    assert c.num_free_state_slots == free
+    assert compute(c, "a", 0, 130) == [128]  # the checkpoint slots are all still there
+    c.check()
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 300), (-1, 64), (70, 64)])
+def test_state_batch_with_a_range_outside_the_tokens_held_is_refused(start, end):
+    c = cache()
+    c.add_sequence("a", list(range(130)))
+    with pytest.raises(ValueError, match=f"sequence 'a' holds 130 tokens: its range must be "
+                                         f"0 <= start <= end <= 130, got \\[{start}, {end}\\)"):
+        c.state_batch(["a"], [start], [end])
+    c.commit("a")
+    c.check()
+    assert compute(c, "a", 0, 130) == [128]
+
+
 PAGE, INTERVAL, TRACK = 2, 4, 8
 
 

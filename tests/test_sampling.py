@@ -44,6 +44,12 @@ def test_sampling_params_defaults_follow_vllm():
     ({"seed": -3}, "seed"),
     ({"stop_token_ids": (1, -2)}, "stop_token_ids"),
     ({"stop_token_ids": "ab"}, "stop_token_ids"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"n": 2**64}, "n"),
+    ({"stop_token_ids": (2**63,)}, "stop_token_ids"),
+    ({"temperature": 1e39}, "temperature"),
+    ({"temperature": 10**400}, "temperature"),
 ])
 def test_sampling_params_rejects_bad_values_naming_them(kwargs, named):
     with pytest.raises(ValueError, match=named):
@@ -89,6 +95,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 def test_top_p_always_keeps_the_most_likely_token():
     kept = _filter([[0.0, 5.0, 1.0]], [0], [1e-6])
     assert kept == [[-INF, 5.0, -INF]]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-40])
+def test_a_top_p_that_is_zero_or_subnormal_in_float32_samples_the_most_likely_token(top_p):
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=i) for i in range(6)]
+    assert _sample(logits, params) == logits.argmax(-1).tolist()
 
 
 def test_top_p_applies_to_probabilities_renormalised_after_top_k():

@@ -16,7 +16,9 @@ from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse
 from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
+from kvpool.models import load_config
 from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.numeric import check_int64
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
@@ -24,6 +26,8 @@ from kvpool.planner import (
     plan_memory,
 )
 from kvpool.server import serve
+
+MAX_PORT = 65535  # 0 lets the system pick a free port
 
 
 class Command(NamedTuple):
@@ -131,6 +135,14 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    """Check the port and the model's config here, so that a bad one is one line and exit 2
+    rather than a failure inside the server; then serve."""
+    check_int64("--port", args.port, 0, MAX_PORT)
+    load_config(args.model)
+    return serve.run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "plan": Command("how many KV pages, tokens and sequences fit next to a model",
                     add_plan_arguments, run_plan),
@@ -139,7 +151,7 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("stream a completion of one prompt", add_generate_arguments,
                         run_generate),
     "serve": Command("an OpenAI-compatible HTTP server (needs the server extra)",
-                     serve.add_arguments, serve.run),
+                     serve.add_arguments, run_serve),
 }
 
 

@@ -39,6 +39,10 @@ class SequenceTooLong(KVPoolError, ValueError):
     """A sequence would grow past its per-sequence token limit."""
 
 
+class StepFailed(KVPoolError, RuntimeError):
+    """A request failed inside a step (e.g. while sampling); it alone finished with "error"."""
+
+
 class ConfigError(KVPoolError, ValueError):
     """A model config is missing, malformed, or describes an unsupported architecture."""
 

@@ -8,9 +8,9 @@ the first K/V written to the layer: `amax * HEADROOM / E4M3_MAX`.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from kvpool.numeric import FLOAT32_MAX, FLOAT32_TINY, check_float32
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -35,13 +35,19 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_scale(name: str, value: object) -> float:
-    """`value` as a float if it is a positive finite number; else TypeError/ValueError naming
-    `name` and the value."""
+    """`value` as a float if it is a positive normal float32 (the pool stores scales in
+    float32: 1e39 would be inf there and 1e-46 zero); else TypeError/ValueError naming `name`
+    and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a positive finite number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not value > 0:  # NaN included
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    try:
+        return check_float32(name, value, normal=True)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}, which the "
+                         f"pool's float32 scales cannot hold: they take [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}]") from None
 
 
 def scale_of(x: torch.Tensor) -> torch.Tensor:

@@ -196,9 +196,12 @@ class HybridCache:
                     ends: Sequence[int] | None = None) -> StateBatch:
         """The state slots of a step's sequences, in order, for the model. With the step's
         token ranges [starts[i], ends[i]) and prefix caching, also the checkpoints to save
-        (a reserved slot each, added to the prefix cache at the sequence's next commit)."""
+        (a reserved slot each, added to the prefix cache at the sequence's next commit).
+        Everything is checked before a slot is reserved: ValueError, changing nothing, for
+        ranges that are not one per sequence within the tokens it holds."""
         slots = torch.tensor([self.state_slot(s) for s in seq_ids], dtype=torch.int64,
                              device=self.device)
+        self._check_ranges(seq_ids, starts, ends)
         requests = []
         if starts is not None and self.checkpoints.capacity:
             for index, (seq_id, start, end) in enumerate(zip(seq_ids, starts, ends,
@@ -387,6 +390,24 @@ class HybridCache:
             return 0, None
         kv_pages = len(cache.match(ids, (n - 1) // self.page_size).pages)
         return self.checkpoints.deepest(ids, kv_pages * self.page_size)
+
+    def _check_ranges(self, seq_ids: Sequence[Hashable], starts: Sequence[int] | None,
+                      ends: Sequence[int] | None) -> None:
+        """Raise ValueError unless `starts` and `ends` are both None, or give each sequence
+        a range 0 <= start <= end <= the tokens it holds."""
+        if starts is None and ends is None:
+            return
+        if starts is None or ends is None or not len(starts) == len(ends) == len(seq_ids):
+            shown = [None if r is None else len(r) for r in (starts, ends)]
+            raise ValueError(f"starts and ends must each give one token index per sequence "
+                             f"({len(seq_ids)}), got lengths {shown[0]} and {shown[1]}")
+        for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
+            num_tokens = self.num_tokens(seq_id)
+            if not (isinstance(start, int) and isinstance(end, int)
+                    and 0 <= start <= end <= num_tokens):
+                raise ValueError(f"sequence {seq_id!r} holds {num_tokens} tokens: its range "
+                                 f"must be 0 <= start <= end <= {num_tokens}, got [{start}, "
+                                 f"{end})")
 
     def _checkpoint_requests(self, index: int, seq_id: Hashable, start: int,
                              end: int) -> list[CheckpointRequest]:

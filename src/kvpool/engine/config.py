@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from kvpool.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
-from kvpool.planner import estimate_activation_bytes, plan_memory
+from kvpool.planner import MemoryPlan, estimate_activation_bytes, plan_memory
 from kvpool.pool import RESERVED_PAGES, pages_within
 from kvpool.workspace import ALIGNMENT
 
@@ -130,7 +131,8 @@ class EngineConfig:
 
     def workspace_bytes(self, model: ModelConfig, layout: KVLayout, max_model_len: int) -> int:
         """Bytes of the engine's workspace: a step's int64 metadata at its largest (tokens,
-        sequences and full-length page tables) plus the split-context decode's scratch (float32
+        sequences and page tables of `max_model_len` tokens: pass the longest sequence the
+        cache can hold, see `longest_sequence`) plus the split-context decode's scratch (float32
         partial outputs and a log-sum-exp per sequence, query head and split, at most
         MAX_DECODE_SPLITS splits; one layer's worth, which every layer reuses) and alignment
         slack."""
@@ -139,6 +141,15 @@ class EngineConfig:
         metadata = (3 * tokens + 3 * seqs + 1 + seqs * width) * 8
         scratch = seqs * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
         return metadata + scratch + 8 * ALIGNMENT
+
+    @staticmethod
+    def longest_sequence(layout: KVLayout, max_model_len: int, num_pages: int) -> int:
+        """Tokens of the longest sequence a pool of `num_pages` pages can hold: max_model_len,
+        at most the pool's tokens when every page of a sequence stays (no sliding window to
+        give pages back), so that nothing is sized by a context the pool can never hold."""
+        if any(layout.layer_windows):
+            return max_model_len
+        return min(max_model_len, num_pages * layout.page_size)
 
     def cuda_graph_bytes(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """Estimated bytes of the decode CUDA graphs' memory pool (0 with enforce_eager):
@@ -160,16 +171,18 @@ class EngineConfig:
         activations = estimate_activation_bytes(
             model, weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs)
-        reserved = self.workspace_bytes(model, layout, max_model_len)
-        if device.type == "cuda":  # decode runs CUDA graphs only there
-            reserved += self.cuda_graph_bytes(model, weights_dtype)
-        plan = plan_memory(model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
-                           page_size=layout.page_size, activation_bytes=activations,
-                           reserved_bytes=reserved, device=device,
-                           kv_cache_dtype=self.kv_cache_dtype)
-        budget = plan.budget_bytes
-        if device.type == "cpu":
-            budget = min(self.kv_cache_memory, budget)
+        graphs = self.cuda_graph_bytes(model, weights_dtype) if device.type == "cuda" else 0
+        plan = functools.partial(
+            plan_memory, model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
+            page_size=layout.page_size, activation_bytes=activations, device=device,
+            kv_cache_dtype=self.kv_cache_dtype)
+        # The workspace's page tables hold the longest sequence the pool can: at most the
+        # pages the budget would hold without the workspace.
+        most_pages = max(self._budget(plan(reserved_bytes=graphs), device), 0) \
+            // layout.bytes_per_page
+        longest = self.longest_sequence(layout, max_model_len, most_pages)
+        plan = plan(reserved_bytes=graphs + self.workspace_bytes(model, layout, longest))
+        budget = self._budget(plan, device)
         budget -= state_bytes
         num_pages = pages_within(layout, budget)
         if num_pages == 0:
@@ -180,3 +193,9 @@ class EngineConfig:
                              f"{RESERVED_PAGES} reserved page beside its own); pass num_pages "
                              f"or a larger kv_cache_memory / memory_fraction")
         return num_pages
+
+    def _budget(self, plan: MemoryPlan, device: torch.device) -> int:
+        """Bytes the plan leaves for the KV cache; on the CPU at most kv_cache_memory."""
+        if device.type == "cpu":
+            return min(self.kv_cache_memory, plan.budget_bytes)
+        return plan.budget_bytes

@@ -22,7 +22,7 @@ from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
-from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.errors import OutOfPages, SequenceTooLong, StepFailed
 from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
@@ -105,9 +105,12 @@ class LLM:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
             eos_token_ids=eos)
-        self.workspace = Workspace(
-            self.config.workspace_bytes(mc, layout, self.max_model_len), device=device)
-        seqs, width = self.config.max_num_seqs, -(-self.max_model_len // layout.page_size)
+        # Page tables are sized by the longest sequence the pool can hold, not by a context
+        # of max_position_embeddings tokens that it never could.
+        longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
+        self.workspace = Workspace(self.config.workspace_bytes(mc, layout, longest),
+                                   device=device)
+        seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
         # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
         self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step)
@@ -115,8 +118,7 @@ class LLM:
         # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.
         if (device.type == "cuda" and not self.config.enforce_eager and mamba is None
                 and not isinstance(self.cache, GroupedCache)):
-            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
-                                          self.max_model_len)
+            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, longest)
             self.graphs.capture()
         self.sampler = Sampler(self.config.seed)
         self.on_step = on_step
@@ -212,7 +214,8 @@ class LLM:
             return request.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one step (one forward); returns the requests that got new tokens."""
+        """Run one step (one forward); returns the requests that got new tokens, or failed
+        in it (finish reason "error": only they; the others go on)."""
         if self._generating:
             raise RuntimeError("step() while generate() runs: generate steps the engine itself")
         return [self._output(r) for r in self._step()]
@@ -289,6 +292,47 @@ class LLM:
         seqs, logit_rows = self.scheduler.update(batch)
         if len(logit_rows) > len(logits):  # forked samples read their parent's row
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        seqs, token_ids, failed = self._sample_each_request(logits, seqs)
+        requests = failed + self.scheduler.postprocess(seqs, token_ids)
+        for request in requests:
+            if request.finished:
+                del self._requests[request.request_id]
+        self._count(batch, len(seqs), start)
+        return requests
+
+    def _sample_each_request(self, logits: torch.Tensor, seqs: list[Sequence]
+                             ) -> tuple[list[Sequence], list[int], list[Request]]:
+        """Sample a token for each of `seqs` (row i of `logits`), recording logprobs. When
+        that raises, each request's rows are sampled alone: a request whose sampling fails
+        finishes with "error" (its pages come back), the others keep their tokens, the same
+        as in the whole batch (a row's draw never depends on the other rows), so nobody's
+        step is lost and the engine goes on. Returns (the sequences that sampled, their
+        tokens, the requests that failed)."""
+        try:
+            return seqs, self._sample(logits, seqs), []
+        except Exception:
+            pass
+        rows_of: dict[Request, list[int]] = {}
+        for row, seq in enumerate(seqs):
+            rows_of.setdefault(seq.request, []).append(row)
+        kept, token_ids, failed = [], [], []
+        for request, rows in rows_of.items():
+            mine = [seqs[row] for row in rows]
+            try:
+                token_ids += self._sample(logits[torch.tensor(rows, device=logits.device)],
+                                          mine)
+            except Exception as e:
+                self.scheduler.fail(request, StepFailed(
+                    f"request {request.request_id!r} failed while sampling: "
+                    f"{type(e).__name__}: {e}"))
+                failed.append(request)
+            else:
+                kept += mine
+        return kept, token_ids, failed
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The token of each of `seqs` from its row of `logits`, its logprobs recorded when
+        it asks; changes nothing else."""
         streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
         tokens = self.sampler(logits, [s.params for s in seqs], streams,
                               [s.num_tokens for s in seqs])
@@ -298,12 +342,7 @@ class LLM:
             for seq, entry in zip(seqs, entries, strict=True):
                 if entry is not None:
                     seq.logprobs.append(entry)
-        requests = self.scheduler.postprocess(seqs, token_ids)
-        for request in requests:
-            if request.finished:
-                del self._requests[request.request_id]
-        self._count(batch, len(seqs), start)
-        return requests
+        return token_ids
 
     def _count(self, batch: ScheduledBatch, num_sampled: int, start: float) -> None:
         end = time.perf_counter()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpool.errors import check_int
+from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
 SEED_LIMIT = 2**64  # torch generators take seeds in [0, 2**64)
 MAX_LOGPROBS = 20  # alternatives per token at most, as the OpenAI API allows
@@ -22,7 +22,8 @@ class SamplingParams:
     model's EOS unless `ignore_eos`. `n` samples share the prompt's pages (forked).
     `logprobs` (None: off) asks for each generated token's log-probability and those of the
     `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS).
-    Every field is checked here, type and range, so a request never fails mid-step.
+    Every field is checked here, type and range as the device holds it (float32, int64:
+    kvpool.numeric), so a request never fails mid-step.
     """
 
     max_tokens: int = 16
@@ -36,30 +37,28 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens, 1)
-        check_int("top_k", self.top_k, 0)
-        check_int("n", self.n, 1)
+        check_int64("max_tokens", self.max_tokens, 1)
+        check_int64("top_k", self.top_k, 0)
+        check_int64("n", self.n, 1)
         if self.seed is not None:
-            check_int("seed", self.seed, 0)
+            check_int("seed", self.seed, 0)  # a 64-bit unsigned int, checked below
             # sample i draws from a generator seeded with seed + i, a 64-bit unsigned int
             if self.seed + self.n > SEED_LIMIT:
                 raise ValueError(f"seed must be at most 2**64 - n = {SEED_LIMIT - self.n} (sample "
                                  f"i of n={self.n} is seeded with seed + i), got {self.seed}")
-        _check_number("temperature", self.temperature)
-        _check_number("top_p", self.top_p)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_float32("temperature", self.temperature, low=0.0)
+        # A top_p that is 0 in float32 still keeps the most likely token (see sampling).
+        check_float32("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
         stop = self.stop_token_ids
-        if not isinstance(stop, (tuple, list)) or not all(_is_int(t) and t >= 0 for t in stop):
-            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints >= 0), "
-                             f"got {stop!r}")
+        if not isinstance(stop, (tuple, list)) or not all(
+                _is_int(t) and 0 <= t <= INT64_MAX for t in stop):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids (ints in "
+                             f"[0, 2**63)), got {stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r} "
                             f"({type(self.ignore_eos).__name__})")
         if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            check_int64("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "stop_token_ids", tuple(stop))
 
     @property
@@ -70,10 +69,3 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")

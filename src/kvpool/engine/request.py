@@ -31,7 +31,7 @@ class Sequence:
     token_ids: list[int]
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     # One per generated token when the request asks for logprobs.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -66,7 +66,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    error: KVPoolError | None = None  # why the request was refused
+    error: KVPoolError | None = None  # why the request was refused, or failed in a step
     aborted: bool = False
     # Set when the first sample is first admitted (a preempted one keeps them).
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
@@ -114,7 +114,8 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestOutput:
     """The state of one request: its prompt and one CompletionOutput per sample. `error` is
-    the KVPoolError that refused the request (SequenceTooLong, OutOfPages), else None.
+    the KVPoolError that refused the request (SequenceTooLong, OutOfPages) or failed it in a
+    step (StepFailed), else None.
     `num_cached_tokens`: prompt tokens the prefix cache served at its first admission (0
     before it); `scheduled_time`: time.perf_counter() of that admission (None before)."""
 

@@ -28,7 +28,8 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """`logits` [n, vocab] with -inf outside each row's `top_k` largest (0: no limit; ties
     with the k-th value are kept), then outside the smallest set of most likely tokens whose
-    probability reaches `top_p` (1.0: no limit). `top_k` [n] int, `top_p` [n] float."""
+    probability reaches `top_p` (1.0: no limit; the most likely token always stays).
+    `top_k` [n] int, `top_p` [n] float."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(torch.long)
@@ -37,6 +38,8 @@ def apply_top_k_top_p(
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    # The most likely token always stays, even when top_p is 0 in float32 (1e-46 is).
+    outside[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from kvpool.cache import KVCache
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
-from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
 
 
 @dataclass(slots=True)
@@ -114,12 +114,13 @@ class Scheduler:
     def abort(self, request: Request) -> None:
         """Finish every unfinished sample of the request with "abort"; pages come back now."""
         request.aborted = True
-        for seq in request.seqs:
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                self._set_finished(seq, "abort")
-            elif seq.status is SequenceStatus.RUNNING:
-                self._finish(seq, "abort")
+        self._end(request, "abort")
+
+    def fail(self, request: Request, error: KVPoolError) -> None:
+        """Finish every unfinished sample of the request with "error" (`error` says why);
+        pages come back now. The other requests are not touched."""
+        request.error = error
+        self._end(request, "error")
 
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
@@ -298,6 +299,15 @@ class Scheduler:
         self.cache.free_sequence(seq.seq_id)
         self.running.remove(seq)
         self._set_finished(seq, reason)
+
+    def _end(self, request: Request, reason: str) -> None:
+        """Finish every unfinished sample of the request with `reason`; pages come back."""
+        for seq in request.seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                self._set_finished(seq, reason)
+            elif seq.status is SequenceStatus.RUNNING:
+                self._finish(seq, reason)
 
     @staticmethod
     def _set_finished(seq: Sequence, reason: str) -> None:

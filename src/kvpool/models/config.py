@@ -5,7 +5,6 @@ implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.layout import KVLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
+from kvpool.models.layers import ACTIVATIONS
+from kvpool.numeric import INT64_MAX, check_float32
 from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
@@ -42,6 +43,30 @@ _ARCH_BY_MODEL_TYPE = {
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
+# Sane architectural limits of config sizes, far above any published model: a size past one
+# is a broken config, refused before anything is planned or allocated by it. Every other
+# integer is bounded by int64.
+SIZE_LIMITS = {
+    "num_hidden_layers": 2**12,
+    "hidden_size": 2**20,
+    "intermediate_size": 2**22,
+    "moe_intermediate_size": 2**22,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "head_dim": 2**14,
+    "vocab_size": 2**27,
+    "max_position_embeddings": 2**31 - 1,  # positions and lengths travel as int32
+    "q_lora_rank": 2**16,
+    "kv_lora_rank": 2**16,
+    "qk_nope_head_dim": 2**14,
+    "qk_rope_head_dim": 2**14,
+    "v_head_dim": 2**14,
+    "n_routed_experts": 2**16,
+    "num_experts_per_tok": 2**16,
+    "n_shared_experts": 2**10,
+    "n_group": 2**16,
+    "topk_group": 2**16,
+}
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -192,6 +217,7 @@ class ModelConfig:
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
     gemma: GemmaConfig | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -223,6 +249,8 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _rope(cfg)
         is_bamba = arch == "BambaForCausalLM"
+        if not is_bamba:
+            _check_no_partial_rotary(cfg)
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
@@ -255,6 +283,7 @@ class ModelConfig:
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
             layer_types=layer_types,
             gemma=gemma,
+            hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
         )
 
     @property
@@ -321,6 +350,8 @@ def read_hf_config(source: dict | str | Path) -> dict:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is nested too deeply to be a model config") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path} holds a {type(cfg).__name__}, expected a JSON object")
     return cfg
@@ -416,6 +447,28 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
         raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
                           f"{SLIDING} layer(s) but {why}: they have no window")
     return window, tuple(layer_types)
+
+
+def _hidden_act(cfg: dict, arch: str) -> str:
+    """The MLP activation `hidden_act` names (default silu); Bamba's Mamba mixer gates with
+    it too, and runs silu only."""
+    act = cfg.get("hidden_act", "silu")
+    supported = ("silu",) if arch == "BambaForCausalLM" else tuple(ACTIVATIONS)
+    if act not in supported:
+        raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
+                          f"{', '.join(supported)}")
+    return act
+
+
+def _check_no_partial_rotary(cfg: dict) -> None:
+    """transformers rotates int(head_dim * partial_rotary_factor) channels of a Llama-family
+    head; kvpool rotates them all there, so refuse any other factor than 1."""
+    params = cfg.get("rope_parameters")
+    for value in (cfg.get("partial_rotary_factor"),
+                  params.get("partial_rotary_factor") if isinstance(params, dict) else None):
+        if value is not None and value != 1:
+            raise ConfigError(f"unsupported partial_rotary_factor {value!r}; kvpool rotates "
+                              f"whole heads (1.0) for this architecture")
 
 
 def _check_gemma(cfg: dict) -> None:
@@ -594,12 +647,18 @@ def _optional_int(cfg: dict, key: str, *, minimum: int = 1) -> int | None:
     if value is not None and not (_is_int(value) and value >= minimum):
         raise ConfigError(f"config {key!r} must be an integer >= {minimum} or null, "
                           f"got {value!r}")
+    limit = SIZE_LIMITS.get(key)
+    if value is not None and value > (limit or INT64_MAX):
+        bound = f"at most {limit} (a sane architectural limit)" if limit else "in int64"
+        raise ConfigError(f"config {key!r} must be {bound}, got {value!r}")
     return value
 
 
 def _positive(value: Any, key: str) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ConfigError(f"config {key!r} must be a positive integer, got {value!r}")
+    limit = SIZE_LIMITS.get(key)
+    if not _is_int(value) or not 0 < value <= (limit or INT64_MAX):
+        bound = f" at most {limit} (a sane architectural limit)" if limit else " in int64"
+        raise ConfigError(f"config {key!r} must be a positive integer{bound}, got {value!r}")
     return value
 
 
@@ -610,10 +669,14 @@ def _float(cfg: dict, key: str, default: float) -> float:
 
 
 def _number(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 < value < math.inf):
+    """A positive number that float32, where the model computes with it, holds as a normal
+    finite value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"config {key!r} must be a positive finite number, got {value!r}")
-    return float(value)
+    try:
+        return check_float32(f"config {key!r}", value, normal=True)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _bool(cfg: dict, key: str) -> bool:

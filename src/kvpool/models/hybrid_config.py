@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import ConfigError
+from kvpool.numeric import INT64_MAX
 
 HYBRID_ARCHITECTURES = ("BambaForCausalLM",)
+# Sane architectural limits of the mixer's sizes (as models/config.py's SIZE_LIMITS).
+SIZE_LIMITS = {"mamba_n_heads": 2**14, "mamba_expand": 2**6, "mamba_n_groups": 2**14,
+               "mamba_d_state": 2**14, "mamba_d_conv": 2**10, "mamba_chunk_size": 2**20}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +100,10 @@ def _time_step_limit(value: Any) -> tuple[float, float]:
 def _int(cfg: dict, key: str, default: int | None = None) -> int:
     value = cfg.get(key)
     value = default if value is None else value
-    if not _is_int(value) or value <= 0:
-        raise ConfigError(f"config {key!r} must be a positive integer, got {value!r}")
+    limit = SIZE_LIMITS.get(key, INT64_MAX)
+    if not _is_int(value) or not 0 < value <= limit:
+        raise ConfigError(f"config {key!r} must be a positive integer at most {limit}, "
+                          f"got {value!r}")
     return value
 
 

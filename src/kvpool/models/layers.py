@@ -1,6 +1,9 @@
-"""The position-wise building blocks of a Llama-family decoder: RMSNorm and the SwiGLU MLP."""
+"""The position-wise building blocks of a Llama-family decoder: RMSNorm and the gated MLP
+with the activations config.json's `hidden_act` may name."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +26,27 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`."""
+_GELU_TANH = functools.partial(F.gelu, approximate="tanh")
+# transformers' names (ACT2FN) of the activations a gated MLP runs; the tanh approximations
+# of GELU are one formula that transformers computes in three ways.
+ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH, "gelu_fast": _GELU_TANH,
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+
+class MLP(nn.Module):
+    """Gated feed-forward: `down_proj(act(gate_proj(x)) * up_proj(x))`, `act` one of
+    ACTIVATIONS (silu: SwiGLU)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 act: str = "silu"):
         super().__init__()
+        self.act = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -82,7 +82,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
+                       config.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
                 pool: KVPool) -> torch.Tensor:

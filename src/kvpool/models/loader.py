@@ -92,7 +92,7 @@ def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
         return config
     try:
         eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError) as e:
         raise ConfigError(f"{path} is not a valid generation config: {e!r}") from None
     merged = tuple(dict.fromkeys([*config.eos_token_ids, *token_ids(eos, "eos_token_id")]))
     return replace(config, eos_token_ids=merged)

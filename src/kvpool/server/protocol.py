@@ -7,11 +7,11 @@ Fields the engine cannot honour (echo, suffix, best_of) are refused, not ignored
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpool.engine import SamplingParams
-from kvpool.engine.params import MAX_LOGPROBS
+from kvpool.engine.params import MAX_LOGPROBS, SEED_LIMIT
+from kvpool.numeric import INT64_MAX, check_float32
 
 
 class RequestError(Exception):
@@ -148,7 +148,8 @@ def _request(fields: dict, model: str, *, prompt, messages, max_tokens,
         temperature=_number(fields, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(fields, "top_p", 1.0, 0.0, 1.0, open_low=True),
         top_k=max(top_k, 0),  # -1 means off, as in vLLM
-        n=_int(fields, "n", 1, minimum=1), seed=_int(fields, "seed", None, minimum=0),
+        n=_int(fields, "n", 1, minimum=1),
+        seed=_int(fields, "seed", None, minimum=0, maximum=SEED_LIMIT - 1),
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
@@ -180,7 +181,7 @@ def _is_int(value: object) -> bool:
 
 
 def _int(fields: dict, name: str, default: int | None, *, minimum: int,
-         maximum: int | None = None) -> int | None:
+         maximum: int = INT64_MAX) -> int | None:
     value = fields.get(name)
     if value is None:
         return default
@@ -188,7 +189,7 @@ def _int(fields: dict, name: str, default: int | None, *, minimum: int,
         raise RequestError(f"{name} must be an integer, got {_show(value)}", param=name)
     if value < minimum:
         raise RequestError(f"{name} must be >= {minimum}, got {value}", param=name)
-    if maximum is not None and value > maximum:
+    if value > maximum:
         raise RequestError(f"{name} must be <= {maximum}, got {value}", param=name)
     return value
 
@@ -198,13 +199,10 @@ def _number(fields: dict, name: str, default: float, low: float, high: float, *,
     value = fields.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a number, got {_show(value)}", param=name)
-    if value > high or value < low or (open_low and value == low):
-        bracket = "(" if open_low else "["
-        raise RequestError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value}",
-                           param=name)
-    return float(value)
+    try:
+        return check_float32(name, value, low=low, high=high, open_low=open_low)
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e), param=name) from None
 
 
 def _bool(fields: dict, name: str, default: bool, *, param: str | None = None) -> bool:

@@ -1,0 +1,150 @@
+"""One request never harms another: a request whose sampling fails in a step finishes with
+"error" and the message, alone; the others finish with the tokens they would have had, every
+later step runs, and the cache holds its invariants with no page leaked."""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.engine import LLM, SamplingParams
+from kvpool.errors import StepFailed
+
+VOCAB = 258  # the tiny preset's
+
+
+class FailingSampler:
+    """Wraps the engine's sampler: a call that samples for a poisoned request raises from
+    that request's `fail_at`-th such call on (1: its first sample)."""
+
+    def __init__(self, sampler, fail_at: dict[int, int]):
+        self.sampler = sampler
+        self.fail_at = fail_at  # id of a request's SamplingParams -> its failing call
+        self.calls = dict.fromkeys(fail_at, 0)
+
+    def __call__(self, logits, params, streams, positions):
+        for key in {id(p) for p in params} & self.fail_at.keys():
+            self.calls[key] += 1
+            if self.calls[key] >= self.fail_at[key]:
+                raise RuntimeError("injected failure")
+        return self.sampler(logits, params, streams, positions)
+
+
+@functools.cache
+def engine() -> LLM:
+    """One small engine shared by the examples; each leaves it with no request."""
+    return LLM("tiny", num_pages=32, page_size=4, max_model_len=64, max_num_seqs=4,
+               max_num_batched_tokens=24, device="cpu")
+
+
+def run_with_failures(llm: LLM, prompts, params, fail_at: dict[int, int]) -> dict[str, object]:
+    """Run the prompts through the step API with the requests of `fail_at` (index -> call)
+    failing; returns each request's final output by index."""
+    real = llm.sampler
+    llm.sampler = FailingSampler(real, {id(params[i]): k for i, k in fail_at.items()})
+    try:
+        ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final = {}
+        while llm.has_unfinished():
+            for output in llm.step():
+                llm.cache.check()
+                if output.finished:
+                    final[output.request_id] = output
+        return {i: final[request_id] for i, request_id in enumerate(ids)}
+    finally:
+        llm.sampler = real
+
+
+def assert_nothing_leaks(llm: LLM) -> None:
+    llm.cache.check()
+    assert llm.cache.stats().num_used_pages == 0
+    llm.cache.prefix_cache.clear()
+    assert llm.cache.stats().num_free_pages == llm.cache.num_pages
+
+
+def test_a_request_whose_sampling_fails_finishes_with_error_and_the_other_finishes():
+    llm = engine()
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True) for _ in prompts]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = run_with_failures(llm, prompts, params, {0: 2})
+    failed = outputs[0]
+    assert isinstance(failed.error, StepFailed)
+    assert str(failed.error) == (f"request {failed.request_id!r} failed while sampling: "
+                                 f"RuntimeError: injected failure")
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.outputs[0].token_ids == expected[0][:1]
+    assert outputs[1].outputs[0].token_ids == expected[1]
+    assert outputs[1].outputs[0].finish_reason == "length"
+    assert_nothing_leaks(llm)
+
+
+def test_the_engine_steps_on_after_a_failed_request_and_serves_new_ones():
+    llm = engine()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outputs = run_with_failures(llm, [[1, 2, 3]], [params], {0: 1})
+    assert outputs[0].outputs[0].finish_reason == "error"
+    again = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0]
+    assert (len(again.token_ids), again.finish_reason) == (3, "length")
+    assert_nothing_leaks(llm)
+
+
+requests = st.lists(
+    st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+              st.integers(1, 8), st.integers(1, 2),
+              st.none() | st.integers(1, 9)),  # the sample that fails, None: never
+    min_size=1, max_size=5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(requests=requests)
+def test_failures_injected_into_sampling_harm_no_other_request(requests):
+    llm = engine()
+    prompts = [prompt for prompt, *_ in requests]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, n=n, ignore_eos=True)
+              for _, m, n, _ in requests]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    fail_at = {i: k for i, (*_, k) in enumerate(requests) if k is not None}
+    outputs = run_with_failures(llm, prompts, params, fail_at)
+    for i, output in outputs.items():
+        reasons = {o.finish_reason for o in output.outputs}
+        if reasons == {"error"}:
+            assert i in fail_at and isinstance(output.error, StepFailed)
+            continue
+        assert output.error is None
+        assert [o.token_ids for o in output.outputs] == \
+            [o.token_ids for o in expected[i].outputs]
+    assert_nothing_leaks(llm)
+
+
+def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed():
+    llm = engine()
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    real, calls = llm.runner.run, []
+
+    def run_failing_on_the_third_call(batch):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("injected forward failure")
+        return real(batch)
+
+    llm.runner.run = run_failing_on_the_third_call
+    try:
+        ids = [llm.add_request(p, params) for p in prompts]
+        final = {}
+        while llm.has_unfinished():
+            try:
+                outputs = llm.step()
+            except RuntimeError as e:
+                assert str(e) == "injected forward failure"
+                continue
+            llm.cache.check()
+            final.update((o.request_id, o) for o in outputs if o.finished)
+    finally:
+        del llm.runner.run
+    assert [final[i].outputs[0].token_ids for i in ids] == expected
+    assert_nothing_leaks(llm)
