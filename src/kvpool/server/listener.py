@@ -32,11 +32,11 @@ class DrainingServer(uvicorn.Server):
             app, host=host, port=port, log_level=log_level,
             http=with_header_timeout(AutoHTTPProtocol, limits.header_timeout),
             timeout_graceful_shutdown=FINISH_SECONDS))
-        self.app = app
+        self.served_app = app
         self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:
             server.close()
-        await self.app.state.server.engine.drain(self.shutdown_timeout)
+        await self.served_app.state.server.engine.drain(self.shutdown_timeout)
         await super().shutdown(sockets)
