@@ -2,6 +2,8 @@
 the device and through a tier, and a salt's part of the prefix tree leaves with its pages."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.cache import KVCache
 from kvpool.grouped_cache import GroupedCache
@@ -110,3 +112,32 @@ def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(d
     assert len(cache.checkpoints) == 0
     assert cache.add_sequence("b", PROMPT, cache_salt="alice") == 0
     cache.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([None, "alice", "bob"]),
+                          st.integers(0, 12), st.booleans()), max_size=30))
+def test_random_requests_only_ever_read_pages_of_their_own_salt(requests):
+    """Each token's K value names its salt and its prefix, so a page served from another
+    salt (on the device or through the tier) reads wrong; eviction is forced now and then."""
+    cache = make_cache("cpu", num_pages=6, tier=HostTier(4))
+    values: dict = {}
+
+    def value(salt, tokens, pos):
+        return float(values.setdefault((salt, tuple(tokens[:pos + 1])), len(values) + 1))
+
+    for i, (salt, length, evict) in enumerate(requests):
+        tokens = [5] * length + [i % 3]  # shared prefixes, of 0 to 3 full pages
+        hit = cache.add_sequence(i, tokens, cache_salt=salt)
+        slots = torch.tensor(cache.slots(i))
+        k = cache.pool.k_cache(0).reshape(-1, 2)[slots, 0].tolist()
+        assert k[:hit] == [value(salt, tokens, p) for p in range(hit)]
+        fresh = torch.tensor([value(salt, tokens, p) for p in range(hit, len(tokens))])
+        cache.pool.write(0, slots[hit:], fresh[:, None, None].expand(-1, 1, 2),
+                         -fresh[:, None, None].expand(-1, 1, 2))
+        cache.commit(i)
+        cache.free_sequence(i)
+        if evict:
+            cache.add_sequence("fill", num_tokens=6 * PS)
+            cache.free_sequence("fill")
+        cache.check()
