@@ -3,6 +3,7 @@ headers that never end, requests without the API key (401), prefixes of other ke
 salts (never shared), `n` past max_num_seqs; and what a SIGTERM does to requests in flight.
 """
 
+import argparse
 import json
 import logging
 import socket
@@ -21,7 +22,7 @@ from starlette.testclient import TestClient
 from kvpool.engine import LLM
 from kvpool.server.auth import ApiKeyMiddleware
 from kvpool.server.limits import ServerLimits
-from kvpool.server.serve import API_KEY_ENV, api_keys
+from kvpool.server.serve import API_KEY_ENV, add_arguments, api_keys
 from server_util import running_server
 
 KEY_A, KEY_B = "key-a", "key-b"
@@ -190,3 +191,11 @@ def test_sigterm_ends_streams_with_an_error_and_done_and_whole_requests_with_503
     assert whole[0].json()["error"]["code"] == "server_shutting_down"
     assert errors_logged == []
 
+
+
+def test_the_serve_flags_default_to_the_server_limits_defaults():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
+                        args.header_timeout, args.body_timeout) == ServerLimits()

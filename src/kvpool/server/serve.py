@@ -27,6 +27,7 @@ from kvpool.server import INSTALL_HINT, missing_modules
 
 DEFAULT_MAX_WAITING = 1024
 API_KEY_ENV = "KVPOOL_API_KEY"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The defaults of ServerLimits (limits.py imports starlette, which may be missing here).
 DEFAULT_MAX_BODY = "16MiB"
 DEFAULT_MAX_STOP_STRINGS = 16
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     print(f"kvpool serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    if not api_keys(args.api_key) and args.host not in LOOPBACK_HOSTS:
+        print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{args.port} "
+              f"can use the server (--api-key)", file=sys.stderr)
     DrainingServer(app, host=args.host, port=args.port,
                    shutdown_timeout=args.shutdown_timeout).run()
     return 0
