@@ -13,23 +13,26 @@ from collections.abc import Callable
 
 import httpx
 import openai
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.engine import LLM
 from kvpool.server.app import build_app
+from kvpool.server.listener import DrainingServer
 
 
 class RunningServer:
-    """A server started by `running_server`: its URL, app, engine loop and event loop."""
+    """A server started by `running_server`: its URL, app, engine loop and event loop.
+    `shutdown_timeout`: how long `stop` lets requests in flight finish."""
 
-    def __init__(self, make_llm: Callable[[], LLM], **options):
+    def __init__(self, make_llm: Callable[[], LLM], shutdown_timeout: float = 5.0,
+                 **options):
         self.app = build_app(make_llm, model_name="tiny", **options)
         self.engine = self.app.state.server.engine
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._uvicorn = DrainingServer(self.app, shutdown_timeout=shutdown_timeout)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
 
@@ -45,6 +48,7 @@ class RunningServer:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Shut down as on SIGTERM: drain, then stop the engine; waits for it."""
         self._uvicorn.should_exit = True
         self._thread.join(30)
 

@@ -259,8 +259,11 @@ BAD_REQUESTS = [
                                           "max_tokens": 300}, 400, "max_tokens", None,
      "prompt of 100 tokens + max_tokens 300: 399 tokens need 25 pages of 16 tokens; "
      "the pool has 24"),
-    ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, None, None,
+    ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, "n", None,
      "n=9 samples exceed max_num_seqs 8"),
+    # a 400, not a 503 with Retry-After: however long a client waits, it can never run
+    ("n far beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 10**6}, 400, "n",
+     None, "n=1000000 samples exceed max_num_seqs 8"),
     ("logprobs over 20", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs",
      None, "logprobs must be <= 20, got 21"),
     ("top_logprobs in a completion", {"model": "tiny", "prompt": "x", "top_logprobs": 2},
@@ -273,6 +276,36 @@ BAD_REQUESTS = [
      "echo is not supported by this server, got True"),
     ("messages missing", {"model": "tiny"}, 400, "messages", None,
      "messages must be a non-empty list, got None"),
+    ("logit_bias", {"model": "tiny", "prompt": "x", "logit_bias": {"65": 100}}, 400,
+     "logit_bias", "unsupported", "logit_bias is not supported by this server, got {'65': 100}"),
+    ("frequency_penalty", {"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400,
+     "frequency_penalty", "unsupported",
+     "frequency_penalty is not supported by this server, got 0.5"),
+    ("presence_penalty", {"model": "tiny", "prompt": "x", "presence_penalty": -1}, 400,
+     "presence_penalty", "unsupported",
+     "presence_penalty is not supported by this server, got -1"),
+    ("tools", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "unsupported", "tools is not supported by this server, got [{'type': 'function', "
+                    "'function': {'name': 'f'}}]"),
+    ("response_format", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                         "response_format": {"type": "json_object"}}, 400, "response_format",
+     "unsupported",
+     "response_format is not supported by this server, got {'type': 'json_object'}"),
+    ("a lone surrogate in a prompt", {"model": "tiny", "prompt": "a\ud800"}, 400, "prompt",
+     None, "prompt is not valid Unicode: it holds a lone surrogate (U+D800) at character 1"),
+    ("a lone surrogate in a message", {"model": "tiny", "messages": [
+        {"role": "user", "content": "\udfff"}]}, 400, "messages[0].content", None,
+     "messages[0].content is not valid Unicode: it holds a lone surrogate (U+DFFF) at "
+     "character 0"),
+    ("a body nested 100,000 deep", "[" * 100_000 + "]" * 100_000, 400, None, None,
+     "the request body is nested too deeply to parse"),
+    ("too many stop strings", {"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400,
+     "stop", None, "stop holds 17 strings; this server takes 16 at most"),
+    ("a stop string too long", {"model": "tiny", "prompt": "x", "stop": "a" * 257}, 400,
+     "stop", None, "a stop string of 257 characters passes this server's limit of 256"),
+    ("an empty cache_salt", {"model": "tiny", "prompt": "x", "cache_salt": ""}, 400,
+     "cache_salt", None, "cache_salt must be a non-empty string, got ''"),
 ]
 
 

@@ -51,3 +51,10 @@ def test_serve_without_the_server_extra_names_the_install_command(capsys, monkey
     assert main(["serve", "--model", "tiny"]) == 2
     assert capsys.readouterr().err == ("kvpool serve: needs uvicorn: "
                                        "pip install 'kvpool[server]'\n")
+
+
+def test_serve_with_prefix_isolation_per_key_but_no_key_is_one_line_with_exit_2(
+        capsys, monkeypatch):
+    monkeypatch.delenv("KVPOOL_API_KEY", raising=False)
+    assert main(["serve", "--model", "tiny", "--prefix-isolation", "per-key"]) == 2
+    assert capsys.readouterr().err == "kvpool serve: prefix isolation per key needs API keys\n"

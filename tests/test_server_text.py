@@ -4,6 +4,7 @@ transformers renders them."""
 
 import asyncio
 import json
+import time
 
 import pytest
 import tokenizers
@@ -11,20 +12,20 @@ import transformers
 
 from kvpool.engine import TokenLogprobs
 from kvpool.server.chat import ChatTemplate
-from kvpool.server.detokenize import ChoiceText
+from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import RequestStream
 from kvpool.server.protocol import ChatMessage, RequestError
 
 
 def test_a_trailing_replacement_character_waits_for_the_rest_of_its_bytes():
-    choice = ChoiceText(())
+    choice = ChoiceText()
     assert choice.update("ab\ufffd", 3, None) == "ab"
     assert choice.update("ab\u00e9", 4, None) == "\u00e9"
     assert choice.text == "ab\u00e9"
 
 
 def test_a_replacement_character_is_sent_once_text_follows_it_or_the_choice_ends():
-    choice = ChoiceText(())
+    choice = ChoiceText()
     assert choice.update("a\ufffd", 2, None) == "a"
     assert choice.update("a\ufffdb\ufffd", 4, None) == "\ufffdb"
     assert choice.update("a\ufffdb\ufffd", 4, "length") == "\ufffd"
@@ -54,13 +55,13 @@ def test_a_reader_that_fell_behind_gets_the_log_probabilities_of_every_update_it
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():
-    choice = ChoiceText(("STOP",))
+    choice = ChoiceText(StopMatcher(("STOP",)))
     assert choice.update("hello ST", 8, None) == "hello "
     assert choice.update("hello STX", 9, None) == "STX"
 
 
 def test_a_stop_string_completed_by_a_later_token_ends_the_choice_before_it():
-    choice = ChoiceText(("STOP",))
+    choice = ChoiceText(StopMatcher(("STOP",)))
     assert choice.update("hello ST", 8, None) == "hello "
     assert choice.update("hello STOP and more", 19, None) == ""
     assert (choice.text, choice.finish_reason, choice.num_tokens) == ("hello ", "stop", 19)
@@ -69,16 +70,36 @@ def test_a_stop_string_completed_by_a_later_token_ends_the_choice_before_it():
 
 
 def test_the_earliest_of_several_stop_strings_wins():
-    choice = ChoiceText(("b", "xa"))
+    choice = ChoiceText(StopMatcher(("b", "xa")))
     assert choice.update("zxab", 4, None) == "z"
     assert choice.finish_reason == "stop"
 
 
 def test_a_held_back_prefix_is_sent_when_the_stop_string_starts_after_it():
-    choice = ChoiceText(("ab",))
+    choice = ChoiceText(StopMatcher(("ab",)))
     assert choice.update("xa", 2, None) == "x"
     assert choice.update("xaab", 4, None) == "a"
     assert choice.text == "xa" and choice.finish_reason == "stop"
+
+
+def test_the_stop_string_that_ends_first_wins_wherever_the_tokens_split():
+    # "bcd" ends before "abcdef" does: a model stopping at once would never write the "ef"
+    for steps in (["abcdef"], ["a", "abc", "abcd", "abcdef"]):
+        choice = ChoiceText(StopMatcher(("abcdef", "bcd")))
+        sent = "".join(choice.update(text, i + 1, None) for i, text in enumerate(steps))
+        assert (sent, choice.finish_reason) == ("a", "stop")
+
+
+def test_matching_many_long_stop_strings_takes_time_linear_in_the_text():
+    # 100 stop strings of 1,000 characters that a run of "a" keeps beginning: the search
+    # that tried every prefix of every stop string took about a minute for these updates.
+    stop = tuple(("ab" * 500)[:999] + chr(0x100 + i) for i in range(100))
+    text = "a" * 2000
+    start = time.perf_counter()
+    choice = ChoiceText(StopMatcher(stop))
+    sent = "".join(choice.update(text[:k], k, None) for k in range(1, len(text) + 1))
+    assert time.perf_counter() - start < 3
+    assert sent == text[:-1]  # the last "a" may begin a stop string
 
 
 LLAMA3_STYLE = (

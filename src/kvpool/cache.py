@@ -21,7 +21,7 @@ from kvpool.errors import (
 from kvpool.fp8 import is_fp8
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
-from kvpool.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
+from kvpool.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch, salt_key
 from kvpool.tiers import PageKey, Tier, page_namespace
 from kvpool.tokens import TOKEN_BYTES, pack_tokens, unpack_tokens
 
@@ -35,6 +35,7 @@ class _SequenceState:
     token_ids: bytearray | None  # every token's id, packed; None: unknown, or not cached
     num_cached: int  # pages [0, num_cached) are the sequence's path in the prefix cache
     num_dropped: int = 0  # pages [0, num_dropped) fell out of the window: given back, HOLE
+    salt: bytes = b""  # the prefix cache's root of its cache salt (salt_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +130,18 @@ class KVCache:
     # ---- sequences ---------------------------------------------------------------------
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
         """Create a sequence holding `token_ids` (or `num_tokens` unknown tokens) and give it
         pages. Returns how many leading tokens the prefix cache served (whole pages, never
         the last token); their KV is already in the pool, loaded from the tier for pages
-        past the device's match."""
+        past the device's match. A `cache_salt` shares pages only with sequences of the
+        same salt (in the pool and in the tier)."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
         n, ids = _tokens(token_ids, num_tokens)
+        salt = salt_key(cache_salt)
         self._check_length(seq_id, n)
-        match = self._match(ids, n)
+        match = self._match(ids, n, salt)
         need = -(-n // self.page_size) - len(match.pages)  # tier hits take fresh pages too
         if need + len(match.pages) > self.allocator.num_available:
             self._check_room(need, match.pages)
@@ -148,12 +151,12 @@ class KVCache:
         pages = match.pages + self.allocator.allocate(need)
         hit_pages = len(match.pages) + len(loaded)
         if loaded:
-            self._load_from_tier(ids, pages, len(match.pages), loaded)
+            self._load_from_tier(ids, pages, len(match.pages), loaded, salt)
         if ids is not None and self.prefix_cache is not None:
             self._prefix_query_tokens += n
             self._prefix_hit_tokens += hit_pages * self.page_size
         self._seqs[seq_id] = _SequenceState(pages, n, None if ids is None else bytearray(ids),
-                                            hit_pages)
+                                            hit_pages, salt=salt)
         return hit_pages * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -203,7 +206,8 @@ class KVCache:
         self.allocator.share(parent.pages[parent.num_dropped:])
         token_ids = None if parent.token_ids is None else bytearray(parent.token_ids)
         self._seqs[child_id] = _SequenceState(list(parent.pages), parent.num_tokens,
-                                              token_ids, parent.num_cached, parent.num_dropped)
+                                              token_ids, parent.num_cached, parent.num_dropped,
+                                              parent.salt)
 
     def commit(self, seq_id: Hashable) -> None:
         """Declare the KV of every token the sequence holds written; with prefix caching its
@@ -215,7 +219,7 @@ class KVCache:
         if seq.token_ids is None or full <= seq.num_cached:
             return
         seq.num_cached = self._index.insert(bytes(seq.token_ids), seq.pages[:full],
-                                            seq.num_cached)
+                                            seq.num_cached, seq.salt)
         if seq.num_cached < full:
             seq.token_ids = None
 
@@ -284,12 +288,12 @@ class KVCache:
         return self.pool.device
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
         """Available pages `add_sequence` would consume: new pages (tier hits included: they
         are loaded into new pages) plus the cached pages its prefix hit would take off the
         cached queue. Changes nothing."""
         n, ids = _tokens(token_ids, num_tokens)
-        match = self._match(ids, n)
+        match = self._match(ids, n, salt_key(cache_salt))
         return -(-n // self.page_size) - len(match.pages) + self._num_unheld(match.pages)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
@@ -305,15 +309,15 @@ class KVCache:
         and `free_out_of_window`)."""
         return self.window is not None
 
-    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+    def prefix_hit(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Tokens of `token_ids` the device's prefix cache would serve to `add_sequence`
         (whole pages, never the last token; pages a tier would load are not counted).
         Changes nothing."""
         n, ids = _tokens(token_ids, None)
-        return len(self._match(ids, n).pages) * self.page_size
+        return len(self._match(ids, n, salt_key(cache_salt)).pages) * self.page_size
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
-                entering: int | None = None) -> bool:
+                entering: int | None = None, cache_salt: str | None = None) -> bool:
         """Whether `add_sequence(seq_id, token_ids)` would succeed and leave `spare_pages`
         pages available. With `entering`, the sequence enters with its first `entering`
         tokens and takes the rest chunk by chunk: a cache that gives pages back out of the
@@ -321,7 +325,8 @@ class KVCache:
         Changes nothing."""
         if entering is not None and self.frees_out_of_window:
             token_ids = token_ids[:entering]
-        return self.pages_to_add(token_ids) + spare_pages <= self.num_available_pages
+        return (self.pages_to_add(token_ids, cache_salt=cache_salt) + spare_pages
+                <= self.num_available_pages)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether `append(seq_id, num_tokens)` would succeed. Changes nothing."""
@@ -432,12 +437,13 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _match(self, token_ids: bytes | None, n: int) -> PrefixMatch:
-        """The cached prefix of a sequence of `n` tokens: whole pages, never the last token
-        (its logits must be computed); the empty match when the content is unknown."""
+    def _match(self, token_ids: bytes | None, n: int, salt: bytes) -> PrefixMatch:
+        """The cached prefix of a sequence of `n` tokens under `salt`: whole pages, never the
+        last token (its logits must be computed); the empty match when the content is
+        unknown."""
         if token_ids is None:
             return NO_MATCH
-        return self._index.match(token_ids, (n - 1) // self.page_size if n else 0)
+        return self._index.match(token_ids, (n - 1) // self.page_size if n else 0, salt)
 
     def _num_unheld(self, pages: list[int]) -> int:
         """How many of `pages` no sequence holds (cached): a hit takes them off the queue."""
@@ -472,13 +478,13 @@ class KVCache:
         return loaded
 
     def _load_from_tier(self, token_ids: bytes, pages: list[int], first: int,
-                        loaded: list[torch.Tensor]) -> None:
+                        loaded: list[torch.Tensor], salt: bytes) -> None:
         """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
         sequence and add them to the prefix cache after its device match."""
         last = first + len(loaded)
         self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
         self._num_tier_loads += len(loaded)
-        self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last])
+        self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last], salt=salt)
 
     def _evicted(self, pages: list[int]) -> None:
         """The allocator took these cached pages (the prefix cache drops them lazily): copy

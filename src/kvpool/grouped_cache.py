@@ -84,18 +84,21 @@ class GroupedCache:
     # ---- sequences ---------------------------------------------------------------------
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
         """Create a sequence in every group. Returns the tokens the prefix cache served: the
-        shortest of the groups' matches (whole pages, never the last token)."""
+        shortest of the groups' matches (whole pages, never the last token), under
+        `cache_salt` (see KVCache.add_sequence)."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
-        needs = [cache.pages_to_add(token_ids, num_tokens=num_tokens)  # validates the ids
+        needs = [cache.pages_to_add(token_ids, num_tokens=num_tokens,  # validates the ids
+                                    cache_salt=cache_salt)
                  for cache in self.groups]
         n = len(token_ids) if token_ids is not None else num_tokens or 0
         self._check_length(seq_id, n)
         for g, need in enumerate(needs):
             self._check_room(g, need)
-        shared = tuple(cache.add_sequence(seq_id, token_ids, num_tokens=num_tokens)
+        shared = tuple(cache.add_sequence(seq_id, token_ids, num_tokens=num_tokens,
+                                          cache_salt=cache_salt)
                        for cache in self.groups)
         self._seqs[seq_id] = _GroupedSequence(shared)
         hit = min(shared)
@@ -209,17 +212,18 @@ class GroupedCache:
         prompt's pages chunk by chunk)."""
         return any(cache.frees_out_of_window for cache in self.groups)
 
-    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+    def prefix_hit(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Tokens `add_sequence(seq_id, token_ids)` would be served: the shortest of the
         groups' matches. Changes nothing."""
-        return min(cache.prefix_hit(token_ids) for cache in self.groups)
+        return min(cache.prefix_hit(token_ids, cache_salt=cache_salt) for cache in self.groups)
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
-                entering: int | None = None) -> bool:
+                entering: int | None = None, cache_salt: str | None = None) -> bool:
         """Whether `add_sequence` would succeed leaving `spare_pages` available in every
         group; with `entering` (see KVCache.can_add), a window group asks room for the first
         `entering` tokens, a full group for all of them. Changes nothing."""
-        return all(cache.can_add(token_ids, spare_pages=spare_pages, entering=entering)
+        return all(cache.can_add(token_ids, spare_pages=spare_pages, entering=entering,
+                                 cache_salt=cache_salt)
                    for cache in self.groups)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:

@@ -89,21 +89,26 @@ class HybridCache:
     # ---- sequences: pages and a state slot together --------------------------------------
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
         """Create a sequence with its pages (sharing its KV match) and a state slot. Returns
         the tokens served from the prefix cache: the deepest checkpoint within the KV match
         (0 without one), whose state the sequence's slot now holds. Raises OutOfStateSlots
-        or KVCache's errors, having changed nothing."""
+        or KVCache's errors, having changed nothing. A sequence with a `cache_salt` shares
+        KV pages only with its salt's (KVCache.add_sequence) and neither uses nor makes
+        checkpoints, which are keyed by content alone: it is served no tokens."""
         self._check_new(seq_id)
         ids = None if token_ids is None else pack_tokens(token_ids)
-        hit, checkpoint = self._match(ids, len(token_ids)) if ids is not None else (0, None)
-        shared = self.kv.add_sequence(seq_id, token_ids, num_tokens=num_tokens)
+        hit, checkpoint = (self._match(ids, len(token_ids))
+                           if ids is not None and cache_salt is None else (0, None))
+        shared = self.kv.add_sequence(seq_id, token_ids, num_tokens=num_tokens,
+                                      cache_salt=cache_salt)
         slot = self.states.allocate()
         if checkpoint is not None:
             self.states.copy(checkpoint, slot)
             self.checkpoints.touch(ids[:hit * TOKEN_BYTES])
-        self._seqs[seq_id] = _HybridSequence(slot, self.kv.num_tokens(seq_id),
-                                             None if ids is None else bytearray(ids), shared)
+        self._seqs[seq_id] = _HybridSequence(
+            slot, self.kv.num_tokens(seq_id),
+            None if ids is None or cache_salt is not None else bytearray(ids), shared)
         if ids is not None and self.kv.prefix_cache is not None:
             self._query_tokens += len(token_ids)
             self._hit_tokens += hit
@@ -287,9 +292,9 @@ class HybridCache:
         return list(self._seqs)
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None) -> int:
+                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
         """Available pages `add_sequence` would consume. Changes nothing."""
-        return self.kv.pages_to_add(token_ids, num_tokens=num_tokens)
+        return self.kv.pages_to_add(token_ids, num_tokens=num_tokens, cache_salt=cache_salt)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages `append` would take."""
@@ -301,10 +306,11 @@ class HybridCache:
         return False
 
     def can_add(self, token_ids: Sequence[int], *, spare_pages: int = 0,
-                entering: int | None = None) -> bool:
+                entering: int | None = None, cache_salt: str | None = None) -> bool:
         """Whether the KV cache could add the sequence leaving `spare_pages` available (a
         state slot is checked by `add_sequence`); `entering` as for KVCache."""
-        return self.kv.can_add(token_ids, spare_pages=spare_pages, entering=entering)
+        return self.kv.can_add(token_ids, spare_pages=spare_pages, entering=entering,
+                               cache_salt=cache_salt)
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether `append` would succeed."""

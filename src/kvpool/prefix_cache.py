@@ -22,10 +22,16 @@ Python per page, and the dead pages listed never exceed the pool.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
 a tier asks.
+
+A cache salt isolates the prefixes of whoever holds it: each salt has its own root (its key
+the salt, its chain key derived from it), so a prompt matches only pages that prompts of the
+same salt committed, and tier keys below it differ from every unsalted key. An unsalted
+prompt uses `root`. A salted root leaves the tree with its last child.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -41,7 +47,7 @@ class PrefixNode:
     """A run of cached pages: `pages[i]` holds the ids packed in page i of `tokens` (each
     page `page_size * TOKEN_BYTES` bytes)."""
 
-    key: bytes  # the first page's packed ids: this node's entry in parent.children
+    key: bytes  # its first page's packed ids: its entry in parent.children (a root: its salt)
     tokens: bytearray
     pages: list[int]
     parent: PrefixNode | None
@@ -68,6 +74,7 @@ class PrefixCache:
         self._page_bytes = page_size * TOKEN_BYTES
         self._live = allocator.cached_marks  # 1 for each live page of the tree
         self.root = PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
+        self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
         # The node listing each page, live or dead; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
 
@@ -79,37 +86,44 @@ class PrefixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes below the root with a live page (each a run of pages)."""
-        return sum(1 for node in self._nodes(self.root) if self._live[node.pages[0]])
+        return sum(1 for node in self._all_nodes() if self._live[node.pages[0]])
 
     @property
     def num_dead_pages(self) -> int:
         """Evicted pages the tree still lists, to be dropped by the next walk that meets
         them or when they are cached again."""
-        return sum(len(node.pages) for node in self._nodes(self.root)) - self.num_pages
+        return sum(len(node.pages) for node in self._all_nodes()) - self.num_pages
 
-    def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
+    def match(self, token_ids: bytes, max_pages: int, salt: bytes = b"") -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
-        `pack_tokens`), at most `max_pages` pages. Changes nothing but dropping dead pages
-        it meets."""
+        `pack_tokens`) under `salt` (see `salt_key`), at most `max_pages` pages. Changes
+        nothing but dropping dead pages it meets."""
+        root = self._roots.get(salt)
+        if root is None:  # nothing cached under this salt: match at a root not in the tree
+            return PrefixMatch([], _salted_root(salt), 0)
         pages: list[int] = []
-        node, depth = self._walk(token_ids, pages, max_pages, self.root, 0)
+        node, depth = self._walk(token_ids, pages, max_pages, root, 0)
         return PrefixMatch(pages, node, depth)
 
-    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
+    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0,
+               salt: bytes = b"") -> int:
         """Add the full pages `pages` of a live sequence (whose packed ids start
         `token_ids`) past the longest prefix of them the tree holds already; the caller knows
         its first `num_cached` pages to be a path of the tree, and the search starts past
-        them. Returns how many of its first pages are in the tree now: all, unless the tree
+        them; `salt` is the sequence's (its root). Returns how many of its first pages are in
+        the tree now: all, unless the tree
         holds the content of one of them in another page (an identical prompt computed at
         the same time); the sequence keeps its copies from there on uncached."""
         page_bytes = self._page_bytes
-        node, depth = self.root, num_cached
+        node, depth = self._roots.get(salt), num_cached
         if num_cached:
             node = self._node_of_page[pages[num_cached - 1]]
             above = node.parent
-            while above is not self.root:
+            while above is not None:  # a root holds no pages
                 depth -= len(above.pages)
                 above = above.parent
+        elif node is None:
+            node = self._roots[salt] = _salted_root(salt)
         path = pages[:num_cached]
         node, depth = self._walk(token_ids, path, len(pages), node, depth)
         for i in range(num_cached, len(path)):
@@ -125,9 +139,11 @@ class PrefixCache:
             if node_of_page[page] is not None:  # evicted from that node, now reused
                 self._drop_dead(node_of_page[page])
         self.allocator.mark_cached(new_pages)
+        if node.parent is None:  # a salted root the drops above may have left empty
+            self._roots[salt] = node
         if depth < len(node.pages):
             node = self._split(node, depth)
-        if node is not self.root and not node.children:
+        if node.parent is not None and not node.children:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
@@ -171,7 +187,7 @@ class PrefixCache:
             return False
         node = self._node_of_page[pages[-1]]
         path = node.pages[:node.pages.index(pages[-1]) + 1]
-        while node.parent is not self.root:
+        while node.parent.parent is not None:
             node = node.parent
             path[:0] = node.pages
         return path == pages
@@ -229,8 +245,12 @@ class PrefixCache:
         del node.pages[keep:]
         del node.tokens[keep * self._page_bytes:]
         node.children.clear()
-        if not keep and node.parent.children.get(node.key) is node:
-            del node.parent.children[node.key]
+        parent = node.parent
+        if not keep and parent.children.get(node.key) is node:
+            del parent.children[node.key]
+            if parent is not self.root and not parent.children and \
+                    self._roots.get(parent.key) is parent:  # a salted root left empty
+                del self._roots[parent.key]
 
     def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
         """Split `node` after its first `depth` pages into a new parent holding those and
@@ -248,6 +268,11 @@ class PrefixCache:
         for page in head.pages:
             self._node_of_page[page] = head
         return head
+
+    def _all_nodes(self) -> Iterator[PrefixNode]:
+        """Every node below every root."""
+        for root in list(self._roots.values()):
+            yield from self._nodes(root)
 
     def _nodes(self, top: PrefixNode) -> Iterator[PrefixNode]:
         """Every node below `top`."""
@@ -267,7 +292,11 @@ class PrefixCache:
         page_bytes, live, refcounts = self._page_bytes, self._live, self.allocator.refcounts
         rank = {page: i for i, page in enumerate(self.allocator.cached_pages())}
         listed = num_live = 0
-        for node in self._nodes(self.root):
+        for salt, root in self._roots.items():
+            assert root.key == salt and root.parent is None and not root.pages, (
+                f"the root of salt {salt.hex()} is misplaced")
+            assert root is self.root or root.children, f"salt {salt.hex()} has an empty root"
+        for node in self._all_nodes():
             assert node.pages, "an empty node is left in the tree"
             where = f"node at page {node.pages[0]}"
             assert node.parent.children.get(node.key) is node, f"{where} is misplaced"
@@ -300,6 +329,25 @@ class PrefixCache:
             f"{num_live} live pages in the tree")
 
 
+def salt_key(cache_salt: str | None) -> bytes:
+    """The root key of a cache salt: b"" for none (the shared root), else its SHA-256, so
+    that the tree keeps 32 bytes of any salt and never the salt itself (an API key)."""
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    return hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def _salted_root(salt: bytes) -> PrefixNode:
+    """A root for `salt`; its chain key holds -1, which no page of token ids holds, so no
+    key below it equals an unsalted one."""
+    if not salt:
+        return PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
+    return PrefixNode(salt, bytearray(), [], None,
+                      base_key=chain_key(ROOT_KEY, (-1, *salt)))
+
+
 # The match of a prompt whose content is unknown, or of any prompt when caching is off
 # (shared: callers never change a match).
 NO_MATCH = PrefixMatch([], PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY), 0)
@@ -309,10 +357,11 @@ class NoPrefixCache:
     """Stands in for the prefix cache when caching is off: matches nothing, keeps nothing,
     holds only the empty path."""
 
-    def match(self, token_ids: bytes, max_pages: int) -> PrefixMatch:
+    def match(self, token_ids: bytes, max_pages: int, salt: bytes = b"") -> PrefixMatch:
         return NO_MATCH
 
-    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0) -> int:
+    def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0,
+               salt: bytes = b"") -> int:
         return 0
 
     def holds_path(self, pages: list[int]) -> bool:

@@ -200,15 +200,21 @@ class LLM:
     # ---- step API ----------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises SequenceTooLong or OutOfPages
-        (with the numbers) if it could never fit, ValueError for a bad prompt or id."""
+        (with the numbers) if it could never fit, ValueError for a bad prompt or id. With a
+        `cache_salt`, the prompt shares cached prefix pages only with prompts of the same
+        salt (neither reads nor reveals those of others)."""
         with self._cut_in():
             if self._generating:
                 raise RuntimeError("add_request() while generate() runs: generate serves only "
                                    "its own requests")
             request = self._new_request(prompt, sampling_params or SamplingParams(),
                                         request_id)
+            if cache_salt is not None and not isinstance(cache_salt, str):
+                raise TypeError(f"cache_salt must be a str or None, "
+                                f"got {type(cache_salt).__name__}")
+            request.cache_salt = cache_salt
             self.scheduler.check_fits(request)
             self._add(request)
             return request.request_id

@@ -71,6 +71,7 @@ class Request:
     # Set when the first sample is first admitted (a preempted one keeps them).
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
     scheduled_time: float | None = None  # time.perf_counter() of that admission
+    cache_salt: str | None = None  # shares cached prefix pages only with requests of this salt
 
     @property
     def forked(self) -> bool:

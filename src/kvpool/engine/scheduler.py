@@ -141,11 +141,13 @@ class Scheduler:
             seq = self.waiting[0]
             held = self._tokens_to_admit(seq, budget)
             if self.running and not self.cache.can_add(seq.token_ids, entering=len(held),
-                                                       spare_pages=self.watermark_pages):
+                                                       spare_pages=self.watermark_pages,
+                                                       cache_salt=seq.request.cache_salt):
                 break
             self.waiting.popleft()
             seats += self._seats(seq)
-            seq.num_computed_tokens = self.cache.add_sequence(seq.seq_id, held)
+            seq.num_computed_tokens = self.cache.add_sequence(
+                seq.seq_id, held, cache_salt=seq.request.cache_salt)
             seq.status = SequenceStatus.RUNNING
             if seq.request.scheduled_time is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
@@ -254,7 +256,7 @@ class Scheduler:
         are taken chunk by chunk, its prefix hit and the first chunk the budget allows."""
         if not self.cache.frees_out_of_window:
             return seq.token_ids
-        hit = self.cache.prefix_hit(seq.token_ids)
+        hit = self.cache.prefix_hit(seq.token_ids, cache_salt=seq.request.cache_salt)
         return seq.token_ids[:hit + min(seq.num_tokens - hit, budget)]
 
     @staticmethod

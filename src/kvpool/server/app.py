@@ -1,9 +1,14 @@
 """The HTTP application: OpenAI-compatible routes over one EngineLoop.
 
 POST /v1/completions and /v1/chat/completions (whole or streamed as server-sent events),
-GET /v1/models, /health and /metrics. Refusals are OpenAI error bodies: 400 for a bad
-request (naming the field and the numbers), 503 with Retry-After when the waiting queue is
-full or the server is stopping, 500 when the engine failed while running the request.
+GET /v1/models, /health and /metrics. Every refusal is an OpenAI error body (JSON): 400 for
+a bad request (naming the field and the numbers), 401 without a valid API key (when the
+server has keys), 404/405 for an unknown route, 408 and 413 for a body too slow or too
+large (see limits.py), 503 with Retry-After when the waiting queue is full or the server is
+stopping, 500 when the engine failed while running the request.
+
+With `prefix_isolation="per-key"`, each API key is a cache salt of its own (combined with
+a request's `cache_salt`), so clients of different keys never share cached prefix pages.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import uuid
 from collections import abc
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.engine import LLM
 from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
+from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, key_salt
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.engine_loop import (
     EngineFailure,
@@ -31,29 +39,35 @@ from kvpool.server.engine_loop import (
     ServerBusy,
 )
 from kvpool.server.generation import Change, Generation, sse
+from kvpool.server.limits import ServerLimits, read_json
 from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import GenerationRequest, RequestError, parse_chat, parse_completion
 
 RETRY_AFTER_SECONDS = 1
+PREFIX_ISOLATION = ("none", "per-key")
 
 
 class Server:
-    """What the routes share: the engine loop, the served model's name, its chat template
-    and the metrics."""
+    """What the routes share: the engine loop, the served model's name, its chat template,
+    the request limits, the prefix isolation and the metrics."""
 
     def __init__(self, make_llm: abc.Callable[[], LLM], *, model_name: str,
-                 chat_template: ChatTemplate, max_waiting: int):
+                 chat_template: ChatTemplate, max_waiting: int, limits: ServerLimits,
+                 prefix_isolation: str):
         self.engine = EngineLoop(make_llm, max_waiting=max_waiting)
         self.info = self.engine.start()
         self.model_name = model_name
         self.chat_template = chat_template
+        self.limits = limits
+        self.prefix_isolation = prefix_isolation
         self.metrics = ServerMetrics()
 
     # ---- routes ------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions: a prompt as text or token ids."""
-        parsed = parse_completion(await _json_body(request), self.model_name)
+        parsed = parse_completion(await read_json(request, self.limits), self.model_name,
+                                  self.limits)
         prompt = parsed.prompt
         if isinstance(prompt, str):
             if self.info.tokenizer is None:
@@ -64,7 +78,8 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         """POST /v1/chat/completions: messages rendered by the chat template."""
-        parsed = parse_chat(await _json_body(request), self.model_name)
+        parsed = parse_chat(await read_json(request, self.limits), self.model_name,
+                            self.limits)
         if self.info.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot chat",
                                param="messages")
@@ -75,7 +90,7 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""
-        return JSONResponse({"object": "list", "data": [{
+        return _json({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
             "max_model_len": self.info.max_model_len,
             "vocab_size": self.info.vocab_size}]})
@@ -102,11 +117,15 @@ class Server:
                         chat: bool) -> Response:
         """Run one request: a JSON response when it ends, or a stream of its events."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if parsed.n > self.info.max_num_seqs:  # it could never run: a retry will not help
+            raise RequestError(f"n={parsed.n} samples exceed max_num_seqs "
+                               f"{self.info.max_num_seqs}", param="n")
         max_tokens = parsed.max_tokens
-        if max_tokens is None:  # whatever the context leaves (at least 1, or it is too long)
-            max_tokens = max(1, self.info.max_model_len - len(prompt))
+        if max_tokens is None:  # the room one sequence has left (at least 1, or too long)
+            max_tokens = max(1, self.info.max_sequence_tokens - len(prompt))
         arrival = time.perf_counter()
-        stream = await self._add(request_id, prompt, parsed, max_tokens)
+        stream = await self._add(request_id, prompt, parsed, max_tokens,
+                                 self._cache_salt(request, parsed))
         generation = Generation(request_id, self.model_name, num_prompt_tokens=len(prompt),
                                 n=parsed.n, stop=parsed.stop, chat=chat,
                                 include_usage=parsed.include_usage, logprobs=parsed.logprobs,
@@ -120,10 +139,18 @@ class Server:
             async for _ in events:  # each event updates `generation`; answer once they end
                 pass
         except EngineFailure as e:
-            return _error(RequestError(str(e), status=500, type="internal_error"))
+            return _error(_failure(e))
         finally:
             watcher.cancel()
-        return JSONResponse(generation.response())
+        return _json(generation.response())
+
+    def _cache_salt(self, request: Request, parsed: GenerationRequest) -> str | None:
+        """The request's cache salt: its `cache_salt`, under its API key's salt when
+        prefixes are isolated per key."""
+        if self.prefix_isolation != "per-key":
+            return parsed.cache_salt
+        salt = key_salt(request.scope["state"]["api_key"])
+        return salt if parsed.cache_salt is None else f"{salt}/{parsed.cache_salt}"
 
     async def _abort_on_disconnect(self, request: Request, request_id: str) -> None:
         """Abort the request when its client disconnects. A non-streamed request has
@@ -134,10 +161,11 @@ class Server:
         self.engine.abort(request_id)
 
     async def _add(self, request_id: str, prompt: list[int], parsed: GenerationRequest,
-                   max_tokens: int) -> RequestStream:
+                   max_tokens: int, cache_salt: str | None) -> RequestStream:
         """Hand the request to the engine; its refusals become RequestErrors."""
         try:
-            return await self.engine.add(request_id, prompt, parsed.sampling_params(max_tokens))
+            return await self.engine.add(request_id, prompt, parsed.sampling_params(max_tokens),
+                                         cache_salt)
         except asyncio.CancelledError:  # the client left while the engine took it
             self.engine.abort(request_id)
             raise
@@ -193,20 +221,32 @@ class Server:
                 async for changes in events:
                     yield b"".join(generation.chunks(changes))
             except EngineFailure as e:
-                yield sse(RequestError(str(e), status=500, type="internal_error").body())
+                yield sse(_failure(e).body())
             yield b"".join(generation.final_chunks())
 
 
 def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
-              chat_template: ChatTemplate | None = None, max_waiting: int = 1024) -> Starlette:
+              chat_template: ChatTemplate | None = None, max_waiting: int = 1024,
+              limits: ServerLimits | None = None, api_keys: tuple[str, ...] = (),
+              open_paths: frozenset[str] = OPEN_PATHS,
+              prefix_isolation: str = "none") -> Starlette:
     """The ASGI app serving the LLM that `make_llm()` builds, as `model_name`. The engine
     process starts here, builds the LLM (raising what that raises) and waits; the app's
     lifespan connects it to the event loop, and stops it (aborting what runs) when the app
     shuts down. `make_llm` must pickle, e.g. functools.partial(LLM, "tiny", num_pages=64).
-    `app.state.server` is the Server."""
+    With `api_keys`, every path but `open_paths` needs one; `prefix_isolation` "per-key"
+    (which needs keys) salts the prefix cache by key. `app.state.server` is the Server."""
+    if prefix_isolation not in PREFIX_ISOLATION:
+        raise ValueError(f"prefix_isolation must be one of {PREFIX_ISOLATION}, "
+                         f"got {prefix_isolation!r}")
+    if prefix_isolation == "per-key" and not api_keys:
+        raise ValueError("prefix isolation per key needs API keys")
+    middleware = [Middleware(ApiKeyMiddleware, keys=tuple(api_keys), open_paths=open_paths)] \
+        if api_keys else []
     server = Server(make_llm, model_name=model_name,
                     chat_template=chat_template or ChatTemplate.for_model(model_name),
-                    max_waiting=max_waiting)
+                    max_waiting=max_waiting, limits=limits or ServerLimits(),
+                    prefix_isolation=prefix_isolation)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -220,16 +260,16 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
-    ], exception_handlers={RequestError: lambda request, e: _error(e)}, lifespan=lifespan)
+    ], middleware=middleware, exception_handlers={
+        RequestError: lambda request, e: _error(e),
+        HTTPException: lambda request, e: _error(RequestError(
+            e.detail, status=e.status_code, type="not_found" if e.status_code == 404
+            else "invalid_request_error")),
+        Exception: lambda request, e: _error(RequestError(
+            f"internal error: {type(e).__name__}", status=500, type="internal_error")),
+    }, lifespan=lifespan)
     app.state.server = server
     return app
-
-
-async def _json_body(request: Request) -> object:
-    try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
 def _snapshot(llm: LLM) -> EngineSnapshot:
@@ -237,6 +277,20 @@ def _snapshot(llm: LLM) -> EngineSnapshot:
     return EngineSnapshot(llm.stats(), llm.cache.stats())
 
 
-def _error(error: RequestError) -> JSONResponse:
+def _failure(e: EngineFailure) -> RequestError:
+    """The error of a request the engine failed (500), or the stopping server ended (503)."""
+    if e.status == 503:
+        return RequestError(str(e), status=503, type="server_busy", code="server_shutting_down")
+    return RequestError(str(e), status=500, type="internal_error")
+
+
+def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
+    """A JSON response; non-ASCII characters escaped, so that any text, even a lone
+    surrogate that a client sent, encodes."""
+    return Response(json.dumps(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def _error(error: RequestError) -> Response:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _json(error.body(), error.status, headers)

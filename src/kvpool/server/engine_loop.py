@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvpool.engine import LLM, RequestOutput, SamplingParams, TokenLogprobs
+from kvpool.errors import OutOfPages
 from kvpool.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,16 +53,25 @@ class EngineStopped(Exception):
 
 
 class EngineFailure(Exception):
-    """A step raised; the requests in flight fail with this (HTTP 500)."""
+    """A step raised, or the server stops: the requests in flight fail with this (HTTP
+    `status`: 500, or 503 when the server is shutting down)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineInfo(NamedTuple):
     """What the server needs of the engine's model: its tokenizer (None: token ids only),
-    its context length and its vocabulary size (tokens)."""
+    its context length and its vocabulary size (tokens), the sequences it runs at once, and
+    the most tokens (prompt + generated) one sequence can hold: max_model_len, or less when
+    the pool holds fewer."""
 
     tokenizer: Tokenizer | None
     max_model_len: int
     vocab_size: int
+    max_num_seqs: int
+    max_sequence_tokens: int
 
 
 class Sample(NamedTuple):
@@ -168,6 +178,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed: asyncio.Future | None = None  # done when the engine's pipe closes
         self._stopping = False
+        self._draining = False  # takes no new request; those in flight may finish
 
     @property
     def pid(self) -> int:
@@ -212,19 +223,20 @@ class EngineLoop:
         self._closed = self._loop.create_future()
         self._loop.add_reader(self._events.fileno(), self._read)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the engine took it. Raises what
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  cache_salt: str | None = None) -> RequestStream:
+        """Queue a request (sharing cached prefix pages only with requests of its
+        `cache_salt`); returns its stream once the engine took it. Raises what
         `LLM.add_request` raises (SequenceTooLong, OutOfPages, ValueError), ServerBusy or
         EngineStopped, and then the engine holds nothing of it."""
         if self._closed.done():
             raise EngineStopped("the engine process has exited")
-        if self._stopping:
+        if self._stopping or self._draining:
             raise EngineStopped("the server is shutting down")
         stream = RequestStream(request_id, params.n)
         self._streams[request_id] = stream
         try:
-            await self._submit("add", request_id, prompt_token_ids, params)
+            await self._submit("add", request_id, prompt_token_ids, params, cache_salt)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -239,6 +251,20 @@ class EngineLoop:
         """Run `fn(llm)` in the engine between two steps; return its result. `fn` and its
         result must pickle."""
         return await self._submit("call", fn)
+
+    async def drain(self, timeout: float) -> None:
+        """Take no new request, let those in flight finish for up to `timeout` seconds, then
+        fail the rest (EngineFailure, status 503) and abort them in the engine."""
+        self._draining = True
+        deadline = self._loop.time() + timeout
+        while self._streams and self._loop.time() < deadline and not self._closed.done():
+            await asyncio.sleep(0.02)
+        failure = EngineFailure("the server is shutting down", status=503)
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put(failure)
+            if not self._closed.done():
+                self._command("abort", request_id)
 
     async def stop(self) -> None:
         """Take no new request, abort those in flight, and end the engine process."""
@@ -341,9 +367,26 @@ def _engine_main(make_llm: abc.Callable[[], LLM], max_waiting: int, num_threads:
         events.send((False, e))
         return
     events.send((True, EngineInfo(llm.tokenizer, llm.max_model_len,
-                                  llm.model_config.vocab_size)))
+                                  llm.model_config.vocab_size, llm.config.max_num_seqs,
+                                  _max_sequence_tokens(llm))))
     with contextlib.suppress(EOFError):  # the server is gone
         _Engine(llm, max_waiting, events).run(commands)
+
+
+def _max_sequence_tokens(llm: LLM) -> int:
+    """The most tokens one sequence can hold, prompt and generated: max_model_len, or the
+    largest count the cache fits alone (its last token's KV is never written)."""
+    def fits(num_tokens: int) -> bool:
+        try:
+            llm.cache.check_fits(num_tokens - 1)
+        except OutOfPages:
+            return False
+        return True
+    low, high = 1, llm.max_model_len  # fits(low); the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 class _Engine:
@@ -398,15 +441,19 @@ class _Engine:
             return
         self._send("news", [self._news(output) for output in outputs])
 
-    def _add(self, request_id: str, prompt_token_ids: list[int],
-             params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             cache_salt: str | None) -> None:
+        """Queue a request unless more than max_waiting sequences would then wait for a
+        seat: those beyond the seats left free by the running ones."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
-        waiting = self.llm.stats().num_waiting
-        if waiting + params.n > self.max_waiting:
-            raise ServerBusy(f"{waiting} sequences wait already; this request's {params.n} "
-                             f"would pass max_waiting {self.max_waiting}")
-        self.llm.add_request(prompt_token_ids, params, request_id=request_id)
+        stats = self.llm.stats()
+        free_seats = max(0, self.llm.config.max_num_seqs - stats.num_running)
+        if stats.num_waiting + params.n - free_seats > self.max_waiting:
+            raise ServerBusy(f"{stats.num_waiting} sequences wait already; this request's "
+                             f"{params.n} would pass max_waiting {self.max_waiting}")
+        self.llm.add_request(prompt_token_ids, params, request_id=request_id,
+                             cache_salt=cache_salt)
         self._requests[request_id] = [(0, 0)] * params.n
 
     def _abort(self, request_id: str) -> None:

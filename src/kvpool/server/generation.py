@@ -15,7 +15,7 @@ from collections import abc
 from typing import NamedTuple
 
 from kvpool.engine import TokenLogprobs
-from kvpool.server.detokenize import ChoiceText
+from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import Update
 
 REPLACEMENT = "\ufffd"
@@ -50,7 +50,8 @@ class Generation:
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
         self.created = int(time.time())
-        self.choices = [ChoiceText(stop) for _ in range(n)]
+        matcher = StopMatcher(stop)  # built once: its cost grows with the stop strings
+        self.choices = [ChoiceText(matcher) for _ in range(n)]
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # all received
         self._num_logprobs_sent = [0] * n
         self._text_offsets = [0] * n  # completions: where the next chunk's tokens start

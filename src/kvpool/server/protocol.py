@@ -2,16 +2,22 @@
 
 Every problem raises RequestError naming the field (`param`) and the value, as the OpenAI
 API reports it: `{"error": {"message", "type", "param", "code"}}` with HTTP status 400.
-Fields the engine cannot honour (echo, suffix, best_of) are refused, not ignored.
+Fields the engine cannot honour (penalties, logit_bias, tools, response_format, echo, ...)
+are refused unless they hold their neutral value, never ignored. Text must be valid Unicode:
+JSON can spell a lone surrogate ("\\ud800"), which no tokenizer can encode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.engine import SamplingParams
 from kvpool.engine.params import MAX_LOGPROBS, SEED_LIMIT
 from kvpool.numeric import INT64_MAX, check_float32
+
+if TYPE_CHECKING:
+    from kvpool.server.limits import ServerLimits
 
 
 class RequestError(Exception):
@@ -59,6 +65,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    cache_salt: str | None  # shares cached prefix pages only with requests of this salt
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams for this request, generating `max_tokens` at most."""
@@ -68,10 +75,20 @@ class GenerationRequest:
                               logprobs=self.logprobs)
 
 
-_UNSUPPORTED = ("echo", "suffix", "best_of")
+# Fields this server cannot honour, with the values that ask for nothing (accepted).
+_UNSUPPORTED = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "logit_bias": ({},), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "prompt_logprobs": (0,), "use_beam_search": (False,), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "prediction": (), "audio": (), "modalities": (["text"],),
+}
 
 
-def parse_completion(body: object, model: str) -> GenerationRequest:
+def parse_completion(body: object, model: str, limits: ServerLimits) -> GenerationRequest:
     """Parse a POST /v1/completions body for the served `model`."""
     fields = _fields(body, model)
     prompt = fields.get("prompt")
@@ -80,6 +97,7 @@ def parse_completion(body: object, model: str) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt must not be empty", param="prompt")
+        _check_text(prompt, "prompt")
     # `type(t) is int` (not _is_int: a prompt holds thousands): JSON's integers parse to int
     # itself, true and false to bool.
     elif not (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
@@ -88,12 +106,12 @@ def parse_completion(body: object, model: str) -> GenerationRequest:
     if fields.get("top_logprobs") is not None:
         raise RequestError("top_logprobs is a chat completions field; completions take "
                            "logprobs (an int)", param="top_logprobs")
-    return _request(fields, model, prompt=prompt, messages=None,
+    return _request(fields, model, limits, prompt=prompt, messages=None,
                     max_tokens=_int(fields, "max_tokens", 16, minimum=1),
                     logprobs=_int(fields, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS))
 
 
-def parse_chat(body: object, model: str) -> GenerationRequest:
+def parse_chat(body: object, model: str, limits: ServerLimits) -> GenerationRequest:
     """Parse a POST /v1/chat/completions body for the served `model`."""
     fields = _fields(body, model)
     raw = fields.get("messages")
@@ -107,7 +125,7 @@ def parse_chat(body: object, model: str) -> GenerationRequest:
     if top is not None and not logprobs:
         raise RequestError(f"top_logprobs ({top}) needs logprobs set to true",
                            param="top_logprobs")
-    return _request(fields, model, prompt=None, messages=messages,
+    return _request(fields, model, limits, prompt=None, messages=messages,
                     max_tokens=_int(fields, key, None, minimum=1),
                     logprobs=(top or 0) if logprobs else None)
 
@@ -118,22 +136,17 @@ def _fields(body: object, model: str) -> dict:
     if body.get("model") != model:
         raise RequestError(f"model {body.get('model')!r} does not exist; this server serves "
                            f"{model!r}", param="model", code="model_not_found")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, 0) and not (name == "best_of" and body[name] == 1):
-            raise RequestError(f"{name} is not supported by this server, got {body[name]!r}",
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise RequestError(f"{name} is not supported by this server, got {_show(value)}",
                                param=name, code="unsupported")
     return body
 
 
-def _request(fields: dict, model: str, *, prompt, messages, max_tokens,
+def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages, max_tokens,
              logprobs) -> GenerationRequest:
-    stop = fields.get("stop")
-    stop = (stop,) if isinstance(stop, str) else stop
-    if stop is None:
-        stop = ()
-    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"stop must be a non-empty string or a list of them, got "
-                           f"{_show(fields.get('stop'))}", param="stop")
+    stop = _stop(fields.get("stop"), limits)
     stop_ids = fields.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
         raise RequestError(f"stop_token_ids must be a list of token ids (ints >= 0), got "
@@ -153,7 +166,46 @@ def _request(fields: dict, model: str, *, prompt, messages, max_tokens,
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
-        logprobs=logprobs)
+        logprobs=logprobs, cache_salt=_cache_salt(fields.get("cache_salt")))
+
+
+def _stop(value: object, limits: ServerLimits) -> tuple[str, ...]:
+    """The stop strings: a string or a list of them, within the server's limits."""
+    stop = [value] if isinstance(value, str) else value
+    if stop is None:
+        return ()
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got "
+                           f"{_show(value)}", param="stop")
+    if len(stop) > limits.max_stop_strings:
+        raise RequestError(f"stop holds {len(stop)} strings; this server takes "
+                           f"{limits.max_stop_strings} at most", param="stop")
+    for s in stop:
+        if len(s) > limits.max_stop_length:
+            raise RequestError(f"a stop string of {len(s)} characters passes this server's "
+                               f"limit of {limits.max_stop_length}", param="stop")
+        _check_text(s, "stop")
+    return tuple(stop)
+
+
+def _cache_salt(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"cache_salt must be a non-empty string, got {_show(value)}",
+                           param="cache_salt")
+    _check_text(value, "cache_salt")
+    return value
+
+
+def _check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, which UTF-8 cannot hold)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param} is not valid Unicode: it holds a lone surrogate "
+                           f"(U+{ord(text[e.start]):04X}) at character {e.start}",
+                           param=param) from None
 
 
 def _message(raw: object, index: int) -> ChatMessage:
@@ -173,6 +225,8 @@ def _message(raw: object, index: int) -> ChatMessage:
     if not isinstance(content, str):
         raise RequestError(f"{param}.content must be a string or a list of text parts, got "
                            f"{_show(content)}", param=f"{param}.content")
+    _check_text(raw["role"], f"{param}.role")
+    _check_text(content, f"{param}.content")
     return ChatMessage(raw["role"], content)
 
 

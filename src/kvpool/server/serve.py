@@ -1,8 +1,12 @@
 """`kvpool serve`: its arguments, and running the app under uvicorn until SIGTERM/SIGINT.
 
-On a signal uvicorn stops accepting connections, lets the requests in flight finish for up
-to `--shutdown-timeout` seconds, cancels the rest (their requests are aborted), then the
-engine process stops; the command exits 0.
+On a signal the server stops accepting connections, lets the requests in flight finish
+for up to `--shutdown-timeout` seconds, ends the rest (a stream with an error event and
+`[DONE]`, a whole request with a JSON 503), then the engine process stops; the command
+exits 0.
+
+The API keys come from `--api-key` (repeatable) or, without it, KVPOOL_API_KEY (keys
+separated by commas); with none the server is open to whoever reaches its port.
 
 uvicorn runs on uvloop and parses HTTP with httptools where they are installed (the server
 extra brings both): they take less of the cores the server shares with the engine than
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import sys
 
@@ -21,6 +26,14 @@ from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.server import INSTALL_HINT, missing_modules
 
 DEFAULT_MAX_WAITING = 1024
+API_KEY_ENV = "KVPOOL_API_KEY"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# The defaults of ServerLimits (limits.py imports starlette, which may be missing here).
+DEFAULT_MAX_BODY = "16MiB"
+DEFAULT_MAX_STOP_STRINGS = 16
+DEFAULT_MAX_STOP_LENGTH = 256
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +68,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"Retry-After (default: {DEFAULT_MAX_WAITING})")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long requests in flight may finish "
-                             "before they are aborted (default: 5)")
+                             "before they are ended with an error (default: 5)")
+    parser.add_argument("--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY,
+                        metavar="SIZE", help=f"largest request body; beyond, 413 "
+                                             f"(default: {DEFAULT_MAX_BODY})")
+    parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                        metavar="N", help=f"stop strings per request at most "
+                                          f"(default: {DEFAULT_MAX_STOP_STRINGS})")
+    parser.add_argument("--max-stop-length", type=int, default=DEFAULT_MAX_STOP_LENGTH,
+                        metavar="CHARS", help=f"characters per stop string at most "
+                                              f"(default: {DEFAULT_MAX_STOP_LENGTH})")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                        metavar="SECONDS", help=f"a connection whose request headers take "
+                                                f"longer is closed "
+                                                f"(default: {DEFAULT_HEADER_TIMEOUT:g})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                        metavar="SECONDS", help=f"a request body that takes longer gets 408 "
+                                                f"(default: {DEFAULT_BODY_TIMEOUT:g})")
+    parser.add_argument("--api-key", action="append", metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' (repeat for more keys; "
+                             f"default: ${API_KEY_ENV}, comma-separated, else no key)")
+    parser.add_argument("--auth-all-routes", action="store_true",
+                        help="require the key on /health and /metrics too")
+    parser.add_argument("--prefix-isolation", choices=("none", "per-key"), default="none",
+                        help="per-key: requests of different API keys never share cached "
+                             "prefix pages (default: none; a request's cache_salt isolates "
+                             "it either way)")
+
+
+def api_keys(flag_values: list[str] | None) -> tuple[str, ...]:
+    """The keys of `--api-key`, or else of KVPOOL_API_KEY (comma-separated); () for none."""
+    if flag_values:
+        return tuple(flag_values)
+    return tuple(k for k in os.environ.get(API_KEY_ENV, "").split(",") if k)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,10 +109,11 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"kvpool serve: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    import uvicorn
-
     from kvpool.engine import LLM
     from kvpool.server.app import build_app
+    from kvpool.server.auth import OPEN_PATHS
+    from kvpool.server.limits import ServerLimits
+    from kvpool.server.listener import DrainingServer
 
     options = {"num_pages": args.num_pages, "kv_cache_memory": args.kv_cache_memory,
                "max_num_seqs": args.max_num_seqs,
@@ -78,12 +124,24 @@ def run(args: argparse.Namespace) -> int:
         LLM, args.model, page_size=args.page_size, prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
         **{k: v for k, v in options.items() if v is not None})
-    app = build_app(make_llm, model_name=args.model, max_waiting=args.max_waiting)
+    try:
+        limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
+                              args.header_timeout, args.body_timeout)
+        app = build_app(make_llm, model_name=args.model, max_waiting=args.max_waiting,
+                        limits=limits, api_keys=api_keys(args.api_key),
+                        open_paths=frozenset() if args.auth_all_routes else OPEN_PATHS,
+                        prefix_isolation=args.prefix_isolation)
+    except ValueError as e:
+        print(f"kvpool serve: {e}", file=sys.stderr)
+        return 2
     # uvicorn raises the signal that stopped it again once it has shut down; by then it is
     # handled, so these handlers let the command return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     print(f"kvpool serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    if not api_keys(args.api_key) and args.host not in LOOPBACK_HOSTS:
+        print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{args.port} "
+              f"can use the server (--api-key)", file=sys.stderr)
+    DrainingServer(app, host=args.host, port=args.port,
+                   shutdown_timeout=args.shutdown_timeout).run()
     return 0

@@ -1,0 +1,201 @@
+"""What one client may do to a server: bodies over the size limit (413) or too slow (408),
+headers that never end, requests without the API key (401), prefixes of other keys and
+salts (never shared), `n` past max_num_seqs; and what a SIGTERM does to requests in flight.
+"""
+
+import argparse
+import json
+import logging
+import socket
+import threading
+import time
+from collections import abc
+from functools import partial
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from kvpool.engine import LLM
+from kvpool.server.auth import ApiKeyMiddleware
+from kvpool.server.limits import ServerLimits
+from kvpool.server.serve import API_KEY_ENV, add_arguments, api_keys
+from server_util import running_server
+
+KEY_A, KEY_B = "key-a", "key-b"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+LIMITS = ServerLimits(max_body_bytes=64 * 1024, header_timeout=0.5, body_timeout=0.5)
+# 16 pages of 16 tokens: one sequence holds 257 tokens at most, fewer than max_model_len.
+ENGINE = partial(LLM, "tiny", num_pages=16, max_model_len=512, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(ENGINE, limits=LIMITS, api_keys=(KEY_A, KEY_B),
+                        prefix_isolation="per-key", max_waiting=0) as server:
+        yield server
+
+
+@pytest.fixture
+def errors_logged():
+    """The records of ERROR or worse that uvicorn and the engine loop log meanwhile."""
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "kvpool")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def post(server, body, headers=A, path="/v1/completions", **kwargs):
+    content = body if isinstance(body, str | bytes | abc.Iterator) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=30,
+                      **kwargs)
+
+
+def prompt_tokens_cached(server, prompt, headers, **fields):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, **fields}
+    return post(server, body, headers).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_an_idle_server_with_max_waiting_0_takes_a_request(server):
+    response = post(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+    assert response.status_code == 200
+
+
+def test_a_body_over_the_size_limit_gets_413_as_declared_or_as_read(server):
+    body = {"model": "tiny", "prompt": "x" * (LIMITS.max_body_bytes + 1)}
+    declared = post(server, body)
+    assert declared.status_code == 413
+    assert declared.json()["error"]["code"] == "request_too_large"
+    chunk = b" " * 8192
+    streamed = post(server, (chunk for _ in range(9)))  # chunked: no Content-Length
+    assert streamed.status_code == 413
+    assert streamed.json()["error"]["message"] == (
+        "the request body of 73728 bytes or more passes the limit of 65536 bytes")
+    assert post(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_body_that_stalls_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a"
+                     b"\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        reply = b""
+        while chunk := sock.recv(4096):  # until the server closes the idle connection
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert b'"code": "request_timeout"' in reply
+
+
+def test_a_connection_that_stalls_in_its_headers_is_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert sock.recv(4096) == b""  # closed by the server
+    assert time.monotonic() - start < 5
+
+
+def test_requests_without_a_valid_key_get_401_and_health_and_metrics_stay_open(server):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A}):
+        refused = post(server, body, headers)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/v1/models", headers=B).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_a_closed_health_route_needs_the_key_too():
+    app = Starlette(routes=[Route("/health", lambda request: Response("ok"))])
+    app.add_middleware(ApiKeyMiddleware, keys=(KEY_A,), open_paths=frozenset())
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 401
+        assert client.get("/health", headers=A).text == "ok"
+
+
+def test_keys_come_from_the_flag_or_else_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "k1,k2")
+    assert api_keys(None) == ("k1", "k2")
+    assert api_keys(["flag"]) == ("flag",)
+    monkeypatch.delenv(API_KEY_ENV)
+    assert api_keys(None) == ()
+
+
+def test_prefixes_are_isolated_per_key_and_per_salt(server):
+    prompt = list(range(40))  # two full pages are served from the prefix cache
+    assert prompt_tokens_cached(server, prompt, A) == 0
+    assert prompt_tokens_cached(server, prompt, A) == 32
+    assert prompt_tokens_cached(server, prompt, B) == 0  # the other key sees no hit
+    assert prompt_tokens_cached(server, prompt, A, cache_salt="s") == 0
+    assert prompt_tokens_cached(server, prompt, A, cache_salt="s") == 32
+
+
+def test_unencodable_text_and_deep_json_are_400s_with_nothing_logged(server, errors_logged):
+    surrogate = post(server, '{"model": "tiny", "prompt": "\\ud800"}')
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"
+    chat = post(server, '{"model": "tiny", "messages": [{"role": "user", "content": '
+                        '"\\ud800"}]}', path="/v1/chat/completions")
+    assert chat.status_code == 400
+    deep = post(server, "[" * 30_000 + "]" * 30_000)
+    assert deep.status_code == 400
+    unknown = httpx.get(f"{server.url}/nowhere", headers=A)
+    assert (unknown.status_code, unknown.json()["error"]["message"]) == (404, "Not Found")
+    assert errors_logged == []
+
+
+def test_chat_without_max_tokens_gets_the_room_the_pool_leaves(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "ignore_eos": True}
+    response = post(server, body, path="/v1/chat/completions")
+    assert response.status_code == 200
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 257
+
+
+def test_sigterm_ends_streams_with_an_error_and_done_and_whole_requests_with_503(
+        errors_logged):
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}
+    with running_server(partial(LLM, "tiny", num_pages=256, max_model_len=4096),
+                        shutdown_timeout=0.3) as server:
+        whole: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: whole.append(post(server, long, {})))
+        with httpx.stream("POST", f"{server.url}/v1/completions",
+                          json={**long, "stream": True}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            next(lines)  # the first chunk: it runs
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while server.engine.num_requests < 2:
+                assert time.monotonic() < deadline, "the whole request did not start"
+                time.sleep(0.01)
+            stopper = threading.Thread(target=server.stop)
+            stopper.start()
+            rest = [line for line in lines if line]
+        waiter.join(30)
+        stopper.join(30)
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"] == {
+        "message": "the server is shutting down", "type": "server_busy", "param": None,
+        "code": "server_shutting_down"}
+    assert whole[0].status_code == 503
+    assert whole[0].json()["error"]["code"] == "server_shutting_down"
+    assert errors_logged == []
+
+
+
+def test_the_serve_flags_default_to_the_server_limits_defaults():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
+                        args.header_timeout, args.body_timeout) == ServerLimits()
