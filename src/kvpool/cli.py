@@ -15,6 +15,7 @@ from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse
 from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
+from kvpool.models import load_config
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -36,7 +37,8 @@ class Command(NamedTuple):
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool plan`."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help=f"config.json, checkpoint folder or preset ({', '.join(PRESETS)})")
+                        help=f"config.json, checkpoint folder, .gguf file or preset "
+                             f"({', '.join(PRESETS)})")
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
     parser.add_argument("--device-memory", type=_byte_size, metavar="SIZE",
                         help="memory for this model, e.g. 24GiB or 80GB "
@@ -76,7 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ValueError(f"give a MODEL: a config.json, a checkpoint folder or a preset "
                          f"({', '.join(PRESETS)})")
-    model = ModelConfig.from_hf(args.model)
+    model = ModelConfig.from_hf(args.model) if args.model in PRESETS else load_config(args.model)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
@@ -100,7 +102,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool generate`."""
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="tiny", metavar="PATH",
-                        help="checkpoint folder (with tokenizer.json) or 'tiny' (default: tiny)")
+                        help="checkpoint folder (with tokenizer.json), .gguf file, 'smollm2' "
+                             "or 'tiny' (default: tiny)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS",
                         help="tokens to generate at most (default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0,
