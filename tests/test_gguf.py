@@ -20,6 +20,8 @@ from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models import gguf as kvgguf
 from kvpool.models import load_config, load_model
 from kvpool.models.gguf import unpermute_rotary
+from kvpool.models.gguf_vocab import build_tokenizer
+from kvpool.models.tokenizer import HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
 
@@ -135,6 +137,37 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
                                             TOKENS.index("c"), 0]
     template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
     assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+              "\u2581", "a", "b", "c", "ab", "\u2581a", "\u2581ab", "bc", "\u2581abc"]
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_TOKENS) - 259)])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(SPM_TOKENS) - 259))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+        step()
+    checkpoint = kvgguf.GGUFCheckpoint(tmp_path / "spm.gguf")
+    ours = HFTokenizer(build_tokenizer(checkpoint.meta), 1, (2,))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ("abc", "ab c", "a bc zz", "c</s>"):
+        assert ours.encode(text) == theirs(text).input_ids, text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text).input_ids,
+                                                               skip_special_tokens=True)
+    # Every text piece, after a special token too, gets the word-start mark, as llama.cpp (and
+    # Llama 2's own tokenizer.json) tokenize; transformers' GGUF tokenizer adds it only once,
+    # and not before a leading space.
+    assert ours.encode(" ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("\u2581ab")]
+    assert ours.encode("c</s>ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("c"), 2,
+                                      SPM_TOKENS.index("\u2581ab")]
 
 
 def test_kvpool_plan_reads_a_gguf_file(tmp_path, capsys):
