@@ -11,7 +11,14 @@ from typing import NamedTuple
 from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import KVPoolError
-from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.formats import (
+    CONTROL_PICTURES,
+    DTYPES,
+    dtype_name,
+    format_bytes,
+    format_table,
+    parse_bytes,
+)
 from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
@@ -24,6 +31,7 @@ from kvpool.planner import (
     plan_memory,
 )
 from kvpool.server import serve
+from kvpool.terminal_chat import add_chat_arguments, run_chat
 
 
 class Command(NamedTuple):
@@ -93,11 +101,6 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# C0 controls (but tab and newline) and DEL shown as their Unicode pictures, so that a random
-# model cannot send escape sequences to the terminal.
-CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
-
-
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool generate`."""
     parser.add_argument("prompt", help="the prompt text")
@@ -139,6 +142,8 @@ COMMANDS: dict[str, Command] = {
                      bench.add_arguments, bench.run),
     "generate": Command("stream a completion of one prompt", add_generate_arguments,
                         run_generate),
+    "chat": Command("chat with a model in the terminal, in its chat template",
+                    add_chat_arguments, run_chat),
     "serve": Command("an OpenAI-compatible HTTP server (needs the server extra)",
                      serve.add_arguments, serve.run),
 }
