@@ -51,3 +51,12 @@ def test_kvpool_chat_reads_stdin_until_it_ends(monkeypatch, capsys):
     assert main(["chat", "--max-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("> ") and out.endswith("> \n") and len(_hits(out)) == 1
+
+
+def test_generate_chat_sends_the_prompt_in_the_chat_template(capsys):
+    for extra in ([], ["--chat"]):
+        assert main(["generate", "hello", "--max-tokens", "4", "--temperature", "0",
+                     *extra]) == 0
+    plain, chat = capsys.readouterr().out.splitlines()
+    # The tiny model has no template of its own: the fallback's "user: hello\nassistant:".
+    assert plain != chat

@@ -31,7 +31,7 @@ from kvpool.planner import (
     plan_memory,
 )
 from kvpool.server import serve
-from kvpool.terminal_chat import add_chat_arguments, run_chat
+from kvpool.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 
 
 class Command(NamedTuple):
@@ -114,6 +114,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user turn in the model's chat template")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,7 +123,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     llm = LLM(args.model, seed=args.seed)
-    llm.add_request(args.prompt, params)
+    llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
+                    params)
     shown = ""
     while llm.has_unfinished():
         for output in llm.step():

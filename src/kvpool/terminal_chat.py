@@ -28,17 +28,32 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
 
+def chat_template(model: str):
+    """The model's ChatTemplate; ValueError saying what to install without jinja2."""
+    if "jinja2" in missing_modules():
+        raise ValueError(f"chat templates are rendered with jinja2: {INSTALL_HINT}")
+    from kvpool.server.chat import ChatTemplate
+
+    return ChatTemplate.for_model(model)
+
+
+def chat_prompt(llm: LLM, model: str, text: str) -> list[int]:
+    """The token ids of one user turn in the model's chat template, ready for the reply."""
+    from kvpool.server.protocol import ChatMessage
+
+    template = chat_template(model)
+    return llm.tokenizer.encode(template.render([ChatMessage("user", text)]),
+                                add_special_tokens=template.add_special_tokens)
+
+
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
              stdout: TextIO | None = None) -> int:
     """Read user turns from stdin (one line each) and stream the replies to stdout."""
-    if "jinja2" in missing_modules():
-        raise ValueError(f"kvpool chat renders chat templates with jinja2: {INSTALL_HINT}")
-    from kvpool.server.chat import ChatTemplate
+    template = chat_template(args.model)
     from kvpool.server.protocol import ChatMessage
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed)
-    template = ChatTemplate.for_model(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)
