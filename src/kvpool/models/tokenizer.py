@@ -1,5 +1,6 @@
-"""Tokenizers: a checkpoint's tokenizer.json (through the `tokenizers` library) and the byte
-tokenizer of the built-in "tiny" model. Both map text <-> token ids and know the special ids."""
+"""Tokenizers: a checkpoint's tokenizer.json or GGUF vocabulary (through the `tokenizers`
+library) and the byte tokenizer of the built-in "tiny" model. Both map text <-> token ids and
+know the special ids."""
 
 from __future__ import annotations
 
@@ -26,17 +27,26 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json. `encode` adds the special tokens its post-processor
-    declares (e.g. Llama's BOS); `decode` drops special tokens. A file the tokenizers library
-    cannot read raises CheckpointError."""
+    """A `tokenizers` Tokenizer: a checkpoint's tokenizer.json (`from_file`) or one built from
+    a GGUF file's vocabulary. `encode` adds the special tokens its post-processor declares
+    (e.g. Llama's BOS); `decode` drops special tokens."""
 
-    def __init__(self, path: str | Path, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
-        try:
-            self._tokenizer = _HFTokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises bare Exception for every fault
-            raise CheckpointError(f"{path} is not a readable tokenizer.json: {e}") from None
+    def __init__(self, tokenizer: _HFTokenizer, bos_token_id: int | None,
+                 eos_token_ids: tuple[int, ...]):
+        self._tokenizer = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_file(cls, path: str | Path, bos_token_id: int | None,
+                  eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+        """A tokenizer.json; a file the tokenizers library cannot read raises
+        CheckpointError."""
+        try:
+            tokenizer = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises bare Exception for every fault
+            raise CheckpointError(f"{path} is not a readable tokenizer.json: {e}") from None
+        return cls(tokenizer, bos_token_id, eos_token_ids)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids; `add_special_tokens` False leaves out the post-processor's

@@ -2,7 +2,8 @@
 or a plain fallback for models that ship none (the built-in "tiny").
 
 A checkpoint's template is `chat_template.jinja` in its folder, else `chat_template` in its
-tokenizer_config.json (a string, or a list of named templates: "default" is used). It is
+tokenizer_config.json (a string, or a list of named templates: "default" is used); a GGUF
+file's is `tokenizer.chat_template` in its metadata. It is
 rendered in a sandbox with trim_blocks and lstrip_blocks, the loopcontrols extension, a
 `tojson` filter that keeps non-ASCII text, `raise_exception` and `strftime_now`, and the
 tokenizer's special tokens (`bos_token`, `eos_token`, ...) as variables. Its text spells
@@ -20,6 +21,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.server.protocol import ChatMessage, RequestError
 
 # Plain "role: content" lines, then the assistant's turn.
@@ -41,9 +43,16 @@ class ChatTemplate:
 
     @classmethod
     def for_model(cls, model: str | Path) -> ChatTemplate:
-        """The template of a checkpoint folder, or the fallback (for "tiny", or a folder
-        that ships no template)."""
-        folder = Path(model)
+        """The template of a checkpoint folder or GGUF file, or the fallback (for "tiny", or a
+        checkpoint that ships no template)."""
+        source = gguf_source(model)
+        if isinstance(source, GGUFCheckpoint):
+            gguf_template = source.chat_template()
+            if gguf_template.source is None:
+                return cls(_compile(FALLBACK_TEMPLATE), {}, add_special_tokens=True)
+            return cls(_compile(gguf_template.source), gguf_template.special_tokens,
+                       add_special_tokens=False)
+        folder = Path(source or model)
         config = _read_json(folder / "tokenizer_config.json") if folder.is_dir() else {}
         source = None
         if (folder / "chat_template.jinja").is_file():

