@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import compiler as nvidia_compiler
 from triton.compiler import ASTSource
 
 from kvpool.fp8 import FP8_DTYPE
@@ -178,7 +179,7 @@ def compile_report(variant: Variant, *, resources: bool = False) -> Compiled:
         return Compiled(variant.name, variant.arch, error=f"{type(error).__name__}: {error}")
     registers = spills = 0
     if resources:
-        registers, spills = _ptxas_resources(kernel.asm["ptx"])
+        registers, spills = _ptxas_resources(kernel.asm["ptx"], variant.arch)
     return Compiled(variant.name, variant.arch, registers, spills, kernel.metadata.shared)
 
 
@@ -209,16 +210,16 @@ def _compile_named(name: str, *, resources: bool) -> Compiled:
     return compile_report(variant, resources=resources)
 
 
-def _ptxas_resources(ptx: str) -> tuple[int, int]:
-    """Registers and spill-store bytes per thread that ptxas reports for `ptx`."""
-    arch = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """Registers and spill-store bytes per thread that ptxas reports for `ptx`, run with the
+    ptxas Triton picks for `arch` (sm_90 PTX needs the newer of the two the wheel ships)."""
+    gpu = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)  # sm_90a, not sm_90
+    ptxas = nvidia_compiler.get_ptxas(arch).path
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
-        log = subprocess.run(
-            [triton.knobs.nvidia.ptxas.path, "-v", f"--gpu-name={arch}", str(source),
-             "-o", str(Path(folder) / "kernel.cubin")],
-            check=True, capture_output=True, text=True).stderr
+        command = [ptxas, "-v", f"--gpu-name={gpu}", str(source), "-o", f"{folder}/kernel.cubin"]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     return registers, spills
