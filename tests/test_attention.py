@@ -42,35 +42,43 @@ def reference(q, keys, values, q_lens, scale, window=None):
 
 
 class Batch:
-    """A packed batch laid out in a shuffled paged cache, with the contiguous K/V it came from."""
+    """A packed batch laid out in a shuffled paged cache, with the contiguous K/V it came from,
+    all on `device`. The values come from a CPU generator, so every device gets the same."""
 
-    def __init__(self, specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0, fill=0.0):
+    def __init__(self, specs, *, heads, kv_heads, head_dim, page_size, dtype, device, seed=0,
+                 fill=0.0):
         gen = torch.Generator().manual_seed(seed)
         max_pages = max(-(-n // page_size) for n, _ in specs) + 1  # +1: a padding column
         num_pages = sum(-(-n // page_size) for n, _ in specs) + 3  # +3: pages nobody owns
         shape = (num_pages, page_size, kv_heads, head_dim)
-        self.k_cache = torch.full(shape, fill, dtype=dtype)
-        self.v_cache = torch.full(shape, fill, dtype=dtype)
+        k_cache = torch.full(shape, fill, dtype=dtype)
+        v_cache = torch.full(shape, fill, dtype=dtype)
         order = torch.randperm(num_pages, generator=gen).tolist()
-        self.page_tables = torch.full((len(specs), max_pages), order[-1], dtype=torch.int32)
-        self.keys, self.values = [], []
+        page_tables = torch.full((len(specs), max_pages), order[-1], dtype=torch.int32)
+        keys, values = [], []
         for b, (n, _) in enumerate(specs):
             pages = [order.pop(0) for _ in range(-(-n // page_size))]
-            self.page_tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            page_tables[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
             slots = torch.tensor(
                 [pages[t // page_size] * page_size + t % page_size for t in range(n)]
             )
             k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
             v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
-            write_kv(self.k_cache, self.v_cache, slots, k, v)
-            self.keys.append(k)
-            self.values.append(v)
+            write_kv(k_cache, v_cache, slots, k, v)
+            keys.append(k)
+            values.append(v)
         self.q_lens = [q_len for _, q_len in specs]
-        self.seq_lens = torch.tensor([n for n, _ in specs], dtype=torch.int32)
         starts = [0] + torch.tensor(self.q_lens).cumsum(0).tolist()
-        self.cu_seqlens_q = torch.tensor(starts, dtype=torch.int32)
-        self.q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(starts[-1], heads, head_dim, generator=gen).to(dtype)
         self.scale = 1 / math.sqrt(head_dim)
+        self.device = torch.device(device)
+        self.k_cache, self.v_cache = k_cache.to(device), v_cache.to(device)
+        self.page_tables = page_tables.to(device)
+        self.seq_lens = torch.tensor([n for n, _ in specs], dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.tensor(starts, dtype=torch.int32, device=device)
+        self.q = q.to(device)
+        self.keys = [k.to(device) for k in keys]
+        self.values = [v.to(device) for v in values]
 
     def attend(self, **kwargs):
         return paged_attention(
@@ -84,6 +92,7 @@ class Batch:
         )
 
     def reference(self, window=None, scale=None):
+        """The float64 reference, on the batch's device."""
         scale = self.scale if scale is None else scale
         return reference(self.q, self.keys, self.values, self.q_lens, scale, window)
 
@@ -126,8 +135,7 @@ def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, pag
         kv_heads=kv_heads,
         head_dim=head_dim,
         page_size=page_size,
-        dtype=torch.float32,
-    )
+        dtype=torch.float32, device="cpu")
     assert relative_error(batch.attend(), batch.reference()) < 1e-5
 
 
@@ -135,14 +143,16 @@ def test_mixed_batch_matches_reference_in_float32(heads, kv_heads, head_dim, pag
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.usefixtures("decode_path")
 def test_sliding_window_matches_reference(window, page_size):
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size, dtype=torch.float32)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size,
+                  dtype=torch.float32, device="cpu")
     out = batch.attend(sliding_window=window)
     assert relative_error(out, batch.reference(window=window)) < 1e-5
 
 
 @pytest.mark.usefixtures("decode_path")
 def test_mixed_batch_matches_reference_in_bfloat16():
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=128, page_size=16,
+                  dtype=torch.bfloat16, device="cpu")
     out = batch.attend()
     assert out.dtype == torch.bfloat16
     assert relative_error(out, batch.reference()) < 2e-2
@@ -155,17 +165,19 @@ def test_mixed_batch_matches_reference_in_bfloat16():
 )
 @pytest.mark.usefixtures("decode_path")
 def test_uniform_batches_match_reference(specs):
-    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     assert relative_error(batch.attend(), batch.reference()) < 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 7])
-def test_decode_split_into_several_groups_matches_reference(monkeypatch, window):
+def test_decode_split_into_several_groups_matches_reference(monkeypatch, window, device):
     monkeypatch.setenv("KVPOOL_CPU_KERNEL", "0")  # groups belong to the torch path
     monkeypatch.setattr(attention, "_DECODE_GROUP_BYTES", 1)  # one sequence per group
     specs = [(24, 1), (40, 1), (3, 1), (33, 1)]
-    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
-    out = batch.attend(sliding_window=window)
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    out = batch.attend(sliding_window=window, backend="torch")
     assert relative_error(out, batch.reference(window=window)) < 1e-5
 
 
@@ -173,65 +185,68 @@ def test_decode_split_into_several_groups_matches_reference(monkeypatch, window)
 @pytest.mark.usefixtures("decode_path")
 def test_nan_in_unused_slots_does_not_change_output(window):
     kwargs = dict(heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
-    clean = Batch(MIXED, **kwargs).attend(sliding_window=window)
-    poisoned = Batch(MIXED, fill=float("nan"), **kwargs).attend(sliding_window=window)
+    clean = Batch(MIXED, **kwargs, device="cpu").attend(sliding_window=window)
+    poisoned = Batch(MIXED, fill=float("nan"), **kwargs, device="cpu")
+    poisoned = poisoned.attend(sliding_window=window)
     assert torch.equal(clean, poisoned)
 
 
 @pytest.mark.usefixtures("decode_path")
 def test_explicit_scale_is_used():
-    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     out = batch.attend(scale=0.3)
     assert relative_error(out, batch.reference(scale=0.3)) < 1e-5
 
 
-def test_write_kv_writes_exactly_the_given_slots():
-    k_cache = torch.full((4, 16, 2, 8), float("nan"))
-    v_cache = torch.full((4, 16, 2, 8), float("nan"))
-    slots = torch.tensor([17, 3, 63, 40])
-    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+def test_write_kv_writes_exactly_the_given_slots(device):
+    k_cache = torch.full((4, 16, 2, 8), float("nan"), device=device)
+    v_cache = torch.full((4, 16, 2, 8), float("nan"), device=device)
+    slots = torch.tensor([17, 3, 63, 40], device=device)
+    k, v = torch.randn(4, 2, 8, device=device), torch.randn(4, 2, 8, device=device)
     write_kv(k_cache, v_cache, slots, k, v)
     flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
     assert torch.equal(flat_k[slots], k)
     assert torch.equal(flat_v[slots], v)
-    untouched = torch.ones(64, dtype=torch.bool)
+    untouched = torch.ones(64, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert flat_k[untouched].isnan().all()
     assert flat_v[untouched].isnan().all()
 
 
-def test_write_kv_rejects_mismatched_shapes():
-    cache = torch.zeros(4, 16, 2, 8)
+def test_write_kv_rejects_mismatched_shapes(device):
+    cache = torch.zeros(4, 16, 2, 8, device=device)
+    k = torch.zeros(2, 3, 8, device=device)
     with pytest.raises(ValueError, match="write_kv expects"):
-        write_kv(
-            cache, cache.clone(), torch.tensor([0, 1]), torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)
-        )
+        write_kv(cache, cache.clone(), torch.tensor([0, 1], device=device), k, k)
 
 
-def test_paged_attention_rejects_heads_not_a_multiple_of_kv_heads():
-    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
-    q = torch.zeros(8, 6, 64)
+def test_paged_attention_rejects_heads_not_a_multiple_of_kv_heads(device):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    q = torch.zeros(8, 6, 64, device=device)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_attention(
             q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
         )
 
 
-def test_paged_attention_rejects_query_longer_than_sequence():
-    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
-    seq_lens = torch.tensor([4], dtype=torch.int32)
+def test_paged_attention_rejects_query_longer_than_sequence(device):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    seq_lens = torch.tensor([4], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="q_len <= seq_len"):
         paged_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.page_tables, seq_lens, batch.cu_seqlens_q
         )
 
 
-def test_metadata_keeps_its_field_names():
+def test_metadata_keeps_its_field_names(device):
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(1, dtype=torch.int64),
-        page_tables=torch.zeros(1, 1, dtype=torch.int32),
-        seq_lens=torch.ones(1, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+        page_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32, device=device),
     )
     assert meta.seq_lens.tolist() == [1]
     assert (meta.max_seq_len, meta.max_query_len, meta.workspace) == (None, None, None)
@@ -241,8 +256,9 @@ def test_metadata_keeps_its_field_names():
     ]
 
 
-def test_paged_attention_rejects_empty_sliding_window():
-    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+def test_paged_attention_rejects_empty_sliding_window(device):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="sliding_window must be at least 1"):
         batch.attend(sliding_window=0)
 
@@ -268,7 +284,7 @@ def test_kernel_matches_torch_path_and_reference(
     kernel, monkeypatch, dtype, window, heads, kv_heads, head_dim, page_size
 ):
     shape = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size)
-    batch = Batch(DECODES, **shape, dtype=dtype, fill=float("nan"))
+    batch = Batch(DECODES, **shape, dtype=dtype, fill=float("nan"), device="cpu")
     fused = decode_with("kernel", batch, monkeypatch, sliding_window=window)
     torch_path = decode_with("torch", batch, monkeypatch, sliding_window=window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -282,7 +298,8 @@ def test_kernel_rounds_bfloat16_output_to_nearest_even(kernel):
     # same values; only the final rounding differs, and must match torch's. A zero query
     # averages V rows, whose means often fall halfway between two bf16 numbers (ties).
     specs = [*DECODES, (2, 1), (2, 1)]
-    batch = Batch(specs, heads=8, kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    batch = Batch(specs, heads=8, kv_heads=2, head_dim=128, page_size=16,
+                  dtype=torch.bfloat16, device="cpu")
     batch.q.zero_()
     args = (batch.page_tables, batch.seq_lens, batch.scale, None)
     bf16 = kernel.paged_decode(batch.q, batch.k_cache, batch.v_cache, *args)
@@ -294,7 +311,8 @@ def test_kernel_is_used_for_decode_unless_env_var_is_0(kernel, monkeypatch):
     calls = []
     torch_decode = attention._decode
     monkeypatch.setattr(attention, "_decode", lambda *args: calls.append(1) or torch_decode(*args))
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     batch.attend()
     assert calls == []
     monkeypatch.setenv("KVPOOL_CPU_KERNEL", "0")
@@ -312,7 +330,8 @@ def test_float16_and_odd_head_dims_take_the_torch_path(kernel):
 
 
 def test_kernel_reads_layer_views_of_a_pool(kernel):
-    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32)
     pool = KVPool(layout, num_pages=batch.k_cache.shape[0] + 4, device="cpu")
     pool.kv.fill_(float("nan"))
@@ -326,13 +345,14 @@ def test_kernel_reads_layer_views_of_a_pool(kernel):
 
 
 def test_kernel_reads_non_contiguous_strided_caches(kernel):
-    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.bfloat16, device="cpu")
     num_pages, page_size, kv_heads, head_dim = batch.k_cache.shape
     # K: pages interleaved with other data (page stride 3x); V: kv heads 2 apart.
-    k_store = torch.full((num_pages, 3, page_size, kv_heads, head_dim), float("nan"))
+    k_store = torch.full((num_pages, 3, page_size, kv_heads, head_dim), float("nan"), device="cpu")
     k_store = k_store.to(torch.bfloat16)
     k_store[:, 1] = batch.k_cache
-    v_store = torch.full((num_pages, page_size, 2 * kv_heads, head_dim), float("nan"))
+    v_store = torch.full((num_pages, page_size, 2 * kv_heads, head_dim), float("nan"), device="cpu")
     v_store = v_store.to(torch.bfloat16)
     v_store[:, :, 1::2] = batch.v_cache
     k_view, v_view = k_store[:, 1], v_store[:, :, 1::2]
@@ -347,7 +367,8 @@ def test_kernel_reads_non_contiguous_strided_caches(kernel):
 def test_kernel_output_does_not_depend_on_threads(kernel, monkeypatch, team):
     if team == "pthreads":  # the kernel's own threads, used when torch does not run on OpenMP
         monkeypatch.setattr(kernel, "_openmp_parallel", lambda: None)
-    batch = Batch(DECODES, heads=14, kv_heads=2, head_dim=128, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=14, kv_heads=2, head_dim=128, page_size=16,
+                  dtype=torch.float32, device="cpu")
     threads = torch.get_num_threads()
     try:
         outputs = []
@@ -360,7 +381,8 @@ def test_kernel_output_does_not_depend_on_threads(kernel, monkeypatch, team):
 
 
 def test_kernel_rejects_page_ids_outside_the_cache(kernel):
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     batch.page_tables[2, 0] = batch.k_cache.shape[0]
     with pytest.raises(IndexError, match="outside"):
         batch.attend()
@@ -375,7 +397,8 @@ def test_compile_failure_warns_once_and_falls_back_to_torch(kernel, monkeypatch,
     try:
         with pytest.warns(RuntimeWarning, match="compiling paged_decode.c failed"):
             assert cpu_kernel.library() is None
-        batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+        batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                      dtype=torch.float32, device="cpu")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no second warning
             out = batch.attend()
@@ -398,35 +421,43 @@ def test_kernel_is_built_once_into_the_cache_dir(kernel, monkeypatch, tmp_path):
 # Bad inputs (issue 12): a clear typed error naming the numbers, and nothing changed.
 
 
+# Slots are checked on the CPU only: on CUDA reading them back would synchronise.
 def test_write_kv_with_one_slot_out_of_range_writes_nothing():
-    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
-    slots = torch.tensor([17, 3, 64, 40])  # 64 is one past the last slot
+    k_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    v_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    slots = torch.tensor([17, 3, 64, 40], device="cpu")  # 64 is one past the last slot
+    ones = torch.ones(4, 2, 8, device="cpu")
     with pytest.raises(IndexError, match=r"slot 64 \(token 2\) is outside the caches' \[0, 64\)"):
-        write_kv(k_cache, v_cache, slots, torch.ones(4, 2, 8), torch.ones(4, 2, 8))
+        write_kv(k_cache, v_cache, slots, ones, ones)
     assert not k_cache.any() and not v_cache.any()
 
 
 def test_write_kv_rejects_a_negative_slot():
-    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
+    k_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    v_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    ones = torch.ones(2, 2, 8, device="cpu")
     with pytest.raises(IndexError, match="slot -1 "):
-        write_kv(k_cache, v_cache, torch.tensor([0, -1]), torch.ones(2, 2, 8), torch.ones(2, 2, 8))
+        write_kv(k_cache, v_cache, torch.tensor([0, -1], device="cpu"), ones, ones)
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_write_kv_rejects_float_slots_and_a_dtype_unlike_the_caches():
-    k_cache, v_cache = torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8)
-    ones = torch.ones(2, 2, 8)
+def test_write_kv_rejects_float_slots_and_a_dtype_unlike_the_caches(device):
+    k_cache = torch.zeros(4, 16, 2, 8, device=device)
+    v_cache = torch.zeros(4, 16, 2, 8, device=device)
+    ones = torch.ones(2, 2, 8, device=device)
     with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.float32"):
-        write_kv(k_cache, v_cache, torch.tensor([0.0, 1.0]), ones, ones)
+        write_kv(k_cache, v_cache, torch.tensor([0.0, 1.0], device=device), ones, ones)
     with pytest.raises(ValueError, match="in the caches' torch.float32, got torch.bfloat16"):
-        write_kv(k_cache, v_cache, torch.tensor([0, 1]), ones.bfloat16(), ones.bfloat16())
+        write_kv(k_cache, v_cache, torch.tensor([0, 1], device=device), ones.bfloat16(),
+                 ones.bfloat16())
     assert not k_cache.any() and not v_cache.any()
 
 
 @pytest.mark.usefixtures("decode_path")
 def test_page_id_past_int32_is_rejected_not_wrapped():
     # 2**32 + 1 narrowed to int32 is 1: the C kernel used to read page 1.
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     tables = batch.page_tables.long()
     tables[3, 2] = 2**32 + 1
     with pytest.raises(IndexError, match=r"entry \[3, 2\] is page id 4294967297, outside"):
@@ -435,7 +466,8 @@ def test_page_id_past_int32_is_rejected_not_wrapped():
 
 
 def test_cpu_kernel_rejects_page_id_past_int32_when_called_directly(kernel):
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     tables = batch.page_tables.long()
     tables[0, 0] = 2**32 + 1
     with pytest.raises(IndexError, match="page id 4294967297"):
@@ -445,14 +477,16 @@ def test_cpu_kernel_rejects_page_id_past_int32_when_called_directly(kernel):
 
 @pytest.mark.usefixtures("decode_path")
 def test_float_page_table_is_rejected():
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     with pytest.raises(TypeError, match="page_tables must be an integer tensor, got torch.float32"):
         paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.page_tables.float(),
                         batch.seq_lens, batch.cu_seqlens_q)
 
 
 def test_torch_path_names_an_out_of_range_page_id():
-    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     batch.page_tables[1, 0] = batch.k_cache.shape[0] + 5
     bad = batch.k_cache.shape[0] + 5
     with pytest.raises(IndexError, match=rf"entry \[1, 0\] is page id {bad}, outside"):
@@ -461,25 +495,31 @@ def test_torch_path_names_an_out_of_range_page_id():
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_empty_batch_gives_an_empty_output(backend):
-    k_cache = torch.zeros(4, 16, 2, 64)
+    cpu = torch.device("cpu")  # the CPU backends
+    k_cache = torch.zeros(4, 16, 2, 64, device=cpu)
     out = paged_attention(
-        torch.zeros(0, 8, 64), k_cache, k_cache.clone(), torch.zeros(0, 3, dtype=torch.int32),
-        torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), backend=backend,
+        torch.zeros(0, 8, 64, device=cpu), k_cache, k_cache.clone(),
+        torch.zeros(0, 3, dtype=torch.int32, device=cpu),
+        torch.zeros(0, dtype=torch.int32, device=cpu),
+        torch.zeros(1, dtype=torch.int32, device=cpu), backend=backend,
     )
     assert out.shape == (0, 8, 64) and out.dtype == torch.float32
 
 
-def test_empty_batch_with_query_tokens_is_rejected():
-    k_cache = torch.zeros(4, 16, 2, 64)
+def test_empty_batch_with_query_tokens_is_rejected(device):
+    k_cache = torch.zeros(4, 16, 2, 64, device=device)
     with pytest.raises(ValueError, match="an empty batch has no query tokens, got 3"):
         paged_attention(
-            torch.zeros(3, 8, 64), k_cache, k_cache.clone(), torch.zeros(0, 3, dtype=torch.int32),
-            torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(3, 8, 64, device=device), k_cache, k_cache.clone(),
+            torch.zeros(0, 3, dtype=torch.int32, device=device),
+            torch.zeros(0, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
         )
 
 
-def test_bounds_below_the_batch_lengths_are_rejected():
-    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+def test_bounds_below_the_batch_lengths_are_rejected(device):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="max_seq_len 63 is below the batch's 64"):
         batch.attend(max_seq_len=63)
     with pytest.raises(ValueError, match="max_query_len 19 is below the batch's 20"):
@@ -490,7 +530,8 @@ def test_bounds_below_the_batch_lengths_are_rejected():
 
 
 def test_backends_agree_on_a_mixed_batch(kernel):
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     torch_out, cpu_out = batch.attend(backend="torch"), batch.attend(backend="cpu")
     assert relative_error(cpu_out, torch_out.double()) < 1e-5
 
@@ -499,22 +540,25 @@ def test_backend_none_picks_the_c_kernel_on_the_cpu(kernel, monkeypatch):
     calls = []
     torch_decode = attention._decode
     monkeypatch.setattr(attention, "_decode", lambda *args: calls.append(1) or torch_decode(*args))
-    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     batch.attend()
     assert calls == []
     batch.attend(backend="torch")
     assert calls == [1]
 
 
-def test_unknown_backend_is_rejected():
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+def test_unknown_backend_is_rejected(device):
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="backend must be one of .* got 'cuda'"):
         batch.attend(backend="cuda")
 
 
 def test_triton_backend_without_triton_says_so(monkeypatch):
     monkeypatch.setattr(attention.triton_support, "triton_installed", lambda: False)
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="triton backend needs the triton package, which is not"):
         batch.attend(backend="triton")
 
@@ -522,6 +566,7 @@ def test_triton_backend_without_triton_says_so(monkeypatch):
 def test_triton_backend_on_cpu_tensors_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(attention.triton_support, "triton_installed", lambda: True)
-    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16, dtype=torch.float32)
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         batch.attend(backend="triton")

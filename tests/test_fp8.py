@@ -47,8 +47,8 @@ def fp8_pages(batch):
 
 # ---- quantization ----------------------------------------------------------------------------
 
-def test_round_trip_error_is_at_most_half_a_step():
-    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 3
+def test_round_trip_error_is_at_most_half_a_step(device):
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).to(device) * 3
     scale = 0.05  # |x| / scale stays below 448: no value saturates
     error = (dequantize(quantize(x, scale), scale, torch.float32) - x).abs()
     normal = x.abs() / scale >= 2.0**-6
@@ -56,18 +56,19 @@ def test_round_trip_error_is_at_most_half_a_step():
     assert (error[~normal] <= scale * 2.0**-10).all()  # subnormal step 2^-9
 
 
-def test_values_beyond_the_range_saturate_instead_of_becoming_inf_or_nan():
-    x = torch.tensor([1e6, -1e6, math.inf, -math.inf, 449.0, 1.0])
+def test_values_beyond_the_range_saturate_instead_of_becoming_inf_or_nan(device):
+    x = torch.tensor([1e6, -1e6, math.inf, -math.inf, 449.0, 1.0], device=device)
     assert quantize(x, 1.0).float().tolist() == [448, -448, 448, -448, 448, 1]
 
 
-def test_scale_is_the_largest_finite_magnitude_with_headroom():
-    x = torch.tensor([[0.5, -3.5], [math.nan, math.inf]])
+def test_scale_is_the_largest_finite_magnitude_with_headroom(device):
+    x = torch.tensor([[0.5, -3.5], [math.nan, math.inf]], device=device)
     assert scale_of(x).item() == pytest.approx(3.5 * HEADROOM / E4M3_MAX)
 
 
-def test_scale_of_all_zeros_uses_the_amax_floor():
-    assert scale_of(torch.zeros(8)).item() == pytest.approx(MIN_AMAX * HEADROOM / E4M3_MAX)
+def test_scale_of_all_zeros_uses_the_amax_floor(device):
+    floor = MIN_AMAX * HEADROOM / E4M3_MAX
+    assert scale_of(torch.zeros(8, device=device)).item() == pytest.approx(floor)
 
 
 def test_kv_cache_dtype_names():
@@ -89,13 +90,13 @@ def test_other_8_bit_dtypes_are_refused():
         KVLayout(2, 2, 16, torch.float8_e5m2)
 
 
-def test_first_write_sets_the_layer_scales_and_later_writes_saturate():
-    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
-    k = torch.full((3, 2, 16), 4.0)
-    pool.write(1, torch.tensor([0, 1, 2]), k, -k / 2)
+def test_first_write_sets_the_layer_scales_and_later_writes_saturate(device):
+    pool = KVPool(FP8_LAYOUT, 8, device=device)
+    k = torch.full((3, 2, 16), 4.0, device=device)
+    pool.write(1, torch.tensor([0, 1, 2], device=device), k, -k / 2)
     assert pool.scales[1].tolist() == pytest.approx([4 * HEADROOM / 448, 2 * HEADROOM / 448])
     assert not pool.scales_ready  # layer 0 has none yet
-    pool.write(1, torch.tensor([3]), k[:1] * 100, k[:1])
+    pool.write(1, torch.tensor([3], device=device), k[:1] * 100, k[:1])
     assert pool.scales[1, 0].item() == pytest.approx(4 * HEADROOM / 448)  # unchanged
     assert pool.k_cache(1)[0, 3].float().unique().tolist() == [448.0]
     pool.check()
@@ -109,10 +110,11 @@ def test_writes_while_calibration_is_paused_set_no_scales():
     assert pool.scales[0, 0].item() == pytest.approx(2 * HEADROOM / 448)
 
 
-def test_given_scales_are_used_for_every_layer_and_cannot_change():
-    pool = KVPool(FP8_LAYOUT, 8, device="cpu", kv_scales=(0.5, 0.25))
+def test_given_scales_are_used_for_every_layer_and_cannot_change(device):
+    pool = KVPool(FP8_LAYOUT, 8, device=device, kv_scales=(0.5, 0.25))
     assert pool.scales.tolist() == [[0.5, 0.25], [0.5, 0.25]] and pool.scales_ready
-    pool.write(0, torch.tensor([5]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    ones = torch.ones(1, 2, 16, device=device)
+    pool.write(0, torch.tensor([5], device=device), ones, ones)
     assert pool.k_cache(0)[1, 1].float().unique().tolist() == [2.0]  # 1 / 0.5
     with pytest.raises(ValueError, match="layer 0 has its scales already"):
         pool.set_scales(0, 1.0, 1.0)
@@ -149,7 +151,8 @@ def test_check_finds_a_broken_scale():
 def test_attention_over_fp8_pages_equals_attention_over_the_dequantized_pages(
         path, dtype, monkeypatch):
     monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1" if path == "cpu-kernel" else "0")
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=dtype)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=16, dtype=dtype,
+                  device="cpu")
     k8, v8, k_scale, v_scale = fp8_pages(batch)
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
     out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
@@ -176,7 +179,8 @@ def test_cpu_kernel_reads_every_fp8_byte_exactly():
 
 def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):
     monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1")
-    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32)
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,
+                  device="cpu")
     k8, v8, k_scale, v_scale = fp8_pages(batch)
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
     out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
@@ -187,17 +191,19 @@ def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):
     assert relative_error(out, dequantized.double()) < 1e-5
 
 
-def test_write_kv_stores_the_quantized_values():
-    caches = torch.zeros(2, 4, 4, 2, 16, dtype=FP8_DTYPE)
-    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    write_kv(caches[0], caches[1], torch.tensor([9, 0, 4]), k, v, k_scale=0.01, v_scale=0.02)
+def test_write_kv_stores_the_quantized_values(device):
+    caches = torch.zeros(2, 4, 4, 2, 16, dtype=FP8_DTYPE, device=device)
+    k, v = torch.randn(3, 2, 16, device=device), torch.randn(3, 2, 16, device=device)
+    slots = torch.tensor([9, 0, 4], device=device)
+    write_kv(caches[0], caches[1], slots, k, v, k_scale=0.01, v_scale=0.02)
     flat = caches.view(torch.uint8).view(2, 16, 2, 16)
     assert torch.equal(flat[0, [9, 0, 4]], quantize(k, 0.01).view(torch.uint8))
     assert torch.equal(flat[1, [9, 0, 4]], quantize(v, 0.02).view(torch.uint8))
 
 
-def test_fp8_caches_need_both_scales_and_other_caches_take_none():
-    batch = Batch([(5, 5)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
+def test_fp8_caches_need_both_scales_and_other_caches_take_none(device):
+    batch = Batch([(5, 5)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                  device=device)
     k8, v8, k_scale, _ = fp8_pages(batch)
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
     with pytest.raises(ValueError, match="need k_scale and v_scale"):
@@ -205,7 +211,8 @@ def test_fp8_caches_need_both_scales_and_other_caches_take_none():
     with pytest.raises(ValueError, match="take no k_scale or v_scale"):
         paged_attention(batch.q, batch.k_cache, batch.v_cache, *args, k_scale=1.0, v_scale=1.0)
     with pytest.raises(ValueError, match="need k_scale and v_scale"):
-        write_kv(k8, v8, torch.tensor([0]), batch.keys[0][:1], batch.values[0][:1])
+        write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
+                 batch.values[0][:1])
 
 
 # ---- cache: pages are bytes ------------------------------------------------------------------

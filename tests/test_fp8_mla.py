@@ -51,10 +51,10 @@ def test_deepseek_v2_lite_fp8_latent_pages_hold_one_byte_a_value():
     assert layout.bytes_per_token == 27 * 576 == 15_552  # half of bf16's 31,104
 
 
-def test_latent_round_trip_through_the_pool_is_within_half_an_e4m3_step():
-    pool = KVPool(LAYOUT, 8, device="cpu")
-    latent = torch.randn(20, 1, 24, generator=torch.Generator().manual_seed(0)) * 3
-    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:20]
+def test_latent_round_trip_through_the_pool_is_within_half_an_e4m3_step(device):
+    pool = KVPool(LAYOUT, 8, device=device)
+    latent = torch.randn(20, 1, 24, generator=torch.Generator().manual_seed(0)).to(device) * 3
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:20].to(device)
     pool.write(1, slots, latent)
     assert pool.scales.shape == (2, 1)  # one scale per layer: the latent's
     scale = pool.scales[1, 0]
@@ -68,21 +68,21 @@ def test_latent_round_trip_through_the_pool_is_within_half_an_e4m3_step():
     pool.check()
 
 
-def test_later_latents_beyond_the_first_ones_range_saturate():
-    pool = KVPool(LAYOUT, 8, device="cpu")
-    pool.write(0, torch.tensor([0]), torch.full((1, 1, 24), 2.0))
-    pool.write(0, torch.tensor([1]), torch.full((1, 1, 24), -1e6))
+def test_later_latents_beyond_the_first_ones_range_saturate(device):
+    pool = KVPool(LAYOUT, 8, device=device)
+    pool.write(0, torch.tensor([0], device=device), torch.full((1, 1, 24), 2.0, device=device))
+    pool.write(0, torch.tensor([1], device=device), torch.full((1, 1, 24), -1e6, device=device))
     assert pool.scales[0, 0].item() == pytest.approx(2 * HEADROOM / E4M3_MAX)  # unchanged
     assert pool.k_cache(0)[0, 1].float().unique().tolist() == [-E4M3_MAX]
 
 
-def test_given_latent_scales_for_every_layer_or_one_per_layer():
-    assert KVPool(LAYOUT, 4, device="cpu", kv_scales=0.5).scales.tolist() == [[0.5], [0.5]]
-    pool = KVPool(LAYOUT, 4, device="cpu", kv_scales=[0.5, 0.25])
+def test_given_latent_scales_for_every_layer_or_one_per_layer(device):
+    assert KVPool(LAYOUT, 4, device=device, kv_scales=0.5).scales.tolist() == [[0.5], [0.5]]
+    pool = KVPool(LAYOUT, 4, device=device, kv_scales=[0.5, 0.25])
     assert pool.scales.tolist() == [[0.5], [0.25]] and pool.scales_ready
     k_scale, v_scale = pool.kv_scales(1)
     assert k_scale.item() == v_scale.item() == 0.25  # K and V are both the latent plane
-    pool.write(1, torch.tensor([2]), torch.ones(1, 1, 24))
+    pool.write(1, torch.tensor([2], device=device), torch.ones(1, 1, 24, device=device))
     assert pool.k_cache(1)[0, 2].float().unique().tolist() == [4.0]  # 1 / 0.25
 
 
@@ -115,10 +115,10 @@ def test_an_mha_pool_refuses_one_number_as_its_scales():
         KVPool(KVLayout(2, 2, 16, FP8_DTYPE), 4, device="cpu", kv_scales=0.5)
 
 
-def test_write_latent_stores_the_quantized_latent():
-    cache = torch.zeros(2, 4, 1, 8, dtype=FP8_DTYPE)
-    latent = torch.randn(3, 1, 8)
-    write_latent(cache, torch.tensor([6, 0, 3]), latent, scale=0.01)
+def test_write_latent_stores_the_quantized_latent(device):
+    cache = torch.zeros(2, 4, 1, 8, dtype=FP8_DTYPE, device=device)
+    latent = torch.randn(3, 1, 8, device=device)
+    write_latent(cache, torch.tensor([6, 0, 3], device=device), latent, scale=0.01)
     flat = cache.view(torch.uint8).view(8, 1, 8)
     assert torch.equal(flat[[6, 0, 3]], quantize(latent, 0.01).view(torch.uint8))
     assert torch.count_nonzero(flat[[1, 2, 4, 5, 7]]) == 0
@@ -128,10 +128,12 @@ def test_write_latent_stores_the_quantized_latent():
     (FP8_DTYPE, None, "write_latent: a torch.float8_e4m3fn cache needs a scale; got scale None"),
     (torch.float32, 0.5, "write_latent: a torch.float32 cache takes no scale; got scale 0.5"),
 ])
-def test_write_latent_refuses_a_missing_or_stray_scale_and_writes_nothing(dtype, scale, message):
-    cache = torch.zeros(2, 4, 1, 8, dtype=dtype)
+def test_write_latent_refuses_a_missing_or_stray_scale_and_writes_nothing(dtype, scale, message,
+                                                                        device):
+    cache = torch.zeros(2, 4, 1, 8, dtype=dtype, device=device)
+    ones = torch.ones(1, 1, 8, device=device)
     with pytest.raises(ValueError, match=exactly(message)):
-        write_latent(cache, torch.tensor([1]), torch.ones(1, 1, 8), scale=scale)
+        write_latent(cache, torch.tensor([1], device=device), ones, scale=scale)
     assert torch.count_nonzero(cache.view(torch.uint8)) == 0
 
 
@@ -172,12 +174,16 @@ def test_absorbed_and_expanded_attention_read_fp8_latent_pages_dequantized(v3):
 def test_triton_decode_reads_fp8_latent_pages_as_the_torch_path(v3):
     # The call the absorbed decode makes: one KV head, K and V the same latent pages, a head of
     # 48 values (32 + 16, not a power of two), under the latent scale.
+    # Triton runs on CUDA, or on the CPU in its interpreter: every tensor on that one device.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer = v3.model.layers[0].self_attn
     _, _, meta, cache = mixed_batch(layer)
-    scale = scale_of(cache)
-    pages = quantize(cache, scale)
+    scale = scale_of(cache).to(device)
+    pages = quantize(cache.to(device), scale)
     q = torch.randn(3, layer.num_heads, cache.shape[-1], generator=torch.Generator().manual_seed(2))
-    args = meta.page_tables, meta.seq_lens, torch.arange(4, dtype=torch.int32)
+    q = q.to(device)
+    args = (meta.page_tables.to(device), meta.seq_lens.to(device),
+            torch.arange(4, dtype=torch.int32, device=device))
     out = {backend: paged_attention(q, pages, pages, *args, scale=layer.scale, backend=backend,
                                     k_scale=scale, v_scale=scale)
            for backend in ("triton", "torch")}

@@ -25,19 +25,18 @@ from kvpool.kernels import triton_decode, triton_prefill, triton_write  # noqa: 
 from test_attention import MIXED, Batch, relative_error  # noqa: E402
 from test_fp8 import LOOSE, TIGHT, fp8_pages  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton runs on CUDA, or on the CPU in its interpreter: every tensor, reference included, is
+# built on this one device.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DECODES = [(37, 1), (1, 1), (16, 1), (64, 1), (150, 1), (17, 1)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def make_batch(specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0):
-    """A Batch (test_attention) whose unwritten slots hold NaN, moved to DEVICE."""
-    batch = Batch(specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                  page_size=page_size, dtype=dtype, seed=seed, fill=float("nan"))
-    for name in ("q", "k_cache", "v_cache", "page_tables", "seq_lens", "cu_seqlens_q"):
-        setattr(batch, name, getattr(batch, name).to(DEVICE))
-    return batch
+    """A Batch (test_attention) on DEVICE whose unwritten slots hold NaN."""
+    return Batch(specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+                 dtype=dtype, device=DEVICE, seed=seed, fill=float("nan"))
 
 
 def decode(batch, *, window=None, num_splits=1, workspace=None):
@@ -79,6 +78,8 @@ DECODE_CASES = [
     (14, 2, 128, 16, torch.bfloat16, None, 4),
     (8, 2, 64, 5, torch.bfloat16, 40, 1),
     (8, 2, 64, 16, torch.float16, None, 2),
+    (40, 2, 48, 16, torch.float32, None, 2),  # 20 heads a kv head: two head blocks of 16
+    (20, 1, 64, 4, torch.bfloat16, 9, 1),  # MLA's shape: every head on one kv head
 ]
 
 
@@ -86,7 +87,8 @@ DECODE_CASES = [
     ("heads", "kv_heads", "head_dim", "page_size", "dtype", "window", "num_splits"),
     DECODE_CASES,
     ids=["mha-d64-p16-fp32", "gqa4-d128-p5-fp32-split3", "gqa7-d64-p1-fp32-window-split2",
-         "gqa7-d128-p16-bf16-split4", "gqa4-d64-p5-bf16-window", "gqa4-d64-p16-fp16-split2"],
+         "gqa7-d128-p16-bf16-split4", "gqa4-d64-p5-bf16-window", "gqa4-d64-p16-fp16-split2",
+         "gqa20-d48-p16-fp32-split2", "mqa20-d64-p4-bf16-window"],
 )
 def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, window,
                                   num_splits):
@@ -94,7 +96,7 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, w
                        page_size=page_size, dtype=dtype)
     out = decode(batch, window=window, num_splits=num_splits)
     assert out.dtype == dtype
-    assert relative_error(out.cpu(), batch.reference(window=window)) < TOLERANCE[dtype]
+    assert relative_error(out, batch.reference(window=window)) < TOLERANCE[dtype]
 
 
 def test_decode_split_over_the_context_matches_unsplit():
@@ -102,8 +104,7 @@ def test_decode_split_over_the_context_matches_unsplit():
                        dtype=torch.float32)
     whole = decode(batch)
     for num_splits in (2, 5):
-        assert relative_error(decode(batch, num_splits=num_splits).cpu(), whole.double().cpu()) \
-            < 1e-6
+        assert relative_error(decode(batch, num_splits=num_splits), whole.double()) < 1e-6
 
 
 def test_decode_splits_past_a_short_context_are_harmless():
@@ -111,7 +112,7 @@ def test_decode_splits_past_a_short_context_are_harmless():
     batch = make_batch([(1, 1), (2, 1), (3, 1)], heads=4, kv_heads=1, head_dim=64,
                        page_size=16, dtype=torch.float32)
     out = decode(batch, num_splits=8)
-    assert relative_error(out.cpu(), batch.reference()) < 1e-5
+    assert relative_error(out, batch.reference()) < 1e-5
 
 
 def test_decode_of_a_zero_length_row_is_zero_not_nan():
@@ -121,7 +122,7 @@ def test_decode_of_a_zero_length_row_is_zero_not_nan():
     batch.seq_lens[1] = 0
     for num_splits in (1, 2):
         out = decode(batch, num_splits=num_splits)
-        assert torch.equal(out[1].cpu(), torch.zeros(4, 64))
+        assert torch.equal(out[1], torch.zeros(4, 64, device=DEVICE))
         assert not out[0].isnan().any()
 
 
@@ -131,7 +132,7 @@ def test_decode_takes_its_scratch_from_the_workspace():
     workspace = Workspace()
     out = decode(batch, num_splits=3, workspace=workspace)
     assert workspace.requests == [((6, 8, 3, 64), torch.float32), ((6, 8, 3), torch.float32)]
-    assert relative_error(out.cpu(), batch.reference()) < 2e-2
+    assert relative_error(out, batch.reference()) < 2e-2
 
 
 def test_unsplit_decode_asks_the_workspace_for_nothing():
@@ -185,7 +186,7 @@ def test_prefill_of_a_mixed_batch_matches_reference(heads, kv_heads, head_dim, p
                        page_size=page_size, dtype=dtype)
     out = prefill(batch, window=window)
     assert out.dtype == dtype
-    assert relative_error(out.cpu(), batch.reference(window=window)) < TOLERANCE[dtype]
+    assert relative_error(out, batch.reference(window=window)) < TOLERANCE[dtype]
 
 
 def test_chunked_prefill_over_a_cached_prefix_equals_one_prefill():
@@ -197,7 +198,7 @@ def test_chunked_prefill_over_a_cached_prefix_equals_one_prefill():
     chunk.q = chunk.q[70:]
     chunk.q_lens = [20]
     chunk.cu_seqlens_q = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
-    assert relative_error(prefill(chunk).cpu(), prefill(whole)[70:].double().cpu()) < 1e-6
+    assert relative_error(prefill(chunk), prefill(whole)[70:].double()) < 1e-6
 
 
 def test_prefill_ignores_nan_in_unwritten_slots():
@@ -220,7 +221,7 @@ def test_paged_attention_triton_backend_matches_torch_backend(specs, bounds):
                       max_query_len=max(batch.q_lens))
     fast = batch.attend(backend="triton", sliding_window=30, **kwargs)
     reference = batch.attend(backend="torch", sliding_window=30)
-    assert relative_error(fast.cpu(), reference.double().cpu()) < 1e-5
+    assert relative_error(fast, reference.double()) < 1e-5
 
 
 def test_paged_attention_passes_the_workspace_to_the_split_decode(monkeypatch):
@@ -230,7 +231,7 @@ def test_paged_attention_passes_the_workspace_to_the_split_decode(monkeypatch):
     workspace = Workspace()
     out = batch.attend(backend="triton", workspace=workspace)
     assert [shape for shape, _ in workspace.requests] == [(6, 4, 2, 64), (6, 4, 2)]
-    assert relative_error(out.cpu(), batch.reference()) < 1e-5
+    assert relative_error(out, batch.reference()) < 1e-5
 
 
 def test_write_kv_kernel_writes_exactly_the_given_slots():
@@ -285,22 +286,21 @@ def test_fp8_pages_equal_the_dequantized_pages(specs, num_splits, dtype):
         out = triton_decode.paged_decode(batch.q, k8, v8, *args, scale=batch.scale, window=None,
                                          num_splits=num_splits, k_scale=k_scale,
                                          v_scale=v_scale)
-    dequantized = paged_attention(batch.q.cpu(), dequantize(k8, k_scale, dtype).cpu(),
-                                  dequantize(v8, v_scale, dtype).cpu(),
-                                  *(t.cpu() for t in args), backend="torch")
-    assert relative_error(out.cpu(), dequantized.double()) < TIGHT[dtype]
-    assert relative_error(out.cpu(), batch.reference()) < LOOSE
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, dtype),
+                                  dequantize(v8, v_scale, dtype), *args, backend="torch")
+    assert relative_error(out, dequantized.double()) < TIGHT[dtype]
+    assert relative_error(out, batch.reference()) < LOOSE
 
 
 def test_write_kv_kernel_quantizes_as_torch_does():
     # Rounding ties, subnormals, -0.0 and values beyond the range all land on the same bytes.
     k = torch.randn(20, 2, 32, generator=torch.Generator().manual_seed(0)) * 4
     k[0, 0, :6] = torch.tensor([1000.0, -1000.0, 1e-4, -0.0, 0.3125 + 2**-6, -3e-3])
+    k = k.to(DEVICE)
     caches = torch.zeros(2, 4, 8, 2, 32, dtype=FP8_DTYPE, device=DEVICE)
-    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:20]
-    triton_write.write_kv(caches[0], caches[1], slots.to(DEVICE), k.to(DEVICE),
-                          -k.to(DEVICE), k_scale=0.05, v_scale=0.1)
-    flat = caches.cpu().view(torch.uint8).view(2, 32, 2, 32)
+    slots = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:20].to(DEVICE)
+    triton_write.write_kv(caches[0], caches[1], slots, k, -k, k_scale=0.05, v_scale=0.1)
+    flat = caches.view(torch.uint8).view(2, 32, 2, 32)
     assert torch.equal(flat[0, slots], quantize(k, 0.05).view(torch.uint8))
     assert torch.equal(flat[1, slots], quantize(-k, 0.1).view(torch.uint8))
 
@@ -333,6 +333,8 @@ def test_triton_backend_with_bounds_does_not_synchronise():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch.attend(backend="triton", max_seq_len=4096, max_query_len=1)
+        # The bounds a captured step passes: the page tables' capacity, one query token.
+        capacity = batch.page_tables.shape[1] * batch.k_cache.shape[1]
+        batch.attend(backend="triton", max_seq_len=capacity, max_query_len=1)
     finally:
         torch.cuda.set_sync_debug_mode("default")

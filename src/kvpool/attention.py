@@ -80,7 +80,7 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> No
                          f"got {k.dtype} and {v.dtype}")
     _check_slots("write_kv", k_cache, slots)
     dense = k_cache.stride(3) == v_cache.stride(3) == 1
-    if k_cache.is_cuda and dense and triton_support.triton_installed():
+    if k_cache.is_cuda and dense and triton_support.runs_on(k_cache.device, k_cache.dtype):
         from kvpool.kernels import triton_write
 
         triton_write.write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
@@ -160,7 +160,7 @@ def paged_attention(
     or anything with its `alloc(shape, dtype)` and `scope()`) provides the triton decode's
     scratch, taken back when the call returns. fp8 caches need `k_scale` and `v_scale`.
     """
-    backend = _choose_backend(backend, q)
+    backend = _choose_backend(backend, q, k_cache.dtype)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
     _check_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -199,21 +199,24 @@ def paged_attention(
     return out
 
 
-def _choose_backend(backend: str | None, q: torch.Tensor) -> str:
+def _choose_backend(backend: str | None, q: torch.Tensor, cache_dtype: torch.dtype) -> str:
     """The backend to run: `backend` if it can run on q's device, else the fastest there
-    (None): triton on CUDA when installed, the C kernel on the CPU unless switched off."""
+    (None): triton on CUDA when installed (fp8 pages from sm_89 on), the C kernel on the CPU
+    unless switched off."""
     if backend is None:
         if q.device.type == "cpu":
             return "cpu" if cpu_kernel.enabled() else "torch"
-        return "triton" if triton_support.runs_on(q.device) else "torch"
+        return "triton" if triton_support.runs_on(q.device, cache_dtype) else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {BACKENDS} or None, "
                          f"got {backend!r}")
     if backend == "cpu" and q.device.type != "cpu":
         raise ValueError(f"paged_attention: the cpu backend needs CPU tensors, got {q.device}")
-    if backend == "triton" and not triton_support.runs_on(q.device):
+    if backend == "triton" and not triton_support.runs_on(q.device, cache_dtype):
         if not triton_support.triton_installed():
             why = "needs the triton package, which is not installed"
+        elif q.device.type == "cuda":
+            why = f"reads fp8 pages on sm_89 and later only, got {q.device}"
         else:
             why = f"needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
         raise ValueError(f"paged_attention: the triton backend {why}")

@@ -1,11 +1,12 @@
 """Paged decode attention in Triton: one query token per sequence, K/V read in place from pages.
 
 A program takes one (sequence, kv head, context split): the G query heads sharing that kv head
-are one tile, so each K/V byte is read once for all of them. It walks its part of the visible
-tokens BLOCK_N at a time, looking each token's page up in the page table (any page size works),
-with an online softmax in base 2 accumulated in float32. When batch x kv heads is too small to
-fill the GPU, the context is split (flash decoding): each split writes its normalised partial
-output and log-sum-exp, and a second kernel merges them. Only slots in [first, seq_len) are
+are one tile, so each K/V byte is read once for all of them (a group over MAX_BLOCK_G heads, as
+in MLA's latent decode, takes several programs). It walks its part of the visible tokens
+BLOCK_N at a time, looking each token's page up in the page table (any page size works), with
+an online softmax in base 2 accumulated in float32. When batch x kv heads is too small to fill
+the GPU, the context is split (flash decoding): each split writes its normalised partial output
+and log-sum-exp, and a second kernel merges them. Only slots in [first, seq_len) are
 loaded, so unwritten slots (any bits, NaN included) never reach the output.
 """
 
@@ -17,9 +18,11 @@ import triton.language as tl
 
 from kvpool.fp8 import is_fp8
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.kernels.triton_support import dot_precision, num_sms, scale_args
+from kvpool.kernels.triton_support import Launch, dot_precision, num_sms, scale_args
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
+WIDE_BLOCK_N = 16  # tokens per step for heads over 256 wide (MLA's 576): pages fit shared memory
+MAX_BLOCK_G = 16  # query heads per program
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 WAVES = 4  # programs per SM to aim for: several small programs per SM hide memory latency
 LOG2E = 1.4426950408889634
@@ -78,23 +81,25 @@ def _decode_split(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head_blocks = tl.cdiv(group, BLOCK_G)
+    kv_head = tl.program_id(1) // head_blocks
+    head_block = tl.program_id(1) % head_blocks
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens + b)
     first = 0
     if window > 0:
         first = tl.maximum(seq_len - window, 0)
-    # Each sequence cuts its own visible span into NUM_SPLITS parts of whole blocks, so the
+    # Each sequence cuts its own visible span into num_splits parts of whole blocks, so the
     # work is balanced whatever the batch's longest context; a part past the end is empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
+    g = head_block * BLOCK_G + tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * group + g
     row_ok = g < group
@@ -134,37 +139,43 @@ def _decode_split(
     result = acc / safe_denom[:, None]
     if FP8:
         result = result * tl.load(v_scale)
-    if NUM_SPLITS == 1:
+    if SPLIT:
+        num_heads = tl.num_programs(1) // head_blocks * group
+        part = (b * num_heads + heads) * num_splits + split
+        tl.store(part_out + part[:, None] * BLOCK_D + d[None, :], result, mask=row_ok[:, None])
+        lse = tl.where(denom > 0, m + tl.math.log2(safe_denom), float("-inf"))
+        tl.store(part_lse + part, lse, mask=row_ok)
+    else:
         tl.store(
             out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
             result.to(out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
         )
-    else:
-        part = (b * tl.num_programs(1) * group + heads) * NUM_SPLITS + split
-        tl.store(part_out + part[:, None] * BLOCK_D + d[None, :], result, mask=row_ok[:, None])
-        lse = tl.where(denom > 0, m + tl.math.log2(safe_denom), float("-inf"))
-        tl.store(part_lse + part, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_splits(
-    part_out, part_lse, cu_seqlens_q, out, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    part_out, part_lse, cu_seqlens_q, out, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    part = (b * num_heads + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse + part, mask=s < NUM_SPLITS, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights all 0
-    weight = tl.math.exp2(lse - top)
-    parts = tl.load(part_out + part[:, None] * BLOCK_D + d[None, :],
-                    mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    result = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    first = (b * tl.num_programs(1) + head) * num_splits
+    # An online sum over the splits in base 2, as in the split kernel: top is the largest
+    # log-sum-exp so far, total and acc the weights and weighted outputs under it.
+    top = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(part_lse + first + s)
+        new_top = tl.maximum(top, lse)
+        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)  # every split so far empty
+        alpha = tl.math.exp2(top - safe_top)
+        weight = tl.math.exp2(lse - safe_top)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * tl.load(part_out + (first + s) * BLOCK_D + d)
+        top = new_top
+    result = acc / tl.where(total > 0, total, 1.0)
     row = tl.load(cu_seqlens_q + b)
     tl.store(out + row * stride_ot + head * stride_oh + d, result.to(out.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -176,6 +187,32 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, device: torc
     programs = max(1, batch * num_kv_heads)
     wanted = -(-WAVES * num_sms(device) // programs)
     return max(1, min(wanted, MAX_DECODE_SPLITS, -(-max_span // MIN_SPLIT_TOKENS)))
+
+
+def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
+                  num_splits: int) -> Launch:
+    """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
+    `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits."""
+    fp8 = is_fp8(cache_dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    return Launch(dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=_block_g(group),
+        BLOCK_N=BLOCK_N if block_d <= 256 else WIDE_BLOCK_N, SPLIT=num_splits > 1,
+        PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
+    ), num_warps=4 if block_d <= 256 else 8, num_stages=2)
+
+
+def merge_launch(head_dim: int) -> Launch:
+    """How `paged_decode` compiles `_merge_splits` (split contexts only)."""
+    return Launch(dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim)),
+                  num_warps=4, num_stages=1)
+
+
+def _block_g(group: int) -> int:
+    """Query heads per program: the group (at least 16, tl.dot's smallest tile), at most
+    MAX_BLOCK_G: a larger group (MLA's latent decode: every head shares one kv head) is
+    spread over several programs, each reading the pages again."""
+    return min(max(16, triton.next_power_of_2(group)), MAX_BLOCK_G)
 
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
@@ -194,7 +231,6 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
-    fp8 = is_fp8(k_cache.dtype)
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     if num_splits > 1:
         alloc = workspace.alloc if workspace is not None else _alloc(q.device)
@@ -202,21 +238,19 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
         part_lse = alloc((batch, num_heads, num_splits), torch.float32)
     else:
         part_out = part_lse = out  # not touched
-    _decode_split[(batch, num_kv_heads, num_splits)](
+    launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits)
+    head_blocks = triton.cdiv(group, launch.constexprs["BLOCK_G"])
+    _decode_split[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
         k_scale, v_scale, scale * LOG2E, window or 0, group, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(q.dtype if fp8 else k_cache.dtype), FP8=fp8,
-        num_warps=4, num_stages=2,
+        **launch.kwargs(),
     )
     if num_splits > 1:
         _merge_splits[(batch, num_heads)](
-            part_out, part_lse, cu_seqlens_q, out, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            part_out, part_lse, cu_seqlens_q, out, num_splits, out.stride(0), out.stride(1),
+            **merge_launch(head_dim).kwargs(),
         )
     return out
 

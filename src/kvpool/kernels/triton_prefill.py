@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kvpool.fp8 import is_fp8
 from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
-from kvpool.kernels.triton_support import dot_precision, scale_args
+from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per step
@@ -102,7 +102,6 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
     """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
     pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
     the grid. fp8 pages read through `k_scale`/`v_scale`. Reads nothing back from the device."""
-    fp8 = is_fp8(k_cache.dtype)
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
@@ -113,8 +112,16 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
         scale * LOG2E, window or 0, num_heads // k_cache.shape[2], k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, PRECISION=dot_precision(q.dtype if fp8 else k_cache.dtype), FP8=fp8,
-        num_warps=4, num_stages=2,
+        **prefill_launch(q.dtype, k_cache.dtype, head_dim).kwargs(),
     )
     return out
+
+
+def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Launch:
+    """How `paged_prefill` compiles `_prefill` for queries of `dtype` over pages of
+    `cache_dtype`."""
+    fp8 = is_fp8(cache_dtype)
+    return Launch(dict(
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
+    ), num_warps=4, num_stages=2)

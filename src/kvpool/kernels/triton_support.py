@@ -1,12 +1,35 @@
-"""What the Triton kernels share: whether Triton can run here, the GPU's size, dot precision."""
+"""What the Triton kernels share: whether Triton can run here, the GPU's size, dot precision,
+and the `Launch` each launcher compiles its kernel with."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
+
+from kvpool.fp8 import is_fp8
+
+# Triton compiles float8_e4m3fn (its fp8e4nv) for sm_89 and later only (Ada, Hopper, ...).
+FP8_MIN_ARCH = 89
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """How one kernel launch is compiled: its constexpr arguments and compile options. Each
+    launcher takes its Launch from one function of its module, which the ahead-of-time compile
+    (kvpool.kernels.triton_variants) calls too, so every variant a launcher makes is compiled
+    in CI."""
+
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+
+    def kwargs(self) -> dict[str, object]:
+        """The launch's keyword arguments: the constexprs and the compile options."""
+        return {**self.constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 def triton_installed() -> bool:
@@ -19,10 +42,35 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def runs_on(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on tensors of `device`: CUDA, or any under the
-    interpreter."""
-    return triton_installed() and (device.type == "cuda" or interpreted())
+def compiles_fp8(arch: int) -> bool:
+    """Whether Triton compiles the fp8 kernels for compute capability `arch` (90 for sm_90)."""
+    return arch >= FP8_MIN_ARCH
+
+
+def runs_on(device: torch.device, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the Triton kernels can run on tensors of `device` with pages of `cache_dtype`:
+    CUDA (fp8 pages from sm_89 on), or any under the interpreter."""
+    if not triton_installed():
+        return False
+    if interpreted():
+        return True
+    if device.type != "cuda":
+        return False
+    return cache_dtype is None or not is_fp8(cache_dtype) or compiles_fp8(_cuda_arch(device))
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cuda_arch(device: torch.device) -> int:
+    major, minor = _cuda_capability(_index(device))
+    return 10 * major + minor
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -34,7 +82,7 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (132 on an H100 SXM); 1 elsewhere."""
     if device.type != "cuda":
         return 1
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(_index(device))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

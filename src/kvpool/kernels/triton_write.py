@@ -8,13 +8,17 @@ and rounded to the nearest float8_e4m3fn (ties to even), as kvpool.fp8.quantize 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from kvpool.fp8 import E4M3_MAX, is_fp8
-from kvpool.kernels.triton_support import scale_args
+from kvpool import fp8
+from kvpool.kernels.triton_support import Launch, scale_args
 
-SUBNORMAL_E4M3 = 2.0**-6  # the smallest normal float8_e4m3fn; below it the step is 2^-9
+# A jit function reads a module global only if it is a tl.constexpr: the interpreter takes a
+# plain float too, the compiler refuses it.
+E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
+SUBNORMAL_E4M3 = tl.constexpr(2.0**-6)  # the smallest normal e4m3; below it the step is 2^-9
 
 
 @triton.jit
@@ -76,7 +80,14 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> No
         k_cache, v_cache, slots, k, v, k_scale, v_scale, num_pages * page_size, page_size,
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        **write_launch(k_cache.dtype, num_kv_heads, head_dim).kwargs(),
+    )
+
+
+def write_launch(cache_dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> Launch:
+    """How `write_kv` compiles `_write_kv` for caches of `cache_dtype` and head geometry."""
+    return Launch(dict(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=is_fp8(k_cache.dtype), num_warps=4,
-    )
+        FP8=fp8.is_fp8(cache_dtype),
+    ), num_warps=4, num_stages=1)  # no loop to pipeline

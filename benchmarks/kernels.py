@@ -1,0 +1,56 @@
+"""The Triton kernels' resources on real GPUs, with no GPU: registers, spills, shared memory.
+
+Every variant the launchers make (kvpool.kernels.triton_variants: query dtypes, fp8 pages or
+not, decode split or not, and the head shapes of the built-in preset, Llama 3 8B, Gemma 3 4B
+and DeepSeek's MLA latent) is compiled for sm_80 and sm_90 with the ptxas of the triton wheel.
+Per variant: registers and spill-store bytes per thread (ptxas -v), shared memory per program
+(the compiled kernel's metadata) against the arch's limit. A variant whose shared memory is over
+the limit compiles but cannot launch.
+
+    python benchmarks/kernels.py [--workers N] [--only TEXT]   (variants whose name has TEXT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU, never the CPU interpreter
+
+from kvpool.kernels import triton_variants  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2, help="compiling processes")
+    parser.add_argument("--only", default="", help="the variants whose name has this text")
+    args = parser.parse_args()
+    workers = args.workers
+    names = [v.name for v in triton_variants.variants() if args.only in v.name]
+    start = time.perf_counter()
+    results = triton_variants.compile_all(names, workers=workers, resources=True)
+    seconds = time.perf_counter() - start
+    rows = [("variant", "registers", "spill bytes", "shared KiB", "limit KiB", "note")]
+    for result in results:
+        limit = triton_variants.MAX_SHARED[result.arch]
+        if result.error is not None:
+            rows.append((result.name, "-", "-", "-", f"{limit // 1024}",
+                         result.error.splitlines()[0][:60]))
+            continue
+        note = "" if result.fits else "over the shared limit: cannot launch"
+        rows.append((result.name, str(result.registers), str(result.spill_bytes),
+                     f"{result.shared_bytes / 1024:.1f}", f"{limit // 1024}", note))
+    print(f"{len(results)} Triton kernel variants compiled to cubin in {seconds:.0f} s "
+          f"({workers} processes); per thread: registers, spill stores; per program: shared")
+    print_table(rows)
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+if __name__ == "__main__":
+    main()

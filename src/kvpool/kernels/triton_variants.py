@@ -1,0 +1,225 @@
+"""Every Triton kernel variant kvpool launches, compiled ahead of time for real GPUs with no GPU.
+
+A variant is one kernel with the constexprs and options its launcher picks (the launcher's own
+`*_launch` function gives them) and the argument types and 16-byte alignments a launch passes.
+`variants()` walks what the launchers choose from: the query dtypes, fp8 pages or not, every
+split count, and the head geometries of the model families kvpool runs, for sm_80 and sm_90;
+`compile_variant` runs Triton's compiler (to cubin, with the ptxas of the triton wheel). Used by
+tests/test_triton_compile.py and benchmarks/kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import re
+import subprocess
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia import compiler as nvidia_compiler
+from triton.compiler import ASTSource
+
+from kvpool.fp8 import FP8_DTYPE
+from kvpool.kernels import MAX_DECODE_SPLITS, triton_decode, triton_prefill, triton_write
+from kvpool.kernels.triton_support import Launch, compiles_fp8
+
+ARCHS = (80, 90)  # A100, H100/H200
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # bf16 first: what models run in
+# Most shared memory one program may take (bytes): the opt-in maximum per block.
+MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+
+
+class Geometry(NamedTuple):
+    """The head shape of a model family, which the kernels' constexprs depend on."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    latent: bool = False  # MLA latent pages: decode only (the absorbed path), no write_kv
+
+
+GEOMETRIES = (
+    Geometry("tiny", 8, 2, 32),  # the built-in preset
+    Geometry("llama3", 32, 8, 128),  # Llama 3 8B; Qwen3, Mistral and Bamba share the constexprs
+    Geometry("gemma3", 8, 4, 256),  # Gemma 3 4B
+    Geometry("mla-v2-lite", 16, 1, 576, latent=True),  # DeepSeek-V2-Lite: latent 512 + rope 64
+    Geometry("mla-v3", 128, 1, 576, latent=True),  # DeepSeek-V3
+)
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+          FP8_DTYPE: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
+_FLOATS = ("scale_log2",)
+_UNALIGNED = ("window", "group", "num_splits", "stride_table")  # any value
+_SHAPES = ("NUM_KV_HEADS", "HEAD_DIM", "BLOCK_H", "BLOCK_D", "BLOCK_G", "BLOCK_M", "BLOCK_N")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One kernel compiled as a launcher launches it; `name` says which launch (an id)."""
+
+    name: str
+    arch: int
+    kernel: triton.runtime.JITFunction
+    launch: Launch
+    pointers: dict[str, torch.dtype]  # pointer arguments and their element dtypes
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel.fn.__name__
+
+    def branches(self) -> tuple:
+        """What picks the kernel's code paths, shapes aside: the arch, the kernel, and its
+        constexprs other than tile sizes and head shape (fp8, precision, split)."""
+        flags = {k: v for k, v in self.launch.constexprs.items() if k not in _SHAPES}
+        return self.arch, self.kernel_name, tuple(sorted(flags.items()))
+
+    def source(self) -> ASTSource:
+        """The kernel with this variant's argument types, 16-byte alignments and constexprs:
+        pointers and strides aligned (head dims here are multiples of 16, pages of 16 tokens),
+        the other integers not."""
+        signature, attrs = {}, {}
+        for i, arg in enumerate(self.kernel.arg_names):
+            if arg in self.launch.constexprs:
+                signature[arg] = "constexpr"
+                continue
+            if arg in self.pointers:
+                signature[arg] = "*" + _TYPES[self.pointers[arg]]
+            else:
+                signature[arg] = "fp32" if arg in _FLOATS else "i32"
+            if arg not in _FLOATS and arg not in _UNALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        return ASTSource(self.kernel, signature, dict(self.launch.constexprs), attrs)
+
+
+def compile_variant(variant: Variant):
+    """The variant compiled for its GPU (a triton CompiledKernel with its cubin)."""
+    options = {"num_warps": variant.launch.num_warps, "num_stages": variant.launch.num_stages}
+    return triton.compile(variant.source(), target=GPUTarget("cuda", variant.arch, 32),
+                          options=options)
+
+
+def variants() -> list[Variant]:
+    """Every distinct variant the launchers make, for each of ARCHS (fp8 pages where Triton
+    compiles them), in a stable order."""
+    found: dict[tuple, Variant] = {}
+    for arch in ARCHS:
+        for dtype in DTYPES:
+            for fp8 in (False, True) if compiles_fp8(arch) else (False,):
+                cache = FP8_DTYPE if fp8 else dtype
+                tag = f"sm{arch}-{_TYPES[dtype]}{'-fp8' if fp8 else ''}"
+                for geometry in GEOMETRIES:
+                    for variant in _launches(arch, dtype, cache, geometry, tag):
+                        key = (arch, variant.kernel_name, repr(variant.launch),
+                               tuple(sorted((k, str(v)) for k, v in variant.pointers.items())))
+                        found.setdefault(key, variant)
+    return list(found.values())
+
+
+def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geometry, tag: str):
+    """The variants of one dtype, page dtype and geometry: write_kv, prefill, and decode at
+    every split count with its merge."""
+    name = f"{tag}-{geometry.name}"
+    group = geometry.num_heads // geometry.num_kv_heads
+    scale = torch.float32 if cache == FP8_DTYPE else cache  # no scales: the cache stands in
+    scales = {"k_scale": scale, "v_scale": scale}
+    pages = {"k_cache": cache, "v_cache": cache, **scales}
+    tables = {"page_tables": torch.int32, "seq_lens": torch.int32, "cu_seqlens_q": torch.int32}
+    if not geometry.latent:
+        yield Variant(f"{name}-write", arch, triton_write._write_kv,
+                      triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim),
+                      {**pages, "slots": torch.int64, "k": dtype, "v": dtype})
+        yield Variant(f"{name}-prefill", arch, triton_prefill._prefill,
+                      triton_prefill.prefill_launch(dtype, cache, geometry.head_dim),
+                      {**pages, **tables, "q": dtype, "out": dtype})
+    for num_splits in range(1, MAX_DECODE_SPLITS + 1):
+        split = num_splits > 1
+        parts = torch.float32 if split else dtype  # unsplit: `out` stands in
+        yield Variant(f"{name}-decode{'-split' if split else ''}", arch,
+                      triton_decode._decode_split,
+                      triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
+                                                  num_splits),
+                      {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
+                       "part_lse": parts})
+        if split:
+            yield Variant(f"{name}-merge", arch, triton_decode._merge_splits,
+                          triton_decode.merge_launch(geometry.head_dim),
+                          {"part_out": torch.float32, "part_lse": torch.float32,
+                           "cu_seqlens_q": torch.int32, "out": dtype})
+
+
+class Compiled(NamedTuple):
+    """What compiling one variant gave: its resources per thread and program, or the error."""
+
+    name: str
+    arch: int
+    registers: int = 0  # per thread
+    spill_bytes: int = 0  # per thread: spill stores
+    shared_bytes: int = 0  # per program
+    error: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        """Whether a GPU of the variant's arch can launch it: shared memory within its limit."""
+        return self.error is None and self.shared_bytes <= MAX_SHARED[self.arch]
+
+
+def compile_report(variant: Variant, *, resources: bool = False) -> Compiled:
+    """Compile `variant`; its registers and spills too when `resources` (ptxas -v once more)."""
+    try:
+        kernel = compile_variant(variant)
+    except Exception as error:  # the compiler's own message is the report
+        return Compiled(variant.name, variant.arch, error=f"{type(error).__name__}: {error}")
+    registers = spills = 0
+    if resources:
+        registers, spills = _ptxas_resources(kernel.asm["ptx"], variant.arch)
+    return Compiled(variant.name, variant.arch, registers, spills, kernel.metadata.shared)
+
+
+def covering(found: list[Variant]) -> list[Variant]:
+    """The first variant of each code path (`Variant.branches`): every kernel and constexpr
+    switch on each arch once, at the smallest head shape that takes it."""
+    first: dict[tuple, Variant] = {}
+    for variant in sorted(found, key=lambda v: v.launch.constexprs.get("BLOCK_D", 0)):
+        first.setdefault(variant.branches(), variant)
+    return [v for v in found if first[v.branches()] is v]
+
+
+def compile_all(names: list[str] | None = None, *, workers: int = 1,
+                resources: bool = False) -> list[Compiled]:
+    """The variants named (every one by default) compiled, in `workers` processes."""
+    found = [v for v in variants() if names is None or v.name in names]
+    if workers == 1:
+        return [compile_report(v, resources=resources) for v in found]
+    context = multiprocessing.get_context("fork")  # no CUDA here: nothing to re-initialise
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        # By name: a kernel does not pickle.
+        return list(pool.map(functools.partial(_compile_named, resources=resources),
+                             [v.name for v in found]))
+
+
+def _compile_named(name: str, *, resources: bool) -> Compiled:
+    (variant,) = [v for v in variants() if v.name == name]
+    return compile_report(variant, resources=resources)
+
+
+def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
+    """Registers and spill-store bytes per thread that ptxas reports for `ptx`, run with the
+    ptxas Triton picks for `arch` (sm_90 PTX needs the newer of the two the wheel ships)."""
+    gpu = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)  # sm_90a, not sm_90
+    ptxas = nvidia_compiler.get_ptxas(arch).path
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        command = [ptxas, "-v", f"--gpu-name={gpu}", str(source), "-o", f"{folder}/kernel.cubin"]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return registers, spills

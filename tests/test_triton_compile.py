@@ -1,0 +1,93 @@
+"""The Triton kernels compile for real GPUs (sm_80 and sm_90) on a machine without one.
+
+Every variant comes from kvpool.kernels.triton_variants, which takes each kernel's constexprs
+and options from the same function its launcher calls. CI compiles the variants that cover
+every code path (each kernel and constexpr switch on each arch, at the smallest head shape);
+KVPOOL_COMPILE_ALL=1 compiles every variant, every head shape and dtype too (minutes: see
+benchmarks/kernels.py, which prints their registers, spills and shared memory). Sliding
+windows and page sizes are runtime arguments: no variant of their own.
+
+The compiles run in a child process: the kernels' modules, once imported under the CPU
+interpreter (TRITON_INTERPRET=1, which other test files set), cannot be compiled for a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: there is no kernel to compile")
+
+from kvpool.fp8 import FP8_DTYPE  # noqa: E402
+from kvpool.kernels import triton_support, triton_variants  # noqa: E402
+
+VARIANTS = triton_variants.variants()
+COVERING = {v.name for v in triton_variants.covering(VARIANTS)}
+ALL = os.environ.get("KVPOOL_COMPILE_ALL", "0") == "1"
+CHILD = """
+import json, sys
+from kvpool.kernels import triton_variants
+results = triton_variants.compile_all(sys.argv[1:], workers=2)
+json.dump([result._asdict() for result in results], sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    """What compiling each selected variant gave, by name (one child process for all)."""
+    names = [v.name for v in VARIANTS if ALL or v.name in COVERING]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    child = subprocess.run([sys.executable, "-c", CHILD, *names], env=env, capture_output=True,
+                           text=True, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return {result["name"]: result for result in json.loads(child.stdout)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_kernel_compiles_to_cubin_and_fits_shared_memory(variant, compiled):
+    if variant.name not in compiled:
+        pytest.skip("not a covering variant: KVPOOL_COMPILE_ALL=1 compiles it")
+    result = compiled[variant.name]
+    if result["error"] is not None:
+        pytest.fail(result["error"], pytrace=False)
+    limit = triton_variants.MAX_SHARED[variant.arch]
+    assert result["shared_bytes"] <= limit, (
+        f"{variant.name} needs {result['shared_bytes']} bytes of shared memory, "
+        f"sm_{variant.arch} gives a program at most {limit}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_launch_gives_every_constexpr_of_its_kernel(variant):
+    parameters = inspect.signature(variant.kernel.fn).parameters.values()
+    constexprs = {p.name for p in parameters if "constexpr" in str(p.annotation)}
+    assert set(variant.launch.constexprs) == constexprs
+
+
+def test_variants_cover_each_kernel_switch_on_both_archs():
+    kernels = {"_write_kv", "_prefill", "_decode_split", "_merge_splits"}
+    for arch in triton_variants.ARCHS:
+        found = [v for v in VARIANTS if v.arch == arch]
+        assert {v.kernel_name for v in found} == kernels
+        decode = {v.branches()[2] for v in found if v.kernel_name == "_decode_split"}
+        assert {dict(flags)["SPLIT"] for flags in decode} == {False, True}
+        # 16-bit tiles: "native" on a GPU, "upcast" in this process if it interprets.
+        sixteen_bit = triton_support.dot_precision(torch.bfloat16)
+        assert {dict(flags)["PRECISION"] for flags in decode} == {sixteen_bit, "ieee"}
+    fp8 = {v.arch for v in VARIANTS if v.launch.constexprs.get("FP8")}
+    assert fp8 == {90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
+    assert any(v.launch.constexprs.get("HEAD_DIM") == 576 for v in VARIANTS)  # MLA latent
+
+
+@pytest.mark.parametrize(("arch", "fp8_runs"), [(80, False), (89, True), (90, True)])
+def test_fp8_pages_take_triton_only_where_it_compiles_e4m3(monkeypatch, arch, fp8_runs):
+    monkeypatch.setattr(triton_support, "interpreted", lambda: False)
+    monkeypatch.setattr(triton_support, "_cuda_arch", lambda device: arch)
+    cuda = torch.device("cuda", 0)
+    assert triton_support.runs_on(cuda, FP8_DTYPE) is fp8_runs
+    assert triton_support.runs_on(cuda, torch.bfloat16)
