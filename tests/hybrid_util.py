@@ -8,9 +8,9 @@ import random
 import torch
 import transformers
 
-from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.state_pool import MambaPool, StateBatch
+from models_util import packed_context
 
 SMALL_BAMBA = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -78,19 +78,12 @@ class HybridRunner:
                 self.cache.add_sequence(seq_id, num_tokens=len(tokens))
                 self.slots[seq_id] = self.states.allocate()
             ends.append(self.cache.num_tokens(seq_id))
-        q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
-        meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends),
-            page_tables=self.cache.page_tables(seq_ids),
-            seq_lens=torch.tensor(ends, dtype=torch.int32),
-            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
-        )
-        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens])
-        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        logits_indices = torch.arange(len(input_ids)) if all_logits else None
+        input_ids = [t for tokens in chunks.values() for t in tokens]
         states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids]))
-        return self.model(input_ids, positions, meta, self.cache.pool, logits_indices,
-                          states=states)
+        return self.model(packed_context(
+            self.cache.pool, input_ids, starts, ends,
+            [self.cache.slot_mapping(seq_ids, starts, ends)],
+            [self.cache.page_tables(seq_ids)], all_logits=all_logits, states=states))
 
     def greedy(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
         """Prefill all prompts in one pass, then decode all together."""

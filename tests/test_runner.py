@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpool.attention import AttentionMetadata
 from kvpool.engine.graphs import (
     PADDING_SEQ_ID,
     CUDAGraphRunner,
@@ -17,8 +16,10 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.forward_context import HostLengths
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.workspace import ALIGNMENT
+from models_util import packed_context
 
 PAGE = 4
 
@@ -59,7 +60,7 @@ def _reference_inputs(cache, batch):
 
 
 def _as_lists(inputs):
-    meta = inputs.meta
+    (meta,) = inputs.attention
     return dict(input_ids=inputs.input_ids.tolist(), positions=inputs.positions.tolist(),
                 slot_mapping=meta.slot_mapping.tolist(), page_tables=meta.page_tables.tolist(),
                 seq_lens=meta.seq_lens.tolist(), cu_seqlens_q=meta.cu_seqlens_q.tolist(),
@@ -76,11 +77,12 @@ def _mixed_batch(llm):
     ])
 
 
-def _inputs(llm, batch, **padding):
+def _inputs(llm, batch):
     runner = llm.runner
     layout = runner.layout(batch)
-    flat = runner.stage(batch, layout, **padding)
-    return runner.inputs(flat, layout, max_seq_len=max(batch.ends), max_query_len=20), flat
+    flat = runner.stage(batch, layout)
+    host = HostLengths([0, 20, 29, 30, 31], batch.ends, max(batch.ends), 20)
+    return runner.context(flat, layout, host), flat
 
 
 # ---- the eager step ----------------------------------------------------------------------
@@ -93,7 +95,7 @@ def test_step_inputs_equal_the_tensors_packed_one_by_one(llm):
 
 def test_step_inputs_have_the_dtypes_the_model_and_kernels_take(llm):
     inputs, _ = _inputs(llm, _mixed_batch(llm))
-    meta = inputs.meta
+    (meta,) = inputs.attention
     assert inputs.input_ids.dtype == inputs.positions.dtype == torch.int64
     assert meta.slot_mapping.dtype == inputs.logits_indices.dtype == torch.int64
     assert meta.page_tables.dtype == meta.seq_lens.dtype == meta.cu_seqlens_q.dtype == torch.int32
@@ -117,14 +119,11 @@ def test_a_step_resets_the_workspace(llm):
 def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm):
     batch = _mixed_batch(llm)
     ref = _reference_inputs(llm.cache, batch)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(ref["slot_mapping"]),
-        page_tables=torch.tensor(ref["page_tables"], dtype=torch.int32),
-        seq_lens=torch.tensor(ref["seq_lens"], dtype=torch.int32),
-        cu_seqlens_q=torch.tensor(ref["cu_seqlens_q"], dtype=torch.int32))
-    expected = llm.model(torch.tensor(ref["input_ids"]), torch.tensor(ref["positions"]), meta,
-                         llm.cache.pool, torch.tensor(ref["logits_indices"]))
-    assert torch.equal(llm.runner.run(batch), expected)
+    context = packed_context(llm.cache.pool, ref["input_ids"], batch.starts, batch.ends,
+                             [torch.tensor(ref["slot_mapping"])],
+                             [torch.tensor(ref["page_tables"])], all_logits=True)
+    context.logits_indices = torch.tensor(ref["logits_indices"])
+    assert torch.equal(llm.runner.run(batch), llm.model(context))
 
 
 # ---- CUDA-graph buckets and padding ------------------------------------------------------
@@ -188,7 +187,8 @@ def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
     assert got["logits_indices"] == [0, 1, 2, 3]
     assert got["page_tables"] == [row + [0] * (width - len(row)) for row in real["page_tables"]] \
         + [[graphs.pad_page] * width]
-    assert (inputs.meta.max_seq_len, inputs.meta.max_query_len) == (64, 1)
+    assert (inputs.attention[0].max_seq_len, inputs.attention[0].max_query_len) == (64, 1)
+    assert inputs.host.seq_lens is None and inputs.host.decode_only
 
 
 def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
@@ -207,7 +207,7 @@ def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
     written = llm.cache.slot_mapping([s.seq_id for s in batch.seqs], batch.starts, batch.ends)
     after_eager = llm.cache.pool.kv.clone()
     llm.cache.pool.kv.copy_(before)
-    padded = llm.runner.forward(graphs.inputs(graphs.stage(batch, 8), 8))
+    padded = llm.model(graphs.inputs(graphs.stage(batch, 8), 8))
     torch.testing.assert_close(padded[:3], eager, rtol=1e-5, atol=1e-5)
     kv = llm.cache.pool.kv.flatten(2, 3)  # [layers, 2, slots, heads, head_dim]
     changed = (kv != before.flatten(2, 3)).flatten(3).any(-1).any(0).any(0).nonzero().flatten()
@@ -222,7 +222,7 @@ def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
 def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratch(llm):
     mc, config = llm.model_config, llm.config
     width = 64 // PAGE
-    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12).size * 8
+    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12, states=True).size * 8
     scratch = 12 * mc.num_heads * MAX_DECODE_SPLITS * (mc.head_dim + 2) * 4
     assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
 
