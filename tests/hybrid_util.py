@@ -48,19 +48,20 @@ def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 class HybridRunner:
     """Runs packed forward passes of a hybrid model for several sequences: pages from a KVCache
     handed out in shuffled order, one state slot each from a MambaPool whose unwritten
-    states are NaN (a sequence's first step must not read its slot)."""
+    states are NaN (a sequence's first step must not read its slot), all on the model's
+    device."""
 
     def __init__(self, model, *, num_pages: int = 128, page_size: int = 4, num_slots: int = 8,
                  seed: int = 0):
-        config = model.config
+        config, device = model.config, next(model.parameters()).device
         self.model = model
         self.cache = KVCache(config.kv_layout(dtype=model.dtype, page_size=page_size),
-                             num_pages, device="cpu")
+                             num_pages, device=device)
         pages = self.cache.allocator.allocate(num_pages)
         random.Random(seed).shuffle(pages)
         self.cache.allocator.free(pages)
         self.cache.pool.kv.fill_(float("nan"))
-        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots, device="cpu")
+        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots, device=device)
         self.states.conv.fill_(float("nan"))
         self.states.ssm.fill_(float("nan"))
         self.slots: dict[str, int] = {}
@@ -79,7 +80,8 @@ class HybridRunner:
                 self.slots[seq_id] = self.states.allocate()
             ends.append(self.cache.num_tokens(seq_id))
         input_ids = [t for tokens in chunks.values() for t in tokens]
-        states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids]))
+        states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids],
+                                                      device=self.cache.device))
         return self.model(packed_context(
             self.cache.pool, input_ids, starts, ends,
             [self.cache.slot_mapping(seq_ids, starts, ends)],
