@@ -156,3 +156,18 @@ def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts):
     outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [len(t) for t in _tokens(outputs)] == [MAX_TOKENS] * 3
     _assert_drained(llm)
+
+
+def test_checkpoints_saved_after_decode_steps_serve_a_later_prompt(checkpoint, hf_model):
+    # One-token rows' checkpoints are copied by the runner after the forward (a CUDA graph
+    # replay runs no Python); a prompt that continues a generated sequence starts from one.
+    llm = _llm(checkpoint)
+    llm.cache.track_interval = 8  # checkpoints every 8 tokens of output
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first = llm.generate([[3, 4, 5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.cache.state_stats().num_copies == 3  # decode steps ending at 8, 16, 24 tokens
+    prompt = [3, 4, 5, 6, 7] + first[:11] + [1, 2]
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.cache.stats().prefix_hit_tokens >= 16
+    assert out == hf_greedy(hf_model, prompt, 20)
+    _assert_drained(llm)
