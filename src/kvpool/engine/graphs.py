@@ -43,9 +43,9 @@ class CUDAGraphRunner:
     """Pads decode-only batches up to a bucket and runs them by graph replay.
 
     `bucket`, `stage` and `inputs` (bucket choice, padding, the static layout) run on any
-    device; `capture` and `run` need CUDA. The padding page is held by the cache sequence
-    PADDING_SEQ_ID for the runner's lifetime, so it is counted as used and never handed to
-    a request."""
+    device; `capture` and `run` need CUDA. The padding page (one per layer group, and a
+    hybrid's state slot) is held by the cache sequence PADDING_SEQ_ID for the runner's
+    lifetime, so it is counted as used and never handed to a request."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int):
         self.runner = runner
@@ -54,8 +54,8 @@ class CUDAGraphRunner:
         self.width = -(-max_model_len // runner.cache.page_size)  # pages of a longest sequence
         cache = runner.cache
         cache.add_sequence(PADDING_SEQ_ID, num_tokens=1)
-        groups = [{"group": g} for g in range(len(runner.kv.pools))] if len(runner.kv.pools) > 1 \
-            else [{}]
+        num_groups = len(runner.kv.pools)
+        groups = [{"group": g} for g in range(num_groups)] if num_groups > 1 else [{}]
         self.padding = Padding(
             tuple(cache.slots(PADDING_SEQ_ID, **by_group)[0] for by_group in groups),
             tuple(cache.pages(PADDING_SEQ_ID, **by_group)[0] for by_group in groups),
