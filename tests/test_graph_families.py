@@ -74,6 +74,21 @@ def test_a_padded_decode_step_gives_the_real_rows_the_eager_logits_and_states(fo
             torch.testing.assert_close(got[:, slots], want[:, slots], rtol=1e-5, atol=1e-5)
 
 
+def test_every_groups_metadata_and_the_state_slots_are_in_the_graphs_input_buffer(folder):
+    llm = LLM(folder, device="cpu", **ENGINE)
+    graphs = CUDAGraphRunner(llm.runner, 4, 64)
+    flat = graphs.stage(_batch(llm, (6, 11, 17), decode=True), 4)
+    context = graphs.inputs(flat, 4)
+    views = [meta.slot_mapping for meta in context.attention]
+    views += [] if context.states is None else [context.states.slots]
+    assert len(views) == len(llm.runner.kv.pools) + llm.runner.has_states
+    for view in views:  # what replay reads is what the next step's stage writes
+        assert view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    if context.states is not None:
+        slots = [llm.cache.state_slot(f"s{i}") for i in range(3)]
+        assert context.states.slots.tolist() == slots + [graphs.padding.state_slot]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_decode_steps_give_the_eager_tokens_for_every_family(folder):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
