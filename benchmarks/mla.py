@@ -19,6 +19,7 @@ import time
 import torch
 
 from kvpool.attention import AttentionMetadata
+from kvpool.forward_context import HostLengths
 from kvpool.models.config import ModelConfig
 from kvpool.models.mla import MLAttention
 
@@ -67,11 +68,13 @@ def make_case(layer: MLAttention, batch: int, q_len: int, context: int) -> dict:
         cu_seqlens_q=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32),
         max_seq_len=context, max_query_len=q_len,
     )
+    host = HostLengths(list(range(0, batch * q_len + 1, q_len)), [context] * batch, context,
+                       q_len)
     q_nope = torch.randn(batch * q_len, heads, mla.qk_nope_head_dim)
     q_pe = torch.randn(batch * q_len, heads, mla.qk_rope_head_dim)
     return {
         "absorbed": lambda: layer.attend_absorbed(q_nope, q_pe, meta, cache),
-        "expanded": lambda: layer.attend_expanded(q_nope, q_pe, meta, cache),
+        "expanded": lambda: layer.attend_expanded(q_nope, q_pe, meta, host, cache),
     }
 
 

@@ -8,9 +8,9 @@ import random
 import torch
 import transformers
 
-from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.state_pool import MambaPool, StateBatch
+from models_util import packed_context
 
 SMALL_BAMBA = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -48,21 +48,20 @@ def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
 class HybridRunner:
     """Runs packed forward passes of a hybrid model for several sequences: pages from a KVCache
     handed out in shuffled order, one state slot each from a MambaPool whose unwritten
-    states are NaN (a sequence's first step must not read its slot), on the model's device."""
+    states are NaN (a sequence's first step must not read its slot), all on the model's
+    device."""
 
     def __init__(self, model, *, num_pages: int = 128, page_size: int = 4, num_slots: int = 8,
                  seed: int = 0):
-        config = model.config
+        config, device = model.config, next(model.parameters()).device
         self.model = model
-        self.device = model.rotary_emb.inv_freq.device
         self.cache = KVCache(config.kv_layout(dtype=model.dtype, page_size=page_size),
-                             num_pages, device=self.device)
+                             num_pages, device=device)
         pages = self.cache.allocator.allocate(num_pages)
         random.Random(seed).shuffle(pages)
         self.cache.allocator.free(pages)
         self.cache.pool.kv.fill_(float("nan"))
-        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots,
-                                device=self.device)
+        self.states = MambaPool(config.mamba_layout(dtype=model.dtype), num_slots, device=device)
         self.states.conv.fill_(float("nan"))
         self.states.ssm.fill_(float("nan"))
         self.slots: dict[str, int] = {}
@@ -80,22 +79,13 @@ class HybridRunner:
                 self.cache.add_sequence(seq_id, num_tokens=len(tokens))
                 self.slots[seq_id] = self.states.allocate()
             ends.append(self.cache.num_tokens(seq_id))
-        device = self.device
-        q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
-        meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends).to(device),
-            page_tables=self.cache.page_tables(seq_ids).to(device),
-            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32),
-        )
-        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens], device=device)
-        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        positions = positions.to(device)
-        logits_indices = torch.arange(len(input_ids), device=device) if all_logits else None
+        input_ids = [t for tokens in chunks.values() for t in tokens]
         states = StateBatch(self.states, torch.tensor([self.slots[s] for s in seq_ids],
-                                                      device=device))
-        return self.model(input_ids, positions, meta, self.cache.pool, logits_indices,
-                          states=states)
+                                                      device=self.cache.device))
+        return self.model(packed_context(
+            self.cache.pool, input_ids, starts, ends,
+            [self.cache.slot_mapping(seq_ids, starts, ends)],
+            [self.cache.page_tables(seq_ids)], all_logits=all_logits, states=states))
 
     def greedy(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
         """Prefill all prompts in one pass, then decode all together."""

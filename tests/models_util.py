@@ -11,7 +11,11 @@ import transformers
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
+from kvpool.forward_context import ForwardContext, HostLengths
+from kvpool.grouped_pool import GroupedPool
 from kvpool.models.llama import LlamaForCausalLM
+from kvpool.pool import KVPool
+from kvpool.state_pool import StateBatch
 
 SMALL = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -59,6 +63,35 @@ def save_hf_model(model: transformers.PreTrainedModel, folder: Path, **kwargs) -
     return folder
 
 
+def packed_context(kv: KVPool | GroupedPool, input_ids: list[int], starts: list[int],
+                   ends: list[int], slot_mappings: list[torch.Tensor],
+                   page_tables: list[torch.Tensor], *, all_logits: bool = False,
+                   states: StateBatch | None = None) -> ForwardContext:
+    """The ForwardContext of a packed step of sequences computing tokens [starts[b], ends[b])
+    (one slot mapping and page tables per layer group of `kv`), on kv's device; logits of
+    every token if `all_logits`, else of each sequence's last."""
+    device = kv.pools[0].kv.device if isinstance(kv, GroupedPool) else kv.kv.device
+    if isinstance(kv, KVPool):
+        kv = GroupedPool(kv.layout, (kv,))
+    query_starts = [0]
+    for start, end in zip(starts, ends, strict=True):
+        query_starts.append(query_starts[-1] + end - start)
+    host = HostLengths(query_starts, list(ends), max(ends),
+                       max(b - a for a, b in zip(starts, ends, strict=True)))
+    seq_lens = torch.tensor(ends, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.tensor(query_starts, dtype=torch.int32, device=device)
+    attention = tuple(
+        AttentionMetadata(slots.to(device), tables.to(device=device, dtype=torch.int32),
+                          seq_lens, cu_seqlens_q, host.max_seq_len, host.max_query_len)
+        for slots, tables in zip(slot_mappings, page_tables, strict=True))
+    positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    logits_indices = range(len(input_ids)) if all_logits else query_starts[1:]
+    return ForwardContext(
+        torch.tensor(input_ids, device=device), positions.to(device),
+        torch.tensor([i - (not all_logits) for i in logits_indices], device=device),
+        attention, kv, host, states)
+
+
 class PagedRunner:
     """Runs packed forward passes of a kvpool model for several sequences on a KVCache whose
     free pages are handed out in shuffled order, so page tables are scattered, on the model's
@@ -93,19 +126,11 @@ class PagedRunner:
                 starts.append(0)
                 self.cache.add_sequence(seq_id, num_tokens=len(tokens))
             ends.append(self.cache.num_tokens(seq_id))
-        device = self.device
-        q_lens = torch.tensor([end - start for start, end in zip(starts, ends, strict=True)])
-        meta = AttentionMetadata(
-            slot_mapping=self.cache.slot_mapping(seq_ids, starts, ends).to(device),
-            page_tables=self.cache.page_tables(seq_ids).to(device),
-            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32),
-        )
-        input_ids = torch.tensor([t for tokens in chunks.values() for t in tokens], device=device)
-        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
-        positions = positions.to(device)
-        logits_indices = torch.arange(len(input_ids), device=device) if all_logits else None
-        return self.model(input_ids, positions, meta, self.cache.pool, logits_indices)
+        input_ids = [t for tokens in chunks.values() for t in tokens]
+        return self.model(packed_context(
+            self.cache.pool, input_ids, starts, ends,
+            [self.cache.slot_mapping(seq_ids, starts, ends)],
+            [self.cache.page_tables(seq_ids)], all_logits=all_logits))
 
     def greedy(self, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
         """Prefill all prompts in one pass, then decode all together; `max_tokens` greedy

@@ -15,6 +15,7 @@ from kvpool.attention import AttentionMetadata, write_latent
 from kvpool.cli import main
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
+from kvpool.forward_context import HostLengths
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.mla import softmax_scale
@@ -180,6 +181,7 @@ def mixed_batch(layer, cache_pages: int = 24, page_size: int = 4):
     torch.manual_seed(0)
     cache = torch.randn(cache_pages, page_size, 1, mla.latent_dim).to(device)
     q_lens, seq_lens = [1, 6, 3], [13, 6, 11]
+    host = HostLengths([0, 1, 7, 10], seq_lens, 13, 6)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
         page_tables=torch.randperm(cache_pages)[:12].view(3, 4).int().to(device),
@@ -188,7 +190,7 @@ def mixed_batch(layer, cache_pages: int = 24, page_size: int = 4):
     )
     q_nope = torch.randn(sum(q_lens), heads, mla.qk_nope_head_dim).to(device)
     q_pe = torch.randn(sum(q_lens), heads, mla.qk_rope_head_dim).to(device)
-    return q_nope, q_pe, meta, cache
+    return q_nope, q_pe, meta, host, cache
 
 
 @pytest.fixture(scope="module")
@@ -199,18 +201,18 @@ def v2_lite(tmp_path_factory, device):
 
 def test_absorbed_and_expanded_attention_agree_on_every_kind_of_row(v2_lite):
     layer = v2_lite.model.layers[0].self_attn
-    q_nope, q_pe, meta, cache = mixed_batch(layer)
+    q_nope, q_pe, meta, host, cache = mixed_batch(layer)
     absorbed = layer.attend_absorbed(q_nope, q_pe, meta, cache)
-    expanded = layer.attend_expanded(q_nope, q_pe, meta, cache)
+    expanded = layer.attend_expanded(q_nope, q_pe, meta, host, cache)
     assert absorbed.shape == (10, 4, 24)
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
 
 
 def test_a_mixed_batch_runs_each_row_as_its_own_batch_would(v2_lite):
     layer = v2_lite.model.layers[0].self_attn
-    q_nope, q_pe, meta, cache = mixed_batch(layer)
-    mixed = layer.attend(q_nope, q_pe, meta, cache)
-    torch.testing.assert_close(mixed, layer.attend_expanded(q_nope, q_pe, meta, cache),
+    q_nope, q_pe, meta, host, cache = mixed_batch(layer)
+    mixed = layer.attend(q_nope, q_pe, meta, host, cache)
+    torch.testing.assert_close(mixed, layer.attend_expanded(q_nope, q_pe, meta, host, cache),
                                rtol=1e-5, atol=1e-5)
 
 

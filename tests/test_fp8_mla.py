@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -160,13 +161,14 @@ def v3(v3_folder):
 
 def test_absorbed_and_expanded_attention_read_fp8_latent_pages_dequantized(v3):
     layer = v3.model.layers[0].self_attn
-    q_nope, q_pe, meta, cache = mixed_batch(layer)
+    q_nope, q_pe, meta, host, cache = mixed_batch(layer)
     scale = scale_of(cache)
     pages = quantize(cache, scale)
     dequantized = dequantize(pages, scale, torch.float32)
-    for attend in (layer.attend_absorbed, layer.attend_expanded, layer.attend):
-        torch.testing.assert_close(attend(q_nope, q_pe, meta, pages, scale),
-                                   attend(q_nope, q_pe, meta, dequantized),
+    for attend in (layer.attend_absorbed, partial(layer.attend_expanded, host=host),
+                   partial(layer.attend, host=host)):
+        torch.testing.assert_close(attend(q_nope, q_pe, meta, cache=pages, latent_scale=scale),
+                                   attend(q_nope, q_pe, meta, cache=dequantized),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -177,7 +179,7 @@ def test_triton_decode_reads_fp8_latent_pages_as_the_torch_path(v3):
     # Triton runs on CUDA, or on the CPU in its interpreter: every tensor on that one device.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer = v3.model.layers[0].self_attn
-    _, _, meta, cache = mixed_batch(layer)
+    _, _, meta, _, cache = mixed_batch(layer)
     scale = scale_of(cache).to(device)
     pages = quantize(cache.to(device), scale)
     q = torch.randn(3, layer.num_heads, cache.shape[-1], generator=torch.Generator().manual_seed(2))

@@ -1,6 +1,8 @@
 """The engine end to end on a small random Bamba checkpoint (Mamba2 and attention layers):
 greedy outputs equal transformers' with continuous batching, chunked prefill, preemption and
-forked samples; every sequence's pages and state slot come back."""
+forked samples; every sequence's pages and state slot come back. On the CPU, as the
+transformers reference is: exact tokens from random weights are a CPU-only check (see
+tests/test_bamba.py for the teacher-forced logits on every device)."""
 
 import copy
 import random
@@ -42,9 +44,9 @@ def expected(hf_model, prompts, device):
     return [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
 
 
-def _llm(checkpoint, *, device, **options):
-    return LLM(checkpoint, device=device,
-               **{"num_pages": 128, "page_size": 4, "max_num_seqs": 8, **options})
+def _llm(checkpoint, **options):
+    return LLM(checkpoint, **{"device": "cpu", "num_pages": 128, "page_size": 4,
+                              "max_num_seqs": 8, **options})
 
 
 def _tokens(outputs):
@@ -139,8 +141,8 @@ def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts, device):
 
 
 def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
-    llm = LLM(checkpoint, kv_cache_memory=2**20, max_num_seqs=4, page_size=4,
-              prefix_caching=False, device="cpu")
+    llm = LLM(checkpoint, device="cpu", kv_cache_memory=2**20, max_num_seqs=4, page_size=4,
+              prefix_caching=False)
     states = llm.cache.states.nbytes
     # each pool's reserved page (and padding slot, in `states`) comes out of the budget
     assert llm.cache.num_pages == (2**20 - states) // llm.cache.layout.bytes_per_page - 1
@@ -148,7 +150,7 @@ def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
 
 def test_state_slots_larger_than_the_budget_are_named(checkpoint):
     with pytest.raises(OutOfPages, match=r"after .* of state slots"):
-        LLM(checkpoint, kv_cache_memory=2**12, max_num_seqs=4, device="cpu")
+        LLM(checkpoint, device="cpu", kv_cache_memory=2**12, max_num_seqs=4)
 
 
 def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts, device):
@@ -157,4 +159,19 @@ def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts, devic
     assert llm.cache.kv.pool.scales.tolist() == [[0.5, 0.25]]
     outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [len(t) for t in _tokens(outputs)] == [MAX_TOKENS] * 3
+    _assert_drained(llm)
+
+
+def test_checkpoints_saved_after_decode_steps_serve_a_later_prompt(checkpoint, hf_model):
+    # One-token rows' checkpoints are copied by the runner after the forward (a CUDA graph
+    # replay runs no Python); a prompt that continues a generated sequence starts from one.
+    llm = _llm(checkpoint)
+    llm.cache.track_interval = 8  # checkpoints every 8 tokens of output
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first = llm.generate([[3, 4, 5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.cache.state_stats().num_copies == 3  # decode steps ending at 8, 16, 24 tokens
+    prompt = [3, 4, 5, 6, 7] + first[:11] + [1, 2]
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.cache.stats().prefix_hit_tokens >= 16
+    assert out == hf_greedy(hf_model, prompt, 20)
     _assert_drained(llm)

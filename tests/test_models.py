@@ -12,7 +12,6 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from kvpool.attention import AttentionMetadata
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.layout import KVLayout
 from kvpool.models.loader import load_model
@@ -24,6 +23,7 @@ from models_util import (
     assert_logits_match,
     hf_greedy,
     make_hf_model,
+    packed_context,
     prompts,
     save_hf_model,
 )
@@ -123,13 +123,10 @@ def test_pool_of_another_dtype_is_refused(checkpoint, device):
     config = model.config
     layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim,
                       dtype=torch.float16, page_size=4)
-    meta = AttentionMetadata(torch.tensor([0], device=device),
-                             torch.tensor([[0]], dtype=torch.int32, device=device),
-                             torch.tensor([1], dtype=torch.int32, device=device),
-                             torch.tensor([0, 1], dtype=torch.int32, device=device))
+    context = packed_context(KVPool(layout, 1, device=device), [1], [0], [1],
+                             [torch.tensor([0])], [torch.tensor([[0]])])
     with pytest.raises(ValueError, match="float16"):
-        model(torch.tensor([1], device=device), torch.tensor([0], device=device), meta,
-              KVPool(layout, 1, device=device))
+        model(context)
 
 
 def test_sharded_checkpoint_loads_the_same_weights(tmp_path, device):

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from hybrid_util import make_bamba
-from kvpool.attention import AttentionMetadata
 from kvpool.engine.graphs import CUDAGraphRunner, graph_batch_sizes, is_decode_only
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.forward_context import HostLengths
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.state_pool import StateBatch
 from kvpool.workspace import ALIGNMENT
-from models_util import save_hf_model
+from models_util import packed_context, save_hf_model
 
 PAGE = 4
 
@@ -60,7 +59,7 @@ def _reference_inputs(cache, batch):
 
 
 def _as_lists(inputs):
-    meta = inputs.meta
+    (meta,) = inputs.attention
     return dict(input_ids=inputs.input_ids.tolist(), positions=inputs.positions.tolist(),
                 slot_mapping=meta.slot_mapping.tolist(), page_tables=meta.page_tables.tolist(),
                 seq_lens=meta.seq_lens.tolist(), cu_seqlens_q=meta.cu_seqlens_q.tolist(),
@@ -77,11 +76,12 @@ def _mixed_batch(llm):
     ])
 
 
-def _inputs(llm, batch, **padding):
+def _inputs(llm, batch):
     runner = llm.runner
     layout = runner.layout(batch)
-    flat = runner.stage(batch, layout, **padding)
-    return runner.inputs(flat, layout, max_seq_len=max(batch.ends), max_query_len=20), flat
+    flat = runner.stage(batch, layout)
+    host = HostLengths([0, 20, 29, 30, 31], batch.ends, max(batch.ends), 20)
+    return runner.context(flat, layout, host), flat
 
 
 # ---- the eager step ----------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_step_inputs_equal_the_tensors_packed_one_by_one(llm):
 
 def test_step_inputs_have_the_dtypes_the_model_and_kernels_take(llm):
     inputs, _ = _inputs(llm, _mixed_batch(llm))
-    meta = inputs.meta
+    (meta,) = inputs.attention
     assert inputs.input_ids.dtype == inputs.positions.dtype == torch.int64
     assert meta.slot_mapping.dtype == inputs.logits_indices.dtype == torch.int64
     assert meta.page_tables.dtype == meta.seq_lens.dtype == meta.cu_seqlens_q.dtype == torch.int32
@@ -157,18 +157,14 @@ def test_a_step_larger_than_the_staging_buffer_is_refused_before_the_workspace_c
     assert llm.workspace.used == used
 
 
-def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm, device):
+def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm):
     batch = _mixed_batch(llm)
     ref = _reference_inputs(llm.cache, batch)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(ref["slot_mapping"], device=device),
-        page_tables=torch.tensor(ref["page_tables"], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(ref["seq_lens"], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(ref["cu_seqlens_q"], dtype=torch.int32, device=device))
-    expected = llm.model(torch.tensor(ref["input_ids"], device=device),
-                         torch.tensor(ref["positions"], device=device), meta,
-                         llm.cache.pool, torch.tensor(ref["logits_indices"], device=device))
-    assert torch.equal(llm.runner.run(batch), expected)
+    context = packed_context(llm.cache.pool, ref["input_ids"], batch.starts, batch.ends,
+                             [torch.tensor(ref["slot_mapping"])],
+                             [torch.tensor(ref["page_tables"])], all_logits=True)
+    context.logits_indices = torch.tensor(ref["logits_indices"], device=llm.cache.device)
+    assert torch.equal(llm.runner.run(batch), llm.model(context))
 
 
 # ---- CUDA-graph buckets and padding ------------------------------------------------------
@@ -219,7 +215,7 @@ def test_padded_rows_use_the_pools_reserved_page_which_no_sequence_holds(llm):
 
 def _run_padded(graphs, batch, bucket):
     """What a replay of `bucket`'s graph computes for `batch`, run eagerly (any device)."""
-    return graphs.runner.forward(graphs.inputs(graphs.stage(batch, bucket), bucket))
+    return graphs.runner.model(graphs.inputs(graphs.stage(batch, bucket), bucket))
 
 
 def test_after_a_padded_run_the_cache_holds_no_sequence_and_no_used_page(llm):
@@ -295,7 +291,8 @@ def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
     assert got["logits_indices"] == [0, 1, 2, 3]
     assert got["page_tables"] == [row + [0] * (width - len(row)) for row in real["page_tables"]] \
         + [[graphs.pad_page] * width]
-    assert (inputs.meta.max_seq_len, inputs.meta.max_query_len) == (64, 1)
+    assert (inputs.attention[0].max_seq_len, inputs.attention[0].max_query_len) == (64, 1)
+    assert inputs.host.seq_lens is None and inputs.host.decode_only
 
 
 def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
@@ -344,10 +341,9 @@ def test_padded_hybrid_rows_use_the_padding_page_and_the_padding_state_slot(
     states.conv.copy_(conv)
     states.ssm.copy_(ssm)
     inputs = graphs.inputs(graphs.stage(batch, 4), 4)
-    real = cache.state_batch([s.seq_id for s in batch.seqs]).slots.tolist()
-    inputs.states = StateBatch(states, torch.tensor(real + [states.padding_slot] * 2,
-                                                    device=device))
-    padded = llm.runner.forward(inputs)
+    real = [cache.state_slot(s.seq_id) for s in batch.seqs]
+    assert inputs.states.slots.tolist() == real + [states.padding_slot] * 2
+    padded = llm.model(inputs)
     torch.testing.assert_close(padded[:2], eager, rtol=1e-4, atol=1e-4)
     others = [slot for slot in range(states.num_slots) if slot not in real]
     assert torch.equal(states.conv[:, others], conv[:, others])
@@ -368,7 +364,7 @@ def test_padded_hybrid_rows_use_the_padding_page_and_the_padding_state_slot(
 def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratch(llm):
     mc, config = llm.model_config, llm.config
     width = 64 // PAGE
-    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12).size * 8
+    metadata = StepLayout(12, config.max_num_batched_tokens, width, 12, states=True).size * 8
     scratch = 12 * mc.num_heads * MAX_DECODE_SPLITS * (mc.head_dim + 2) * 4
     assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
 

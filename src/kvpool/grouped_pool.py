@@ -1,44 +1,32 @@
-"""What the attention layers of a model with several layer groups read: one KVPool per group
-(GroupedPool, with the model layer -> (group, pool layer) map) and one AttentionMetadata per
-group for a step (GroupedMetadata: each group has its own page tables and slot mapping)."""
+"""What the attention layers of a model read: one KVPool per layer group (GroupedPool, with
+the attention layer -> (group, pool layer) map); a step's forward context holds one
+AttentionMetadata per group (each group has its own page tables and slot mapping)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-
-import torch
 
 from kvpool.attention import AttentionMetadata
 from kvpool.layout import KVLayout
 from kvpool.pool import KVPool
 
 
-@dataclass(frozen=True, slots=True)
-class GroupedMetadata:
-    """One step's AttentionMetadata per layer group, in the layout's group order; seq_lens
-    and cu_seqlens_q are the same tensors in every group."""
-
-    groups: tuple[AttentionMetadata, ...]
-
-    @property
-    def cu_seqlens_q(self) -> torch.Tensor:
-        """The query offsets `[batch + 1]` int32 (every group's)."""
-        return self.groups[0].cu_seqlens_q
-
-
 @dataclass(slots=True)
 class GroupedPool:
     """The pools of a layout's layer groups (`pools[g]` holds the layers of `layout.groups[g]`
-    in order) and, for each model layer, where its K/V lie: `where[layer]` is (group, layer
-    in that group's pool)."""
+    in order) and, for each attention layer, where its K/V lie: `where[layer]` is (group,
+    layer in that group's pool). One pool holds every layer in order, whatever the windows
+    (a KVCache's pool: `GroupedPool(pool.layout, (pool,))`)."""
 
     layout: KVLayout
     pools: tuple[KVPool, ...]
     where: tuple[tuple[int, int], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        where = [(0, 0)] * self.layout.num_layers
-        for g, group in enumerate(self.layout.groups):
+        where = [(0, layer) for layer in range(self.layout.num_layers)]
+        for g, group in enumerate(self.layout.groups if len(self.pools) > 1 else ()):
             for i, layer in enumerate(group.layers):
                 where[layer] = (g, i)
         self.where = tuple(where)
@@ -58,7 +46,17 @@ class GroupedPool:
         """Bytes of all the groups' pools."""
         return sum(pool.nbytes for pool in self.pools)
 
-    def locate(self, layer: int, meta: GroupedMetadata) -> tuple[KVPool, int, AttentionMetadata]:
-        """(pool, pool layer, metadata) of model layer `layer` in this step."""
+    @contextmanager
+    def calibration_paused(self) -> Iterator[None]:
+        """Within this block writes set no fp8 scales in any group (KVPool's)."""
+        with ExitStack() as stack:
+            for pool in self.pools:
+                stack.enter_context(pool.calibration_paused())
+            yield
+
+    def locate(self, layer: int, attention: tuple[AttentionMetadata, ...]
+               ) -> tuple[KVPool, int, AttentionMetadata]:
+        """(pool, pool layer, metadata) of attention layer `layer` in a step whose groups'
+        metadata is `attention` (in group order)."""
         group, pool_layer = self.where[layer]
-        return self.pools[group], pool_layer, meta.groups[group]
+        return self.pools[group], pool_layer, attention[group]

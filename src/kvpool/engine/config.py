@@ -131,14 +131,16 @@ class EngineConfig:
 
     def workspace_bytes(self, model: ModelConfig, layout: KVLayout, max_model_len: int) -> int:
         """Bytes of the engine's workspace: a step's int64 metadata at its largest (tokens,
-        sequences and page tables of `max_model_len` tokens: pass the longest sequence the
-        cache can hold, see `longest_sequence`) plus the split-context decode's scratch (float32
+        sequences, a slot mapping and page tables of `max_model_len` tokens per layer group,
+        state slots: pass the longest sequence the cache can hold, see `longest_sequence`)
+        plus the split-context decode's scratch (float32
         partial outputs and a log-sum-exp per sequence, query head and split, at most
         MAX_DECODE_SPLITS splits; one layer's worth, which every layer reuses) and alignment
         slack."""
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
         width = -(-max_model_len // layout.page_size)
-        metadata = (3 * tokens + 3 * seqs + 1 + seqs * width) * 8
+        groups = len(layout.groups)
+        metadata = ((2 + groups) * tokens + 4 * seqs + 1 + groups * seqs * width) * 8
         scratch = seqs * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
         return metadata + scratch + 8 * ALIGNMENT
 

@@ -3,11 +3,14 @@ multiples of 8 up to max_num_seqs), captured at start-up; a step is padded up to
 and replayed, so its hundreds of kernel launches cost one.
 
 A graph replays fixed addresses and shapes: its inputs are the first allocation of the
-workspace (the same address every step) laid out for the bucket with full-length page tables,
-and attention gets host bounds (max_seq_len = max_model_len, max_query_len = 1) so the
-kernels' launch configuration never depends on the data. Padded rows are one-token sequences
-that write their K/V to the pool's reserved padding page and read only that page: no sequence
-holds it, so any number of runners and captures share one cache."""
+workspace (the same address every step) laid out for the bucket with full-length page tables
+(every layer group's) and a hybrid's state slots, and the forward context's host copies are
+the bucket's static bounds (max_seq_len = max_model_len, max_query_len = 1, no host seq_lens)
+so the kernels' launch configuration never depends on the data. Every model family runs its
+decode step this way (tests/test_fake_trace.py proves its forward reads nothing back). Padded
+rows are one-token sequences that write their K/V to each pool's reserved padding page, read
+only that page, and update only the state pool's reserved padding slot: no sequence holds
+them, so any number of runners and captures share one cache."""
 
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ import bisect
 import torch
 from tqdm.auto import tqdm
 
-from kvpool.engine.runner import ModelRunner, StepInputs, StepLayout
+from kvpool.engine.runner import ModelRunner, Padding, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.forward_context import ForwardContext, HostLengths
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -38,16 +42,20 @@ class CUDAGraphRunner:
     """Pads decode-only batches up to a bucket and runs them by graph replay.
 
     `bucket`, `stage` and `inputs` (bucket choice, padding, the static layout) run on any
-    device; `capture` and `run` need CUDA. Padded rows use the pool's padding page, which
-    the allocator never hands out and the cache's stats never count."""
+    device; `capture` and `run` need CUDA. Padded rows use each pool's padding page (one per
+    layer group) and a hybrid's padding state slot, which the allocators never hand out and
+    the cache's stats never count."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int):
         self.runner = runner
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // runner.cache.page_size)  # pages of a longest sequence
-        self.pad_page = runner.cache.pool.padding_page
-        self.pad_slot = runner.cache.pool.padding_slot
+        pools = runner.kv.pools
+        self.padding = Padding(tuple(pool.padding_slot for pool in pools),
+                               tuple(pool.padding_page for pool in pools),
+                               runner.cache.states.padding_slot if runner.has_states else 0)
+        self.pad_page, self.pad_slot = self.padding.pages[0], self.padding.slots[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by replay
         self.num_replays = 0
@@ -62,25 +70,26 @@ class CUDAGraphRunner:
 
     def layout(self, bucket: int) -> StepLayout:
         """The static layout of a bucket: one token, one logit row per sequence."""
-        return StepLayout(bucket, bucket, self.width, bucket)
+        return StepLayout(bucket, bucket, self.width, bucket, len(self.runner.kv.pools),
+                          self.runner.has_states)
 
     def stage(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
         """Put a decode batch's metadata, padded to `bucket` rows, in the graphs' input
         buffer (the workspace's first allocation); returns that buffer."""
-        return self.runner.stage(batch, self.layout(bucket), pad_slot=self.pad_slot,
-                                 pad_page=self.pad_page)
+        return self.runner.stage(batch, self.layout(bucket), self.padding)
 
-    def inputs(self, flat: torch.Tensor, bucket: int) -> StepInputs:
-        """The StepInputs a bucket's graph computes from its input buffer."""
-        return self.runner.inputs(flat, self.layout(bucket), max_seq_len=self.max_model_len,
-                                  max_query_len=1)
+    def inputs(self, flat: torch.Tensor, bucket: int) -> ForwardContext:
+        """The ForwardContext a bucket's graph computes from its input buffer: its host
+        copies are the bucket's static bounds, whatever the lengths it replays with."""
+        host = HostLengths(list(range(bucket + 1)), None, self.max_model_len, 1)
+        return self.runner.context(flat, self.layout(bucket), host)
 
     @torch.inference_mode()
     def capture(self, *, progress: bool = True) -> None:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory
         pool), printing a progress line."""
         pool = torch.cuda.graph_pool_handle()
-        with self.runner.cache.pool.calibration_paused():  # padding is no prefill
+        with self.runner.kv.calibration_paused():  # padding is no prefill
             for bucket in tqdm(self.batch_sizes[::-1], desc="capturing CUDA graphs",
                                unit="graph", disable=not progress):
                 self._capture(bucket, pool)
@@ -89,13 +98,13 @@ class CUDAGraphRunner:
         """Warm up and capture the graph of one bucket in the graphs' memory `pool`."""
         flat = self.stage(ScheduledBatch(), bucket)  # all padding: touches no real page
         # warm up: lazy initialisation (kernel compilation, cuBLAS) stays out of the graph
-        self.runner.forward(self.inputs(flat, bucket))
+        self.runner.model(self.inputs(flat, bucket))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool):
                 # the int32 views are computed inside the graph, so replay refreshes them
-                self.logits[bucket] = self.runner.forward(self.inputs(flat, bucket))
+                self.logits[bucket] = self.runner.model(self.inputs(flat, bucket))
         except RuntimeError as e:
             raise RuntimeError(f"capturing the CUDA graph of batch size {bucket} failed "
                                f"({e}); pass enforce_eager=True to run without graphs") from e
@@ -104,7 +113,9 @@ class CUDAGraphRunner:
     def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
         a view valid until the next step."""
+        checkpoints = self.runner.checkpoints(batch)
         self.stage(batch, bucket)
         self.graphs[bucket].replay()
+        self.runner.save_checkpoints(batch, checkpoints)
         self.num_replays += 1
         return self.logits[bucket][: len(batch.seqs)]

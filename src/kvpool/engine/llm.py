@@ -43,11 +43,11 @@ class LLM:
     enforce_eager). `on_step` is called with a StepRecord after every step. `cache` is the
     KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
     (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
-    from the cache's budget; no CUDA graphs. A model mixing full-attention and sliding-window
+    from the cache's budget. A model mixing full-attention and sliding-window
     layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
     pages of every layer (planned or given) split between a full pool and a window pool
-    (kvpool.group_plan), run without CUDA graphs; `free_out_of_window=False` keeps one pool
-    and every page instead.
+    (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
+    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
     """
 
     def __init__(self, model: str | Path, *,
@@ -115,9 +115,7 @@ class LLM:
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
         self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        # Grouped caches run eagerly: their other groups' metadata is not in the graphs' buffer.
-        if (device.type == "cuda" and not self.config.enforce_eager and mamba is None
-                and not isinstance(self.cache, GroupedCache)):
+        if device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, longest)
             self.graphs.capture()
         self.sampler = Sampler(self.config.seed)
@@ -292,7 +290,7 @@ class LLM:
         if not batch.seqs:
             return []
         # A graph replay runs no Python, so no layer could take its fp8 scales there.
-        use_graphs = self.graphs is not None and self.cache.pool.scales_ready
+        use_graphs = self.graphs is not None and self.runner.kv.scales_ready
         bucket = self.graphs.bucket(batch) if use_graphs else None
         logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
         seqs, logit_rows = self.scheduler.update(batch)

@@ -6,18 +6,15 @@ MambaPool. Parameter names mirror the Hugging Face checkpoints."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvpool.attention import AttentionMetadata
 from kvpool.devices import check_device
+from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
-from kvpool.models.llama import LlamaAttention, Rope
+from kvpool.models.llama import LlamaAttention, Rope, check_dtypes, logits
 from kvpool.models.mamba2 import Mamba2Mixer
 from kvpool.models.rotary import RotaryEmbedding
-from kvpool.pool import KVPool
-from kvpool.state_pool import StateBatch
 
 
 class BambaDecoderLayer(nn.Module):
@@ -49,18 +46,18 @@ class BambaModel(nn.Module):
             BambaDecoderLayer(config, dtype, pool_layer.get(i)) for i in range(config.num_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool, states: StateBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, rope: Rope,
+                context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
         num_mamba = 0
         for layer in self.layers:
             h = layer.input_layernorm(x)
             if hasattr(layer, "mamba"):
-                h = layer.mamba(h, meta, states, num_mamba)
+                h = layer.mamba(h, context, num_mamba)
                 num_mamba += 1
             else:
-                h = layer.self_attn(h, rope, meta, pool)
+                h = layer.self_attn(h, rope, context)
             x = x + h
             x = x + layer.feed_forward(layer.pre_ff_layernorm(x))
         return x
@@ -71,7 +68,7 @@ class BambaForCausalLM(nn.Module):
 
     Parameters are allocated on `device` but not initialised (load a checkpoint into them).
     The model never allocates pages or state slots: it writes K/V at the slots it is given,
-    reads through the page tables, and updates the state slots of `states`."""
+    reads through the page tables, and updates the state slots of the context's states."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device):
@@ -87,22 +84,10 @@ class BambaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, pool: KVPool,
-                logits_indices: torch.Tensor | None = None, *,
-                states: StateBatch) -> torch.Tensor:
-        """One packed step: input_ids and positions `[T]` int64 -> float32 logits
-        `[n, vocab_size]` of the tokens at `logits_indices` (default: each sequence's last
-        token). `states.slots[b]` is sequence b's state slot."""
-        kv_dtype = self.dtype if pool.quantized else pool.kv.dtype  # fp8 pages: any model
-        for name, held in (("pool", kv_dtype), ("state pool", states.pool.layout.dtype)):
-            if held != self.dtype:
-                raise ValueError(f"the {name} holds {held} but the model computes in "
-                                 f"{self.dtype}; build its layout with dtype={self.dtype}")
-        rope = self.rotary_emb(positions, self.dtype)
-        hidden = self.model(input_ids, rope, meta, pool, states)
-        if logits_indices is None:
-            logits_indices = meta.cu_seqlens_q[1:] - 1
-        hidden = self.model.final_layernorm(hidden.index_select(0, logits_indices.long()))
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return F.linear(hidden, head.weight).float()
+    def forward(self, context: ForwardContext) -> torch.Tensor:
+        """One packed step -> float32 logits `[n, vocab_size]` of the tokens at
+        `context.logits_indices`; `context.states.slots[b]` is sequence b's state slot."""
+        check_dtypes(self, context)
+        rope = self.rotary_emb(context.positions, self.dtype)
+        hidden = self.model(context.input_ids, rope, context)
+        return logits(self, self.model.final_layernorm, hidden, context)

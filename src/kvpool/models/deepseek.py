@@ -7,13 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvpool.attention import AttentionMetadata
+from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.mla import MLAttention, Rope
 from kvpool.models.moe import MoE
-from kvpool.pool import KVPool
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -25,16 +24,17 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = MLAttention(config, dtype, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        if moe is not None and index >= moe.first_k_dense:
+        self.moe = moe is not None and index >= moe.first_k_dense
+        if self.moe:
             self.mlp = MoE(config, dtype)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), rope, context)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h))
 
 
 class DeepseekModel(nn.Module):
@@ -47,12 +47,12 @@ class DeepseekModel(nn.Module):
             DeepseekDecoderLayer(config, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, rope: Rope,
+                context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, rope, meta, pool)
+            x = layer(x, rope, context)
         return x
 
 

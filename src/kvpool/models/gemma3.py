@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpool.attention import AttentionMetadata
+from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
 from kvpool.models.rotary import RotaryEmbedding
-from kvpool.pool import KVPool
 
 
 class GemmaRMSNorm(nn.Module):
@@ -76,11 +75,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GemmaMLP(size, config.intermediate_size, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
         x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), rope, meta, pool))
+            self.self_attn(self.input_layernorm(x), rope, context))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -98,14 +96,14 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, ropes: tuple[Rope, Rope],
-                meta: AttentionMetadata, pool: KVPool) -> torch.Tensor:
+                context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` and the (full, sliding) layers' ropes -> hidden states
         `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         full, sliding = ropes
         for layer in self.layers:
-            x = layer(x, sliding if layer.sliding else full, meta, pool)
+            x = layer(x, sliding if layer.sliding else full, context)
         return x
 
 

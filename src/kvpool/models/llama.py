@@ -1,9 +1,10 @@
 """A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) running on the paged KV cache.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
-...), so safetensors load by name. One forward pass takes a packed batch: the new tokens of
-every sequence back to back, their positions, and the `AttentionMetadata` that says where
-their K/V go (slots) and which pages each sequence reads (page tables)."""
+...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:
+the new tokens of every sequence back to back, their positions, and per layer group the
+`AttentionMetadata` that says where their K/V go (slots) and which pages each sequence reads
+(page tables)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpool.attention import AttentionMetadata, paged_attention, write_kv
+from kvpool.attention import paged_attention, write_kv
 from kvpool.devices import check_device
-from kvpool.grouped_pool import GroupedMetadata, GroupedPool
+from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.rotary import RotaryEmbedding, apply_rotary
-from kvpool.pool import KVPool
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
 
@@ -26,9 +26,8 @@ class LlamaAttention(nn.Module):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
     the pages of pool layer `layer_idx`, attend through the page tables (to the last
     `sliding_window` tokens only, when given), project back. With fp8 pages, the layer's first
-    K/V written set its scales unless they were given. Over a GroupedPool (one pool per layer
-    group), `layer_idx` is the model layer: the layer reads its group's pool, page tables and
-    slot mapping."""
+    K/V written set its scales unless they were given. `layer_idx` is the attention layer: the
+    context locates its group's pool, page tables and slot mapping."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  sliding_window: int | None = None):
@@ -48,8 +47,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata | GroupedMetadata,
-                pool: KVPool | GroupedPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
@@ -58,9 +56,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        layer = self.layer_idx
-        if isinstance(pool, GroupedPool):
-            pool, layer, meta = pool.locate(layer, meta)
+        pool, layer, meta = context.locate(self.layer_idx)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
         pool.calibrate(layer, k, v)
         k_scale, v_scale = pool.kv_scales(layer)
@@ -85,10 +81,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
                        config.hidden_act)
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, pool)
+        x = x + self.self_attn(self.input_layernorm(x), rope, context)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -103,12 +98,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, rope: Rope,
+                context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, rope, meta, pool)
+            x = layer(x, rope, context)
         return x
 
 
@@ -140,19 +135,31 @@ class LlamaForCausalLM(nn.Module):
         return self.rotary_emb(positions, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, pool: KVPool,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """One packed step: input_ids and positions `[T]` int64 -> float32 logits
-        `[n, vocab_size]` of the tokens at `logits_indices` `[n]` (default: the last token of
-        each sequence, `meta.cu_seqlens_q[1:] - 1`)."""
-        if pool.layout.dtype != self.dtype and not pool.quantized:
-            raise ValueError(f"the pool holds {pool.layout.dtype} but the model computes in "
-                             f"{self.dtype}; build the KVLayout with dtype={self.dtype} "
+    def forward(self, context: ForwardContext) -> torch.Tensor:
+        """One packed step -> float32 logits `[n, vocab_size]` of the tokens at
+        `context.logits_indices` `[n]`."""
+        check_dtypes(self, context)
+        hidden = self.model(context.input_ids, self.rope(context.positions), context)
+        return logits(self, self.model.norm, hidden, context)
+
+
+def check_dtypes(model: nn.Module, context: ForwardContext) -> None:
+    """ValueError unless the pools hold the model's dtype (or fp8 pages, which any model
+    reads)."""
+    held = [("pool", context.kv.layout.dtype)] if not context.kv.quantized else []
+    if context.states is not None:
+        held.append(("state pool", context.states.pool.layout.dtype))
+    for name, dtype in held:
+        if dtype != model.dtype:
+            raise ValueError(f"the {name} holds {dtype} but the model computes in "
+                             f"{model.dtype}; build its layout with dtype={model.dtype} "
                              f"(or float8_e4m3fn for fp8 pages)")
-        hidden = self.model(input_ids, self.rope(positions), meta, pool)
-        if logits_indices is None:
-            logits_indices = meta.cu_seqlens_q[1:] - 1
-        hidden = self.model.norm(hidden.index_select(0, logits_indices.long()))
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return F.linear(hidden, head.weight).float()
+
+
+def logits(model: nn.Module, norm: nn.Module, hidden: torch.Tensor,
+           context: ForwardContext) -> torch.Tensor:
+    """float32 logits of the rows `context.logits_indices` of the last layer's `hidden`,
+    normed and projected by the head (tied to the embedding when there is no lm_head)."""
+    hidden = norm(hidden.index_select(0, context.logits_indices))
+    head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
+    return F.linear(hidden, head.weight).float()

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpool.attention import AttentionMetadata
+from kvpool.forward_context import ForwardContext
 from kvpool.models.hybrid_config import MambaConfig
-from kvpool.state_pool import StateBatch
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,58 +53,66 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(m.intermediate_size, hidden_size, bias=m.proj_bias,
                                   dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: StateBatch,
+    def forward(self, hidden: torch.Tensor, context: ForwardContext,
                 layer: int) -> torch.Tensor:
         """hidden `[T, hidden]` (packed sequences) -> `[T, hidden]`; updates the state slots
-        of Mamba layer `layer` to the state after each sequence's last token."""
-        m = self.m
+        of Mamba layer `layer` to the state after each sequence's last token. A decode-only
+        step reads the host only through its batch size (a CUDA graph replays it); the
+        checkpoints of one-token rows (the state the step leaves) are the runner's to save."""
+        m, states = self.m, context.states
         z, xbc, dt = self.in_proj(hidden).split(
             [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
         conv, ssm = states.pool.conv_state(layer), states.pool.ssm_state(layer)
-        cu = meta.cu_seqlens_q.tolist()
-        q_lens = [end - start for start, end in zip(cu[:-1], cu[1:], strict=True)]
-        starts = (meta.seq_lens.cpu() - torch.tensor(q_lens, dtype=torch.int32)).tolist()
-        y = torch.empty(hidden.shape[0], m.num_heads, m.head_dim, dtype=torch.float32,
-                        device=hidden.device)
-        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
-        for request in states.checkpoints:
-            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
-        decodes = [b for b, n in enumerate(q_lens) if n == 1]
-        if decodes:
-            rows = torch.tensor([cu[b] for b in decodes], device=hidden.device)
-            slots = states.slots[decodes]
-            fresh = torch.tensor([starts[b] == 0 for b in decodes], device=hidden.device)
-            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots, fresh)
-            for b in decodes:
-                for _, checkpoint in saves.get(b, ()):
-                    _save(conv, ssm, int(states.slots[b]), checkpoint)
-        for b, n in enumerate(q_lens):
-            if n > 1:  # in segments ending at each checkpoint, whose state is saved then
-                slot, begin = int(states.slots[b]), starts[b]
-                for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
-                    if end > begin:
-                        lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
-                        y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], conv, ssm, slot,
-                                                 begin == 0)
-                        begin = end
-                    if checkpoint is not None:
-                        _save(conv, ssm, slot, checkpoint)
+        if context.host.decode_only:
+            y = self._decode(xbc, dt, conv, ssm, states.slots, context.positions == 0)
+        else:
+            y = self._mixed(xbc, dt, conv, ssm, context)
         out = self.norm(y.view(hidden.shape[0], -1).to(hidden.dtype), z)
         return self.out_proj(out)
 
+    def _mixed(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
+               ssm: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """A step with prefill chunks: one-token rows take a decode step together, each
+        longer chunk its scan in segments ending at its checkpoints, whose state is saved
+        then. Row bounds come from the host copies of the lengths."""
+        host, states = context.host, context.states
+        cu, q_lens = host.query_starts, host.query_lens
+        starts = [seq_len - n for seq_len, n in zip(host.seq_lens, q_lens, strict=True)]
+        y = xbc.new_empty(xbc.shape[0], self.m.num_heads, self.m.head_dim, dtype=torch.float32)
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        if decodes:
+            rows = torch.tensor([cu[b] for b in decodes], device=xbc.device)
+            fresh = torch.tensor([starts[b] == 0 for b in decodes], device=xbc.device)
+            slots = states.slots[torch.tensor(decodes, device=xbc.device)]
+            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots, fresh)
+        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
+        for request in states.checkpoints:
+            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
+        for b, n in enumerate(q_lens):
+            if n == 1:
+                continue
+            slot, begin = states.slots[b:b + 1], starts[b]
+            for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
+                if end > begin:
+                    lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
+                    y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], conv, ssm, slot, begin == 0)
+                    begin = end
+                if checkpoint is not None:
+                    conv[checkpoint] = conv.index_select(0, slot)[0]
+                    ssm[checkpoint] = ssm.index_select(0, slot)[0]
+        return y
+
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
                 ssm: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """One token each of B sequences: xbc `[B, conv_dim]`, dt `[B, heads]` -> y
+        """One token each of B sequences: xbc `[B, conv_dim]`, dt `[B, heads]`, their state
+        slots `[B]` and whether each starts from zeros `[B]` (device tensors all) -> y
         `[B, heads, head_dim]` float32; their conv and SSM states advance one step."""
         fresh = fresh[:, None, None]  # where, not a product: an unwritten slot may hold NaN
         past = torch.where(fresh, torch.zeros((), dtype=conv.dtype), conv[slots])
         window = torch.cat([past, xbc.unsqueeze(-1)], dim=-1)
         conv[slots] = window[..., 1:]
-        mixed = (window * self.conv1d.weight[:, 0]).sum(-1)
-        if self.conv1d.bias is not None:
-            mixed = mixed + self.conv1d.bias
-        x, B, C = self._split(F.silu(mixed))
+        x, B, C = self._split(F.silu(self._conv(window)[..., -1]))
         A = -torch.exp(self.A_log.float())
         h = torch.where(fresh[..., None], 0.0, ssm[slots].float())
         h = h * torch.exp(dt * A)[..., None, None] + (
@@ -114,21 +121,33 @@ class Mamba2Mixer(nn.Module):
         return torch.einsum("bhpn,bhn->bhp", h, C) + self.D.float()[:, None] * x
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
-                 ssm: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
-        """L tokens of one sequence: xbc `[L, conv_dim]`, dt `[L, heads]` -> y
-        `[L, heads, head_dim]` float32; its state slot ends after the last of them."""
+                 ssm: torch.Tensor, slot: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """L tokens of one sequence: xbc `[L, conv_dim]`, dt `[L, heads]`, its state slot
+        `[1]` (a device tensor) -> y `[L, heads, head_dim]` float32; the slot ends holding
+        the state after the last of them."""
         m = self.m
-        past = torch.zeros_like(conv[slot]) if fresh else conv[slot]
+        past = conv.index_select(0, slot)[0]
+        past = torch.zeros_like(past) if fresh else past
         window = torch.cat([past, xbc.t()], dim=-1)  # [conv_dim, K - 1 + L]
-        mixed = F.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
-                         groups=m.conv_dim)[0].t()
-        conv[slot] = window[:, -(m.conv_kernel - 1):]
-        x, B, C = self._split(F.silu(mixed))
+        conv.index_copy_(0, slot, window[None, :, -(m.conv_kernel - 1):])
+        x, B, C = self._split(F.silu(self._conv(window).t()))
         h0 = torch.zeros(m.num_heads, m.head_dim, m.state_size, device=xbc.device) if fresh \
-            else ssm[slot].float()
+            else ssm.index_select(0, slot)[0].float()
         y, h = chunked_scan(x, dt, -torch.exp(self.A_log.float()), B, C, h0, m.chunk_size)
-        ssm[slot] = h.to(ssm.dtype)
+        ssm.index_copy_(0, slot, h[None].to(ssm.dtype))
         return y + self.D.float()[:, None] * x
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution over `window` `[..., conv_dim, K - 1 + L]` ->
+        `[..., conv_dim, L]`, as K multiply-adds in float32 (not cuDNN's conv1d, which
+        computes float32 in TF32 on CUDA by default), cast back to the window's dtype."""
+        k = self.m.conv_kernel
+        weight = self.conv1d.weight[:, 0].float()  # [conv_dim, K]
+        length = window.shape[-1] - (k - 1)
+        out = sum(window[..., i:i + length].float() * weight[:, i, None] for i in range(k))
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()[:, None]
+        return out.to(window.dtype)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs `[N, conv_dim]` -> float32 x `[N, heads, head_dim]` and B, C
@@ -141,12 +160,6 @@ class Mamba2Mixer(nn.Module):
         B = B.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         C = C.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         return x.view(-1, m.num_heads, m.head_dim), B, C
-
-
-def _save(conv: torch.Tensor, ssm: torch.Tensor, slot: int, checkpoint: int) -> None:
-    """Copy one layer's state of `slot` into the checkpoint slot."""
-    conv[checkpoint] = conv[slot]
-    ssm[checkpoint] = ssm[slot]
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

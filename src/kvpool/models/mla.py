@@ -29,17 +29,18 @@ costs a part precision only if it is that much smaller than the other.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_latent
+from kvpool.forward_context import ForwardContext, HostLengths
 from kvpool.fp8 import dequantize
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import RMSNorm
 from kvpool.models.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
-from kvpool.pool import KVPool
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, qk_rope_head_dim // 2]
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default
@@ -73,10 +74,9 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
 
-    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata,
-                pool: KVPool) -> torch.Tensor:
-        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' latents at
-        `meta.slot_mapping` into the layer's latent pages."""
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' latents at the context's
+        slot mapping into the layer's latent pages."""
         tokens, mla = x.shape[0], self.mla
         if mla.q_lora_rank is None:
             q = self.q_proj(x)
@@ -88,36 +88,40 @@ class MLAttention(nn.Module):
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = torch.cat((self.kv_a_layernorm(compressed)[:, None],
                             self.rotate(k_pe[:, None], *rope)), dim=-1)
-        layer = self.layer_idx
+        pool, layer, meta = context.locate(self.layer_idx)
         cache = pool.k_cache(layer)
         pool.calibrate(layer, latent)
         latent_scale, _ = pool.kv_scales(layer)
         write_latent(cache, meta.slot_mapping, latent, scale=latent_scale)
-        out = self.attend(q_nope, self.rotate(q_pe, *rope), meta, cache, latent_scale)
+        out = self.attend(q_nope, self.rotate(q_pe, *rope), meta, context.host, cache,
+                          latent_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * mla.v_head_dim))
 
-    def attend(self, q_nope, q_pe, meta: AttentionMetadata, cache,
+    def attend(self, q_nope, q_pe, meta: AttentionMetadata, host: HostLengths, cache,
                latent_scale=None) -> torch.Tensor:
         """Attention of the packed queries (`[T, heads, nope]` and rotated `[T, heads, rope]`)
         over the latent pages `cache` (fp8 ones read under `latent_scale`) ->
         `[T, heads, v_head_dim]`: decode rows absorbed, the rest expanded (see the module's
-        docstring)."""
-        if meta.max_query_len == 1:
-            return self.attend_absorbed(q_nope, q_pe, meta, cache, latent_scale)
-        starts = meta.cu_seqlens_q.tolist()
-        q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
+        docstring). Which rows are which comes from the host copies of the lengths."""
+        q_lens = host.query_lens
         decode = [b for b, n in enumerate(q_lens) if n == 1]
         prefill = [b for b, n in enumerate(q_lens) if n != 1]
-        if not prefill:
+        if host.decode_only or not prefill:
             return self.attend_absorbed(q_nope, q_pe, meta, cache, latent_scale)
         if not decode:
-            return self.attend_expanded(q_nope, q_pe, meta, cache, latent_scale)
+            return self.attend_expanded(q_nope, q_pe, meta, host, cache, latent_scale)
         out = q_nope.new_empty(*q_nope.shape[:2], self.mla.v_head_dim)
-        for seqs, attend in ((decode, self.attend_absorbed), (prefill, self.attend_expanded)):
-            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in seqs])
-            rows = rows.to(q_nope.device)
-            out[rows] = attend(q_nope[rows], q_pe[rows], _select(meta, seqs, q_lens), cache,
-                               latent_scale)
+        starts = host.query_starts
+        for seqs in (decode, prefill):
+            rows = torch.tensor([r for b in seqs for r in range(starts[b], starts[b + 1])],
+                                device=q_nope.device)
+            sub_meta, sub_host = _select(meta, host, seqs)
+            if seqs is decode:
+                out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], sub_meta, cache,
+                                                 latent_scale)
+            else:
+                out[rows] = self.attend_expanded(q_nope[rows], q_pe[rows], sub_meta, sub_host,
+                                                 cache, latent_scale)
         return out
 
     def attend_absorbed(self, q_nope, q_pe, meta: AttentionMetadata, cache,
@@ -136,14 +140,15 @@ class MLAttention(nn.Module):
         rank = self.mla.kv_lora_rank
         return torch.bmm(out[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, cache,
+    def attend_expanded(self, q_nope, q_pe, meta: AttentionMetadata, host: HostLengths, cache,
                         latent_scale=None) -> torch.Tensor:
         """Per sequence: project the latents of its whole context (fp8 pages: dequantized
-        under `latent_scale`) to per-head keys and values (kv_b_proj) and attend causally."""
+        under `latent_scale`) to per-head keys and values (kv_b_proj) and attend causally.
+        A prefill: the lengths come from the host copies."""
         mla, heads = self.mla, self.num_heads
         q = torch.cat((q_nope, q_pe), dim=-1)
         out = q.new_empty(*q.shape[:2], mla.v_head_dim)
-        lens, starts = meta.seq_lens.tolist(), meta.cu_seqlens_q.tolist()
+        lens, starts = host.seq_lens, host.query_starts
         page_size = cache.shape[1]
         for b, seq_len in enumerate(lens):
             rows = slice(starts[b], starts[b + 1])
@@ -184,15 +189,19 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
-def _select(meta: AttentionMetadata, seqs: list[int], q_lens: list[int]) -> AttentionMetadata:
-    """The metadata of the sequences `seqs` of a batch (their slots are written already)."""
-    index = torch.tensor(seqs, device=meta.seq_lens.device)
-    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens[b] for b in seqs)],
-                                dtype=torch.int32, device=meta.cu_seqlens_q.device)
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping[:0],
-        page_tables=meta.page_tables.index_select(0, index.to(meta.page_tables.device)),
+def _select(meta: AttentionMetadata, host: HostLengths,
+            seqs: list[int]) -> tuple[AttentionMetadata, HostLengths]:
+    """The metadata and host lengths of the sequences `seqs` of a batch (their slots are
+    written already)."""
+    q_lens, device = host.query_lens, meta.seq_lens.device
+    starts = [0, *itertools.accumulate(q_lens[b] for b in seqs)]
+    seq_lens = [host.seq_lens[b] for b in seqs]
+    index = torch.tensor(seqs, device=device)
+    sub_host = HostLengths(starts, seq_lens, max(seq_lens), max(q_lens[b] for b in seqs))
+    sub_meta = replace(
+        meta, slot_mapping=meta.slot_mapping[:0],
+        page_tables=meta.page_tables.index_select(0, index),
         seq_lens=meta.seq_lens.index_select(0, index),
-        cu_seqlens_q=cu_seqlens_q,
-        workspace=meta.workspace,
-    )
+        cu_seqlens_q=torch.tensor(starts, dtype=torch.int32, device=device),
+        max_seq_len=sub_host.max_seq_len, max_query_len=sub_host.max_query_len)
+    return sub_meta, sub_host

@@ -70,12 +70,36 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, moe.intermediate_size * moe.num_shared_experts,
                                   config.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, hidden]` -> `[T, hidden]`. Loops over the experts that have tokens."""
+    def forward(self, x: torch.Tensor, static: bool) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`. `static` (decode steps): shapes independent of
+        the routing, so a CUDA graph can replay it; otherwise only the chosen tokens go
+        through each expert, which reads the routing on the host."""
         weights, ids = self.gate(x)
+        routed = self.routed_static(x, weights, ids) if static else \
+            self.routed_sparse(x, weights, ids)
+        return routed + self.shared_experts(x)
+
+    def routed_static(self, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """Every routed expert on every token, weighted by its routing weight (0 where the
+        token did not choose it), summed in expert order as transformers sums. It costs
+        num_experts / top_k times the chosen experts' FLOPs (64 / 6 for DeepSeek-V2-Lite), but
+        a decode step is bound by reading the experts' weights, and once the batch holds
+        more than about num_experts / top_k tokens it reads nearly all of them anyway."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
+                            device=x.device).scatter_(1, ids, weights)  # [T, experts]
+        out = torch.zeros_like(x)
+        for expert, mlp in enumerate(self.experts):
+            out += (mlp(x) * dense[:, expert, None]).to(out.dtype)
+        return out
+
+    def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """Each expert on the tokens that chose it (prefill: the FLOPs of the chosen experts
+        only; the expert ids are read on the host, so a CUDA graph cannot hold it)."""
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             tokens, slots = (ids == expert).nonzero(as_tuple=True)
             y = self.experts[expert](x[tokens]) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return out + self.shared_experts(x)
+        return out

@@ -1,0 +1,209 @@
+"""Every model family's decode step reads nothing back from the device, so a CUDA graph can
+replay it: its forward, on the forward context the CUDA-graph runner builds for a padded
+decode batch, traces with fake tensors (`make_fx(tracing_mode="fake")`) into a graph with no
+`.item()` / `.tolist()` (aten._local_scalar_dense), `nonzero` or `unique`, and no shape that
+depends on the data (an unbacked symbolic size), and the trace never branches on a value.
+kvpool's attention ops enter the trace as custom ops with fake implementations (their kernels
+are tested on their own); the pools are constants, the context's tensors the inputs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import kvpool.models.llama
+import kvpool.models.mla
+from hybrid_util import make_bamba
+from kvpool.attention import paged_attention, write_kv, write_latent
+from kvpool.engine import LLM
+from kvpool.engine.graphs import CUDAGraphRunner
+from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.forward_context import ForwardContext
+from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.loader import MODEL_CLASSES
+from kvpool.models.moe import MoE
+from models_util import make_hf_model, save_hf_model
+from test_deepseek import CONFIGS as DEEPSEEK
+from test_windows import CONFIGS as WINDOWED
+
+BUCKET, MAX_MODEL_LEN = 4, 64
+FAMILIES = {  # name: a small random transformers model of the family
+    "llama": lambda: make_hf_model("llama"),
+    "qwen3": lambda: make_hf_model("qwen3"),
+    "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
+    "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
+    "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
+    "bamba": lambda: make_bamba("bamba"),
+}
+FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten._unique", "aten.unique",
+             "aten.item")  # host reads and data-dependent shapes
+
+
+@torch.library.custom_op("kvpool_trace::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+    write_kv(k_cache, v_cache, slots, k, v)
+
+
+@_write_kv_op.register_fake
+def _(k_cache, v_cache, slots, k, v) -> None:
+    return None
+
+
+@torch.library.custom_op("kvpool_trace::write_latent", mutates_args=("cache",))
+def _write_latent_op(cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    write_latent(cache, slots, latent)
+
+
+@_write_latent_op.register_fake
+def _(cache, slots, latent) -> None:
+    return None
+
+
+@torch.library.custom_op("kvpool_trace::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        page_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None,
+                        max_seq_len: int | None, max_query_len: int | None) -> torch.Tensor:
+    return paged_attention(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
+                           scale=scale, sliding_window=sliding_window,
+                           max_seq_len=max_seq_len, max_query_len=max_query_len)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, sliding_window,
+      max_seq_len, max_query_len) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _traced_write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
+    assert k_scale is None and v_scale is None  # the traced pools hold no fp8 pages
+    _write_kv_op(k_cache, v_cache, slots, k, v)
+
+
+def _traced_write_latent(cache, slots, latent, *, scale=None):
+    assert scale is None
+    _write_latent_op(cache, slots, latent)
+
+
+def _traced_paged_attention(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *,
+                            scale=None, sliding_window=None, max_seq_len=None,
+                            max_query_len=None, workspace=None, k_scale=None, v_scale=None):
+    assert k_scale is None and v_scale is None
+    return _paged_attention_op(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
+                               scale, sliding_window, max_seq_len, max_query_len)
+
+
+@pytest.fixture(autouse=True)
+def attention_as_custom_ops(monkeypatch):
+    for module in (kvpool.models.llama, kvpool.models.mla):
+        monkeypatch.setattr(module, "paged_attention", _traced_paged_attention)
+    monkeypatch.setattr(kvpool.models.llama, "write_kv", _traced_write_kv)
+    monkeypatch.setattr(kvpool.models.mla, "write_latent", _traced_write_latent)
+
+
+def host_reads(fn, *inputs) -> list[str]:
+    """What in the fake-tensor trace of `fn(*inputs)` reads device data on the host or
+    takes a shape from it: the forbidden ops and data-dependent shapes in its graph, or the
+    error that stopped the trace (a branch on a value)."""
+    try:
+        graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    except RuntimeError as e:  # torch's data-dependent errors, guards included
+        return [f"{type(e).__name__}: {str(e).splitlines()[0]}"]
+    found = []
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith(FORBIDDEN):
+            found.append(str(node.target))
+        val = node.meta.get("val")
+        for v in val if isinstance(val, list | tuple) else [val]:
+            if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+                found.append(f"{node.target}: shape {tuple(v.shape)}")
+    return found
+
+
+def context_inputs(fn, context: ForwardContext):
+    """(`step`, tensors): `step(*tensors)` is `fn(context)` with every device tensor of the
+    context (ids, positions, logits indices, each group's metadata, state slots) an input."""
+    metas = context.attention
+    leaves = [context.input_ids, context.positions, context.logits_indices]
+    for meta in metas:
+        leaves += [meta.slot_mapping, meta.page_tables, meta.seq_lens, meta.cu_seqlens_q]
+    if context.states is not None:
+        leaves.append(context.states.slots)
+
+    def step(*tensors):
+        it = iter(tensors)
+        ids, positions, logits_indices = next(it), next(it), next(it)
+        attention = tuple(replace(meta, slot_mapping=next(it), page_tables=next(it),
+                                  seq_lens=next(it), cu_seqlens_q=next(it)) for meta in metas)
+        states = None if context.states is None else replace(context.states, slots=next(it))
+        return fn(replace(context, input_ids=ids, positions=positions,
+                          logits_indices=logits_indices, attention=attention, states=states))
+
+    return step, leaves
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def engine(request, tmp_path_factory):
+    folder = save_hf_model(FAMILIES[request.param](), tmp_path_factory.mktemp(request.param))
+    return LLM(folder, device="cpu", num_pages=64, page_size=4, max_model_len=MAX_MODEL_LEN,
+               max_num_seqs=BUCKET)
+
+
+def decode_context(llm: LLM) -> ForwardContext:
+    """The context the CUDA-graph runner builds for 3 decoding sequences padded to 4."""
+    batch = ScheduledBatch()
+    for i, n in enumerate((5, 9, 14)):
+        seq_id = f"trace{i}-{len(llm.cache.sequences())}"
+        token_ids = [(7 * i + t) % 100 for t in range(n)]
+        llm.cache.add_sequence(seq_id, token_ids)
+        batch.seqs.append(SimpleNamespace(seq_id=seq_id, token_ids=token_ids))
+        batch.starts.append(n - 1)
+        batch.ends.append(n)
+        batch.sampled.append(True)
+    graphs = CUDAGraphRunner(llm.runner, BUCKET, MAX_MODEL_LEN)
+    return graphs.inputs(graphs.stage(batch, BUCKET), BUCKET)
+
+
+def test_every_familys_decode_step_reads_nothing_back(engine):
+    step, inputs = context_inputs(engine.model, decode_context(engine))
+    assert host_reads(step, *inputs) == []
+    graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    (logits,) = graph.graph.output_node().args
+    assert tuple(logits.meta["val"].shape) == (BUCKET, engine.model.config.vocab_size)
+
+
+def test_the_trace_covers_every_model_class():
+    # CUDA graphs capture every model's decode step (LLM names no exceptions): each class
+    # the loader builds must be a family traced above.
+    traced = {"llama": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
+              "gemma3": MODEL_CLASSES["Gemma3ForCausalLM"],
+              "deepseek-v2": MODEL_CLASSES["DeepseekV2ForCausalLM"],
+              "deepseek-v3": MODEL_CLASSES["DeepseekV3ForCausalLM"],
+              "bamba": MODEL_CLASSES["BambaForCausalLM"]}
+    assert set(traced) == set(FAMILIES)
+    assert set(traced.values()) == {LlamaForCausalLM, *MODEL_CLASSES.values()}
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: x.sum().item(),
+    lambda x: x.tolist(),
+    lambda x: x.nonzero(),
+    lambda x: x.unique(),
+    lambda x: x[x > 0],
+])
+def test_the_trace_finds_a_host_read_or_a_data_dependent_shape(read):
+    assert host_reads(read, torch.arange(4))
+
+
+def test_the_trace_finds_the_prefill_expert_loops_host_reads(engine):
+    moe = next((m for m in engine.model.modules() if isinstance(m, MoE)), None)
+    if moe is None:
+        pytest.skip("not a mixture-of-experts model")
+    x = torch.randn(BUCKET, engine.model.config.hidden_size)
+    assert host_reads(lambda h: moe(h, True), x) == []
+    assert host_reads(lambda h: moe(h, False), x)
