@@ -6,7 +6,6 @@ import torch
 from kvpool.cache import HOLE
 from kvpool.errors import OutOfPages, SequenceTooLong
 from kvpool.grouped_cache import GroupedCache
-from kvpool.hybrid_cache import SCRATCH
 from kvpool.layout import KVLayout
 
 PAGE_SIZE = 4
@@ -178,13 +177,14 @@ def test_a_hit_is_bounded_by_the_group_that_evicted_its_pages(device):
     c.check()
 
 
-def test_recomputed_tokens_of_a_longer_match_write_to_the_scratch_page_not_the_shared_one(device):
+def test_recomputed_tokens_of_a_longer_match_write_to_the_padding_page_not_the_shared_one(
+        device):
     c = cache(prefix_caching=True, device=device)
     prefill(c, "a", PROMPT)
     c.free_sequence("a")
     c.groups[SLIDING].prefix_cache.evict(2)
     hit = prefill(c, "b", PROMPT)
-    (scratch,) = c.groups[FULL].slots(SCRATCH)
+    scratch = c.groups[FULL].pool.padding_slot
     full = c.slot_mapping(["b"], [hit], [17], group=FULL).tolist()
     window = c.slot_mapping(["b"], [hit], [17], group=SLIDING).tolist()
     assert full == [scratch] * 8 + c.slots("b", FULL)[16:]  # tokens 8-15 are shared pages

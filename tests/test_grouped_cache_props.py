@@ -3,8 +3,8 @@
 
 Each token's K value is an id unique to its content (the token ids up to and including it). The
 model's writes go through `slot_mapping` from the prefix hit on, as the engine's do, so a group
-whose match outruns the hit writes the recomputed tokens to its scratch page: after every step
-each live sequence, read through each group's page table, must give back exactly its own values
+whose match outruns the hit writes the recomputed tokens to its pool's padding page: after every
+step each live sequence, read through each group's page table, must give back exactly its own values
 (a shared page rewritten, a wrong share or a missed copy shows up at once), and the window group
 must still hold every token of the window.
 """
@@ -236,8 +236,7 @@ class GroupedMachine(RuleBasedStateMachine):
         for cache in self.cache.groups:
             if cache.prefix_cache is not None:
                 cache.prefix_cache.clear()
-            # what is left is the scratch page
-            assert cache.allocator.num_free == cache.num_pages - (cache.prefix_cache is not None)
+            assert cache.allocator.num_free == cache.num_pages
         self.cache.check()
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import OutOfPages, OutOfStateSlots
-from kvpool.hybrid_cache import SCRATCH, HybridCache
+from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 from kvpool.tokens import pack_tokens
@@ -73,7 +73,7 @@ def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192(device):
     # 192..279 is computed again; the K/V of 192..271 is in the shared pages already, so
     # only 272..279 is written to the sequence's own page
     slots = c.slot_mapping(["b"], [192], [280]).tolist()
-    assert slots[:80] == [c.slots(SCRATCH)[0]] * 80
+    assert slots[:80] == [c.kv.pool.padding_slot] * 80
     assert slots[80:] == c.slots("b")[272:280]
     assert compute(c, "b", 192, 280) == [256]  # and the checkpoint at 256 is saved anew
     c.check()
@@ -116,7 +116,7 @@ def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages(d
     assert c.add_sequence("b", list(range(60))) == 0
     assert c.pages("b")[:3] == pages[:3]
     slots = c.slot_mapping(["b"], [0], [60]).tolist()
-    assert slots == [c.slots(SCRATCH)[0]] * 48 + c.slots("b")[48:]
+    assert slots == [c.kv.pool.padding_slot] * 48 + c.slots("b")[48:]
     c.check()
 
 
@@ -156,9 +156,9 @@ def test_interval_not_a_multiple_of_the_page_size_is_refused(device):
 
 
 @pytest.mark.parametrize(("starts", "ends"), [([0], [130]), ([0, 0], [130]), (None, [130, 70])])
-def test_state_batch_with_ranges_not_one_per_sequence_is_refused_reserving_nothing(starts,
-                                                                                   ends):
-    c = cache()
+def test_state_batch_with_ranges_not_one_per_sequence_is_refused_reserving_nothing(
+        starts, ends, device):
+    c = cache(device=device)
     c.add_sequence("a", list(range(130)))
     c.add_sequence("b", list(range(1000, 1070)))
     free = c.num_free_state_slots
@@ -171,8 +171,8 @@ def test_state_batch_with_ranges_not_one_per_sequence_is_refused_reserving_nothi
 
 
 @pytest.mark.parametrize(("start", "end"), [(0, 300), (-1, 64), (70, 64)])
-def test_state_batch_with_a_range_outside_the_tokens_held_is_refused(start, end):
-    c = cache()
+def test_state_batch_with_a_range_outside_the_tokens_held_is_refused(start, end, device):
+    c = cache(device=device)
     c.add_sequence("a", list(range(130)))
     with pytest.raises(ValueError, match=f"sequence 'a' holds 130 tokens: its range must be "
                                          f"0 <= start <= end <= 130, got \\[{start}, {end}\\)"):

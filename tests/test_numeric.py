@@ -6,6 +6,7 @@ import math
 import pytest
 
 from kvpool.numeric import FLOAT32_TINY, INT64_MAX, check_float32, check_int64
+from kvpool.server.limits import ServerLimits
 from kvpool.server.protocol import RequestError, parse_completion
 
 
@@ -46,10 +47,11 @@ def test_check_int64_refuses_past_int64():
 @pytest.mark.parametrize("name", ["top_k", "n", "max_tokens"])
 def test_server_refuses_an_int_past_int64_naming_the_field(name):
     with pytest.raises(RequestError, match=f"{name} must be <= {INT64_MAX}") as info:
-        parse_completion({"model": "tiny", "prompt": "x", name: 2**63}, "tiny")
+        parse_completion({"model": "tiny", "prompt": "x", name: 2**63}, "tiny", ServerLimits())
     assert info.value.param == name
 
 
 def test_server_accepts_a_tiny_top_p():
-    request = parse_completion({"model": "tiny", "prompt": "x", "top_p": 1e-300}, "tiny")
+    request = parse_completion({"model": "tiny", "prompt": "x", "top_p": 1e-300}, "tiny",
+                               ServerLimits())
     assert request.sampling_params(4).top_p == 1e-300

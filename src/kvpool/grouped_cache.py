@@ -9,8 +9,8 @@ A prefix hit is as long as every group can serve: the shortest of the groups' ma
 group's tree keeps a sequence's pages only until its first drop, and each group evicts on its
 own). A group whose match is longer shares its pages all the same, and the tokens between the
 hit and the end of its match, computed again for the other groups' sake, write their K/V for
-that group to a scratch page (`slot_mapping` points there), so shared pages are never
-rewritten."""
+that group to the pool's reserved padding page (`slot_mapping` points there; no sequence holds
+it), so shared pages are never rewritten."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import torch
 from kvpool.cache import CacheStats, KVCache, _batch_counts
 from kvpool.errors import DuplicateSequence, OutOfPages, SequenceTooLong, UnknownSequence
 from kvpool.grouped_pool import GroupedPool
-from kvpool.hybrid_cache import SCRATCH
 from kvpool.layout import KVLayout, LayerGroup
 from kvpool.tokens import pack_tokens
 
@@ -49,7 +48,7 @@ class GroupedCache:
     """One KVCache per layer group of `layout` (at least two groups), group g with
     `num_pages[g]` pages, every pool on `device` (keyword-only, no default). Every mutating
     call checks every group first and then acts in each: a call that raises has changed
-    nothing. With prefix caching each group holds one scratch page for the cache's lifetime.
+    nothing.
     Queries that name pages, slots or page tables take the group (0, the first of
     `layout.groups`: full attention when the model has it)."""
 
@@ -73,11 +72,7 @@ class GroupedCache:
             for group, n in zip(groups, num_pages, strict=True))
         self.pool = GroupedPool(layout, tuple(cache.pool for cache in self.groups))
         self.max_tokens_per_seq = max_tokens_per_seq
-        self._scratch_slots: tuple[int, ...] = ()
-        if prefix_caching:
-            for cache in self.groups:
-                cache.add_sequence(SCRATCH, num_tokens=1)
-            self._scratch_slots = tuple(cache.slots(SCRATCH)[0] for cache in self.groups)
+        self.prefix_caching = prefix_caching
         self._seqs: dict[Hashable, _GroupedSequence] = {}
         self._query_tokens = self._hit_tokens = 0
 
@@ -102,7 +97,7 @@ class GroupedCache:
                        for cache in self.groups)
         self._seqs[seq_id] = _GroupedSequence(shared)
         hit = min(shared)
-        if token_ids is not None and self._scratch_slots:
+        if token_ids is not None and self.prefix_caching:
             self._query_tokens += n
             self._hit_tokens += hit
         return hit
@@ -196,13 +191,14 @@ class GroupedCache:
                      ends: Sequence[int], *, group: int = 0) -> torch.Tensor:
         """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence in `group`'s
         pool; the tokens of the group's match that are computed again (a shorter hit
-        elsewhere) write to the group's scratch page instead of the shared pages."""
+        elsewhere) write to the group pool's reserved padding page instead of the shared pages."""
         slots = self.groups[group].slot_mapping(seq_ids, starts, ends)
+        padding = self.groups[group].pool.padding_slot
         offset = 0
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             shared = self._get(seq_id).shared[group]
             if start < shared:
-                slots[offset:offset + min(end, shared) - start] = self._scratch_slots[group]
+                slots[offset:offset + min(end, shared) - start] = padding
             offset += end - start
         return slots
 
@@ -288,14 +284,13 @@ class GroupedCache:
         return CacheStats(**summed)
 
     def check(self) -> None:
-        """Each group's invariants, plus: every group holds the same sequences (and the
-        scratch sequence when prefix caching), each with the same number of tokens; a
+        """Each group's invariants, plus: every group holds the same sequences, each with the
+        same number of tokens; a
         sequence's shared tokens in each group are whole pages of its tokens."""
         for cache in self.groups:
             cache.check()
-        scratch = [SCRATCH] if self._scratch_slots else []
         for g, cache in enumerate(self.groups):
-            assert cache.sequences() == scratch + list(self._seqs), (
+            assert cache.sequences() == list(self._seqs), (
                 f"group {g} holds sequences {cache.sequences()}, the cache {list(self._seqs)}")
         for seq_id, seq in self._seqs.items():
             counts = [cache.num_tokens(seq_id) for cache in self.groups]

@@ -11,7 +11,8 @@ deepest checkpoint no longer than its KV match; the checkpoint is copied into th
 own slot (copy-on-write: a state is written at every token, so it is never shared). The
 sequence shares every page of its KV match all the same: the tokens between the hit and the
 end of the KV match are computed again for the Mamba layers' sake, but their K/V, which the
-shared pages hold already, is written to a scratch page (`slot_mapping` points there)."""
+shared pages hold already, is written to the pool's reserved padding page (`slot_mapping`
+points there)."""
 
 from __future__ import annotations
 
@@ -28,16 +29,6 @@ from kvpool.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBa
 from kvpool.tokens import TOKEN_BYTES, pack_tokens
 
 
-class _ScratchId:
-    """The id of the KVCache sequence that holds the scratch page."""
-
-    def __repr__(self) -> str:
-        return "<kv scratch>"
-
-
-SCRATCH = _ScratchId()
-
-
 @dataclass(slots=True)
 class _HybridSequence:
     slot: int
@@ -51,8 +42,8 @@ class HybridCache:
     """`num_pages` KV pages of `layout`, and state slots of `mamba_layout`: `num_state_slots`
     for sequences (each live sequence holds one) plus `num_checkpoint_slots` for the prefix
     cache's checkpoints, all on `device` (keyword-only, no default). Every mutating call checks
-    first and then acts: a call that raises has changed nothing. With prefix caching one page
-    is the scratch page, held for the cache's lifetime."""
+    first and then acts: a call that raises has changed nothing. Recomputed tokens of a KV
+    match write to the pool's reserved padding page, which no sequence holds."""
 
     def __init__(self, layout: KVLayout, num_pages: int, mamba_layout: MambaLayout,
                  num_state_slots: int, *, device: str | torch.device, policy: str = "lifo",
@@ -78,10 +69,6 @@ class HybridCache:
         self.checkpoints = StateCheckpoints(
             self.states, num_checkpoint_slots if prefix_caching else 0, checkpoint_interval)
         self.track_interval = track_interval
-        self._scratch_slot = None
-        if prefix_caching:
-            self.kv.add_sequence(SCRATCH, num_tokens=1)
-            self._scratch_slot = self.kv.slots(SCRATCH)[0]
         self._seqs: dict[Hashable, _HybridSequence] = {}
         self._query_tokens = self._hit_tokens = 0
         self._num_evicted_pages = 0  # the KV evictions already swept for orphan checkpoints
@@ -328,13 +315,13 @@ class HybridCache:
                      ends: Sequence[int]) -> torch.Tensor:
         """KV slots int64 on the host of tokens [starts[i], ends[i]) of each sequence; the
         tokens of a sequence's KV match (computed again after a shallower checkpoint hit)
-        write to the scratch page instead of the shared pages."""
+        write to the pool's reserved padding page instead of the shared pages."""
         slots = self.kv.slot_mapping(seq_ids, starts, ends)
         offset = 0
         for seq_id, start, end in zip(seq_ids, starts, ends, strict=True):
             shared = self._get(seq_id).num_shared
             if start < shared:
-                slots[offset:offset + min(end, shared) - start] = self._scratch_slot
+                slots[offset:offset + min(end, shared) - start] = self.kv.pool.padding_slot
             offset += end - start
         return slots
 
@@ -352,7 +339,7 @@ class HybridCache:
         self.kv.check()
         self.states.check()
         self.checkpoints.check()
-        with_pages = [s for s in self.kv.sequences() if s is not SCRATCH]
+        with_pages = self.kv.sequences()
         assert list(self._seqs) == with_pages, (
             f"sequences with state slots {list(self._seqs)} differ from those with pages "
             f"{with_pages}")
