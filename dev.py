@@ -2,7 +2,7 @@
 """Run kvpool from a local virtual environment, creating or refreshing it first.
 
     python3 dev.py bench [args]       # kvpool bench on the built-in model
-    python3 dev.py test [args]        # the test suite
+    python3 dev.py test [args]        # the test suite (one pytest-xdist worker per core)
     python3 dev.py gpu-check [args]   # the suite with CUDA visible, then benchmarks/gpu.py
     python3 dev.py <cmd> [args]       # any kvpool subcommand (plan, generate, ...)
 """
@@ -117,13 +117,23 @@ def gpu_check(args: list[str]) -> int:
     return int(bool(failed) or suite.returncode not in (0, 1) or bench.returncode != 0)
 
 
+def test_workers(args: list[str]) -> list[str]:
+    """pytest-xdist workers for `dev.py test`, one per core, unless the arguments choose (-n,
+    or -p no:xdist) or there is one core."""
+    cores = os.cpu_count() or 1
+    if cores == 1 or any(a.startswith(("-n", "--numprocesses")) or "no:xdist" in a
+                         for a in args):
+        return []
+    return ["-n", str(cores)]
+
+
 def main() -> int:
     args = sys.argv[1:] or ["bench"]
     if args[0] == "gpu-check":
         return gpu_check(args[1:])
     ensure_venv()
     if args[0] == "test":
-        cmd = [str(PY), "-m", "pytest", *args[1:]]
+        cmd = [str(PY), "-m", "pytest", *test_workers(args[1:]), *args[1:]]
     else:
         cmd = [str(BIN / "kvpool"), *args]
     return subprocess.call(cmd, cwd=ROOT)
