@@ -22,6 +22,7 @@ from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
+from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
 from kvpool.errors import OutOfPages, SequenceTooLong, StepFailed
 from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
@@ -74,6 +75,11 @@ class LLM:
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         layout = self.config.kv_layout(mc)
+        if self.config.tier_option and (mamba or (len(layout.groups) > 1
+                                                  and self.config.free_out_of_window)):
+            kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
+            raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
+                             f"windowed pool; this {kind} cache has none yet")
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
@@ -96,7 +102,9 @@ class LLM:
                                  prefix_caching=self.config.prefix_caching,
                                  max_tokens_per_seq=self.max_model_len,
                                  kv_scales=self.config.kv_scales,
-                                 free_out_of_window=self.config.free_out_of_window)
+                                 free_out_of_window=self.config.free_out_of_window,
+                                 tier=make_tier(self.config, layout.bytes_per_page),
+                                 model_fingerprint=weights_fingerprint(self.model))
         smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
             if isinstance(self.cache, GroupedCache) else num_pages
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
@@ -253,7 +261,8 @@ class LLM:
             num_cuda_graphs=len(self.graphs.graphs) if self.graphs else 0,
             cuda_graph_bytes=self.config.cuda_graph_bytes(self.model_config, self.model.dtype)
             if self.graphs else 0,
-            num_graph_steps=self.graphs.num_replays if self.graphs else 0)
+            num_graph_steps=self.graphs.num_replays if self.graphs else 0,
+            **tier_counters(self.cache))
 
     # ---- internals ---------------------------------------------------------------------
 
