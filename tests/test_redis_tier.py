@@ -249,3 +249,37 @@ def test_engine_takes_one_tier():
         EngineConfig(disk_tier="/tmp/kv", prefix_caching=False)
     with pytest.raises(ValueError, match="redis://"):
         EngineConfig(redis_tier="localhost:6379")
+
+
+def test_server_metrics_count_the_tiers_pages(server, device):
+    pytest.importorskip("starlette", reason="the server extra is not installed")
+    import functools
+
+    from server_util import metrics, running_server
+
+    make_llm = functools.partial(LLM, "tiny", num_pages=10, device=device, enforce_eager=True,
+                                 redis_tier=server.url)
+    with running_server(make_llm) as running:
+        for prompt in [PROMPT, *FILLERS, PROMPT]:
+            running.client().completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                                temperature=0.0)
+        counts = metrics(running)
+    assert counts["kvpool_tier_stored_pages_total", ()] >= 4
+    assert counts["kvpool_tier_loaded_pages_total", ()] == 4
+    assert counts["kvpool_tier_dropped_pages_total", ()] == 0
+    assert ("kvpool_tier_missed_pages_total", ()) in counts
+
+
+def test_cli_tier_flags_become_engine_options():
+    from kvpool.cli import build_parser
+    from kvpool.tier_flags import tier_options
+
+    args = build_parser().parse_args(["serve", "--redis-tier", "redis://127.0.0.1:6379/0"])
+    assert tier_options(args) == {"redis_tier": "redis://127.0.0.1:6379/0"}
+    args = build_parser().parse_args(["bench", "--disk-tier", "kv", "--disk-tier-memory",
+                                      "1GiB"])
+    assert tier_options(args) == {"disk_tier": "kv", "disk_tier_memory": 2**30}
+    args = build_parser().parse_args(["chat", "--host-tier-memory", "2GiB"])
+    assert tier_options(args) == {"host_tier_memory": 2 * 2**30}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--host-tier-memory", "1GiB", "--disk-tier", "kv"])
