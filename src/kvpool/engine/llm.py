@@ -49,6 +49,10 @@ class LLM:
     pages of every layer (planned or given) split between a full pool and a window pool
     (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
+    One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
+    prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
+    engines of one model sharing a Redis server share their prefixes. Plain and windowed
+    models only: the hybrid and grouped caches refuse a tier.
     """
 
     def __init__(self, model: str | Path, *,
