@@ -72,18 +72,18 @@ class LLM:
             num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
         state_bytes = (num_slots + num_checkpoints + RESERVED_SLOTS) * mamba.bytes_per_slot \
             if mamba else 0
+        layout = self.config.kv_layout(mc)
+        if self.config.tier_option and (mamba or (len(layout.groups) > 1
+                                                  and self.config.free_out_of_window)):
+            kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
+            raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
+                             f"windowed pool; this {kind} cache takes none yet")
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
-        layout = self.config.kv_layout(mc)
-        if self.config.tier_option and (mamba or (len(layout.groups) > 1
-                                                  and self.config.free_out_of_window)):
-            kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
-            raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
-                             f"windowed pool; this {kind} cache has none yet")
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
@@ -102,13 +102,14 @@ class LLM:
                                       max_tokens_per_seq=self.max_model_len,
                                       kv_scales=self.config.kv_scales)
         else:
+            tier = make_tier(self.config, layout.bytes_per_page)
+            fingerprint = weights_fingerprint(self.model) if tier is not None else ""
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,
                                  max_tokens_per_seq=self.max_model_len,
                                  kv_scales=self.config.kv_scales,
                                  free_out_of_window=self.config.free_out_of_window,
-                                 tier=make_tier(self.config, layout.bytes_per_page),
-                                 model_fingerprint=weights_fingerprint(self.model))
+                                 tier=tier, model_fingerprint=fingerprint)
         smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
             if isinstance(self.cache, GroupedCache) else num_pages
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
