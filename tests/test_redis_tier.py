@@ -1,6 +1,8 @@
 """RedisTier against a real redis-server (started on 127.0.0.1 on a free port per test), and
 tiers in the engine: replicas sharing prefixes through Redis, Redis failing under them."""
 
+import functools
+import json
 import shutil
 import socket
 import subprocess
@@ -20,9 +22,8 @@ if shutil.which("redis-server") is None:
 
 import redis  # noqa: E402
 
-from kvpool import LLM, SamplingParams  # noqa: E402
+from kvpool import LLM, RedisTier, SamplingParams  # noqa: E402
 from kvpool.engine.config import EngineConfig  # noqa: E402
-from kvpool.redis_tier import RedisTier  # noqa: E402
 from kvpool.tiers import ROOT_KEY, PageKey, page_record  # noqa: E402
 
 PS = 4
@@ -203,8 +204,6 @@ def _greedy(llm, prompt):
 
 
 def test_replica_in_another_process_loads_the_first_ones_prefix_from_redis(server, device):
-    import json
-
     first = subprocess.run(
         [sys.executable, "-c", REPLICA, str(SRC), server.url, str(device),
          json.dumps([PROMPT, *FILLERS])], capture_output=True, text=True, timeout=300)
@@ -253,8 +252,6 @@ def test_engine_takes_one_tier():
 
 def test_server_metrics_count_the_tiers_pages(server, device):
     pytest.importorskip("starlette", reason="the server extra is not installed")
-    import functools
-
     from server_util import metrics, running_server
 
     make_llm = functools.partial(LLM, "tiny", num_pages=10, device=device, enforce_eager=True,
