@@ -33,7 +33,9 @@ class RedisTier(Tier):
     the same namespace using it. `capacity_bytes`: this tier's share of the server (it deletes
     the least recently used of the pages it stored beyond it); None leaves the bound to the
     server's `maxmemory`. `namespace` prefixes this tier's keys (to separate deployments on
-    one server; pages of different models never mix anyway). `timeout`: seconds per call."""
+    one server; pages of different models never mix anyway). `timeout`: seconds per call.
+    `len` and iteration count the pages this tier stored that it has not seen go; `get` finds
+    any engine's. `put` raises redis.RedisError (or RedisUnavailable) when Redis fails."""
 
     def __init__(self, url: str, capacity_bytes: int | None = None, namespace: str | None = None,
                  *, timeout: float = 0.25, retry_interval: float = 1.0):

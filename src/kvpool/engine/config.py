@@ -80,7 +80,7 @@ class EngineConfig:
     mamba_checkpoint_slots: int | None = None
     free_out_of_window: bool = True
     host_tier_memory: int | None = None
-    disk_tier: str | None = None
+    disk_tier: str | os.PathLike | None = None
     disk_tier_memory: int = DEFAULT_DISK_TIER_MEMORY
     redis_tier: str | None = None
 
