@@ -9,12 +9,23 @@ hits nothing). Page geometry of TinyLlama-1.1B: 22 layers, 4 KV heads, head_dim 
 352 KiB per page. Times are the tier's own `put` / `get` per page moved, in microseconds
 (the pool's gather and scatter of the same pages are not included).
 
-    python benchmarks/tiers.py
+Two replicas: the same prompts sent at random to one of two caches (as a load balancer
+would), each with no tier, a HostTier of its own, or a RedisTier on one Redis server both
+share (redis-server started on a free local port, or --redis-url). Wall time is the caches'
+own work and the tiers' traffic, with no model: the prefill the recomputed tokens would
+cost comes on top.
+
+    python benchmarks/tiers.py [--redis-url redis://127.0.0.1:6379/0]
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import random
+import shutil
+import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,7 +132,67 @@ def serve(prompts: list[list[int]], tier: Tier | None) -> Run:
     return run
 
 
+def serve_replicas(prompts: list[list[int]], make_tier: Callable[[], Tier | None],
+                   seed: int = 0) -> tuple[int, float]:
+    """Send each prompt to one of two caches at random (each with a tier of `make_tier`);
+    the prompt tokens recomputed and the wall time in seconds."""
+    rng = random.Random(seed)
+    caches = [KVCache(LAYOUT, NUM_PAGES, device="cpu", prefix_caching=True, tier=make_tier())
+              for _ in range(2)]
+    recomputed = 0
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        cache = caches[rng.randrange(2)]
+        recomputed += len(prompt) - cache.add_sequence(i, prompt)
+        cache.commit(i)
+        cache.free_sequence(i)
+    return recomputed, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def redis_url(given: str | None):
+    """`given`, or the URL of a redis-server started on a free local port for the block;
+    None when neither is at hand."""
+    if given or shutil.which("redis-server") is None:
+        yield given
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main_replicas(prompts: list[list[int]], url: str | None) -> None:
+    cases: list[tuple[str, Callable[[], Tier | None]]] = [
+        ("no tier", lambda: None),
+        (f"HostTier({TIER_PAGES}) each", lambda: HostTier(TIER_PAGES)),
+    ]
+    if url is not None:
+        from kvpool.redis_tier import RedisTier
+
+        cases.append(("one shared RedisTier", lambda: RedisTier(url)))
+    print(f"\ntwo replicas, each prompt to one at random; {NUM_PAGES} pages each")
+    print(f"{'case':<24} {'recomputed':>11} {'ratio':>6} {'wall s':>7}")
+    baseline = None
+    for name, make in cases:
+        recomputed, seconds = serve_replicas(prompts, make)
+        baseline = baseline or recomputed
+        print(f"{name:<24} {recomputed:>11} {recomputed / baseline:>6.2f} {seconds:>7.2f}")
+    if url is None:
+        print("(no redis-server on PATH and no --redis-url: the RedisTier case is left out)")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--redis-url", help="a Redis server to use (default: start one)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     prompts = workload()
     with tempfile.TemporaryDirectory() as directory:
@@ -143,6 +214,8 @@ def main() -> None:
               f"{r.recomputed_tokens / baseline:>6.2f} {r.tier_loads:>6} {r.tier_stores:>7} "
               f"{r.put_us:>12.1f} {r.get_us:>12.1f}")
     print("recomputed: prompt tokens whose KV must be computed (prefill); ratio: vs baseline")
+    with redis_url(args.redis_url) as url:
+        main_replicas(prompts, url)
 
 
 if __name__ == "__main__":

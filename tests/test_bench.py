@@ -25,7 +25,7 @@ SMALL = ["--num-requests", "8", "--prompt-len", "16", "--output-len", "8"]
 SMALL_WORKLOAD = Workload(8, PROMPT_LEN.with_median(16), OUTPUT_LEN.with_median(8))
 ROWS = ["model", "requests", "prompt tokens", "generated tokens", "wall time", "generated tok/s",
         "total tok/s", "TTFT p50 / p99", "TPOT p50 / p99", "peak pages used", "pool pages",
-        "KV utilization", "prefix hit rate", "preemptions"]
+        "KV utilization", "prefix hit rate", "tier pages", "preemptions"]
 
 
 def bench_table(capsys, *argv: str) -> dict[str, str]:
@@ -122,8 +122,20 @@ def test_bench_on_a_small_pool_preempts_and_still_generates_every_token(capsys, 
     assert number(table["generated tokens"]) == 111
     assert number(table["peak pages used"]) <= 20
     assert table["prefix hit rate"] == "off"
+    assert table["tier pages"] == "off"
     assert table["plot"].startswith("pip install 'kvpool[plot]'")
     assert not (tmp_path / "pool.png").exists()
+
+
+def test_bench_with_a_host_tier_counts_its_pages(capsys):
+    table = bench_table(capsys, *SMALL, "--num-pages", "20", "--host-tier-memory", "4MiB",
+                        "--no-plot")
+    counts = {name: number(n) for n, name in re.findall(r"(\d[\d,]*) (\w+)",
+                                                         table["tier pages"])}
+    assert list(counts) == ["stored", "loaded", "missed", "dropped"]
+    assert counts["stored"] > 0 and counts["dropped"] == 0
+    assert table["tier pages"].endswith("(host_tier_memory)")
+    assert table["prefix hit rate"].endswith("looked-up prompt tokens)")
 
 
 def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):

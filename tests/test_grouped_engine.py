@@ -43,6 +43,12 @@ def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint, device):
     assert [cache.num_pages for cache in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
 
 
+def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
+    _, folder = checkpoint
+    with pytest.raises(ValueError, match="host_tier_memory: .* grouped .* takes none yet"):
+        LLM(folder, **ENGINE, device=device, host_tier_memory=2**20)
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemption(
         checkpoint, prefix_caching, device):

@@ -68,6 +68,11 @@ def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint, d
     assert llm.cache.layout.num_layers == 1  # the KV pool holds the attention layer only
 
 
+def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
+    with pytest.raises(ValueError, match="redis_tier: .* hybrid .* takes none yet"):
+        _llm(checkpoint, device=device, redis_tier="redis://127.0.0.1:1/0")
+
+
 @pytest.mark.parametrize("options", [
     {},
     {"max_num_batched_tokens": 7, "max_num_seqs": 4},

@@ -43,6 +43,7 @@ _MODULE_OF = {
     "plan_memory": "kvpool.planner",
     "KVPool": "kvpool.pool",
     "PrefixCache": "kvpool.prefix_cache",
+    "RedisTier": "kvpool.redis_tier",
     "MambaLayout": "kvpool.state_pool",
     "MambaPool": "kvpool.state_pool",
     "DiskTier": "kvpool.tiers",

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.formats import format_bytes, format_table
 from kvpool.fp8 import KV_CACHE_DTYPES
+from kvpool.tier_flags import add_tier_arguments, tier_options
 
 DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
@@ -225,8 +226,19 @@ def summary_rows(llm: LLM, requests: list[BenchRequest],
         ("KV utilization", f"{np.mean([s.kv_utilization for s in result.steps]):.1%} "
                            f"(filled slots of used pages, mean over steps)"),
         ("prefix hit rate", hit_rate),
+        ("tier pages", _tier_summary(llm)),
         ("preemptions", f"{final.num_preemptions:,}"),
     ]
+
+
+def _tier_summary(llm: LLM) -> str:
+    """Pages the engine's tier stored, loaded, missed and dropped; "off" without one."""
+    option = llm.config.tier_option
+    if option is None:
+        return "off"
+    e = llm.stats()
+    return (f"{e.num_tier_stores:,} stored, {e.num_tier_loads:,} loaded, "
+            f"{e.num_tier_misses:,} missed, {e.num_tier_dropped:,} dropped ({option})")
 
 
 def _percentiles_ms(seconds: list[float]) -> str:
@@ -294,6 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward at most (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the workload and the sampling (default: 0)")
+    add_tier_arguments(parser)
     parser.add_argument("--url", metavar="URL",
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
                              "http://127.0.0.1:8000) through HTTP streaming instead; the "
@@ -317,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
                "max_num_batched_tokens": args.max_num_batched_tokens}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
               **{name: value for name, value in options.items() if value is not None})
     requests = make_workload(workload, llm.model_config.vocab_size)
     result = run_workload(llm, requests)

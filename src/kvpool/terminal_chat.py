@@ -12,6 +12,7 @@ from typing import TextIO
 from kvpool.engine import LLM, SamplingParams
 from kvpool.formats import CONTROL_PICTURES
 from kvpool.server import INSTALL_HINT, missing_modules
+from kvpool.tier_flags import add_tier_arguments, tier_options
 
 RESET = "/reset"
 
@@ -26,6 +27,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    add_tier_arguments(parser)
 
 
 def chat_template(model: str):
@@ -53,7 +55,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     from kvpool.server.protocol import ChatMessage
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    llm = LLM(args.model, seed=args.seed)
+    llm = LLM(args.model, seed=args.seed, **tier_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)

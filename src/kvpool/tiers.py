@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import struct
@@ -304,21 +305,13 @@ class DiskTier(Tier):
             self._discard(self._keys.popitem(last=False)[1])
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        header = json.dumps({
-            "version": _FORMAT_VERSION, "namespace": self.namespace,
-            "parent_key": key.parent_key, "token_ids": list(key.token_ids),
-            "shape": list(self.page_shape), "dtype": str(self.dtype),
-            "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
-        }).encode()
+        record = page_record(self.namespace, key, data)
         path = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)  # it may have been removed
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP_PREFIX, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_PREFIX.pack(_MAGIC, len(header), zlib.crc32(header)))
-                f.write(header)
-                f.write(payload)
+                f.write(record)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -356,6 +349,32 @@ def _remove(path: Path) -> None:
     since only indexed pages are read."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
+
+
+def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
+    """One stored page as bytes: magic, header length and header CRC-32, the header (JSON:
+    format version, namespace, key, shape, dtype, payload length and CRC-32), the payload."""
+    payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    header = json.dumps({
+        "version": _FORMAT_VERSION, "namespace": namespace,
+        "parent_key": key.parent_key, "token_ids": list(key.token_ids),
+        "shape": list(data.shape), "dtype": str(data.dtype),
+        "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
+    }).encode()
+    return b"".join([_PREFIX.pack(_MAGIC, len(header), zlib.crc32(header)), header,
+                     payload.tobytes()])
+
+
+def read_page_record(record: bytes, key: PageKey, namespace: str,
+                     page_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """The page data in `record` (see `page_record`), or None unless it is whole and holds
+    exactly `key`'s page of `namespace`, `page_shape` and `dtype`."""
+    f = io.BytesIO(record)
+    header = _read_header(f, namespace, page_shape, dtype)
+    payload = bytearray(f.read())
+    if header != (key, len(payload), zlib.crc32(payload)):
+        return None
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(page_shape)
 
 
 def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from kvpool.pool import RESERVED_PAGES, pages_within
 from kvpool.workspace import ALIGNMENT
 
 GiB = 2**30
+DEFAULT_DISK_TIER_MEMORY = 16 * GiB
+TIER_OPTIONS = ("host_tier_memory", "disk_tier", "redis_tier")
 
 
 def engine_device(device: str | torch.device | None) -> torch.device:
@@ -53,6 +56,11 @@ class EngineConfig:
     grow: in the one pool when every layer is windowed (Mistral, kvpool.cache), in a window
     pool beside a full pool when layers mix (Gemma 3, Qwen with layer_types:
     kvpool.grouped_cache); False keeps every page of every layer in one pool.
+    A tier keeps the prefix pages the pool evicts, to load them back for a later prompt
+    instead of recomputing (needs prefix_caching; one tier per engine):
+    `host_tier_memory` bytes of host memory, `disk_tier` a directory holding at most
+    `disk_tier_memory` bytes of pages, or `redis_tier` the URL of a Redis server that engines
+    of the same model in other processes share (bounded by the server's maxmemory).
     """
 
     page_size: int = 16
@@ -71,6 +79,10 @@ class EngineConfig:
     enforce_eager: bool = False
     mamba_checkpoint_slots: int | None = None
     free_out_of_window: bool = True
+    host_tier_memory: int | None = None
+    disk_tier: str | os.PathLike | None = None
+    disk_tier_memory: int = DEFAULT_DISK_TIER_MEMORY
+    redis_tier: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -88,6 +100,7 @@ class EngineConfig:
         for name in ("prefix_caching", "enforce_eager", "free_out_of_window"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_tier()
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -105,6 +118,31 @@ class EngineConfig:
             else:
                 raise ValueError(f"kv_scales must be a (k_scale, v_scale) pair, or one number "
                                  f"for MLA latent pages; got {self.kv_scales!r}")
+
+    @property
+    def tier_option(self) -> str | None:
+        """The name of the tier option given (host_tier_memory, disk_tier, redis_tier)."""
+        given = [name for name in TIER_OPTIONS if getattr(self, name) is not None]
+        return given[0] if given else None
+
+    def _check_tier(self) -> None:
+        given = [name for name in TIER_OPTIONS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"an engine has one tier: pass one of {', '.join(TIER_OPTIONS)}, "
+                             f"got {' and '.join(given)}")
+        if given and not self.prefix_caching:
+            raise ValueError(f"{given[0]}: a tier holds evicted prefix pages; it needs "
+                             f"prefix_caching=True")
+        if self.host_tier_memory is not None:
+            check_int("host_tier_memory", self.host_tier_memory, 1)
+        check_int("disk_tier_memory", self.disk_tier_memory, 1)
+        for name in ("disk_tier", "redis_tier"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+        if self.redis_tier is not None and not str(self.redis_tier).startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_tier must be a redis:// URL, got {self.redis_tier!r}")
 
     def kv_layout(self, model: ModelConfig) -> KVLayout:
         """The KV layout of `model` under these options (dtype, kv_cache_dtype, page_size).

@@ -22,6 +22,7 @@ from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
+from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
 from kvpool.errors import OutOfPages, SequenceTooLong, StepFailed
 from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
@@ -48,6 +49,10 @@ class LLM:
     pages of every layer (planned or given) split between a full pool and a window pool
     (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
+    One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
+    prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
+    engines of one model sharing a Redis server share their prefixes. Plain and windowed
+    models only: the hybrid and grouped caches refuse a tier.
     """
 
     def __init__(self, model: str | Path, *,
@@ -67,13 +72,18 @@ class LLM:
             num_checkpoints = self.config.mamba_checkpoint_slots or num_slots
         state_bytes = (num_slots + num_checkpoints + RESERVED_SLOTS) * mamba.bytes_per_slot \
             if mamba else 0
+        layout = self.config.kv_layout(mc)
+        if self.config.tier_option and (mamba or (len(layout.groups) > 1
+                                                  and self.config.free_out_of_window)):
+            kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
+            raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
+                             f"windowed pool; this {kind} cache takes none yet")
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         loaded = load_model(model, dtype=self.config.dtype, device=device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
-        layout = self.config.kv_layout(mc)
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
@@ -92,11 +102,14 @@ class LLM:
                                       max_tokens_per_seq=self.max_model_len,
                                       kv_scales=self.config.kv_scales)
         else:
+            tier = make_tier(self.config, layout.bytes_per_page)
+            fingerprint = weights_fingerprint(self.model) if tier is not None else ""
             self.cache = KVCache(layout, num_pages, device=device,
                                  prefix_caching=self.config.prefix_caching,
                                  max_tokens_per_seq=self.max_model_len,
                                  kv_scales=self.config.kv_scales,
-                                 free_out_of_window=self.config.free_out_of_window)
+                                 free_out_of_window=self.config.free_out_of_window,
+                                 tier=tier, model_fingerprint=fingerprint)
         smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
             if isinstance(self.cache, GroupedCache) else num_pages
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
@@ -253,7 +266,8 @@ class LLM:
             num_cuda_graphs=len(self.graphs.graphs) if self.graphs else 0,
             cuda_graph_bytes=self.config.cuda_graph_bytes(self.model_config, self.model.dtype)
             if self.graphs else 0,
-            num_graph_steps=self.graphs.num_replays if self.graphs else 0)
+            num_graph_steps=self.graphs.num_replays if self.graphs else 0,
+            **tier_counters(self.cache))
 
     # ---- internals ---------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ class EngineStats:
     num_cuda_graphs: int = 0  # decode graphs captured (0 on the CPU or with enforce_eager)
     cuda_graph_bytes: int = 0  # estimated memory of their pool, as planned
     num_graph_steps: int = 0  # steps run by graph replay
+    num_tier_stores: int = 0  # evicted pages the tier took
+    num_tier_loads: int = 0  # pages loaded back from the tier instead of computed
+    num_tier_misses: int = 0  # tier lookups that found no page (or one that failed its checks)
+    num_tier_dropped: int = 0  # evicted pages the tier could not keep (a failed write)
 
     @property
     def tokens_per_second(self) -> float:

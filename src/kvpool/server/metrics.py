@@ -3,8 +3,9 @@
 The pool and the scheduler are read when /metrics is scraped (a snapshot taken in the engine
 process between two steps): pages used / cached / free, KV utilization, running and waiting
 sequences, and the engine's cumulative counters (preemptions, prefix-cache lookups and hits
-in tokens). The request-level series are recorded by the handlers as requests finish:
-requests by finish reason, prompt and generated tokens, and latency histograms in seconds.
+in tokens, pages the tier stored, loaded, missed and dropped). The request-level series are
+recorded by the handlers as requests finish: requests by finish reason, prompt and generated
+tokens, and latency histograms in seconds.
 """
 
 from __future__ import annotations
@@ -109,5 +110,13 @@ class ServerMetrics:
                  c.prefix_query_tokens),
                 ("kvpool_prefix_cache_hits", "Prompt tokens the prefix cache served",
                  c.prefix_hit_tokens),
-                ("kvpool_engine_steps", "Engine steps (forwards)", e.num_steps)):
+                ("kvpool_engine_steps", "Engine steps (forwards)", e.num_steps),
+                ("kvpool_tier_stored_pages", "Evicted prefix pages the tier took",
+                 e.num_tier_stores),
+                ("kvpool_tier_loaded_pages", "Prefix pages loaded back from the tier "
+                 "instead of computed", e.num_tier_loads),
+                ("kvpool_tier_missed_pages", "Tier lookups that found no usable page",
+                 e.num_tier_misses),
+                ("kvpool_tier_dropped_pages", "Evicted pages the tier could not keep (its "
+                 "storage failed, e.g. Redis down)", e.num_tier_dropped)):
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,145 @@
+"""RedisTier: evicted prefix pages in a Redis server, which engines in other processes (or
+machines) reading the same server share: a prompt one replica computed, the next loads.
+
+Each page is one Redis string under its namespace and the chain key of its whole prefix,
+holding the record `DiskTier` writes (header, key, checksum): a value that is short,
+corrupt or of another namespace is a miss, deleted and counted. Redis down or slow never
+fails the engine: every call has a timeout, a store that fails is dropped and counted, a load
+that fails is a miss, and after a failure the tier leaves Redis alone for `retry_interval`
+seconds (so a dead server costs one timeout, not one per page). Keys Redis evicts under its
+`maxmemory` policy are misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+
+import torch
+
+from kvpool.tiers import PageKey, Tier, page_record, read_page_record
+
+KEY_PREFIX = "kvpool:page"
+UNBOUNDED = 2**62  # capacity_pages when Redis's own maxmemory is the only bound
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis failed recently; the tier does not try again before its retry interval."""
+
+
+class RedisTier(Tier):
+    """Pages in the Redis server at `url` (redis://host:port/db), shared with every engine of
+    the same namespace using it. `capacity_bytes`: this tier's share of the server (it deletes
+    the least recently used of the pages it stored beyond it); None leaves the bound to the
+    server's `maxmemory`. `namespace` prefixes this tier's keys (to separate deployments on
+    one server; pages of different models never mix anyway). `timeout`: seconds per call.
+    `len` and iteration count the pages this tier stored that it has not seen go; `get` finds
+    any engine's. `put` raises redis.RedisError (or RedisUnavailable) when Redis fails."""
+
+    def __init__(self, url: str, capacity_bytes: int | None = None, namespace: str | None = None,
+                 *, timeout: float = 0.25, retry_interval: float = 1.0):
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise ImportError("RedisTier needs the redis client: pip install 'kvpool[redis]'") \
+                from None
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(
+                capacity_bytes, int) or capacity_bytes < 1):
+            raise ValueError(f"capacity_bytes must be a positive int or None, "
+                             f"got {capacity_bytes!r}")
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
+        for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        super().__init__(UNBOUNDED)
+        try:
+            self.client = redis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL {url!r}: {e}") from None
+        self.url = url
+        self.capacity_bytes = capacity_bytes
+        self.prefix = KEY_PREFIX if namespace is None else f"{KEY_PREFIX}:{namespace}"
+        self.retry_interval = retry_interval
+        self._errors = redis.RedisError
+        self._tag = ""  # the bound namespace, hashed into every key
+        self._retry_at = 0.0  # monotonic time before which Redis is not called
+        self._num_errors = 0  # failed calls to Redis
+
+    @property
+    def num_errors(self) -> int:
+        """Calls to Redis that failed (refused, timed out, or any server error)."""
+        return self._num_errors
+
+    def redis_key(self, key: PageKey) -> str:
+        """The Redis key of the page stored under `key`."""
+        return f"{self.prefix}:{self._tag}:{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+    def get(self, key: PageKey) -> torch.Tensor | None:
+        """A copy of the page another engine or this one stored under `key`, or None (a miss:
+        never stored, evicted by Redis, unreadable, or Redis unavailable). Never raises."""
+        data = self._read(key)
+        if data is None:
+            self._keys.pop(key.chain_key, None)
+            self._num_misses += 1
+            return None
+        if key.chain_key in self._keys:
+            self._keys.move_to_end(key.chain_key)
+        self._num_hits += 1
+        return data
+
+    def __contains__(self, key: PageKey) -> bool:
+        """Whether the server holds a readable page for exactly this prefix (a value that
+        fails its checks is deleted and counted, as on load)."""
+        return self._read(key) is not None
+
+    def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+        if self.capacity_bytes is not None:
+            page_bytes = torch.Size(page_shape).numel() * dtype.itemsize
+            if self.capacity_bytes < page_bytes:
+                raise ValueError(f"capacity_bytes {self.capacity_bytes:,} holds no page of "
+                                 f"{page_bytes:,} bytes")
+            self.capacity_pages = self.capacity_bytes // page_bytes
+
+    def _write(self, key: PageKey, data: torch.Tensor) -> None:
+        self._call("set", self.redis_key(key), page_record(self.namespace, key, data))
+
+    def _read(self, key: PageKey) -> torch.Tensor | None:
+        try:
+            record = self._call("get", self.redis_key(key))
+        except (self._errors, ConnectionError):
+            return None
+        if record is None:
+            return None
+        data = read_page_record(record, key, self.namespace, self.page_shape, self.dtype)
+        if data is None:
+            self._num_corrupt += 1
+            self._delete(key)
+        return data
+
+    def _discard(self, key: PageKey) -> None:
+        self._delete(key)
+
+    def _delete(self, key: PageKey) -> None:
+        """Delete the value of `key` if Redis answers; one left behind Redis evicts in time."""
+        with contextlib.suppress(self._errors, ConnectionError):
+            self._call("delete", self.redis_key(key))
+
+    def _call(self, command: str, *args):
+        """One Redis command; raises RedisUnavailable without calling while Redis is backing
+        off after a failure, and starts the back-off on a failure."""
+        if time.monotonic() < self._retry_at:
+            raise RedisUnavailable(f"Redis at {self.url} failed less than "
+                                   f"{self.retry_interval} s ago")
+        try:
+            return getattr(self.client, command)(*args)
+        except self._errors:
+            self._num_errors += 1
+            self._retry_at = time.monotonic() + self.retry_interval
+            raise

@@ -1,0 +1,282 @@
+"""RedisTier against a real redis-server (started on 127.0.0.1 on a free port per test), and
+tiers in the engine: replicas sharing prefixes through Redis, Redis failing under them."""
+
+import functools
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("redis", reason="the redis client is not installed (pip install "
+                                    "'kvpool[redis]')")
+if shutil.which("redis-server") is None:
+    pytest.skip("redis-server is not installed (apt-get install redis-server)",
+                allow_module_level=True)
+
+import redis  # noqa: E402
+
+from kvpool import LLM, RedisTier, SamplingParams  # noqa: E402
+from kvpool.engine.config import EngineConfig  # noqa: E402
+from kvpool.tiers import ROOT_KEY, PageKey, page_record  # noqa: E402
+
+PS = 4
+SHAPE = (2, 2, PS, 1, 2)  # one page: [num_layers, 2, page_size, kv_heads, head_dim]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+class RedisServer:
+    """A redis-server process on 127.0.0.1, stopped by `stop()`."""
+
+    def __init__(self, *args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", *args], stdout=subprocess.DEVNULL)
+        self.client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@pytest.fixture
+def server():
+    s = RedisServer()
+    yield s
+    s.stop()
+
+
+def bound(tier, namespace="test"):
+    tier.bind(namespace, SHAPE, torch.float32)
+    return tier
+
+
+def page(value, device):
+    return torch.full(SHAPE, float(value), device=device)
+
+
+KEY = PageKey.of(ROOT_KEY, [1, 2, 3, 4])
+
+
+# ---- RedisTier alone ---------------------------------------------------------------------
+
+
+def test_page_stored_in_redis_comes_back_identical(server, device):
+    tier = bound(RedisTier(server.url))
+    data = torch.arange(32, dtype=torch.float32, device=device).view(SHAPE)
+    tier.put(KEY, data)
+    assert torch.equal(tier.get(KEY), data.cpu())
+    assert KEY in tier and PageKey.of(ROOT_KEY, [1, 2, 3, 5]) not in tier
+    assert server.client.exists(tier.redis_key(KEY)) == 1
+    s = tier.stats()
+    assert (s.num_stored, s.num_hits, s.num_misses, s.num_corrupt) == (1, 1, 0, 0)
+
+
+def test_second_tier_on_the_same_server_serves_the_first_ones_pages(server, device):
+    bound(RedisTier(server.url)).put(KEY, page(7, device))
+    other = bound(RedisTier(server.url))
+    assert torch.equal(other.get(KEY), page(7, "cpu"))
+    assert other.stats().num_hits == 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "other_namespace", "other_key"])
+def test_damaged_value_is_a_miss_deleted_and_counted(server, device, damage):
+    tier = bound(RedisTier(server.url))
+    tier.put(KEY, page(3, device))
+    rkey = tier.redis_key(KEY)
+    value = server.client.get(rkey)
+    value = {
+        "corrupt": value[:-1] + bytes([value[-1] ^ 0xFF]),
+        "truncated": value[:-9],
+        "other_namespace": page_record("another model", KEY, page(3, device)),
+        "other_key": page_record("test", PageKey.of(ROOT_KEY, [9, 9, 9, 9]), page(3, device)),
+    }[damage]
+    server.client.set(rkey, value)
+    assert tier.get(KEY) is None
+    assert server.client.exists(rkey) == 0
+    s = tier.stats()
+    assert (s.num_misses, s.num_corrupt, s.num_pages) == (1, 1, 0)
+
+
+def test_tiers_of_different_namespaces_never_share_pages(server, device):
+    bound(RedisTier(server.url), "model a").put(KEY, page(1, device))
+    assert bound(RedisTier(server.url), "model b").get(KEY) is None
+    assert bound(RedisTier(server.url, namespace="staging"), "model a").get(KEY) is None
+
+
+def test_capacity_bytes_keeps_this_tiers_most_recent_pages(server, device):
+    page_bytes = 32 * 4
+    tier = bound(RedisTier(server.url, capacity_bytes=2 * page_bytes + 1))
+    keys = [PageKey.of(ROOT_KEY, [i] * PS) for i in range(3)]
+    for i, key in enumerate(keys):
+        tier.put(key, page(i, device))
+    assert tier.capacity_pages == 2
+    assert [tier.get(k) is not None for k in keys] == [False, True, True]
+    assert tier.stats().num_evictions == 1
+
+
+def test_redis_maxmemory_eviction_shows_as_misses(device):
+    s = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        tier = RedisTier(s.url)
+        tier.bind("test", (64, 1024), torch.float32)  # 256 KiB pages
+        keys = [PageKey.of(ROOT_KEY, [i]) for i in range(24)]
+        for i, key in enumerate(keys):
+            assert tier.store(key, torch.full((64, 1024), float(i), device=device))
+        found = [tier.get(k) is not None for k in keys]
+        assert not found[0] and found[-1]
+        assert tier.stats().num_misses == found.count(False) > 0
+        assert tier.stats().num_dropped == 0
+    finally:
+        s.stop()
+
+
+def test_redis_down_drops_stores_and_misses_loads_within_the_timeout(device):
+    s = RedisServer()
+    tier = bound(RedisTier(s.url, timeout=0.2, retry_interval=5.0))
+    tier.put(KEY, page(1, device))
+    s.stop()
+    start = time.monotonic()
+    assert tier.store(PageKey.of(KEY.chain_key, [5] * PS), page(2, device)) is False
+    assert tier.get(KEY) is None  # within the back-off: Redis is not called
+    assert time.monotonic() - start < 1.0
+    s = tier.stats()
+    assert (s.num_dropped, s.num_misses, tier.num_errors) == (1, 1, 1)
+
+
+def test_unreachable_address_times_out():
+    tier = bound(RedisTier("redis://10.255.255.1:6379/0", timeout=0.1))
+    start = time.monotonic()
+    assert tier.get(KEY) is None
+    assert time.monotonic() - start < 1.0
+
+
+def test_bad_redis_url_is_refused():
+    with pytest.raises(ValueError, match="Redis URL"):
+        RedisTier("http://localhost")
+
+
+# ---- tiers in the engine -----------------------------------------------------------------
+
+PROMPT = list(range(1, 70))  # 4 full pages of 16 tokens and a partial one
+# prompts of other tokens (a vocabulary of 258), which evict PROMPT's pages
+FILLERS = [[(37 * i + 11 * j) % 250 + 5 for j in range(70)] for i in range(3)]
+
+REPLICA = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from kvpool import LLM, SamplingParams
+    llm = LLM("tiny", num_pages=10, redis_tier=sys.argv[2], device=sys.argv[3])
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    for prompt in json.loads(sys.argv[4]):
+        llm.generate([prompt], sp, use_tqdm=False)
+    print(json.dumps({"stores": llm.stats().num_tier_stores}))
+""")
+
+
+def _engine(device, **options):
+    return LLM("tiny", num_pages=10, device=device, enforce_eager=True, **options)
+
+
+def _greedy(llm, prompt):
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_replica_in_another_process_loads_the_first_ones_prefix_from_redis(server, device):
+    first = subprocess.run(
+        [sys.executable, "-c", REPLICA, str(SRC), server.url, str(device),
+         json.dumps([PROMPT, *FILLERS])], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout.splitlines()[-1])["stores"] >= 4
+    second = _engine(device, redis_tier=server.url)
+    tokens = _greedy(second, PROMPT)
+    stats = second.stats()
+    assert stats.num_tier_loads == 4  # every full page before the last token
+    assert stats.num_prompt_tokens == len(PROMPT) - 4 * 16
+    assert tokens == _greedy(_engine(device), PROMPT)
+
+
+def test_engine_keeps_serving_when_redis_stops(device):
+    s = RedisServer()
+    llm = _engine(device, redis_tier=s.url)
+    reference = _engine(device)
+    assert _greedy(llm, PROMPT) == _greedy(reference, PROMPT)
+    s.stop()
+    for prompt in [*FILLERS, PROMPT]:
+        assert _greedy(llm, prompt) == _greedy(reference, prompt)
+    stats = llm.stats()
+    assert stats.num_tier_dropped > 0 and stats.num_tier_misses > 0
+    assert stats.num_tier_loads == 0
+    llm.cache.check()
+
+
+def test_host_tier_in_the_engine_loads_evicted_prefix_back(device):
+    llm = _engine(device, host_tier_memory=2**22)
+    first = _greedy(llm, PROMPT)
+    for prompt in FILLERS:
+        _greedy(llm, prompt)
+    assert _greedy(llm, PROMPT) == first
+    stats = llm.stats()
+    assert stats.num_tier_stores >= 4 and stats.num_tier_loads == 4
+
+
+def test_engine_takes_one_tier():
+    with pytest.raises(ValueError, match="one tier"):
+        EngineConfig(host_tier_memory=2**20, redis_tier="redis://localhost")
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineConfig(disk_tier="/tmp/kv", prefix_caching=False)
+    with pytest.raises(ValueError, match="redis://"):
+        EngineConfig(redis_tier="localhost:6379")
+
+
+def test_server_metrics_count_the_tiers_pages(server, device):
+    pytest.importorskip("starlette", reason="the server extra is not installed")
+    from server_util import metrics, running_server
+
+    make_llm = functools.partial(LLM, "tiny", num_pages=10, device=device, enforce_eager=True,
+                                 redis_tier=server.url)
+    with running_server(make_llm) as running:
+        for prompt in [PROMPT, *FILLERS, PROMPT]:
+            running.client().completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                                temperature=0.0)
+        counts = metrics(running)
+    assert counts["kvpool_tier_stored_pages_total", ()] >= 4
+    assert counts["kvpool_tier_loaded_pages_total", ()] == 4
+    assert counts["kvpool_tier_dropped_pages_total", ()] == 0
+    assert ("kvpool_tier_missed_pages_total", ()) in counts
+
+
+def test_cli_tier_flags_become_engine_options():
+    from kvpool.cli import build_parser
+    from kvpool.tier_flags import tier_options
+
+    args = build_parser().parse_args(["serve", "--redis-tier", "redis://127.0.0.1:6379/0"])
+    assert tier_options(args) == {"redis_tier": "redis://127.0.0.1:6379/0"}
+    args = build_parser().parse_args(["bench", "--disk-tier", "kv", "--disk-tier-memory",
+                                      "1GiB"])
+    assert tier_options(args) == {"disk_tier": "kv", "disk_tier_memory": 2**30}
+    args = build_parser().parse_args(["chat", "--host-tier-memory", "2GiB"])
+    assert tier_options(args) == {"host_tier_memory": 2 * 2**30}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--host-tier-memory", "1GiB", "--disk-tier", "kv"])
