@@ -10,10 +10,10 @@ import transformers
 
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import ConfigError
-from kvpool.models.config import ModelConfig
+from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.moe import MoE
-from kvpool.planner import count_parameters
+from kvpool.planner import count_parameters, plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,
@@ -121,34 +121,43 @@ def test_engine_greedy_outputs_survive_preemption(engine_case, device):
 
 # --- configs and planning ---
 
-# The published config.json files, trimmed of fields nothing reads.
+# The published config.json of Qwen3-30B-A3B (kvpool's preset trims it to what kvpool reads)
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-    "attention_bias": False, "bos_token_id": 151643, "decoder_sparse_step": 1,
-    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
-    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
-    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
-    "vocab_size": 151936,
-}
-QWEN3_235B_A22B = QWEN3_30B_A3B | {
-    "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 94,
-    "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94,
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
 }
 
 
-@pytest.mark.parametrize(("config", "expected"), [
-    (QWEN3_30B_A3B, 30_532_122_624),  # "30.5B"
-    (QWEN3_235B_A22B, 235_093_634_560),  # "235B"
+def test_the_preset_is_the_published_config():
+    assert ModelConfig.from_hf("Qwen3-30B-A3B") == ModelConfig.from_hf(QWEN3_30B_A3B)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("Qwen3-30B-A3B", 30_532_122_624),  # "30.5B"
+    ("Qwen3-235B-A22B", 235_093_634_560),  # "235B"
 ])
-def test_parameters_are_counted_exactly_as_transformers_builds_them(config, expected):
+def test_parameters_are_counted_exactly_as_transformers_builds_them(name, expected):
+    config = transformers.Qwen3MoeConfig.from_dict(PRESETS[name])
     with torch.device("meta"):
-        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig.from_dict(config))
-    assert count_parameters(ModelConfig.from_hf(config)) == expected
+        hf = transformers.Qwen3MoeForCausalLM(config)
+    assert count_parameters(ModelConfig.from_hf(name)) == expected
     assert expected == sum(p.numel() for p in hf.parameters())
+
+
+def test_plan_holds_what_the_budget_leaves_after_the_experts_weights():
+    plan = plan_memory("Qwen3-30B-A3B", 80 * 2**30, activation_bytes=0)
+    assert plan.weight_bytes == 30_532_122_624 * 2  # bf16: every expert is resident
+    assert plan.bytes_per_token == 98_304  # 48 layers x K and V x 4 heads x 128 x 2 bytes
+    assert plan.num_pages == (int(80 * 2**30 * 0.9) - 30_532_122_624 * 2) // (16 * 98_304) - 1
 
 
 def test_a_published_config_routes_to_8_of_128_experts_on_every_layer():
