@@ -81,6 +81,40 @@ def test_the_layers_the_config_names_hold_experts_and_the_others_a_dense_mlp(pai
                if isinstance(layer.mlp, MoE))
 
 
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory, device):
+    """(transformers model, kvpool model) of one checkpoint, both in bfloat16."""
+    hf = make_hf_model("qwen3-moe", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3-moe-bf16"))
+    model = load_model(folder, device=device, dtype=torch.bfloat16).model
+    return hf.to(device=device, dtype=torch.bfloat16), model
+
+
+def test_the_bf16_router_scores_in_bf16_and_takes_the_softmax_in_float32_as_transformers(
+        bf16_pair, device):
+    hf, model = bf16_pair
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                          torch.bfloat16)
+    weights, ids = model.model.layers[0].mlp.gate(x)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf.model.layers[0].mlp.gate(x)
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert weights.dtype == torch.bfloat16
+    assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_a_bf16_moe_block_equals_transformers_in_prefill_and_decode(bf16_pair, device):
+    hf, model = bf16_pair
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(device,
+                                                                          torch.bfloat16)
+    moe = model.model.layers[0].mlp
+    with torch.no_grad():
+        expected = hf.model.layers[0].mlp(x[None])[0]
+    for static in (False, True):  # each expert on its tokens; every expert on every token
+        torch.testing.assert_close(moe(x, static), expected)
+
+
 # --- through the engine ---
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

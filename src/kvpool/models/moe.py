@@ -1,8 +1,10 @@
 """Mixtures of experts (DeepSeek's and Qwen3-MoE's): a router that picks `top_k` routed experts
 per token (Qwen3-MoE's and DeepSeek-V2's softmax scores with greedy or group-limited choice,
 V3's sigmoid scores with a bias that steers the choice only), the chosen experts weighted, and
-shared experts applied to every token where the model has them. Numerics follow transformers:
-softmax in float32 (DeepSeek routes in float32 throughout), experts summed in expert order."""
+shared experts applied to every token where the model has them. Numerics follow transformers'
+default (grouped_mm) experts: softmax in float32 (DeepSeek routes in float32 throughout), each
+expert's output weighted in the routing weights' dtype, and a token's experts summed in float32
+and rounded once."""
 
 from __future__ import annotations
 
@@ -91,25 +93,25 @@ class MoE(nn.Module):
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """Every routed expert on every token, weighted by its routing weight (0 where the
-        token did not choose it), summed in expert order as transformers sums. It costs
+        token did not choose it), summed in float32. It costs
         num_experts / top_k times the chosen experts' FLOPs (64 / 6 for DeepSeek-V2-Lite), but
         a decode step is bound by reading the experts' weights, and once the batch holds
         more than about num_experts / top_k tokens it reads nearly all of them anyway (128 / 8
         for Qwen3-MoE)."""
         dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
                             device=x.device).scatter_(1, ids, weights)  # [T, experts]
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
         for expert, mlp in enumerate(self.experts):
-            out += (mlp(x) * dense[:, expert, None]).to(out.dtype)
-        return out
+            out += mlp(x) * dense[:, expert, None]
+        return out.to(x.dtype)
 
     def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens that chose it (prefill: the FLOPs of the chosen experts
         only; the expert ids are read on the host, so a CUDA graph cannot hold it)."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
         for expert in ids.unique().tolist():
             tokens, slots = (ids == expert).nonzero(as_tuple=True)
             y = self.experts[expert](x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+            out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)
