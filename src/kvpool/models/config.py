@@ -198,7 +198,7 @@ class MoEConfig:
     routed_scaling_factor: float  # multiplies the routed experts' weights
     # DeepSeek scores experts and weighs their outputs in float32; Qwen3-MoE scores them in
     # the model's dtype, takes the softmax in float32 and weighs in the model's dtype again.
-    router_in_float32: bool = True
+    router_in_float32: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,6 +626,7 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
         topk_groups=_int(cfg, "topk_group", 4 if v3 else None) if grouped else 1,
         norm_topk_prob=_bool(cfg, "norm_topk_prob") if "norm_topk_prob" in cfg else v3,
         routed_scaling_factor=_float(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0),
+        router_in_float32=True,
     )
     _check_routing(moe, v3)
     return moe
