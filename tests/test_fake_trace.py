@@ -28,12 +28,14 @@ from kvpool.models.loader import MODEL_CLASSES
 from kvpool.models.moe import MoE
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
+from test_qwen3_moe import CONFIGS as QWEN3_MOE
 from test_windows import CONFIGS as WINDOWED
 
 BUCKET, MAX_MODEL_LEN = 4, 64
 FAMILIES = {  # name: a small random transformers model of the family
     "llama": lambda: make_hf_model("llama"),
     "qwen3": lambda: make_hf_model("qwen3"),
+    "qwen3-moe": lambda: make_hf_model("qwen3-moe", configs=QWEN3_MOE),  # dense and MoE layers
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
@@ -177,16 +179,19 @@ def test_every_familys_decode_step_reads_nothing_back(engine):
     assert tuple(logits.meta["val"].shape) == (BUCKET, engine.model.config.vocab_size)
 
 
-def test_the_trace_covers_every_model_class():
+def test_the_trace_covers_every_model_class_and_architecture():
     # CUDA graphs capture every model's decode step (LLM names no exceptions): each class
-    # the loader builds must be a family traced above.
-    traced = {"llama": LlamaForCausalLM, "qwen3": LlamaForCausalLM,
-              "gemma3": MODEL_CLASSES["Gemma3ForCausalLM"],
-              "deepseek-v2": MODEL_CLASSES["DeepseekV2ForCausalLM"],
-              "deepseek-v3": MODEL_CLASSES["DeepseekV3ForCausalLM"],
-              "bamba": MODEL_CLASSES["BambaForCausalLM"]}
+    # the loader builds, and each architecture it maps to a class of its own (Qwen3-MoE runs
+    # on the Llama class with experts in its layers), must be a family traced above.
+    traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3-moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
+              "bamba": "BambaForCausalLM"}
     assert set(traced) == set(FAMILIES)
-    assert set(traced.values()) == {LlamaForCausalLM, *MODEL_CLASSES.values()}
+    assert all(type(FAMILIES[name]()).__name__ == arch for name, arch in traced.items())
+    assert set(MODEL_CLASSES) <= set(traced.values())
+    classes = {MODEL_CLASSES.get(arch, LlamaForCausalLM) for arch in traced.values()}
+    assert classes == {LlamaForCausalLM, *MODEL_CLASSES.values()}
 
 
 @pytest.mark.parametrize("read", [

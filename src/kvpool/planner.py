@@ -215,8 +215,8 @@ def model_config(config: ModelSource) -> ModelConfig:
 def count_parameters(model: ModelConfig) -> int:
     """Exact parameter count of a decoder: embeddings; per layer its mixer (attention, Llama-family:
     q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
-    a hybrid's Mamba2 mixer), the MLP (gated; DeepSeek's MoE layers: routed and shared experts
-    and the router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied to the
+    a hybrid's Mamba2 mixer), the MLP (gated; MoE layers: routed and shared experts and the
+    router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied to the
     embeddings."""
     hidden = model.hidden_size
     attention = _mla_parameters(model) if model.mla else _attention_parameters(model)
@@ -231,11 +231,11 @@ def count_parameters(model: ModelConfig) -> int:
 
 
 def _all_mlp_parameters(model: ModelConfig) -> int:
-    """The MLPs of every layer: dense, except DeepSeek's MoE layers (from first_k_dense on)."""
+    """The MLPs of every layer: dense, except the MoE layers (DeepSeek's, Qwen3-MoE's)."""
     dense = _mlp_parameters(model.hidden_size, model.intermediate_size, model.mlp_bias)
     if model.moe is None:
         return model.num_layers * dense
-    moe_layers = max(model.num_layers - model.moe.first_k_dense, 0)
+    moe_layers = len(model.moe.layers)
     return (model.num_layers - moe_layers) * dense + moe_layers * _moe_parameters(model)
 
 
@@ -275,12 +275,12 @@ def _mlp_parameters(hidden: int, intermediate: int, bias: bool) -> int:
 
 
 def _moe_parameters(model: ModelConfig) -> int:
-    """A MoE layer's routed experts, shared experts and router, with V3's router bias (a
-    buffer in transformers, but a tensor of the checkpoint like any weight)."""
+    """A MoE layer's routed experts, shared experts (if any) and router, with V3's router
+    bias (a buffer in transformers, but a tensor of the checkpoint like any weight)."""
     moe, hidden = model.moe, model.hidden_size
     experts = moe.num_experts * _mlp_parameters(hidden, moe.intermediate_size, False)
     shared = _mlp_parameters(hidden, moe.num_shared_experts * moe.intermediate_size,
-                             model.mlp_bias)
+                             model.mlp_bias) if moe.num_shared_experts else 0
     router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
     return experts + shared + router
 

@@ -1,6 +1,6 @@
-"""Decoders on the paged KV cache, Llama-family (Llama, Qwen2, Qwen3, Mistral) and DeepSeek-V2/V3
-(latent pages), and loading them from Hugging Face checkpoint folders or the built-in "tiny"
-preset."""
+"""Decoders on the paged KV cache, Llama-family (Llama, Qwen2, Qwen3, Mistral, and Qwen3-MoE with
+its experts), Gemma 3, DeepSeek-V2/V3 (latent pages) and the hybrid Bamba, and loading them from
+Hugging Face checkpoint folders, GGUF files or the built-in "tiny" preset."""
 
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.llama import LlamaForCausalLM

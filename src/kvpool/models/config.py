@@ -1,6 +1,6 @@
-"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral, Gemma 3 text,
-DeepSeek-V2/V3, and the hybrid Bamba) into one validated dataclass, the KV layout a config
-implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
+"""Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
+Gemma 3 text, DeepSeek-V2/V3, and the hybrid Bamba) into one validated dataclass, the KV layout
+a config implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -34,6 +35,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -41,6 +43,7 @@ _ARCH_BY_MODEL_TYPE = {
     "bamba": "BambaForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+QWEN3_MOE = "Qwen3MoeForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 # Sane architectural limits of config sizes, far above any published model: a size past one
@@ -66,6 +69,9 @@ SIZE_LIMITS = {
     "n_shared_experts": 2**10,
     "n_group": 2**16,
     "topk_group": 2**16,
+    "num_experts": 2**16,
+    "num_local_experts": 2**16,
+    "decoder_sparse_step": 2**12,
 }
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
@@ -95,6 +101,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
         "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen3-30B-A3B": {  # 8 of 128 experts per token on every layer
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen3-235B-A22B": {  # 8 of 128 experts per token on every layer
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "moe_intermediate_size": 1536, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
@@ -155,20 +181,24 @@ class MLAConfig:
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """DeepSeek's mixture of experts: layers from `first_k_dense` on replace the dense MLP by
-    `top_k` of `num_experts` routed experts plus `num_shared_experts` always applied."""
+    """A mixture of experts (DeepSeek's, Qwen3-MoE's): the model layers `layers` replace the
+    dense MLP by `top_k` of `num_experts` routed experts plus `num_shared_experts` always
+    applied (Qwen3-MoE has none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of each expert
     num_shared_experts: int  # fused into one MLP of num_shared_experts x intermediate_size
-    first_k_dense: int
+    layers: tuple[int, ...]  # the model layers with experts; the others have a dense MLP
     scoring: str  # "softmax" (V2) or "sigmoid" (V3, choice biased by e_score_correction_bias)
     topk_method: str  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
     num_groups: int  # experts split into groups; the best `topk_groups` groups are eligible
     topk_groups: int
     norm_topk_prob: bool  # V3: the top-k weights are normalised to sum to 1
     routed_scaling_factor: float  # multiplies the routed experts' weights
+    # DeepSeek scores experts and weighs their outputs in float32; Qwen3-MoE scores them in
+    # the model's dtype, takes the softmax in float32 and weighs in the model's dtype again.
+    router_in_float32: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +241,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     mla: MLAConfig | None = None  # DeepSeek: num_kv_heads is 1 and head_dim the latent's
-    moe: MoEConfig | None = None  # DeepSeek's MoE layers; None: every MLP is dense
+    moe: MoEConfig | None = None  # DeepSeek's and Qwen3-MoE's; None: every MLP is dense
     partial_rotary_factor: float = 1.0  # Bamba rotates the first half of each head
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
@@ -272,9 +302,10 @@ class ModelConfig:
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
             qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM",
-                                               "BambaForCausalLM", "Gemma3ForCausalLM"),
+                                               QWEN3_MOE, "BambaForCausalLM",
+                                               "Gemma3ForCausalLM"),
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
@@ -284,6 +315,7 @@ class ModelConfig:
             layer_types=layer_types,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
+            moe=_qwen3_moe(cfg, num_layers) if arch == QWEN3_MOE else None,
         )
 
     @property
@@ -293,6 +325,10 @@ class ModelConfig:
         if self.mla:
             return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether model layer `layer` has experts instead of a dense MLP."""
+        return self.moe is not None and layer in self.moe.layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of model layer `layer` in tokens, None for full attention."""
@@ -556,11 +592,11 @@ def _deepseek(cfg: dict, arch: str) -> ModelConfig:
         bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
         eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
         mla=mla,
-        moe=_deepseek_moe(cfg, v3),
+        moe=_deepseek_moe(cfg, v3, num_layers),
     )
 
 
-def _deepseek_moe(cfg: dict, v3: bool) -> MoEConfig | None:
+def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
     """The MoE settings of a DeepSeek config; None when it routes to no experts."""
     if "n_routed_experts" in cfg and cfg["n_routed_experts"] is None:
         return None
@@ -577,18 +613,20 @@ def _deepseek_moe(cfg: dict, v3: bool) -> MoEConfig | None:
         raise ConfigError(f"unsupported topk_method {method!r}; expected one of {methods}")
     grouped = method != "greedy"
     first_k_dense = _optional_int(cfg, "first_k_dense_replace", minimum=0)
+    first_k_dense = (3 if v3 else 0) if first_k_dense is None else first_k_dense
     moe = MoEConfig(
         num_experts=_int(cfg, "n_routed_experts", 256 if v3 else 64),
         top_k=_int(cfg, "num_experts_per_tok", 8 if v3 else None),
         intermediate_size=_int(cfg, "moe_intermediate_size", 2048 if v3 else 1407),
         num_shared_experts=_int(cfg, "n_shared_experts", 1 if v3 else 2),
-        first_k_dense=(3 if v3 else 0) if first_k_dense is None else first_k_dense,
+        layers=tuple(range(first_k_dense, num_layers)),
         scoring=scoring,
         topk_method=method,
         num_groups=_int(cfg, "n_group", 8 if v3 else None) if grouped else 1,
         topk_groups=_int(cfg, "topk_group", 4 if v3 else None) if grouped else 1,
         norm_topk_prob=_bool(cfg, "norm_topk_prob") if "norm_topk_prob" in cfg else v3,
         routed_scaling_factor=_float(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0),
+        router_in_float32=True,
     )
     _check_routing(moe, v3)
     return moe
@@ -614,6 +652,48 @@ def _check_routing(moe: MoEConfig, v3: bool) -> None:
         problem = "norm_topk_prob=true is not supported for DeepseekV2ForCausalLM"
     if problem:
         raise ConfigError(problem)
+
+
+def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """The experts of a Qwen3-MoE config, as transformers reads it: softmax routing to the
+    `num_experts_per_tok` best of `num_experts` (renormalised when `norm_topk_prob`), no
+    shared experts, on every `decoder_sparse_step`-th layer not in `mlp_only_layers`. None
+    when no layer has experts. Keys a config leaves out take transformers' defaults."""
+    if _bool(cfg, "use_sliding_window"):
+        raise ConfigError("Qwen3MoeForCausalLM with use_sliding_window=true is not supported "
+                          "(only false, as every published Qwen3-MoE config has it)")
+    # transformers 5 writes num_experts under the name num_local_experts
+    given = {key: _int(cfg, key) for key in ("num_experts", "num_local_experts")
+             if cfg.get(key) is not None}
+    if len(set(given.values())) > 1:
+        raise ConfigError(f"config num_experts={given['num_experts']} and num_local_experts="
+                          f"{given['num_local_experts']} disagree")
+    num_experts = next(iter(given.values()), 128)
+    top_k = _int(cfg, "num_experts_per_tok", 8)
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
+    step = _int(cfg, "decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(_is_int(i) and 0 <= i < num_layers for i in dense)):
+        raise ConfigError(f"config 'mlp_only_layers' must list layer indices in "
+                          f"[0, {num_layers}), got {dense!r}")
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if not layers:
+        return None
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_int(cfg, "moe_intermediate_size", 768),
+        num_shared_experts=0,
+        layers=layers,
+        scoring="softmax",
+        topk_method="greedy",
+        num_groups=1,
+        topk_groups=1,
+        norm_topk_prob=_bool(cfg, "norm_topk_prob"),
+        routed_scaling_factor=1.0,
+        router_in_float32=False,
+    )
 
 
 def _partial_rotary_factor(cfg: dict) -> float:

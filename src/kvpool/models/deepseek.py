@@ -20,11 +20,11 @@ class DeepseekDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int):
         super().__init__()
-        eps, moe = config.rms_norm_eps, config.moe
+        eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = MLAttention(config, dtype, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.moe = moe is not None and index >= moe.first_k_dense
+        self.moe = config.is_moe_layer(index)
         if self.moe:
             self.mlp = MoE(config, dtype)
         else:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) running on the paged KV cache.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) running on the paged KV
+cache; Qwen3-MoE's layers hold a mixture of experts (kvpool.models.moe) where its config says.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:
@@ -17,6 +18,7 @@ from kvpool.devices import check_device
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
+from kvpool.models.moe import MoE
 from kvpool.models.rotary import RotaryEmbedding, apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
@@ -70,7 +72,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or (on a
+    Qwen3-MoE's expert layers) MoE mlp."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
         super().__init__()
@@ -78,13 +81,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
-                       config.hidden_act)
+        self.moe = config.is_moe_layer(layer_idx)
+        if self.moe:
+            self.mlp = MoE(config, dtype)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
+                           config.hidden_act)
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
         x = x + self.self_attn(self.input_layernorm(x), rope, context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h))
 
 
 class LlamaModel(nn.Module):

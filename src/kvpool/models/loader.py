@@ -26,12 +26,14 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
-# The module class of each architecture that is not run by LlamaForCausalLM.
+# The module class of each architecture other than the dense Llama family (which
+# LlamaForCausalLM runs); Qwen3-MoE is a Llama-family decoder whose layers hold experts.
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -1,7 +1,10 @@
-"""DeepSeek's mixture of experts: a router that picks `top_k` routed experts per token (V2's
-softmax scores with greedy or group-limited choice, V3's sigmoid scores with a bias that
-steers the choice only), the chosen experts weighted, and shared experts applied to every
-token. Numerics follow transformers: routing in float32, experts summed in expert order."""
+"""Mixtures of experts (DeepSeek's and Qwen3-MoE's): a router that picks `top_k` routed experts
+per token (Qwen3-MoE's and DeepSeek-V2's softmax scores with greedy or group-limited choice,
+V3's sigmoid scores with a bias that steers the choice only), the chosen experts weighted, and
+shared experts applied to every token where the model has them. Numerics follow transformers'
+default (grouped_mm) experts: softmax in float32 (DeepSeek routes in float32 throughout), each
+expert's output weighted in the routing weights' dtype, and a token's experts summed in float32
+and rounded once."""
 
 from __future__ import annotations
 
@@ -25,11 +28,15 @@ class Router(nn.Module):
                                  torch.empty(moe.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, hidden]` -> (weights `[T, top_k]` float32, expert ids `[T, top_k]`)."""
+        """x `[T, hidden]` -> (weights `[T, top_k]`, float32 or (Qwen3-MoE) x's dtype, expert
+        ids `[T, top_k]`)."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        if moe.router_in_float32:
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
         if moe.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
             choice = scores
         else:
             scores = logits.sigmoid()
@@ -40,7 +47,8 @@ class Router(nn.Module):
         weights = scores.gather(1, ids)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
+        weights = weights * moe.routed_scaling_factor
+        return (weights if moe.router_in_float32 else weights.to(x.dtype)), ids
 
     def _eligible_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` with the experts outside each token's best `topk_groups` groups masked:
@@ -59,16 +67,17 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """`sum_e weight_e * expert_e(x)` over each token's routed experts, plus the shared
-    experts (one MLP of `num_shared_experts x intermediate_size`)."""
+    experts (one MLP of `num_shared_experts x intermediate_size`; None where there are none)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
         self.gate = Router(config, dtype)
         self.experts = nn.ModuleList(
-            MLP(hidden, moe.intermediate_size, False, dtype) for _ in range(moe.num_experts))
+            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act)
+            for _ in range(moe.num_experts))
         self.shared_experts = MLP(hidden, moe.intermediate_size * moe.num_shared_experts,
-                                  config.mlp_bias, dtype)
+                                  config.mlp_bias, dtype) if moe.num_shared_experts else None
 
     def forward(self, x: torch.Tensor, static: bool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`. `static` (decode steps): shapes independent of
@@ -77,29 +86,32 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         routed = self.routed_static(x, weights, ids) if static else \
             self.routed_sparse(x, weights, ids)
+        if self.shared_experts is None:
+            return routed
         return routed + self.shared_experts(x)
 
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """Every routed expert on every token, weighted by its routing weight (0 where the
-        token did not choose it), summed in expert order as transformers sums. It costs
+        token did not choose it), summed in float32. It costs
         num_experts / top_k times the chosen experts' FLOPs (64 / 6 for DeepSeek-V2-Lite), but
         a decode step is bound by reading the experts' weights, and once the batch holds
-        more than about num_experts / top_k tokens it reads nearly all of them anyway."""
+        more than about num_experts / top_k tokens it reads nearly all of them anyway (128 / 8
+        for Qwen3-MoE)."""
         dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
                             device=x.device).scatter_(1, ids, weights)  # [T, experts]
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
         for expert, mlp in enumerate(self.experts):
-            out += (mlp(x) * dense[:, expert, None]).to(out.dtype)
-        return out
+            out += mlp(x) * dense[:, expert, None]
+        return out.to(x.dtype)
 
     def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
         """Each expert on the tokens that chose it (prefill: the FLOPs of the chosen experts
         only; the expert ids are read on the host, so a CUDA graph cannot hold it)."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32)
         for expert in ids.unique().tolist():
             tokens, slots = (ids == expert).nonzero(as_tuple=True)
             y = self.experts[expert](x[tokens]) * weights[tokens, slots, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
-        return out
+            out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)

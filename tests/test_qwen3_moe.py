@@ -1,0 +1,243 @@
+"""Qwen3-MoE (Qwen3 attention with q/k norms, a mixture of experts on the layers its config
+names) against transformers, through the engine, its config checks, and the exact parameter
+counts of the published models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvpool.engine import LLM, SamplingParams
+from kvpool.errors import ConfigError
+from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.models.loader import load_model
+from kvpool.models.moe import MoE
+from kvpool.planner import count_parameters, plan_memory
+from models_util import (
+    PagedRunner,
+    assert_logits_match,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+    prompts,
+    save_hf_model,
+)
+from test_models import MAX_TOKENS
+
+SMALL = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=3, max_position_embeddings=256, initializer_range=0.2,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+CONFIGS = {
+    # the published models' shape: renormalised top-k, experts on every layer but one dense
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, norm_topk_prob=True, mlp_only_layers=[1]),
+    # experts on every second layer, weights not renormalised, attention biases
+    "qwen3-moe-sparse-step-biases": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory, device):
+    """(transformers model, the same checkpoint loaded by kvpool) for one Qwen3-MoE case."""
+    hf = make_hf_model(request.param, configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf.to(device), load_model(folder, device=device).model
+
+
+def test_packed_prefill_logits_match_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    logits = PagedRunner(model).step(batch, all_logits=True)
+    assert_logits_match(hf, batch, logits)
+    offset = 0
+    for prompt in batch.values():  # and in absolute terms, float32 against float32
+        ours = logits[offset:offset + len(prompt)]
+        torch.testing.assert_close(ours, hf_logits(hf, prompt), rtol=0, atol=1e-4)
+        offset += len(prompt)
+
+
+def test_batched_greedy_decode_matches_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    runner = PagedRunner(model)
+    ours = runner.greedy(batch, MAX_TOKENS)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+    runner.cache.check()
+
+
+def test_the_layers_the_config_names_hold_experts_and_the_others_a_dense_mlp(pair):
+    hf, model = pair
+    ours = [isinstance(layer.mlp, MoE) for layer in model.model.layers]
+    theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    assert ours == theirs
+    assert ours in ([True, False, True], [False, True, False])
+    assert all(layer.mlp.shared_experts is None for layer in model.model.layers
+               if isinstance(layer.mlp, MoE))
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tmp_path_factory, device):
+    """(transformers model, kvpool model) of one checkpoint, both in bfloat16."""
+    hf = make_hf_model("qwen3-moe", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3-moe-bf16"))
+    model = load_model(folder, device=device, dtype=torch.bfloat16).model
+    return hf.to(device=device, dtype=torch.bfloat16), model
+
+
+def test_the_bf16_router_scores_in_bf16_and_takes_the_softmax_in_float32_as_transformers(
+        bf16_pair, device):
+    hf, model = bf16_pair
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                          torch.bfloat16)
+    weights, ids = model.model.layers[0].mlp.gate(x)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf.model.layers[0].mlp.gate(x)
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert weights.dtype == torch.bfloat16
+    assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_a_bf16_moe_block_equals_transformers_in_prefill_and_decode(bf16_pair, device):
+    hf, model = bf16_pair
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(device,
+                                                                          torch.bfloat16)
+    moe = model.model.layers[0].mlp
+    with torch.no_grad():
+        expected = hf.model.layers[0].mlp(x[None])[0]
+    for static in (False, True):  # each expert on its tokens; every expert on every token
+        torch.testing.assert_close(moe(x, static), expected)
+
+
+# --- through the engine ---
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_case(tmp_path_factory, device):
+    """A Qwen3-MoE checkpoint, 8 prompts (four share a 24-token prefix) and transformers'
+    greedy continuations of each, run alone."""
+    hf = make_hf_model("qwen3-moe", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3-moe-engine"))
+    hf.to(device)
+    shared = prompts(160, lengths=(24,), seed=2)["seq0"]
+    batch = list(prompts(160, lengths=(5, 13, 30, 41), seed=3).values())
+    batch += [shared + tail for tail in prompts(160, lengths=(1, 6, 9, 17), seed=4).values()]
+    return folder, batch, [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in batch]
+
+
+def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(engine_case, device):
+    folder, batch, expected = engine_case
+    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              device=device)
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.cache.check()
+
+
+def test_engine_greedy_outputs_survive_preemption(engine_case, device):
+    folder, batch, expected = engine_case
+    llm = LLM(folder, num_pages=24, page_size=4,
+              device=device)  # 96 slots; the longest request needs 73
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    llm.cache.check()
+
+
+# --- configs and planning ---
+
+# The published config.json of Qwen3-30B-A3B (kvpool's preset trims it to what kvpool reads)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_the_preset_is_the_published_config():
+    assert ModelConfig.from_hf("Qwen3-30B-A3B") == ModelConfig.from_hf(QWEN3_30B_A3B)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("Qwen3-30B-A3B", 30_532_122_624),  # "30.5B"
+    ("Qwen3-235B-A22B", 235_093_634_560),  # "235B"
+])
+def test_parameters_are_counted_exactly_as_transformers_builds_them(name, expected):
+    config = transformers.Qwen3MoeConfig.from_dict(PRESETS[name])
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(config)
+    assert count_parameters(ModelConfig.from_hf(name)) == expected
+    assert expected == sum(p.numel() for p in hf.parameters())
+
+
+def test_plan_holds_what_the_budget_leaves_after_the_experts_weights():
+    plan = plan_memory("Qwen3-30B-A3B", 80 * 2**30, activation_bytes=0)
+    assert plan.weight_bytes == 30_532_122_624 * 2  # bf16: every expert is resident
+    assert plan.bytes_per_token == 98_304  # 48 layers x K and V x 4 heads x 128 x 2 bytes
+    assert plan.num_pages == (int(80 * 2**30 * 0.9) - 30_532_122_624 * 2) // (16 * 98_304) - 1
+
+
+def test_a_published_config_routes_to_8_of_128_experts_on_every_layer():
+    moe = ModelConfig.from_hf(QWEN3_30B_A3B).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
+    assert moe.layers == tuple(range(48)) and moe.norm_topk_prob
+    assert moe.num_shared_experts == 0 and not moe.router_in_float32
+
+
+def test_the_kv_layout_is_qwen3s_4_kv_heads_of_128():
+    layout = ModelConfig.from_hf(QWEN3_30B_A3B).kv_layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (48, 4, 128)
+    assert layout.bytes_per_token == 48 * 2 * 4 * 128 * 2  # bf16: 96 KiB
+
+
+def test_the_expert_count_is_read_under_either_name():
+    renamed = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}
+    moe = ModelConfig.from_hf(renamed | {"num_local_experts": 64}).moe
+    assert moe.num_experts == 64
+
+
+def test_experts_on_every_second_layer_but_the_listed_dense_ones():
+    config = QWEN3_30B_A3B | {"num_hidden_layers": 8, "decoder_sparse_step": 2,
+                              "mlp_only_layers": [3, 4]}
+    assert ModelConfig.from_hf(config).moe.layers == (1, 5, 7)
+
+
+def test_a_config_whose_layers_are_all_dense_has_no_experts():
+    config = QWEN3_30B_A3B | {"num_hidden_layers": 2, "mlp_only_layers": [0, 1]}
+    assert ModelConfig.from_hf(config).moe is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok=129 exceeds num_experts=128"),
+    ({"num_local_experts": 64}, "num_experts=128 and num_local_experts=64 disagree"),
+    ({"num_experts": 0}, "'num_experts' must be a positive integer"),
+    ({"num_experts": 2**17}, "'num_experts' must be a positive integer at most 65536"),
+    ({"moe_intermediate_size": -1}, "'moe_intermediate_size' must be a positive integer"),
+    ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be a positive integer"),
+    ({"mlp_only_layers": [48]}, r"'mlp_only_layers' must list layer indices in \[0, 48\)"),
+    ({"mlp_only_layers": "all"}, "'mlp_only_layers' must list layer indices"),
+    ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+    ({"use_sliding_window": True, "sliding_window": 4096},
+     "use_sliding_window=true is not supported"),
+    ({"hidden_act": "tanh"}, "unsupported hidden_act 'tanh'"),
+])
+def test_unsupported_qwen3_moe_configs_name_the_field_and_value(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(QWEN3_30B_A3B | change)
