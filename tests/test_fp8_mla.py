@@ -202,7 +202,7 @@ def with_given_scale(runner: PagedRunner) -> PagedRunner:
 # e4m3 under the same scale before the write, so the bound is float32 rounding's (1e-5). Against
 # unrounded pages these random MoE models are no guide: a latent moved by up to 1/16 of itself
 # (half an e4m3 step) can change a token's experts, and the logits then moved by 14-98% of their
-# largest on the five configs (prefill of 4 prompts); see benchmarks/fp8.py for greedy agreement.
+# largest on the five configs (prefill of 4 prompts).
 def test_the_model_on_fp8_pages_computes_as_on_latents_rounded_to_e4m3(v3, monkeypatch):
     batch = prompts(v3.config.vocab_size)
     decode = {seq_id: [7] for seq_id in batch}
