@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
+from kvpool.engine import LLM, SamplingParams
 from kvpool.forward_context import ForwardContext, HostLengths
 from kvpool.grouped_pool import GroupedPool
 from kvpool.models.llama import LlamaForCausalLM
@@ -179,3 +181,44 @@ def assert_logits_match(hf: transformers.PreTrainedModel, batch: dict[str, list[
         ours = logits[offset:offset + len(prompt)]
         assert relative_error(ours, hf_logits(hf, prompt)) < tolerance
         offset += len(prompt)
+
+
+class EngineCase(NamedTuple):
+    """A saved checkpoint, a batch of prompts and transformers' greedy continuation of each."""
+
+    folder: Path
+    batch: list[list[int]]
+    expected: list[list[int]]
+
+
+def engine_case(name: str, configs, folder: Path, device, max_tokens: int) -> EngineCase:
+    """A checkpoint of config `name`, 8 prompts (four share a 24-token prefix) and
+    transformers' greedy continuations of each, run alone on `device`."""
+    hf = make_hf_model(name, configs=configs)
+    folder = save_hf_model(hf, folder)
+    hf.to(device)
+    shared = prompts(160, lengths=(24,), seed=2)["seq0"]
+    batch = list(prompts(160, lengths=(5, 13, 30, 41), seed=3).values())
+    batch += [shared + tail for tail in prompts(160, lengths=(1, 6, 9, 17), seed=4).values()]
+    return EngineCase(folder, batch, [hf_greedy(hf, prompt, max_tokens) for prompt in batch])
+
+
+def check_engine_with_prefix_hits_and_chunks(case: EngineCase, device,
+                                             greedy: SamplingParams) -> None:
+    """Through LLM with prefix hits and 16-token chunks, the greedy tokens are transformers'."""
+    llm = LLM(case.folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              device=device)
+    outputs = llm.generate(case.batch, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == case.expected
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.cache.check()
+
+
+def check_engine_with_preemption(case: EngineCase, device, greedy: SamplingParams) -> None:
+    """Through LLM in 96 slots (the longest request needs 73), requests are preempted and
+    the greedy tokens are still transformers'."""
+    llm = LLM(case.folder, num_pages=24, page_size=4, device=device)
+    outputs = llm.generate(case.batch, greedy, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == case.expected
+    llm.cache.check()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from kvpool.engine import LLM, SamplingParams
+from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.models.loader import load_model
@@ -17,6 +17,9 @@ from kvpool.planner import count_parameters, plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,
+    check_engine_with_preemption,
+    check_engine_with_prefix_hits_and_chunks,
+    engine_case,
     hf_greedy,
     hf_logits,
     make_hf_model,
@@ -121,36 +124,17 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine_case(tmp_path_factory, device):
-    """A Qwen3-MoE checkpoint, 8 prompts (four share a 24-token prefix) and transformers'
-    greedy continuations of each, run alone."""
-    hf = make_hf_model("qwen3-moe", configs=CONFIGS)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3-moe-engine"))
-    hf.to(device)
-    shared = prompts(160, lengths=(24,), seed=2)["seq0"]
-    batch = list(prompts(160, lengths=(5, 13, 30, 41), seed=3).values())
-    batch += [shared + tail for tail in prompts(160, lengths=(1, 6, 9, 17), seed=4).values()]
-    return folder, batch, [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in batch]
+def case(tmp_path_factory, device):
+    folder = tmp_path_factory.mktemp("qwen3-moe-engine")
+    return engine_case("qwen3-moe", CONFIGS, folder, device, MAX_TOKENS)
 
 
-def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(engine_case, device):
-    folder, batch, expected = engine_case
-    llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-              device=device)
-    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert llm.cache.stats().prefix_hit_tokens > 0
-    llm.cache.check()
+def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(case, device):
+    check_engine_with_prefix_hits_and_chunks(case, device, GREEDY)
 
 
-def test_engine_greedy_outputs_survive_preemption(engine_case, device):
-    folder, batch, expected = engine_case
-    llm = LLM(folder, num_pages=24, page_size=4,
-              device=device)  # 96 slots; the longest request needs 73
-    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
-    assert llm.stats().num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    llm.cache.check()
+def test_engine_greedy_outputs_survive_preemption(case, device):
+    check_engine_with_preemption(case, device, GREEDY)
 
 
 # --- configs and planning ---
