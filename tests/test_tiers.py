@@ -179,12 +179,15 @@ def test_failed_add_sequence_with_a_tier_hit_changes_nothing(device):
     cache = make_cache(tier, device=device)
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("y", num_tokens=8)  # two of the four pages: b's three do not fit
+    # bytes, not floats: unwritten pages (the reserved padding page among them) may hold NaN
     before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
-              cache.pool.kv.clone(), list(tier), tier.stats(), tier.buffer.clone())
+              cache.pool.kv.view(torch.uint8).clone(), list(tier), tier.stats(),
+              tier.buffer.view(torch.uint8).clone())
     with pytest.raises(OutOfPages, match="need 3 pages, 2 free"):
         cache.add_sequence("b", prompt(9))
     after = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
-             cache.pool.kv, list(tier), tier.stats(), tier.buffer)
+             cache.pool.kv.view(torch.uint8), list(tier), tier.stats(),
+             tier.buffer.view(torch.uint8))
     assert before[:2] == after[:2] and before[3:5] == after[3:5]
     assert torch.equal(before[2], after[2]) and torch.equal(before[5], after[5])
     assert cache.sequences() == ["y"]
