@@ -120,3 +120,26 @@ def fail_next_forward(llm: LLM) -> None:
         del llm.runner.run  # back to the real method
         raise RuntimeError("injected")
     llm.runner.run = run_once
+
+
+class PoisonedSampler:
+    """The engine's sampler, except that it raises for any batch holding a request of
+    `max_tokens` 7 (the engine then samples each request alone, and only that one fails)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __call__(self, logits, params, streams, positions):
+        if any(p.max_tokens == 7 for p in params):
+            raise RuntimeError("injected")
+        return self.sampler(logits, params, streams, positions)
+
+
+def poison_sampling(llm: LLM) -> None:
+    """Requests of max_tokens 7 fail in their first step from now on."""
+    llm.sampler = PoisonedSampler(llm.sampler)
+
+
+def heal_sampling(llm: LLM) -> None:
+    """Undo `poison_sampling`."""
+    llm.sampler = llm.sampler.sampler

@@ -13,7 +13,14 @@ import httpx
 import pytest
 
 from kvpool.engine import LLM
-from server_util import check_cache, fail_next_forward, running_server, used_pages
+from server_util import (
+    check_cache,
+    fail_next_forward,
+    heal_sampling,
+    poison_sampling,
+    running_server,
+    used_pages,
+)
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
         "stream": True}
@@ -56,6 +63,27 @@ def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
     server.on_engine(check_cache)
     assert server.on_engine(used_pages) == 0
     assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
+
+
+def test_a_request_whose_sampling_fails_gets_500_with_the_message_and_the_next_is_served(
+        server):
+    server.on_engine(poison_sampling)
+    try:
+        failed = httpx.post(f"{server.url}/v1/completions",
+                            json={"model": "tiny", "prompt": "Hello", "max_tokens": 7})
+        served = httpx.post(f"{server.url}/v1/completions",
+                            json={"model": "tiny", "prompt": "Hello", "max_tokens": 5,
+                                  "ignore_eos": True})
+    finally:
+        server.on_engine(heal_sampling)
+    assert failed.status_code == 500
+    error = failed.json()["error"]
+    assert error["type"] == "internal_error"
+    assert error["message"].startswith("the request failed: ") and "injected" in error["message"]
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5
+    server.wait_idle(timeout=30)
+    server.on_engine(check_cache)
+    assert server.on_engine(used_pages) == 0
 
 
 def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server):

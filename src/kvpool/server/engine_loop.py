@@ -439,7 +439,11 @@ class _Engine:
             logger.exception("a step failed; the requests in flight fail with it")
             self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             return
-        self._send("news", [self._news(output) for output in outputs])
+        failed = [output for output in outputs if output.error is not None]
+        self._send("news", [self._news(output) for output in outputs if output.error is None])
+        for output in failed:  # that request alone: its client gets the message
+            self._requests.pop(output.request_id, None)
+            self._send("failed", [output.request_id], f"the request failed: {output.error}")
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              cache_salt: str | None) -> None:
