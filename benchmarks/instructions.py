@@ -1,7 +1,7 @@
 """A fixed number of requests of one hot-path case, for counting machine instructions.
 
     valgrind --tool=callgrind --instr-atstart=no \
-        python benchmarks/instructions.py CASE N [--python-loops]
+        python benchmarks/instructions.py CASE N
 
 Instructions per request = (count at N=1,200 - count at N=200) / 1,000, which cancels start-up
 and shutdown. Counts do not move with the load of a shared machine, unlike times. Setup runs
@@ -11,8 +11,6 @@ loop, and does nothing more when run without valgrind. Cases:
   off    KVCache, caching off: add a 256-token sequence (16 pages) + free it
   hit    KVCache, caching on, a 256-token prompt cached: add it again (15-page hit, the last
          page is new) + commit + free
---python-loops runs the allocator's per-page loops in Python, as a build without a C compiler
-does, instead of compiled.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import argparse
 import os
 import subprocess
 
-from kvpool import allocator as allocator_module
 from kvpool.allocator import PageAllocator
 
 PAGE_SIZE = 16
@@ -38,11 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=("alloc", "off", "hit"))
     parser.add_argument("requests", type=int)
-    parser.add_argument("--python-loops", action="store_true",
-                        help="the allocator's per-page loops in Python, not compiled")
     args = parser.parse_args()
-    if args.python_loops:
-        allocator_module.compiled = None
     if args.case == "alloc":
         allocator = PageAllocator(100_000)
         allocator.allocate(50_000)

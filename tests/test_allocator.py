@@ -4,19 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvpool import allocator as allocator_module
 from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, KVPoolError, OutOfPages
-
-
-@pytest.fixture(autouse=True, params=["compiled", "portable"])
-def loops(request, monkeypatch):
-    """Every test runs twice: with the compiled per-page loops, and with the Python ones."""
-    if request.param == "compiled" and allocator_module.compiled is None:
-        pytest.skip("the package was built without a C compiler")
-    if request.param == "portable":
-        monkeypatch.setattr(allocator_module, "compiled", None)
-    return request.param
 
 
 def state(allocator):

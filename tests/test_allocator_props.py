@@ -12,7 +12,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool import allocator as allocator_module
 from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, OutOfPages
 
@@ -112,24 +111,11 @@ class FirstFitMachine(AllocatorMachine):
     policy = "first_fit"
 
 
-class PortableMachine(AllocatorMachine):
-    """The lifo machine with the per-page loops in Python, not compiled."""
-
-    def __init__(self):
-        self.compiled, allocator_module.compiled = allocator_module.compiled, None
-        super().__init__()
-
-    def teardown(self):
-        allocator_module.compiled = self.compiled
-
-
 SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestLifo = AllocatorMachine.TestCase
 TestLifo.settings = SETTINGS
 TestFirstFit = FirstFitMachine.TestCase
 TestFirstFit.settings = SETTINGS
-TestPortable = PortableMachine.TestCase
-TestPortable.settings = SETTINGS
 
 
 @contextmanager

@@ -23,7 +23,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool import allocator as allocator_module
 from kvpool.cache import HOLE, KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.fp8 import FP8_DTYPE
@@ -295,11 +294,6 @@ class CacheMachine(RuleBasedStateMachine):
                                                       (True, True)])
 def test_random_operations_keep_every_invariant(policy, fp8, prefix_caching, tier):
     run_machine(policy, prefix_caching, tier, fp8=fp8)
-
-
-def test_random_operations_keep_every_invariant_with_the_python_page_loops(monkeypatch):
-    monkeypatch.setattr(allocator_module, "compiled", None)
-    run_machine("lifo", prefix_caching=True, tier=False)
 
 
 def test_random_operations_keep_every_invariant_with_token_granular_pages():

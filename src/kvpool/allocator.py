@@ -8,11 +8,7 @@ page, never a pass of its own. The queue is a doubly linked list threaded throug
 arrays indexed by page id, its sentinel the index past the last page: 4 bytes a page each, where
 lists would make the Python loops about twice as fast but cost 0.8 MiB more per 100,000 pages.
 
-The per-page loops (`_allocate`'s and the `_in_python` methods) are the readable reference
-for `_pages.c`, which compiles them when a C compiler is there. Where the reference would
-raise, the compiled loops change nothing and return None, so that the reference runs and
-raises the error naming the page. Every call checks before it acts: a call that raises has
-changed nothing.
+Every call checks before it acts: a call that raises has changed nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +22,6 @@ from threading import Lock
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfPages, check_int
 from kvpool.first_fit import FirstFitFreeList
-
-try:
-    from kvpool import _pages as compiled
-except ImportError:  # built without a C compiler
-    compiled = None
 
 POLICIES = ("lifo", "first_fit")
 
@@ -286,9 +277,8 @@ class PageAllocator:
             ids.reverse()  # top of the stack first
         if fresh < n:
             ids += self._evict(n - fresh)
-        if compiled is None or compiled.hold(self._refcounts, ids) is None:
-            for page in ids:
-                self._refcounts[page] = 1
+        for page in ids:
+            self._refcounts[page] = 1
         self._num_allocated += n
         if left < self._fewest_unused:
             self._fewest_unused = left
@@ -296,17 +286,11 @@ class PageAllocator:
 
     def _share(self, pages: list[int]) -> None:
         """`share`, the lock held."""
-        revived = None if compiled is None else compiled.share(
-            self._refcounts, self._is_cached, self._next, self._prev, pages)
-        if revived is None:
-            revived = self._share_in_python(pages)
-        self._num_cached -= revived
+        self._num_cached -= self._share_loop(pages)
 
     def _release(self, pages: list[int]) -> list[int]:
         """`free`, the lock held."""
-        done = None if compiled is None else compiled.release(
-            self._refcounts, self._is_cached, self._next, self._prev, pages)
-        released, queued = self._release_in_python(pages) if done is None else done
+        released, queued = self._release_loop(pages)
         self._free.extend(released)
         self._num_cached += queued
         return released
@@ -314,17 +298,14 @@ class PageAllocator:
     def _evict(self, n: int) -> list[int]:
         """Take the `n` (at most `num_cached`) least recently used cached pages off the queue
         and unmark them, telling `on_evict`; returns them coldest first."""
-        if compiled is None:
-            pages = self._pop_cold_in_python(n)
-        else:
-            pages = compiled.pop_cold(self._refcounts, self._is_cached, self._next, self._prev, n)
+        pages = self._pop_cold(n)
         self._num_cached -= n
         self._num_evicted += n
         if pages and self.on_evict is not None:
             self.on_evict(pages)
         return pages
 
-    def _share_in_python(self, pages: list[int]) -> int:
+    def _share_loop(self, pages: list[int]) -> int:
         """`_share`'s loop; returns how many pages left the queue."""
         refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         for page in pages:
@@ -343,7 +324,7 @@ class PageAllocator:
             refcounts[page] += 1
         return revived
 
-    def _release_in_python(self, pages: list[int]) -> tuple[list[int], int]:
+    def _release_loop(self, pages: list[int]) -> tuple[list[int], int]:
         """`_release`'s loop; returns the released pages and how many joined the queue."""
         refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
         for page in pages:
@@ -370,7 +351,7 @@ class PageAllocator:
             prv[sentinel] = page
         return released, len(queued)
 
-    def _pop_cold_in_python(self, n: int) -> list[int]:
+    def _pop_cold(self, n: int) -> list[int]:
         """`_evict`'s loop: the `n` coldest pages, off the queue and unmarked."""
         nxt, sentinel = self._next, self._num_pages
         pages = []
