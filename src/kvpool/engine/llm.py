@@ -328,8 +328,13 @@ class LLM:
         tokens, the requests that failed)."""
         try:
             return seqs, self._sample(logits, seqs), []
-        except Exception:
-            pass
+        except Exception:  # some request's rows raised: find whose, below
+            return self._sample_requests_alone(logits, seqs)
+
+    def _sample_requests_alone(self, logits: torch.Tensor, seqs: list[Sequence]
+                               ) -> tuple[list[Sequence], list[int], list[Request]]:
+        """`_sample_each_request` one request at a time: a request whose rows raise is failed
+        (StepFailed naming the cause), the others sample as they would have in the batch."""
         rows_of: dict[Request, list[int]] = {}
         for row, seq in enumerate(seqs):
             rows_of.setdefault(seq.request, []).append(row)
