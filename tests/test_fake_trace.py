@@ -26,6 +26,7 @@ from kvpool.forward_context import ForwardContext
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.loader import MODEL_CLASSES
 from kvpool.models.moe import MoE
+from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
@@ -45,14 +46,15 @@ FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten._unique", "aten.u
              "aten.item")  # host reads and data-dependent shapes
 
 
-@torch.library.custom_op("kvpool_trace::write_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("kvpool_trace::write_kv", mutates_args=("k_cache", "v_cache", "q"))
 def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor) -> None:
-    write_kv(k_cache, v_cache, slots, k, v)
+                 k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+    write_kv(k_cache, v_cache, slots, k, v, rotation=Rotation(q, cos, sin))
 
 
 @_write_kv_op.register_fake
-def _(k_cache, v_cache, slots, k, v) -> None:
+def _(k_cache, v_cache, slots, k, v, q, cos, sin) -> None:
     return None
 
 
@@ -82,9 +84,10 @@ def _(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, sliding_w
     return torch.empty_like(q)
 
 
-def _traced_write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None):
+def _traced_write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
+                     rotation):
     assert k_scale is None and v_scale is None  # the traced pools hold no fp8 pages
-    _write_kv_op(k_cache, v_cache, slots, k, v)
+    _write_kv_op(k_cache, v_cache, slots, k, v, *rotation)
 
 
 def _traced_write_latent(cache, slots, latent, *, scale=None):

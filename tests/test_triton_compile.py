@@ -70,7 +70,8 @@ def test_launch_gives_every_constexpr_of_its_kernel(variant):
 
 
 def test_variants_cover_each_kernel_switch_on_both_archs():
-    kernels = {"_write_kv", "_prefill", "_decode_split", "_merge_splits"}
+    kernels = {"_write_kv", "_prefill", "_decode_split", "_merge_splits", "_rms_norm",
+               "_silu_mul"}
     for arch in triton_variants.ARCHS:
         found = [v for v in VARIANTS if v.arch == arch]
         assert {v.kernel_name for v in found} == kernels
@@ -82,6 +83,9 @@ def test_variants_cover_each_kernel_switch_on_both_archs():
     fp8 = {v.arch for v in VARIANTS if v.launch.constexprs.get("FP8")}
     assert fp8 == {90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
     assert any(v.launch.constexprs.get("HEAD_DIM") == 576 for v in VARIANTS)  # MLA latent
+    assert any(v.launch.constexprs.get("ROTARY_DIM") for v in VARIANTS)  # RoPE in the write
+    assert {v.launch.constexprs["RESIDUAL"] for v in VARIANTS
+            if v.kernel_name == "_rms_norm"} == {False, True}
 
 
 @pytest.mark.parametrize(("arch", "fp8_runs"), [(80, False), (89, True), (90, True)])

@@ -23,6 +23,7 @@ from kvpool.fp8 import dequantize, is_fp8, quantize
 from kvpool.kernels import cpu as cpu_kernel
 from kvpool.kernels import triton_support
 from kvpool.kernels.checks import check_index_dtype, check_page_tables
+from kvpool.rope import Rotation, apply_rotary
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -57,7 +58,8 @@ class _Layer(NamedTuple):
     v_scale: torch.Tensor | float | None
 
 
-def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> None:
+def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
+             rotation: Rotation | None = None) -> None:
     """Store K and V `[n, num_kv_heads, head_dim]` of n tokens at `slots` `[n]` (integers).
 
     `k_cache`/`v_cache` are one layer's `[num_pages, page_size, num_kv_heads, head_dim]` pool views.
@@ -65,7 +67,8 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> No
     Slots on the CPU are all checked before anything is written: a slot outside the caches
     raises IndexError naming it, and nothing changes. Slots on CUDA are not read back (that
     would synchronise): the Triton kernel skips an out-of-range slot, and index_copy_ (without
-    Triton) stops on its device-side assertion.
+    Triton) stops on its device-side assertion. A `rotation` (kvpool.rope.Rotation) stores K
+    rotated by RoPE and rotates its q in place: in the Triton write kernel, else by torch.
     """
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slots.shape != k.shape[:1]:
         raise ValueError(
@@ -79,12 +82,19 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None) -> No
         raise ValueError(f"write_kv expects k, v in the caches' {k_cache.dtype}, "
                          f"got {k.dtype} and {v.dtype}")
     _check_slots("write_kv", k_cache, slots)
+    if rotation is not None:
+        rotation.check(k)
     dense = k_cache.stride(3) == v_cache.stride(3) == 1
-    if k_cache.is_cuda and dense and triton_support.runs_on(k_cache.device, k_cache.dtype):
+    if dense and triton_support.fused_on(k_cache.device, k_cache.dtype):
         from kvpool.kernels import triton_write
 
-        triton_write.write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale)
+        triton_write.write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
+                              rotation=rotation)
         return
+    if rotation is not None:
+        q, cos, sin = rotation
+        k = apply_rotary(k, cos, sin)
+        q.copy_(apply_rotary(q, cos, sin))
     slots = slots.long()
     if fp8:  # index_copy_ has no fp8 kernel: copy the bytes
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)

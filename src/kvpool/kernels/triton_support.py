@@ -26,10 +26,16 @@ class Launch:
     constexprs: dict[str, object]
     num_warps: int
     num_stages: int
+    fp_fusion: bool = True  # False: a * b + c rounds twice, as torch's separate kernels do
+
+    def options(self) -> dict[str, object]:
+        """The compile options."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages,
+                "enable_fp_fusion": self.fp_fusion}
 
     def kwargs(self) -> dict[str, object]:
         """The launch's keyword arguments: the constexprs and the compile options."""
-        return {**self.constexprs, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**self.constexprs, **self.options()}
 
 
 def triton_installed() -> bool:
@@ -57,6 +63,14 @@ def runs_on(device: torch.device, cache_dtype: torch.dtype | None = None) -> boo
     if device.type != "cuda":
         return False
     return cache_dtype is None or not is_fp8(cache_dtype) or compiles_fp8(_cuda_arch(device))
+
+
+def fused_on(device: torch.device, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the fused Triton kernels (the K/V write with RoPE, RMSNorm with the residual
+    add, SiLU-and-mul) run for tensors on `device` (and pages of `cache_dtype`): on CUDA
+    where Triton runs. Everywhere else, the CPU included, the torch code they replace runs.
+    The one place that chooses between them."""
+    return device.type == "cuda" and runs_on(device, cache_dtype)
 
 
 @functools.cache

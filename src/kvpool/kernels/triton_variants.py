@@ -27,7 +27,13 @@ from triton.backends.nvidia import compiler as nvidia_compiler
 from triton.compiler import ASTSource
 
 from kvpool.fp8 import FP8_DTYPE
-from kvpool.kernels import MAX_DECODE_SPLITS, triton_decode, triton_prefill, triton_write
+from kvpool.kernels import (
+    MAX_DECODE_SPLITS,
+    triton_decode,
+    triton_fused,
+    triton_prefill,
+    triton_write,
+)
 from kvpool.kernels.triton_support import Launch, compiles_fp8
 
 ARCHS = (80, 90)  # A100, H100/H200
@@ -43,22 +49,24 @@ class Geometry(NamedTuple):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int  # what RMSNorm normalises
     latent: bool = False  # MLA latent pages: decode only (the absorbed path), no write_kv
 
 
 GEOMETRIES = (
-    Geometry("tiny", 8, 2, 32),  # the built-in preset
-    Geometry("llama3", 32, 8, 128),  # Llama 3 8B; Qwen3, Mistral and Bamba share the constexprs
-    Geometry("gemma3", 8, 4, 256),  # Gemma 3 4B
-    Geometry("mla-v2-lite", 16, 1, 576, latent=True),  # DeepSeek-V2-Lite: latent 512 + rope 64
-    Geometry("mla-v3", 128, 1, 576, latent=True),  # DeepSeek-V3
+    Geometry("tiny", 8, 2, 32, 256),  # the built-in preset
+    Geometry("llama3", 32, 8, 128, 4096),  # Llama 3 8B; Qwen3, Mistral, Bamba: same constexprs
+    Geometry("gemma3", 8, 4, 256, 2560),  # Gemma 3 4B
+    Geometry("mla-v2-lite", 16, 1, 576, 2048, latent=True),  # DeepSeek-V2-Lite: 512 + rope 64
+    Geometry("mla-v3", 128, 1, 576, 7168, latent=True),  # DeepSeek-V3
 )
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
           FP8_DTYPE: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
-_FLOATS = ("scale_log2",)
+_FLOATS = ("scale_log2", "eps")
 _UNALIGNED = ("window", "group", "num_splits", "stride_table")  # any value
-_SHAPES = ("NUM_KV_HEADS", "HEAD_DIM", "BLOCK_H", "BLOCK_D", "BLOCK_G", "BLOCK_M", "BLOCK_N")
+_SHAPES = ("NUM_KV_HEADS", "HEAD_DIM", "BLOCK_H", "BLOCK_D", "BLOCK_G", "BLOCK_M", "BLOCK_N",
+           "NUM_HEADS", "BLOCK_QH", "ROTARY_DIM", "BLOCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +84,12 @@ class Variant:
         return self.kernel.fn.__name__
 
     def branches(self) -> tuple:
-        """What picks the kernel's code paths, shapes aside: the arch, the kernel, and its
-        constexprs other than tile sizes and head shape (fp8, precision, split)."""
+        """What picks the kernel's code paths, shapes aside: the arch, the kernel, its
+        constexprs other than tile sizes and head shape (fp8, precision, split, residual), and
+        whether it rotates."""
         flags = {k: v for k, v in self.launch.constexprs.items() if k not in _SHAPES}
-        return self.arch, self.kernel_name, tuple(sorted(flags.items()))
+        rotates = self.launch.constexprs.get("ROTARY_DIM", 0) > 0
+        return self.arch, self.kernel_name, tuple(sorted(flags.items())), rotates
 
     def source(self) -> ASTSource:
         """The kernel with this variant's argument types, 16-byte alignments and constexprs:
@@ -101,9 +111,8 @@ class Variant:
 
 def compile_variant(variant: Variant):
     """The variant compiled for its GPU (a triton CompiledKernel with its cubin)."""
-    options = {"num_warps": variant.launch.num_warps, "num_stages": variant.launch.num_stages}
     return triton.compile(variant.source(), target=GPUTarget("cuda", variant.arch, 32),
-                          options=options)
+                          options=variant.launch.options())
 
 
 def variants() -> list[Variant]:
@@ -132,10 +141,17 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
     scales = {"k_scale": scale, "v_scale": scale}
     pages = {"k_cache": cache, "v_cache": cache, **scales}
     tables = {"page_tables": torch.int32, "seq_lens": torch.int32, "cu_seqlens_q": torch.int32}
+    yield from _fused(arch, dtype, geometry, name)
     if not geometry.latent:
+        writes = {**pages, "slots": torch.int64, "k": dtype, "v": dtype, "q": dtype,
+                  "cos": dtype, "sin": dtype}
         yield Variant(f"{name}-write", arch, triton_write._write_kv,
                       triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim),
-                      {**pages, "slots": torch.int64, "k": dtype, "v": dtype})
+                      writes)
+        yield Variant(f"{name}-write-rope", arch, triton_write._write_kv,
+                      triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim,
+                                                geometry.num_heads, geometry.head_dim),
+                      writes)
         yield Variant(f"{name}-prefill", arch, triton_prefill._prefill,
                       triton_prefill.prefill_launch(dtype, cache, geometry.head_dim),
                       {**pages, **tables, "q": dtype, "out": dtype})
@@ -153,6 +169,19 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                           triton_decode.merge_launch(geometry.head_dim),
                           {"part_out": torch.float32, "part_lse": torch.float32,
                            "cu_seqlens_q": torch.int32, "out": dtype})
+
+
+def _fused(arch: int, dtype: torch.dtype, geometry: Geometry, name: str):
+    """The fused elementwise kernels of a model in `dtype`: RMSNorm of the hidden state (with
+    and without the residual add) and of a head (Qwen3's q/k norm), and SiLU-and-mul."""
+    rows = {"x": dtype, "residual": dtype, "weight": dtype, "out": dtype, "summed": dtype}
+    for size, residual, what in ((geometry.hidden_size, True, "add-norm"),
+                                 (geometry.hidden_size, False, "norm"),
+                                 (geometry.head_dim, False, "head-norm")):
+        yield Variant(f"{name}-{what}", arch, triton_fused._rms_norm,
+                      triton_fused.norm_launch(size, residual), rows)
+    yield Variant(f"{name}-silu-mul", arch, triton_fused._silu_mul, triton_fused.silu_launch(),
+                  {"gate": dtype, "up": dtype, "out": dtype})
 
 
 class Compiled(NamedTuple):

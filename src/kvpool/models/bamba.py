@@ -58,8 +58,8 @@ class BambaModel(nn.Module):
                 num_mamba += 1
             else:
                 h = layer.self_attn(h, rope, context)
-            x = x + h
-            x = x + layer.feed_forward(layer.pre_ff_layernorm(x))
+            h, x = layer.pre_ff_layernorm(h, x)
+            x = x + layer.feed_forward(h)
         return x
 
 

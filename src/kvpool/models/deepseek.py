@@ -32,8 +32,8 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, context)
-        h = self.post_attention_layernorm(x)
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope,
+                                                            context), x)
         return x + (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h))
 
 

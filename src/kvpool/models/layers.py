@@ -1,5 +1,7 @@
-"""The position-wise building blocks of a Llama-family decoder: RMSNorm and the gated MLP
-with the activations config.json's `hidden_act` may name."""
+"""The position-wise building blocks of a Llama-family decoder: RMSNorm (with the residual add
+before it) and the gated MLP with the activations config.json's `hidden_act` may name. On CUDA
+the norm and SiLU-and-mul run fused Triton kernels (kvpool.kernels.triton_fused; where, says
+`triton_support.fused_on`), elsewhere the torch code below."""
 
 from __future__ import annotations
 
@@ -9,44 +11,73 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpool.kernels import triton_support
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 and cast back to the
-    input's dtype before the (learned) scale, as transformers does."""
+    input's dtype before the (learned) scale, as transformers does. Given the residual stream
+    too, it adds x to it first and returns the sum as well (the next residual)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[..., size]` -> same shape and dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x `[..., size]` -> normed, same shape and dtype; with `residual` (x's shape),
+        `(normed x + residual, x + residual)`."""
+        if triton_support.fused_on(x.device):
+            from kvpool.kernels import triton_fused
+
+            return triton_fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
-_GELU_TANH = functools.partial(F.gelu, approximate="tanh")
-# transformers' names (ACT2FN) of the activations a gated MLP runs; the tanh approximations
-# of GELU are one formula that transformers computes in three ways.
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` (SwiGLU's gate), gate and up `[T, size]`: one Triton launch on CUDA."""
+    if triton_support.fused_on(gate.device):
+        from kvpool.kernels import triton_fused
+
+        return triton_fused.silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def _gated(act):
+    """The gate `act(gate) * up` of an activation that has no fused kernel."""
+    return lambda gate, up: act(gate) * up
+
+
+_GELU_TANH = _gated(functools.partial(F.gelu, approximate="tanh"))
+# transformers' names (ACT2FN) of the activations a gated MLP runs, each as its gate
+# `(gate, up) -> act(gate) * up`; the tanh approximations of GELU are one formula that
+# transformers computes in three ways.
 ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+    "silu": silu_and_mul, "swish": silu_and_mul, "relu": _gated(F.relu), "gelu": _gated(F.gelu),
     "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH, "gelu_fast": _GELU_TANH,
 }
 
 
 class MLP(nn.Module):
     """Gated feed-forward: `down_proj(act(gate_proj(x)) * up_proj(x))`, `act` one of
-    ACTIVATIONS (silu: SwiGLU)."""
+    ACTIVATIONS (silu: SwiGLU, its gate fused on CUDA)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  act: str = "silu"):
         super().__init__()
-        self.act = ACTIVATIONS[act]
+        self.gate = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gate(self.gate_proj(x), self.up_proj(x)))

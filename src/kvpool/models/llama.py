@@ -19,16 +19,18 @@ from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.moe import MoE
-from kvpool.models.rotary import RotaryEmbedding, apply_rotary
+from kvpool.models.rotary import RotaryEmbedding
+from kvpool.rope import Rotation
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention: project, (Qwen3) norm q/k per head, rotate, write K/V into
-    the pages of pool layer `layer_idx`, attend through the page tables (to the last
-    `sliding_window` tokens only, when given), project back. With fp8 pages, the layer's first
-    K/V written set its scales unless they were given. `layer_idx` is the attention layer: the
+    """Grouped-query self-attention: project, (Qwen3) norm q/k per head, write K/V into the
+    pages of pool layer `layer_idx` rotating q and K as they are written, attend through the
+    page tables (to the last `sliding_window` tokens only, when given), project back. With fp8
+    pages, the layer's first K/V written (before rotation: fp8.HEADROOM covers it) set its
+    scales unless they were given. `layer_idx` is the attention layer: the
     context locates its group's pool, page tables and slot mapping."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
@@ -57,12 +59,13 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         pool, layer, meta = context.locate(self.layer_idx)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
         pool.calibrate(layer, k, v)
         k_scale, v_scale = pool.kv_scales(layer)
-        write_kv(k_cache, v_cache, meta.slot_mapping, k, v, k_scale=k_scale, v_scale=v_scale)
+        # Stores K rotated and rotates q in place: RoPE in the write, one launch on CUDA.
+        write_kv(k_cache, v_cache, meta.slot_mapping, k, v, k_scale=k_scale, v_scale=v_scale,
+                 rotation=Rotation(q, *rope))
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
                               sliding_window=self.sliding_window,
@@ -73,7 +76,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or (on a
-    Qwen3-MoE's expert layers) MoE mlp."""
+    Qwen3-MoE's expert layers) MoE mlp. Each residual add is fused into the norm after it:
+    the layer takes and returns its output apart from the residual stream."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
         super().__init__()
@@ -88,11 +92,17 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
                            config.hidden_act)
 
-    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
-        """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, context)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous layer's output x `[T, hidden]` and the residual stream it adds to
+        (None for the first layer, whose x is the embedding) -> this layer's (output,
+        residual stream), both `[T, hidden]`."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, context), residual)
+        return (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,10 +119,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, rope: Rope,
                 context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, rope, context)
-        return x
+            x, residual = layer(x, residual, rope, context)
+        return x + residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -40,7 +40,8 @@ from kvpool.forward_context import ForwardContext, HostLengths
 from kvpool.fp8 import dequantize
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import RMSNorm
-from kvpool.models.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
+from kvpool.models.rotary import yarn_mscale
+from kvpool.rope import apply_rotary, apply_rotary_interleaved
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, qk_rope_head_dim // 2]
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with its default

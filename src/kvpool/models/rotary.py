@@ -1,11 +1,9 @@
 """Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3` and
-`yarn` (DeepSeek) rope types, cos/sin for a step's positions, and their application to packed
-q/k.
+`yarn` (DeepSeek) rope types and cos/sin for a step's positions (kvpool.rope applies them to
+packed q/k).
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
-float32, cos/sin (times yarn's attention factor) cast to the activations' dtype, and the
-rotate-half convention (dimension i pairs with i + dim/2) or DeepSeek's interleaved one
-(dimension 2i pairs with 2i + 1)."""
+float32, cos/sin (times yarn's attention factor) cast to the activations' dtype."""
 
 from __future__ import annotations
 
@@ -115,20 +113,3 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]` by the angles whose cos/sin are `[T, 1, rotary_dim // 2]`;
-    channels past rotary_dim (partial rotary) pass through."""
-    rotary_dim = 2 * cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), -1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the adjacent pairs (x0, x1), (x2, x3), ... of x `[T, heads, dim]` (DeepSeek's
-    layout); the result holds the rotated first members, then the second ones, as
-    transformers lays it out. Queries and keys rotated alike keep their dot products."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
