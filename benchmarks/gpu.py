@@ -7,7 +7,10 @@ Decode: 32 query heads / 8 KV heads, head_dim 128, bfloat16, page size 16, pages
 query token per sequence; the baseline is torch's scaled_dot_product_attention on
 [batch, heads, context, head_dim] K/V (enable_gqa). GB/s counts the K/V bytes read once.
 Prefill: whole prompts packed back to back against SDPA (is_causal) over the same tokens, one
-call per sequence. Times are medians of CUDA-event timings; "ratio" is paged / SDPA.
+call per sequence. Times are medians of CUDA-event timings; "ratio" is paged / SDPA, against
+the targets of issue 26 (decode <= 1.1x at every shape, prefill <= 1.2x at 4 x 2,048), with
+the tile the triton backend chose for each shape (context splits, tokens or query rows per
+step, warps).
 The engine section runs the workload of benchmarks/gpu_engine.py (its docstring says which).
 `main()` runs each section in turn: a section is a function that prints its own table.
 """
@@ -24,6 +27,7 @@ from kvpool.attention import paged_attention
 from kvpool.kernels import triton_support
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+DECODE_TARGET, PREFILL_TARGET = 1.1, 1.2  # paged / SDPA at most (prefill: at 4 x 2,048)
 DECODE_CASES = ((64, 1024), (64, 4096), (256, 1024), (32, 16384))  # (batch, context tokens)
 PREFILL_CASES = ((4, 2048), (16, 512))  # (prompts, tokens each)
 
@@ -74,8 +78,30 @@ def contiguous(cache, page_tables, b: int, length: int) -> torch.Tensor:
     return cache[pages].flatten(0, 1)[:length].transpose(0, 1).contiguous()
 
 
-def decode_row(batch: int, context: int, names: list[str]) -> str:
-    """One decode table line: SDPA on contiguous K/V, then each backend on shuffled pages."""
+def decode_tile(batch: int, context: int) -> str:
+    """The triton decode's choice for a shape: splits, tokens per step, warps."""
+    from kvpool.kernels import triton_decode
+
+    splits = triton_decode.choose_num_splits(batch, KV_HEADS, context,
+                                             triton_support.num_sms(torch.device("cuda")))
+    launch = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS, splits,
+                                         -(-context // splits))
+    return f"{splits}/{launch.constexprs['BLOCK_N']}/{launch.num_warps}"
+
+
+def prefill_tile(length: int) -> str:
+    """The triton prefill's choice for prompts of `length` tokens: query rows, keys per
+    step, warps."""
+    from kvpool.kernels import triton_prefill
+
+    launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
+    return (f"{launch.constexprs['BLOCK_M']}/{launch.constexprs['BLOCK_N']}/"
+            f"{launch.num_warps}")
+
+
+def decode_row(batch: int, context: int, names: list[str]) -> tuple[str, list[float]]:
+    """One decode table line: SDPA on contiguous K/V, then each backend on shuffled pages;
+    and each backend's ratio."""
     inputs = paged_inputs([context] * batch, [1] * batch)
     q, k_cache, v_cache, page_tables = inputs[:4]
     tokens = page_tables[:, : context // PAGE_SIZE].long()
@@ -85,11 +111,15 @@ def decode_row(batch: int, context: int, names: list[str]) -> str:
     kv_bytes = 2 * k.numel() * k.element_size()
     sdpa = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
     line = f"{batch:>6} {context:>8} {sdpa:>8.3f} {kv_bytes / sdpa / 1e6:>9.0f}"
+    ratios = []
     for name in names:
         ms = time_ms(lambda name=name: paged_attention(
             *inputs, backend=name, max_seq_len=context, max_query_len=1))
+        ratios.append(ms / sdpa)
         line += f" {ms:>10.3f} {kv_bytes / ms / 1e6:>11.0f} {ms / sdpa:>6.2f}"
-    return line
+    if "triton" in names:
+        line += f" {decode_tile(batch, context):>12}"
+    return line, ratios
 
 
 def decode_section() -> None:
@@ -98,10 +128,15 @@ def decode_section() -> None:
           f"{PAGE_SIZE}, pages shuffled; median ms")
     names = backends()
     print(f"{'batch':>6} {'context':>8} {'sdpa ms':>8} {'sdpa GB/s':>9}" + "".join(
-        f" {name + ' ms':>10} {name + ' GB/s':>11} {'ratio':>6}" for name in names))
+        f" {name + ' ms':>10} {name + ' GB/s':>11} {'ratio':>6}" for name in names)
+        + (f" {'splits/N/warps':>12}" if "triton" in names else ""))
+    worst = 0.0
     for batch, context in DECODE_CASES:
-        print(decode_row(batch, context, names))
+        line, ratios = decode_row(batch, context, names)
+        print(line)
+        worst = max(worst, ratios[0])
         torch.cuda.empty_cache()
+    print(f"worst {names[0]} ratio {worst:.2f} (target <= {DECODE_TARGET})")
 
 
 def prefill_row(prompts: int, length: int, names: list[str]) -> str:
@@ -123,6 +158,10 @@ def prefill_row(prompts: int, length: int, names: list[str]) -> str:
         ms = time_ms(lambda name=name: paged_attention(
             *inputs, backend=name, max_seq_len=length, max_query_len=length), repeats=20)
         line += f" {ms:>10.3f} {ms / base:>6.2f}"
+    if "triton" in names:
+        line += f" {prefill_tile(length):>9}"
+    if (prompts, length) == (4, 2048):
+        line += f"  (target <= {PREFILL_TARGET})"
     return line
 
 
@@ -131,7 +170,8 @@ def prefill_section() -> None:
     print(f"\nprefill attention, heads {HEADS}/{KV_HEADS} kv, head_dim {HEAD_DIM}, bf16; median ms")
     names = backends()
     print(f"{'prompts':>7} {'tokens':>7} {'sdpa ms':>8}"
-          + "".join(f" {name + ' ms':>10} {'ratio':>6}" for name in names))
+          + "".join(f" {name + ' ms':>10} {'ratio':>6}" for name in names)
+          + (f" {'M/N/warps':>9}" if "triton" in names else ""))
     for prompts, length in PREFILL_CASES:
         print(prefill_row(prompts, length, names))
 

@@ -10,8 +10,11 @@ three ways in one process:
                       batch decoding for its longest output; only each request's own tokens count
   continuous batching transformers' own manager, each request with its own max_new_tokens
 
-Prints output tokens per second, the ratio to static batching, and kvpool's median decode
-step time at batch 64. Without CUDA it prints one line and returns.
+Prints output tokens per second, the ratio to static batching, kvpool's median decode
+step time at batch 64, and the CUDA graph capture time (its target: 2 s for the default
+buckets) of this model and of the built-in `tiny` preset, the first in the process (Triton
+compiles included, unless its cache on disk has them) and a second. Without CUDA it prints
+one line and returns.
 
     python benchmarks/gpu_engine.py [--num-requests N] [--enforce-eager]
 """
@@ -76,9 +79,10 @@ def build_checkpoint(folder: str, seed: int = 0) -> LlamaForCausalLM:
 
 
 def run_kvpool(folder: str, requests: list[Request], *, enforce_eager: bool,
-               ) -> tuple[Run, float | None]:
-    """kvpool over the workload with a pool that holds all of it; returns the run and the
-    median duration (s) of its decode-only steps of DECODE_BATCH sequences."""
+               ) -> tuple[Run, float | None, float | None]:
+    """kvpool over the workload with a pool that holds all of it; returns the run, the
+    median duration (s) of its decode-only steps of DECODE_BATCH sequences and its CUDA graph
+    capture time (s; None without graphs)."""
     records: list[StepRecord] = []
     num_pages = sum(math.ceil((len(r.prompt) + r.max_tokens) / PAGE_SIZE) for r in requests)
     llm = LLM(folder, dtype=torch.bfloat16, device="cuda", page_size=PAGE_SIZE,
@@ -93,7 +97,20 @@ def run_kvpool(folder: str, requests: list[Request], *, enforce_eager: bool,
     seconds = time.perf_counter() - start
     decode = [r.duration for r in records
               if r.num_batched_tokens == r.num_decode_tokens == DECODE_BATCH]
-    return Run("kvpool", seconds), statistics.median(decode) if decode else None
+    capture = llm.graphs.capture_seconds if llm.graphs is not None else None
+    return Run("kvpool", seconds), statistics.median(decode) if decode else None, capture
+
+
+def tiny_capture_seconds() -> list[float]:
+    """CUDA graph capture time (s) of the `tiny` preset at the engine's defaults, twice in a
+    row: the first pays for whatever compiles the process has not done yet."""
+    times = []
+    for _ in range(2):
+        llm = LLM("tiny", device="cuda")
+        times.append(llm.graphs.capture_seconds)
+        del llm
+        torch.cuda.empty_cache()
+    return times
 
 
 def run_static(model: LlamaForCausalLM, requests: list[Request]) -> Run:
@@ -159,13 +176,18 @@ def run_engine_benchmark(num_requests: int = 128, *, enforce_eager: bool = False
         continuous = run_continuous(model, requests)
         del model
         torch.cuda.empty_cache()
-        kvpool, decode_step = run_kvpool(folder, requests, enforce_eager=enforce_eager)
+        kvpool, decode_step, capture = run_kvpool(folder, requests,
+                                                  enforce_eager=enforce_eager)
     print(f"{'engine':<34} {'seconds':>8} {'tok/s':>8} {'vs static':>10} {'vs continuous':>14}")
     for run in (kvpool, static, continuous):
         print(f"{run.name:<34} {run.seconds:8.1f} {output_tokens / run.seconds:8.1f} "
               f"{static.seconds / run.seconds:9.2f}x {continuous.seconds / run.seconds:13.2f}x")
     shown = "n/a (no such step)" if decode_step is None else f"{decode_step * 1e3:.1f} ms"
     print(f"\nkvpool decode step at batch {DECODE_BATCH} (median): {shown}")
+    if capture is not None:
+        first, second = tiny_capture_seconds()
+        print(f"CUDA graph capture, default buckets (target <= 2 s): this model {capture:.2f} s; "
+              f"tiny preset {first:.2f} s, then {second:.2f} s")
 
 
 def main() -> None:

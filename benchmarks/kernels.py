@@ -8,6 +8,11 @@ Per variant: registers and spill-store bytes per thread (ptxas -v), shared memor
 the limit compiles but cannot launch.
 
     python benchmarks/kernels.py [--workers N] [--only TEXT]   (variants whose name has TEXT)
+    python benchmarks/kernels.py --shapes [--sms 132]
+
+`--shapes` prints, for each attention shape of benchmarks/gpu.py (Llama 3's heads, bf16), the
+tile the launchers choose on a GPU of `--sms` SMs (132: H100 and H200) and that variant's
+registers, spills and shared memory on sm_90.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="compiling processes")
     parser.add_argument("--only", default="", help="the variants whose name has this text")
+    parser.add_argument("--shapes", action="store_true",
+                        help="the variants benchmarks/gpu.py's attention shapes choose")
+    parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (--shapes)")
     args = parser.parse_args()
+    if args.shapes:
+        print_shapes(args.sms, args.workers)
+        return
     workers = args.workers
     names = [v.name for v in triton_variants.variants() if args.only in v.name]
     start = time.perf_counter()
@@ -43,6 +54,43 @@ def main() -> None:
                      f"{result.shared_bytes / 1024:.1f}", f"{limit // 1024}", note))
     print(f"{len(results)} Triton kernel variants compiled to cubin in {seconds:.0f} s "
           f"({workers} processes); per thread: registers, spill stores; per program: shared")
+    print_table(rows)
+
+
+def shape_variants(sms: int, arch: int = 90) -> list[tuple[str, str]]:
+    """(shape, variant name) for each attention shape of benchmarks/gpu.py: the variant the
+    launchers choose for it on a GPU of `sms` SMs and `arch`."""
+    from gpu import DECODE_CASES, DTYPE, HEAD_DIM, HEADS, KV_HEADS, PREFILL_CASES
+    from kvpool.kernels import triton_decode, triton_prefill
+
+    prefix = f"sm{arch}-bf16-llama3-"
+    named = {(v.kernel_name, repr(v.launch)): v.name for v in triton_variants.variants()
+             if v.name.startswith(prefix)}
+    found = []
+    for batch, context in DECODE_CASES:
+        splits = triton_decode.choose_num_splits(batch, KV_HEADS, context, sms)
+        launch = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS, splits,
+                                             -(-context // splits))
+        found.append((f"decode {batch} x {context}, {splits} split(s)",
+                      named[("_decode_split", repr(launch))]))
+    for prompts, length in PREFILL_CASES:
+        launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
+        found.append((f"prefill {prompts} x {length}", named[("_prefill", repr(launch))]))
+    return found
+
+
+def print_shapes(sms: int, workers: int) -> None:
+    """The table of `--shapes`."""
+    shapes = shape_variants(sms)
+    results = {r.name: r for r in triton_variants.compile_all(
+        sorted({name for _, name in shapes}), workers=workers, resources=True)}
+    print(f"attention shapes of benchmarks/gpu.py on {sms} SMs, sm_90: the chosen variant's "
+          f"registers and spill stores per thread, shared memory per program")
+    rows = [("shape", "variant", "registers", "spill bytes", "shared KiB")]
+    for shape, name in shapes:
+        result = results[name]
+        rows.append((shape, name, str(result.registers), str(result.spill_bytes),
+                     f"{result.shared_bytes / 1024:.1f}"))
     print_table(rows)
 
 

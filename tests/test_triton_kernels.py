@@ -43,7 +43,7 @@ def decode(batch, *, window=None, num_splits=1, workspace=None):
     return triton_decode.paged_decode(
         batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
         batch.cu_seqlens_q, scale=batch.scale, window=window, num_splits=num_splits,
-        workspace=workspace,
+        max_span=int(batch.seq_lens.max()), workspace=workspace,
     )
 
 
@@ -156,11 +156,46 @@ def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
 
 
 def test_num_splits_fill_the_gpu_without_short_splits():
-    sm = torch.device("cpu")  # one "SM" off CUDA: splits aim at 4 programs
+    sm = 1  # one SM: splits aim at 4 programs
     assert triton_decode.choose_num_splits(1, 1, 10_000, sm) == 4
     assert triton_decode.choose_num_splits(1, 1, 300, sm) == 2  # >= 256 tokens a split
     assert triton_decode.choose_num_splits(4, 8, 10_000, sm) == 1
     assert triton_decode.choose_num_splits(1, 1, 10**9, sm) == 4
+    # Half the programs aimed at already: no merge for a doubling.
+    assert triton_decode.choose_num_splits(2, 1, 10_000, sm) == 1
+
+
+def test_decode_tile_follows_the_tokens_of_a_split():
+    def tile(split_tokens, dtype=torch.bfloat16, head_dim=128):
+        launch = triton_decode.decode_launch(dtype, dtype, head_dim, 4, 1, split_tokens)
+        return launch.constexprs["BLOCK_N"], launch.num_warps
+
+    assert tile(20) == (32, 4)  # a short context: a block no longer than it
+    assert tile(1024) == (64, 4)
+    assert tile(4096) == (128, 8)  # long: twice the bytes a step, twice the warps
+    assert tile(4096, torch.float32) == (64, 4)  # 4-byte pages: 64 tokens
+    assert tile(4096, head_dim=576)[0] == triton_decode.WIDE_BLOCK_N
+
+
+def test_prefill_tile_follows_the_query_length():
+    def rows(query_len, head_dim=128):
+        launch = triton_prefill.prefill_launch(torch.bfloat16, torch.bfloat16, head_dim,
+                                               query_len)
+        return launch.constexprs["BLOCK_M"], launch.num_warps
+
+    assert rows(2048) == (128, 8)
+    assert rows(100) == (64, 4)
+    assert rows(2048, head_dim=256) == (64, 8)
+
+
+@pytest.mark.parametrize("max_query_len", [40, 600])
+def test_prefill_tiles_of_either_size_match_reference(max_query_len):
+    # Long prompts take the 128-row tile and the unmasked key steps before the diagonal.
+    specs = [(max_query_len, max_query_len), (max_query_len + 70, max_query_len // 2),
+             (90, 1)]
+    batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16,
+                       dtype=torch.float32)
+    assert relative_error(prefill(batch), batch.reference()) < 1e-5
 
 
 # (heads, kv_heads, head_dim, page_size, dtype, window)
@@ -284,7 +319,8 @@ def test_fp8_pages_equal_the_dequantized_pages(specs, num_splits, dtype):
                               v_scale=v_scale)
     else:
         out = triton_decode.paged_decode(batch.q, k8, v8, *args, scale=batch.scale, window=None,
-                                         num_splits=num_splits, k_scale=k_scale,
+                                         num_splits=num_splits,
+                                         max_span=int(batch.seq_lens.max()), k_scale=k_scale,
                                          v_scale=v_scale)
     dequantized = paged_attention(batch.q, dequantize(k8, k_scale, dtype),
                                   dequantize(v8, v_scale, dtype), *args, backend="torch")

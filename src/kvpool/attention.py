@@ -244,16 +244,17 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)
         splits = triton_decode.choose_num_splits(
-            seq_lens.shape[0], k_cache.shape[2], span, q.device)
+            seq_lens.shape[0], k_cache.shape[2], span, triton_support.num_sms(q.device))
         if workspace is None:
             return triton_decode.paged_decode(
                 q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
-                window=window, num_splits=splits, **scales)
+                window=window, num_splits=splits, max_span=span, **scales)
         # The split scratch is dead once this call's merge is queued: the next layer reuses it.
         with workspace.scope():
             return triton_decode.paged_decode(
                 q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale,
-                window=window, num_splits=splits, workspace=workspace, **scales)
+                window=window, num_splits=splits, max_span=span, workspace=workspace,
+                **scales)
     return triton_prefill.paged_prefill(
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale=scale, window=window,
         max_query_len=max_query_len, **scales)

@@ -15,6 +15,7 @@ them, so any number of runners and captures share one cache."""
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -59,6 +60,7 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by replay
         self.num_replays = 0
+        self.capture_seconds = 0.0  # how long `capture` took (seconds), compiles included
 
     def bucket(self, batch: ScheduledBatch) -> int | None:
         """The graph size a batch runs at, or None if it must run eagerly (not decode-only,
@@ -87,24 +89,41 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self, *, progress: bool = True) -> None:
         """Capture one graph per bucket, largest first (the smaller ones reuse its memory
-        pool), printing a progress line."""
+        pool), printing a progress line; `capture_seconds` is the time it took.
+
+        Every capture runs on one side stream with `capture_begin`/`capture_end`, not
+        `torch.cuda.graph`, whose entry synchronises the device and empties the caching
+        allocator and the pinned host cache each time: memory the next bucket's warm-up then
+        allocates from the driver again."""
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        with self.runner.kv.calibration_paused():  # padding is no prefill
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with self.runner.kv.calibration_paused(), torch.cuda.stream(stream):  # padding: no prefill
             for bucket in tqdm(self.batch_sizes[::-1], desc="capturing CUDA graphs",
                                unit="graph", disable=not progress):
-                self._capture(bucket, pool)
+                self._capture(bucket, pool, stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.empty_cache()  # once: the warm-ups' blocks, cached for the side stream
+        self.capture_seconds = time.perf_counter() - start
 
-    def _capture(self, bucket: int, pool) -> None:
-        """Warm up and capture the graph of one bucket in the graphs' memory `pool`."""
+    def _capture(self, bucket: int, pool, stream: torch.cuda.Stream) -> None:
+        """Warm up and capture the graph of one bucket on `stream` in the graphs' memory
+        `pool`."""
         flat = self.stage(ScheduledBatch(), bucket)  # all padding: touches no real page
-        # warm up: lazy initialisation (kernel compilation, cuBLAS) stays out of the graph
+        # Warm up on the capture stream: lazy initialisation (Triton compiles, cuBLAS's
+        # workspace for this stream) stays out of the graph. The wait lets the next bucket
+        # refill the pinned staging buffer that this one's copy reads.
         self.runner.model(self.inputs(flat, bucket))
-        torch.cuda.synchronize()
+        stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            graph.capture_begin(pool=pool)
+            try:
                 # the int32 views are computed inside the graph, so replay refreshes them
                 self.logits[bucket] = self.runner.model(self.inputs(flat, bucket))
+            finally:
+                graph.capture_end()  # a failed forward leaves the capture to end (and fail)
         except RuntimeError as e:
             raise RuntimeError(f"capturing the CUDA graph of batch size {bucket} failed "
                                f"({e}); pass enforce_eager=True to run without graphs") from e

@@ -18,9 +18,11 @@ import triton.language as tl
 
 from kvpool.fp8 import is_fp8
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.kernels.triton_support import Launch, dot_precision, num_sms, scale_args
+from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
+LONG_BLOCK_N = 128  # tokens per step for splits of LONG_SPLIT tokens or more (16-bit pages)
+LONG_SPLIT = 2048
 WIDE_BLOCK_N = 16  # tokens per step for heads over 256 wide (MLA's 576): pages fit shared memory
 MAX_BLOCK_G = 16  # query heads per program
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
@@ -152,7 +154,8 @@ def _decode_split(
         )
 
 
-@triton.jit
+# The split count is a plain argument: a value divisible by 16 would otherwise compile again.
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits(
     part_out, part_lse, cu_seqlens_q, out, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -181,25 +184,39 @@ def _merge_splits(
              mask=d < HEAD_DIM)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, device: torch.device) -> int:
-    """Context splits per (sequence, kv head): enough programs for WAVES per SM, never a split
-    under MIN_SPLIT_TOKENS tokens of the longest visible span `max_span` (tokens)."""
+def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, sms: int) -> int:
+    """Context splits per (sequence, kv head) on a GPU of `sms` streaming multiprocessors
+    (`triton_support.num_sms`): enough programs for WAVES per SM, never a split
+    under MIN_SPLIT_TOKENS tokens of the longest visible span `max_span` (tokens), and none
+    when the batch alone gives half the programs aimed at: the GPU is full, and the merge
+    (a second launch, partial results written and read back) would cost more than it adds."""
     programs = max(1, batch * num_kv_heads)
-    wanted = -(-WAVES * num_sms(device) // programs)
+    wanted = -(-WAVES * sms // programs)
+    if wanted <= 2:
+        return 1
     return max(1, min(wanted, MAX_DECODE_SPLITS, -(-max_span // MIN_SPLIT_TOKENS)))
 
 
 def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
-                  num_splits: int) -> Launch:
+                  num_splits: int, split_tokens: int) -> Launch:
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
-    `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits."""
+    `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
+    `split_tokens` tokens. The tile follows the split: a short one takes tokens in blocks no
+    longer than itself (16 at least), a long one of 16-bit pages 128 at a time with 8 warps
+    (twice the bytes in flight per program, and fewer registers a thread than 64 tokens with
+    4 warps: benchmarks/kernels.py). Heads over 256 wide step WIDE_BLOCK_N tokens."""
     fp8 = is_fp8(cache_dtype)
     block_d = triton.next_power_of_2(head_dim)
+    if block_d > 256:
+        block_n = WIDE_BLOCK_N
+    elif split_tokens >= LONG_SPLIT and cache_dtype.itemsize <= 2:
+        block_n = LONG_BLOCK_N
+    else:
+        block_n = min(BLOCK_N, max(16, triton.next_power_of_2(split_tokens)))
     return Launch(dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=_block_g(group),
-        BLOCK_N=BLOCK_N if block_d <= 256 else WIDE_BLOCK_N, SPLIT=num_splits > 1,
-        PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
-    ), num_warps=4 if block_d <= 256 else 8, num_stages=2)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=_block_g(group), BLOCK_N=block_n,
+        SPLIT=num_splits > 1, PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
+    ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=2)
 
 
 def merge_launch(head_dim: int) -> Launch:
@@ -216,13 +233,15 @@ def _block_g(group: int) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
-                 window: int | None, num_splits: int, workspace=None, k_scale=None,
-                 v_scale=None) -> torch.Tensor:
+                 window: int | None, num_splits: int, max_span: int, workspace=None,
+                 k_scale=None, v_scale=None) -> torch.Tensor:
     """Decode attention of one query token per sequence (row `cu_seqlens_q[b]` of
     `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages (fp8 pages
-    through `k_scale`/`v_scale`).
+    through `k_scale`/`v_scale`); `max_span` (tokens, a host int) bounds every sequence's
+    visible span.
 
-    Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid.
+    Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid,
+    and with `max_span` the tile (`decode_launch`).
     Partial results of split contexts come from `workspace.alloc` when a workspace is given.
     """
     batch = seq_lens.shape[0]
@@ -238,7 +257,8 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
         part_lse = alloc((batch, num_heads, num_splits), torch.float32)
     else:
         part_out = part_lse = out  # not touched
-    launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits)
+    launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits,
+                           -(-max_span // num_splits))
     head_blocks = triton.cdiv(group, launch.constexprs["BLOCK_G"])
     _decode_split[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,

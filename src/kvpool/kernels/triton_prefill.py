@@ -20,7 +20,45 @@ from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
 from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
 
 BLOCK_M = 64  # query rows per program
+LONG_BLOCK_M = 128  # query rows per program for queries of LONG_QUERY tokens or more
+LONG_QUERY = 512
 BLOCK_N = 64  # keys per step
+WIDE_BLOCK_N = 32  # keys per step for heads over 128 wide (Gemma 3's 256): no spills
+
+
+@triton.jit
+def _attend_keys(
+    acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
+    k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One step of the online softmax over keys t0 .. t0 + BLOCK_N: the updated (acc, m,
+    denom). Without MASKED, every key is below `last` and visible to every row (the keys
+    before a block's first query position, causal and no window): no mask is computed."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    t_ok = t < last
+    page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
+    slot = t % page_size
+    kv_ok = t_ok[:, None] & d_ok[None, :]
+    k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
+                    stride_kh, q_tile.dtype, FP8)
+    scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
+    if MASKED:
+        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (t[None, :] > pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A row may see none of this block's keys yet (m_new still -inf): subtract 0 instead.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_safe)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    v = load_tokens(v_cache, page, slot, kv_head, d, kv_ok, stride_vp, stride_vs,
+                    stride_vh, q_tile.dtype, FP8)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, denom
 
 
 @triton.jit
@@ -32,7 +70,9 @@ def _prefill(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
+    # The last query blocks see the most keys: the grid runs them first, so that the short
+    # ones fill the end of the launch.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + b)
@@ -55,37 +95,28 @@ def _prefill(
     q_tile, scale_log2 = _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8)
 
     # Keys any row of this block may see: from the first row's window to the last row itself.
-    last = tl.minimum(seq_len - q_len + (m_block + 1) * BLOCK_M, seq_len)
+    first_pos = seq_len - q_len + m_block * BLOCK_M
+    last = tl.minimum(first_pos + BLOCK_M, seq_len)
     lo = 0
+    # Whole steps of keys before the block's first row are visible to all of its rows.
+    unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     if window > 0:
-        lo = tl.maximum(seq_len - q_len + m_block * BLOCK_M - window + 1, 0)
+        lo = tl.maximum(first_pos - window + 1, 0)
+        unmasked_end = lo  # a window masks per row: every step masked
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = page_tables + b.to(tl.int64) * stride_table
-    for t0 in range(lo, last, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        t_ok = t < last
-        page = tl.load(table + t // page_size, mask=t_ok, other=0).to(tl.int64)
-        slot = t % page_size
-        kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
-                        stride_kh, q_tile.dtype, FP8)
-        visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
-        if window > 0:
-            visible = visible & (t[None, :] > pos[:, None] - window)
-        scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        # A row may see none of this block's keys yet (m_new still -inf): subtract 0 instead.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        v = load_tokens(v_cache, page, slot, kv_head, d, kv_ok, stride_vp, stride_vs,
-                        stride_vh, q_tile.dtype, FP8)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
-        m = m_new
+    for t0 in range(lo, unmasked_end, BLOCK_N):
+        acc, m, denom = _attend_keys(
+            acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
+            k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, scale_log2, BLOCK_N, PRECISION, FP8, False)
+    for t0 in range(unmasked_end, last, BLOCK_N):
+        acc, m, denom = _attend_keys(
+            acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
+            k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, scale_log2, BLOCK_N, PRECISION, FP8, True)
 
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if FP8:
@@ -101,27 +132,35 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
                   v_scale=None) -> torch.Tensor:
     """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
     pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
-    the grid. fp8 pages read through `k_scale`/`v_scale`. Reads nothing back from the device."""
+    the grid and the tile. fp8 pages read through `k_scale`/`v_scale`. Reads nothing back from
+    the device."""
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, batch)
+    launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len)
+    grid = (triton.cdiv(max_query_len, launch.constexprs["BLOCK_M"]), num_heads, batch)
     _prefill[grid](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
         scale * LOG2E, window or 0, num_heads // k_cache.shape[2], k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
-        **prefill_launch(q.dtype, k_cache.dtype, head_dim).kwargs(),
+        **launch.kwargs(),
     )
     return out
 
 
-def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Launch:
-    """How `paged_prefill` compiles `_prefill` for queries of `dtype` over pages of
-    `cache_dtype`."""
+def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                   max_query_len: int) -> Launch:
+    """How `paged_prefill` compiles `_prefill` for queries of `dtype` (at most `max_query_len`
+    tokens a sequence) over pages of `cache_dtype`. Long queries of heads up to 128 wide take
+    LONG_BLOCK_M rows with 8 warps and 3 stages (4 prompts of 2,048 tokens: 16 query blocks a
+    head, each key step feeding twice the rows); wider heads step WIDE_BLOCK_N keys."""
     fp8 = is_fp8(cache_dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    long = max_query_len >= LONG_QUERY and block_d <= 128
     return Launch(dict(
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
-    ), num_warps=4, num_stages=2)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=LONG_BLOCK_M if long else BLOCK_M,
+        BLOCK_N=BLOCK_N if block_d <= 128 else WIDE_BLOCK_N,
+        PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
+    ), num_warps=8 if long or block_d > 128 else 4, num_stages=3 if long else 2)

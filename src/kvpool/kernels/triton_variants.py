@@ -133,8 +133,9 @@ def variants() -> list[Variant]:
 
 
 def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geometry, tag: str):
-    """The variants of one dtype, page dtype and geometry: write_kv, prefill, and decode at
-    every split count with its merge."""
+    """The variants of one dtype, page dtype and geometry: the fused elementwise kernels,
+    write_kv with and without RoPE, prefill at both tiles, decode at every tile split and
+    unsplit, and the merge."""
     name = f"{tag}-{geometry.name}"
     group = geometry.num_heads // geometry.num_kv_heads
     scale = torch.float32 if cache == FP8_DTYPE else cache  # no scales: the cache stands in
@@ -152,23 +153,27 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                       triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim,
                                                 geometry.num_heads, geometry.head_dim),
                       writes)
-        yield Variant(f"{name}-prefill", arch, triton_prefill._prefill,
-                      triton_prefill.prefill_launch(dtype, cache, geometry.head_dim),
-                      {**pages, **tables, "q": dtype, "out": dtype})
-    for num_splits in range(1, MAX_DECODE_SPLITS + 1):
-        split = num_splits > 1
-        parts = torch.float32 if split else dtype  # unsplit: `out` stands in
-        yield Variant(f"{name}-decode{'-split' if split else ''}", arch,
-                      triton_decode._decode_split,
-                      triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
-                                                  num_splits),
-                      {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
-                       "part_lse": parts})
-        if split:
-            yield Variant(f"{name}-merge", arch, triton_decode._merge_splits,
-                          triton_decode.merge_launch(geometry.head_dim),
-                          {"part_out": torch.float32, "part_lse": torch.float32,
-                           "cu_seqlens_q": torch.int32, "out": dtype})
+        for query_len in (1, triton_prefill.LONG_QUERY):
+            launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len)
+            yield Variant(f"{name}-prefill-m{launch.constexprs['BLOCK_M']}", arch,
+                          triton_prefill._prefill, launch,
+                          {**pages, **tables, "q": dtype, "out": dtype})
+    # Every tile decode_launch picks: tokens per split from one block of 16 to a long split.
+    for split_tokens in (16, 32, 64, triton_decode.LONG_SPLIT):
+        for num_splits in (1, MAX_DECODE_SPLITS):
+            split = num_splits > 1
+            parts = torch.float32 if split else dtype  # unsplit: `out` stands in
+            launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
+                                                 num_splits, split_tokens)
+            yield Variant(f"{name}-decode{'-split' if split else ''}"
+                          f"-n{launch.constexprs['BLOCK_N']}", arch,
+                          triton_decode._decode_split, launch,
+                          {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
+                           "part_lse": parts})
+    yield Variant(f"{name}-merge", arch, triton_decode._merge_splits,
+                  triton_decode.merge_launch(geometry.head_dim),
+                  {"part_out": torch.float32, "part_lse": torch.float32,
+                   "cu_seqlens_q": torch.int32, "out": dtype})
 
 
 def _fused(arch: int, dtype: torch.dtype, geometry: Geometry, name: str):
