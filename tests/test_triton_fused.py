@@ -165,3 +165,36 @@ def test_write_kv_refuses_a_rotation_that_does_not_fit_k():
 def test_fused_kernels_run_on_cuda_only():
     # Under the interpreter too, CPU tensors take the torch code: the kernels are its stand-in.
     assert not triton_support.fused_on(torch.device("cpu"))
+
+
+def test_a_decoder_through_the_fused_kernels_generates_the_torch_tokens(monkeypatch):
+    # The models' one dispatch point switched on for DEVICE (the CPU runs the kernels in the
+    # interpreter): every norm, SwiGLU gate and K/V write of the tiny Llama takes its kernel.
+    from kvpool.engine import LLM, SamplingParams
+
+    calls = []
+
+    def counted(module, name):
+        kernel = getattr(module, name)
+
+        def launch(*args, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, launch)
+
+    for module, name in ((triton_fused, "rms_norm"), (triton_fused, "silu_mul"),
+                         (triton_write, "write_kv")):
+        counted(module, name)
+    prompts = [[5, 17, 99, 3], [7, 8]]
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(triton_support, "fused_on", lambda device, dtype=None, on=fused: on)
+        llm = LLM("tiny", device=DEVICE, num_pages=32, enforce_eager=True)
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        runs[fused] = [out.outputs[0].token_ids for out in outputs]
+        assert bool(calls) == fused
+    assert runs[True] == runs[False]
+    # Per forward of 4 layers: 8 norms and 1 final, 4 gates, 4 writes (3 forwards).
+    assert [calls.count(name) for name in ("rms_norm", "silu_mul", "write_kv")] == [27, 12, 12]

@@ -3,9 +3,9 @@
 One launch writes both caches, with no host synchronisation. With a rotation (kvpool.rope),
 the same program rotates the token's K by RoPE before storing it and its query heads in place,
 so RoPE costs no launch of its own; each product and sum rounds to K's dtype, as the torch code
-does. There is no host-side check of the
-slots here (it would synchronise): a slot outside `[0, num_pages * page_size)` is skipped on the
-device, so a bad slot never writes outside the caches. fp8 caches store `x / scale` saturated
+does. There is no host-side check of the slots here (it would synchronise): a slot outside
+`[0, num_pages * page_size)` is skipped on the device, so a bad slot never writes outside the
+caches. fp8 caches store `x / scale` saturated
 and rounded to the nearest float8_e4m3fn (ties to even), as kvpool.fp8.quantize does.
 """
 

@@ -73,11 +73,11 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  act: str = "silu"):
         super().__init__()
-        self.gate = ACTIVATIONS[act]
+        self.act_and_mul = ACTIVATIONS[act]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
-        return self.down_proj(self.gate(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
