@@ -202,9 +202,10 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
     `split_tokens` tokens. The tile follows the split: a short one takes tokens in a block of
-    the power of two that covers it (16 at least), a long one of 16-bit pages 128 at a time with 8 warps
-    (twice the bytes in flight per program, and fewer registers a thread than 64 tokens with
-    4 warps: benchmarks/kernels.py). Heads over 256 wide step WIDE_BLOCK_N tokens."""
+    the power of two that covers it (16 at least), a long one of 16-bit pages 128 at a time
+    with 8 warps (twice the bytes in flight per program, and fewer registers a thread than 64
+    tokens with 4 warps: benchmarks/kernels.py). Heads over 256 wide step WIDE_BLOCK_N
+    tokens."""
     fp8 = is_fp8(cache_dtype)
     block_d = triton.next_power_of_2(head_dim)
     if block_d > 256:
