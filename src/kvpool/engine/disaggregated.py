@@ -1,0 +1,409 @@
+"""DisaggregatedLLM: prefill and decode on two engines in two processes.
+
+The decode engine runs in the caller's process; the prefill engine in a child process. A
+request's prompt but its last token is prefilled on the prefill side (which keeps its own
+prefix cache), and its KV pages go to the decode side in one batch over torch.distributed
+(gloo; pages on a GPU travel through the host). The decode side
+admits the request with those pages written past its own prefix hit, computes the last
+prompt token, samples and decodes: sampling (seeds, n samples, logprobs) happens on the
+decode side alone, as in one engine, so greedy tokens are one engine's.
+
+Control messages (requests, aborts, errors, heartbeats) travel over a pipe; page data over
+the process group. A prefill side that dies, raises out of its loop or stays silent past
+`timeout` seconds fails every request waiting on it with EngineDied; a request it refuses
+(too long for its pool) fails alone with StepFailed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import multiprocessing
+import time
+import weakref
+from collections import abc
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.handoff import PrefilledKV
+from kvpool.engine.llm import LLM, Prompt, _per_prompt
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.request import CompletionOutput, RequestOutput
+from kvpool.engine.stats import EngineStats
+from kvpool.errors import EngineDied, KVPoolError, OutOfPages, SequenceTooLong, StepFailed
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+HEARTBEAT = 1.0  # seconds: the prefill side says it is alive at least this often
+# The prefill side computes the prompt's KV and samples one token, which is dropped: two
+# tokens asked so that the request is still running (its pages held) when it is read.
+PREFILL_PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+class DisaggregatedLLM:
+    """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats) over
+    a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
+    options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
+    dtype). The decode side serves models of one KV pool (not hybrids, not mixed window
+    groups, not every-layer-windowed pools that give pages back). `timeout`: seconds to
+    start the prefill side, and the longest it may stay silent while requests wait on it.
+    `close()` (or leaving a `with` block) stops the prefill process."""
+
+    def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
+                 decode: dict | EngineConfig | None = None, timeout: float = 60.0):
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        prefill, decode = _options(prefill), _options(decode)
+        self.timeout = timeout
+        self.decode = LLM(model, **decode)
+        runner = self.decode.runner
+        if len(runner.kv.pools) != 1 or runner.has_states or self.decode.cache.frees_out_of_window:
+            raise ValueError("disaggregation serves models of one KV pool that keeps every "
+                             "page; this model's cache (hybrid, grouped or windowed) takes "
+                             "none yet")
+        self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_prefill_main, daemon=True, name="kvpool-prefill",
+            args=(str(model), prefill, self._store.port, timeout, child_conn))
+        self._process.start()
+        child_conn.close()
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
+        self._group = None
+        self._dead: str | None = None  # why the prefill side is gone
+        self._pending: dict[str, float] = {}  # request id -> when sent to the prefill side
+        self._dropped: set[str] = set()  # aborted while the prefill side had them
+        self._failed: list[RequestOutput] = []  # to report at the next step
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- what LLM exposes ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None when it has none)."""
+        return self.decode.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        """The decode engine's options (the one that takes requests and decodes them)."""
+        return self.decode.config
+
+    @property
+    def model_config(self):
+        """The model's config."""
+        return self.decode.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the decode engine serves (tokens)."""
+        return self.decode.max_model_len
+
+    @property
+    def cache(self):
+        """The decode engine's cache."""
+        return self.decode.cache
+
+    # ---- batch API ---------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | abc.Sequence[Prompt],
+                 sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """LLM.generate over the two engines: one RequestOutput per prompt, in order; a
+        request that could never fit gets its error in its output, the others run. Raises
+        RuntimeError while step-API requests are unfinished; if it raises, its requests are
+        aborted first."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        if self.has_unfinished():
+            raise RuntimeError("generate() serves only its own requests: step the step API's "
+                               "requests to completion or abort them first")
+        outputs: list[RequestOutput | str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                try:
+                    outputs.append(self.add_request(prompt, sp))
+                except (SequenceTooLong, OutOfPages) as e:
+                    outputs.append(_refused(prompt, sp, e))
+            ids = {o: i for i, o in enumerate(outputs) if isinstance(o, str)}
+            with tqdm(total=len(ids), unit="req", desc="generate", disable=not use_tqdm) as bar:
+                while self.has_unfinished() or self._failed:
+                    for out in self.step():
+                        if out.finished and out.request_id in ids:
+                            outputs[ids[out.request_id]] = out
+                            bar.update()
+        except BaseException:
+            for output in outputs:
+                if isinstance(output, str):
+                    self.abort(output)
+            raise
+        return outputs
+
+    # ---- step API ----------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+        """Queue a prompt (LLM.add_request's checks and errors, against the decode engine);
+        its prompt goes to the prefill side. EngineDied once that side is gone."""
+        if self._dead is not None:
+            raise EngineDied(f"the prefill engine is gone ({self._dead}): close this "
+                             f"DisaggregatedLLM and start another")
+        request_id, token_ids = self.decode.hold_request(prompt, sampling_params, request_id,
+                                                         cache_salt=cache_salt)
+        if len(token_ids) == 1:  # nothing to prefill but the last token: computed here
+            self.decode.resume_request(request_id, None)
+            return request_id
+        try:
+            self._conn.send(("add", request_id, token_ids[:-1], cache_salt))
+        except OSError as e:
+            self.decode.abort(request_id)
+            self._died(f"its pipe broke: {e}")
+            raise EngineDied(f"the prefill engine is gone ({self._dead})") from None
+        self._pending[request_id] = time.monotonic()
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Take the prefilled KV that arrived (waiting a little for it when the decode engine
+        has nothing to do), then run one decode-engine step. Returns the requests that got
+        new tokens, or failed (on either side)."""
+        self._receive(wait=not self.decode.has_unfinished())
+        outputs, self._failed = self._failed, []
+        if self.decode.has_unfinished():
+            outputs += self.decode.step()
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel an unfinished request, on either side; returns its final output (None for
+        an unknown or finished id)."""
+        if self._pending.pop(request_id, None) is not None:
+            self._dropped.add(request_id)
+            if self._dead is None:
+                try:
+                    self._conn.send(("abort", request_id))
+                except OSError as e:
+                    self._died(f"its pipe broke: {e}")
+        return self.decode.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits on either side or runs."""
+        return bool(self._pending) or self.decode.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """The decode engine's counters (prompt tokens counted there are the last token of
+        each prompt and recomputations after preemption)."""
+        return self.decode.stats()
+
+    def close(self) -> None:
+        """Stop the prefill process (waiting `timeout` seconds at most, then killing it);
+        requests still waiting on it fail. Safe to call twice."""
+        self._died("closed")
+        self._finalizer()
+
+    def __enter__(self) -> DisaggregatedLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Wait for the prefill side to load its model and join the process group; check
+        that its pages are laid out as the decode side's."""
+        message = self._next_message(self.timeout)
+        if message is None:
+            raise EngineDied(f"the prefill engine did not start within {self.timeout} s")
+        if message[0] == "died":
+            raise EngineDied(f"the prefill engine failed to start: {message[1]}")
+        _, page_shape, dtype = message
+        pool = self.decode.runner.kv.pools[0]
+        mine = (tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype))
+        if (tuple(page_shape), dtype) != mine:
+            raise ValueError(f"the prefill engine's pages are {tuple(page_shape)} {dtype}, the "
+                             f"decode engine's {mine[0]} {mine[1]}: give both sides the same "
+                             f"page_size and kv_cache_dtype")
+        self._group = _process_group(self._store, DECODE_RANK, self.timeout)
+        self._last_heard = time.monotonic()
+
+    def _receive(self, *, wait: bool) -> None:
+        """Handle the prefill side's messages: KV to queue on the decode engine, refused
+        requests to fail. With `wait` and requests pending there, wait for a first message a
+        little. Fails every pending request if the side died or stayed silent too long."""
+        if self._dead is not None:
+            return
+        message = self._next_message(0.05 if wait and self._pending else 0.0)
+        while message is not None and self._dead is None:
+            self._last_heard = time.monotonic()
+            self._handle(message)
+            message = self._next_message(0.0)
+        silent = time.monotonic() - self._last_heard
+        if self._dead is None and self._pending and silent > self.timeout:
+            self._died(f"silent for {silent:.0f} s, over the timeout of {self.timeout} s")
+
+    def _next_message(self, wait: float) -> tuple | None:
+        """The prefill side's next message, waiting up to `wait` seconds; None when there is
+        none. A closed pipe marks the side dead."""
+        try:
+            if not self._conn.poll(wait):
+                if not self._process.is_alive():
+                    self._died(f"its process exited with code {self._process.exitcode}")
+                return None
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._died(f"its process exited with code {self._process.exitcode}")
+            return None
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "kv":
+            _, request_id, num_tokens, shape, dtype = message
+            try:
+                pages = self._receive_pages(shape, dtype)
+            except RuntimeError as e:  # gloo/NCCL: the peer closed, or the timeout passed
+                self._died(f"receiving the KV of request {request_id!r} failed: {e}")
+                return
+            if self._pending.pop(request_id, None) is not None:
+                self.decode.resume_request(request_id, PrefilledKV(num_tokens, pages))
+            self._dropped.discard(request_id)
+        elif kind == "failed":
+            _, request_id, reason = message
+            if self._pending.pop(request_id, None) is not None:
+                self._fail(request_id, StepFailed(
+                    f"request {request_id!r} failed on the prefill engine: {reason}"))
+            self._dropped.discard(request_id)
+        elif kind == "died":
+            self._died(f"it raised: {message[1]}")
+
+    def _receive_pages(self, shape: abc.Sequence[int], dtype_name: str) -> torch.Tensor:
+        """One request's pages from the prefill side, on the decode engine's device."""
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        buffer = torch.empty(nbytes, dtype=torch.uint8)  # gloo moves host tensors
+        self._group.recv([buffer], PREFILL_RANK, 0).wait()
+        return buffer.view(dtype).view(shape).to(self.decode.cache.device)
+
+    def _fail(self, request_id: str, error: KVPoolError) -> None:
+        output = self.decode.fail_request(request_id, error)
+        if output is not None:
+            self._failed.append(output)
+
+    def _died(self, reason: str) -> None:
+        """The prefill side is gone: fail every request waiting on it, stop its process."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        for request_id in list(self._pending):
+            del self._pending[request_id]
+            self._fail(request_id, EngineDied(
+                f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
+        self._finalizer()
+
+
+def _prefill_main(model: str, options: dict, port: int, timeout: float,
+                  conn: Connection) -> None:
+    """The prefill process: load the engine, join the group, serve prefills until told to
+    close or the pipe breaks; a raise is reported before the process ends."""
+    try:
+        llm = LLM(model, **options)
+        pool = llm.runner.kv.pools[0]
+        store = dist.TCPStore("127.0.0.1", port, 2, False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype)))
+        group = _process_group(store, PREFILL_RANK, timeout)
+        _serve_prefills(llm, group, conn)
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass  # the decode side went away
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            conn.send(("died", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _serve_prefills(llm: LLM, group, conn: Connection) -> None:
+    """Prefill the prompts the decode side sends and send back their KV, until "close"."""
+    sends = []  # (work, buffer): a buffer lives until its send completes
+    last_sent = time.monotonic()
+    while True:
+        if conn.poll(0.0 if llm.has_unfinished() else HEARTBEAT):
+            message = conn.recv()
+            if message[0] == "close":
+                return
+            _command(llm, conn, message)
+            continue  # take every command before the next step
+        for output in llm.step() if llm.has_unfinished() else []:
+            if output.error is not None:
+                conn.send(("failed", output.request_id, str(output.error)))
+            elif output.outputs[0].token_ids:
+                sends.append(_send_kv(llm, group, conn, output.request_id))
+            last_sent = time.monotonic()
+        sends = [(work, buffer) for work, buffer in sends if not work.is_completed()]
+        if time.monotonic() - last_sent > HEARTBEAT:
+            conn.send(("alive",))
+            last_sent = time.monotonic()
+
+
+def _command(llm: LLM, conn: Connection, message: tuple) -> None:
+    """Take one command of the decode side: "add" a prompt, "abort" a request."""
+    if message[0] == "add":
+        _, request_id, token_ids, cache_salt = message
+        try:
+            llm.add_request(token_ids, PREFILL_PARAMS, request_id, cache_salt=cache_salt)
+        except (KVPoolError, ValueError) as e:
+            conn.send(("failed", request_id, f"{type(e).__name__}: {e}"))
+    elif message[0] == "abort":
+        llm.abort(message[1])
+
+
+def _send_kv(llm: LLM, group, conn: Connection, request_id: str):
+    """Send the KV of a prefilled request (its header on the pipe, its pages on the group)
+    and let it go (its full pages stay in the prefix cache). Returns the send and its
+    buffer."""
+    kv = llm.read_prefilled(request_id)
+    llm.abort(request_id)
+    pages = kv.pages.cpu().contiguous()  # gloo moves host tensors
+    conn.send(("kv", request_id, kv.num_tokens, tuple(pages.shape), str(pages.dtype)))
+    buffer = pages.view(-1).view(torch.uint8)
+    return group.send([buffer], DECODE_RANK, 0), buffer
+
+
+def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroupGloo:
+    """A two-rank gloo group of its own (no global torch.distributed state); a send or
+    receive raises once the peer is gone or `timeout` seconds pass."""
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
+
+
+def _stop(process: multiprocessing.Process, conn: Connection) -> None:
+    """Ask the prefill process to close, then kill it if it lingers."""
+    with contextlib.suppress(OSError):
+        conn.send(("close",))
+    process.join(5.0)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
+def _options(side: dict | EngineConfig | None) -> dict:
+    """One side's LLM options as keyword arguments."""
+    if side is None:
+        return {}
+    if isinstance(side, EngineConfig):
+        return {f.name: getattr(side, f.name) for f in dataclasses.fields(side)}
+    return dict(side)
+
+
+def _refused(prompt: Prompt, params: SamplingParams, error: KVPoolError) -> RequestOutput:
+    """The output of a request refused before it was queued."""
+    text, token_ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+    outputs = [CompletionOutput(i, [], "", "error") for i in range(params.n)]
+    return RequestOutput("", text, token_ids, outputs, True, error)
