@@ -49,14 +49,18 @@ class DisaggregatedLLM:
     a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
     options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
     dtype). The decode side serves models of one KV pool (not hybrids, not mixed window
-    groups, not every-layer-windowed pools that give pages back). `timeout`: seconds to
-    start the prefill side, and the longest it may stay silent while requests wait on it.
+    groups, not every-layer-windowed pools that give pages back). `timeout`: the seconds
+    the prefill side may stay silent while requests wait on it (it says it is alive every
+    second, and after every step: make it longer than its longest step), or a page transfer
+    may take; `start_timeout`: the seconds it may take to load its model.
     `close()` (or leaving a `with` block) stops the prefill process."""
 
     def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
-                 decode: dict | EngineConfig | None = None, timeout: float = 60.0):
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+                 decode: dict | EngineConfig | None = None, timeout: float = 60.0,
+                 start_timeout: float = 600.0):
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         prefill, decode = _options(prefill), _options(decode)
         self.timeout = timeout
         self.decode = LLM(model, **decode)
@@ -81,7 +85,7 @@ class DisaggregatedLLM:
         self._dropped: set[str] = set()  # aborted while the prefill side had them
         self._failed: list[RequestOutput] = []  # to report at the next step
         try:
-            self._start()
+            self._start(start_timeout)
         except BaseException:
             self.close()
             raise
@@ -206,8 +210,7 @@ class DisaggregatedLLM:
     def close(self) -> None:
         """Stop the prefill process (waiting `timeout` seconds at most, then killing it);
         requests still waiting on it fail. Safe to call twice."""
-        self._died("closed")
-        self._finalizer()
+        self._died("closed", kill=False)
 
     def __enter__(self) -> DisaggregatedLLM:
         return self
@@ -217,12 +220,12 @@ class DisaggregatedLLM:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _start(self) -> None:
+    def _start(self, start_timeout: float) -> None:
         """Wait for the prefill side to load its model and join the process group; check
         that its pages are laid out as the decode side's."""
-        message = self._next_message(self.timeout)
+        message = self._next_message(start_timeout)
         if message is None:
-            raise EngineDied(f"the prefill engine did not start within {self.timeout} s")
+            raise EngineDied(f"the prefill engine did not start within {start_timeout} s")
         if message[0] == "died":
             raise EngineDied(f"the prefill engine failed to start: {message[1]}")
         _, page_shape, dtype = message
@@ -297,8 +300,9 @@ class DisaggregatedLLM:
         if output is not None:
             self._failed.append(output)
 
-    def _died(self, reason: str) -> None:
-        """The prefill side is gone: fail every request waiting on it, stop its process."""
+    def _died(self, reason: str, *, kill: bool = True) -> None:
+        """The prefill side is gone: fail every request waiting on it, stop its process
+        (killed at once unless not `kill`)."""
         if self._dead is not None:
             return
         self._dead = reason
@@ -306,6 +310,8 @@ class DisaggregatedLLM:
             del self._pending[request_id]
             self._fail(request_id, EngineDied(
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
+        if kill and self._process.is_alive():
+            self._process.kill()
         self._finalizer()
 
 
