@@ -8,6 +8,7 @@ import gc
 import math
 import threading
 import time
+import weakref
 from collections import abc
 from contextlib import contextmanager
 from pathlib import Path
@@ -302,11 +303,13 @@ class LLM:
                                        f"unfinished: finish or abort them first")
             if self.cache.prefix_cache is not None:
                 self.cache.prefix_cache.clear()  # a tier takes the pages it evicts
+            pools = [weakref.ref(pool.kv) for pool in self.runner.kv.pools]
             self.cache = self.scheduler.cache = self.runner = self.graphs = None
+            if any(pool() is not None for pool in pools):
+                gc.collect()  # a cache with an eviction hook (a tier) is a reference cycle
             if level == 2:
                 self.model.to("cpu")
             self._sleep_level = level
-            gc.collect()  # the cache's allocator holds its eviction hook: a reference cycle
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
 
