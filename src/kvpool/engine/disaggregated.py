@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import multiprocessing
+import os
+import subprocess
+import sys
 import time
 import weakref
 from collections import abc
@@ -71,14 +73,9 @@ class DisaggregatedLLM:
                              "none yet")
         self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_prefill_main, daemon=True, name="kvpool-prefill",
-            args=(str(model), prefill, self._store.port, timeout, child_conn))
-        self._process.start()
-        child_conn.close()
+        self._process, self._conn = _start_prefill_process()
         self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
+        self._conn.send((str(model), prefill, self._store.port, timeout))
         self._group = None
         self._dead: str | None = None  # why the prefill side is gone
         self._pending: dict[str, float] = {}  # request id -> when sent to the prefill side
@@ -258,12 +255,12 @@ class DisaggregatedLLM:
         none. A closed pipe marks the side dead."""
         try:
             if not self._conn.poll(wait):
-                if not self._process.is_alive():
-                    self._died(f"its process exited with code {self._process.exitcode}")
+                if self._process.poll() is not None:
+                    self._died(f"its process exited with code {self._process.returncode}")
                 return None
             return self._conn.recv()
         except (EOFError, OSError):
-            self._died(f"its process exited with code {self._process.exitcode}")
+            self._died(f"its pipe closed (exit code {self._process.poll()})")
             return None
 
     def _handle(self, message: tuple) -> None:
@@ -310,13 +307,57 @@ class DisaggregatedLLM:
             del self._pending[request_id]
             self._fail(request_id, EngineDied(
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
-        if kill and self._process.is_alive():
+        if kill:
             self._process.kill()
         self._finalizer()
 
 
+class _Channel:
+    """Pickled messages over two one-way pipes: sent on one, received on the other."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in = Connection(read_fd, writable=False)
+        self._out = Connection(write_fd, readable=False)
+
+    def send(self, message: tuple) -> None:
+        self._out.send(message)
+
+    def poll(self, timeout: float) -> bool:
+        return self._in.poll(timeout)
+
+    def recv(self) -> tuple:
+        return self._in.recv()
+
+    def close(self) -> None:
+        self._in.close()
+        self._out.close()
+
+
+def _start_prefill_process() -> tuple[subprocess.Popen, _Channel]:
+    """Start the prefill process (a new interpreter, so that a daemonic process, such as
+    the server's engine process, may start it too) and the channel to it."""
+    to_child, from_parent = os.pipe()[::-1]
+    from_child, to_parent = os.pipe()
+    code = "from kvpool.engine.disaggregated import prefill_process; prefill_process()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    process = subprocess.Popen([sys.executable, "-c", code, str(from_parent), str(to_parent)],
+                               pass_fds=(from_parent, to_parent), env=env,
+                               start_new_session=True)  # a terminal's ^C: we stop it
+    os.close(from_parent)
+    os.close(to_parent)
+    return process, _Channel(from_child, to_child)
+
+
+def prefill_process() -> None:
+    """The prefill process's entry point: its channel's descriptors are its arguments, and
+    the first message is what `_prefill_main` takes."""
+    conn = _Channel(int(sys.argv[1]), int(sys.argv[2]))
+    with contextlib.suppress(EOFError, OSError):
+        _prefill_main(*conn.recv(), conn)
+
+
 def _prefill_main(model: str, options: dict, port: int, timeout: float,
-                  conn: Connection) -> None:
+                  conn: _Channel) -> None:
     """The prefill process: load the engine, join the group, serve prefills until told to
     close or the pipe breaks; a raise is reported before the process ends."""
     try:
@@ -335,7 +376,7 @@ def _prefill_main(model: str, options: dict, port: int, timeout: float,
         raise
 
 
-def _serve_prefills(llm: LLM, group, conn: Connection) -> None:
+def _serve_prefills(llm: LLM, group, conn: _Channel) -> None:
     """Prefill the prompts the decode side sends and send back their KV, until "close"."""
     sends = []  # (work, buffer): a buffer lives until its send completes
     last_sent = time.monotonic()
@@ -358,7 +399,7 @@ def _serve_prefills(llm: LLM, group, conn: Connection) -> None:
             last_sent = time.monotonic()
 
 
-def _command(llm: LLM, conn: Connection, message: tuple) -> None:
+def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
     """Take one command of the decode side: "add" a prompt, "abort" a request."""
     if message[0] == "add":
         _, request_id, token_ids, cache_salt = message
@@ -370,7 +411,7 @@ def _command(llm: LLM, conn: Connection, message: tuple) -> None:
         llm.abort(message[1])
 
 
-def _send_kv(llm: LLM, group, conn: Connection, request_id: str):
+def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
     """Send the KV of a prefilled request (its header on the pipe, its pages on the group)
     and let it go (its full pages stay in the prefix cache). Returns the send and its
     buffer."""
@@ -388,14 +429,15 @@ def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.Process
     return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
 
 
-def _stop(process: multiprocessing.Process, conn: Connection) -> None:
+def _stop(process: subprocess.Popen, conn: _Channel) -> None:
     """Ask the prefill process to close, then kill it if it lingers."""
     with contextlib.suppress(OSError):
         conn.send(("close",))
-    process.join(5.0)
-    if process.is_alive():
+    try:
+        process.wait(5.0)
+    except subprocess.TimeoutExpired:
         process.kill()
-        process.join()
+        process.wait()
     conn.close()
 
 
