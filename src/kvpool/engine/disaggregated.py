@@ -55,7 +55,8 @@ class DisaggregatedLLM:
     the prefill side may stay silent while requests wait on it (it says it is alive every
     second, and after every step: make it longer than its longest step), or a page transfer
     may take; `start_timeout`: the seconds it may take to load its model.
-    `close()` (or leaving a `with` block) stops the prefill process."""
+    `close()` (or leaving a `with` block) stops the prefill process. Call it from one
+    thread (the server's engine loop does)."""
 
     def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
                  decode: dict | EngineConfig | None = None, timeout: float = 60.0,
@@ -78,8 +79,7 @@ class DisaggregatedLLM:
         self._conn.send((str(model), prefill, self._store.port, timeout))
         self._group = None
         self._dead: str | None = None  # why the prefill side is gone
-        self._pending: dict[str, float] = {}  # request id -> when sent to the prefill side
-        self._dropped: set[str] = set()  # aborted while the prefill side had them
+        self._pending: set[str] = set()  # ids of the requests the prefill side has
         self._failed: list[RequestOutput] = []  # to report at the next step
         try:
             self._start(start_timeout)
@@ -170,7 +170,7 @@ class DisaggregatedLLM:
             self.decode.abort(request_id)
             self._died(f"its pipe broke: {e}")
             raise EngineDied(f"the prefill engine is gone ({self._dead})") from None
-        self._pending[request_id] = time.monotonic()
+        self._pending.add(request_id)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -186,8 +186,8 @@ class DisaggregatedLLM:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel an unfinished request, on either side; returns its final output (None for
         an unknown or finished id)."""
-        if self._pending.pop(request_id, None) is not None:
-            self._dropped.add(request_id)
+        if request_id in self._pending:
+            self._pending.remove(request_id)
             if self._dead is None:
                 try:
                     self._conn.send(("abort", request_id))
@@ -272,15 +272,15 @@ class DisaggregatedLLM:
             except RuntimeError as e:  # gloo/NCCL: the peer closed, or the timeout passed
                 self._died(f"receiving the KV of request {request_id!r} failed: {e}")
                 return
-            if self._pending.pop(request_id, None) is not None:
+            if request_id in self._pending:  # else aborted meanwhile: dropped
+                self._pending.remove(request_id)
                 self.decode.resume_request(request_id, PrefilledKV(num_tokens, pages))
-            self._dropped.discard(request_id)
         elif kind == "failed":
             _, request_id, reason = message
-            if self._pending.pop(request_id, None) is not None:
+            if request_id in self._pending:
+                self._pending.remove(request_id)
                 self._fail(request_id, StepFailed(
                     f"request {request_id!r} failed on the prefill engine: {reason}"))
-            self._dropped.discard(request_id)
         elif kind == "died":
             self._died(f"it raised: {message[1]}")
 
@@ -303,8 +303,8 @@ class DisaggregatedLLM:
         if self._dead is not None:
             return
         self._dead = reason
-        for request_id in list(self._pending):
-            del self._pending[request_id]
+        pending, self._pending = self._pending, set()
+        for request_id in pending:
             self._fail(request_id, EngineDied(
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
         if kill:
