@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from hybrid_util import make_bamba
 from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
@@ -146,3 +147,12 @@ def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
     with pytest.raises(EngineDied, match="prefill engine is gone"):
         lone_llm.add_request(prompts[0], GREEDY)
     _assert_drained(lone_llm)
+
+
+def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device):
+    folder = save_hf_model(make_bamba("bamba"), tmp_path)
+    options = dict(page_size=PAGE_SIZE, num_pages=128, device=device)
+    expected = _tokens(LLM(folder, **options).generate(prompts, GREEDY, use_tqdm=False))
+    with DisaggregatedLLM(folder, prefill=options, decode=options) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        _assert_drained(llm)

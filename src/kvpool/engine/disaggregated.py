@@ -2,14 +2,15 @@
 
 The decode engine runs in the caller's process; the prefill engine in a child process. A
 request's prompt but its last token is prefilled on the prefill side (which keeps its own
-prefix cache), and its KV pages go to the decode side in one batch over torch.distributed
-(gloo; pages on a GPU travel through the host). The decode side
-admits the request with those pages written past its own prefix hit, computes the last
-prompt token, samples and decodes: sampling (seeds, n samples, logprobs) happens on the
-decode side alone, as in one engine, so greedy tokens are one engine's.
+prefix cache), and its KV pages (and a hybrid model's Mamba state after those tokens) go to
+the decode side in one batch over torch.distributed (gloo; pages on a GPU travel through the
+host). The decode side admits the request with those pages written past its own prefix hit
+(and the state in its slot), computes the last prompt token, samples and decodes: sampling
+(seeds, n samples, logprobs) happens on the decode side alone, as in one engine, so greedy
+tokens are one engine's.
 
-Control messages (requests, aborts, errors, heartbeats) travel over a pipe; page data over
-the process group. A prefill side that dies, raises out of its loop or stays silent past
+Control messages (requests, aborts, errors, heartbeats) travel over a pair of pipes; page
+data over the process group. A prefill side that dies, raises out of its loop or stays silent past
 `timeout` seconds fails every request waiting on it with EngineDied; a request it refuses
 (too long for its pool) fails alone with StepFailed.
 """
@@ -50,11 +51,12 @@ class DisaggregatedLLM:
     """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats) over
     a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
     options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
-    dtype). The decode side serves models of one KV pool (not hybrids, not mixed window
-    groups, not every-layer-windowed pools that give pages back). `timeout`: the seconds
-    the prefill side may stay silent while requests wait on it (it says it is alive every
-    second, and after every step: make it longer than its longest step), or a page transfer
-    may take; `start_timeout`: the seconds it may take to load its model.
+    dtype). The decode side serves models of one KV pool, hybrids (Mamba) included; not a
+    full and a window pool together, nor a pool giving pages back out of the window.
+    `timeout`: the seconds the prefill side may stay silent while requests wait on it (it
+    says it is alive every second, and after every step: make it longer than its longest
+    step), or a page transfer may take; `start_timeout`: the seconds it may take to load
+    its model.
     `close()` (or leaving a `with` block) stops the prefill process. Call it from one
     thread (the server's engine loop does)."""
 
@@ -68,10 +70,10 @@ class DisaggregatedLLM:
         self.timeout = timeout
         self.decode = LLM(model, **decode)
         runner = self.decode.runner
-        if len(runner.kv.pools) != 1 or runner.has_states or self.decode.cache.frees_out_of_window:
+        if len(runner.kv.pools) != 1 or self.decode.cache.frees_out_of_window:
             raise ValueError("disaggregation serves models of one KV pool that keeps every "
-                             "page; this model's cache (hybrid, grouped or windowed) takes "
-                             "none yet")
+                             "page (and hybrids); this model's cache (full and window pools, "
+                             "or pages given back out of the window) takes none yet")
         self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
         self._process, self._conn = _start_prefill_process()
@@ -266,15 +268,16 @@ class DisaggregatedLLM:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "kv":
-            _, request_id, num_tokens, shape, dtype = message
+            _, request_id, num_tokens, described = message
             try:
-                pages = self._receive_pages(shape, dtype)
-            except RuntimeError as e:  # gloo/NCCL: the peer closed, or the timeout passed
+                pages, *state = [self._receive_tensor(*d) for d in described]
+            except RuntimeError as e:  # gloo: the peer closed, or the timeout passed
                 self._died(f"receiving the KV of request {request_id!r} failed: {e}")
                 return
             if request_id in self._pending:  # else aborted meanwhile: dropped
                 self._pending.remove(request_id)
-                self.decode.resume_request(request_id, PrefilledKV(num_tokens, pages))
+                self.decode.resume_request(request_id,
+                                           PrefilledKV(num_tokens, pages, tuple(state)))
         elif kind == "failed":
             _, request_id, reason = message
             if request_id in self._pending:
@@ -284,8 +287,8 @@ class DisaggregatedLLM:
         elif kind == "died":
             self._died(f"it raised: {message[1]}")
 
-    def _receive_pages(self, shape: abc.Sequence[int], dtype_name: str) -> torch.Tensor:
-        """One request's pages from the prefill side, on the decode engine's device."""
+    def _receive_tensor(self, shape: abc.Sequence[int], dtype_name: str) -> torch.Tensor:
+        """The next tensor the prefill side sends, on the decode engine's device."""
         dtype = getattr(torch, dtype_name.removeprefix("torch."))
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         buffer = torch.empty(nbytes, dtype=torch.uint8)  # gloo moves host tensors
@@ -391,7 +394,7 @@ def _serve_prefills(llm: LLM, group, conn: _Channel) -> None:
             if output.error is not None:
                 conn.send(("failed", output.request_id, str(output.error)))
             elif output.outputs[0].token_ids:
-                sends.append(_send_kv(llm, group, conn, output.request_id))
+                sends += _send_kv(llm, group, conn, output.request_id)
             last_sent = time.monotonic()
         sends = [(work, buffer) for work, buffer in sends if not work.is_completed()]
         if time.monotonic() - last_sent > HEARTBEAT:
@@ -412,15 +415,16 @@ def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
 
 
 def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
-    """Send the KV of a prefilled request (its header on the pipe, its pages on the group)
-    and let it go (its full pages stay in the prefix cache). Returns the send and its
-    buffer."""
+    """Send the KV of a prefilled request (its header on the pipe; its pages, and a hybrid's
+    state, on the group) and let it go (its full pages stay in the prefix cache). Returns the
+    sends with their buffers."""
     kv = llm.read_prefilled(request_id)
     llm.abort(request_id)
-    pages = kv.pages.cpu().contiguous()  # gloo moves host tensors
-    conn.send(("kv", request_id, kv.num_tokens, tuple(pages.shape), str(pages.dtype)))
-    buffer = pages.view(-1).view(torch.uint8)
-    return group.send([buffer], DECODE_RANK, 0), buffer
+    tensors = [x.cpu().contiguous() for x in kv.tensors]  # gloo moves host tensors
+    conn.send(("kv", request_id, kv.num_tokens,
+               [(tuple(x.shape), str(x.dtype)) for x in tensors]))
+    buffers = [x.view(-1).view(torch.uint8) for x in tensors]
+    return [(group.send([buffer], DECODE_RANK, 0), buffer) for buffer in buffers]
 
 
 def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroupGloo:

@@ -377,14 +377,15 @@ class LLM:
 
     def read_prefilled(self, request_id: str) -> PrefilledKV:
         """A copy of the KV of the computed tokens of a request's first sample (after the
-        step that prefilled its prompt: every prompt token): what another engine continues
-        from. KeyError for an id that is not running."""
+        step that prefilled its prompt: every prompt token), and a hybrid's state after them:
+        what another engine continues from. KeyError for an id that is not running."""
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or not request.seqs:
                 raise KeyError(f"request {request_id!r} is not running")
             seq = request.seqs[0]
-            return read_prefilled(self.cache, seq.seq_id, seq.num_computed_tokens)
+            return read_prefilled(self.cache, seq.seq_id, seq.num_computed_tokens,
+                                  with_state=self.runner.has_states)
 
     # ---- internals ---------------------------------------------------------------------
 
