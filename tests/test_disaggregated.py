@@ -156,3 +156,9 @@ def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device)
     with DisaggregatedLLM(folder, prefill=options, decode=options) as llm:
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         _assert_drained(llm)
+
+
+def test_a_model_whose_cache_gives_pages_back_is_refused_before_any_process(tmp_path):
+    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+    with pytest.raises(ValueError, match="one KV pool that keeps every page"):
+        DisaggregatedLLM(folder, prefill={"device": "cpu"}, decode={"device": "cpu"})

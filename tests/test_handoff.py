@@ -5,9 +5,11 @@ past its own prefix hit, and recomputes them if preempted; greedy tokens are one
 import random
 
 import pytest
+import torch
 
 from hybrid_util import make_bamba
 from kvpool.engine.disaggregated import PREFILL_PARAMS
+from kvpool.engine.handoff import PrefilledKV
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import StepFailed
@@ -94,3 +96,15 @@ def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint,
     with pytest.raises(ValueError, match="is not held"):
         decode.resume_request(request_id, None)
     assert len(_run(decode)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, device):
+    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+    windowed = LLM(folder, device=device, page_size=4, num_pages=64)
+    assert not windowed.takes_prefilled
+    request_id, _ = windowed.hold_request(prompts[0], GREEDY)
+    kv = PrefilledKV(len(prompts[0]) - 1, torch.zeros(0))  # refused before it is read
+    with pytest.raises(ValueError, match="one pool that keeps every page"):
+        windowed.resume_request(request_id, kv)
+    windowed.resume_request(request_id, None)  # still held: computed here instead
+    assert len(_run(windowed)[request_id].outputs[0].token_ids) == GREEDY.max_tokens

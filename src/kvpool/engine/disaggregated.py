@@ -69,8 +69,7 @@ class DisaggregatedLLM:
         prefill, decode = _options(prefill), _options(decode)
         self.timeout = timeout
         self.decode = LLM(model, **decode)
-        runner = self.decode.runner
-        if len(runner.kv.pools) != 1 or self.decode.cache.frees_out_of_window:
+        if not self.decode.takes_prefilled:
             raise ValueError("disaggregation serves models of one KV pool that keeps every "
                              "page (and hybrids); this model's cache (full and window pools, "
                              "or pages given back out of the window) takes none yet")
@@ -313,6 +312,7 @@ class DisaggregatedLLM:
         if kill:
             self._process.kill()
         self._finalizer()
+        self._group = self._store = None  # their connections and the store's server thread
 
 
 class _Channel:

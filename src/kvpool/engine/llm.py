@@ -62,7 +62,10 @@ class LLM:
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
     engines of one model sharing a Redis server share their prefixes. Plain and windowed
-    models only: the hybrid and grouped caches refuse a tier.
+    models only: the hybrid and grouped caches refuse a tier. `sleep()` frees the cache (and
+    moves the weights to the host at level 2) until `wake()`; `hold_request`,
+    `resume_request` and `read_prefilled` hand a prompt's KV between two engines
+    (kvpool.engine.disaggregated).
     """
 
     def __init__(self, model: str | Path, *,
@@ -354,9 +357,19 @@ class LLM:
             self._requests[request.request_id] = request
             return request.request_id, list(request.prompt_token_ids)
 
+    @property
+    def takes_prefilled(self) -> bool:
+        """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
+        hybrid's state slots beside it) and keeps every page of a sequence."""
+        return len(self.runner.kv.pools) == 1 and not self.cache.frees_out_of_window
+
     def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
         """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:
         computed here). Admitted, it starts past them; preempted, it recomputes them."""
+        if prefilled is not None and not self.takes_prefilled:
+            raise ValueError("KV computed elsewhere needs a cache of one pool that keeps every "
+                             "page; this model's (a full and a window pool, or pages given "
+                             "back out of the window) takes none")
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or request.seqs:
