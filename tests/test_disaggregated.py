@@ -82,7 +82,8 @@ def test_prompts_seen_before_hit_the_prefix_caches_and_keep_their_tokens(llm, pr
     llm.generate(prompts, GREEDY, use_tqdm=False)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
-    assert sum(o.num_cached_tokens for o in outputs) > 0
+    assert sum(o.num_cached_tokens for o in outputs) > 0  # the decode side's hits
+    assert llm.prefill_stats().prefix_hit_rate > 0  # the prefill side keeps its cache
     _assert_drained(llm)
 
 
@@ -144,8 +145,9 @@ def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
         if len(output.prompt_token_ids) > 1:  # a one-token prompt never needs the other side
             assert isinstance(output.error, EngineDied)
             assert "prefill engine is gone" in str(output.error)
-    with pytest.raises(EngineDied, match="prefill engine is gone"):
-        lone_llm.add_request(prompts[0], GREEDY)
+    for call in (lambda: lone_llm.add_request(prompts[0], GREEDY), lone_llm.prefill_stats):
+        with pytest.raises(EngineDied, match="prefill engine is gone"):
+            call()
     _assert_drained(lone_llm)
 
 

@@ -82,6 +82,8 @@ class DisaggregatedLLM:
         self._dead: str | None = None  # why the prefill side is gone
         self._pending: set[str] = set()  # ids of the requests the prefill side has
         self._failed: list[RequestOutput] = []  # to report at the next step
+        self._prefill_stats: EngineStats | None = None  # the prefill side's last answer
+        self._last_heard = time.monotonic()  # when the prefill side last sent a message
         try:
             self._start(start_timeout)
         except BaseException:
@@ -157,9 +159,7 @@ class DisaggregatedLLM:
                     request_id: str | None = None, *, cache_salt: str | None = None) -> str:
         """Queue a prompt (LLM.add_request's checks and errors, against the decode engine);
         its prompt goes to the prefill side. EngineDied once that side is gone."""
-        if self._dead is not None:
-            raise EngineDied(f"the prefill engine is gone ({self._dead}): close this "
-                             f"DisaggregatedLLM and start another")
+        self._check_alive()
         request_id, token_ids = self.decode.hold_request(prompt, sampling_params, request_id,
                                                          cache_salt=cache_salt)
         if len(token_ids) == 1:  # nothing to prefill but the last token: computed here
@@ -205,9 +205,26 @@ class DisaggregatedLLM:
         each prompt and recomputations after preemption)."""
         return self.decode.stats()
 
+    def prefill_stats(self) -> EngineStats:
+        """The prefill engine's counters (its prefix cache's hits among them), asked for now:
+        waits `timeout` seconds at most for the answer; EngineDied once that side is gone."""
+        self._check_alive()
+        self._conn.send(("stats",))
+        self._prefill_stats = None
+        deadline = time.monotonic() + self.timeout
+        while self._prefill_stats is None and self._dead is None:
+            message = self._next_message(max(deadline - time.monotonic(), 0.0))
+            if message is not None:
+                self._last_heard = time.monotonic()
+                self._handle(message)
+            elif time.monotonic() >= deadline:
+                self._died(f"no answer to a stats request in {self.timeout} s")
+        self._check_alive()
+        return self._prefill_stats
+
     def close(self) -> None:
-        """Stop the prefill process (waiting `timeout` seconds at most, then killing it);
-        requests still waiting on it fail. Safe to call twice."""
+        """Stop the prefill process (waiting 5 seconds at most, then killing it); requests
+        still waiting on it fail. Safe to call twice."""
         self._died("closed", kill=False)
 
     def __enter__(self) -> DisaggregatedLLM:
@@ -283,8 +300,15 @@ class DisaggregatedLLM:
                 self._pending.remove(request_id)
                 self._fail(request_id, StepFailed(
                     f"request {request_id!r} failed on the prefill engine: {reason}"))
+        elif kind == "stats":
+            self._prefill_stats = message[1]
         elif kind == "died":
             self._died(f"it raised: {message[1]}")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDied(f"the prefill engine is gone ({self._dead}): close this "
+                             f"DisaggregatedLLM and start another")
 
     def _receive_tensor(self, shape: abc.Sequence[int], dtype_name: str) -> torch.Tensor:
         """The next tensor the prefill side sends, on the decode engine's device."""
@@ -311,8 +335,10 @@ class DisaggregatedLLM:
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
         if kill:
             self._process.kill()
+        # Let go of the group's connections and the store's server first: the prefill
+        # process, told to close, may wait on them as it exits.
+        self._group = self._store = None
         self._finalizer()
-        self._group = self._store = None  # their connections and the store's server thread
 
 
 class _Channel:
@@ -357,6 +383,10 @@ def prefill_process() -> None:
     conn = _Channel(int(sys.argv[1]), int(sys.argv[2]))
     with contextlib.suppress(EOFError, OSError):
         _prefill_main(*conn.recv(), conn)
+    sys.stderr.flush()
+    # The interpreter's teardown can wait seconds in torch's native destructors (the
+    # process group's); nothing is left to save, so the process ends here.
+    os._exit(0)
 
 
 def _prefill_main(model: str, options: dict, port: int, timeout: float,
@@ -403,7 +433,8 @@ def _serve_prefills(llm: LLM, group, conn: _Channel) -> None:
 
 
 def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
-    """Take one command of the decode side: "add" a prompt, "abort" a request."""
+    """Take one command of the decode side: "add" a prompt, "abort" a request, send the
+    engine's "stats"."""
     if message[0] == "add":
         _, request_id, token_ids, cache_salt = message
         try:
@@ -412,6 +443,8 @@ def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
             conn.send(("failed", request_id, f"{type(e).__name__}: {e}"))
     elif message[0] == "abort":
         llm.abort(message[1])
+    elif message[0] == "stats":
+        conn.send(("stats", llm.stats()))
 
 
 def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
