@@ -55,9 +55,9 @@ class DisaggregatedLLM:
     full and a window pool together, nor a pool giving pages back out of the window.
     `timeout`: the seconds the prefill side may stay silent while requests wait on it (it
     says it is alive between two steps once a second has passed without a message: make it
-    longer than its longest step), or a page transfer may take; `start_timeout`: the seconds it may take to load
-    its model.
-    `close()` (or leaving a `with` block) stops the prefill process. Call it from one
+    longer than its longest step), or a page transfer may take; `start_timeout`: the
+    seconds it may take to load its model. `close()` (or leaving a `with` block) stops the
+    prefill process. Call it from one
     thread (the server's engine loop does)."""
 
     def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
