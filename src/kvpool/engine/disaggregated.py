@@ -57,8 +57,7 @@ class DisaggregatedLLM:
     says it is alive between two steps once a second has passed without a message: make it
     longer than its longest step), or a page transfer may take; `start_timeout`: the
     seconds it may take to load its model. `close()` (or leaving a `with` block) stops the
-    prefill process. Call it from one
-    thread (the server's engine loop does)."""
+    prefill process. Call it from one thread (the server's engine loop does)."""
 
     def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
                  decode: dict | EngineConfig | None = None, timeout: float = 60.0,
