@@ -43,6 +43,16 @@ class StepFailed(KVPoolError, RuntimeError):
     """A request failed inside a step (e.g. while sampling); it alone finished with "error"."""
 
 
+class EngineStateError(KVPoolError, RuntimeError):
+    """A call the engine refuses in its present state (a request while it sleeps, sleep()
+    with requests unfinished, wake() while awake); nothing was changed."""
+
+
+class EngineDied(KVPoolError, RuntimeError):
+    """An engine process (the prefill side of a DisaggregatedLLM) died or stopped answering
+    within its timeout; the requests waiting on it failed."""
+
+
 class ConfigError(KVPoolError, ValueError):
     """A model config is missing, malformed, or describes an unsupported architecture."""
 

@@ -171,6 +171,22 @@ class MambaPool:
         self.ssm[:, dst] = self.ssm[:, src]
         self._copies += 1
 
+    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the state in `slot` (held), every layer: conv `[layers, conv_dim,
+        conv_kernel - 1]` and SSM `[layers, heads, head_dim, state_size]`."""
+        self._check_held(slot)
+        return self.conv[:, slot].clone(), self.ssm[:, slot].clone()
+
+    def write(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Store a state shaped as `read` returns it into `slot` (held)."""
+        self._check_held(slot)
+        for name, x, rows in (("conv", conv, self.conv), ("ssm", ssm, self.ssm)):
+            if x.shape != rows[:, slot].shape:
+                raise ValueError(f"a {name} state of shape {tuple(rows[:, slot].shape)} was "
+                                 f"expected, got {tuple(x.shape)}")
+        self.conv[:, slot] = conv.to(self.conv.device, self.conv.dtype)
+        self.ssm[:, slot] = ssm.to(self.ssm.device, self.ssm.dtype)
+
     def stats(self) -> StateStats:
         """The pool's counters now."""
         used = self.num_slots - self.num_free

@@ -1,7 +1,9 @@
 """The inference engine: LLM (generate and the step API), SamplingParams, the scheduler
-(continuous batching, chunked prefill, preemption) and sampling."""
+(continuous batching, chunked prefill, preemption) and sampling; DisaggregatedLLM (prefill
+and decode on two engines in two processes)."""
 
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, RequestOutput, TokenLogprobs
@@ -9,6 +11,7 @@ from kvpool.engine.stats import EngineStats, StepRecord
 
 __all__ = [
     "LLM",
+    "DisaggregatedLLM",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",

@@ -3,9 +3,12 @@ step API (`add_request`, `step`, `abort`, `has_unfinished`) lets a server drive 
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import threading
 import time
+import weakref
 from collections import abc
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +19,7 @@ from tqdm.auto import tqdm
 from kvpool.cache import KVCache
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
+from kvpool.engine.handoff import PrefilledKV, read_prefilled
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner, StepLayout
@@ -23,7 +27,13 @@ from kvpool.engine.sampling import Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
-from kvpool.errors import OutOfPages, SequenceTooLong, StepFailed
+from kvpool.errors import (
+    EngineStateError,
+    KVPoolError,
+    OutOfPages,
+    SequenceTooLong,
+    StepFailed,
+)
 from kvpool.group_plan import split_budget
 from kvpool.grouped_cache import GroupedCache
 from kvpool.hybrid_cache import HybridCache
@@ -52,7 +62,10 @@ class LLM:
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
     engines of one model sharing a Redis server share their prefixes. Plain and windowed
-    models only: the hybrid and grouped caches refuse a tier.
+    models only: the hybrid and grouped caches refuse a tier. `sleep()` frees the cache (and
+    moves the weights to the host at level 2) until `wake()`; `hold_request`,
+    `resume_request` and `read_prefilled` hand a prompt's KV between two engines
+    (kvpool.engine.disaggregated).
     """
 
     def __init__(self, model: str | Path, *,
@@ -84,12 +97,13 @@ class LLM:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
+        self._device = device
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
             interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
-            self.cache = HybridCache(
-                layout, num_pages, mamba, num_slots, device=device,
+            make_cache = functools.partial(
+                HybridCache, layout, num_pages, mamba, num_slots, device=device,
                 prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
                 checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
                 max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
@@ -97,19 +111,22 @@ class LLM:
             pools = split_budget(layout, num_pages * layout.bytes_per_page,
                                  max_num_seqs=self.config.max_num_seqs,
                                  prefill_tokens=self.max_model_len)
-            self.cache = GroupedCache(layout, [pool.num_pages for pool in pools], device=device,
-                                      prefix_caching=self.config.prefix_caching,
-                                      max_tokens_per_seq=self.max_model_len,
-                                      kv_scales=self.config.kv_scales)
+            make_cache = functools.partial(
+                GroupedCache, layout, [pool.num_pages for pool in pools], device=device,
+                prefix_caching=self.config.prefix_caching,
+                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
         else:
             tier = make_tier(self.config, layout.bytes_per_page)
             fingerprint = weights_fingerprint(self.model) if tier is not None else ""
-            self.cache = KVCache(layout, num_pages, device=device,
-                                 prefix_caching=self.config.prefix_caching,
-                                 max_tokens_per_seq=self.max_model_len,
-                                 kv_scales=self.config.kv_scales,
-                                 free_out_of_window=self.config.free_out_of_window,
-                                 tier=tier, model_fingerprint=fingerprint)
+            make_cache = functools.partial(
+                KVCache, layout, num_pages, device=device,
+                prefix_caching=self.config.prefix_caching,
+                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales,
+                free_out_of_window=self.config.free_out_of_window, tier=tier,
+                model_fingerprint=fingerprint)
+        # Kept to build the cache anew on wake(): a fresh pool, an empty prefix cache.
+        self._make_cache = make_cache
+        self.cache = make_cache()
         smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
             if isinstance(self.cache, GroupedCache) else num_pages
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
@@ -126,11 +143,8 @@ class LLM:
         seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
         # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
-        self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step)
-        self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if device.type == "cuda" and not self.config.enforce_eager:
-            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, longest)
-            self.graphs.capture()
+        self._max_step, self._longest = max_step, longest
+        self._build_runner()
         self.sampler = Sampler(self.config.seed)
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
@@ -144,6 +158,7 @@ class LLM:
         self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
         self._elapsed = 0.0
         self._first_step_time: float | None = None
+        self._sleep_level = 0  # 0 awake; else the level of sleep()
 
     # ---- batch API ---------------------------------------------------------------------
 
@@ -220,13 +235,7 @@ class LLM:
             if self._generating:
                 raise RuntimeError("add_request() while generate() runs: generate serves only "
                                    "its own requests")
-            request = self._new_request(prompt, sampling_params or SamplingParams(),
-                                        request_id)
-            if cache_salt is not None and not isinstance(cache_salt, str):
-                raise TypeError(f"cache_salt must be a str or None, "
-                                f"got {type(cache_salt).__name__}")
-            request.cache_salt = cache_salt
-            self.scheduler.check_fits(request)
+            request = self._checked_request(prompt, sampling_params, request_id, cache_salt)
             self._add(request)
             return request.request_id
 
@@ -235,6 +244,7 @@ class LLM:
         in it (finish reason "error": only they; the others go on)."""
         if self._generating:
             raise RuntimeError("step() while generate() runs: generate steps the engine itself")
+        self._check_awake()
         return [self._output(r) for r in self._step()]
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -253,7 +263,9 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        """The engine's counters and the pool's pages now."""
+        """The engine's counters and the pool's pages now (EngineStateError while asleep:
+        there is no pool)."""
+        self._check_awake()
         cs = self.cache.stats()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -268,6 +280,125 @@ class LLM:
             if self.graphs else 0,
             num_graph_steps=self.graphs.num_replays if self.graphs else 0,
             **tier_counters(self.cache))
+
+    # ---- sleep and wake ----------------------------------------------------------------
+
+    @property
+    def sleeping(self) -> bool:
+        """True between sleep() and wake()."""
+        return self._sleep_level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the KV cache's memory back: the pool (and a hybrid's state slots) is freed
+        and the prefix cache dropped; with a tier, its cached pages move to the tier first.
+        Level 2 also moves the weights to the host. CUDA graphs go too (they replay the old
+        pool's addresses). Refused with EngineStateError while requests are unfinished (abort
+        or finish them first) or when asleep already; nothing changes then."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (and the weights), "
+                             f"got {level!r}")
+        with self._cut_in():
+            if self.sleeping:
+                raise EngineStateError(f"the engine is asleep already (level "
+                                       f"{self._sleep_level}); wake() it first")
+            if self._requests or self.scheduler.has_unfinished():
+                raise EngineStateError(f"sleep() with {len(self._requests)} request(s) "
+                                       f"unfinished: finish or abort them first")
+            if self.cache.prefix_cache is not None:
+                self.cache.prefix_cache.clear()  # a tier takes the pages it evicts
+            pools = [weakref.ref(pool.kv) for pool in self.runner.kv.pools]
+            self.cache = self.scheduler.cache = self.runner = self.graphs = None
+            if any(pool() is not None for pool in pools):
+                gc.collect()  # a cache with an eviction hook (a tier) is a reference cycle
+            if level == 2:
+                self.model.to("cpu")
+            self._sleep_level = level
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo sleep(): the weights back on the device, a new pool with an empty prefix
+        cache (pages in a tier load back as before), CUDA graphs captured again.
+        EngineStateError when awake."""
+        with self._cut_in():
+            if not self.sleeping:
+                raise EngineStateError("wake() while awake: only a sleeping engine wakes")
+            if self._sleep_level == 2:
+                self.model.to(self._device)
+            self.cache = self.scheduler.cache = self._make_cache()
+            self._build_runner()
+            self._sleep_level = 0
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise EngineStateError(f"the engine is asleep (level {self._sleep_level}): "
+                                   f"wake() it first")
+
+    def _build_runner(self) -> None:
+        """The runner over the cache, and on CUDA (unless enforce_eager) the decode steps'
+        CUDA graphs, captured now."""
+        self.runner = ModelRunner(self.model, self.cache, self.workspace,
+                                  max_step=self._max_step)
+        self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
+        if self._device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, self._longest)
+            self.graphs.capture()
+
+    # ---- prefill elsewhere (kvpool.engine.disaggregated) -------------------------------
+
+    def hold_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None, *,
+                     cache_salt: str | None = None) -> tuple[str, list[int]]:
+        """Take a request whose prompt another engine prefills: checked as add_request
+        checks it, unfinished (abort and fail_request work), but queued only once
+        `resume_request` brings its KV. Returns its id and the prompt's token ids."""
+        with self._cut_in():
+            request = self._checked_request(prompt, sampling_params, request_id, cache_salt)
+            self._requests[request.request_id] = request
+            return request.request_id, list(request.prompt_token_ids)
+
+    @property
+    def takes_prefilled(self) -> bool:
+        """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
+        hybrid's state slots beside it) and keeps every page of a sequence."""
+        return len(self.runner.kv.pools) == 1 and not self.cache.frees_out_of_window
+
+    def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
+        """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:
+        computed here). Admitted, it starts past them; preempted, it recomputes them."""
+        if prefilled is not None and not self.takes_prefilled:
+            raise ValueError("KV computed elsewhere needs a cache of one pool that keeps every "
+                             "page; this model's (a full and a window pool, or pages given "
+                             "back out of the window) takes none")
+        with self._cut_in():
+            request = self._requests.get(request_id)
+            if request is None or request.seqs:
+                raise ValueError(f"request {request_id!r} is not held (unknown, finished, or "
+                                 f"queued already)")
+            request.prefilled = prefilled
+            self.scheduler.add_request(request)
+
+    def fail_request(self, request_id: str, error: KVPoolError) -> RequestOutput | None:
+        """Finish an unfinished request with "error" (`error` says why); its pages come back.
+        Returns its final output; None for an unknown or finished id."""
+        with self._cut_in():
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return None
+            self.scheduler.fail(request, error)
+            return self._output(request)
+
+    def read_prefilled(self, request_id: str) -> PrefilledKV:
+        """A copy of the KV of the computed tokens of a request's first sample (after the
+        step that prefilled its prompt: every prompt token), and a hybrid's state after them:
+        what another engine continues from. KeyError for an id that is not running."""
+        with self._cut_in():
+            request = self._requests.get(request_id)
+            if request is None or not request.seqs:
+                raise KeyError(f"request {request_id!r} is not running")
+            seq = request.seqs[0]
+            return read_prefilled(self.cache, seq.seq_id, seq.num_computed_tokens,
+                                  with_state=self.runner.has_states)
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -384,9 +515,21 @@ class LLM:
             num_cached_pages=cached, num_free_pages=free,
             num_preemptions=self.scheduler.num_preemptions))
 
+    def _checked_request(self, prompt: Prompt, params: SamplingParams | None,
+                         request_id: str | None, cache_salt: str | None) -> Request:
+        """A Request for add_request, checked to fit (not queued yet)."""
+        request = self._new_request(prompt, params or SamplingParams(), request_id)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, "
+                            f"got {type(cache_salt).__name__}")
+        request.cache_salt = cache_salt
+        self.scheduler.check_fits(request)
+        return request
+
     def _new_request(self, prompt: Prompt, params: SamplingParams,
                      request_id: str | None) -> Request:
         """Validate and tokenize a prompt into a Request (not queued yet)."""
+        self._check_awake()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvpool.engine.handoff import PrefilledKV
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import KVPoolError
 
@@ -72,6 +73,9 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
     scheduled_time: float | None = None  # time.perf_counter() of that admission
     cache_salt: str | None = None  # shares cached prefix pages only with requests of this salt
+    # The KV of the first prompt tokens, computed by another engine; used at the first
+    # admission only (kvpool.engine.disaggregated).
+    prefilled: PrefilledKV | None = None
 
     @property
     def forked(self) -> bool:

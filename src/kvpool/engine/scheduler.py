@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvpool.cache import KVCache
+from kvpool.engine.handoff import write_prefilled
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
 from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
@@ -152,6 +153,8 @@ class Scheduler:
             if seq.request.scheduled_time is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
                 seq.request.scheduled_time = time.perf_counter()
+            if seq.request.prefilled is not None:
+                self._load_prefilled(seq)
             num_new = min(len(held) - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
             self.running.append(seq)
@@ -258,6 +261,15 @@ class Scheduler:
             return seq.token_ids
         hit = self.cache.prefix_hit(seq.token_ids, cache_salt=seq.request.cache_salt)
         return seq.token_ids[:hit + min(seq.num_tokens - hit, budget)]
+
+    def _load_prefilled(self, seq: Sequence) -> None:
+        """Write the KV another engine computed for the first prompt tokens of a sequence
+        just admitted into its pages past its prefix hit, and start it past them. Used once:
+        a preempted sequence recomputes."""
+        kv, seq.request.prefilled = seq.request.prefilled, None
+        hit_pages = seq.num_computed_tokens // self.cache.page_size
+        write_prefilled(self.cache, seq.seq_id, kv, hit_pages)
+        seq.num_computed_tokens = max(seq.num_computed_tokens, kv.num_tokens)
 
     @staticmethod
     def _is_decode(seq: Sequence, num_new: int) -> bool:

@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds requests that bring no seed (default: 0)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="prefill on a second engine in its own process, which hands "
+                             "each prompt's KV to the decode engine (kvpool.engine."
+                             "disaggregated); each engine gets these options, the tier flags "
+                             "go to the prefill engine")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
                         help=f"sequences that may wait for a seat; beyond, 503 with "
                              f"Retry-After (default: {DEFAULT_MAX_WAITING})")
@@ -111,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"kvpool serve: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    from kvpool.engine import LLM
+    from kvpool.engine import LLM, DisaggregatedLLM
     from kvpool.server.app import build_app
     from kvpool.server.auth import OPEN_PATHS
     from kvpool.server.limits import ServerLimits
@@ -122,10 +127,14 @@ def run(args: argparse.Namespace) -> int:
                "max_num_batched_tokens": args.max_num_batched_tokens,
                "dtype": DTYPES.get(args.dtype),
                "device": args.device}
-    make_llm = functools.partial(
-        LLM, args.model, page_size=args.page_size, prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
-        **{k: v for k, v in options.items() if v is not None})
+    options = {"page_size": args.page_size, "prefix_caching": not args.no_prefix_caching,
+               "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
+               **{k: v for k, v in options.items() if v is not None}}
+    if args.disaggregated:
+        make_llm = functools.partial(DisaggregatedLLM, args.model,
+                                     prefill={**options, **tier_options(args)}, decode=options)
+    else:
+        make_llm = functools.partial(LLM, args.model, **options, **tier_options(args))
     try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
                               args.header_timeout, args.body_timeout)

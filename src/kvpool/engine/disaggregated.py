@@ -1,0 +1,493 @@
+"""DisaggregatedLLM: prefill and decode on two engines in two processes.
+
+The decode engine runs in the caller's process; the prefill engine in a child process. A
+request's prompt but its last token is prefilled on the prefill side (which keeps its own
+prefix cache), and its KV pages (and a hybrid model's Mamba state after those tokens) go to
+the decode side in one batch over torch.distributed (gloo; pages on a GPU travel through the
+host). The decode side admits the request with those pages written past its own prefix hit
+(and the state in its slot), computes the last prompt token, samples and decodes: sampling
+(seeds, n samples, logprobs) happens on the decode side alone, as in one engine, so greedy
+tokens are one engine's.
+
+Control messages (requests, aborts, errors, heartbeats) travel over a pair of pipes; page
+data over the process group. A prefill side that dies, raises out of its loop or stays silent past
+`timeout` seconds fails every request waiting on it with EngineDied; a request it refuses
+(too long for its pool) fails alone with StepFailed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import subprocess
+import sys
+import time
+import weakref
+from collections import abc
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.handoff import PrefilledKV
+from kvpool.engine.llm import LLM, Prompt, _per_prompt
+from kvpool.engine.params import SamplingParams
+from kvpool.engine.request import CompletionOutput, RequestOutput
+from kvpool.engine.stats import EngineStats
+from kvpool.errors import EngineDied, KVPoolError, OutOfPages, SequenceTooLong, StepFailed
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+HEARTBEAT = 1.0  # seconds: the prefill side says it is alive at least this often
+# The prefill side computes the prompt's KV and samples one token, which is dropped: two
+# tokens asked so that the request is still running (its pages held) when it is read.
+PREFILL_PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+class DisaggregatedLLM:
+    """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats) over
+    a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
+    options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
+    dtype). The decode side serves models of one KV pool, hybrids (Mamba) included; not a
+    full and a window pool together, nor a pool giving pages back out of the window.
+    `timeout`: the seconds the prefill side may stay silent while requests wait on it (it
+    says it is alive between two steps once a second has passed without a message: make it
+    longer than its longest step), or a page transfer may take; `start_timeout`: the
+    seconds it may take to load its model. `close()` (or leaving a `with` block) stops the
+    prefill process. Call it from one thread (the server's engine loop does)."""
+
+    def __init__(self, model: str, *, prefill: dict | EngineConfig | None = None,
+                 decode: dict | EngineConfig | None = None, timeout: float = 60.0,
+                 start_timeout: float = 600.0):
+        for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        prefill, decode = _options(prefill), _options(decode)
+        self.timeout = timeout
+        self.decode = LLM(model, **decode)
+        if not self.decode.takes_prefilled:
+            raise ValueError("disaggregation serves models of one KV pool that keeps every "
+                             "page (and hybrids); this model's cache (full and window pools, "
+                             "or pages given back out of the window) takes none yet")
+        self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        self._process, self._conn = _start_prefill_process()
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
+        self._conn.send((str(model), prefill, self._store.port, timeout))
+        self._group = None
+        self._dead: str | None = None  # why the prefill side is gone
+        self._pending: set[str] = set()  # ids of the requests the prefill side has
+        self._failed: list[RequestOutput] = []  # to report at the next step
+        self._prefill_stats: EngineStats | None = None  # the prefill side's last answer
+        self._last_heard = time.monotonic()  # when the prefill side last sent a message
+        try:
+            self._start(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- what LLM exposes ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (None when it has none)."""
+        return self.decode.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        """The decode engine's options (the one that takes requests and decodes them)."""
+        return self.decode.config
+
+    @property
+    def model_config(self):
+        """The model's config."""
+        return self.decode.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the decode engine serves (tokens)."""
+        return self.decode.max_model_len
+
+    @property
+    def cache(self):
+        """The decode engine's cache."""
+        return self.decode.cache
+
+    # ---- batch API ---------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | abc.Sequence[Prompt],
+                 sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """LLM.generate over the two engines: one RequestOutput per prompt, in order; a
+        request that could never fit gets its error in its output, the others run. Raises
+        RuntimeError while step-API requests are unfinished; if it raises, its requests are
+        aborted first."""
+        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        if self.has_unfinished():
+            raise RuntimeError("generate() serves only its own requests: step the step API's "
+                               "requests to completion or abort them first")
+        outputs: list[RequestOutput | str] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                try:
+                    outputs.append(self.add_request(prompt, sp))
+                except (SequenceTooLong, OutOfPages) as e:
+                    outputs.append(_refused(prompt, sp, e))
+            ids = {o: i for i, o in enumerate(outputs) if isinstance(o, str)}
+            with tqdm(total=len(ids), unit="req", desc="generate", disable=not use_tqdm) as bar:
+                while self.has_unfinished() or self._failed:
+                    for out in self.step():
+                        if out.finished and out.request_id in ids:
+                            outputs[ids[out.request_id]] = out
+                            bar.update()
+        except BaseException:
+            for output in outputs:
+                if isinstance(output, str):
+                    self.abort(output)
+            raise
+        return outputs
+
+    # ---- step API ----------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, *, cache_salt: str | None = None) -> str:
+        """Queue a prompt (LLM.add_request's checks and errors, against the decode engine);
+        its prompt goes to the prefill side. EngineDied once that side is gone."""
+        self._check_alive()
+        request_id, token_ids = self.decode.hold_request(prompt, sampling_params, request_id,
+                                                         cache_salt=cache_salt)
+        if len(token_ids) == 1:  # nothing to prefill but the last token: computed here
+            self.decode.resume_request(request_id, None)
+            return request_id
+        try:
+            self._conn.send(("add", request_id, token_ids[:-1], cache_salt))
+        except OSError as e:
+            self.decode.abort(request_id)
+            self._died(f"its pipe broke: {e}")
+            raise EngineDied(f"the prefill engine is gone ({self._dead})") from None
+        self._pending.add(request_id)
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Take the prefilled KV that arrived (waiting a little for it when the decode engine
+        has nothing to do), then run one decode-engine step. Returns the requests that got
+        new tokens, or failed (on either side)."""
+        self._receive(wait=not self.decode.has_unfinished())
+        outputs, self._failed = self._failed, []
+        if self.decode.has_unfinished():
+            outputs += self.decode.step()
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel an unfinished request, on either side; returns its final output (None for
+        an unknown or finished id)."""
+        if request_id in self._pending:
+            self._pending.remove(request_id)
+            if self._dead is None:
+                try:
+                    self._conn.send(("abort", request_id))
+                except OSError as e:
+                    self._died(f"its pipe broke: {e}")
+        return self.decode.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits on either side or runs."""
+        return bool(self._pending) or self.decode.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """The decode engine's counters (prompt tokens counted there are the last token of
+        each prompt and recomputations after preemption)."""
+        return self.decode.stats()
+
+    def prefill_stats(self) -> EngineStats:
+        """The prefill engine's counters (its prefix cache's hits among them), asked for now:
+        waits `timeout` seconds at most for the answer; EngineDied once that side is gone."""
+        self._check_alive()
+        self._conn.send(("stats",))
+        self._prefill_stats = None
+        deadline = time.monotonic() + self.timeout
+        while self._prefill_stats is None and self._dead is None:
+            message = self._next_message(max(deadline - time.monotonic(), 0.0))
+            if message is not None:
+                self._last_heard = time.monotonic()
+                self._handle(message)
+            elif time.monotonic() >= deadline:
+                self._died(f"no answer to a stats request in {self.timeout} s")
+        self._check_alive()
+        return self._prefill_stats
+
+    def close(self) -> None:
+        """Stop the prefill process (waiting 5 seconds at most, then killing it); requests
+        still waiting on it fail. Safe to call twice."""
+        self._died("closed", kill=False)
+
+    def __enter__(self) -> DisaggregatedLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _start(self, start_timeout: float) -> None:
+        """Wait for the prefill side to load its model and join the process group; check
+        that its pages are laid out as the decode side's."""
+        message = self._next_message(start_timeout)
+        if message is None:
+            raise EngineDied(f"the prefill engine did not start within {start_timeout} s")
+        if message[0] == "died":
+            raise EngineDied(f"the prefill engine failed to start: {message[1]}")
+        _, page_shape, dtype = message
+        pool = self.decode.runner.kv.pools[0]
+        mine = (tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype))
+        if (tuple(page_shape), dtype) != mine:
+            raise ValueError(f"the prefill engine's pages are {tuple(page_shape)} {dtype}, the "
+                             f"decode engine's {mine[0]} {mine[1]}: give both sides the same "
+                             f"page_size and kv_cache_dtype")
+        self._group = _process_group(self._store, DECODE_RANK, self.timeout)
+        self._last_heard = time.monotonic()
+
+    def _receive(self, *, wait: bool) -> None:
+        """Handle the prefill side's messages: KV to queue on the decode engine, refused
+        requests to fail. With `wait` and requests pending there, wait for a first message a
+        little. Fails every pending request if the side died or stayed silent too long."""
+        if self._dead is not None:
+            return
+        message = self._next_message(0.05 if wait and self._pending else 0.0)
+        while message is not None and self._dead is None:
+            self._last_heard = time.monotonic()
+            self._handle(message)
+            message = self._next_message(0.0)
+        silent = time.monotonic() - self._last_heard
+        if self._dead is None and self._pending and silent > self.timeout:
+            self._died(f"silent for {silent:.0f} s, over the timeout of {self.timeout} s")
+
+    def _next_message(self, wait: float) -> tuple | None:
+        """The prefill side's next message, waiting up to `wait` seconds; None when there is
+        none. A closed pipe marks the side dead."""
+        try:
+            if not self._conn.poll(wait):
+                if self._process.poll() is not None:
+                    self._died(f"its process exited with code {self._process.returncode}")
+                return None
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._died(f"its pipe closed (exit code {self._process.poll()})")
+            return None
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "kv":
+            _, request_id, num_tokens, described = message
+            try:
+                pages, *state = [self._receive_tensor(*d) for d in described]
+            except RuntimeError as e:  # gloo: the peer closed, or the timeout passed
+                self._died(f"receiving the KV of request {request_id!r} failed: {e}")
+                return
+            if request_id in self._pending:  # else aborted meanwhile: dropped
+                self._pending.remove(request_id)
+                self.decode.resume_request(request_id,
+                                           PrefilledKV(num_tokens, pages, tuple(state)))
+        elif kind == "failed":
+            _, request_id, reason = message
+            if request_id in self._pending:
+                self._pending.remove(request_id)
+                self._fail(request_id, StepFailed(
+                    f"request {request_id!r} failed on the prefill engine: {reason}"))
+        elif kind == "stats":
+            self._prefill_stats = message[1]
+        elif kind == "died":
+            self._died(f"it raised: {message[1]}")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDied(f"the prefill engine is gone ({self._dead}): close this "
+                             f"DisaggregatedLLM and start another")
+
+    def _receive_tensor(self, shape: abc.Sequence[int], dtype_name: str) -> torch.Tensor:
+        """The next tensor the prefill side sends, on the decode engine's device."""
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        buffer = torch.empty(nbytes, dtype=torch.uint8)  # gloo moves host tensors
+        self._group.recv([buffer], PREFILL_RANK, 0).wait()
+        return buffer.view(dtype).view(shape).to(self.decode.cache.device)
+
+    def _fail(self, request_id: str, error: KVPoolError) -> None:
+        output = self.decode.fail_request(request_id, error)
+        if output is not None:
+            self._failed.append(output)
+
+    def _died(self, reason: str, *, kill: bool = True) -> None:
+        """The prefill side is gone: fail every request waiting on it, stop its process
+        (killed at once unless not `kill`)."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        pending, self._pending = self._pending, set()
+        for request_id in pending:
+            self._fail(request_id, EngineDied(
+                f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
+        if kill:
+            self._process.kill()
+        # Let go of the group's connections and the store's server first: the prefill
+        # process, told to close, may wait on them as it exits.
+        self._group = self._store = None
+        self._finalizer()
+
+
+class _Channel:
+    """Pickled messages over two one-way pipes: sent on one, received on the other."""
+
+    def __init__(self, read_fd: int, write_fd: int):
+        self._in = Connection(read_fd, writable=False)
+        self._out = Connection(write_fd, readable=False)
+
+    def send(self, message: tuple) -> None:
+        self._out.send(message)
+
+    def poll(self, timeout: float) -> bool:
+        return self._in.poll(timeout)
+
+    def recv(self) -> tuple:
+        return self._in.recv()
+
+    def close(self) -> None:
+        self._in.close()
+        self._out.close()
+
+
+def _start_prefill_process() -> tuple[subprocess.Popen, _Channel]:
+    """Start the prefill process (a new interpreter, so that a daemonic process, such as
+    the server's engine process, may start it too) and the channel to it."""
+    to_child, from_parent = os.pipe()[::-1]
+    from_child, to_parent = os.pipe()
+    code = "from kvpool.engine.disaggregated import prefill_process; prefill_process()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    process = subprocess.Popen([sys.executable, "-c", code, str(from_parent), str(to_parent)],
+                               pass_fds=(from_parent, to_parent), env=env,
+                               start_new_session=True)  # a terminal's ^C: we stop it
+    os.close(from_parent)
+    os.close(to_parent)
+    return process, _Channel(from_child, to_child)
+
+
+def prefill_process() -> None:
+    """The prefill process's entry point: its channel's descriptors are its arguments, and
+    the first message is what `_prefill_main` takes."""
+    conn = _Channel(int(sys.argv[1]), int(sys.argv[2]))
+    with contextlib.suppress(EOFError, OSError):
+        _prefill_main(*conn.recv(), conn)
+    sys.stderr.flush()
+    # The interpreter's teardown can wait seconds in torch's native destructors (the
+    # process group's); nothing is left to save, so the process ends here.
+    os._exit(0)
+
+
+def _prefill_main(model: str, options: dict, port: int, timeout: float,
+                  conn: _Channel) -> None:
+    """The prefill process: load the engine, join the group, serve prefills until told to
+    close or the pipe breaks; a raise is reported before the process ends."""
+    try:
+        llm = LLM(model, **options)
+        pool = llm.runner.kv.pools[0]
+        store = dist.TCPStore("127.0.0.1", port, 2, False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype)))
+        group = _process_group(store, PREFILL_RANK, timeout)
+        _serve_prefills(llm, group, conn)
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass  # the decode side went away
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            conn.send(("died", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _serve_prefills(llm: LLM, group, conn: _Channel) -> None:
+    """Prefill the prompts the decode side sends and send back their KV, until "close"."""
+    sends = []  # (work, buffer): a buffer lives until its send completes
+    last_sent = time.monotonic()
+    while True:
+        if conn.poll(0.0 if llm.has_unfinished() else HEARTBEAT):
+            message = conn.recv()
+            if message[0] == "close":
+                return
+            _command(llm, conn, message)
+            continue  # take every command before the next step
+        for output in llm.step() if llm.has_unfinished() else []:
+            if output.error is not None:
+                conn.send(("failed", output.request_id, str(output.error)))
+            elif output.outputs[0].token_ids:
+                sends += _send_kv(llm, group, conn, output.request_id)
+            last_sent = time.monotonic()
+        sends = [(work, buffer) for work, buffer in sends if not work.is_completed()]
+        if time.monotonic() - last_sent > HEARTBEAT:
+            conn.send(("alive",))
+            last_sent = time.monotonic()
+
+
+def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
+    """Take one command of the decode side: "add" a prompt, "abort" a request, send the
+    engine's "stats"."""
+    if message[0] == "add":
+        _, request_id, token_ids, cache_salt = message
+        try:
+            llm.add_request(token_ids, PREFILL_PARAMS, request_id, cache_salt=cache_salt)
+        except (KVPoolError, ValueError) as e:
+            conn.send(("failed", request_id, f"{type(e).__name__}: {e}"))
+    elif message[0] == "abort":
+        llm.abort(message[1])
+    elif message[0] == "stats":
+        conn.send(("stats", llm.stats()))
+
+
+def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
+    """Send the KV of a prefilled request (its header on the pipe; its pages, and a hybrid's
+    state, on the group) and let it go (its full pages stay in the prefix cache). Returns the
+    sends with their buffers."""
+    kv = llm.read_prefilled(request_id)
+    llm.abort(request_id)
+    tensors = [x.cpu().contiguous() for x in kv.tensors]  # gloo moves host tensors
+    conn.send(("kv", request_id, kv.num_tokens,
+               [(tuple(x.shape), str(x.dtype)) for x in tensors]))
+    buffers = [x.view(-1).view(torch.uint8) for x in tensors]
+    return [(group.send([buffer], DECODE_RANK, 0), buffer) for buffer in buffers]
+
+
+def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroupGloo:
+    """A two-rank gloo group of its own (no global torch.distributed state); a send or
+    receive raises once the peer is gone or `timeout` seconds pass."""
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
+
+
+def _stop(process: subprocess.Popen, conn: _Channel) -> None:
+    """Ask the prefill process to close, then kill it if it lingers."""
+    with contextlib.suppress(OSError):
+        conn.send(("close",))
+    try:
+        process.wait(5.0)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    conn.close()
+
+
+def _options(side: dict | EngineConfig | None) -> dict:
+    """One side's LLM options as keyword arguments."""
+    if side is None:
+        return {}
+    if isinstance(side, EngineConfig):
+        return {f.name: getattr(side, f.name) for f in dataclasses.fields(side)}
+    return dict(side)
+
+
+def _refused(prompt: Prompt, params: SamplingParams, error: KVPoolError) -> RequestOutput:
+    """The output of a request refused before it was queued."""
+    text, token_ids = (prompt, []) if isinstance(prompt, str) else (None, list(prompt))
+    outputs = [CompletionOutput(i, [], "", "error") for i in range(params.n)]
+    return RequestOutput("", text, token_ids, outputs, True, error)

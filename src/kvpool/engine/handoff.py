@@ -1,0 +1,57 @@
+"""The KV of a prompt's first tokens as one engine hands it to another (prefill/decode
+disaggregation): whole pages, copied off one pool and written into another's pages, and for
+a hybrid model the Mamba state after those tokens, copied from one state slot to another."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.hybrid_cache import HybridCache
+
+
+@dataclass(slots=True)
+class PrefilledKV:
+    """The KV of `num_tokens` leading tokens of a sequence: `pages` shaped as
+    `KVPool.read_pages` returns them, `[num_layers, num_planes, n, page_size, kvh, d]` with
+    n = ceil(num_tokens / page_size) (slots past num_tokens in the last page hold anything)."""
+
+    num_tokens: int
+    pages: torch.Tensor
+    # A hybrid's Mamba state after those tokens, as MambaPool.read gives it (conv, SSM);
+    # empty for a model without state.
+    state: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of KV held."""
+        return self.pages.shape[2]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything it holds, in order: the pages, then the state's tensors."""
+        return [self.pages, *self.state]
+
+
+def read_prefilled(cache: KVCache | HybridCache, seq_id: Hashable, num_tokens: int, *,
+                   with_state: bool) -> PrefilledKV:
+    """A copy of the KV of the first `num_tokens` tokens of sequence `seq_id`, and with
+    `with_state` (a hybrid's cache) its state slot, which must hold the state after them."""
+    num_pages = -(-num_tokens // cache.page_size)
+    pages = cache.pool.read_pages(cache.pages(seq_id)[:num_pages])
+    state = cache.states.read(cache.state_slot(seq_id)) if with_state else ()
+    return PrefilledKV(num_tokens, pages, state)
+
+
+def write_prefilled(cache: KVCache | HybridCache, seq_id: Hashable, kv: PrefilledKV,
+                    first_page: int) -> None:
+    """Write `kv`'s pages from `first_page` on into the same pages of sequence `seq_id`
+    (which holds at least kv.num_tokens tokens; the pages before are its prefix hit, whose KV
+    is the same), and its state, if any, into the sequence's state slot."""
+    pages = cache.pages(seq_id)[first_page:kv.num_pages]
+    cache.pool.write_pages(pages, kv.pages[:, :, first_page:])
+    if kv.state:
+        cache.states.write(cache.state_slot(seq_id), *kv.state)

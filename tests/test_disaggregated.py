@@ -1,0 +1,166 @@
+"""DisaggregatedLLM on the CPU with gloo: a prefill process hands each prompt's KV to the
+decode engine, and greedy tokens are one engine's, with prefix hits, chunked prefill on the
+prefill side, preemption on the decode side and aborts in flight; a prefill side that
+refuses, dies or goes silent fails its requests with a clear error, never a hang."""
+
+import os
+import random
+import signal
+
+import pytest
+
+from hybrid_util import make_bamba
+from kvpool.engine.disaggregated import DisaggregatedLLM
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.errors import EngineDied, StepFailed
+from models_util import make_hf_model, save_hf_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PAGE_SIZE = 4
+# The prefill side prefills in chunks of 16 tokens and takes prompts of 100 tokens at most;
+# the decode side holds 40 pages of 4 tokens, so a batch of long prompts preempts there.
+PREFILL = dict(page_size=PAGE_SIZE, num_pages=128, max_num_batched_tokens=16, max_model_len=100)
+DECODE = dict(page_size=PAGE_SIZE, num_pages=40, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf_model(make_hf_model("llama"), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """12 prompts of 1 to 70 tokens; four share a 40-token prefix."""
+    rng = random.Random(0)
+    shared = [rng.randrange(160) for _ in range(40)]
+    out = [[7]] + [[rng.randrange(160) for _ in range(rng.randint(2, 70))] for _ in range(7)]
+    out += [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 5, 16, 23)]
+    rng.shuffle(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, device):
+    return LLM(checkpoint, device=device, page_size=PAGE_SIZE, num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def expected(reference, prompts):
+    return _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint, device):
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": device},
+                          decode={**DECODE, "device": device}) as llm:
+        yield llm
+    assert llm._process.poll() is not None
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_drained(llm):
+    """Every request finished on both sides: no page of the decode pool held."""
+    llm.cache.check()
+    assert llm.cache.stats().num_used_pages == 0
+    assert not llm.has_unfinished()
+
+
+def test_greedy_tokens_equal_one_engine_with_chunks_and_decode_preemption(llm, prompts,
+                                                                         expected):
+    preemptions = llm.stats().num_preemptions
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.stats().num_preemptions > preemptions
+    _assert_drained(llm)
+
+
+def test_prompts_seen_before_hit_the_prefix_caches_and_keep_their_tokens(llm, prompts,
+                                                                         expected):
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == expected
+    assert sum(o.num_cached_tokens for o in outputs) > 0  # the decode side's hits
+    assert llm.prefill_stats().prefix_hit_rate > 0  # the prefill side keeps its cache
+    _assert_drained(llm)
+
+
+def test_seeded_samples_equal_one_engines(llm, reference, prompts):
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    ours = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts[:4], params,
+                                                                      use_tqdm=False)]
+    theirs = [[c.token_ids for c in o.outputs]
+              for o in reference.generate(prompts[:4], params, use_tqdm=False)]
+    assert ours == theirs
+    _assert_drained(llm)
+
+
+def test_aborts_in_flight_free_everything_and_the_others_finish(llm, prompts, expected):
+    ids = [llm.add_request(prompt, GREEDY) for prompt in prompts]
+    llm.step()
+    aborted = ids[::3]
+    for request_id in aborted:
+        output = llm.abort(request_id)
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert set(done) == set(ids) - set(aborted)
+    for request_id, tokens in zip(ids, expected, strict=True):
+        if request_id in done:
+            assert done[request_id].outputs[0].token_ids == tokens
+    _assert_drained(llm)
+    # KV that arrived for aborted requests was taken off the group: the next run is whole
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+def test_a_prompt_the_prefill_side_refuses_fails_alone(llm, prompts, expected):
+    too_long = list(range(120))  # over the prefill side's max_model_len of 100
+    outputs = llm.generate([too_long, *prompts[:3]], GREEDY, use_tqdm=False)
+    assert isinstance(outputs[0].error, StepFailed)
+    assert "prefill engine" in str(outputs[0].error) and "100" in str(outputs[0].error)
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert _tokens(outputs[1:]) == expected[:3]
+    _assert_drained(llm)
+
+
+@pytest.fixture
+def lone_llm(checkpoint):
+    """A pair of its own, to kill or stop; a short timeout."""
+    llm = DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": "cpu"},
+                           decode={**DECODE, "device": "cpu"}, timeout=3.0)
+    yield llm
+    llm.close()
+    assert llm._process.poll() is not None
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
+        lone_llm, prompts, how):
+    os.kill(lone_llm._process.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    outputs = lone_llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    for output in outputs:
+        if len(output.prompt_token_ids) > 1:  # a one-token prompt never needs the other side
+            assert isinstance(output.error, EngineDied)
+            assert "prefill engine is gone" in str(output.error)
+    for call in (lambda: lone_llm.add_request(prompts[0], GREEDY), lone_llm.prefill_stats):
+        with pytest.raises(EngineDied, match="prefill engine is gone"):
+            call()
+    _assert_drained(lone_llm)
+
+
+def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device):
+    folder = save_hf_model(make_bamba("bamba"), tmp_path)
+    options = dict(page_size=PAGE_SIZE, num_pages=128, device=device)
+    expected = _tokens(LLM(folder, **options).generate(prompts, GREEDY, use_tqdm=False))
+    with DisaggregatedLLM(folder, prefill=options, decode=options) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        _assert_drained(llm)
+
+
+def test_a_model_whose_cache_gives_pages_back_is_refused_before_any_process(tmp_path):
+    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+    with pytest.raises(ValueError, match="one KV pool that keeps every page"):
+        DisaggregatedLLM(folder, prefill={"device": "cpu"}, decode={"device": "cpu"})

@@ -1,0 +1,110 @@
+"""Handing a prompt's KV from one engine to another in one process (what DisaggregatedLLM
+does across two): the receiving engine starts past the handed tokens, writes only the pages
+past its own prefix hit, and recomputes them if preempted; greedy tokens are one engine's."""
+
+import random
+
+import pytest
+import torch
+
+from hybrid_util import make_bamba
+from kvpool.engine.disaggregated import PREFILL_PARAMS
+from kvpool.engine.handoff import PrefilledKV
+from kvpool.engine.llm import LLM
+from kvpool.engine.params import SamplingParams
+from kvpool.errors import StepFailed
+from models_util import make_hf_model, save_hf_model
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "bamba"])
+def checkpoint(request, tmp_path_factory):
+    """A plain model, and a hybrid whose Mamba state is handed beside its pages."""
+    make = make_bamba if request.param == "bamba" else make_hf_model
+    return save_hf_model(make(request.param), tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    shared = [rng.randrange(160) for _ in range(24)]
+    return [shared + [rng.randrange(160) for _ in range(k)] for k in (3, 10, 17)] + [
+        [rng.randrange(160) for _ in range(30)]]
+
+
+@pytest.fixture(scope="module")
+def prefill(checkpoint, device):
+    return LLM(checkpoint, device=device, page_size=4, num_pages=128)
+
+
+def _prefilled(prefill, prompt):
+    """The KV of the prompt but its last token, computed by `prefill`."""
+    request_id = prefill.add_request(prompt[:-1], PREFILL_PARAMS)
+    while not any(o.request_id == request_id for o in prefill.step()):
+        pass
+    kv = prefill.read_prefilled(request_id)
+    prefill.abort(request_id)
+    assert kv.num_tokens == len(prompt) - 1
+    return kv
+
+
+def _run(llm):
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    llm.cache.check()
+    return done
+
+
+@pytest.mark.parametrize("num_pages", [128, 16], ids=["roomy", "preempting"])
+def test_handed_kv_gives_one_engines_greedy_tokens(checkpoint, prefill, prompts, device,
+                                                   num_pages):
+    expected = [o.outputs[0].token_ids for o in LLM(
+        checkpoint, device=device, page_size=4, num_pages=128).generate(prompts, GREEDY,
+                                                                        use_tqdm=False)]
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=num_pages)
+    # the first prompt alone first: the others then hit its shared prefix on this side
+    for batch in (prompts[:1], prompts[1:]):
+        ids = []
+        for prompt in batch:
+            request_id, token_ids = decode.hold_request(prompt, GREEDY)
+            assert token_ids == prompt
+            decode.resume_request(request_id, _prefilled(prefill, prompt))
+            ids.append(request_id)
+        done = _run(decode)
+        for request_id, prompt in zip(ids, batch, strict=True):
+            assert done[request_id].outputs[0].token_ids == expected[prompts.index(prompt)]
+    # a hybrid's receiving side has no state checkpoints of handed tokens: no hits there
+    assert (decode.stats().prefix_hit_rate > 0) != decode.runner.has_states
+    assert (decode.stats().num_preemptions > 0) == (num_pages == 16)
+
+
+def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint, prefill,
+                                                                     prompts, device):
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
+    aborted, _ = decode.hold_request(prompts[0], GREEDY)
+    failed, _ = decode.hold_request(prompts[1], GREEDY)
+    assert decode.abort(aborted).outputs[0].finish_reason == "abort"
+    output = decode.fail_request(failed, StepFailed("the other side refused it"))
+    assert output.error.args == ("the other side refused it",) and output.finished
+    assert decode.fail_request(failed, StepFailed("twice")) is None
+    with pytest.raises(ValueError, match="is not held"):
+        decode.resume_request(aborted, None)
+    request_id, _ = decode.hold_request(prompts[2], GREEDY)
+    decode.resume_request(request_id, None)  # nothing handed: computed here
+    with pytest.raises(ValueError, match="is not held"):
+        decode.resume_request(request_id, None)
+    assert len(_run(decode)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, device):
+    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+    windowed = LLM(folder, device=device, page_size=4, num_pages=64)
+    assert not windowed.takes_prefilled
+    request_id, _ = windowed.hold_request(prompts[0], GREEDY)
+    kv = PrefilledKV(len(prompts[0]) - 1, torch.zeros(0))  # refused before it is read
+    with pytest.raises(ValueError, match="one pool that keeps every page"):
+        windowed.resume_request(request_id, kv)
+    windowed.resume_request(request_id, None)  # still held: computed here instead
+    assert len(_run(windowed)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
