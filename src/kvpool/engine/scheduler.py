@@ -118,9 +118,11 @@ class Scheduler:
                              f"{e}") from None
 
     def add_request(self, request: Request) -> None:
-        """Queue the request's first sequence (its other samples fork from it later).
-        Call `check_fits` first."""
+        """Queue the request's first sequence (its other samples fork from it later, with
+        the ids reserved for them now, so that a sample's id never depends on when its
+        prompt was prefilled). Call `check_fits` first."""
         self.waiting.append(self._new_sequence(request, list(request.prompt_token_ids)))
+        self._next_seq_id += request.params.n - 1
 
     def abort(self, request: Request) -> None:
         """Finish every unfinished sample of the request with "abort"; pages come back now."""
@@ -325,7 +327,8 @@ class Scheduler:
         """Create the request's other samples, sharing the parent's pages, after it."""
         children = []
         for _ in range(1, parent.params.n):
-            child = self._new_sequence(parent.request, list(parent.token_ids))
+            child = self._new_sequence(parent.request, list(parent.token_ids),
+                                       parent.seq_id + len(parent.request.seqs))
             self.cache.fork(parent.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
@@ -333,9 +336,14 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
-        seq = Sequence(self._next_seq_id, request, len(request.seqs), token_ids)
-        self._next_seq_id += 1
+    def _new_sequence(self, request: Request, token_ids: list[int],
+                      seq_id: int | None = None) -> Sequence:
+        """A new sample of the request: its first with the next free id, or a fork with the
+        id reserved for it."""
+        if seq_id is None:
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+        seq = Sequence(seq_id, request, len(request.seqs), token_ids)
         request.seqs.append(seq)
         return seq
 
