@@ -11,9 +11,13 @@ three ways in one process:
   continuous batching transformers' own manager, each request with its own max_new_tokens
 
 Prints output tokens per second, the ratio to static batching, and kvpool's median decode
-step time at batch 64. Without CUDA it prints one line and returns.
+step time at batch 64. Then the profile point of one decode step: 64 sequences of ~700
+tokens (prompts of 256-1,024 tokens, 60 tokens decoded), PROFILE_STEPS steps under the torch
+profiler, with and without overlap scheduling: wall time, GPU busy time (kernels and copies,
+overlapping intervals merged), host time inside CUDA calls that wait for the device, the rest
+of the host's time, and kernels, per step. Without CUDA it prints one line and returns.
 
-    python benchmarks/gpu_engine.py [--num-requests N] [--enforce-eager]
+    python benchmarks/gpu_engine.py [--num-requests N] [--enforce-eager] [--no-overlap]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from kvpool.engine import LLM, SamplingParams
@@ -37,6 +42,12 @@ HF_PAGE_SIZE = 256  # transformers' continuous batching default
 STATIC_BATCH_SIZE = 64
 DECODE_BATCH = 64  # the batch size whose decode step time is reported
 MAX_NUM_SEQS = 128
+PROFILE_PROMPT_LEN = (256, 1024)  # prompt tokens of the profiled decode step's sequences
+PROFILE_DECODED = 60  # tokens each has decoded before the profiled steps
+PROFILE_STEPS = 5
+# Host calls that block until the device is done (a copy to pageable host memory among them).
+WAITING_CALLS = frozenset({"cudaEventSynchronize", "cudaStreamSynchronize",
+                           "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy"})
 MAX_NUM_BATCHED_TOKENS = 4096
 CONFIG = LlamaConfig(
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
@@ -60,6 +71,22 @@ class Run:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    """One decode step on average over a profile (milliseconds): wall time, the device's
+    busy time, the host's time inside calls that wait for the device, and kernels."""
+
+    wall_ms: float
+    gpu_busy_ms: float
+    host_wait_ms: float
+    kernels: float
+
+    @property
+    def host_work_ms(self) -> float:
+        """The host's time not spent waiting for the device."""
+        return self.wall_ms - self.host_wait_ms
+
+
 def make_requests(num_requests: int, seed: int = 0) -> list[Request]:
     """Prompts of 64-1024 random tokens and outputs of 32-256 tokens, uniform, seeded."""
     rng = random.Random(seed)
@@ -76,7 +103,7 @@ def build_checkpoint(folder: str, seed: int = 0) -> LlamaForCausalLM:
 
 
 def run_kvpool(folder: str, requests: list[Request], *, enforce_eager: bool,
-               ) -> tuple[Run, float | None]:
+               overlap: bool | None = None) -> tuple[Run, float | None]:
     """kvpool over the workload with a pool that holds all of it; returns the run and the
     median duration (s) of its decode-only steps of DECODE_BATCH sequences."""
     records: list[StepRecord] = []
@@ -84,7 +111,7 @@ def run_kvpool(folder: str, requests: list[Request], *, enforce_eager: bool,
     llm = LLM(folder, dtype=torch.bfloat16, device="cuda", page_size=PAGE_SIZE,
               num_pages=num_pages + 1, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enforce_eager=enforce_eager,
-              on_step=records.append)
+              overlap=overlap, on_step=records.append)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
               for r in requests]
     torch.cuda.synchronize()
@@ -94,6 +121,80 @@ def run_kvpool(folder: str, requests: list[Request], *, enforce_eager: bool,
     decode = [r.duration for r in records
               if r.num_batched_tokens == r.num_decode_tokens == DECODE_BATCH]
     return Run("kvpool", seconds), statistics.median(decode) if decode else None
+
+
+def decode_requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[Request]:
+    """The profiled step's sequences: prompts of PROFILE_PROMPT_LEN random tokens (uniform,
+    seeded), generating past the profiled steps."""
+    rng = random.Random(seed)
+    return [Request([rng.randrange(1, vocab_size) for _ in range(rng.randint(*PROFILE_PROMPT_LEN))],
+                    PROFILE_DECODED + PROFILE_STEPS + 2) for _ in range(num_requests)]
+
+
+def profile_decode_step(model: str, requests: list[Request], *, device: str, overlap: bool,
+                        enforce_eager: bool = False, steps: int = PROFILE_STEPS,
+                        **options) -> StepProfile:
+    """Admit `requests` (greedy, ignore_eos) into an engine of as many seats, step until
+    every one has decoded PROFILE_DECODED tokens (fewer when its max_tokens says so), then
+    profile `steps` decode steps."""
+    num_pages = sum(math.ceil((len(r.prompt) + r.max_tokens) / PAGE_SIZE) for r in requests)
+    llm = LLM(model, device=device, page_size=PAGE_SIZE, num_pages=num_pages + 1,
+              max_num_seqs=len(requests), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+              enforce_eager=enforce_eager, overlap=overlap, **options)
+    for r in requests:
+        llm.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0,
+                                                 ignore_eos=True))
+    decoded = min(PROFILE_DECODED, min(r.max_tokens for r in requests) - steps - 2)
+    while llm.scheduler.waiting or min(
+            len(seq.output_token_ids) for seq in llm.scheduler.running) < decoded:
+        llm.step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as profile:
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return summarize_profile(profile.events(), steps, wall)
+
+
+def summarize_profile(events, steps: int, wall: float) -> StepProfile:
+    """A StepProfile from a torch profile's events of `steps` steps that took `wall`
+    seconds."""
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+    waiting = sum(e.time_range.elapsed_us() for e in events
+                  if e.device_type == DeviceType.CPU and e.name in WAITING_CALLS)
+    busy = merged_us([(e.time_range.start, e.time_range.end) for e in device])
+    return StepProfile(wall * 1e3 / steps, busy / 1e3 / steps, waiting / 1e3 / steps,
+                       len(kernels) / steps)
+
+
+def merged_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def print_profiles(profiles: dict[str, StepProfile]) -> None:
+    """The profile point's table, one row per loop, and the ratio of the last to the first."""
+    print(f"\ndecode step of {DECODE_BATCH} sequences of ~700 tokens, {PROFILE_STEPS} steps "
+          f"profiled, per step:")
+    print(f"{'loop':<10} {'wall ms':>8} {'GPU busy ms':>12} {'host wait ms':>13} "
+          f"{'host work ms':>13} {'kernels':>8}")
+    for name, p in profiles.items():
+        print(f"{name:<10} {p.wall_ms:8.2f} {p.gpu_busy_ms:12.2f} {p.host_wait_ms:13.2f} "
+              f"{p.host_work_ms:13.2f} {p.kernels:8.0f}")
+    (first, a), *_, (last, b) = profiles.items()
+    print(f"{last} / {first} wall time: {b.wall_ms / a.wall_ms:.2f}x")
 
 
 def run_static(model: LlamaForCausalLM, requests: list[Request]) -> Run:
@@ -141,8 +242,10 @@ def _greedy(max_new_tokens: int) -> GenerationConfig:
                             min_new_tokens=max_new_tokens, pad_token_id=CONFIG.pad_token_id)
 
 
-def run_engine_benchmark(num_requests: int = 128, *, enforce_eager: bool = False) -> None:
-    """Run the workload three ways and print the table (one line without CUDA)."""
+def run_engine_benchmark(num_requests: int = 128, *, enforce_eager: bool = False,
+                         overlap: bool | None = None) -> None:
+    """Run the workload three ways and print the table, then the profile point (one line
+    without CUDA)."""
     if not torch.cuda.is_available():
         print("engine benchmark skipped: no CUDA device")
         return
@@ -159,13 +262,20 @@ def run_engine_benchmark(num_requests: int = 128, *, enforce_eager: bool = False
         continuous = run_continuous(model, requests)
         del model
         torch.cuda.empty_cache()
-        kvpool, decode_step = run_kvpool(folder, requests, enforce_eager=enforce_eager)
+        kvpool, decode_step = run_kvpool(folder, requests, enforce_eager=enforce_eager,
+                                         overlap=overlap)
+        decode = decode_requests(DECODE_BATCH, CONFIG.vocab_size)
+        profiles = {name: profile_decode_step(folder, decode, device="cuda", overlap=on,
+                                              enforce_eager=enforce_eager,
+                                              dtype=torch.bfloat16)
+                    for name, on in (("plain", False), ("overlap", True))}
     print(f"{'engine':<34} {'seconds':>8} {'tok/s':>8} {'vs static':>10} {'vs continuous':>14}")
     for run in (kvpool, static, continuous):
         print(f"{run.name:<34} {run.seconds:8.1f} {output_tokens / run.seconds:8.1f} "
               f"{static.seconds / run.seconds:9.2f}x {continuous.seconds / run.seconds:13.2f}x")
     shown = "n/a (no such step)" if decode_step is None else f"{decode_step * 1e3:.1f} ms"
     print(f"\nkvpool decode step at batch {DECODE_BATCH} (median): {shown}")
+    print_profiles(profiles)
 
 
 def main() -> None:
@@ -173,8 +283,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run kvpool without CUDA graphs")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run kvpool's workload without overlap scheduling (the profile "
+                             "point runs both)")
     args = parser.parse_args()
-    run_engine_benchmark(args.num_requests, enforce_eager=args.enforce_eager)
+    run_engine_benchmark(args.num_requests, enforce_eager=args.enforce_eager,
+                         overlap=False if args.no_overlap else None)
 
 
 if __name__ == "__main__":

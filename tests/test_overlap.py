@@ -8,6 +8,9 @@ placeholder."""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,30 @@ def test_overlap_is_off_by_default_on_the_cpu_and_checked():
     assert LLM("tiny", num_pages=8, device="cpu").overlap is False
     with pytest.raises(TypeError, match="overlap must be a bool or None"):
         LLM("tiny", num_pages=8, device="cpu", overlap="yes")
+
+
+@functools.cache
+def _gpu_engine_benchmark():
+    """benchmarks/gpu_engine.py as a module (benchmarks/ is no package), imported once."""
+    path = Path(__file__).parent.parent / "benchmarks" / "gpu_engine.py"
+    spec = importlib.util.spec_from_file_location("gpu_engine_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_decode_step_profile_point_runs_on_the_cpu(overlap):
+    bench = _gpu_engine_benchmark()
+    requests = [bench.Request(list(range(1, 20 + 3 * i)), 10) for i in range(4)]
+    profile = bench.profile_decode_step("tiny", requests, device="cpu", overlap=overlap,
+                                        steps=3)
+    assert profile.wall_ms > 0 and profile.host_work_ms > 0
+    assert profile.gpu_busy_ms == profile.host_wait_ms == profile.kernels == 0  # no device
+
+
+def test_the_profile_merges_overlapping_device_intervals():
+    bench = _gpu_engine_benchmark()
+    assert bench.merged_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert bench.merged_us([]) == 0

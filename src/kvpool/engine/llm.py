@@ -342,7 +342,7 @@ class LLM:
             return None
         # forked samples read their parent's row; a sequence that finished reads none
         if logit_rows != list(range(len(logits))):
-            logits = logits[torch.tensor(logit_rows, dtype=torch.long, device=logits.device)]
+            logits = logits[_on_device(logit_rows, logits.device)]
         seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
         self.scheduler.add_placeholders(seqs)
         return LaunchedStep.sampled(batch, seqs, tokens, logprobs, failed)
@@ -373,7 +373,7 @@ class LLM:
         except Exception:  # some request's rows raised: find whose, below
             rows, tokens, failed = self._sample_requests_alone(logits, seqs)
             seqs = [seqs[row] for row in rows]
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            logits = logits[_on_device(rows, logits.device)]
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
         return Sampled(seqs, tokens, logprobs, failed)
 
@@ -390,7 +390,7 @@ class LLM:
         failed: list[Request] = []
         for request, rows in rows_of.items():
             try:
-                tokens.append(self._sample(logits[torch.tensor(rows, device=logits.device)],
+                tokens.append(self._sample(logits[_on_device(rows, logits.device)],
                                            [seqs[row] for row in rows]))
             except Exception as e:
                 self.scheduler.fail(request, StepFailed(
@@ -478,6 +478,12 @@ class LLM:
             text = self.tokenizer.decode(shown)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         return CompletionOutput(seq.index, token_ids, text, seq.finish_reason, logprobs)
+
+
+def _on_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on `device`, copied without waiting for the device's queued work (a
+    step's forward may still run there)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _is_token(value: object) -> bool:
