@@ -317,11 +317,12 @@ class LLM:
         logits = self._forward(batch, previous) if batch.seqs else None
         self._in_flight = None
         requests = self._finish(previous, start) if previous else []
-        launched = self._launch(batch, logits) if batch.seqs else None
+        launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
+        self._forget(failed)
         if launched is not None and not self.overlap:
-            return self._finish(launched, start)
+            return failed + self._finish(launched, start)
         self._in_flight = launched
-        return requests
+        return requests + failed
 
     def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
         """Queue the batch's forward; returns its logits. Placeholder input ids take the
@@ -334,33 +335,38 @@ class LLM:
             return self.graphs.run(batch, bucket, sampled)
         return self.runner.run(batch, sampled)
 
-    def _launch(self, batch: ScheduledBatch, logits: torch.Tensor) -> LaunchedStep | None:
-        """Record the batch as computed and queue the sampling of its tokens; None when
-        every sequence of the batch finished while it ran (nothing of it is kept)."""
+    def _launch(self, batch: ScheduledBatch, logits: torch.Tensor
+                ) -> tuple[LaunchedStep | None, list[Request]]:
+        """Record the batch as computed and queue the sampling of its tokens. Returns the
+        step (None when every sequence of the batch finished while it ran: nothing of it is
+        kept) and the requests whose sampling raised, finished with "error" now."""
         seqs, logit_rows = self.scheduler.update(batch)
         if all(seq.finished for seq in batch.seqs):
-            return None
+            return None, []
         # forked samples read their parent's row; a sequence that finished reads none
         if logit_rows != list(range(len(logits))):
             logits = logits[_on_device(logit_rows, logits.device)]
         seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
         self.scheduler.add_placeholders(seqs)
-        return LaunchedStep.sampled(batch, seqs, tokens, logprobs, failed)
+        return LaunchedStep.sampled(batch, seqs, tokens, logprobs), failed
 
     def _finish(self, step: LaunchedStep, start: float) -> list[Request]:
         """Read the step's tokens on the host, give each sequence its token (and logprobs)
-        and finish those that stop; returns the requests that advanced or failed."""
+        and finish those that stop; returns the requests that advanced."""
         token_ids, entries = step.host.wait()
         if entries is not None:
             for seq, entry in zip(step.seqs, entries, strict=True):
                 if entry is not None and not seq.finished:
                     seq.logprobs.append(entry)
-        requests = step.failed + self.scheduler.postprocess(step.seqs, token_ids)
-        for request in requests:
-            if request.finished:
-                self._requests.pop(request.request_id, None)
+        requests = self.scheduler.postprocess(step.seqs, token_ids)
+        self._forget([request for request in requests if request.finished])
         self._count(step.batch, len(step.seqs), start)
         return requests
+
+    def _forget(self, finished: list[Request]) -> None:
+        """Drop finished requests from the unfinished ones."""
+        for request in finished:
+            del self._requests[request.request_id]
 
     def _sample_each_request(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """Sample a token for each of `seqs` (row i of `logits`) on the device, with the

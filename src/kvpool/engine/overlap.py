@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.engine.request import Request, Sequence, TokenLogprobs
+from kvpool.engine.request import Sequence, TokenLogprobs
 from kvpool.engine.sampling import SampledLogprobs
 from kvpool.engine.scheduler import ScheduledBatch
 
@@ -44,17 +44,15 @@ class HostCopy:
 @dataclass(slots=True)
 class LaunchedStep:
     """A step whose forward and sampling are queued on the device, not yet finished:
-    `seqs[i]` samples `tokens[i]` (on the device; it holds `placeholder(i)` for it),
-    `failed` are the requests whose sampling raised (finished with "error" already)."""
+    `seqs[i]` samples `tokens[i]` (on the device; it holds `placeholder(i)` for it)."""
 
     batch: ScheduledBatch
     seqs: list[Sequence]
     tokens: torch.Tensor
-    failed: list[Request]
     host: HostCopy
 
     @classmethod
     def sampled(cls, batch: ScheduledBatch, seqs: list[Sequence], tokens: torch.Tensor,
-                logprobs: SampledLogprobs | None, failed: list[Request]) -> LaunchedStep:
+                logprobs: SampledLogprobs | None) -> LaunchedStep:
         """The launched step, its tokens' copy to the host queued now."""
-        return cls(batch, seqs, tokens, failed, HostCopy(tokens, logprobs))
+        return cls(batch, seqs, tokens, HostCopy(tokens, logprobs))
