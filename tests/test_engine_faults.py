@@ -133,11 +133,11 @@ def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed(ov
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     real, calls = llm.runner.run, []
 
-    def run_failing_on_the_third_call(batch, sampled=None):
+    def run_failing_on_the_third_call(batch, last_tokens=None):
         calls.append(len(calls))
         if len(calls) == 3:
             raise RuntimeError("injected forward failure")
-        return real(batch, sampled)
+        return real(batch, last_tokens)
 
     llm.runner.run = run_failing_on_the_third_call
     try:

@@ -156,8 +156,8 @@ def test_a_sample_that_stopped_loses_the_token_the_next_step_computed(monkeypatc
     first = tokens.index(stop)
     forwards = []
     run = llm.runner.run
-    monkeypatch.setattr(llm.runner, "run", lambda batch, sampled=None: (
-        forwards.append(len(batch.seqs)), run(batch, sampled))[1])
+    monkeypatch.setattr(llm.runner, "run", lambda batch, last_tokens=None: (
+        forwards.append(len(batch.seqs)), run(batch, last_tokens))[1])
     llm.add_request(prompt, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))
     outputs = []
     while llm.has_unfinished():

@@ -74,11 +74,11 @@ class CUDAGraphRunner:
                           self.runner.has_states)
 
     def stage(self, batch: ScheduledBatch, bucket: int,
-              sampled: torch.Tensor | None = None) -> torch.Tensor:
+              last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Put a decode batch's metadata, padded to `bucket` rows, in the graphs' input
         buffer (the workspace's first allocation), placeholder input ids filled from
-        `sampled` (ModelRunner.stage); returns that buffer."""
-        return self.runner.stage(batch, self.layout(bucket), self.padding, sampled)
+        `last_tokens` (ModelRunner.stage); returns that buffer."""
+        return self.runner.stage(batch, self.layout(bucket), self.padding, last_tokens)
 
     def inputs(self, flat: torch.Tensor, bucket: int) -> ForwardContext:
         """The ForwardContext a bucket's graph computes from its input buffer: its host
@@ -113,12 +113,12 @@ class CUDAGraphRunner:
         self.graphs[bucket] = graph
 
     def run(self, batch: ScheduledBatch, bucket: int,
-            sampled: torch.Tensor | None = None) -> torch.Tensor:
+            last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
-        a view valid until the next step. `sampled`: the previous step's sampled tokens, for
-        the placeholder input ids."""
+        a view valid until the next step. `last_tokens`: the previous step's sampled tokens,
+        for the placeholder input ids."""
         checkpoints = self.runner.checkpoints(batch)
-        self.stage(batch, bucket, sampled)
+        self.stage(batch, bucket, last_tokens)
         self.graphs[bucket].replay()
         self.runner.save_checkpoints(batch, checkpoints)
         self.num_replays += 1

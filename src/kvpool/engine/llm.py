@@ -327,13 +327,13 @@ class LLM:
     def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
         """Queue the batch's forward; returns its logits. Placeholder input ids take the
         tokens `previous` samples."""
-        sampled = previous.tokens if previous else None
+        last_tokens = previous.tokens if previous else None
         # A graph replay runs no Python, so no layer could take its fp8 scales there.
         use_graphs = self.graphs is not None and self.runner.kv.scales_ready
         bucket = self.graphs.bucket(batch) if use_graphs else None
         if bucket:
-            return self.graphs.run(batch, bucket, sampled)
-        return self.runner.run(batch, sampled)
+            return self.graphs.run(batch, bucket, last_tokens)
+        return self.runner.run(batch, last_tokens)
 
     def _launch(self, batch: ScheduledBatch, logits: torch.Tensor
                 ) -> tuple[LaunchedStep | None, list[Request]]:

@@ -166,10 +166,10 @@ class ModelRunner:
                           len(self.kv.pools), self.has_states)
 
     def stage(self, batch: ScheduledBatch, layout: StepLayout, padding: Padding = NO_PADDING,
-              sampled: torch.Tensor | None = None) -> torch.Tensor:
+              last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Reset the workspace and put the step's flat metadata (`pack_step`, staged on the
         host) in it as its first allocation, so the same layout always lands at the same
-        address; returns it. Placeholder input ids take their token from `sampled`, the
+        address; returns it. Placeholder input ids take their token from `last_tokens`, the
         previous step's sampled tokens on the device."""
         staging = self.staging[self._num_staged % 2]
         if layout.size > staging.numel():
@@ -183,8 +183,8 @@ class ModelRunner:
         host = staging[: layout.size]
         pack_step(batch, self.cache, host, layout, padding)
         flat.copy_(host, non_blocking=True)
-        if sampled is not None and len(sampled):
-            fill_placeholders(layout.split(flat).input_ids, sampled)
+        if last_tokens is not None and len(last_tokens):
+            fill_placeholders(layout.split(flat).input_ids, last_tokens)
         return flat
 
     def context(self, flat: torch.Tensor, layout: StepLayout, host: HostLengths,
@@ -221,13 +221,14 @@ class ModelRunner:
                 seq_id = batch.seqs[request.index].seq_id
                 self.cache.states.copy(self.cache.state_slot(seq_id), request.slot)
 
-    def run(self, batch: ScheduledBatch, sampled: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, last_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor:
         """Write the KV of the batch's tokens and return float32 logits `[n, vocab]` of the
-        last token of each sequence whose chunk is `sampled`, in batch order. `sampled`: the
-        previous step's sampled tokens, for the placeholder input ids."""
+        last token of each sequence whose chunk is `sampled`, in batch order. `last_tokens`:
+        the previous step's sampled tokens, for the placeholder input ids."""
         layout = self.layout(batch)
         checkpoints = self.checkpoints(batch)
-        flat = self.stage(batch, layout, sampled=sampled)
+        flat = self.stage(batch, layout, last_tokens=last_tokens)
         query_starts = [0]
         for start, end in zip(batch.starts, batch.ends, strict=True):
             query_starts.append(query_starts[-1] + end - start)
