@@ -51,6 +51,7 @@ def step_time(cls: type[Scheduler], num_seqs: int, page_size: int, steps: int) -
         start = time.thread_time()
         batch = scheduler.schedule()
         seqs, _ = scheduler.update(batch)
+        scheduler.add_placeholders(seqs)
         scheduler.postprocess(seqs, [5] * len(seqs))
         times.append(time.thread_time() - start)
     assert len(scheduler.running) == num_seqs and scheduler.num_preemptions == 0

@@ -116,7 +116,7 @@ def num_steps(llm: LLM) -> int:
 
 def fail_next_forward(llm: LLM) -> None:
     """Make the engine's next forward raise RuntimeError("injected"), once."""
-    def run_once(batch):
+    def run_once(batch, last_tokens=None):
         del llm.runner.run  # back to the real method
         raise RuntimeError("injected")
     llm.runner.run = run_once

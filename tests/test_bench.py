@@ -171,3 +171,23 @@ def test_generate_bad_model_is_one_line_with_exit_2(capsys):
     assert main(["generate", "--model", "no/such/folder", "Hi"]) == 2
     assert capsys.readouterr().err.startswith("kvpool generate: error: no config at")
 
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "tiny", "Hi", "--max-tokens", "4"],
+                                     ["bench", *SMALL, "--no-plot"]])
+def test_no_overlap_turns_overlap_scheduling_off(command, capsys, monkeypatch):
+    import kvpool.bench
+    import kvpool.cli
+
+    built = []
+
+    def recording_llm(*args, **kwargs):
+        built.append(LLM(*args, **kwargs))
+        return built[-1]
+
+    for module in (kvpool.bench, kvpool.cli):
+        monkeypatch.setattr(module, "LLM", recording_llm)
+    assert main([*command, "--no-overlap"]) == 0
+    assert main(command) == 0
+    capsys.readouterr()
+    assert [llm.config.overlap for llm in built] == [False, None]

@@ -447,6 +447,18 @@ def test_committed_full_pages_are_served_to_a_later_prompt(device):
     cache.check()
 
 
+def test_a_last_token_appended_before_its_id_was_known_is_committed_with_its_id(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(7))
+    cache.append("a", token_ids=[-1])  # a placeholder for a token still being sampled
+    cache.set_last_token("a", prompt(8)[-1])
+    cache.commit("a")
+    assert cache.add_sequence("b", prompt(9)) == 8
+    with pytest.raises(ValueError, match="outside int32"):
+        cache.set_last_token("a", 2**40)
+    cache.check()
+
+
 def test_prefix_match_never_covers_the_last_token(device):
     cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8))

@@ -1,11 +1,13 @@
 """One request never harms another: a request whose sampling fails in a step finishes with
 "error" and the message, alone; the others finish with the tokens they would have had, every
-later step runs, and the cache holds its invariants with no page leaked."""
+later step runs, and the cache holds its invariants with no page leaked; with overlap
+scheduling too."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,10 +35,11 @@ class FailingSampler:
 
 
 @functools.cache
-def engine() -> LLM:
-    """One small engine shared by the examples; each leaves it with no request."""
+def engine(overlap: bool = False) -> LLM:
+    """One small engine shared by the examples, with or without overlap scheduling; each
+    leaves it with no request."""
     return LLM("tiny", num_pages=32, page_size=4, max_model_len=64, max_num_seqs=4,
-               max_num_batched_tokens=24, device="cpu")
+               max_num_batched_tokens=24, device="cpu", overlap=overlap)
 
 
 def run_with_failures(llm: LLM, prompts, params, fail_at: dict[int, int]) -> dict[str, object]:
@@ -64,8 +67,9 @@ def assert_nothing_leaks(llm: LLM) -> None:
     assert llm.cache.stats().num_free_pages == llm.cache.num_pages
 
 
-def test_a_request_whose_sampling_fails_finishes_with_error_and_the_other_finishes():
-    llm = engine()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_sampling_fails_finishes_with_error_and_the_other_finishes(overlap):
+    llm = engine(overlap)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
     params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True) for _ in prompts]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -81,8 +85,9 @@ def test_a_request_whose_sampling_fails_finishes_with_error_and_the_other_finish
     assert_nothing_leaks(llm)
 
 
-def test_the_engine_steps_on_after_a_failed_request_and_serves_new_ones():
-    llm = engine()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_steps_on_after_a_failed_request_and_serves_new_ones(overlap):
+    llm = engine(overlap)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outputs = run_with_failures(llm, [[1, 2, 3]], [params], {0: 1})
     assert outputs[0].outputs[0].finish_reason == "error"
@@ -98,10 +103,11 @@ requests = st.lists(
     min_size=1, max_size=5)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @settings(max_examples=25, deadline=None)
 @given(requests=requests)
-def test_failures_injected_into_sampling_harm_no_other_request(requests):
-    llm = engine()
+def test_failures_injected_into_sampling_harm_no_other_request(requests, overlap):
+    llm = engine(overlap)
     prompts = [prompt for prompt, *_ in requests]
     params = [SamplingParams(max_tokens=m, temperature=0.0, n=n, ignore_eos=True)
               for _, m, n, _ in requests]
@@ -119,18 +125,19 @@ def test_failures_injected_into_sampling_harm_no_other_request(requests):
     assert_nothing_leaks(llm)
 
 
-def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed():
-    llm = engine()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed(overlap):
+    llm = engine(overlap)
     prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     real, calls = llm.runner.run, []
 
-    def run_failing_on_the_third_call(batch):
+    def run_failing_on_the_third_call(batch, last_tokens=None):
         calls.append(len(calls))
         if len(calls) == 3:
             raise RuntimeError("injected forward failure")
-        return real(batch)
+        return real(batch, last_tokens)
 
     llm.runner.run = run_failing_on_the_third_call
     try:

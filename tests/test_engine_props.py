@@ -28,17 +28,20 @@ params = st.builds(SamplingParams, max_tokens=st.integers(1, 12),
 
 
 @functools.cache
-def engine() -> LLM:
-    """One small engine for every example (building it is the slow part); each example
-    starts with no request in it."""
+def engine(overlap: bool) -> LLM:
+    """One small engine for every example (building it is the slow part), with or without
+    overlap scheduling; each example starts with no request in it."""
     return LLM("tiny", num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_model_len=MAX_MODEL_LEN,
-               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, device="cpu")
+               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, device="cpu",
+               overlap=overlap)
 
 
 class EngineMachine(RuleBasedStateMachine):
+    overlap = False
+
     def __init__(self):
         super().__init__()
-        self.llm = engine()
+        self.llm = engine(self.overlap)
         assert not self.llm.has_unfinished()
         self.llm.on_step = self.after_step
         self.live: dict[str, list[int]] = {}  # step-API requests not finished: their prompts
@@ -164,5 +167,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert stats.num_used_pages + stats.num_cached_pages + stats.num_free_pages == NUM_PAGES
 
 
+class OverlapEngineMachine(EngineMachine):
+    """The same with overlap scheduling: a step is launched before the last one's tokens
+    are read."""
+
+    overlap = True
+
+
 TestEngine = EngineMachine.TestCase
 TestEngine.settings = settings(max_examples=30, stateful_step_count=12, deadline=None)
+TestOverlapEngine = OverlapEngineMachine.TestCase
+TestOverlapEngine.settings = settings(max_examples=10, stateful_step_count=12, deadline=None)

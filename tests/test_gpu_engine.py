@@ -1,5 +1,7 @@
 """On CUDA only: the forward reads nothing back from the device, decode steps replayed from
-CUDA graphs give the eager steps' tokens, and the sampler draws without synchronising."""
+CUDA graphs give the eager steps' tokens, the sampler draws without synchronising, and
+overlap scheduling (on by default) gives the plain loop's tokens and launches a step without
+waiting for the one before."""
 
 import random
 
@@ -61,3 +63,42 @@ def test_sampling_on_the_device_runs_without_host_synchronisation():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.device.type == "cuda" and tokens.shape == (8,)
+
+
+def test_overlap_is_on_by_default_and_gives_the_plain_tokens_with_graphs():
+    prompts = _prompts()
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2),
+              SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(5, 9))] * 4
+    plain = _llm(overlap=False).generate(prompts, params, use_tqdm=False)
+    llm = _llm()
+    assert llm.overlap
+    overlapped = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in overlapped] == \
+        [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.stats().num_graph_steps > 0 and llm.cache.stats().num_used_pages == 0
+    llm.cache.check()
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_an_overlapped_step_launches_without_host_synchronisation(enforce_eager):
+    llm = _llm(enforce_eager=enforce_eager)
+    for prompt in _prompts(4):
+        llm.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.7, n=2))
+    for _ in range(3):  # prefills, forks, decodes: a step is in flight now
+        llm.step()
+    previous = llm._in_flight
+    batch = llm.scheduler.schedule()
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = llm._forward(batch, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        llm._finish(previous, 0.0)  # waits for the previous step's tokens, by design
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = llm._launch(batch, logits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert launched is not None and launched.tokens.is_cuda

@@ -214,3 +214,12 @@ def test_fork_shares_the_pages_of_every_group(device):
     c.free_sequence("b")
     assert c.num_free_pages == 24
     c.check()
+
+
+def test_set_last_token_records_the_id_in_every_group(device):
+    c = cache(device=device, prefix_caching=True)
+    c.add_sequence("a", list(range(7)))
+    c.append("a", token_ids=[-1])
+    c.set_last_token("a", 7)
+    c.commit("a")
+    assert c.prefix_hit(list(range(9))) == 8

@@ -49,11 +49,12 @@ def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
         LLM(folder, **ENGINE, device=device, host_tier_memory=2**20)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemption(
-        checkpoint, prefix_caching, device):
+        checkpoint, prefix_caching, device, overlap):
     hf, folder = checkpoint
-    llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE, device=device)
+    llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE, device=device, overlap=overlap)
     prompts_ = batch()
     ids = [llm.add_request(p, GREEDY) for p in prompts_]
     outputs = {}

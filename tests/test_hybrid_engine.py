@@ -93,9 +93,10 @@ def test_greedy_outputs_survive_preemption(checkpoint, prompts, expected, device
     _assert_drained(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_forked_greedy_samples_each_continue_from_a_copy_of_the_state(checkpoint, prompts,
-                                                                      expected, device):
-    llm = _llm(checkpoint, device=device)
+                                                                      expected, device, overlap):
+    llm = _llm(checkpoint, device=device, overlap=overlap)
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     (output,) = llm.generate([prompts[5]], params, use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == [expected[5]] * 3
@@ -112,15 +113,17 @@ def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts, device)
     _assert_drained(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
-        checkpoint, hf_model, device):
+        checkpoint, hf_model, device, overlap):
     rng = random.Random(1)
     shared = [rng.randrange(160) for _ in range(21)]
     prompts = [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 4, 9, 12)]
     hf_model = copy.deepcopy(hf_model).to(device)
     expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
     # one at a time: later prompts hit the checkpoints of earlier ones
-    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8, device=device)
+    llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8, device=device,
+               overlap=overlap)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(outputs) == expected
     # a checkpoint after the first prompt's 16 tokens (a multiple of 8): the later prompts,
@@ -129,8 +132,10 @@ def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
     _assert_drained(llm)
 
 
-def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected, device):
-    llm = _llm(checkpoint, num_pages=24, device=device)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_with_prefix_hits_survive_preemption(checkpoint, prompts, expected, device,
+                                                           overlap):
+    llm = _llm(checkpoint, num_pages=24, device=device, overlap=overlap)
     twice = prompts + prompts
     outputs = llm.generate(twice, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0 and llm.cache.stats().prefix_hit_tokens > 0

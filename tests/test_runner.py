@@ -115,12 +115,25 @@ def test_a_step_resets_the_workspace(llm):
     assert llm.workspace.num_allocs == 1
 
 
-def test_the_staging_buffer_is_allocated_at_setup_for_the_largest_step(llm, device):
-    staging = llm.runner.staging
-    assert not staging.is_inference() and staging.device.type == "cpu"
-    assert staging.is_pinned() == (device.type == "cuda")
+def test_the_staging_buffers_are_allocated_at_setup_for_the_largest_step(llm, device):
     largest = StepLayout(12, llm.config.max_num_batched_tokens, 64 // PAGE, 12)
-    assert staging.numel() == largest.size
+    assert len(llm.runner.staging) == 2
+    for staging in llm.runner.staging:
+        assert not staging.is_inference() and staging.device.type == "cpu"
+        assert staging.is_pinned() == (device.type == "cuda")
+        assert staging.numel() == largest.size
+
+
+def test_consecutive_steps_pack_into_the_two_staging_buffers_in_turn(llm):
+    batch = _mixed_batch(llm)
+    used = []
+    for _ in range(3):
+        for buffer in llm.runner.staging:
+            buffer.zero_()
+        llm.runner.stage(batch, llm.runner.layout(batch))
+        used.append([bool(buffer.any()) for buffer in llm.runner.staging])
+    assert used in ([[True, False], [False, True], [True, False]],
+                    [[False, True], [True, False], [False, True]])
 
 
 def test_a_step_in_inference_mode_leaves_buffers_a_later_step_writes_outside_it(llm):
@@ -130,7 +143,8 @@ def test_a_step_in_inference_mode_leaves_buffers_a_later_step_writes_outside_it(
     # what failed on CUDA when the staging buffer was made lazily in inference mode:
     # "Inplace update to inference tensor outside InferenceMode"
     flat = llm.runner.stage(batch, llm.runner.layout(batch))
-    assert not flat.is_inference() and not llm.runner.staging.is_inference()
+    assert not flat.is_inference()
+    assert not any(buffer.is_inference() for buffer in llm.runner.staging)
 
 
 def test_the_engine_runs_each_step_in_inference_mode(llm, monkeypatch):

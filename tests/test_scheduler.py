@@ -41,6 +41,7 @@ def _step(scheduler, token=9):
     work = [(s.request.request_id, s.index, a, b)
             for s, a, b in zip(batch.seqs, batch.starts, batch.ends, strict=True)]
     seqs, _ = scheduler.update(batch)
+    scheduler.add_placeholders(seqs)
     scheduler.postprocess(seqs, [token] * len(seqs))
     scheduler.cache.check()
     return work

@@ -306,6 +306,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward at most (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the workload and the sampling (default: 0)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="finish each step before scheduling the next (overlap scheduling "
+                             "is on by default on CUDA, off on the CPU)")
     add_tier_arguments(parser)
     parser.add_argument("--url", metavar="URL",
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
@@ -327,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
     options = {"max_num_seqs": args.max_num_seqs,
-               "max_num_batched_tokens": args.max_num_batched_tokens}
+               "max_num_batched_tokens": args.max_num_batched_tokens,
+               "overlap": False if args.no_overlap else None}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),

@@ -223,6 +223,17 @@ class KVCache:
         if seq.num_cached < full:
             seq.token_ids = None
 
+    def set_last_token(self, seq_id: Hashable, token_id: int) -> None:
+        """Record the id of the sequence's last token, appended before it was known (overlap
+        scheduling appends a step's sampled token while the device still samples it). Call
+        it before the commit that covers that token."""
+        seq = self._get(seq_id)
+        packed = pack_tokens([token_id])
+        if seq.num_tokens == 0:
+            raise ValueError(f"sequence {seq_id!r} holds no token")
+        if seq.token_ids is not None:
+            seq.token_ids[-TOKEN_BYTES:] = packed
+
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references. Its cached pages stay in the prefix cache
         (evictable once nobody else holds them)."""

@@ -121,13 +121,16 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user turn in the model's chat template")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="finish each step before scheduling the next (overlap scheduling "
+                             "is on by default on CUDA, off on the CPU)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream the text generated for the prompt to stdout as its tokens arrive."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
-    llm = LLM(args.model, seed=args.seed)
+    llm = LLM(args.model, seed=args.seed, overlap=False if args.no_overlap else None)
     llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
                     params)
     shown = ""

@@ -153,6 +153,13 @@ class GroupedCache:
         for cache in self.groups:
             cache.commit(seq_id)
 
+    def set_last_token(self, seq_id: Hashable, token_id: int) -> None:
+        """Record the id of the sequence's last token in every group
+        (KVCache.set_last_token)."""
+        self._get(seq_id)
+        for cache in self.groups:
+            cache.set_last_token(seq_id, token_id)
+
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's references in every group."""
         self._get(seq_id)

@@ -157,6 +157,14 @@ class HybridCache:
                 self.checkpoints.release(slot)
         seq.pending = []
 
+    def set_last_token(self, seq_id: Hashable, token_id: int) -> None:
+        """Record the id of the sequence's last token, appended before it was known
+        (KVCache.set_last_token), for its pages and its checkpoints."""
+        seq = self._get(seq_id)
+        self.kv.set_last_token(seq_id, token_id)
+        if seq.token_ids is not None:
+            seq.token_ids[-TOKEN_BYTES:] = pack_tokens([token_id])
+
     def free_sequence(self, seq_id: Hashable) -> None:
         """Give back the sequence's pages, its state slot and its uncommitted checkpoints."""
         seq = self._get(seq_id)

@@ -50,7 +50,9 @@ class EngineConfig:
     with one K and one V scale per layer (one latent scale for an MLA model's latent pages):
     `kv_scales` (k_scale, v_scale) for every layer (MLA: one number), or None to take each
     layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
-    requests that have no seed of their own. mamba_checkpoint_slots (hybrid models with
+    requests that have no seed of their own. overlap: schedule each step while the device
+    runs the one before (kvpool.engine.overlap); None: on CUDA, not on the CPU, where the
+    forward runs on the host and nothing overlaps. mamba_checkpoint_slots (hybrid models with
     prefix caching): the state slots kept for checkpoints, None: max_num_seqs.
     free_out_of_window: give back the pages that fall out of a sliding window as sequences
     grow: in the one pool when every layer is windowed (Mistral, kvpool.cache), in a window
@@ -77,6 +79,7 @@ class EngineConfig:
     device: str | torch.device | None = None
     seed: int = 0
     enforce_eager: bool = False
+    overlap: bool | None = None
     mamba_checkpoint_slots: int | None = None
     free_out_of_window: bool = True
     host_tier_memory: int | None = None
@@ -100,6 +103,8 @@ class EngineConfig:
         for name in ("prefix_caching", "enforce_eager", "free_out_of_window"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be a bool or None, got {self.overlap!r}")
         self._check_tier()
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")

@@ -75,10 +75,12 @@ class CUDAGraphRunner:
         return StepLayout(bucket, bucket, self.width, bucket, len(self.runner.kv.pools),
                           self.runner.has_states)
 
-    def stage(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
+    def stage(self, batch: ScheduledBatch, bucket: int,
+              last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Put a decode batch's metadata, padded to `bucket` rows, in the graphs' input
-        buffer (the workspace's first allocation); returns that buffer."""
-        return self.runner.stage(batch, self.layout(bucket), self.padding)
+        buffer (the workspace's first allocation), placeholder input ids filled from
+        `last_tokens` (ModelRunner.stage); returns that buffer."""
+        return self.runner.stage(batch, self.layout(bucket), self.padding, last_tokens)
 
     def inputs(self, flat: torch.Tensor, bucket: int) -> ForwardContext:
         """The ForwardContext a bucket's graph computes from its input buffer: its host
@@ -129,11 +131,13 @@ class CUDAGraphRunner:
                                f"({e}); pass enforce_eager=True to run without graphs") from e
         self.graphs[bucket] = graph
 
-    def run(self, batch: ScheduledBatch, bucket: int) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, bucket: int,
+            last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[len(batch.seqs), vocab]` of a decode batch by replaying its bucket's graph;
-        a view valid until the next step."""
+        a view valid until the next step. `last_tokens`: the previous step's sampled tokens,
+        for the placeholder input ids."""
         checkpoints = self.runner.checkpoints(batch)
-        self.stage(batch, bucket)
+        self.stage(batch, bucket, last_tokens)
         self.graphs[bucket].replay()
         self.runner.save_checkpoints(batch, checkpoints)
         self.num_replays += 1

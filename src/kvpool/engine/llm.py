@@ -12,6 +12,7 @@ import weakref
 from collections import abc
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -20,10 +21,11 @@ from kvpool.cache import KVCache
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.handoff import PrefilledKV, read_prefilled
+from kvpool.engine.overlap import LaunchedStep
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner, StepLayout
-from kvpool.engine.sampling import Sampler, token_logprobs
+from kvpool.engine.sampling import SampledLogprobs, Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
@@ -51,14 +53,16 @@ class LLM:
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
     max_num_batched_tokens, max_model_len, dtype, kv_cache_dtype, kv_scales, device, seed,
-    enforce_eager). `on_step` is called with a StepRecord after every step. `cache` is the
+    enforce_eager, overlap). `on_step` is called with a StepRecord after every step. `cache` is the
     KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
     (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
     from the cache's budget. A model mixing full-attention and sliding-window
     layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
     pages of every layer (planned or given) split between a full pool and a window pool
     (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
-    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
+    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`, and the
+    host schedules each step while the device runs the one before (overlap scheduling,
+    kvpool.engine.overlap) unless `overlap=False`; the outputs are the same either way.
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
     engines of one model sharing a Redis server share their prefixes. Plain and windowed
@@ -146,6 +150,11 @@ class LLM:
         self._max_step, self._longest = max_step, longest
         self._build_runner()
         self.sampler = Sampler(self.config.seed)
+        # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
+        # the host; on the CPU the forward runs in this thread, so there is nothing to hide.
+        self.overlap = device.type == "cuda" if self.config.overlap is None \
+            else self.config.overlap
+        self._in_flight: LaunchedStep | None = None  # launched, not finished (overlap)
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
@@ -428,75 +437,115 @@ class LLM:
                 self._turns.notify_all()
 
     def _step_locked(self) -> list[Request]:
+        """Launch a step and finish one: without overlap the same step; with it, the step
+        launched by the call before (kvpool.engine.overlap), so that the device runs this
+        call's step while the host reads the last one's tokens."""
         start = time.perf_counter()
         if self._first_step_time is None:
             self._first_step_time = start
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        previous = self._in_flight
+        logits = self._forward(batch, previous) if batch.seqs else None
+        self._in_flight = None
+        requests = self._finish(previous, start) if previous else []
+        launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
+        self._forget(failed)
+        if launched is not None and not self.overlap:
+            return failed + self._finish(launched, start)
+        self._in_flight = launched
+        return requests + failed
+
+    def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
+        """Queue the batch's forward; returns its logits. Placeholder input ids take the
+        tokens `previous` samples."""
+        last_tokens = previous.tokens if previous else None
         # A graph replay runs no Python, so no layer could take its fp8 scales there.
         use_graphs = self.graphs is not None and self.runner.kv.scales_ready
         bucket = self.graphs.bucket(batch) if use_graphs else None
-        logits = self.graphs.run(batch, bucket) if bucket else self.runner.run(batch)
+        if bucket:
+            return self.graphs.run(batch, bucket, last_tokens)
+        return self.runner.run(batch, last_tokens)
+
+    def _launch(self, batch: ScheduledBatch, logits: torch.Tensor
+                ) -> tuple[LaunchedStep | None, list[Request]]:
+        """Record the batch as computed and queue the sampling of its tokens. Returns the
+        step (None when every sequence of the batch finished while it ran: nothing of it is
+        kept) and the requests whose sampling raised, finished with "error" now."""
         seqs, logit_rows = self.scheduler.update(batch)
-        if len(logit_rows) > len(logits):  # forked samples read their parent's row
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        seqs, token_ids, failed = self._sample_each_request(logits, seqs)
-        requests = failed + self.scheduler.postprocess(seqs, token_ids)
-        for request in requests:
-            if request.finished:
-                del self._requests[request.request_id]
-        self._count(batch, len(seqs), start)
+        if all(seq.finished for seq in batch.seqs):
+            return None, []
+        # forked samples read their parent's row; a sequence that finished reads none
+        if logit_rows != list(range(len(logits))):
+            logits = logits[_on_device(logit_rows, logits.device)]
+        seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
+        self.scheduler.add_placeholders(seqs)
+        return LaunchedStep.sampled(batch, seqs, tokens, logprobs), failed
+
+    def _finish(self, step: LaunchedStep, start: float) -> list[Request]:
+        """Read the step's tokens on the host, give each sequence its token (and logprobs)
+        and finish those that stop; returns the requests that advanced."""
+        token_ids, entries = step.host.wait()
+        if entries is not None:
+            for seq, entry in zip(step.seqs, entries, strict=True):
+                if entry is not None and not seq.finished:
+                    seq.logprobs.append(entry)
+        requests = self.scheduler.postprocess(step.seqs, token_ids)
+        self._forget([request for request in requests if request.finished])
+        self._count(step.batch, len(step.seqs), start)
         return requests
 
-    def _sample_each_request(self, logits: torch.Tensor, seqs: list[Sequence]
-                             ) -> tuple[list[Sequence], list[int], list[Request]]:
-        """Sample a token for each of `seqs` (row i of `logits`), recording logprobs. When
-        that raises, each request's rows are sampled alone: a request whose sampling fails
-        finishes with "error" (its pages come back), the others keep their tokens, the same
-        as in the whole batch (a row's draw never depends on the other rows), so nobody's
-        step is lost and the engine goes on. Returns (the sequences that sampled, their
-        tokens, the requests that failed)."""
+    def _forget(self, finished: list[Request]) -> None:
+        """Drop finished requests from the unfinished ones."""
+        for request in finished:
+            del self._requests[request.request_id]
+
+    def _sample_each_request(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """Sample a token for each of `seqs` (row i of `logits`) on the device, with the
+        logprobs asked for. When that raises, each request's rows are sampled alone: a
+        request whose sampling fails finishes with "error" (its pages come back), the others
+        keep their tokens, the same as in the whole batch (a row's draw never depends on the
+        other rows), so nobody's step is lost and the engine goes on."""
         try:
-            return seqs, self._sample(logits, seqs), []
+            tokens, failed = self._sample(logits, seqs), []
         except Exception:  # some request's rows raised: find whose, below
-            return self._sample_requests_alone(logits, seqs)
+            rows, tokens, failed = self._sample_requests_alone(logits, seqs)
+            seqs = [seqs[row] for row in rows]
+            logits = logits[_on_device(rows, logits.device)]
+        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+        return Sampled(seqs, tokens, logprobs, failed)
 
     def _sample_requests_alone(self, logits: torch.Tensor, seqs: list[Sequence]
-                               ) -> tuple[list[Sequence], list[int], list[Request]]:
+                               ) -> tuple[list[int], torch.Tensor, list[Request]]:
         """`_sample_each_request` one request at a time: a request whose rows raise is failed
-        (StepFailed naming the cause), the others sample as they would have in the batch."""
+        (StepFailed naming the cause), the others sample as they would have in the batch.
+        Returns (the rows that sampled, their tokens, the requests that failed)."""
         rows_of: dict[Request, list[int]] = {}
         for row, seq in enumerate(seqs):
             rows_of.setdefault(seq.request, []).append(row)
-        kept, token_ids, failed = [], [], []
+        kept: list[int] = []
+        tokens: list[torch.Tensor] = []
+        failed: list[Request] = []
         for request, rows in rows_of.items():
-            mine = [seqs[row] for row in rows]
             try:
-                token_ids += self._sample(logits[torch.tensor(rows, device=logits.device)],
-                                          mine)
+                tokens.append(self._sample(logits[_on_device(rows, logits.device)],
+                                           [seqs[row] for row in rows]))
             except Exception as e:
                 self.scheduler.fail(request, StepFailed(
                     f"request {request.request_id!r} failed while sampling: "
                     f"{type(e).__name__}: {e}"))
                 failed.append(request)
             else:
-                kept += mine
-        return kept, token_ids, failed
+                kept += rows
+        sampled = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long,
+                                                               device=logits.device)
+        return kept, sampled, failed
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """The token of each of `seqs` from its row of `logits`, its logprobs recorded when
-        it asks; changes nothing else."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The token of each of `seqs` from its row of `logits`, on the device; changes
+        nothing."""
         streams = [s.index if s.params.seed is not None else s.seq_id for s in seqs]
-        tokens = self.sampler(logits, [s.params for s in seqs], streams,
-                              [s.num_tokens for s in seqs])
-        token_ids = tokens.tolist()  # one copy to the host
-        entries = token_logprobs(logits, tokens, token_ids, [s.params.logprobs for s in seqs])
-        if entries is not None:
-            for seq, entry in zip(seqs, entries, strict=True):
-                if entry is not None:
-                    seq.logprobs.append(entry)
-        return token_ids
+        return self.sampler(logits, [s.params for s in seqs], streams,
+                            [s.num_tokens for s in seqs])
 
     def _count(self, batch: ScheduledBatch, num_sampled: int, start: float) -> None:
         end = time.perf_counter()
@@ -580,6 +629,12 @@ class LLM:
         return CompletionOutput(seq.index, token_ids, text, seq.finish_reason, logprobs)
 
 
+def _on_device(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on `device`, copied without waiting for the device's queued work (a
+    step's forward may still run there)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -593,3 +648,13 @@ def _per_prompt(params: SamplingParams | abc.Sequence[SamplingParams] | None,
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts")
     return params
+
+
+class Sampled(NamedTuple):
+    """What a step's sampling gave: `tokens[i]` (on the device) for `seqs[i]`, the logprobs
+    asked for, and the requests whose sampling raised."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    logprobs: SampledLogprobs | None
+    failed: list[Request]

@@ -43,8 +43,10 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The generated tokens."""
-        return self.token_ids[len(self.request.prompt_token_ids):]
+        """The generated tokens whose ids are known: a last token still being sampled on the
+        device (a negative placeholder, see kvpool.engine.overlap) is left out."""
+        end = len(self.token_ids) - (self.token_ids[-1] < 0)
+        return self.token_ids[len(self.request.prompt_token_ids):end]
 
     @property
     def params(self) -> SamplingParams:

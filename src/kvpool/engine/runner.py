@@ -5,7 +5,9 @@ The context's device tensors (input ids, positions, each layer group's slot mapp
 tables, seq_lens, cu_seqlens_q, logits indices, a hybrid's state slots) are built on the host
 into one flat int64 staging buffer, allocated at setup for the largest step (pinned when the
 device is CUDA), and reach the device in one non-blocking copy into the workspace; a CUDA
-graph's static inputs are that buffer. The host copies of the lengths come from the batch
+graph's static inputs are that buffer. An input id that is a placeholder (negative: a token
+the previous step samples, not known on the host yet) is filled on the device from that
+step's sampled tokens. The host copies of the lengths come from the batch
 itself. Nothing in the forward reads back from the device. The runner enters no inference mode
 of its own: the engine enters it once per step."""
 
@@ -124,6 +126,13 @@ def pack_step(batch: ScheduledBatch, cache: KVCache | GroupedCache | HybridCache
             [cache.state_slot(seq_id) for seq_id in seq_ids] + [padding.state_slot] * num_pad))
 
 
+def fill_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
+    """Replace, in place on the device, each placeholder of `input_ids` (-1 - row, see
+    kvpool.engine.scheduler.placeholder) by `sampled[row]`; reads nothing back."""
+    rows = (-1 - input_ids).clamp_(min=0)
+    input_ids.copy_(torch.where(input_ids < 0, sampled[rows], input_ids))
+
+
 class ModelRunner:
     """Runs `model(context)` for a batch, with the context's device tensors in `workspace`
     (reset at the start of every step). `max_step` is the layout of the largest step it will
@@ -139,13 +148,16 @@ class ModelRunner:
         pool = cache.pool
         self.kv = pool if isinstance(pool, GroupedPool) else GroupedPool(pool.layout, (pool,))
         self.has_states = isinstance(cache, HybridCache)  # a hybrid model's state slots
-        # Allocated now, outside inference mode, since every step writes it in place; the
-        # same path on every device, pinned where pinning exists. Reused across steps: the
-        # previous step's copy has completed by the time it is rewritten, because every step
-        # ends by copying its sampled tokens to the host.
+        # Allocated now, outside inference mode, since every step writes them in place; the
+        # same path on every device, pinned where pinning exists. Two, used in turn: with
+        # overlap scheduling, step N+1 is packed while step N's copy may still wait in the
+        # device's queue, but step N-1's copy is done, since its sampled tokens reached the
+        # host before step N+1 is scheduled.
         max_step = max_step._replace(num_groups=len(self.kv.pools), states=self.has_states)
-        self.staging = torch.empty(max_step.size, dtype=torch.int64,
-                                   pin_memory=self.device.type == "cuda")
+        self.staging = tuple(torch.empty(max_step.size, dtype=torch.int64,
+                                         pin_memory=self.device.type == "cuda")
+                             for _ in range(2))
+        self._num_staged = 0
 
     def layout(self, batch: ScheduledBatch) -> StepLayout:
         """The flat buffer's sections for `batch` as it is (no padding)."""
@@ -153,21 +165,26 @@ class ModelRunner:
         return StepLayout(len(batch.seqs), batch.num_tokens, width, sum(batch.sampled),
                           len(self.kv.pools), self.has_states)
 
-    def stage(self, batch: ScheduledBatch, layout: StepLayout,
-              padding: Padding = NO_PADDING) -> torch.Tensor:
+    def stage(self, batch: ScheduledBatch, layout: StepLayout, padding: Padding = NO_PADDING,
+              last_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Reset the workspace and put the step's flat metadata (`pack_step`, staged on the
         host) in it as its first allocation, so the same layout always lands at the same
-        address; returns it."""
-        if layout.size > self.staging.numel():
+        address; returns it. Placeholder input ids take their token from `last_tokens`, the
+        previous step's sampled tokens on the device."""
+        staging = self.staging[self._num_staged % 2]
+        if layout.size > staging.numel():
             raise ValueError(f"a step of {layout.num_seqs} sequences, {layout.num_tokens} tokens "
                              f"and {layout.width} page-table columns needs {layout.size} "
                              f"metadata elements; the staging buffer holds "
-                             f"{self.staging.numel()} (max_step)")
+                             f"{staging.numel()} (max_step)")
+        self._num_staged += 1
         self.workspace.reset()
         flat = self.workspace.alloc((layout.size,), torch.int64)
-        host = self.staging[: layout.size]
+        host = staging[: layout.size]
         pack_step(batch, self.cache, host, layout, padding)
         flat.copy_(host, non_blocking=True)
+        if last_tokens is not None and len(last_tokens):
+            fill_placeholders(layout.split(flat).input_ids, last_tokens)
         return flat
 
     def context(self, flat: torch.Tensor, layout: StepLayout, host: HostLengths,
@@ -204,12 +221,14 @@ class ModelRunner:
                 seq_id = batch.seqs[request.index].seq_id
                 self.cache.states.copy(self.cache.state_slot(seq_id), request.slot)
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, last_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor:
         """Write the KV of the batch's tokens and return float32 logits `[n, vocab]` of the
-        last token of each sequence whose chunk is `sampled`, in batch order."""
+        last token of each sequence whose chunk is `sampled`, in batch order. `last_tokens`:
+        the previous step's sampled tokens, for the placeholder input ids."""
         layout = self.layout(batch)
         checkpoints = self.checkpoints(batch)
-        flat = self.stage(batch, layout)
+        flat = self.stage(batch, layout, last_tokens=last_tokens)
         query_starts = [0]
         for start, end in zip(batch.starts, batch.ends, strict=True):
             query_starts.append(query_starts[-1] + end - start)

@@ -9,6 +9,7 @@ only on its own key, never on the other rows of the batch (nor on preemption and
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -56,15 +57,43 @@ def stop_reason(
     return None
 
 
+class SampledLogprobs(NamedTuple):
+    """The log-probabilities a step's rows asked for, still on the logits' device: row
+    `rows[j]` has its sampled token's in `values[j, 0]` and its most likely tokens' in
+    `values[j, 1:]` (ids `top_ids[j]`), of which it keeps `counts[rows[j]]`."""
+
+    rows: list[int]
+    counts: list[int | None]
+    values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> SampledLogprobs:
+        """The same with its tensors on `device` (a copy to the host that may be pending
+        when non_blocking)."""
+        return self._replace(values=self.values.to(device, non_blocking=non_blocking),
+                             top_ids=self.top_ids.to(device, non_blocking=non_blocking))
+
+    def entries(self, token_ids: Sequence[int]) -> list[TokenLogprobs | None]:
+        """One TokenLogprobs per row (None for rows that did not ask), `token_ids` being the
+        sampled tokens."""
+        values, top_ids = self.values.tolist(), self.top_ids.tolist()
+        entries: list[TokenLogprobs | None] = [None] * len(self.counts)
+        for j, i in enumerate(self.rows):
+            n = self.counts[i]
+            entries[i] = TokenLogprobs(token_ids[i], values[j][0],
+                                       tuple(zip(top_ids[j][:n], values[j][1:n + 1],
+                                                 strict=True)))
+        return entries
+
+
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, token_ids: Sequence[int],
-    counts: Sequence[int | None],
-) -> list[TokenLogprobs | None] | None:
-    """The log-probabilities of the sampled tokens for the rows that ask: row i with
-    `counts[i]` not None gets the log_softmax of `logits[i]` (the model's, before
-    temperature, top-k and top-p) at its token `tokens[i]` (= `token_ids[i]`, on the host)
-    and at the `counts[i]` most likely tokens. None when no row asks, so the usual step
-    computes nothing."""
+    logits: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int | None],
+) -> SampledLogprobs | None:
+    """The log-probabilities of the sampled tokens for the rows that ask, on the logits'
+    device: row i with `counts[i]` not None gets the log_softmax of `logits[i]` (the
+    model's, before temperature, top-k and top-p) at its token `tokens[i]` and at the
+    `counts[i]` most likely tokens. None when no row asks, so the usual step computes
+    nothing."""
     rows = [i for i, count in enumerate(counts) if count is not None]
     if not rows:
         return None
@@ -73,15 +102,7 @@ def token_logprobs(
     sampled = logprobs.gather(1, tokens[index].unsqueeze(1))
     k = min(max(counts[i] for i in rows), logprobs.shape[-1])
     top_values, top_ids = logprobs.topk(k, dim=-1)
-    values = torch.cat([sampled, top_values], dim=1).tolist()  # one copy each to the host
-    top_ids = top_ids.tolist()
-    entries: list[TokenLogprobs | None] = [None] * len(counts)
-    for row, i in enumerate(rows):
-        n = counts[i]
-        entries[i] = TokenLogprobs(token_ids[i], values[row][0],
-                                   tuple(zip(top_ids[row][:n], values[row][1:n + 1],
-                                             strict=True)))
-    return entries
+    return SampledLogprobs(rows, list(counts), torch.cat([sampled, top_values], dim=1), top_ids)
 
 
 def is_greedy(params: SamplingParams) -> bool:

@@ -13,6 +13,11 @@ windowed), they are taken chunk by chunk instead, so that a long prompt never ho
 than its window and one chunk. A sequence is committed to the prefix cache whenever every
 token the cache holds for it is computed: after a prompt's last chunk (or after each chunk,
 when taken chunk by chunk), and after every decode.
+
+A step's sampled tokens may stay on the device while the next step is scheduled (overlap
+scheduling): each sampling sequence then ends in a placeholder, a negative id naming its row
+of the step's sampled tokens (`placeholder`), until `postprocess` puts the token in its place.
+A sequence whose placeholder is its max_tokens-th output token is not scheduled again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from kvpool.engine.handoff import write_prefilled
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
 from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
+
+
+def placeholder(row: int) -> int:
+    """The id a sequence holds for the token it samples from row `row` of a step's sampled
+    tokens, until that token reaches the host: -1 - row (token ids are never negative)."""
+    return -1 - row
 
 
 @dataclass(slots=True)
@@ -108,9 +119,11 @@ class Scheduler:
                              f"{e}") from None
 
     def add_request(self, request: Request) -> None:
-        """Queue the request's first sequence (its other samples fork from it later).
-        Call `check_fits` first."""
+        """Queue the request's first sequence (its other samples fork from it later, with
+        the ids reserved for them now, so that a sample's id never depends on when its
+        prompt was prefilled). Call `check_fits` first."""
         self.waiting.append(self._new_sequence(request, list(request.prompt_token_ids)))
+        self._next_seq_id += request.params.n - 1
 
     def abort(self, request: Request) -> None:
         """Finish every unfinished sample of the request with "abort"; pages come back now."""
@@ -140,6 +153,8 @@ class Scheduler:
         seats = sum(self._seats(s) for s in self.running)
         while self.waiting and budget and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
+            if self._reached_max_tokens(seq):  # preempted just now; it finishes on its token
+                break
             held = self._tokens_to_admit(seq, budget)
             if self.running and not self.cache.can_add(seq.token_ids, entering=len(held),
                                                        spare_pages=self.watermark_pages,
@@ -170,6 +185,8 @@ class Scheduler:
         for seq in self.running:
             if not budget:
                 break
+            if self._reached_max_tokens(seq):
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seqs.append(seq)
             ends.append(seq.num_computed_tokens + num_new)
@@ -194,6 +211,9 @@ class Scheduler:
         queue, self.running = self.running, deque()
         while queue and budget:
             seq = queue.popleft()
+            if self._reached_max_tokens(seq):
+                self.running.append(seq)
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             end = seq.num_computed_tokens + num_new
             while not self._can_grow(seq, end):
@@ -211,10 +231,15 @@ class Scheduler:
     def update(self, batch: ScheduledBatch) -> Samples:
         """After the forward: record the computed tokens, commit them to the cache once it
         holds no token still to compute, and fork the samples of prompts just prefilled.
-        Returns who samples now, from which rows."""
+        Returns who samples now, from which rows. A sequence that finished while the step
+        ran (stopped on the previous step's token, or aborted) is skipped: its token is
+        dropped."""
         seqs, rows = [], []
-        row = 0
+        row = -1
         for seq, end, sampled in zip(batch.seqs, batch.ends, batch.sampled, strict=True):
+            row += sampled
+            if seq.finished:
+                continue
             seq.num_computed_tokens = end
             if end == self.cache.num_tokens(seq.seq_id):
                 self.cache.commit(seq.seq_id)
@@ -222,19 +247,33 @@ class Scheduler:
                 family = [seq] if seq.request.forked else [seq, *self._fork(seq)]
                 seqs += family
                 rows += [row] * len(family)
-                row += 1
         return Samples(seqs, rows)
 
+    def add_placeholders(self, seqs: list[Sequence]) -> None:
+        """Each of `seqs` samples a token this step, from the sampled tokens' row of its
+        index: it holds `placeholder(row)` for it until `postprocess`."""
+        for row, seq in enumerate(seqs):
+            seq.token_ids.append(placeholder(row))
+
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Request]:
-        """Append each sequence's sampled token and finish those that stop. Returns the
-        requests that advanced, in order."""
+        """Put each sequence's sampled token in place of its placeholder (in the cache too,
+        where the next step took it in already) and finish those that stop. A sequence that
+        finished meanwhile (aborted) is skipped. Returns the requests that advanced, in
+        order."""
+        advanced = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
-            seq.token_ids.append(token_id)
+            if seq.finished:
+                continue
+            advanced.append(seq)
+            seq.token_ids[-1] = token_id
+            if seq.status is SequenceStatus.RUNNING and \
+                    self.cache.num_tokens(seq.seq_id) == seq.num_tokens:
+                self.cache.set_last_token(seq.seq_id, token_id)
             num_output = seq.num_tokens - len(seq.request.prompt_token_ids)
             reason = stop_reason(token_id, num_output, seq.params, self.eos_token_ids)
             if reason is not None:
                 self._finish(seq, reason)
-        return list(dict.fromkeys(seq.request for seq in seqs))
+        return list(dict.fromkeys(seq.request for seq in advanced))
 
     # ---- check / act -------------------------------------------------------------------
 
@@ -272,6 +311,12 @@ class Scheduler:
         seq.num_computed_tokens = max(seq.num_computed_tokens, kv.num_tokens)
 
     @staticmethod
+    def _reached_max_tokens(seq: Sequence) -> bool:
+        """Has the sequence sampled its last token (max_tokens), still a placeholder? Then
+        it finishes on it, whatever it is."""
+        return seq.num_tokens - len(seq.request.prompt_token_ids) >= seq.params.max_tokens
+
+    @staticmethod
     def _is_decode(seq: Sequence, num_new: int) -> bool:
         """Does the step compute just the token the sequence sampled last?"""
         return (num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
@@ -294,7 +339,8 @@ class Scheduler:
         """Create the request's other samples, sharing the parent's pages, after it."""
         children = []
         for _ in range(1, parent.params.n):
-            child = self._new_sequence(parent.request, list(parent.token_ids))
+            child = self._new_sequence(parent.request, list(parent.token_ids),
+                                       parent.seq_id + len(parent.request.seqs))
             self.cache.fork(parent.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
@@ -302,27 +348,31 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
-        seq = Sequence(self._next_seq_id, request, len(request.seqs), token_ids)
-        self._next_seq_id += 1
+    def _new_sequence(self, request: Request, token_ids: list[int],
+                      seq_id: int | None = None) -> Sequence:
+        """A new sample of the request: its first with the next free id, or a fork with the
+        id reserved for it."""
+        if seq_id is None:
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+        seq = Sequence(seq_id, request, len(request.seqs), token_ids)
         request.seqs.append(seq)
         return seq
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        """A running sequence is done: its pages go back (committed ones stay cached)."""
-        self.cache.free_sequence(seq.seq_id)
-        self.running.remove(seq)
-        self._set_finished(seq, reason)
+        """A sequence is done: a running one's pages go back (committed ones stay cached), a
+        waiting one (preempted) leaves the queue. A token it was still sampling is dropped."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.cache.free_sequence(seq.seq_id)
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if seq.token_ids[-1] < 0:
+            seq.token_ids.pop()
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def _end(self, request: Request, reason: str) -> None:
         """Finish every unfinished sample of the request with `reason`; pages come back."""
         for seq in request.seqs:
-            if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                self._set_finished(seq, reason)
-            elif seq.status is SequenceStatus.RUNNING:
+            if not seq.finished:
                 self._finish(seq, reason)
-
-    @staticmethod
-    def _set_finished(seq: Sequence, reason: str) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each prompt's KV to the decode engine (kvpool.engine."
                              "disaggregated); each engine gets these options, the tier flags "
                              "go to the prefill engine")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="finish each step before scheduling the next (overlap scheduling "
+                             "is on by default on CUDA, off on the CPU)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
                         help=f"sequences that may wait for a seat; beyond, 503 with "
                              f"Retry-After (default: {DEFAULT_MAX_WAITING})")
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
                "dtype": DTYPES.get(args.dtype),
-               "device": args.device}
+               "device": args.device, "overlap": False if args.no_overlap else None}
     options = {"page_size": args.page_size, "prefix_caching": not args.no_prefix_caching,
                "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
                **{k: v for k, v in options.items() if v is not None}}
