@@ -43,6 +43,11 @@ class StepFailed(KVPoolError, RuntimeError):
     """A request failed inside a step (e.g. while sampling); it alone finished with "error"."""
 
 
+class RankFailed(KVPoolError, RuntimeError):
+    """A rank of a tensor-parallel engine died or raised: the message names it. The engine's
+    ranks are out of step, so it runs no further step."""
+
+
 class ConfigError(KVPoolError, ValueError):
     """A model config is missing, malformed, or describes an unsupported architecture."""
 

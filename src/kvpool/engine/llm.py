@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections import abc
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from kvpool.cache import KVCache
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
+from kvpool.engine.parallel import WorkerSpec, check_tensor_parallel, make_peers
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner, StepLayout
@@ -48,11 +50,15 @@ class LLM:
     layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
     pages of every layer (planned or given) split between a full pool and a window pool
     (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
-    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
+    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager` (or
+    `tensor_parallel_size` > 1, which runs eagerly for now).
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
     engines of one model sharing a Redis server share their prefixes. Plain and windowed
     models only: the hybrid and grouped caches refuse a tier.
+    With `tensor_parallel_size` N the model is split across N ranks: this process and N-1
+    workers it spawns (kvpool.engine.parallel); `close()` (or leaving a `with` block, or the
+    interpreter's exit) stops them.
     """
 
     def __init__(self, model: str | Path, *,
@@ -78,9 +84,11 @@ class LLM:
             kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
             raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
                              f"windowed pool; this {kind} cache takes none yet")
+        check_tensor_parallel(self.config, layout, mamba, device)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
-        loaded = load_model(model, dtype=self.config.dtype, device=device)
+        self.peers = make_peers(self.config, device)
+        loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
@@ -121,14 +129,20 @@ class LLM:
         # Page tables are sized by the longest sequence the pool can hold, not by a context
         # of max_position_embeddings tokens that it never could.
         longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
-        self.workspace = Workspace(self.config.workspace_bytes(mc, layout, longest),
-                                   device=device)
+        workspace_bytes = self.config.workspace_bytes(mc, layout, longest)
+        self.workspace = Workspace(workspace_bytes, device=device)
         seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
         # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
-        self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step)
+        self.runner = ModelRunner(self.model, self.cache, self.workspace, max_step=max_step,
+                                  peers=self.peers)
+        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout, num_pages,
+                                    self.config.kv_scales, workspace_bytes,
+                                    self.runner.max_step), self.cache.pool)
+        weakref.finalize(self, self.peers.close)  # at the latest when the interpreter exits
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if device.type == "cuda" and not self.config.enforce_eager:
+        if device.type == "cuda" and not self.config.enforce_eager \
+                and self.config.tensor_parallel_size == 1:
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, longest)
             self.graphs.capture()
         self.sampler = Sampler(self.config.seed)
@@ -247,6 +261,17 @@ class LLM:
                 return None
             self.scheduler.abort(request)
             return self._output(request)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's workers and its process group (nothing to do on
+        one device). Safe to call twice; the engine runs no step after it."""
+        self.peers.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""

@@ -7,11 +7,14 @@ into one flat int64 staging buffer, allocated at setup for the largest step (pin
 device is CUDA), and reach the device in one non-blocking copy into the workspace; a CUDA
 graph's static inputs are that buffer. The host copies of the lengths come from the batch
 itself. Nothing in the forward reads back from the device. The runner enters no inference mode
-of its own: the engine enters it once per step."""
+of its own: the engine enters it once per step. Under tensor parallelism the runner's `peers`
+get each step's packed buffer and run `forward` on their part of the model
+(kvpool.engine.parallel)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import AbstractContextManager
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -124,17 +127,27 @@ def pack_step(batch: ScheduledBatch, cache: KVCache | GroupedCache | HybridCache
             [cache.state_slot(seq_id) for seq_id in seq_ids] + [padding.state_slot] * num_pad))
 
 
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel model (kvpool.engine.parallel)."""
+
+    def step(self, layout: StepLayout, host: HostLengths,
+             staged: torch.Tensor) -> AbstractContextManager[None]:
+        """Send them a step packed in `staged`; the block runs this rank's forward."""
+
+
 class ModelRunner:
     """Runs `model(context)` for a batch, with the context's device tensors in `workspace`
     (reset at the start of every step). `max_step` is the layout of the largest step it will
     run (padded graph steps included; its layer groups and state slots are the cache's): the
-    host staging buffer is allocated for it once, here."""
+    host staging buffer is allocated for it once, here. `peers` (a tensor-parallel model's
+    other ranks) run every step `run` runs, on their parts."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache | GroupedCache,
-                 workspace: Workspace, *, max_step: StepLayout):
+                 workspace: Workspace, *, max_step: StepLayout, peers: StepPeers):
         self.model = model
         self.cache = cache
         self.workspace = workspace
+        self.peers = peers
         self.device = cache.device
         pool = cache.pool
         self.kv = pool if isinstance(pool, GroupedPool) else GroupedPool(pool.layout, (pool,))
@@ -143,8 +156,9 @@ class ModelRunner:
         # same path on every device, pinned where pinning exists. Reused across steps: the
         # previous step's copy has completed by the time it is rewritten, because every step
         # ends by copying its sampled tokens to the host.
-        max_step = max_step._replace(num_groups=len(self.kv.pools), states=self.has_states)
-        self.staging = torch.empty(max_step.size, dtype=torch.int64,
+        self.max_step = max_step._replace(num_groups=len(self.kv.pools),
+                                          states=self.has_states)
+        self.staging = torch.empty(self.max_step.size, dtype=torch.int64,
                                    pin_memory=self.device.type == "cuda")
 
     def layout(self, batch: ScheduledBatch) -> StepLayout:
@@ -163,11 +177,16 @@ class ModelRunner:
                              f"and {layout.width} page-table columns needs {layout.size} "
                              f"metadata elements; the staging buffer holds "
                              f"{self.staging.numel()} (max_step)")
-        self.workspace.reset()
-        flat = self.workspace.alloc((layout.size,), torch.int64)
         host = self.staging[: layout.size]
         pack_step(batch, self.cache, host, layout, padding)
-        flat.copy_(host, non_blocking=True)
+        return self.load(host, layout)
+
+    def load(self, staged: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        """Reset the workspace and copy the packed host buffer `staged` into its first
+        allocation; returns it."""
+        self.workspace.reset()
+        flat = self.workspace.alloc((layout.size,), torch.int64)
+        flat.copy_(staged[: layout.size], non_blocking=True)
         return flat
 
     def context(self, flat: torch.Tensor, layout: StepLayout, host: HostLengths,
@@ -215,6 +234,13 @@ class ModelRunner:
             query_starts.append(query_starts[-1] + end - start)
         host = HostLengths(query_starts, list(batch.ends), max(batch.ends),
                            max(b - a for a, b in zip(batch.starts, batch.ends, strict=True)))
-        logits = self.model(self.context(flat, layout, host, checkpoints))
+        with self.peers.step(layout, host, self.staging):
+            logits = self.model(self.context(flat, layout, host, checkpoints))
         self.save_checkpoints(batch, checkpoints)
         return logits
+
+    def forward(self, layout: StepLayout, host: HostLengths,
+                staged: torch.Tensor) -> torch.Tensor:
+        """Run a step another rank packed (`staged`, laid out by `layout`, with its host
+        lengths `host`): a tensor-parallel worker's part of that rank's `run`."""
+        return self.model(self.context(self.load(staged, layout), layout, host))
