@@ -68,6 +68,7 @@ class MemoryPlan:
     mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
     groups: tuple[GroupPlan, ...] = ()  # the full and window pools of a mixed model
     window: int | None = None  # every layer windowed and pages given back: the widest window
+    tensor_parallel_size: int = 1  # > 1: the plan of one rank of that many (weights, layout)
 
     @property
     def state_bytes(self) -> int:
@@ -198,6 +199,7 @@ def plan_memory(
         device_memory, in_use_bytes, memory_fraction, budget,
         num_pages=pages_within(layout, budget - state_bytes),
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
+        tensor_parallel_size=tensor_parallel_size,
     )
     windows = layout.layer_windows
     if free_out_of_window and windows and None not in windows:  # as KVCache gives pages back

@@ -23,6 +23,7 @@ import sys
 
 from kvpool.formats import DTYPES, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
+from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.server import INSTALL_HINT, missing_modules
 from kvpool.tier_flags import add_tier_arguments, tier_options
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn the prefix cache off")
     add_tier_arguments(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype "
                                                         "(default: the checkpoint's)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     make_llm = functools.partial(
         LLM, args.model, page_size=args.page_size, prefix_caching=not args.no_prefix_caching,
         seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
+        tensor_parallel_size=args.tensor_parallel_size,
         **{k: v for k, v in options.items() if v is not None})
     try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
