@@ -87,7 +87,8 @@ class LLM:
         check_tensor_parallel(self.config, layout, mamba, device)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
-        self.peers = make_peers(self.config, device)
+        self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait
+        weakref.finalize(self, self.peers.close)  # at the latest when the interpreter exits
         loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
@@ -139,7 +140,6 @@ class LLM:
         self.peers.start(WorkerSpec(str(model), self.config.dtype, layout, num_pages,
                                     self.config.kv_scales, workspace_bytes,
                                     self.runner.max_step), self.cache.pool)
-        weakref.finalize(self, self.peers.close)  # at the latest when the interpreter exits
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
         if device.type == "cuda" and not self.config.enforce_eager \
                 and self.config.tensor_parallel_size == 1:

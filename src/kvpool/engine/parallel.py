@@ -24,6 +24,7 @@ and the group and leaves no process behind."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import queue
 import traceback
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,7 @@ HOST = "127.0.0.1"
 RUN, COPY, STOP = 1, 2, 3  # the commands of a message
 HEADER = 10  # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
+STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 10.0  # how long close() waits for a worker to exit before killing it
 REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
 
@@ -161,40 +163,43 @@ class NoPeers:
 
 class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
-    the step channel and the page copies of rank 0's pool not sent yet. `start` spawns the
-    workers; `step` wraps each forward; `close` stops everything."""
+    the step channel and the page copies of rank 0's pool not sent yet. Made before rank 0
+    loads its part of the model (`tp` holds the group its collectives run on), it spawns the
+    workers, which join the group and wait; `start` sends them what to build and waits
+    until they have; `step` wraps each forward; `close` stops everything."""
 
     def __init__(self, size: int, device: torch.device, timeout: float):
-        self.tp = TensorParallel(0, size)
         self.device = device
-        self.timeout = timeout
-        self.workers: list[mp.Process] = []
         self.failure: RankFailed | None = None
         self.channel: StepChannel | None = None
         self.closed = False
         self._copies: tuple[list[int], list[int]] = ([], [])
-
-    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
-        """Spawn ranks 1..N-1 to build `spec`, join them in the process group and wait until
-        each has built its runner. `pool` is rank 0's: its page copies are sent to the
-        workers before the next step."""
-        timeout = datetime.timedelta(seconds=self.timeout)
-        store = dist.TCPStore(HOST, 0, self.tp.size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        address = GroupAddress(store.port, self.tp.size, self.timeout, self.device.type)
+        store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                              timeout=startup_timeout(timeout))
+        address = GroupAddress(store.port, size, timeout, device.type)
         context = mp.get_context("spawn")
-        self.reports = context.Queue()  # (rank, None) when ready, (rank, error) on failure
+        self.specs = context.Queue()  # what to build, one WorkerSpec per worker
+        self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
         self.workers = [context.Process(target=run_worker,
-                                        args=(rank, spec, address, self.reports),
+                                        args=(rank, address, self.specs, self.reports),
                                         daemon=True, name=f"kvpool-rank-{rank}")
-                        for rank in range(1, self.tp.size)]
+                        for rank in range(1, size)]
         for worker in self.workers:
             worker.start()
         try:
-            dist.init_process_group(backend_of(self.device), store=store, rank=0,
-                                    world_size=self.tp.size, timeout=timeout)
-            self.channel = StepChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
-                                       spec.max_step)
+            collectives, self.steps = join_group(0, address, store)
+        except BaseException:
+            self.close()
+            raise
+        self.tp = TensorParallel(0, size, collectives)
+
+    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
+        """Have every worker build `spec` and wait until each has. `pool` is rank 0's: its
+        page copies are sent to the workers before the next step."""
+        for _ in self.workers:
+            self.specs.put(spec)
+        self.channel = StepChannel(self.steps, spec.max_step)
+        try:
             self._wait_ready()
         except BaseException:
             self.close()
@@ -267,11 +272,12 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        alive = all(worker.is_alive() for worker in self.workers)
-        if self.failure is None and alive and self.channel is not None:
+        stopping = self.failure is None and self.channel is not None and all(
+            worker.is_alive() for worker in self.workers)
+        if stopping:
             self.channel.send_stop()
         for worker in self.workers:
-            worker.join(JOIN_SECONDS if self.failure is None else 0.1)
+            worker.join(JOIN_SECONDS if stopping else 0)
             if worker.is_alive():
                 worker.kill()
                 worker.join()
@@ -315,31 +321,42 @@ def check_tensor_parallel(config: EngineConfig, layout: KVLayout, mamba: object,
                              f"machine has {torch.cuda.device_count()}")
 
 
-def backend_of(device: torch.device) -> str:
-    """The process group's backend for the model's collectives on `device`."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def startup_timeout(timeout: float) -> datetime.timedelta:
+    """How long the ranks wait for each other to join the group: the collectives' timeout,
+    and at least STARTUP_SECONDS for the workers to start (spawn, import)."""
+    return datetime.timedelta(seconds=max(timeout, STARTUP_SECONDS))
 
 
-def run_worker(rank: int, spec: WorkerSpec, address: GroupAddress, reports) -> None:
-    """A worker process: join the group, build this rank's runner, report ready, then run
-    rank 0's steps until STOP. An error is reported (with where it was raised) and ends the
-    process with code 1."""
+def join_group(rank: int, address: GroupAddress,
+               store: dist.Store) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Join the process group as `rank`; returns its two groups: the model's collectives
+    (NCCL on CUDA, gloo on the CPU, failing after the address's timeout) and the step
+    messages (gloo, waiting for the next step without limit)."""
+    backend = "nccl" if address.device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=address.size,
+                            timeout=startup_timeout(address.timeout))
+    collectives = dist.new_group(backend=backend,
+                                 timeout=datetime.timedelta(seconds=address.timeout))
+    return collectives, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
+    """A worker process: join the group, build what rank 0 sends (`specs`), report ready,
+    then run rank 0's steps until STOP. An error is reported (with where it was raised) and
+    ends the process with code 1."""
     try:
         limit_threads()
         device = torch.device("cpu")
         if address.device_type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=address.timeout)
         store = dist.TCPStore(HOST, address.port, address.size, is_master=False,
-                              timeout=timeout)
-        dist.init_process_group(backend_of(device), store=store, rank=rank,
-                                world_size=address.size, timeout=timeout)
-        channel = StepChannel(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT),
-                              spec.max_step)
-        runner = build_runner(TensorParallel(rank, address.size), spec, device)
+                              timeout=startup_timeout(address.timeout))
+        collectives, steps = join_group(rank, address, store)
+        spec = receive_spec(specs)
+        runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
         reports.put((rank, None))
-        serve(runner, channel)
+        serve(runner, StepChannel(steps, spec.max_step))
     except BaseException as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         reports.put((rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
@@ -347,6 +364,17 @@ def run_worker(rank: int, spec: WorkerSpec, address: GroupAddress, reports) -> N
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def receive_spec(specs) -> WorkerSpec:
+    """The WorkerSpec rank 0 sends once it has built its own part; RuntimeError if rank 0
+    exits first."""
+    while True:
+        try:
+            return specs.get(timeout=1.0)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                raise RuntimeError("rank 0 exited before saying what to build") from None
 
 
 def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:

@@ -1,6 +1,6 @@
 """Tensor parallelism inside a model: which part of each checkpoint weight a rank holds, the
-layers that hold those parts, and the collectives (torch.distributed, on the default process
-group: one tensor-parallel group per process) that join the ranks' partial results.
+layers that hold those parts, and the collectives (torch.distributed, on the process group
+the engine gives) that join the ranks' partial results.
 
 N ranks split a decoder the way Megatron-LM does:
 - attention: the query heads in N contiguous parts; the KV heads too, or, when there are fewer
@@ -32,10 +32,12 @@ WHOLE: Index = (slice(None),)
 
 @dataclass(frozen=True, slots=True)
 class TensorParallel:
-    """This process's place among the `size` ranks that split one model: rank `rank`."""
+    """This process's place among the `size` ranks that split one model: rank `rank`, whose
+    collectives run on `group` (None: the default process group)."""
 
     rank: int = 0
     size: int = 1
+    group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -64,7 +66,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +74,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 
