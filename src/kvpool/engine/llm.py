@@ -263,8 +263,8 @@ class LLM:
             return self._output(request)
 
     def close(self) -> None:
-        """Stop a tensor-parallel engine's workers and its process group (nothing to do on
-        one device). Safe to call twice; the engine runs no step after it."""
+        """Stop a tensor-parallel engine's workers and its process group; it runs no step
+        after it (nothing to do on one device). Safe to call twice."""
         self.peers.close()
 
     def __enter__(self) -> LLM:

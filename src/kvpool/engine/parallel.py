@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import queue
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -170,6 +171,7 @@ class TensorParallelGroup:
 
     def __init__(self, size: int, device: torch.device, timeout: float):
         self.device = device
+        self.timeout = timeout
         self.failure: RankFailed | None = None
         self.channel: StepChannel | None = None
         self.closed = False
@@ -232,6 +234,7 @@ class TensorParallelGroup:
             raise self.failure
         if self.closed:
             raise RuntimeError("this tensor-parallel engine is closed: its workers are gone")
+        start = time.monotonic()
         try:
             self._check_alive("before a step")
             if self._copies[0]:
@@ -240,7 +243,7 @@ class TensorParallelGroup:
             self.channel.send_step(layout, host, staged)
             yield
         except Exception as e:
-            self.failure = self._blame(e)
+            self.failure = self._blame(e, time.monotonic() - start)
             self.close()
             raise self.failure from e
 
@@ -250,9 +253,10 @@ class TensorParallelGroup:
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {worker.pid}) exited "
                                  f"with code {worker.exitcode} {when}")
 
-    def _blame(self, error: Exception) -> RankFailed:
-        """The RankFailed of a failed step: a worker's own report, else a worker that died,
-        else rank 0's error."""
+    def _blame(self, error: Exception, seconds: float) -> RankFailed:
+        """The RankFailed of a step that failed after `seconds`: a worker's own report, else
+        a worker that died, else the workers that did not answer within the timeout, else
+        rank 0's own error."""
         if isinstance(error, RankFailed):
             return error
         try:
@@ -264,6 +268,10 @@ class TensorParallelGroup:
             self._check_alive("during a step")
         except RankFailed as died:
             return died
+        if seconds >= self.timeout:
+            ranks = ", ".join(str(rank) for rank in range(1, self.tp.size))
+            return RankFailed(f"tensor-parallel rank(s) {ranks} alive but a collective got no "
+                              f"answer within {self.timeout:g} s: {error}")
         return RankFailed(f"tensor-parallel rank 0 failed: {type(error).__name__}: {error}")
 
     def close(self) -> None:
