@@ -53,7 +53,7 @@ RUN, COPY, STOP = 1, 2, 3  # the commands of a message
 HEADER = 10  # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
-JOIN_SECONDS = 10.0  # how long close() waits for a worker to exit before killing it
+JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
 REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
 
 
@@ -338,14 +338,17 @@ def startup_timeout(timeout: float) -> datetime.timedelta:
 def join_group(rank: int, address: GroupAddress,
                store: dist.Store) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Join the process group as `rank`; returns its two groups: the model's collectives
-    (NCCL on CUDA, gloo on the CPU, failing after the address's timeout) and the step
-    messages (gloo, waiting for the next step without limit)."""
+    (NCCL on CUDA, gloo on the CPU) and the step messages (gloo). Both fail after the
+    address's timeout, except a worker's wait for its next step message, which has no
+    practical limit (the engine may idle); rank 0's sending of it has the timeout, so a
+    worker that stops reading fails the step instead of hanging it."""
     backend = "nccl" if address.device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=address.timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=address.size,
                             timeout=startup_timeout(address.timeout))
-    collectives = dist.new_group(backend=backend,
-                                 timeout=datetime.timedelta(seconds=address.timeout))
-    return collectives, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    collectives = dist.new_group(backend=backend, timeout=timeout)
+    return collectives, dist.new_group(backend="gloo",
+                                       timeout=timeout if rank == 0 else IDLE_TIMEOUT)
 
 
 def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
