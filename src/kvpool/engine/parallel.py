@@ -283,7 +283,10 @@ class TensorParallelGroup:
         stopping = self.failure is None and self.channel is not None and all(
             worker.is_alive() for worker in self.workers)
         if stopping:
-            self.channel.send_stop()
+            try:
+                self.channel.send_stop()
+            except RuntimeError:  # a worker stopped reading: it is killed below
+                stopping = False
         for worker in self.workers:
             worker.join(JOIN_SECONDS if stopping else 0)
             if worker.is_alive():
