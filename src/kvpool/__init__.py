@@ -36,6 +36,7 @@ _MODULE_OF = {
     "OutOfMemory": "kvpool.errors",
     "OutOfPages": "kvpool.errors",
     "OutOfStateSlots": "kvpool.errors",
+    "RankFailed": "kvpool.errors",
     "SequenceTooLong": "kvpool.errors",
     "UnknownSequence": "kvpool.errors",
     "GroupedCache": "kvpool.grouped_cache",

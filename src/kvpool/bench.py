@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.formats import format_bytes, format_table
 from kvpool.fp8 import KV_CACHE_DTYPES
+from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.tier_flags import add_tier_arguments, tier_options
 
 DEFAULT_NUM_REQUESTS = 200
@@ -310,6 +311,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="finish each step before scheduling the next (overlap scheduling "
                              "is on by default on CUDA, off on the CPU)")
     add_tier_arguments(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--url", metavar="URL",
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
                              "http://127.0.0.1:8000) through HTTP streaming instead; the "
@@ -335,9 +337,11 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
+              tensor_parallel_size=args.tensor_parallel_size,
               **{name: value for name, value in options.items() if value is not None})
     requests = make_workload(workload, llm.model_config.vocab_size)
-    result = run_workload(llm, requests)
+    with llm:
+        result = run_workload(llm, requests)
     rows = [("model", args.model), *summary_rows(llm, requests, result)]
     plot = args.plot is not None and plot_available()
     if args.plot is not None:

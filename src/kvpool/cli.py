@@ -26,6 +26,7 @@ from kvpool.layout import KVLayout, LayerGroup
 from kvpool.models import load_config
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.numeric import check_int64
+from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
@@ -77,6 +78,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                         help="models mixing full and windowed layers: sequences whose windows "
                              "the window pool holds (default: 64, the engine's)")
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--one-pool", action="store_true",
                         help="windowed models: plan one pool that keeps every page (the "
                              "engine's free_out_of_window=False)")
@@ -97,7 +99,8 @@ def run_plan(args: argparse.Namespace) -> int:
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
                        device=device, mamba_memory_ratio=args.mamba_memory_ratio,
                        kv_cache_dtype=args.kv_cache_dtype, free_out_of_window=not args.one_pool,
-                       max_num_seqs=args.max_num_seqs, prefill_tokens=context_len)
+                       max_num_seqs=args.max_num_seqs, prefill_tokens=context_len,
+                       tensor_parallel_size=args.tensor_parallel_size)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
     print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype)))
     if plan.reason:
@@ -124,24 +127,26 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overlap", action="store_true",
                         help="finish each step before scheduling the next (overlap scheduling "
                              "is on by default on CUDA, off on the CPU)")
+    add_tensor_parallel_argument(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Stream the text generated for the prompt to stdout as its tokens arrive."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
-    llm = LLM(args.model, seed=args.seed, overlap=False if args.no_overlap else None)
-    llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
-                    params)
-    shown = ""
-    while llm.has_unfinished():
-        for output in llm.step():
-            text = output.outputs[0].text
-            # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
-            if output.finished or not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):].translate(CONTROL_PICTURES))
-                sys.stdout.flush()
-                shown = text
+    with LLM(args.model, seed=args.seed, overlap=False if args.no_overlap else None,
+             tensor_parallel_size=args.tensor_parallel_size) as llm:
+        llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
+                        params)
+        shown = ""
+        while llm.has_unfinished():
+            for output in llm.step():
+                text = output.outputs[0].text
+                # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
+                if output.finished or not text.endswith("\ufffd"):
+                    sys.stdout.write(text[len(shown):].translate(CONTROL_PICTURES))
+                    sys.stdout.flush()
+                    shown = text
     print()
     return 0
 
@@ -206,7 +211,7 @@ def _plan_rows(
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),
-        ("weights", format_bytes(plan.weight_bytes)),
+        ("weights", format_bytes(plan.weight_bytes) + _per_rank(plan)),
         ("activations", f"{format_bytes(plan.activation_bytes)} (estimated peak of a "
                         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS:,}-token forward)"),
         ("memory", f"{_memory_source(plan)} x {plan.memory_fraction * 100:g}% = "
@@ -223,6 +228,12 @@ def _plan_rows(
                                      f"{plan.mamba_layout.num_layers} Mamba layers)"),
             ("state slots", f"{plan.num_state_slots:,} ({format_bytes(plan.state_bytes)})"),
         ]
+    if plan.tensor_parallel_size > 1:
+        rows.append(("tensor parallel", f"{plan.tensor_parallel_size} ranks: each holds "
+                                        f"1/{plan.tensor_parallel_size} of the weights, "
+                                        f"{plan.layout.num_kv_heads} of {model.num_kv_heads} "
+                                        f"KV heads and the same pages; the rows below are "
+                                        f"one rank's"))
     rows += [
         ("KV layout", _layout_text(model, plan.layout)),
         ("KV dtype", dtype_name(plan.layout.dtype)),
@@ -254,6 +265,11 @@ def _plan_rows(
         rows.append(("checkpoints", f"{plan.max_checkpoints(context_len):,} state slots left "
                                     f"for the prefix cache"))
     return rows
+
+
+def _per_rank(plan: MemoryPlan) -> str:
+    """" per rank" when the plan is one tensor-parallel rank's, else nothing."""
+    return " per rank" if plan.tensor_parallel_size > 1 else ""
 
 
 def _group_row(group: LayerGroup) -> tuple[str, str]:

@@ -3,7 +3,7 @@ on a device is the planner's question (kvpool.planner)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,6 +91,17 @@ class KVLayout:
     def num_planes(self) -> int:
         """Vectors stored per token, layer and KV head: 2 (K and V) for mha, 1 for mla."""
         return 1 if self.kind == "mla" else 2
+
+    def per_rank(self, tensor_parallel_size: int) -> KVLayout:
+        """The layout of one tensor-parallel rank's pool: its share of the KV heads, or one
+        head when there are fewer heads than ranks (each replicated on several; an MLA latent
+        is whole on every rank). ValueError when the heads do not split evenly."""
+        heads, ranks = self.num_kv_heads, check_int("tensor_parallel_size",
+                                                    tensor_parallel_size, 1)
+        if (heads % ranks if heads >= ranks else ranks % heads) and self.kind == "mha":
+            raise ValueError(f"{heads} KV heads do not split evenly across {ranks} "
+                             f"tensor-parallel ranks")
+        return replace(self, num_kv_heads=max(1, heads // ranks))
 
     @property
     def bytes_per_token(self) -> int:

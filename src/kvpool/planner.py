@@ -68,6 +68,7 @@ class MemoryPlan:
     mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
     groups: tuple[GroupPlan, ...] = ()  # the full and window pools of a mixed model
     window: int | None = None  # every layer windowed and pages given back: the widest window
+    tensor_parallel_size: int = 1  # > 1: the plan of one rank of that many (weights, layout)
 
     @property
     def state_bytes(self) -> int:
@@ -150,6 +151,7 @@ def plan_memory(
     device: str | torch.device | None = None,
     mamba_memory_ratio: float = DEFAULT_MAMBA_MEMORY_RATIO,
     kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
     free_out_of_window: bool = True,
     max_num_seqs: int = 64,
     prefill_tokens: int | None = None,
@@ -165,7 +167,11 @@ def plan_memory(
     `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots (ignored
     for attention-only models). A model mixing full and windowed layers gets a full pool and
     window pools unless not `free_out_of_window`; the window pools hold `max_num_seqs` windows
-    and `prefill_tokens` of prompt pages (None: the config's max_position_embeddings)."""
+    and `prefill_tokens` of prompt pages (None: the config's max_position_embeddings).
+    `tensor_parallel_size` N plans one rank of N: its share of the weights (the parameters
+    / N: the few replicated ones, norms and routers, are not counted again) and of the KV
+    heads (`KVLayout.per_rank`), in `device_memory` of its own; every rank holds the same
+    number of pages."""
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -174,10 +180,11 @@ def plan_memory(
     _check_fraction(memory_fraction)
     _check_ratio(mamba_memory_ratio)
     model = model_config(config)
-    layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype)
+    layout = model.kv_layout(dtype=dtype, page_size=page_size,
+                             kv_cache_dtype=kv_cache_dtype).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
     num_parameters = count_parameters(model)
-    weight_bytes = num_parameters * weights_dtype.itemsize
+    weight_bytes = -(-num_parameters // tensor_parallel_size) * weights_dtype.itemsize
     if activation_bytes is None:
         activation_bytes = estimate_activation_bytes(model, weights_dtype)
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
@@ -192,6 +199,7 @@ def plan_memory(
         device_memory, in_use_bytes, memory_fraction, budget,
         num_pages=pages_within(layout, budget - state_bytes),
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
+        tensor_parallel_size=tensor_parallel_size,
     )
     windows = layout.layer_windows
     if free_out_of_window and windows and None not in windows:  # as KVCache gives pages back

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -70,6 +70,9 @@ class KVPool:
         # Which layers have their scales, kept on the host: reading `scales` syncs.
         self._has_scales = [per_layer is not None] * layout.num_layers
         self._calibrating = True
+        # Called with (src, dst) after every copy_pages: the tensor-parallel ranks' pools
+        # repeat this pool's copies (kvpool.engine.parallel).
+        self.copy_listeners: list[Callable[[Sequence[int], Sequence[int]], None]] = []
         if self.quantized:
             rows = per_layer or [(1.0,) * layout.num_planes] * layout.num_layers
             self.scales = torch.tensor(rows, dtype=torch.float32, device=self.device)
@@ -188,6 +191,8 @@ class KVPool:
                              f"got {len(src)} and {len(dst)}")
         if src:
             self.kv[:, :, self._index(dst)] = self.kv[:, :, self._index(src)]
+            for listener in self.copy_listeners:
+                listener(src, dst)
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
         """A copy of the pages' KV, all layers: `[num_layers, num_planes, n, page_size, kvh, d]`."""

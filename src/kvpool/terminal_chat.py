@@ -11,6 +11,7 @@ from typing import TextIO
 
 from kvpool.engine import LLM, SamplingParams
 from kvpool.formats import CONTROL_PICTURES
+from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.server import INSTALL_HINT, missing_modules
 from kvpool.tier_flags import add_tier_arguments, tier_options
 
@@ -28,6 +29,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 is greedy (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_tier_arguments(parser)
+    add_tensor_parallel_argument(parser)
 
 
 def chat_template(model: str):
@@ -55,7 +57,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     from kvpool.server.protocol import ChatMessage
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    llm = LLM(args.model, seed=args.seed, **tier_options(args))
+    llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+              **tier_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)

@@ -63,6 +63,9 @@ class EngineConfig:
     `host_tier_memory` bytes of host memory, `disk_tier` a directory holding at most
     `disk_tier_memory` bytes of pages, or `redis_tier` the URL of a Redis server that engines
     of the same model in other processes share (bounded by the server's maxmemory).
+    `tensor_parallel_size` N splits the model across N ranks, one per device
+    (kvpool.engine.parallel): the pool, its plan and kv_cache_memory are per rank; a
+    collective that waits over `tensor_parallel_timeout` seconds fails the engine.
     """
 
     page_size: int = 16
@@ -86,10 +89,18 @@ class EngineConfig:
     disk_tier: str | os.PathLike | None = None
     disk_tier_memory: int = DEFAULT_DISK_TIER_MEMORY
     redis_tier: str | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
             check_int(name, getattr(self, name), 1)
+        timeout = self.tensor_parallel_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                timeout > 0):
+            raise ValueError(f"tensor_parallel_timeout must be a number of seconds > 0, "
+                             f"got {timeout!r}")
         for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
@@ -105,6 +116,9 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise TypeError(f"overlap must be a bool or None, got {self.overlap!r}")
+        if self.overlap and self.tensor_parallel_size > 1:
+            raise ValueError("overlap=True needs tensor_parallel_size 1: the workers take each "
+                             "step's input ids from rank 0's message, not from the device")
         self._check_tier()
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
@@ -150,8 +164,9 @@ class EngineConfig:
             raise ValueError(f"redis_tier must be a redis:// URL, got {self.redis_tier!r}")
 
     def kv_layout(self, model: ModelConfig) -> KVLayout:
-        """The KV layout of `model` under these options (dtype, kv_cache_dtype, page_size).
-        ValueError if `kv_scales` does not fit it: a pair for K/V pages, a number for MLA."""
+        """The KV layout of one rank's pool of `model` under these options (dtype,
+        kv_cache_dtype, page_size, tensor_parallel_size). ValueError if `kv_scales` does not
+        fit it (a pair for K/V pages, a number for MLA) or its KV heads do not split."""
         if model.mla and isinstance(self.kv_scales, tuple):
             raise ValueError(f"an MLA model's latent pages have one scale per layer: kv_scales "
                              f"must be one number, got {self.kv_scales!r}")
@@ -160,7 +175,8 @@ class EngineConfig:
             raise ValueError(f"K/V pages have a K and a V scale per layer: kv_scales must be a "
                              f"(k_scale, v_scale) pair, got {self.kv_scales!r}")
         return model.kv_layout(dtype=self.dtype, page_size=self.page_size,
-                               kv_cache_dtype=self.kv_cache_dtype)
+                               kv_cache_dtype=self.kv_cache_dtype
+                               ).per_rank(self.tensor_parallel_size)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """max_model_len, or the model's limit; over the model's limit is an error."""
@@ -220,7 +236,7 @@ class EngineConfig:
         plan = functools.partial(
             plan_memory, model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
             page_size=layout.page_size, activation_bytes=activations, device=device,
-            kv_cache_dtype=self.kv_cache_dtype)
+            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size)
         # The workspace's page tables hold the longest sequence the pool can: at most the
         # pages the budget would hold without the workspace.
         most_pages = max(self._budget(plan(reserved_bytes=graphs), device), 0) \

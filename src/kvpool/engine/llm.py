@@ -22,6 +22,7 @@ from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.handoff import PrefilledKV, read_prefilled
 from kvpool.engine.overlap import LaunchedStep
+from kvpool.engine.parallel import WorkerSpec, check_tensor_parallel, make_peers
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
 from kvpool.engine.runner import ModelRunner, StepLayout
@@ -60,16 +61,20 @@ class LLM:
     layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
     pages of every layer (planned or given) split between a full pool and a window pool
     (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
-    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`, and the
-    host schedules each step while the device runs the one before (overlap scheduling,
-    kvpool.engine.overlap) unless `overlap=False`; the outputs are the same either way.
+    On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager` (or
+    `tensor_parallel_size` > 1, which runs eagerly for now), and the host schedules each step
+    while the device runs the one before (overlap scheduling, kvpool.engine.overlap) unless
+    `overlap=False` (or `tensor_parallel_size` > 1); the outputs are the same either way.
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
     engines of one model sharing a Redis server share their prefixes. Plain and windowed
     models only: the hybrid and grouped caches refuse a tier. `sleep()` frees the cache (and
-    moves the weights to the host at level 2) until `wake()`; `hold_request`,
-    `resume_request` and `read_prefilled` hand a prompt's KV between two engines
-    (kvpool.engine.disaggregated).
+    moves the weights to the host at level 2) until `wake()` (one rank only);
+    `hold_request`, `resume_request` and `read_prefilled` hand a prompt's KV between two
+    engines (kvpool.engine.disaggregated).
+    With `tensor_parallel_size` N the model is split across N ranks: this process and N-1
+    workers it spawns (kvpool.engine.parallel); `close()` (or leaving a `with` block, or the
+    interpreter's exit) stops them.
     """
 
     def __init__(self, model: str | Path, *,
@@ -95,9 +100,12 @@ class LLM:
             kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
             raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
                              f"windowed pool; this {kind} cache takes none yet")
+        check_tensor_parallel(self.config, layout, mamba, device)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
-        loaded = load_model(model, dtype=self.config.dtype, device=device)
+        self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait
+        weakref.finalize(self, self.peers.close)  # at the latest when the interpreter exits
+        loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
@@ -142,18 +150,22 @@ class LLM:
         # Page tables are sized by the longest sequence the pool can hold, not by a context
         # of max_position_embeddings tokens that it never could.
         longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
-        self.workspace = Workspace(self.config.workspace_bytes(mc, layout, longest),
-                                   device=device)
+        workspace_bytes = self.config.workspace_bytes(mc, layout, longest)
+        self.workspace = Workspace(workspace_bytes, device=device)
         seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
         # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
         self._max_step, self._longest = max_step, longest
         self._build_runner()
+        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout, num_pages,
+                                    self.config.kv_scales, workspace_bytes,
+                                    self.runner.max_step), self.cache.pool)
         self.sampler = Sampler(self.config.seed)
         # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
         # the host; on the CPU the forward runs in this thread, so there is nothing to hide.
-        self.overlap = device.type == "cuda" if self.config.overlap is None \
-            else self.config.overlap
+        self.overlap = self.config.overlap
+        if self.overlap is None:
+            self.overlap = device.type == "cuda" and self.config.tensor_parallel_size == 1
         self._in_flight: LaunchedStep | None = None  # launched, not finished (overlap)
         self.on_step = on_step
         self._requests: dict[str, Request] = {}  # unfinished, by id
@@ -267,6 +279,17 @@ class LLM:
             self.scheduler.abort(request)
             return self._output(request)
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's workers and its process group; it runs no step
+        after it (nothing to do on one device). Safe to call twice."""
+        self.peers.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
@@ -306,6 +329,9 @@ class LLM:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (and the weights), "
                              f"got {level!r}")
+        if self.config.tensor_parallel_size > 1:
+            raise EngineStateError("sleep() frees rank 0's cache only: not supported with "
+                                   f"tensor_parallel_size {self.config.tensor_parallel_size}")
         with self._cut_in():
             if self.sleeping:
                 raise EngineStateError(f"the engine is asleep already (level "
@@ -347,9 +373,10 @@ class LLM:
         """The runner over the cache, and on CUDA (unless enforce_eager) the decode steps'
         CUDA graphs, captured now."""
         self.runner = ModelRunner(self.model, self.cache, self.workspace,
-                                  max_step=self._max_step)
+                                  max_step=self._max_step, peers=self.peers)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if self._device.type == "cuda" and not self.config.enforce_eager:
+        if self._device.type == "cuda" and not self.config.enforce_eager \
+                and self.config.tensor_parallel_size == 1:
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, self._longest)
             self.graphs.capture()
 

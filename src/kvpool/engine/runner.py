@@ -9,11 +9,14 @@ graph's static inputs are that buffer. An input id that is a placeholder (negati
 the previous step samples, not known on the host yet) is filled on the device from that
 step's sampled tokens. The host copies of the lengths come from the batch
 itself. Nothing in the forward reads back from the device. The runner enters no inference mode
-of its own: the engine enters it once per step."""
+of its own: the engine enters it once per step. Under tensor parallelism the runner's `peers`
+get each step's packed buffer and run `forward` on their part of the model
+(kvpool.engine.parallel)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from contextlib import AbstractContextManager
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -133,17 +136,27 @@ def fill_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
     input_ids.copy_(torch.where(input_ids < 0, sampled[rows], input_ids))
 
 
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel model (kvpool.engine.parallel)."""
+
+    def step(self, layout: StepLayout, host: HostLengths,
+             staged: torch.Tensor) -> AbstractContextManager[None]:
+        """Send them a step packed in `staged`; the block runs this rank's forward."""
+
+
 class ModelRunner:
     """Runs `model(context)` for a batch, with the context's device tensors in `workspace`
     (reset at the start of every step). `max_step` is the layout of the largest step it will
     run (padded graph steps included; its layer groups and state slots are the cache's): the
-    host staging buffer is allocated for it once, here."""
+    host staging buffer is allocated for it once, here. `peers` (a tensor-parallel model's
+    other ranks) run every step `run` runs, on their parts."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache | GroupedCache,
-                 workspace: Workspace, *, max_step: StepLayout):
+                 workspace: Workspace, *, max_step: StepLayout, peers: StepPeers):
         self.model = model
         self.cache = cache
         self.workspace = workspace
+        self.peers = peers
         self.device = cache.device
         pool = cache.pool
         self.kv = pool if isinstance(pool, GroupedPool) else GroupedPool(pool.layout, (pool,))
@@ -153,8 +166,9 @@ class ModelRunner:
         # overlap scheduling, step N+1 is packed while step N's copy may still wait in the
         # device's queue, but step N-1's copy is done, since its sampled tokens reached the
         # host before step N+1 is scheduled.
-        max_step = max_step._replace(num_groups=len(self.kv.pools), states=self.has_states)
-        self.staging = tuple(torch.empty(max_step.size, dtype=torch.int64,
+        self.max_step = max_step._replace(num_groups=len(self.kv.pools),
+                                          states=self.has_states)
+        self.staging = tuple(torch.empty(self.max_step.size, dtype=torch.int64,
                                          pin_memory=self.device.type == "cuda")
                              for _ in range(2))
         self._num_staged = 0
@@ -178,13 +192,24 @@ class ModelRunner:
                              f"metadata elements; the staging buffer holds "
                              f"{staging.numel()} (max_step)")
         self._num_staged += 1
-        self.workspace.reset()
-        flat = self.workspace.alloc((layout.size,), torch.int64)
         host = staging[: layout.size]
         pack_step(batch, self.cache, host, layout, padding)
-        flat.copy_(host, non_blocking=True)
+        flat = self.load(host, layout)
         if last_tokens is not None and len(last_tokens):
             fill_placeholders(layout.split(flat).input_ids, last_tokens)
+        return flat
+
+    @property
+    def staged(self) -> torch.Tensor:
+        """The host buffer the last `stage` packed."""
+        return self.staging[(self._num_staged - 1) % 2]
+
+    def load(self, staged: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        """Reset the workspace and copy the packed host buffer `staged` into its first
+        allocation; returns it."""
+        self.workspace.reset()
+        flat = self.workspace.alloc((layout.size,), torch.int64)
+        flat.copy_(staged[: layout.size], non_blocking=True)
         return flat
 
     def context(self, flat: torch.Tensor, layout: StepLayout, host: HostLengths,
@@ -234,6 +259,13 @@ class ModelRunner:
             query_starts.append(query_starts[-1] + end - start)
         host = HostLengths(query_starts, list(batch.ends), max(batch.ends),
                            max(b - a for a, b in zip(batch.starts, batch.ends, strict=True)))
-        logits = self.model(self.context(flat, layout, host, checkpoints))
+        with self.peers.step(layout, host, self.staged):
+            logits = self.model(self.context(flat, layout, host, checkpoints))
         self.save_checkpoints(batch, checkpoints)
         return logits
+
+    def forward(self, layout: StepLayout, host: HostLengths,
+                staged: torch.Tensor) -> torch.Tensor:
+        """Run a step another rank packed (`staged`, laid out by `layout`, with its host
+        lengths `host`): a tensor-parallel worker's part of that rank's `run`."""
+        return self.model(self.context(self.load(staged, layout), layout, host))

@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from kvpool.devices import check_device
+from kvpool.errors import ConfigError
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LlamaAttention, Rope, check_dtypes, logits
 from kvpool.models.mamba2 import Mamba2Mixer
+from kvpool.models.parallel import ONE_RANK, TensorParallel
 from kvpool.models.rotary import RotaryEmbedding
 
 
@@ -68,14 +70,19 @@ class BambaForCausalLM(nn.Module):
 
     Parameters are allocated on `device` but not initialised (load a checkpoint into them).
     The model never allocates pages or state slots: it writes K/V at the slots it is given,
-    reads through the page tables, and updates the state slots of the context's states."""
+    reads through the page tables, and updates the state slots of the context's states.
+    It runs on one rank: its Mamba mixers do not split (ConfigError for `tp` of more)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device):
+                 device: str | torch.device, tp: TensorParallel = ONE_RANK):
         super().__init__()
         device = check_device(device)
+        if tp.size > 1:
+            raise ConfigError(f"{config.architecture} runs on one rank: its Mamba mixers do "
+                              f"not split across {tp.size} tensor-parallel ranks")
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         with torch.device("meta"):  # skip the default init: weights are loaded next
             self.model = BambaModel(config, dtype)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(

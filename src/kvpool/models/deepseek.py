@@ -13,38 +13,44 @@ from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.mla import MLAttention, Rope
 from kvpool.models.moe import MoE
+from kvpool.models.parallel import ONE_RANK, TensorParallel, VocabEmbedding
 
 
 class DeepseekDecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or MoE mlp."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or MoE mlp;
+    each sum all-reduced across the tensor-parallel ranks."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int,
+                 tp: TensorParallel = ONE_RANK):
         super().__init__()
         eps = config.rms_norm_eps
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = MLAttention(config, dtype, index)
+        self.self_attn = MLAttention(config, dtype, index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.moe = config.is_moe_layer(index)
         if self.moe:
-            self.mlp = MoE(config, dtype)
+            self.mlp = MoE(config, dtype, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
+                           tp=tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope,
-                                                            context), x)
-        return x + (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h))
+        attention = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, context))
+        h, x = self.post_attention_layernorm(attention, x)
+        mlp = self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)
+        return x + self.tp.all_reduce(mlp)
 
 
 class DeepseekModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, dtype, i) for i in range(config.num_layers))
+            DeepseekDecoderLayer(config, dtype, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, rope: Rope,

@@ -15,6 +15,7 @@ from torch import nn
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
+from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel, VocabEmbedding
 from kvpool.models.rotary import RotaryEmbedding
 
 
@@ -35,13 +36,16 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    """GeGLU feed-forward: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`."""
+    """GeGLU feed-forward: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`; this rank's
+    share of the intermediate features and its partial sum under tensor parallelism."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 tp: TensorParallel):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        part = tp.part(intermediate_size, "intermediate_size")
+        self.gate_proj = ColumnLinear(hidden_size, part, 1, False, dtype)
+        self.up_proj = ColumnLinear(hidden_size, part, 1, False, dtype)
+        self.down_proj = RowLinear(part, 1, hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
@@ -53,45 +57,49 @@ class Gemma3Attention(LlamaAttention):
     `query_pre_attn_scalar ** -0.5` (not head_dim's)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
-                 sliding_window: int | None):
-        super().__init__(config, dtype, layer_idx, sliding_window)
+                 sliding_window: int | None, tp: TensorParallel):
+        super().__init__(config, dtype, layer_idx, sliding_window, tp)
         self.scale = config.gemma.query_pre_attn_scalar**-0.5
         self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """`x + norm(attn(norm(x)))`, then `x + norm(mlp(norm(x)))`."""
+    """`x + norm(attn(norm(x)))`, then `x + norm(mlp(norm(x)))`; attention's and the mlp's
+    outputs all-reduced across the tensor-parallel ranks before their norms."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 tp: TensorParallel):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.sliding = config.layer_window(layer_idx) is not None
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.self_attn = Gemma3Attention(config, dtype, layer_idx,
-                                         config.layer_window(layer_idx))
+                                         config.layer_window(layer_idx), tp)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.mlp = GemmaMLP(size, config.intermediate_size, dtype)
+        self.mlp = GemmaMLP(size, config.intermediate_size, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.post_attention_layernorm(
-            self.self_attn(self.input_layernorm(x), rope, context))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attn = self.tp.all_reduce(self.self_attn(self.input_layernorm(x), rope, context))
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.tp.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(mlp)
 
 
 class Gemma3Model(nn.Module):
     """Scaled embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         # transformers rounds sqrt(hidden_size) to the weights' dtype before multiplying
         self.embed_scale = math.sqrt(config.hidden_size)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, dtype, i) for i in range(config.num_layers)
+            Gemma3DecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -114,8 +122,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder = Gemma3Model
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device):
-        super().__init__(config, dtype=dtype, device=device)
+                 device: str | torch.device, tp: TensorParallel = ONE_RANK):
+        super().__init__(config, dtype=dtype, device=device, tp=tp)
         local = replace(config, rope_theta=config.gemma.local_rope_theta,
                         rope_scaling=config.gemma.local_rope_scaling)
         self.local_rotary_emb = RotaryEmbedding(local, device=self.rotary_emb.inv_freq.device)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.kernels import triton_support
+from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -68,15 +69,17 @@ ACTIVATIONS = {
 
 class MLP(nn.Module):
     """Gated feed-forward: `down_proj(act(gate_proj(x)) * up_proj(x))`, `act` one of
-    ACTIVATIONS (silu: SwiGLU, its gate fused on CUDA)."""
+    ACTIVATIONS (silu: SwiGLU, its gate fused on CUDA). Under tensor parallelism (`tp`) it
+    holds this rank's share of the intermediate features and returns its partial sum."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 act: str = "silu"):
+                 act: str = "silu", tp: TensorParallel = ONE_RANK):
         super().__init__()
         self.act_and_mul = ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        part = tp.part(intermediate_size, "intermediate_size")
+        self.gate_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
+        self.up_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
+        self.down_proj = RowLinear(part, 1, hidden_size, bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""

@@ -19,6 +19,7 @@ from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.moe import MoE
+from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel, VocabEmbedding
 from kvpool.models.rotary import RotaryEmbedding
 from kvpool.rope import Rotation
 
@@ -31,21 +32,25 @@ class LlamaAttention(nn.Module):
     page tables (to the last `sliding_window` tokens only, when given), project back. With fp8
     pages, the layer's first K/V written (before rotation: fp8.HEADROOM covers it) set its
     scales unless they were given. `layer_idx` is the attention layer: the
-    context locates its group's pool, page tables and slot mapping."""
+    context locates its group's pool, page tables and slot mapping. Under tensor parallelism
+    (`tp`) it holds this rank's query and KV heads and returns its partial sum
+    (kvpool.models.parallel)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, tp: TensorParallel = ONE_RANK):
         super().__init__()
         self.layer_idx = layer_idx
         hidden, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        heads = tp.part(config.num_heads, "num_attention_heads")
+        kv_heads = tp.kv_part(config.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(heads), len(kv_heads), d
         self.scale = d**-0.5
         self.sliding_window = sliding_window
         bias = config.qkv_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_bias, dtype=dtype)
+        self.q_proj = ColumnLinear(hidden, heads, d, bias, dtype)
+        self.k_proj = ColumnLinear(hidden, kv_heads, d, bias, dtype)
+        self.v_proj = ColumnLinear(hidden, kv_heads, d, bias, dtype)
+        self.o_proj = RowLinear(heads, d, hidden, config.o_bias, dtype, tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
@@ -77,20 +82,24 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or (on a
     Qwen3-MoE's expert layers) MoE mlp. Each residual add is fused into the norm after it:
-    the layer takes and returns its output apart from the residual stream."""
+    the layer takes and returns its output apart from the residual stream. Under tensor
+    parallelism the attention's and the MLP's partial sums are all-reduced across the ranks."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 tp: TensorParallel = ONE_RANK):
         super().__init__()
         eps = config.rms_norm_eps
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx))
+        self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx),
+                                        tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.moe = config.is_moe_layer(layer_idx)
         if self.moe:
-            self.mlp = MoE(config, dtype)
+            self.mlp = MoE(config, dtype, tp)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
-                           config.hidden_act)
+                           config.hidden_act, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 context: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,18 +110,20 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, context), residual)
-        return (self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)), residual
+        attention = self.tp.all_reduce(self.self_attn(h, rope, context))
+        h, residual = self.post_attention_layernorm(attention, residual)
+        mlp = self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)
+        return self.tp.all_reduce(mlp), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, i) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -131,20 +142,23 @@ class LlamaForCausalLM(nn.Module):
     Parameters are allocated on `device` but not initialised: load a checkpoint into them
     (`kvpool.models.loader`) or initialise them. The model never allocates pages; it writes
     K/V only at the slots it is given and reads only through the page tables. Subclasses
-    for other decoders set `decoder` (a module taking `(config, dtype)`)."""
+    for other decoders set `decoder` (a module taking `(config, dtype, tp)`). With `tp` of
+    several ranks it holds this rank's part of every weight (kvpool.models.parallel) and
+    every rank returns the whole logits."""
 
     decoder = LlamaModel
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device):
+                 device: str | torch.device, tp: TensorParallel = ONE_RANK):
         super().__init__()
         device = check_device(device)
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         with torch.device("meta"):  # skip the default init: weights are loaded next
-            self.model = self.decoder(config, dtype)
-            self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-                config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.model = self.decoder(config, dtype, tp)
+            self.lm_head = None if config.tie_word_embeddings else ColumnLinear(
+                config.hidden_size, tp.part(config.vocab_size, "vocab_size"), 1, False, dtype)
         self.to_empty(device=device)
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
@@ -177,7 +191,8 @@ def check_dtypes(model: nn.Module, context: ForwardContext) -> None:
 def logits(model: nn.Module, norm: nn.Module, hidden: torch.Tensor,
            context: ForwardContext) -> torch.Tensor:
     """float32 logits of the rows `context.logits_indices` of the last layer's `hidden`,
-    normed and projected by the head (tied to the embedding when there is no lm_head)."""
+    normed and projected by the head (tied to the embedding when there is no lm_head), each
+    rank's vocabulary rows gathered."""
     hidden = norm(hidden.index_select(0, context.logits_indices))
     head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
-    return F.linear(hidden, head.weight).float()
+    return model.tp.all_gather(F.linear(hidden, head.weight)).float()

@@ -1,6 +1,7 @@
 """Load a model: a local Hugging Face checkpoint folder (config.json + safetensors, optional
 tokenizer.json), a GGUF file (models/gguf.py) or the built-in "tiny" preset (seeded random
-weights, byte tokenizer)."""
+weights, byte tokenizer). A tensor-parallel rank loads only its part of each weight
+(kvpool.models.parallel): safetensors reads just those bytes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
 from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.parallel import ONE_RANK, TensorParallel, checkpoint_index, part_shape
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_PRESET = "tiny"
@@ -47,20 +49,24 @@ class LoadedModel:
 
 
 def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
-               device: str | torch.device) -> LoadedModel:
+               device: str | torch.device, tp: TensorParallel = ONE_RANK) -> LoadedModel:
     """Load a checkpoint folder, a GGUF file (a path ending in .gguf, or a packaged name such
-    as "smollm2") or the "tiny" preset onto `device`. dtype None: the config's (float32 if it
-    states none). Raises ValueError for a bad device, ConfigError for a missing, malformed or
-    unsupported config and CheckpointError for weights that do not match it."""
+    as "smollm2") or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
+    dtype None: the config's (float32 if it states none). Raises ValueError for a bad device,
+    ConfigError for a missing, malformed or unsupported config (or one that does not split
+    across the ranks) and CheckpointError for weights that do not match it."""
     device = check_device(device)
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
-        return load_gguf(source, dtype=dtype, device=device)
+        return load_gguf(source, dtype=dtype, device=device, tp=tp)
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
     if model == TINY_PRESET:
-        net = LlamaForCausalLM(config, dtype=config.weights_dtype(dtype), device=device)
-        init_random_weights(net, seed=TINY_SEED, std=TINY_INIT_STD)
+        weights_dtype = config.weights_dtype(dtype)
+        net = LlamaForCausalLM(config, dtype=weights_dtype, device=device, tp=tp)
+        whole = LlamaForCausalLM(config, dtype=weights_dtype, device="meta")
+        init_random_weights(net, {name: tuple(t.shape) for name, t in whole.state_dict().items()},
+                            seed=TINY_SEED, std=TINY_INIT_STD)
         return LoadedModel(net.eval(), config, ByteTokenizer())
     folder = Path(model)
     files = checkpoint_files(folder)
@@ -69,23 +75,24 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     if tokenizer_file.is_file():
         tokenizer = HFTokenizer.from_file(tokenizer_file, config.bos_token_id,
                                           config.eos_token_ids)
-    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device)
+    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
     load_weights(net, files)
     return LoadedModel(net.eval(), config, tokenizer)
 
 
 def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
-              device: torch.device) -> LoadedModel:
+              device: torch.device, tp: TensorParallel = ONE_RANK) -> LoadedModel:
     """Load a GGUF file: its tensors dequantized into a model of the config its metadata
-    describes, in `dtype` (None: float32), with the tokenizer its vocabulary describes."""
+    describes (this rank's part of each), in `dtype` (None: float32), with the tokenizer its
+    vocabulary describes."""
     config, path = checkpoint.config(), checkpoint.path
-    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device)
+    net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
     params = net.state_dict()
-    _check_weights(params, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
+    _check_weights(net, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
                    path)
     with torch.no_grad():
         for name, tensor in checkpoint.tensors():
-            _copy_finite(params[name], tensor, name, path)
+            _copy_finite(params[name], tensor[checkpoint_index(net, name)], name, path)
     return LoadedModel(net.eval(), config, checkpoint.tokenizer())
 
 
@@ -126,9 +133,11 @@ def _with_generation_eos(config: ModelConfig, folder: Path) -> ModelConfig:
     return replace(config, eos_token_ids=merged)
 
 
-def init_random_weights(model: torch.nn.Module, *, seed: int, std: float) -> None:
-    """Reproducible weights on any device and dtype: matrices ~ N(0, std^2) drawn in float32 on
-    the CPU from one seeded generator in name order, norm scales 1, biases 0."""
+def init_random_weights(model: torch.nn.Module, shapes: dict[str, tuple[int, ...]], *,
+                        seed: int, std: float) -> None:
+    """Reproducible weights on any device and dtype: matrices ~ N(0, std^2) of the whole
+    model's `shapes` (name -> shape) drawn in float32 on the CPU from one seeded generator in
+    name order, of which `model` takes its tensor-parallel part; norm scales 1, biases 0."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
@@ -137,7 +146,8 @@ def init_random_weights(model: torch.nn.Module, *, seed: int, std: float) -> Non
             elif name.endswith(".bias"):
                 tensor.zero_()
             else:
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+                whole = torch.randn(shapes[name], generator=generator) * std
+                tensor.copy_(whole[checkpoint_index(model, name)])
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -174,21 +184,23 @@ def _index_file_names(index: Path) -> list[str]:
 
 
 def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
-    """Copy the checkpoint's tensors into the model by name, after checking that names and
-    shapes match exactly (a tied lm_head and rotary inv_freq buffers are skipped)."""
+    """Copy the checkpoint's tensors (the model's tensor-parallel part of each) into the model
+    by name, after checking that names and shapes match exactly (a tied lm_head and rotary
+    inv_freq buffers are skipped)."""
     params = model.state_dict()
     # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
     extra_layers = model.config.architecture == "DeepseekV3ForCausalLM"
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
                                num_layers=model.config.num_layers if extra_layers else None)
-    _check_weights(params, found, files[0].parent)
+    _check_weights(model, found, files[0].parent)
     with torch.no_grad():
         for file in files:
             with _open_safetensors(file) as f:
                 names = f.keys()
                 for name in names:
                     if name in found and found[name][1] == file:
-                        _copy_finite(params[name], _read_tensor(f, name, file), name, file)
+                        tensor = _read_tensor(f, name, file, checkpoint_index(model, name))
+                        _copy_finite(params[name], tensor, name, file)
 
 
 def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
@@ -211,9 +223,10 @@ def _open_safetensors(file: Path):
         raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
 
 
-def _read_tensor(f, name: str, file: Path) -> torch.Tensor:
+def _read_tensor(f, name: str, file: Path, index: tuple[slice, ...]) -> torch.Tensor:
+    """The part `index` of tensor `name`, reading only its bytes."""
     try:
-        return f.get_tensor(name)
+        return f.get_slice(name)[index]
     except (SafetensorError, OSError) as e:  # a header promising more bytes than there are
         raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 
@@ -243,12 +256,17 @@ def _layer_index(name: str) -> int:
     return -1
 
 
-def _check_weights(params: dict[str, torch.Tensor], found: dict, folder: Path) -> None:
+def _check_weights(model: torch.nn.Module, found: dict, folder: Path) -> None:
+    """CheckpointError unless the checkpoint holds every weight of `model`, no other, and
+    each of the shape whose part (the model's tensor-parallel part) the model holds."""
+    params = model.state_dict()
     missing = sorted(params.keys() - found.keys())
     unexpected = sorted(found.keys() - params.keys())
     misshapen = [f"{name} has shape {found[name][0]} in the checkpoint, the config needs "
-                 f"{tuple(params[name].shape)}" for name in sorted(params.keys() & found.keys())
-                 if tuple(params[name].shape) != found[name][0]]
+                 f"{tuple(params[name].shape)}{_part_of(model, name)}"
+                 for name in sorted(params.keys() & found.keys())
+                 if tuple(params[name].shape) != part_shape(found[name][0],
+                                                            checkpoint_index(model, name))]
     problems = []
     if missing:
         problems.append(f"missing weights: {_first(missing)}")
@@ -259,6 +277,13 @@ def _check_weights(params: dict[str, torch.Tensor], found: dict, folder: Path) -
     if problems:
         raise CheckpointError(f"checkpoint {folder} does not match its config: "
                               + "; ".join(problems))
+
+
+def _part_of(model: torch.nn.Module, name: str) -> str:
+    """", this rank's part of ..." for a tensor-parallel model, else nothing."""
+    if model.tp.size == 1:
+        return ""
+    return f" as rank {model.tp.rank}'s part of {model.tp.size}"
 
 
 def _first(items: list[str]) -> str:

@@ -40,6 +40,7 @@ from kvpool.forward_context import ForwardContext, HostLengths
 from kvpool.fp8 import dequantize
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import RMSNorm
+from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel
 from kvpool.models.rotary import yarn_mscale
 from kvpool.rope import apply_rotary, apply_rotary_interleaved
 
@@ -52,26 +53,29 @@ class MLAttention(nn.Module):
     bottleneck), one latent per token written into the latent pages of pool layer
     `layer_idx`, attention over the pages, and the output projection. With fp8 pages, the
     layer's first latents written set its scale unless it was given. Parameter names follow
-    the checkpoints."""
+    the checkpoints. Under tensor parallelism (`tp`) it holds this rank's heads (q_proj or
+    q_b_proj, kv_b_proj, o_proj) and the whole latent projection, and returns its partial
+    sum."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
+                 tp: TensorParallel = ONE_RANK):
         super().__init__()
         self.layer_idx = layer_idx
-        mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
-        self.num_heads, self.mla = heads, mla
-        q_size = heads * mla.qk_head_dim
+        mla, hidden = config.mla, config.hidden_size
+        heads = tp.part(config.num_heads, "num_attention_heads")
+        self.num_heads, self.mla = len(heads), mla
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_size, bias=False, dtype=dtype)
+            self.q_proj = ColumnLinear(hidden, heads, mla.qk_head_dim, False, dtype)
         else:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_size, bias=False, dtype=dtype)
+            self.q_b_proj = ColumnLinear(mla.q_lora_rank, heads, mla.qk_head_dim, False, dtype)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=config.qkv_bias,
                                             dtype=dtype)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        kv_size = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, kv_size, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype)
+        self.kv_b_proj = ColumnLinear(mla.kv_lora_rank, heads,
+                                      mla.qk_nope_head_dim + mla.v_head_dim, False, dtype)
+        self.o_proj = RowLinear(heads, mla.v_head_dim, hidden, config.o_bias, dtype, tp)
         self.scale = softmax_scale(config)
         self.rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
 

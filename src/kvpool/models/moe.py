@@ -14,6 +14,7 @@ from torch import nn
 
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP
+from kvpool.models.parallel import ONE_RANK, TensorParallel
 
 
 class Router(nn.Module):
@@ -67,17 +68,20 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """`sum_e weight_e * expert_e(x)` over each token's routed experts, plus the shared
-    experts (one MLP of `num_shared_experts x intermediate_size`; None where there are none)."""
+    experts (one MLP of `num_shared_experts x intermediate_size`; None where there are none).
+    Under tensor parallelism (`tp`) every expert holds this rank's share of its intermediate
+    features, the router is whole, and the output is this rank's partial sum."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = ONE_RANK):
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
         self.gate = Router(config, dtype)
         self.experts = nn.ModuleList(
-            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act)
+            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp)
             for _ in range(moe.num_experts))
         self.shared_experts = MLP(hidden, moe.intermediate_size * moe.num_shared_experts,
-                                  config.mlp_bias, dtype) if moe.num_shared_experts else None
+                                  config.mlp_bias, dtype, tp=tp) \
+            if moe.num_shared_experts else None
 
     def forward(self, x: torch.Tensor, static: bool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`. `static` (decode steps): shapes independent of

@@ -23,6 +23,7 @@ import sys
 
 from kvpool.formats import DTYPES, parse_bytes
 from kvpool.fp8 import KV_CACHE_DTYPES
+from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.server import INSTALL_HINT, missing_modules
 from kvpool.tier_flags import add_tier_arguments, tier_options
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn the prefix cache off")
     add_tier_arguments(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype "
                                                         "(default: the checkpoint's)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
@@ -132,7 +134,13 @@ def run(args: argparse.Namespace) -> int:
                "device": args.device, "overlap": False if args.no_overlap else None}
     options = {"page_size": args.page_size, "prefix_caching": not args.no_prefix_caching,
                "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
+               "tensor_parallel_size": args.tensor_parallel_size,
                **{k: v for k, v in options.items() if v is not None}}
+    if args.disaggregated and args.tensor_parallel_size > 1:
+        print("kvpool serve: --disaggregated runs each engine on one device; "
+              f"--tensor-parallel-size {args.tensor_parallel_size} is not supported with it",
+              file=sys.stderr)
+        return 2
     if args.disaggregated:
         make_llm = functools.partial(DisaggregatedLLM, args.model,
                                      prefill={**options, **tier_options(args)}, decode=options)

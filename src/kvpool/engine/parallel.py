@@ -1,0 +1,410 @@
+"""Tensor parallelism of the engine: one model split across N ranks (kvpool.models.parallel),
+one scheduler.
+
+Rank 0 is the LLM's process: the scheduler, the allocator and the prefix cache run there only.
+It spawns N-1 worker processes (torch.multiprocessing, spawn), one per device (rank r on
+cuda:r, or all on the CPU), joined in one torch.distributed process group: NCCL on CUDA, gloo
+on the CPU. Every rank holds its part of the weights and a pool of its share of the KV heads
+with the same number of pages, so a page id means the same page everywhere.
+
+Each step rank 0 broadcasts one message on a gloo group: the step's layout, the host copies of
+its lengths and the flat int64 metadata its runner packed (`StepChannel`). Every worker puts it
+in its own workspace and runs the same ModelRunner forward on its part; the model's
+all-reduces and its logits' all-gather join the ranks, and rank 0 samples. Page copies rank 0's
+pool makes (copy-on-write) travel first, in messages of their own, so the workers' pools copy
+the same pages.
+
+Failures: the model's collectives time out after `tensor_parallel_timeout` seconds; a worker
+waits for its next message without limit (the engine may idle). A worker that raises reports
+its error and exits. Before each step rank 0 checks that every worker is alive, and a step
+that fails names the rank that died or raised (RankFailed); the group is then stopped, since
+its ranks are out of step, and the engine refuses further steps. `close` stops the workers
+and the group and leaves no process behind."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import queue
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvpool.cache import KVCache
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.runner import ModelRunner, StepLayout
+from kvpool.errors import RankFailed
+from kvpool.forward_context import HostLengths
+from kvpool.layout import KVLayout
+from kvpool.models import load_model
+from kvpool.models.parallel import ONE_RANK, TensorParallel
+from kvpool.pool import KVPool
+from kvpool.threads import limit_threads
+from kvpool.workspace import Workspace
+
+HOST = "127.0.0.1"
+RUN, COPY, STOP = 1, 2, 3  # the commands of a message
+HEADER = 10  # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
+STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
+JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
+REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What every rank builds besides its part of `model`: a pool of one rank's `layout` and
+    `num_pages` pages, a workspace of `workspace_bytes` and a runner for steps up to
+    `max_step` (rank 0's, so that all agree)."""
+
+    model: str
+    dtype: torch.dtype | None
+    layout: KVLayout
+    num_pages: int
+    kv_scales: tuple[float, float] | float | None
+    workspace_bytes: int
+    max_step: StepLayout
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAddress:
+    """Where a worker joins the group: rank 0's store at `port`, `size` ranks, the
+    collectives' `timeout` (seconds), the devices' type."""
+
+    port: int
+    size: int
+    timeout: float
+    device_type: str
+
+
+class StepChannel:
+    """Rank 0's step messages to the workers: one broadcast per message of a fixed-size int64
+    buffer on `group`, room for the largest step (`max_step`)."""
+
+    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout):
+        self.group = group
+        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size,
+                                  dtype=torch.int64)
+
+    def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor) -> None:
+        """Broadcast a step: its layout, host lengths and packed metadata `staged`."""
+        seq_lens = host.seq_lens or []
+        head = [RUN, *layout[:5], int(layout.states), host.max_seq_len, host.max_query_len,
+                host.seq_lens is not None]
+        body = [*host.query_starts, *seq_lens]
+        self.buffer[:HEADER] = torch.tensor(head)
+        self.buffer[HEADER:HEADER + len(body)] = torch.tensor(body, dtype=torch.int64)
+        start = HEADER + len(body)
+        self.buffer[start:start + layout.size] = staged[:layout.size]
+        self._broadcast()
+
+    def send_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Broadcast page copies src[i] -> dst[i], in as many messages as they need."""
+        room = (len(self.buffer) - HEADER) // 2
+        for first in range(0, len(src), room):
+            n = min(room, len(src) - first)
+            self.buffer[:2] = torch.tensor([COPY, n])
+            pairs = torch.tensor([*src[first:first + n], *dst[first:first + n]])
+            self.buffer[HEADER:HEADER + 2 * n] = pairs
+            self._broadcast()
+
+    def send_stop(self) -> None:
+        self.buffer[0] = STOP
+        self._broadcast()
+
+    def receive(self) -> int:
+        """Wait for rank 0's next message; returns its command (the message is `buffer`)."""
+        self._broadcast()
+        return int(self.buffer[0])
+
+    def step(self) -> tuple[StepLayout, HostLengths, torch.Tensor]:
+        """The step of a RUN message just received: layout, host lengths, packed metadata."""
+        head = self.buffer[:HEADER].tolist()
+        layout = StepLayout(*head[1:6], states=bool(head[6]))
+        b, has_seq_lens = layout.num_seqs, head[9]
+        lengths = self.buffer[HEADER:HEADER + 2 * b + 1].tolist()
+        host = HostLengths(lengths[:b + 1], lengths[b + 1:] if has_seq_lens else None,
+                           head[7], head[8])
+        start = HEADER + b + 1 + b * has_seq_lens
+        return layout, host, self.buffer[start:start + layout.size]
+
+    def copies(self) -> tuple[list[int], list[int]]:
+        """The (src, dst) pages of a COPY message just received."""
+        n = int(self.buffer[1])
+        pairs = self.buffer[HEADER:HEADER + 2 * n].tolist()
+        return pairs[:n], pairs[n:]
+
+    def _broadcast(self) -> None:
+        dist.broadcast(self.buffer, src=0, group=self.group)
+
+
+class NoPeers:
+    """The peers a runner sends its steps to when it has none: an engine on one device, or a
+    tensor-parallel worker (rank 0 sends the steps). Nothing to send or stop."""
+
+    tp = ONE_RANK
+
+    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
+        pass
+
+    @contextmanager
+    def step(self, layout: StepLayout, host: HostLengths,
+             staged: torch.Tensor) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class TensorParallelGroup:
+    """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
+    the step channel and the page copies of rank 0's pool not sent yet. Made before rank 0
+    loads its part of the model (`tp` holds the group its collectives run on), it spawns the
+    workers, which join the group and wait; `start` sends them what to build and waits
+    until they have; `step` wraps each forward; `close` stops everything."""
+
+    def __init__(self, size: int, device: torch.device, timeout: float):
+        self.device = device
+        self.timeout = timeout
+        self.failure: RankFailed | None = None
+        self.channel: StepChannel | None = None
+        self.closed = False
+        self._copies: tuple[list[int], list[int]] = ([], [])
+        store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
+                              timeout=startup_timeout(timeout))
+        address = GroupAddress(store.port, size, timeout, device.type)
+        context = mp.get_context("spawn")
+        self.specs = context.Queue()  # what to build, one WorkerSpec per worker
+        self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
+        self.workers = [context.Process(target=run_worker,
+                                        args=(rank, address, self.specs, self.reports),
+                                        daemon=True, name=f"kvpool-rank-{rank}")
+                        for rank in range(1, size)]
+        for worker in self.workers:
+            worker.start()
+        try:
+            collectives, self.steps = join_group(0, address, store)
+        except BaseException:
+            self.close()
+            raise
+        self.tp = TensorParallel(0, size, collectives)
+
+    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
+        """Have every worker build `spec` and wait until each has. `pool` is rank 0's: its
+        page copies are sent to the workers before the next step."""
+        for _ in self.workers:
+            self.specs.put(spec)
+        self.channel = StepChannel(self.steps, spec.max_step)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        pool.copy_listeners.append(self._record_copies)
+
+    def _wait_ready(self) -> None:
+        """Wait for every worker's report; a worker that fails or dies raises RankFailed."""
+        waiting = set(range(1, self.tp.size))
+        while waiting:
+            try:
+                rank, error = self.reports.get(timeout=1.0)
+            except queue.Empty:
+                self._check_alive("while loading")
+                continue
+            if error is not None:
+                raise RankFailed(f"tensor-parallel rank {rank} failed while loading: {error}")
+            waiting.discard(rank)
+
+    def _record_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self._copies[0].extend(src)
+        self._copies[1].extend(dst)
+
+    @contextmanager
+    def step(self, layout: StepLayout, host: HostLengths,
+             staged: torch.Tensor) -> Iterator[None]:
+        """Send the step (page copies first) to the workers, then run rank 0's forward in the
+        block. A failure in either stops the group and raises RankFailed naming the rank."""
+        if self.failure is not None:
+            raise self.failure
+        if self.closed:
+            raise RuntimeError("this tensor-parallel engine is closed: its workers are gone")
+        start = time.monotonic()
+        try:
+            self._check_alive("before a step")
+            if self._copies[0]:
+                self.channel.send_copies(*self._copies)
+                self._copies = ([], [])
+            self.channel.send_step(layout, host, staged)
+            yield
+        except Exception as e:
+            self.failure = self._blame(e, time.monotonic() - start)
+            self.close()
+            raise self.failure from e
+
+    def _check_alive(self, when: str) -> None:
+        for rank, worker in enumerate(self.workers, start=1):
+            if not worker.is_alive():
+                raise RankFailed(f"tensor-parallel rank {rank} (pid {worker.pid}) exited "
+                                 f"with code {worker.exitcode} {when}")
+
+    def _blame(self, error: Exception, seconds: float) -> RankFailed:
+        """The RankFailed of a step that failed after `seconds`: a worker's own report, else
+        a worker that died, else the workers that did not answer within the timeout, else
+        rank 0's own error."""
+        if isinstance(error, RankFailed):
+            return error
+        try:
+            rank, report = self.reports.get(timeout=REPORT_SECONDS)
+            return RankFailed(f"tensor-parallel rank {rank} failed: {report}")
+        except queue.Empty:
+            pass
+        try:
+            self._check_alive("during a step")
+        except RankFailed as died:
+            return died
+        if seconds >= self.timeout:
+            ranks = ", ".join(str(rank) for rank in range(1, self.tp.size))
+            return RankFailed(f"tensor-parallel rank(s) {ranks} alive but a collective got no "
+                              f"answer within {self.timeout:g} s: {error}")
+        return RankFailed(f"tensor-parallel rank 0 failed: {type(error).__name__}: {error}")
+
+    def close(self) -> None:
+        """Stop the workers (a STOP message, then a kill for any that does not exit within
+        JOIN_SECONDS) and the process group. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        stopping = self.failure is None and self.channel is not None and all(
+            worker.is_alive() for worker in self.workers)
+        if stopping:
+            try:
+                self.channel.send_stop()
+            except RuntimeError:  # a worker stopped reading: it is killed below
+                stopping = False
+        for worker in self.workers:
+            worker.join(JOIN_SECONDS if stopping else 0)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorParallelGroup:
+    """The peers of an engine of `config` whose rank 0 runs on `device` (not started)."""
+    if config.tensor_parallel_size == 1:
+        return NoPeers()
+    return TensorParallelGroup(config.tensor_parallel_size, device,
+                               config.tensor_parallel_timeout)
+
+
+def check_tensor_parallel(config: EngineConfig, layout: KVLayout, mamba: object,
+                          device: torch.device) -> None:
+    """ValueError unless an engine of `config` can split its model across its ranks: one
+    pool (no Mamba state pool, no full-and-window pools), no tier (the workers' pages would
+    not follow), and on CUDA a device per rank, rank r on cuda:r."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    refused = None
+    if mamba:
+        refused = "a hybrid (Mamba) model's state pool"
+    elif len(layout.groups) > 1 and config.free_out_of_window:
+        refused = ("a full and a sliding-window pool (pass free_out_of_window=False for one "
+                   "pool)")
+    elif config.tier_option:
+        refused = f"a tier ({config.tier_option})"
+    if refused:
+        raise ValueError(f"tensor_parallel_size={size} runs models of one KV pool without a "
+                         f"tier; this engine would have {refused}")
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(f"tensor_parallel_size={size} puts rank r on cuda:r: rank 0 runs "
+                             f"on cuda:0, not {device}")
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this "
+                             f"machine has {torch.cuda.device_count()}")
+
+
+def startup_timeout(timeout: float) -> datetime.timedelta:
+    """How long the ranks wait for each other to join the group: the collectives' timeout,
+    and at least STARTUP_SECONDS for the workers to start (spawn, import)."""
+    return datetime.timedelta(seconds=max(timeout, STARTUP_SECONDS))
+
+
+def join_group(rank: int, address: GroupAddress,
+               store: dist.Store) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Join the process group as `rank`; returns its two groups: the model's collectives
+    (NCCL on CUDA, gloo on the CPU) and the step messages (gloo). Both fail after the
+    address's timeout, except a worker's wait for its next step message, which has no
+    practical limit (the engine may idle); rank 0's sending of it has the timeout, so a
+    worker that stops reading fails the step instead of hanging it."""
+    backend = "nccl" if address.device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=address.timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=address.size,
+                            timeout=startup_timeout(address.timeout))
+    collectives = dist.new_group(backend=backend, timeout=timeout)
+    return collectives, dist.new_group(backend="gloo",
+                                       timeout=timeout if rank == 0 else IDLE_TIMEOUT)
+
+
+def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
+    """A worker process: join the group, build what rank 0 sends (`specs`), report ready,
+    then run rank 0's steps until STOP. An error is reported (with where it was raised) and
+    ends the process with code 1."""
+    try:
+        limit_threads()
+        device = torch.device("cpu")
+        if address.device_type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        store = dist.TCPStore(HOST, address.port, address.size, is_master=False,
+                              timeout=startup_timeout(address.timeout))
+        collectives, steps = join_group(rank, address, store)
+        spec = receive_spec(specs)
+        runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
+        reports.put((rank, None))
+        serve(runner, StepChannel(steps, spec.max_step))
+    except BaseException as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        reports.put((rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def receive_spec(specs) -> WorkerSpec:
+    """The WorkerSpec rank 0 sends once it has built its own part; RuntimeError if rank 0
+    exits first."""
+    while True:
+        try:
+            return specs.get(timeout=1.0)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                raise RuntimeError("rank 0 exited before saying what to build") from None
+
+
+def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:
+    """This rank's part of the model, its pool and workspace, and their runner."""
+    loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp)
+    cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales)
+    workspace = Workspace(spec.workspace_bytes, device=device)
+    return ModelRunner(loaded.model, cache, workspace, max_step=spec.max_step, peers=NoPeers())
+
+
+def serve(runner: ModelRunner, channel: StepChannel) -> None:
+    """Run rank 0's messages until STOP: page copies into this rank's pool, steps through
+    its runner."""
+    with torch.inference_mode():
+        while (command := channel.receive()) != STOP:
+            if command == COPY:
+                runner.cache.pool.copy_pages(*channel.copies())
+            else:
+                runner.forward(*channel.step())

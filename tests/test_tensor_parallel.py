@@ -1,0 +1,208 @@
+"""Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
+Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints equal
+transformers' (and so one rank's) through preemption, prefix hits, chunks and copy-on-write;
+per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+
+from kvpool.cli import main
+from kvpool.engine import LLM, SamplingParams
+from kvpool.errors import ConfigError, RankFailed
+from kvpool.layout import KVLayout
+from kvpool.models import load_model
+from kvpool.models.config import ModelConfig
+from kvpool.models.parallel import TensorParallel
+from kvpool.planner import plan_memory
+from kvpool.pool import pages_within
+from models_util import CONFIGS, SMALL, engine_case, make_hf_model, save_hf_model
+from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
+
+RANKS = 2
+MAX_TOKENS = 32  # the longest request then needs 73 slots: the 96 of the engine preempt
+PARITY = {
+    "llama": CONFIGS["llama"],  # 4 heads, 2 KV heads: one each
+    "qwen2-one-kv-head": lambda: transformers.Qwen2Config(**{**SMALL,
+                                                            "num_key_value_heads": 1}),
+    "qwen3": CONFIGS["qwen3"],
+    "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
+    "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
+}
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def cpu_only(device: torch.device) -> None:
+    if device.type != "cpu":
+        pytest.skip("the tensor-parallel tests run 2 ranks on the CPU (gloo)")
+
+
+@pytest.fixture(scope="module", params=list(PARITY))
+def engine(request, tmp_path_factory, device):
+    """(case, LLM of 2 ranks) for one config: 24 pages of 4 tokens, 16-token chunks; closed
+    after the module's tests of that config."""
+    cpu_only(device)
+    case = engine_case(request.param, PARITY, tmp_path_factory.mktemp(request.param), device,
+                       MAX_TOKENS)
+    llm = LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, device=device, tensor_parallel_size=RANKS)
+    yield case, llm
+    llm.close()
+
+
+def test_greedy_tokens_equal_one_rank_through_preemption_prefix_hits_and_chunks(engine):
+    case, llm = engine
+    outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == case.expected
+    assert llm.stats().num_preemptions > 0
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.cache.check()
+
+
+def test_forked_samples_copy_their_shared_page_on_every_rank(engine):
+    """n=2 greedy samples share the prompt's last page until each copies it (copy-on-write);
+    a worker whose pool missed the copy would read another sample's K/V."""
+    case, llm = engine
+    before = llm.cache.stats().num_cow_copies
+    params = SamplingParams(n=2, max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = llm.generate(case.batch[:2], params, use_tqdm=False)
+    assert llm.cache.stats().num_cow_copies > before
+    for output, expected in zip(outputs, case.expected[:2], strict=True):
+        assert [sample.token_ids for sample in output.outputs] == [expected[:8]] * 2
+
+
+def test_each_rank_pool_holds_its_share_of_the_kv_heads(engine):
+    case, llm = engine
+    heads = llm.model_config.num_kv_heads
+    assert llm.cache.pool.layout.num_kv_heads == max(1, heads // RANKS)
+
+
+# --- failures -------------------------------------------------------------------------------
+
+def test_a_killed_worker_fails_the_next_step_naming_its_rank(device):
+    cpu_only(device)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as llm:
+        worker = llm.peers.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        with pytest.raises(RankFailed, match=rf"rank 1 \(pid {worker.pid}\) exited with code -9"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        with pytest.raises(RankFailed, match="rank 1"):  # and every step after it
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not multiprocessing.active_children()
+
+
+def test_a_stuck_worker_fails_the_step_within_the_timeout(device):
+    """A worker that stops answering (SIGSTOP) leaves rank 0 in a collective: the step fails
+    after tensor_parallel_timeout seconds instead of hanging, and close kills the worker."""
+    cpu_only(device)
+    timeout = 3.0
+    llm = LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+              tensor_parallel_timeout=timeout)
+    worker = llm.peers.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailed, match=r"rank\(s\) 1 alive but a collective got no "
+                                             r"answer within 3 s"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert time.monotonic() - start < timeout + 10
+    finally:
+        llm.close()
+    assert not worker.is_alive()
+    assert not multiprocessing.active_children()
+
+
+# --- what does not split: refused before any process starts ----------------------------------
+
+def test_kv_heads_that_do_not_split_are_refused(device):
+    with pytest.raises(ValueError, match="2 KV heads do not split evenly across 3"):
+        LLM("tiny", num_pages=32, device=device, tensor_parallel_size=3)
+
+
+def test_a_tier_is_refused_with_tensor_parallelism(device):
+    with pytest.raises(ValueError, match="without a tier.*host_tier_memory"):
+        LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+            host_tier_memory=2**20)
+
+
+def test_a_rank_loads_only_its_part_of_each_weight(tmp_path, device):
+    hf = make_hf_model("llama")
+    folder = save_hf_model(hf, tmp_path)
+    whole = hf.state_dict()
+    part = load_model(folder, device=device, tp=TensorParallel(1, RANKS)).model.state_dict()
+    attn = "model.layers.0.self_attn."
+    assert torch.equal(part[attn + "q_proj.weight"].cpu(), whole[attn + "q_proj.weight"][32:])
+    assert torch.equal(part[attn + "k_proj.weight"].cpu(), whole[attn + "k_proj.weight"][16:])
+    assert torch.equal(part[attn + "o_proj.weight"].cpu(), whole[attn + "o_proj.weight"][:, 32:])
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(part[down].cpu(), whole[down][:, 48:])
+    assert torch.equal(part["model.embed_tokens.weight"].cpu(),
+                       whole["model.embed_tokens.weight"][80:])
+
+
+def test_a_dimension_that_does_not_split_names_itself(tmp_path, device):
+    folder = save_hf_model(make_hf_model("llama"), tmp_path)
+    with pytest.raises(ConfigError, match="vocab_size 160 does not split across 3 "
+                                          "tensor-parallel ranks"):
+        load_model(folder, device=device, tp=TensorParallel(0, 3))
+
+
+# --- planning ------------------------------------------------------------------------------
+
+def test_a_rank_plans_half_the_weights_and_half_the_kv_heads():
+    one = plan_memory("Llama-3-8B", 80 * 2**30)
+    rank = plan_memory("Llama-3-8B", 80 * 2**30, tensor_parallel_size=2)
+    assert rank.layout.num_kv_heads == 4 and one.layout.num_kv_heads == 8
+    assert rank.bytes_per_token * 2 == one.bytes_per_token
+    assert rank.weight_bytes * 2 == one.weight_bytes
+    assert rank.budget_bytes == one.budget_bytes + one.weight_bytes - rank.weight_bytes
+    assert rank.num_pages == pages_within(rank.layout, rank.budget_bytes)
+
+
+def test_fewer_kv_heads_than_ranks_replicate_one_head_per_rank():
+    layout = KVLayout(4, 2, 64)
+    assert layout.per_rank(4).num_kv_heads == 1
+    assert layout.per_rank(2).num_kv_heads == 1
+    with pytest.raises(ValueError, match="2 KV heads do not split evenly across 3"):
+        layout.per_rank(3)
+
+
+def test_an_mla_latent_is_whole_on_every_rank():
+    config = ModelConfig.from_hf(DEEPSEEK_CONFIGS["v3-yarn"]().to_dict())
+    layout = config.kv_layout()
+    assert layout.per_rank(2) == layout
+
+
+def test_kvpool_plan_shows_one_ranks_share(capsys):
+    assert main(["plan", "Llama-3-8B", "--device-memory", "80GiB",
+                 "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks: each holds 1/2 of the weights, 4 of 8 KV heads" in out
+    assert "KV bytes per token  65,536" in out
+
+
+@pytest.mark.parametrize("command", [["bench"], ["generate", "hi"], ["chat"], ["serve"],
+                                     ["plan", "tiny"]])
+def test_every_engine_command_takes_the_flag(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--tensor-parallel-size", "0"])
+    assert "--tensor-parallel-size: expected an int >= 1, got 0" in capsys.readouterr().err
+
+
+# last in the file: the module's engine of each config is closed by it (then by its fixture)
+def test_close_stops_every_worker_and_a_closed_engine_runs_no_step(engine):
+    case, llm = engine
+    workers = list(llm.peers.workers)
+    llm.close()
+    assert [worker.exitcode for worker in workers] == [0]
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(case.batch[:1], GREEDY, use_tqdm=False)
