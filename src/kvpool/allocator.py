@@ -352,12 +352,12 @@ class PageAllocator:
 
     def _pop_cold(self, n: int) -> list[int]:
         """`_evict`'s loop: the `n` coldest pages, off the queue and unmarked."""
-        nxt, sentinel = self._next, self._num_pages
+        nxt, marks, sentinel = self._next, self._is_cached, self._num_pages
         pages = []
         page = nxt[sentinel]
         for _ in range(n):
             pages.append(page)
-            self._is_cached[page] = 0
+            marks[page] = 0
             page = nxt[page]
         nxt[sentinel] = page
         self._prev[page] = sentinel

@@ -155,8 +155,8 @@ class KVCache:
         if ids is not None and self.prefix_cache is not None:
             self._prefix_query_tokens += n
             self._prefix_hit_tokens += hit_pages * self.page_size
-        self._seqs[seq_id] = _SequenceState(pages, n, None if ids is None else bytearray(ids),
-                                            hit_pages, salt=salt)
+        kept = None if ids is None or self.prefix_cache is None else bytearray(ids)
+        self._seqs[seq_id] = _SequenceState(pages, n, kept, hit_pages, salt=salt)
         return hit_pages * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,

@@ -223,18 +223,19 @@ class PrefixCache:
         hooks. A leaf left empty goes, and so does a salted root left with no child."""
         hooks = self.evict_hooks
         keys = self.page_keys(pages) if hooks else []
-        node_of_page, page_bytes, roots = self._node_of_page, self._page_bytes, self._roots
+        node_of_page, page_bytes = self._node_of_page, self._page_bytes
         for page in pages:
             node = node_of_page[page]
             node_of_page[page] = None
-            node.pages.pop()
-            if node.pages:
+            run = node.pages
+            run.pop()
+            if run:
                 del node.tokens[-page_bytes:]
                 continue
-            parent = node.parent
-            del parent.children[node.key]
-            if parent.parent is None and not parent.children and parent is not self.root:
-                del roots[parent.key]
+            siblings = node.parent.children
+            del siblings[node.key]
+            if not siblings and node.parent.parent is None and node.parent is not self.root:
+                del self._roots[node.parent.key]
         for hook in hooks:
             hook(pages, keys)
 
