@@ -761,6 +761,17 @@ def test_eviction_hooks_get_the_pages_and_their_keys_once_the_tree_has_dropped_t
     cache.check()
 
 
+def test_check_names_a_page_the_tree_lists_after_the_allocator_evicted_it(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(8))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.allocator.on_evict = None  # the tree no longer hears of evictions
+    cache.allocator.evict(1)
+    with pytest.raises(AssertionError, match=r"the tree lists pages \[1\] the allocator"):
+        cache.prefix_cache.check()
+
+
 def test_a_salted_root_leaves_with_its_last_evicted_page(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8), cache_salt="key")

@@ -280,6 +280,12 @@ class PrefixCache:
         cached = self.allocator.cached_pages()
         rank = {page: i for i, page in enumerate(cached)}  # 0: the coldest
         listed: list[int] = []
+        indexed = [page for page, node in enumerate(self._node_of_page) if node is not None]
+        marked = self.allocator.marked_pages()
+        assert indexed == marked, (
+            f"the tree lists pages {sorted(set(indexed) - set(marked))[:5]} the allocator "
+            f"does not mark as its own, and misses marked pages "
+            f"{sorted(set(marked) - set(indexed))[:5]}")
         for salt, root in self._roots.items():
             assert root.key == salt and root.parent is None and not root.pages, (
                 f"the root of salt {salt.hex()} is misplaced")
@@ -305,14 +311,8 @@ class PrefixCache:
                 assert node.base_key == self.chain_key(node.parent, len(node.parent.pages)), (
                     f"{where}: stale base key")
             listed += node.pages
-        indexed = [page for page, node in enumerate(self._node_of_page) if node is not None]
         assert len(listed) == len(indexed), (
             f"the page index names {len(indexed)} pages, the tree lists {len(listed)}")
-        marked = self.allocator.marked_pages()
-        assert indexed == marked, (
-            f"the tree lists pages {sorted(set(indexed) - set(marked))[:5]} the allocator "
-            f"does not mark as its own, and misses marked pages "
-            f"{sorted(set(marked) - set(indexed))[:5]}")
 
 
 def salt_key(cache_salt: str | None) -> bytes:
