@@ -132,8 +132,6 @@ class PrefixCache:
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
         self.allocator.mark_cached(new_pages)
-        if node.parent is None:  # a salted root that evictions may have dropped since
-            self._roots[salt] = node
         if depth < len(node.pages):
             node = self._split(node, depth)
         if node.parent is not None and not node.children:
