@@ -133,15 +133,15 @@ def test_num_available_counts_free_and_cached_pages_past_the_reserve():
     assert allocator.can_allocate(6) and not allocator.can_allocate(7)
 
 
-def test_num_marked_counts_cached_marks_until_eviction():
+def test_marked_pages_lists_the_cached_marks_until_eviction():
     allocator = PageAllocator(10)
-    pages = allocator.allocate(3)
-    allocator.mark_cached(pages)
-    allocator.mark_cached(pages[:1])  # marked already: counted once
-    allocator.free(pages)
-    assert allocator.num_marked == 3
+    pages = allocator.allocate(4)
+    allocator.mark_cached(pages[:3])
+    allocator.mark_cached(pages[:1])  # marked already: listed once
+    allocator.free(pages[:3])
+    assert allocator.marked_pages() == [0, 1, 2]
     assert allocator.evict(2) == [2, 1]
-    assert allocator.num_marked == 1
+    assert allocator.marked_pages() == [0]
     allocator.check()
 
 

@@ -692,36 +692,36 @@ def test_a_fork_taken_before_its_parent_commits_holds_the_cached_path(device):
     cache.check()
 
 
-# ---- eviction leaves dead pages that later calls drop ----------------------------------
+# ---- an evicted page leaves the prefix cache at once -----------------------------------
 
-def test_an_evicted_page_stays_listed_dead_until_a_walk_meets_it(device):
+def test_an_evicted_page_leaves_the_tree_at_once(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
     pc = cache.prefix_cache
     assert pc.evict(2) == [3, 2]
-    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (2, 2, 1)
+    assert (pc.num_pages, pc.num_nodes) == (2, 1)
+    assert pc.match(pack_tokens(prompt(16)), 4).pages == [0, 1]
+    assert not pc.holds_path([0, 1, 2])
     cache.check()
-    assert cache.add_sequence("b", prompt(16)) == 8  # the walk stops at page 2, dead
-    assert (pc.num_pages, pc.num_dead_pages) == (2, 0)
+    assert cache.add_sequence("b", prompt(16)) == 8
     cache.check()
 
 
-def test_a_node_whose_pages_are_all_evicted_is_a_miss_and_is_dropped(device):
+def test_a_node_whose_pages_are_all_evicted_leaves_the_tree(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
     cache.free_sequence("a")
     pc = cache.prefix_cache
     assert pc.clear() == [3, 2, 1, 0]
-    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (0, 4, 0)
+    assert (pc.num_pages, pc.num_nodes) == (0, 0)
     assert cache.add_sequence("b", prompt(16)) == 0
-    assert pc.num_dead_pages == 0
     cache.check()
 
 
-def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again(device):
+def test_pages_evicted_by_an_allocation_leave_the_tree_before_it_returns(device):
     cache = make_cache(num_pages=4, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
@@ -729,16 +729,17 @@ def test_a_reused_page_is_cut_from_the_node_that_listed_it_when_cached_again(dev
     cache.add_sequence("b", prompt(8, 100))  # evicts a's last two pages to hold them
     pc = cache.prefix_cache
     assert cache.pages("b") == [3, 2]
-    assert (pc.num_pages, pc.num_dead_pages) == (2, 2)
-    cache.commit("b")  # caching pages 3 and 2 again cuts them from a's node
-    assert (pc.num_pages, pc.num_dead_pages, pc.num_nodes) == (4, 0, 2)
+    assert (pc.num_pages, pc.num_nodes) == (2, 1)
+    cache.check()
+    cache.commit("b")
+    assert (pc.num_pages, pc.num_nodes) == (4, 2)
     cache.check()
     cache.free_sequence("b")
     assert cache.add_sequence("c", prompt(16)) == 8
     cache.check()
 
 
-def test_pages_dropped_dead_below_a_node_leave_its_children_too(device):
+def test_evicting_both_branches_below_a_shared_head_keeps_the_head(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(16))
     cache.commit("a")
@@ -749,10 +750,49 @@ def test_pages_dropped_dead_below_a_node_leave_its_children_too(device):
     pc = cache.prefix_cache
     assert pc.num_nodes == 3
     assert pc.evict(4) == [3, 2, 5, 4]  # both branches below the shared head
-    assert (pc.num_nodes, pc.num_dead_pages) == (1, 4)
+    assert (pc.num_nodes, pc.num_pages) == (1, 2)
     cache.check()
     assert cache.add_sequence("c", prompt(8) + prompt(9, 100)) == 8
-    assert (pc.num_nodes, pc.num_pages, pc.num_dead_pages) == (1, 2, 2)  # a's branch: unmet
+    cache.check()
+
+
+def test_eviction_hooks_get_the_pages_and_their_keys_once_the_tree_has_dropped_them(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(12))
+    cache.commit("a")
+    cache.free_sequence("a")
+    pc = cache.prefix_cache
+    keys = pc.page_keys([0, 1, 2])
+    seen = []
+
+    def hook(pages, page_keys):
+        seen.append((pages, page_keys, pc.num_pages))
+    pc.evict_hooks.append(hook)
+    assert pc.evict(2) == [2, 1]
+    assert seen == [([2, 1], [keys[2], keys[1]], 1)]
+    cache.check()
+
+
+def test_check_names_a_page_the_tree_lists_after_the_allocator_evicted_it(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(8))
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.allocator.on_evict = None  # the tree no longer hears of evictions
+    cache.allocator.evict(1)
+    with pytest.raises(AssertionError, match=r"the tree lists pages \[1\] the allocator"):
+        cache.prefix_cache.check()
+
+
+def test_a_salted_root_leaves_with_its_last_evicted_page(device):
+    cache = make_cache(num_pages=12, prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(8), cache_salt="key")
+    cache.commit("a")
+    cache.free_sequence("a")
+    assert cache.prefix_cache.clear() == [1, 0]
+    cache.check()  # no empty salted root is left
+    assert cache.add_sequence("b", prompt(8), cache_salt="key") == 0
+    cache.commit("b")
     cache.check()
 
 

@@ -4,9 +4,11 @@ A page's reference count is its number of holders (the sequences whose page tabl
 page with count 0 is free (its content is worthless) or cached (the prefix cache indexes its
 content). Cached pages wait on a queue in least-recently-used order, which allocations take from
 at the cold end once the free pages run out: eviction costs what allocation costs, a step per
-page, never a pass of its own. The queue is a doubly linked list threaded through two int32
-arrays indexed by page id, its sentinel the index past the last page: 4 bytes a page each, where
-lists would make the Python loops about twice as fast but cost 0.8 MiB more per 100,000 pages.
+page, never a pass of its own. The allocator tells the prefix index at once (`on_evict`),
+before it hands the pages out, so that the index drops them while their content is still
+there. The queue is a doubly linked list threaded through two int32 arrays indexed by page id,
+its sentinel the index past the last page: 4 bytes a page each, where lists would make the
+Python loops about twice as fast but cost 0.8 MiB more per 100,000 pages.
 
 Every call checks before it acts: a call that raises has changed nothing.
 """
@@ -83,6 +85,8 @@ class PageAllocator:
         self._num_failed = 0
         self._num_evicted = 0
         self._fewest_unused = num_pages  # low-water mark of free + cached: num_pages - peak
+        # The prefix index's: called with the evicted pages, coldest first, once they have
+        # left the queue and lost their marks, before anyone can write them.
         self.on_evict: Callable[[list[int]], None] | None = None
 
     @property
@@ -109,17 +113,6 @@ class PageAllocator:
     def num_available(self) -> int:
         """The most pages an allocation that is not critical may take: free + cached - reserve."""
         return len(self._free) + self._num_cached - self._reserve
-
-    @property
-    def num_marked(self) -> int:
-        """Pages the prefix cache indexes, held or cached (marked, not evicted). O(num_pages)."""
-        return self._is_cached.count(1)
-
-    @property
-    def cached_marks(self) -> bytearray:
-        """One byte per page, 1 where the prefix cache indexes the page: the live bytearray, for
-        fast reads by the prefix cache. Read it, never write it; eviction clears a page's byte."""
-        return self._is_cached
 
     @property
     def reserve(self) -> int:
@@ -213,6 +206,12 @@ class PageAllocator:
         """The cached pages, least recently used first."""
         with self._lock or nullcontext():
             return self._queued()
+
+    def marked_pages(self) -> list[int]:
+        """The pages marked as the prefix cache's (held or cached), ascending. O(num_pages):
+        for checks."""
+        with self._lock or nullcontext():
+            return [page for page, marked in enumerate(self._is_cached) if marked]
 
     def refcount(self, page: int) -> int:
         """How many holders page `page` has; 0 means it is free or cached."""
@@ -353,12 +352,12 @@ class PageAllocator:
 
     def _pop_cold(self, n: int) -> list[int]:
         """`_evict`'s loop: the `n` coldest pages, off the queue and unmarked."""
-        nxt, sentinel = self._next, self._num_pages
+        nxt, marks, sentinel = self._next, self._is_cached, self._num_pages
         pages = []
         page = nxt[sentinel]
         for _ in range(n):
             pages.append(page)
-            self._is_cached[page] = 0
+            marks[page] = 0
             page = nxt[page]
         nxt[sentinel] = page
         self._prev[page] = sentinel

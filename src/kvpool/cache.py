@@ -117,8 +117,8 @@ class KVCache:
         self._index = self.prefix_cache or NoPrefixCache()
         self.max_tokens_per_seq = max_tokens_per_seq
         self._scrub_on_free = scrub_on_free
-        if tier is not None or scrub_on_free:  # else eviction has nothing to tell this cache
-            self.allocator.on_evict = self._evicted
+        if self.prefix_cache is not None and (tier is not None or scrub_on_free):
+            self.prefix_cache.evict_hooks.append(self._evicted)
         windows = layout.layer_windows
         # tokens the last new token attends to when every layer is windowed; else None
         self.window = (max(windows) if free_out_of_window and windows and None not in windows
@@ -155,8 +155,8 @@ class KVCache:
         if ids is not None and self.prefix_cache is not None:
             self._prefix_query_tokens += n
             self._prefix_hit_tokens += hit_pages * self.page_size
-        self._seqs[seq_id] = _SequenceState(pages, n, None if ids is None else bytearray(ids),
-                                            hit_pages, salt=salt)
+        kept = None if ids is None or self.prefix_cache is None else bytearray(ids)
+        self._seqs[seq_id] = _SequenceState(pages, n, kept, hit_pages, salt=salt)
         return hit_pages * self.page_size
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -497,13 +497,14 @@ class KVCache:
         self._num_tier_loads += len(loaded)
         self.prefix_cache.insert(token_ids[:last * self._page_bytes], pages[:last], salt=salt)
 
-    def _evicted(self, pages: list[int]) -> None:
-        """The allocator took these cached pages (the prefix cache drops them lazily): copy
-        them to the tier and scrub them. Eviction runs inside calls that have passed their
-        checks, and never fails: a page the tier cannot store is lost, as without a tier."""
+    def _evicted(self, pages: list[int], keys: list[PageKey]) -> None:
+        """The prefix cache's eviction hook: these cached pages, named by `keys`, left it and
+        are about to be reused; copy them to the tier and scrub them. Eviction runs inside
+        calls that have passed their checks, and never fails: a page the tier cannot store is
+        lost, as without a tier."""
         if self.tier is not None:
             data = self.pool.read_pages(pages)
-            for i, key in enumerate(self.prefix_cache.page_keys(pages)):
+            for i, key in enumerate(keys):
                 self._num_tier_stores += self.tier.store(key, data[:, :, i])
         self._scrub(pages)
 

@@ -10,15 +10,13 @@ The tree holds no reference on its pages: the allocator counts the sequences hol
 page and keeps a page whose count reaches 0 on its cached queue in least-recently-used order,
 taking pages from its cold end when it runs out of free ones. A sequence holds every page of
 its path from the root and gives its pages back tail first, so a page is always colder than
-its parent: the coldest cached page is the last live page of a leaf.
+its parent: the coldest cached page is the last page of a leaf.
 
-Eviction touches nothing here: the allocator clears the page's cached mark (one byte, in its
-compiled loop) and the page becomes *dead*, still listed in its node; a page of the tree is
-live exactly when it is marked cached. As eviction takes the coldest page, a node's dead
-pages are its last ones, and every page below a dead page is dead too. The tree drops dead
-pages lazily: a walk that meets a node ending in dead pages cuts them and the nodes below,
-and `insert` does the same to the node still listing a page it reuses. So eviction costs no
-Python per page, and the dead pages listed never exceed the pool.
+An evicted page leaves the tree at once: the allocator calls `_evicted` with the pages it
+takes, coldest first, before it hands them out, and each is cut from the end of its leaf (a
+leaf left empty goes, and a salted root left with no child). Then the `evict_hooks` run with
+the pages and their tier keys: a tier stores the pages, a state cache drops what depended on
+them. No page is ever listed that the allocator has not marked as the tree's.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
 a tier asks.
@@ -32,7 +30,7 @@ prompt uses `root`. A salted root leaves the tree with its last child.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
@@ -72,32 +70,30 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
-        self._live = allocator.cached_marks  # 1 for each live page of the tree
         self.root = PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
         self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
-        # The node listing each page, live or dead; None for a page the tree does not list.
+        # The node listing each page; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
+        # Called as hook(pages, keys) with the evicted pages, coldest first, and their tier
+        # keys, once the pages have left the tree and before they are written again. A hook
+        # must not raise: eviction runs inside allocations that have passed their checks.
+        self.evict_hooks: list[Callable[[list[int], list[PageKey]], None]] = []
+        allocator.on_evict = self._evicted
 
     @property
     def num_pages(self) -> int:
-        """Live pages in the tree, held or cached."""
-        return self.allocator.num_marked
+        """Pages in the tree, held or cached. O(num_pages)."""
+        return len(self._node_of_page) - self._node_of_page.count(None)
 
     @property
     def num_nodes(self) -> int:
-        """Nodes below the root with a live page (each a run of pages)."""
-        return sum(1 for node in self._all_nodes() if self._live[node.pages[0]])
-
-    @property
-    def num_dead_pages(self) -> int:
-        """Evicted pages the tree still lists, to be dropped by the next walk that meets
-        them or when they are cached again."""
-        return sum(len(node.pages) for node in self._all_nodes()) - self.num_pages
+        """Nodes below the roots (each a run of pages)."""
+        return sum(1 for _ in self._all_nodes())
 
     def match(self, token_ids: bytes, max_pages: int, salt: bytes = b"") -> PrefixMatch:
         """The cached pages spelling the longest prefix of `token_ids` (packed by
         `pack_tokens`) under `salt` (see `salt_key`), at most `max_pages` pages. Changes
-        nothing but dropping dead pages it meets."""
+        nothing."""
         root = self._roots.get(salt)
         if root is None:  # nothing cached under this salt: match at a root not in the tree
             return PrefixMatch([], _salted_root(salt), 0)
@@ -135,12 +131,7 @@ class PrefixCache:
         new_pages = pages[num_held:]
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
-        for page in new_pages:
-            if node_of_page[page] is not None:  # evicted from that node, now reused
-                self._drop_dead(node_of_page[page])
         self.allocator.mark_cached(new_pages)
-        if node.parent is None:  # a salted root the drops above may have left empty
-            self._roots[salt] = node
         if depth < len(node.pages):
             node = self._split(node, depth)
         if node.parent is not None and not node.children:
@@ -154,7 +145,7 @@ class PrefixCache:
         return len(pages)
 
     def page_keys(self, pages: list[int]) -> list[PageKey]:
-        """The tier keys of `pages`, pages of the tree (live, or dead and not yet dropped)."""
+        """The tier keys of `pages`, pages of the tree."""
         keys = []
         for page in pages:
             node = self._node_of_page[page]
@@ -183,9 +174,9 @@ class PrefixCache:
         """Whether `pages` spell a path of live pages of the tree from the root."""
         if not pages:
             return True
-        if not all(self._live[page] for page in pages):
-            return False
         node = self._node_of_page[pages[-1]]
+        if node is None:
+            return False
         path = node.pages[:node.pages.index(pages[-1]) + 1]
         while node.parent.parent is not None:
             node = node.parent
@@ -198,21 +189,14 @@ class PrefixCache:
               depth: int) -> tuple[PrefixNode, int]:
         """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
         the walk extends), the last `depth` of them the first pages of `node`, up to
-        `max_pages` pages in all; returns where it stopped: a node and a depth in it. Each
-        node the walk enters loses its dead pages first."""
-        page_bytes, live = self._page_bytes, self._live
-        if node.pages and not live[node.pages[-1]]:
-            self._drop_dead(node)
+        `max_pages` pages in all; returns where it stopped: a node and a depth in it."""
+        page_bytes = self._page_bytes
         start, limit = len(pages) * page_bytes, max_pages * page_bytes
         while start < limit:
             if depth == len(node.pages):  # past this node's run: enter a child
                 child = node.children.get(token_ids[start:start + page_bytes])
                 if child is None:
                     break
-                if not live[child.pages[-1]]:
-                    self._drop_dead(child)
-                    if not child.pages:
-                        break
                 node, depth = child, 0
             offset = depth * page_bytes
             end = start + len(node.tokens) - offset
@@ -231,26 +215,27 @@ class PrefixCache:
     def _page_tokens(self, node: PrefixNode, i: int) -> tuple[int, ...]:
         return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
 
-    def _drop_dead(self, node: PrefixNode) -> None:
-        """Cut `node`'s dead pages, its last ones, and every node below them; `node` itself
-        when all its pages are dead."""
-        live, node_of_page, keep = self._live, self._node_of_page, len(node.pages)
-        while keep and not live[node.pages[keep - 1]]:
-            keep -= 1
-        for page in node.pages[keep:]:
+    def _evicted(self, pages: list[int]) -> None:
+        """The allocator's eviction listener: cut `pages` (coldest first, each the last page
+        of a leaf once the pages before it in the list are cut) from the tree, then run the
+        hooks. A leaf left empty goes, and so does a salted root left with no child."""
+        hooks = self.evict_hooks
+        keys = self.page_keys(pages) if hooks else []
+        node_of_page, page_bytes = self._node_of_page, self._page_bytes
+        for page in pages:
+            node = node_of_page[page]
             node_of_page[page] = None
-        for below in self._nodes(node):
-            for page in below.pages:
-                node_of_page[page] = None
-        del node.pages[keep:]
-        del node.tokens[keep * self._page_bytes:]
-        node.children.clear()
-        parent = node.parent
-        if not keep and parent.children.get(node.key) is node:
-            del parent.children[node.key]
-            if parent is not self.root and not parent.children and \
-                    self._roots.get(parent.key) is parent:  # a salted root left empty
-                del self._roots[parent.key]
+            run = node.pages
+            run.pop()
+            if run:
+                del node.tokens[-page_bytes:]
+                continue
+            siblings = node.parent.children
+            del siblings[node.key]
+            if not siblings and node.parent.parent is None and node.parent is not self.root:
+                del self._roots[node.parent.key]
+        for hook in hooks:
+            hook(pages, keys)
 
     def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
         """Split `node` after its first `depth` pages into a new parent holding those and
@@ -285,13 +270,20 @@ class PrefixCache:
 
     def check(self) -> None:
         """Tree invariants: links, keys and the page index consistent, no empty node, each
-        page listed once; the allocator's cached marks exactly the tree's live pages; along
-        every path a live page follows only live pages (the dead ones, evicted but not yet
-        dropped, end it), a page is held whenever the live page after it is, and is warmer
-        when both are cached (so that eviction always takes a leaf's last live page)."""
-        page_bytes, live, refcounts = self._page_bytes, self._live, self.allocator.refcounts
-        rank = {page: i for i, page in enumerate(self.allocator.cached_pages())}
-        listed = num_live = 0
+        page listed once; the tree's pages exactly the pages the allocator marks as the
+        tree's, held or cached (so every cached page, and no evicted one); along every path a
+        page is held whenever the page after it is, and is warmer when both are cached (so
+        that eviction always takes a leaf's last page)."""
+        page_bytes = self._page_bytes
+        cached = self.allocator.cached_pages()
+        rank = {page: i for i, page in enumerate(cached)}  # 0: the coldest
+        listed: list[int] = []
+        indexed = [page for page, node in enumerate(self._node_of_page) if node is not None]
+        marked = self.allocator.marked_pages()
+        assert indexed == marked, (
+            f"the tree lists pages {sorted(set(indexed) - set(marked))[:5]} the allocator "
+            f"does not mark as its own, and misses marked pages "
+            f"{sorted(set(marked) - set(indexed))[:5]}")
         for salt, root in self._roots.items():
             assert root.key == salt and root.parent is None and not root.pages, (
                 f"the root of salt {salt.hex()} is misplaced")
@@ -305,10 +297,7 @@ class PrefixCache:
             assert len(node.tokens) == page_bytes * len(node.pages), (
                 f"{where} has {len(node.tokens)} token bytes for {len(node.pages)} pages")
             for earlier, later in pairwise(node.parent.pages[-1:] + node.pages):
-                if not live[later]:
-                    continue
-                assert live[earlier], f"live page {later} follows dead page {earlier}"
-                assert refcounts[earlier] or not refcounts[later], (
+                assert not (earlier in rank and later not in rank), (
                     f"page {later} is held but the page before it, {earlier}, is not")
                 if earlier in rank and later in rank:
                     assert rank[later] < rank[earlier], (
@@ -319,14 +308,9 @@ class PrefixCache:
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self.chain_key(node.parent, len(node.parent.pages)), (
                     f"{where}: stale base key")
-            listed += len(node.pages)
-            num_live += sum(live[page] for page in node.pages)
-        indexed = len(self._node_of_page) - self._node_of_page.count(None)
-        marked = live.count(1)
-        assert listed == indexed, f"the page index names {indexed} pages, the tree lists {listed}"
-        assert num_live == marked == self.num_pages, (
-            f"{marked} pages marked cached, num_pages={self.num_pages}, "
-            f"{num_live} live pages in the tree")
+            listed += node.pages
+        assert len(listed) == len(indexed), (
+            f"the page index names {len(indexed)} pages, the tree lists {len(listed)}")
 
 
 def salt_key(cache_salt: str | None) -> bytes:
