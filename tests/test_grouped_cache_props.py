@@ -1,5 +1,6 @@
-"""Random operation sequences on a GroupedCache (a full-attention layer and a layer with a
-6-token window, each group in a pool of its own), checking every invariant after every step.
+"""Random operation sequences on a KVCache of two page groups (a full-attention layer and a
+layer with a 6-token window, each in a pool of its own), checking every invariant after every
+step.
 
 Each token's K value is an id unique to its content (the token ids up to and including it). The
 model's writes go through `slot_mapping` from the prefix hit on, as the engine's do, so a group
@@ -22,9 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool.cache import HOLE
+from kvpool.cache import HOLE, KVCache
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
-from kvpool.grouped_cache import GroupedCache
 from kvpool.layout import KVLayout
 
 PAGE_SIZE = 4
@@ -45,8 +45,8 @@ class GroupedMachine(RuleBasedStateMachine):
         super().__init__()
         layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=1, dtype=torch.float32,
                           page_size=PAGE_SIZE, layer_windows=(None, WINDOW))
-        self.cache = GroupedCache(layout, NUM_PAGES, device="cpu",
-                                  prefix_caching=prefix_caching, max_tokens_per_seq=MAX_TOKENS)
+        self.cache = KVCache(layout, NUM_PAGES, device="cpu",
+                             prefix_caching=prefix_caching, max_tokens_per_seq=MAX_TOKENS)
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}
         self.next_seq = 0
@@ -63,7 +63,7 @@ class GroupedMachine(RuleBasedStateMachine):
             return
         k = torch.tensor([[self.value(tokens, p)] for p in range(start, len(tokens))],
                          dtype=torch.float32).view(-1, 1, 1)
-        for g, pool in enumerate(self.cache.pool.pools):
+        for g, pool in enumerate(self.cache.kv_pools.pools):
             slots = self.cache.slot_mapping([seq_id], [start], [len(tokens)], group=g)
             pool.write(0, slots, k, -k)
 
@@ -71,10 +71,10 @@ class GroupedMachine(RuleBasedStateMachine):
         c = self.cache
         return ({sid: [(c.pages(sid, g), c.num_tokens(sid)) for g in range(2)]
                  for sid in c.sequences()},
-                [[cache.allocator.refcount(p) for p in range(cache.num_pages)]
+                [[cache.allocator.refcount(p) for p in range(cache.allocator.num_pages)]
                  for cache in c.groups],
                 c.stats(), c.group_stats(),
-                [pool.kv.view(torch.uint8).clone() for pool in c.pool.pools])  # NaN-safe
+                [pool.kv.view(torch.uint8).clone() for pool in c.kv_pools.pools])  # NaN-safe
 
     def attempt(self, call):
         before = self.snapshot()
@@ -220,7 +220,7 @@ class GroupedMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_sequence_reads_its_own_values(self):
-        for g, pool in enumerate(self.cache.pool.pools):
+        for g, pool in enumerate(self.cache.kv_pools.pools):
             k = pool.k_cache(0).reshape(-1)
             for seq_id, tokens in self.tokens.items():
                 slots = self.cache.slots(seq_id, g)
@@ -236,7 +236,7 @@ class GroupedMachine(RuleBasedStateMachine):
         for cache in self.cache.groups:
             if cache.prefix_cache is not None:
                 cache.prefix_cache.clear()
-            assert cache.allocator.num_free == cache.num_pages
+            assert cache.allocator.num_free == cache.allocator.num_pages
         self.cache.check()
 
 

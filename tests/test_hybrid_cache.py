@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from hybrid_util import hybrid_cache
 from kvpool.errors import DuplicateSequence, OutOfPages, OutOfStateSlots, UnknownSequence
-from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 
@@ -18,13 +18,13 @@ STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_
 
 
 def cache(num_pages=8, num_slots=3, *, device):
-    return HybridCache(LAYOUT, num_pages, STATES, num_slots, device=device)
+    return hybrid_cache(LAYOUT, num_pages, STATES, num_slots, device=device)
 
 
 def test_a_sequence_holds_its_pages_and_one_state_slot(device):
     c = cache(device=device)
     assert c.add_sequence("a", num_tokens=6) == 0
-    assert (c.pages("a"), c.state_slot("a"), c.num_free_state_slots) == ([0, 1], 0, 2)
+    assert (c.pages("a"), c.state_slot("a"), c.states.num_free) == ([0, 1], 0, 2)
     c.check()
 
 
@@ -32,7 +32,7 @@ def test_free_returns_the_pages_and_the_slot(device):
     c = cache(device=device)
     c.add_sequence("a", num_tokens=6)
     c.free_sequence("a")
-    assert (c.num_free_pages, c.num_free_state_slots, c.sequences()) == (8, 3, [])
+    assert (c.num_free_pages, c.states.num_free, c.sequences()) == (8, 3, [])
     c.check()
 
 
@@ -75,7 +75,7 @@ def test_out_of_pages_takes_no_state_slot(device):
     c = cache(num_pages=2, device=device)
     with pytest.raises(OutOfPages):
         c.add_sequence("a", num_tokens=9)
-    assert c.num_free_state_slots == 3
+    assert c.states.num_free == 3
     c.check()
 
 
@@ -172,7 +172,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.cache.check()
         assert self.cache.sequences() == list(self.tokens)
         assert {s: self.cache.num_tokens(s) for s in self.tokens} == self.tokens
-        assert self.cache.num_free_state_slots == 4 - len(self.tokens)
+        assert self.cache.states.num_free == 4 - len(self.tokens)
 
 
 TestHybridCacheMachine = HybridCacheMachine.TestCase

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, StateSpec
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.params import SamplingParams
@@ -25,8 +25,6 @@ from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
 from kvpool.errors import OutOfPages, SequenceTooLong, StepFailed
 from kvpool.group_plan import split_budget
-from kvpool.grouped_cache import GroupedCache
-from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
 from kvpool.state_pool import RESERVED_SLOTS
 from kvpool.threads import limit_threads
@@ -42,12 +40,12 @@ class LLM:
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
     max_num_batched_tokens, max_model_len, dtype, kv_cache_dtype, kv_scales, device, seed,
     enforce_eager). `on_step` is called with a StepRecord after every step. `cache` is the
-    KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
-    (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
-    from the cache's budget. A model mixing full-attention and sliding-window
-    layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
-    pages of every layer (planned or given) split between a full pool and a window pool
-    (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
+    KVCache over the model's layer groups: for a hybrid model (Bamba) with a state group, a
+    state slot per seat (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for
+    checkpoints, all taken from the cache's budget. A model mixing full-attention and
+    sliding-window layers (Gemma 3, Qwen with layer_types) gets a full and a window group:
+    the bytes of `num_pages` pages of every layer (planned or given) split between their
+    pools (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager`.
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
     prefix pages the pool evicts, named by the layout and a fingerprint of the weights;
@@ -84,34 +82,27 @@ class LLM:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
+        pages: int | list[int] = num_pages
+        if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
+            pages = [pool.num_pages for pool in split_budget(
+                layout, num_pages * layout.bytes_per_page, max_num_seqs=self.config.max_num_seqs,
+                prefill_tokens=self.max_model_len)]
+        states = None
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
             interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
-            self.cache = HybridCache(
-                layout, num_pages, mamba, num_slots, device=device,
-                prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
-                checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
-                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
-        elif len(layout.groups) > 1 and self.config.free_out_of_window:
-            pools = split_budget(layout, num_pages * layout.bytes_per_page,
-                                 max_num_seqs=self.config.max_num_seqs,
-                                 prefill_tokens=self.max_model_len)
-            self.cache = GroupedCache(layout, [pool.num_pages for pool in pools], device=device,
-                                      prefix_caching=self.config.prefix_caching,
-                                      max_tokens_per_seq=self.max_model_len,
-                                      kv_scales=self.config.kv_scales)
-        else:
-            tier = make_tier(self.config, layout.bytes_per_page)
-            fingerprint = weights_fingerprint(self.model) if tier is not None else ""
-            self.cache = KVCache(layout, num_pages, device=device,
-                                 prefix_caching=self.config.prefix_caching,
-                                 max_tokens_per_seq=self.max_model_len,
-                                 kv_scales=self.config.kv_scales,
-                                 free_out_of_window=self.config.free_out_of_window,
-                                 tier=tier, model_fingerprint=fingerprint)
-        smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
-            if isinstance(self.cache, GroupedCache) else num_pages
+            states = StateSpec(mamba, num_slots, num_checkpoints, interval,
+                               interval * -(-256 // interval))
+        tier = make_tier(self.config, layout.bytes_per_page)
+        fingerprint = weights_fingerprint(self.model) if tier is not None else ""
+        self.cache = KVCache(layout, pages, device=device,
+                             prefix_caching=self.config.prefix_caching,
+                             max_tokens_per_seq=self.max_model_len,
+                             kv_scales=self.config.kv_scales,
+                             free_out_of_window=self.config.free_out_of_window,
+                             tier=tier, model_fingerprint=fingerprint, states=states)
+        smallest_pool = min(pool.num_pages for pool in self.cache.kv_pools.pools)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
