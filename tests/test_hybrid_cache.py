@@ -1,11 +1,8 @@
-"""HybridCache: a sequence's KV pages and state slot live and die together; fork copies the
-state; failures change nothing; a random operation sequence keeps check() true."""
+"""KVCache with a Mamba state group: a sequence's KV pages and state slot live and die together;
+fork copies the state; failures change nothing (random operation sequences: test_cache_props)."""
 
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from hybrid_util import hybrid_cache
 from kvpool.errors import DuplicateSequence, OutOfPages, OutOfStateSlots, UnknownSequence
@@ -106,75 +103,3 @@ def test_state_batch_lists_the_slots_in_order(device):
     c.add_sequence("b", num_tokens=1)
     batch = c.state_batch(["b", "a"])
     assert batch.pool is c.states and batch.slots.tolist() == [1, 0]
-
-
-class HybridCacheMachine(RuleBasedStateMachine):
-    """Random add / append / fork / commit / free with check() after every step, and the
-    model: the live sequences and their token counts."""
-
-    seqs = Bundle("seqs")
-
-    def __init__(self):
-        super().__init__()
-        self.cache = cache(num_pages=10, num_slots=4, device="cpu")
-        self.tokens = {}
-        self.next_id = 0
-
-    @rule(target=seqs, n=st.integers(1, 12))
-    def add(self, n):
-        seq_id = self.next_id
-        self.next_id += 1
-        if len(self.tokens) == 4:
-            with pytest.raises(OutOfStateSlots):
-                self.cache.add_sequence(seq_id, num_tokens=n)
-            return seq_id
-        try:
-            self.cache.add_sequence(seq_id, num_tokens=n)
-        except OutOfPages:
-            return seq_id
-        self.tokens[seq_id] = n
-        return seq_id
-
-    @rule(seq_id=seqs, n=st.integers(1, 6))
-    def append(self, seq_id, n):
-        if seq_id not in self.tokens:
-            return
-        try:
-            self.cache.append(seq_id, n)
-        except OutOfPages:
-            return
-        self.tokens[seq_id] += n
-
-    @rule(target=seqs, parent=seqs)
-    def fork(self, parent):
-        child = self.next_id
-        self.next_id += 1
-        if parent not in self.tokens:
-            with pytest.raises(UnknownSequence):
-                self.cache.fork(parent, child)
-            return child
-        try:
-            self.cache.fork(parent, child)
-        except OutOfStateSlots:
-            assert len(self.tokens) == 4
-            return child
-        self.tokens[child] = self.tokens[parent]
-        return child
-
-    @rule(seq_id=consumes(seqs))
-    def free(self, seq_id):
-        if seq_id in self.tokens:
-            self.cache.free_sequence(seq_id)
-            del self.tokens[seq_id]
-
-    @invariant()
-    def consistent(self):
-        self.cache.check()
-        assert self.cache.sequences() == list(self.tokens)
-        assert {s: self.cache.num_tokens(s) for s in self.tokens} == self.tokens
-        assert self.cache.states.num_free == 4 - len(self.tokens)
-
-
-TestHybridCacheMachine = HybridCacheMachine.TestCase
-TestHybridCacheMachine.settings = settings(max_examples=50, stateful_step_count=30,
-                                           deadline=None)

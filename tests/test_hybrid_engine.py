@@ -160,7 +160,7 @@ def test_state_slots_larger_than_the_budget_are_named(checkpoint):
 def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts, device):
     llm = _llm(checkpoint, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 0.25), device=device)
     assert llm.cache.layout.dtype == torch.float8_e4m3fn
-    assert llm.cache.kv.pool.scales.tolist() == [[0.5, 0.25]]
+    assert llm.cache.pool.scales.tolist() == [[0.5, 0.25]]
     outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [len(t) for t in _tokens(outputs)] == [MAX_TOKENS] * 3
     _assert_drained(llm)
@@ -170,7 +170,7 @@ def test_checkpoints_saved_after_decode_steps_serve_a_later_prompt(checkpoint, h
     # One-token rows' checkpoints are copied by the runner after the forward (a CUDA graph
     # replay runs no Python); a prompt that continues a generated sequence starts from one.
     llm = _llm(checkpoint)
-    llm.cache.track_interval = 8  # checkpoints every 8 tokens of output
+    llm.cache.state.track_interval = 8  # checkpoints every 8 tokens of output
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     first = llm.generate([[3, 4, 5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.cache.states.stats().num_copies == 3  # decode steps ending at 8, 16, 24 tokens
