@@ -35,7 +35,7 @@ from kvpool.tokens import TOKEN_BYTES, pack_tokens
 @dataclass(slots=True)
 class _Sequence:
     num_tokens: int
-    token_ids: bytearray | None  # every token's id, packed; None: unknown
+    token_ids: bytearray | None  # every token's id, packed; None: unknown, or not cached
     salt: bytes  # the prefix cache's root of its cache salt (salt_key)
 
 
@@ -115,20 +115,26 @@ class KVCache:
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
         n, ids = _tokens(token_ids, num_tokens)
-        salt = salt_key(cache_salt)
-        self._check_length(seq_id, n)
+        salt = b"" if cache_salt is None else salt_key(cache_salt)
+        if self.max_tokens_per_seq is not None:
+            self._check_length(seq_id, n)
         plans = self._plan_add(ids, n, salt)
-        for group, plan in zip(self.groups, plans, strict=True):
+        for group, plan in plans:
             if not group.room(plan):
                 raise self._shortage(group, plan)
         hit = n
-        for group, plan in zip(self.groups, plans, strict=True):
-            hit = min(hit, group.add(seq_id, n, salt, plan))
-        if ids is not None and self.prefix_cache is not None:
+        for group, plan in plans:
+            served = group.add(seq_id, n, salt, plan)
+            if served < hit:
+                hit = served
+        if ids is None or self.prefix_cache is None:  # nothing shares by content
+            self._seqs[seq_id] = _Sequence(n, None, salt)
+        else:
             self._query_tokens += n
             self._hit_tokens += hit
-        self._seqs[seq_id] = _Sequence(n, None if ids is None else bytearray(ids), salt)
-        self._settle()
+            self._seqs[seq_id] = _Sequence(n, bytearray(ids), salt)
+        if self.state is not None:
+            self.state.drop_orphans()
         return hit
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -201,7 +207,7 @@ class KVCache:
         """Tokens of `token_ids` the prefix cache would serve to `add_sequence` (pages a tier
         would load are not counted). Changes nothing."""
         n, ids = _tokens(token_ids, None)
-        return min([plan.hit for plan in self._plan_add(ids, n, salt_key(cache_salt))])
+        return min([plan.hit for _, plan in self._plan_add(ids, n, salt_key(cache_salt))])
 
     def tokens_to_admit(self, token_ids: Sequence[int], budget: int, *,
                         cache_salt: str | None = None) -> int:
@@ -220,9 +226,9 @@ class KVCache:
         hits included: they are loaded into new pages) plus the cached pages its prefix hit
         would take off the cached queue. Changes nothing."""
         n, ids = _tokens(token_ids, num_tokens)
-        plans = self._plan_add(ids, n, salt_key(cache_salt))
         return sum(plan.need + group.num_unheld(plan.shared)
-                   for group, plan in zip(self.page_groups, plans, strict=False))
+                   for group, plan in self._plan_add(ids, n, salt_key(cache_salt))
+                   if group in self.page_groups)
 
     def pages_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
         """Pages (of every page group) `append(seq_id, num_tokens)` would take, copy-on-write
@@ -343,11 +349,6 @@ class KVCache:
         return self.num_free_pages + self.num_cached_pages
 
     @property
-    def scrub_on_free(self) -> bool:
-        """Whether pages no sequence or cache keeps are zeroed (fixed at construction)."""
-        return self.page_groups[0].scrub_on_free
-
-    @property
     def device(self) -> torch.device:
         """Where the pools live."""
         return self.pool.device
@@ -383,14 +384,16 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _plan_add(self, ids: bytes | None, n: int, salt: bytes) -> list[Plan]:
-        """Every group's plan for a new sequence, each served at most what the groups before
-        it serve."""
+    def _plan_add(self, ids: bytes | None, n: int, salt: bytes
+                  ) -> list[tuple[GroupManager, Plan]]:
+        """Every group with its plan for a new sequence, each served at most what the groups
+        before it serve."""
         plans, limit = [], n
         for group in self.groups:
             plan = group.plan_add(ids, n, salt, limit)
-            limit = min(limit, plan.hit)
-            plans.append(plan)
+            if plan.hit < limit:
+                limit = plan.hit
+            plans.append((group, plan))
         return plans
 
     def _grow(self, seq_ids: list[Hashable], seqs: list[_Sequence], counts: list[int],
@@ -430,8 +433,9 @@ class KVCache:
         return slots
 
     def _settle(self) -> None:
-        for group in self.groups:
-            group.settle()
+        """Let the state group catch up with the KV evictions of the call."""
+        if self.state is not None:
+            self.state.drop_orphans()
 
     def _shortage(self, group: GroupManager, plan: Plan) -> KVPoolError:
         return self._named(group, group.shortage(plan))

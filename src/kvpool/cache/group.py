@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvpool.errors import KVPoolError
 
@@ -44,7 +44,8 @@ class CacheStats:
         return self.prefix_hit_tokens / q if q else 0.0
 
 
-class Plan(NamedTuple):
+@dataclass(slots=True)
+class Plan:
     """What a call would take from one group: `need` new units of its memory (pages, or
     state slots), the `shared` pages it would hold besides (a prefix hit), the tokens of a
     new sequence it would serve (`hit`), and the group's own notes."""
@@ -114,9 +115,6 @@ class GroupManager(ABC):
         """Tokens of a new sequence of `n` entering with its first `entering` that this group
         must find room for at once: all of them, since it keeps every page."""
         return n
-
-    def settle(self) -> None:  # noqa: B027 - most groups have nothing to catch up with
-        """Catch up with what other groups did meanwhile (the state group: KV evictions)."""
 
     @abstractmethod
     def check(self, num_tokens: dict[Hashable, int]) -> None:

@@ -74,12 +74,13 @@ class FullAttention(GroupManager):
 
     def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:
         """Its own prefix match, whatever `limit`: shared all the same (see the module)."""
-        match = self.match(token_ids, n, salt)
+        match = NO_MATCH if token_ids is None else self._index.match(
+            token_ids, (n - 1) // self.page_size if n else 0, salt)
         return Plan(-(-n // self.page_size) - len(match.pages),
                     len(match.pages) * self.page_size, match.pages, (match, token_ids))
 
     def add(self, seq_id: Hashable, n: int, salt: bytes, plan: Plan) -> int:
-        need, _, _, (match, ids) = plan
+        need, (match, ids) = plan.need, plan.data
         loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
         if match.pages:
             self.allocator.share(match.pages)
@@ -91,7 +92,7 @@ class FullAttention(GroupManager):
             self._query_tokens += n
             self._hit_tokens += hit_pages * self.page_size
         hit = hit_pages * self.page_size
-        self._seqs[seq_id] = _PageTable(pages, n, hit_pages, hit, caching=ids is not None)
+        self._seqs[seq_id] = _PageTable(pages, n, hit_pages, hit, 0, ids is not None)
         return hit
 
     def plan_append(self, seq_id: Hashable, n: int, copied: dict[int, int]) -> Plan:
@@ -170,17 +171,12 @@ class FullAttention(GroupManager):
 
     def free(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id)
-        self._scrub(self.allocator.free(seq.pages[seq.num_dropped:]))
+        del seq.pages[:seq.num_dropped]  # HOLE entries
+        gone = self.allocator.free(seq.pages)
+        if self.scrub_on_free:
+            self._scrub(gone)
 
     # ---- queries -----------------------------------------------------------------------
-
-    def match(self, token_ids: bytes | None, n: int, salt: bytes) -> PrefixMatch:
-        """The cached prefix of a sequence of `n` tokens under `salt`: whole pages, never the
-        last token (its logits must be computed); the empty match when the content is
-        unknown."""
-        if token_ids is None:
-            return NO_MATCH
-        return self._index.match(token_ids, (n - 1) // self.page_size if n else 0, salt)
 
     def num_unheld(self, pages: Sequence[int]) -> int:
         """How many of `pages` no sequence holds (cached): a hit takes them off the queue."""

@@ -245,10 +245,11 @@ class MambaState(GroupManager):
             self.checkpoints.release(slot)
         self.states.free(seq.slot)
 
-    def settle(self) -> None:
+    def drop_orphans(self) -> None:
         """After KV pages were evicted, drop the checkpoints whose prefix lost a page (a state
         is of no use without the KV before it). The one place that follows KV evictions: it
-        polls the allocator's eviction count."""
+        polls the allocator's eviction count (the coordinator calls it after every call that
+        may allocate)."""
         evicted = self.kv.allocator.stats().num_evicted
         if evicted == self._num_evicted_pages:
             return
