@@ -8,7 +8,7 @@ then appends of 256 tokens up to 32,768 tokens, each kept alive, until a call ra
 OutOfPages. The table gives the sequences that reached 32,768 tokens together, the pages each
 holds at the end, and the tokens the pool has a slot for, with every page kept in one pool (the
 baseline, same run) against pages given back: by the KVCache of a model whose every layer is
-windowed (Mistral), and by a full/window pool pair (GroupedCache) for models mixing full and
+windowed (Mistral), and by a KVCache of a full and a window group for models mixing full and
 windowed layers (Gemma 3, Qwen3 with layer_types), its 4 GiB split by kvpool.group_plan for
 8 sequences' windows and one prompt.
 
