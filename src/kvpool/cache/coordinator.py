@@ -409,10 +409,10 @@ class KVCache:
             total = Plan(sum([plan.need for plan in batch]))
             if not group.room(total):
                 raise self._shortage(group, total)
-            plans.append(batch)
+            plans.append((group, batch, total.need))
         slots: list[int] = []
-        for group, batch in zip(self.groups, plans, strict=True):
-            new = group.allocate(sum([plan.need for plan in batch]))
+        for group, batch, need in plans:
+            new = group.allocate(need)
             grown: list[int] = []
             taken = 0
             for sid, n, ids, plan in zip(seq_ids, counts, packed, batch, strict=True):
@@ -429,7 +429,8 @@ class KVCache:
                     seq.token_ids = None  # content unknown from here on
                 else:
                     seq.token_ids += ids
-        self._settle()
+        if self.state is not None:
+            self.state.drop_orphans()
         return slots
 
     def _settle(self) -> None:
