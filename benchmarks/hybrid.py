@@ -25,7 +25,7 @@ import random
 
 import torch
 
-from kvpool.hybrid_cache import HybridCache
+from kvpool.cache import KVCache, StateSpec
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 from kvpool.state_pool import MambaLayout
@@ -57,7 +57,7 @@ def workload(seed: int = 0) -> list[tuple[int, list[int], list[int]]]:
     return requests
 
 
-def run(cache: HybridCache, requests) -> tuple[int, int]:
+def run(cache: KVCache, requests) -> tuple[int, int]:
     """(prompt tokens, prompt tokens served from the prefix cache) over the workload."""
     total = served = 0
     for i, (_, prompt, answer) in enumerate(requests):
@@ -76,15 +76,14 @@ def run(cache: HybridCache, requests) -> tuple[int, int]:
     return total, served
 
 
-def hybrid_cache(ratio: float, track: int | None) -> HybridCache:
+def hybrid_cache(ratio: float, track: int | None) -> KVCache:
     """The cache `ratio` of BUDGET gives state slots; track None: no prefix caching."""
     slots = int(BUDGET * ratio) // SLOT_BYTES
     pages = (BUDGET - slots * SLOT_BYTES) // PAGE_BYTES
     if track is None:
-        return HybridCache(LAYOUT, pages, STATES, 1, device="cpu")
-    return HybridCache(LAYOUT, pages, STATES, 1, device="cpu", prefix_caching=True,
-                       num_checkpoint_slots=slots - 1, checkpoint_interval=INTERVAL,
-                       track_interval=track)
+        return KVCache(LAYOUT, pages, device="cpu", states=StateSpec(STATES, 1))
+    return KVCache(LAYOUT, pages, device="cpu", prefix_caching=True,
+                   states=StateSpec(STATES, 1, slots - 1, INTERVAL, track))
 
 
 def main() -> None:
@@ -100,7 +99,7 @@ def main() -> None:
         total, served = run(cache, requests)
         recomputed = total - served
         baseline = baseline or recomputed
-        slots = cache.checkpoints.capacity
+        slots = cache.state.checkpoints.capacity
         print(f"{name:<26}{slots:>11,}{cache.num_pages:>8,}{served / total:>10.1%}"
               f"{recomputed:>12,}{recomputed / baseline:>9.2f}")
 

@@ -8,7 +8,7 @@ then appends of 256 tokens up to 32,768 tokens, each kept alive, until a call ra
 OutOfPages. The table gives the sequences that reached 32,768 tokens together, the pages each
 holds at the end, and the tokens the pool has a slot for, with every page kept in one pool (the
 baseline, same run) against pages given back: by the KVCache of a model whose every layer is
-windowed (Mistral), and by a full/window pool pair (GroupedCache) for models mixing full and
+windowed (Mistral), and by a KVCache of a full and a window group for models mixing full and
 windowed layers (Gemma 3, Qwen3 with layer_types), its 4 GiB split by kvpool.group_plan for
 8 sequences' windows and one prompt.
 
@@ -36,7 +36,6 @@ from kvpool.cache import HOLE, KVCache
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import OutOfPages
 from kvpool.group_plan import split_budget
-from kvpool.grouped_cache import GroupedCache
 from kvpool.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 
@@ -64,9 +63,10 @@ NUM_REQUESTS, OUTPUT_TOKENS, ENGINE_PAGES = 12, 256, 1280
 MAX_MODEL_LEN = 8192 + OUTPUT_TOKENS
 
 
-def shrunk_cache(model, kv_cache_dtype: str, free: bool) -> KVCache | GroupedCache:
+def shrunk_cache(model, kv_cache_dtype: str, free: bool) -> KVCache:
     """A cache of the bytes of POOL_BYTES of the model's layout, its pages shrunk to one float
-    per token, layer and plane: a pair for a mixed layout when `free`, else one pool."""
+    per token, layer and plane: a full and a window group for a mixed layout when `free`,
+    else one pool."""
     layout = ModelConfig.from_hf(model).kv_layout(page_size=PAGE_SIZE,
                                                   kv_cache_dtype=kv_cache_dtype)
     shrunk = KVLayout(layout.num_layers, 1, 1, torch.float32, PAGE_SIZE,
@@ -74,7 +74,7 @@ def shrunk_cache(model, kv_cache_dtype: str, free: bool) -> KVCache | GroupedCac
     if free and len(layout.groups) > 1:
         pools = split_budget(layout, POOL_BYTES, max_num_seqs=WINDOW_SEQS,
                              prefill_tokens=PROMPT)
-        return GroupedCache(shrunk, [pool.num_pages for pool in pools], device="cpu")
+        return KVCache(shrunk, [pool.num_pages for pool in pools], device="cpu")
     return KVCache(shrunk, POOL_BYTES // layout.bytes_per_page, device="cpu",
                    free_out_of_window=free)
 
@@ -93,12 +93,9 @@ def sequences_held(model, kv_cache_dtype: str, free: bool) -> tuple[int, int, in
     except OutOfPages:  # the pool is full: `done` sequences reached CONTEXT together
         pass
     cache.check()
-    if isinstance(cache, GroupedCache):
-        held = [sum(page != HOLE for page in cache.pages(done - 1, g)) if done else 0
-                for g in range(len(cache.groups))]
-        return done, "+".join(map(str, held)), cache.groups[0].num_pages * PAGE_SIZE
-    held = sum(page != HOLE for page in cache.pages(done - 1)) if done else 0
-    return done, str(held), cache.num_pages * PAGE_SIZE
+    held = [sum(page != HOLE for page in cache.pages(done - 1, g)) if done else 0
+            for g in range(len(cache.groups))]
+    return done, "+".join(map(str, held)), cache.groups[0].allocator.num_pages * PAGE_SIZE
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import random
 import torch
 import transformers
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, StateSpec
 from kvpool.state_pool import MambaPool, StateBatch
 from models_util import packed_context
 
@@ -97,3 +97,11 @@ class HybridRunner:
                 out[seq_id].append(token)
             chunks = {seq_id: [tokens[-1]] for seq_id, tokens in out.items()}
         return out
+
+
+def hybrid_cache(layout, num_pages, mamba_layout, num_slots, *, num_checkpoint_slots=0,
+                 checkpoint_interval=64, track_interval=256, **options) -> KVCache:
+    """A KVCache of one full-attention group of `layout` and a state group of `mamba_layout`."""
+    spec = StateSpec(mamba_layout, num_slots, num_checkpoint_slots, checkpoint_interval,
+                     track_interval)
+    return KVCache(layout, num_pages, states=spec, **options)

@@ -1,13 +1,16 @@
-"""Random operation sequences on KVCache, checking every invariant after every step.
+"""Random operation sequences on the coordinator (KVCache), checking every invariant after
+every step. One machine draws its configuration first: the group combination (one full group,
+one sliding-window group, a full and a window group, a full and a Mamba state group), the
+allocation policy, the page size, the page dtype (float32, or fp8 under scales of 1), K/V or
+MLA latent pages, prefix caching, and a small host tier (one page group only).
 
 Each token's K value is an id unique to its content (the token ids up to and including it),
-as real KV is. After every step each live sequence, read through its page table, must give
-back exactly its own values: a wrong share or a missed copy-on-write shows up at once. The
-tier variant evicts into a small host tier, so pages loaded back from it are checked too. The
-fp8 variants (K/V and MLA latent pages) store each id as two float8_e4m3fn values under given
-scales of 1, exact. The
-windowed variant's layer attends through a sliding window: pages out of it go back, and each
-sequence must still read every token of its window.
+as real KV is, written through each group's `slot_mapping` from the prefix hit on, as the
+engine writes (a group whose match outruns the hit sends the recomputed tokens to its padding
+page). After every step each live sequence, read through each group's page table, must give
+back exactly its own values: a wrong share, a rewritten shared page or a missed copy-on-write
+shows up at once; a window group must still hold every token of the window. fp8 pages store
+each id as two float8_e4m3fn values, exact.
 """
 
 import pytest
@@ -18,21 +21,25 @@ from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
     consumes,
+    initialize,
     invariant,
     precondition,
     rule,
 )
 
-from kvpool.cache import HOLE, KVCache
+from kvpool.cache import HOLE, KVCache, StateSpec
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
 from kvpool.fp8 import FP8_DTYPE
 from kvpool.layout import KVLayout
+from kvpool.state_pool import MambaLayout
 from kvpool.tiers import HostTier
 
 PAGE_SIZE = 4
-NUM_PAGES = 16
+NUM_PAGES = 16  # of PAGE_SIZE tokens: the same tokens at any page size
+WINDOW = 6
 MAX_TOKENS = 40  # per sequence: appends past it must fail and change nothing
 TIER_PAGES = 6
+STATE_SLOTS, CHECKPOINT_SLOTS, INTERVAL = 5, 3, 4
 VOCAB = 3
 # Prompts start from a few shared bases so that prefix hits, shared pages and evictions
 # of shared pages are common.
@@ -41,29 +48,47 @@ prompts = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(BASES
                     st.integers(0, 16), st.lists(st.integers(0, VOCAB - 1), max_size=3))
 # The positive finite float8_e4m3fn values, ascending: two of them spell an id exactly.
 E4M3_VALUES = torch.arange(1, 127, dtype=torch.uint8).view(FP8_DTYPE).float().tolist()
+WINDOWS = {"full": (), "window": (WINDOW,), "full+window": (None, WINDOW), "full+state": ()}
+configs = st.fixed_dictionaries({
+    "groups": st.sampled_from(list(WINDOWS)), "policy": st.sampled_from(["lifo", "first_fit"]),
+    "page_size": st.sampled_from([PAGE_SIZE, PAGE_SIZE, 1]), "fp8": st.booleans(),
+    "kind": st.sampled_from(["mha", "mla"]), "prefix_caching": st.booleans(),
+    "tier": st.booleans()})
+
+
+def build(groups, policy, page_size, fp8, kind, prefix_caching, tier) -> KVCache:
+    """The cache of one drawn configuration."""
+    windows = WINDOWS[groups]
+    layout = KVLayout(num_layers=max(len(windows), 1), num_kv_heads=1,
+                      head_dim=2 if fp8 else 1, dtype=FP8_DTYPE if fp8 else torch.float32,
+                      page_size=page_size, kind=kind, layer_windows=windows)
+    num_pages = NUM_PAGES * PAGE_SIZE // page_size
+    states = StateSpec(MambaLayout(1, 2, 2, 1, 1, 1, torch.float32), STATE_SLOTS,
+                       CHECKPOINT_SLOTS, INTERVAL, 2 * INTERVAL) if groups == "full+state" else None
+    one_group = len(windows) < 2 and states is None
+    return KVCache(layout, num_pages if len(windows) < 2 else (num_pages, num_pages * 5 // 8),
+                   device="cpu", policy=policy, prefix_caching=prefix_caching,
+                   tier=HostTier(TIER_PAGES) if tier and prefix_caching and one_group else None,
+                   max_tokens_per_seq=MAX_TOKENS, states=states,
+                   kv_scales=((1.0, 1.0) if kind == "mha" else 1.0) if fp8 else None)
 
 
 class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
-    def __init__(self, policy, prefix_caching, tier, page_size=PAGE_SIZE, fp8=False,
-                 kind="mha", window=None):
+    def __init__(self):
         super().__init__()
-        self.fp8 = fp8
-        self.window = window
-        self.page_size = page_size
-        self.num_pages = NUM_PAGES * PAGE_SIZE // page_size  # the same tokens at any page size
-        layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2 if fp8 else 1,
-                          dtype=FP8_DTYPE if fp8 else torch.float32, page_size=page_size,
-                          kind=kind, layer_windows=(window,) if window else ())
-        self.tier = HostTier(TIER_PAGES) if tier else None
-        self.cache = KVCache(layout, self.num_pages, device="cpu", policy=policy,
-                             prefix_caching=prefix_caching, tier=self.tier,
-                             max_tokens_per_seq=MAX_TOKENS,
-                             kv_scales=((1.0, 1.0) if kind == "mha" else 1.0) if fp8 else None)
+        self.cache = None
         self.tokens = {}  # seq id -> token ids the test gave it
         self.value_ids = {}  # content prefix -> unique value
         self.next_seq = 0
+
+    @initialize(config=configs)
+    def configure(self, config):
+        self.fp8 = config["fp8"]
+        self.page_size = config["page_size"]
+        self.cache = build(**config)
+        self.groups = self.cache.page_groups
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -76,23 +101,31 @@ class CacheMachine(RuleBasedStateMachine):
         return [value]
 
     def write(self, seq_id, start):
+        """Write tokens [start, end) in every group through slot_mapping, as the model does."""
         tokens = self.tokens[seq_id]
-        slots = self.cache.slots(seq_id)[start:]
-        if slots:
-            k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
-                             dtype=torch.float32).view(len(slots), 1, -1)
-            v = -k if self.cache.layout.kind == "mha" else None  # an MLA latent is one plane
-            self.cache.pool.write(0, torch.tensor(slots), k, v)
+        if start == len(tokens):
+            return
+        k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
+                         dtype=torch.float32).view(len(tokens) - start, 1, -1)
+        v = -k if self.cache.layout.kind == "mha" else None  # an MLA latent is one plane
+        for g, group in enumerate(self.groups):
+            group.pool.write(0, self.cache.slot_mapping([seq_id], [start], [len(tokens)],
+                                                        group=g), k, v)
 
     def snapshot(self):
         c = self.cache
-        tier = self.tier
+        state = None if c.state is None else (
+            {sid: c.state_slot(sid) for sid in c.sequences()}, c.states.num_free,
+            c.state.checkpoints.lengths())
         return (
-            {sid: (c.pages(sid), c.num_tokens(sid)) for sid in c.sequences()},
-            [c.allocator.refcount(p) for p in range(self.num_pages)],
-            c.stats(),
-            (list(tier), tier.stats()) if tier else None,
-            c.pool.kv.view(torch.uint8).clone(),  # the bytes: NaN compares equal to itself
+            {sid: ([c.pages(sid, g) for g in range(len(self.groups))], c.num_tokens(sid))
+             for sid in c.sequences()},
+            [[g.allocator.refcount(p) for p in range(g.allocator.num_pages)]
+             for g in self.groups],
+            c.stats(), c.group_stats(), state,
+            (list(c.tier), c.tier.stats()) if c.tier else None,
+            # the bytes: NaN compares equal to itself
+            [g.pool.kv.view(torch.uint8).clone() for g in self.groups],
         )
 
     def attempt(self, call):
@@ -114,8 +147,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     def assert_unchanged(self, before):
         after = self.snapshot()
-        assert before[:4] == after[:4]
-        assert torch.equal(before[4], after[4])
+        assert before[:6] == after[:6]
+        assert all(torch.equal(a, b) for a, b in zip(before[6], after[6], strict=True))
+
+    def grew(self, seq, new, known, start):
+        """Record tokens appended to `seq` from `start`, write them, and check the window."""
+        self.tokens[seq] = self.tokens[seq] + (
+            new if known else [("u", seq, start + i) for i in range(len(new))])
+        self.write(seq, start)
+        for g, group in enumerate(self.groups):
+            # exactly the pages wholly before the first new token's window went back
+            dropped = group.drop_point(start) if group.window else 0
+            assert self.cache.slots(seq, g).count(HOLE) == dropped * self.page_size
 
     # ---- rules ---------------------------------------------------------------------------
 
@@ -144,13 +187,8 @@ class CacheMachine(RuleBasedStateMachine):
         slots, ok = self.attempt(call)
         if ok:
             start = len(self.tokens[seq])
-            self.tokens[seq] = self.tokens[seq] + (
-                new if known else [("u", seq, start + i) for i in range(len(new))])
             assert slots == self.cache.slots(seq)[start:]
-            self.write(seq, start)
-            # exactly the pages wholly before the first new token's window went back
-            dropped = max(start - self.window + 1, 0) // self.page_size if self.window else 0
-            assert self.cache.slots(seq).count(HOLE) == dropped * self.page_size
+            self.grew(seq, new, known, start)
 
     @rule(batch=st.lists(st.tuples(seqs, st.lists(st.integers(0, VOCAB - 1), min_size=1,
                                                   max_size=6)), max_size=4),
@@ -169,12 +207,8 @@ class CacheMachine(RuleBasedStateMachine):
             expected = []
             for seq, new in news.items():
                 start = len(self.tokens[seq])
-                self.tokens[seq] = self.tokens[seq] + (new if how == "token_ids" else [
-                    ("u", seq, start + i) for i in range(len(new))])
                 expected += self.cache.slots(seq)[start:]
-                self.write(seq, start)
-                dropped = max(start - self.window + 1, 0) // self.page_size if self.window else 0
-                assert self.cache.slots(seq).count(HOLE) == dropped * self.page_size
+                self.grew(seq, new, how == "token_ids", start)
             assert slots == expected
 
     @rule(seq=seqs)
@@ -188,9 +222,21 @@ class CacheMachine(RuleBasedStateMachine):
             return None
         child = self.next_seq
         self.next_seq += 1
-        self.cache.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        return child
+        _, ok = self.attempt(lambda: self.cache.fork(parent, child))  # a state slot may lack
+        if ok:
+            self.tokens[child] = list(self.tokens[parent])
+            return child
+        return None
+
+    @precondition(lambda self: self.cache is not None and self.cache.state is not None)
+    @rule(seq=seqs, back=st.integers(0, 12))
+    def compute_states(self, seq, back):
+        """A step over the sequence's last `back` tokens: the state checkpoints it reserves
+        become matchable at the next commit."""
+        if seq in self.tokens:
+            n = len(self.tokens[seq])
+            batch = self.cache.state_batch([seq], [max(n - back, 0)], [n])
+            assert batch.slots.tolist() == [self.cache.state_slot(seq)]
 
     @rule(seq=seqs)
     def commit(self, seq):
@@ -203,7 +249,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.free_sequence(seq)
             del self.tokens[seq]
 
-    @precondition(lambda self: self.cache.prefix_cache is not None)
+    @precondition(lambda self: self.cache is not None and self.cache.prefix_cache is not None)
     @rule(tokens=prompts)
     def finish(self, tokens):
         """A whole request in one step: its prompt is added, written, committed and freed,
@@ -249,98 +295,66 @@ class CacheMachine(RuleBasedStateMachine):
             n = MAX_TOKENS + 1 - len(self.tokens[seq])
             self.fails(SequenceTooLong, lambda: self.cache.append(seq, n))
 
-    @precondition(lambda self: self.cache.prefix_cache is not None)
+    @precondition(lambda self: self.cache is not None and self.cache.prefix_cache is not None)
     @rule(num_pages=st.integers(1, 4))
     def evict(self, num_pages):
-        self.cache.prefix_cache.evict(num_pages)
+        self.cache.evict(num_pages)
 
-    @precondition(lambda self: self.cache.prefix_cache is not None)
+    @precondition(lambda self: self.cache is not None and self.cache.prefix_cache is not None
+                  and len(self.cache.page_groups) > 1)
+    @rule(num_pages=st.integers(1, 4))
+    def evict_in_the_window_group(self, num_pages):
+        """Later hits are bounded by the window group, while the full group matches more."""
+        self.cache.page_groups[1].prefix_cache.evict(num_pages)
+
+    @precondition(lambda self: self.cache is not None and self.cache.prefix_cache is not None)
     @rule()
     def clear(self):
-        self.cache.prefix_cache.clear()
+        self.cache.evict(self.cache.num_pages)
         assert self.cache.stats().num_cached_pages == 0
 
     # ---- invariants ----------------------------------------------------------------------
 
     @invariant()
     def structures_are_consistent(self):
+        if self.cache is None:
+            return
         self.cache.check()
-        s = self.cache.stats()
-        assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == self.num_pages
+        assert self.cache.sequences() == list(self.tokens)
+        for s, group in zip(self.cache.group_stats(), self.groups, strict=True):
+            assert s.num_free_pages + s.num_cached_pages + s.num_used_pages == \
+                group.allocator.num_pages
 
     @invariant()
     def every_sequence_reads_its_own_values(self):
-        k = self.cache.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim)
-        for seq_id, tokens in self.tokens.items():
-            slots = self.cache.slots(seq_id)
-            held = [p for p, slot in enumerate(slots) if slot != HOLE]
-            got = k[torch.tensor([slots[p] for p in held], dtype=torch.long)].float().tolist()
-            assert got == [self.value(tokens, p) for p in held], seq_id
-            in_window = range(max(len(tokens) - (self.window or len(tokens)), 0), len(tokens))
-            assert set(in_window) <= set(held), seq_id
+        if self.cache is None:
+            return
+        for g, group in enumerate(self.groups):
+            k = group.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim)
+            for seq_id, tokens in self.tokens.items():
+                slots = self.cache.slots(seq_id, g)
+                held = [p for p, slot in enumerate(slots) if slot != HOLE]
+                got = k[torch.tensor([slots[p] for p in held], dtype=torch.long)].float()
+                assert got.tolist() == [self.value(tokens, p) for p in held], (g, seq_id)
+                window = group.window or len(tokens)
+                assert set(range(max(len(tokens) - window, 0), len(tokens))) <= set(held)
 
     def teardown(self):
+        if self.cache is None:
+            return
         for seq_id in list(self.tokens):
             self.cache.free_sequence(seq_id)
-        if self.cache.prefix_cache is not None:
-            self.cache.prefix_cache.clear()
-        assert self.cache.allocator.num_free == self.num_pages
+        self.cache.evict(self.cache.num_pages)
+        for group in self.groups:
+            assert group.allocator.num_free == group.allocator.num_pages
+        if self.cache.state is not None:
+            assert self.cache.states.num_free == self.cache.states.num_slots
         self.cache.check()
 
 
-@pytest.mark.parametrize(("policy", "fp8"), [("lifo", False), ("first_fit", False),
-                                             ("lifo", True)], ids=["lifo", "first_fit", "fp8"])
-@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
-                                                      (True, True)])
-def test_random_operations_keep_every_invariant(policy, fp8, prefix_caching, tier):
-    run_machine(policy, prefix_caching, tier, fp8=fp8)
-
-
-def test_random_operations_keep_every_invariant_with_token_granular_pages():
-    run_machine("lifo", prefix_caching=True, tier=True, page_size=1)
-
-
-def run_machine(policy, prefix_caching, tier, page_size=PAGE_SIZE, fp8=False):
-    class Machine(CacheMachine):
-        def __init__(self):
-            super().__init__(policy, prefix_caching, tier, page_size, fp8)
-
-    Machine.TestCase.settings = settings(
-        max_examples=150, stateful_step_count=50, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    Machine.TestCase().runTest()
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["float32", "fp8"])
-@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
-                                                      (True, True)])
-def test_random_operations_on_mla_latent_pages_keep_every_invariant(prefix_caching, tier, fp8):
-    """Pages of one latent plane (DeepSeek's MLA), in float32 or fp8 under one latent scale,
-    share, copy on write, cache and go to a tier exactly as K/V pages do."""
-    class Machine(CacheMachine):
-        def __init__(self):
-            super().__init__("lifo", prefix_caching, tier, fp8=fp8, kind="mla")
-
-    Machine.TestCase.settings = settings(
-        max_examples=100, stateful_step_count=50, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    Machine.TestCase().runTest()
-
-
-@pytest.mark.parametrize(("prefix_caching", "tier"), [(False, False), (True, False),
-                                                      (True, True)])
-def test_random_operations_on_windowed_pages_keep_every_invariant(prefix_caching, tier):
-    """A sliding window of 6 tokens over 4-token pages: appends give back the pages that fall
-    out of it (copying a tree path's pages still in it first), while forks, copy-on-write,
-    prefix hits, eviction and the tier keep working."""
-    class Machine(CacheMachine):
-        def __init__(self):
-            super().__init__("lifo", prefix_caching, tier, window=6)
-
-    Machine.TestCase.settings = settings(
-        max_examples=150, stateful_step_count=50, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow])
-    Machine.TestCase().runTest()
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
 
 
 @settings(max_examples=200, deadline=None)

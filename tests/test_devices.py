@@ -5,11 +5,10 @@ expected. Only the engine picks one (CUDA when present, else the CPU)."""
 import pytest
 import torch
 
+from hybrid_util import hybrid_cache
 from kvpool.cache import KVCache
 from kvpool.devices import check_device
 from kvpool.engine.config import engine_device
-from kvpool.grouped_cache import GroupedCache
-from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.models.config import ModelConfig
 from kvpool.models.llama import LlamaForCausalLM
@@ -25,8 +24,8 @@ STATES = MambaLayout(num_layers=1, conv_dim=3, conv_kernel=3, num_heads=1, head_
 BUILDERS = {
     "KVPool": lambda **device: KVPool(LAYOUT, 2, **device),
     "KVCache": lambda **device: KVCache(LAYOUT, 2, **device),
-    "GroupedCache": lambda **device: GroupedCache(MIXED, (2, 2), **device),
-    "HybridCache": lambda **device: HybridCache(LAYOUT, 2, STATES, 1, **device),
+    "KVCache full+window": lambda **device: KVCache(MIXED, (2, 2), **device),
+    "KVCache full+state": lambda **device: hybrid_cache(LAYOUT, 2, STATES, 1, **device),
     "MambaPool": lambda **device: MambaPool(STATES, 1, **device),
     "Workspace": lambda **device: Workspace(64, **device),
     "LlamaForCausalLM": lambda **device: LlamaForCausalLM(ModelConfig.from_hf("tiny"), **device),

@@ -1,11 +1,11 @@
-"""GroupedCache: a full-attention pool and a sliding-window pool behind one sequence API."""
+"""KVCache over two page groups: a full-attention pool and a sliding-window pool behind one
+sequence API."""
 
 import pytest
 import torch
 
-from kvpool.cache import HOLE
+from kvpool.cache import HOLE, KVCache
 from kvpool.errors import OutOfPages, SequenceTooLong
-from kvpool.grouped_cache import GroupedCache
 from kvpool.layout import KVLayout
 
 PAGE_SIZE = 4
@@ -18,39 +18,40 @@ def layout(windows=(None, WINDOW, WINDOW, None)) -> KVLayout:
                     page_size=PAGE_SIZE, layer_windows=windows)
 
 
-def cache(num_pages=(16, 8), *, device, **kwargs) -> GroupedCache:
-    return GroupedCache(layout(), num_pages, device=device, **kwargs)
+def cache(num_pages=(16, 8), *, device, **kwargs) -> KVCache:
+    return KVCache(layout(), num_pages, device=device, **kwargs)
 
 
-def held(c: GroupedCache, seq_id, group: int) -> list[int]:
+def held(c: KVCache, seq_id, group: int) -> list[int]:
     return [p for p in c.pages(seq_id, group) if p != HOLE]
 
 
 def test_each_group_has_a_pool_of_its_layers_and_the_model_layers_map_to_them(device):
     c = cache(device=device)
-    assert [pool.layout.num_layers for pool in c.pool.pools] == [2, 2]
-    assert [pool.num_pages for pool in c.pool.pools] == [16, 8]
-    assert c.pool.where == ((FULL, 0), (SLIDING, 0), (SLIDING, 1), (FULL, 1))
+    assert [pool.layout.num_layers for pool in c.kv_pools.pools] == [2, 2]
+    assert [pool.num_pages for pool in c.kv_pools.pools] == [16, 8]
+    assert c.kv_pools.where == ((FULL, 0), (SLIDING, 0), (SLIDING, 1), (FULL, 1))
     assert c.groups[SLIDING].window == WINDOW and c.groups[FULL].window is None
 
 
 def test_each_groups_pool_sets_its_own_padding_page_apart(device):
-    c = GroupedCache(layout(), (16, 8), device=device)
-    assert [(pool.padding_page, pool.padding_slot) for pool in c.pool.pools] == [(16, 64), (8, 32)]
-    assert c.pool.nbytes == (16 + 1 + 8 + 1) * layout().groups[FULL].bytes_per_token * PAGE_SIZE
+    c = KVCache(layout(), (16, 8), device=device)
+    pools = c.kv_pools.pools
+    assert [(pool.padding_page, pool.padding_slot) for pool in pools] == [(16, 64), (8, 32)]
+    assert c.kv_pools.nbytes == (16 + 1 + 8 + 1) * layout().groups[FULL].bytes_per_token * PAGE_SIZE
     stats = c.stats()
     assert (stats.num_pages, stats.num_used_pages, stats.num_reserved_pages) == (24, 0, 2)
     c.check()
 
 
-def test_a_layout_of_one_group_is_refused(device):
-    with pytest.raises(ValueError, match="at least two layer groups, got 1: use KVCache"):
-        GroupedCache(layout((WINDOW, WINDOW)), (8,), device=device)
+def test_a_layout_of_one_group_given_by_pool_sizes_has_one_group_of_its_kind(device):
+    c = KVCache(layout((WINDOW, WINDOW)), (8,), device=device)
+    assert [g.window for g in c.groups] == [WINDOW] and c.kv_pools.where == ((0, 0), (0, 1))
 
 
 def test_pool_sizes_must_name_every_group(device):
     with pytest.raises(ValueError, match="num_pages gives 1 pool sizes for 2 layer groups"):
-        GroupedCache(layout(), (8,), device=device)
+        KVCache(layout(), (8,), device=device)
 
 
 def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_the_other(device):
@@ -64,18 +65,19 @@ def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_t
     assert c.pages("a", SLIDING)[:6] == [HOLE] * 6
 
 
-def test_append_returns_the_new_tokens_slots_in_each_group(device):
+def test_append_returns_the_new_tokens_slots_in_the_first_group(device):
     c = cache(device=device)
     c.add_sequence("a", num_tokens=4)
     slots = c.append("a", 2)
-    assert slots == (c.slots("a", FULL)[4:], c.slots("a", SLIDING)[4:])
+    assert slots == c.slots("a", FULL)[4:] and c.slots("a", SLIDING)[4:6] != [HOLE] * 2
 
 
 def test_an_append_the_window_pool_cannot_take_changes_neither_pool(device):
     c = cache(num_pages=(16, 2), device=device)
     c.add_sequence("a", num_tokens=8)  # both window pages
     before = (c.pages("a", FULL), c.pages("a", SLIDING), c.stats())
-    with pytest.raises(OutOfPages, match="window 8 pool: need 1 pages, 0 free, 0 evictable"):
+    with pytest.raises(OutOfPages,
+                       match=r"window 8 pool: need 1 pages, 0 free \(0 reserved\), 0 evictable"):
         c.append("a")
     assert (c.pages("a", FULL), c.pages("a", SLIDING), c.stats()) == before
     assert not c.can_append("a")
@@ -89,8 +91,7 @@ def test_append_batch_grows_every_sequence_in_every_group_or_none(device):
         c.append_batch(["a", "b"])
     assert c.num_tokens("a") == c.num_tokens("b") == 4
     c.free_sequence("b")
-    full, window = c.append_batch(["a"], [3])
-    assert full == c.slots("a", FULL)[4:] and window == c.slots("a", SLIDING)[4:]
+    assert c.append_batch(["a"], [3]) == c.slots("a", FULL)[4:]
     c.check()
 
 
@@ -100,7 +101,7 @@ def test_append_batch_copies_a_partial_page_shared_by_forks_only_while_another_h
     c.fork("a", "b")
     # a copies the shared partial page, b then holds the original alone: one page, not two
     c.append_batch(["a", "b"])
-    assert c.groups[SLIDING].num_free_pages == 0
+    assert c.groups[SLIDING].allocator.num_free == 0
     assert c.pages("a", SLIDING)[1] != c.pages("b", SLIDING)[1]
     c.check()
 
@@ -147,7 +148,7 @@ def test_stats_sum_the_pools_and_group_stats_give_each(device):
     assert c.num_pages == 24 and c.num_available_pages == 14
 
 
-def prefill(c: GroupedCache, seq_id, tokens: list[int]) -> int:
+def prefill(c: KVCache, seq_id, tokens: list[int]) -> int:
     """Add a prompt, write nothing (the values do not matter here), commit it."""
     hit = c.add_sequence(seq_id, tokens)
     c.commit(seq_id)

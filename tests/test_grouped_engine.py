@@ -4,9 +4,8 @@ on sequences longer than the window, with chunked prefill, prefix hits and preem
 
 import pytest
 
-from kvpool.cache import HOLE, KVCache
+from kvpool.cache import HOLE
 from kvpool.engine import LLM, SamplingParams
-from kvpool.grouped_cache import GroupedCache
 from models_util import hf_greedy, make_hf_model, prompts, save_hf_model
 from test_models import MAX_TOKENS
 from test_windows import CONFIGS, WINDOW
@@ -39,8 +38,8 @@ def batch() -> list[list[int]]:
 def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint, device):
     _, folder = checkpoint
     llm = LLM(folder, **ENGINE, device=device)
-    assert isinstance(llm.cache, GroupedCache)
-    assert [cache.num_pages for cache in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
+    assert [g.window for g in llm.cache.groups] == [None, WINDOW]
+    assert [g.allocator.num_pages for g in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
 
 
 def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
@@ -79,7 +78,7 @@ def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemptio
 def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint, device):
     hf, folder = checkpoint
     llm = LLM(folder, free_out_of_window=False, **ENGINE, device=device)
-    assert isinstance(llm.cache, KVCache) and llm.cache.num_pages == 22
+    assert len(llm.cache.groups) == 1 and llm.cache.num_pages == 22
     prompt = batch()[1]
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)

@@ -1,14 +1,11 @@
-"""HybridCache: a sequence's KV pages and state slot live and die together; fork copies the
-state; failures change nothing; a random operation sequence keeps check() true."""
+"""KVCache with a Mamba state group: a sequence's KV pages and state slot live and die together;
+fork copies the state; failures change nothing (random operation sequences: test_cache_props)."""
 
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
+from hybrid_util import hybrid_cache
 from kvpool.errors import DuplicateSequence, OutOfPages, OutOfStateSlots, UnknownSequence
-from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 
@@ -18,13 +15,13 @@ STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_
 
 
 def cache(num_pages=8, num_slots=3, *, device):
-    return HybridCache(LAYOUT, num_pages, STATES, num_slots, device=device)
+    return hybrid_cache(LAYOUT, num_pages, STATES, num_slots, device=device)
 
 
 def test_a_sequence_holds_its_pages_and_one_state_slot(device):
     c = cache(device=device)
     assert c.add_sequence("a", num_tokens=6) == 0
-    assert (c.pages("a"), c.state_slot("a"), c.num_free_state_slots) == ([0, 1], 0, 2)
+    assert (c.pages("a"), c.state_slot("a"), c.states.num_free) == ([0, 1], 0, 2)
     c.check()
 
 
@@ -32,7 +29,7 @@ def test_free_returns_the_pages_and_the_slot(device):
     c = cache(device=device)
     c.add_sequence("a", num_tokens=6)
     c.free_sequence("a")
-    assert (c.num_free_pages, c.num_free_state_slots, c.sequences()) == (8, 3, [])
+    assert (c.num_free_pages, c.states.num_free, c.sequences()) == (8, 3, [])
     c.check()
 
 
@@ -75,7 +72,7 @@ def test_out_of_pages_takes_no_state_slot(device):
     c = cache(num_pages=2, device=device)
     with pytest.raises(OutOfPages):
         c.add_sequence("a", num_tokens=9)
-    assert c.num_free_state_slots == 3
+    assert c.states.num_free == 3
     c.check()
 
 
@@ -106,75 +103,3 @@ def test_state_batch_lists_the_slots_in_order(device):
     c.add_sequence("b", num_tokens=1)
     batch = c.state_batch(["b", "a"])
     assert batch.pool is c.states and batch.slots.tolist() == [1, 0]
-
-
-class HybridCacheMachine(RuleBasedStateMachine):
-    """Random add / append / fork / commit / free with check() after every step, and the
-    model: the live sequences and their token counts."""
-
-    seqs = Bundle("seqs")
-
-    def __init__(self):
-        super().__init__()
-        self.cache = cache(num_pages=10, num_slots=4, device="cpu")
-        self.tokens = {}
-        self.next_id = 0
-
-    @rule(target=seqs, n=st.integers(1, 12))
-    def add(self, n):
-        seq_id = self.next_id
-        self.next_id += 1
-        if len(self.tokens) == 4:
-            with pytest.raises(OutOfStateSlots):
-                self.cache.add_sequence(seq_id, num_tokens=n)
-            return seq_id
-        try:
-            self.cache.add_sequence(seq_id, num_tokens=n)
-        except OutOfPages:
-            return seq_id
-        self.tokens[seq_id] = n
-        return seq_id
-
-    @rule(seq_id=seqs, n=st.integers(1, 6))
-    def append(self, seq_id, n):
-        if seq_id not in self.tokens:
-            return
-        try:
-            self.cache.append(seq_id, n)
-        except OutOfPages:
-            return
-        self.tokens[seq_id] += n
-
-    @rule(target=seqs, parent=seqs)
-    def fork(self, parent):
-        child = self.next_id
-        self.next_id += 1
-        if parent not in self.tokens:
-            with pytest.raises(UnknownSequence):
-                self.cache.fork(parent, child)
-            return child
-        try:
-            self.cache.fork(parent, child)
-        except OutOfStateSlots:
-            assert len(self.tokens) == 4
-            return child
-        self.tokens[child] = self.tokens[parent]
-        return child
-
-    @rule(seq_id=consumes(seqs))
-    def free(self, seq_id):
-        if seq_id in self.tokens:
-            self.cache.free_sequence(seq_id)
-            del self.tokens[seq_id]
-
-    @invariant()
-    def consistent(self):
-        self.cache.check()
-        assert self.cache.sequences() == list(self.tokens)
-        assert {s: self.cache.num_tokens(s) for s in self.tokens} == self.tokens
-        assert self.cache.num_free_state_slots == 4 - len(self.tokens)
-
-
-TestHybridCacheMachine = HybridCacheMachine.TestCase
-TestHybridCacheMachine.settings = settings(max_examples=50, stateful_step_count=30,
-                                           deadline=None)

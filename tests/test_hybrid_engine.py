@@ -14,7 +14,6 @@ from hybrid_util import make_bamba
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import OutOfPages
-from kvpool.hybrid_cache import HybridCache
 from models_util import hf_greedy, save_hf_model
 
 MAX_TOKENS = 32
@@ -57,13 +56,13 @@ def _assert_drained(llm):
     llm.cache.check()
     # recomputed K/V goes to the pool's reserved padding page, which no sequence holds
     assert llm.cache.sequences() == [] and llm.cache.stats().num_used_pages == 0
-    assert llm.cache.num_free_state_slots == llm.cache.states.num_slots - len(
-        llm.cache.checkpoints)
+    assert llm.cache.states.num_free == llm.cache.states.num_slots - len(
+        llm.cache.state.checkpoints)
 
 
 def test_hybrid_engine_runs_on_a_hybrid_cache_with_a_slot_per_seat(checkpoint, device):
     llm = _llm(checkpoint, device=device)
-    assert isinstance(llm.cache, HybridCache)
+    assert [group.name for group in llm.cache.groups] == ["full attention", "mamba state"]
     assert llm.cache.states.num_slots == 16  # 8 for sequences, 8 for checkpoints
     assert llm.cache.layout.num_layers == 1  # the KV pool holds the attention layer only
 
@@ -100,7 +99,7 @@ def test_forked_greedy_samples_each_continue_from_a_copy_of_the_state(checkpoint
     params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     (output,) = llm.generate([prompts[5]], params, use_tqdm=False)
     assert [c.token_ids for c in output.outputs] == [expected[5]] * 3
-    assert llm.cache.state_stats().num_copies == 2
+    assert llm.cache.states.stats().num_copies == 2
     _assert_drained(llm)
 
 
@@ -108,7 +107,7 @@ def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts, device)
     llm = _llm(checkpoint, device=device)
     request_id = llm.add_request(prompts[7], GREEDY)
     llm.step()
-    assert llm.cache.num_free_state_slots == 16 - 2  # its own, and a checkpoint after 40
+    assert llm.cache.states.num_free == 16 - 2  # its own, and a checkpoint after 40
     llm.abort(request_id)
     _assert_drained(llm)
 
@@ -147,7 +146,7 @@ def test_prefix_caching_off_keeps_no_checkpoints(checkpoint, prompts, device):
     llm = _llm(checkpoint, prefix_caching=False, device=device)
     llm.generate([prompts[7], prompts[7]], GREEDY, use_tqdm=False)
     assert llm.cache.prefix_cache is None and llm.stats().prefix_hit_rate == 0
-    assert llm.cache.states.num_slots == 8 and len(llm.cache.checkpoints) == 0
+    assert llm.cache.states.num_slots == 8 and len(llm.cache.state.checkpoints) == 0
 
 
 def test_planned_pool_leaves_room_for_the_state_slots(checkpoint):
@@ -166,7 +165,7 @@ def test_state_slots_larger_than_the_budget_are_named(checkpoint):
 def test_fp8_pages_take_the_given_scales_and_generate(checkpoint, prompts, device):
     llm = _llm(checkpoint, kv_cache_dtype="fp8_e4m3", kv_scales=(0.5, 0.25), device=device)
     assert llm.cache.layout.dtype == torch.float8_e4m3fn
-    assert llm.cache.kv.pool.scales.tolist() == [[0.5, 0.25]]
+    assert llm.cache.pool.scales.tolist() == [[0.5, 0.25]]
     outputs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [len(t) for t in _tokens(outputs)] == [MAX_TOKENS] * 3
     _assert_drained(llm)
@@ -176,10 +175,10 @@ def test_checkpoints_saved_after_decode_steps_serve_a_later_prompt(checkpoint, h
     # One-token rows' checkpoints are copied by the runner after the forward (a CUDA graph
     # replay runs no Python); a prompt that continues a generated sequence starts from one.
     llm = _llm(checkpoint)
-    llm.cache.track_interval = 8  # checkpoints every 8 tokens of output
+    llm.cache.state.track_interval = 8  # checkpoints every 8 tokens of output
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     first = llm.generate([[3, 4, 5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    assert llm.cache.state_stats().num_copies == 3  # decode steps ending at 8, 16, 24 tokens
+    assert llm.cache.states.stats().num_copies == 3  # decode steps ending at 8, 16, 24 tokens
     prompt = [3, 4, 5, 6, 7] + first[:11] + [1, 2]
     out = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.cache.stats().prefix_hit_tokens >= 16

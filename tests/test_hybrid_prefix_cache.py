@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybrid_util import hybrid_cache
 from kvpool.errors import OutOfPages, OutOfStateSlots
-from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 from kvpool.tokens import pack_tokens
@@ -21,7 +21,7 @@ STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_
 def cache(num_pages=64, page_size=16, interval=64, track=256, num_checkpoint_slots=8, *,
           device):
     layout = KVLayout(1, 1, 2, dtype=torch.float32, page_size=page_size)
-    return HybridCache(layout, num_pages, STATES, 2, device=device, prefix_caching=True,
+    return hybrid_cache(layout, num_pages, STATES, 2, device=device, prefix_caching=True,
                        num_checkpoint_slots=num_checkpoint_slots,
                        checkpoint_interval=interval, track_interval=track)
 
@@ -65,15 +65,15 @@ def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192(device):
     for n in (200, 150, 100):  # hits on 192, 128 and 64 leave 256 least recently used
         c.add_sequence("x", tokens[:n])
         c.free_sequence("x")
-    assert c.evict_checkpoints(1) == 1
-    assert sorted(c.checkpoints.lengths()) == [64, 128, 192]
+    assert c.state.checkpoints.evict(1) == 1
+    assert sorted(c.state.checkpoints.lengths()) == [64, 128, 192]
     assert c.add_sequence("b", tokens) == 192  # KV match: 17 pages, 272 tokens
     assert c.pages("b")[:17] == pages[:17]  # the whole KV match is shared, tombstone's too
     assert torch.all(c.states.ssm[:, c.state_slot("b")] == 192)
     # 192..279 is computed again; the K/V of 192..271 is in the shared pages already, so
     # only 272..279 is written to the sequence's own page
     slots = c.slot_mapping(["b"], [192], [280]).tolist()
-    assert slots[:80] == [c.kv.pool.padding_slot] * 80
+    assert slots[:80] == [c.pool.padding_slot] * 80
     assert slots[80:] == c.slots("b")[272:280]
     assert compute(c, "b", 192, 280) == [256]  # and the checkpoint at 256 is saved anew
     c.check()
@@ -104,9 +104,9 @@ def test_decode_saves_a_checkpoint_every_track_interval_only(device):
 def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them(device):
     c = cache(device=device)
     cached_then_freed(c, list(range(200)))
-    assert c.checkpoints.lengths() == [64, 128, 192]
+    assert c.state.checkpoints.lengths() == [64, 128, 192]
     c.evict(c.num_cached_pages)
-    assert len(c.checkpoints) == 0 and c.num_free_state_slots == c.states.num_slots
+    assert len(c.state.checkpoints) == 0 and c.states.num_free == c.states.num_slots
     c.check()
 
 
@@ -116,28 +116,28 @@ def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages(d
     assert c.add_sequence("b", list(range(60))) == 0
     assert c.pages("b")[:3] == pages[:3]
     slots = c.slot_mapping(["b"], [0], [60]).tolist()
-    assert slots == [c.kv.pool.padding_slot] * 48 + c.slots("b")[48:]
+    assert slots == [c.pool.padding_slot] * 48 + c.slots("b")[48:]
     c.check()
 
 
 def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used(device):
     c = cache(num_checkpoint_slots=2, device=device)
     cached_then_freed(c, list(range(200)))  # 64, 128, 192: the third evicts the first
-    assert c.checkpoints.lengths() == [128, 192]
+    assert c.state.checkpoints.lengths() == [128, 192]
     assert c.add_sequence("b", list(range(150))) == 128  # a hit: 128 most recently used
     c.free_sequence("b")
     cached_then_freed(c, [1000 + t for t in range(70)], seq_id="c")  # its 64 evicts 192
-    assert c.checkpoints.lengths() == [128, 64]
+    assert c.state.checkpoints.lengths() == [128, 64]
     c.check()
 
 
 def test_failed_add_changes_nothing(device):
     c = cache(num_pages=16, device=device)
     cached_then_freed(c, list(range(130)))
-    order = c.checkpoints.lengths()
+    order = c.state.checkpoints.lengths()
     with pytest.raises(OutOfPages):
         c.add_sequence("b", list(range(300)))
-    assert (c.checkpoints.lengths(), c.sequences(), c.num_cached_pages) == (order, [], 8)
+    assert (c.state.checkpoints.lengths(), c.sequences(), c.num_cached_pages) == (order, [], 8)
     c.check()
 
 
@@ -161,11 +161,11 @@ def test_state_batch_with_ranges_not_one_per_sequence_is_refused_reserving_nothi
     c = cache(device=device)
     c.add_sequence("a", list(range(130)))
     c.add_sequence("b", list(range(1000, 1070)))
-    free = c.num_free_state_slots
+    free = c.states.num_free
     with pytest.raises(ValueError, match="starts and ends must each give one token index per "
                                          "sequence \\(2\\)"):
         c.state_batch(["a", "b"], starts, ends)
-    assert c.num_free_state_slots == free
+    assert c.states.num_free == free
     assert compute(c, "a", 0, 130) == [128]  # the checkpoint slots are all still there
     c.check()
 
@@ -273,7 +273,7 @@ class HybridPrefixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 2))
     def evict_checkpoints(self, n):
-        self.cache.evict_checkpoints(n)
+        self.cache.state.checkpoints.evict(n)
 
     @invariant()
     def consistent(self):

@@ -5,9 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybrid_util import hybrid_cache
 from kvpool.cache import KVCache
-from kvpool.grouped_cache import GroupedCache
-from kvpool.hybrid_cache import HybridCache
 from kvpool.layout import KVLayout
 from kvpool.state_pool import MambaLayout
 from kvpool.tiers import HostTier
@@ -86,7 +85,7 @@ def test_a_grouped_cache_salts_every_group(device):
     windows = (None, 8)
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                       page_size=PS, layer_windows=windows)
-    cache = GroupedCache(layout, (16, 8), device=device, prefix_caching=True)
+    cache = KVCache(layout, (16, 8), device=device, prefix_caching=True)
     cache.add_sequence("a", PROMPT, cache_salt="alice")
     cache.commit("a")
     cache.free_sequence("a")
@@ -102,15 +101,17 @@ def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(d
                       page_size=PS)
     states = MambaLayout(num_layers=1, conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2,
                          state_size=2, dtype=torch.float32)
-    cache = HybridCache(layout, 16, states, 2, device=device, prefix_caching=True,
+    cache = hybrid_cache(layout, 16, states, 2, device=device, prefix_caching=True,
                         num_checkpoint_slots=2, checkpoint_interval=PS, track_interval=PS)
     assert cache.add_sequence("a", PROMPT, cache_salt="alice") == 0
     cache.commit("a")
+    pages = cache.pages("a")
     cache.free_sequence("a")
-    assert cache.kv.prefix_hit(PROMPT, cache_salt="alice") == 8
-    assert cache.kv.prefix_hit(PROMPT) == 0
-    assert len(cache.checkpoints) == 0
-    assert cache.add_sequence("b", PROMPT, cache_salt="alice") == 0
+    assert len(cache.state.checkpoints) == 0
+    assert cache.add_sequence("b", PROMPT, cache_salt="alice") == 0  # no checkpoint served
+    assert cache.pages("b")[:8 // PS] == pages[:8 // PS]  # but the salt's KV pages shared
+    assert cache.add_sequence("c", PROMPT) == 0
+    assert set(cache.pages("c")).isdisjoint(pages)
     cache.check()
 
 

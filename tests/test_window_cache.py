@@ -71,7 +71,7 @@ def test_a_layout_with_a_full_layer_gives_nothing_back(device):
     c = cache(windows=(WINDOW, None), device=device)
     c.add_sequence("a", num_tokens=12)
     c.append("a", 20)
-    assert HOLE not in c.pages("a") and c.window is None
+    assert HOLE not in c.pages("a") and c.groups[0].window is None
 
 
 def test_free_out_of_window_false_keeps_every_page(device):

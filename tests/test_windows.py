@@ -235,7 +235,7 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
     outputs = llm.generate(batch, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
                                                           for p in batch]
-    assert llm.cache.window == WINDOW
+    assert llm.cache.groups[0].window == WINDOW
     assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
     llm.cache.check()
 
@@ -269,7 +269,7 @@ def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path, device)
         llm.step()
         for seq_id in llm.cache.sequences():
             assert HOLE not in llm.cache.pages(seq_id)
-    assert llm.cache.window is None
+    assert llm.cache.groups[0].window is None
 
 
 def test_free_out_of_window_must_be_a_bool():

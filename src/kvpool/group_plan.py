@@ -1,5 +1,5 @@
 """How a KV budget is split between the pools of a layout's layer groups (a full-attention pool
-and sliding-window pools, as a GroupedCache keeps them).
+and sliding-window pools, as a KVCache of several page groups keeps them).
 
 The rule: each window group's pool gets the pages of `max_num_seqs` sequences' windows (a
 decoding sequence holds ceil(window / page_size) + 1 pages there) plus `prefill_tokens` of

@@ -57,7 +57,7 @@ class EngineConfig:
     free_out_of_window: give back the pages that fall out of a sliding window as sequences
     grow: in the one pool when every layer is windowed (Mistral, kvpool.cache), in a window
     pool beside a full pool when layers mix (Gemma 3, Qwen with layer_types:
-    kvpool.grouped_cache); False keeps every page of every layer in one pool.
+    a KVCache of a full and a window group); False keeps every page of every layer in one pool.
     A tier keeps the prefix pages the pool evicts, to load them back for a later prompt
     instead of recomputing (needs prefix_caching; one tier per engine):
     `host_tier_memory` bytes of host memory, `disk_tier` a directory holding at most

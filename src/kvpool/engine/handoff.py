@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.hybrid_cache import HybridCache
 
 
 @dataclass(slots=True)
@@ -36,7 +35,7 @@ class PrefilledKV:
         return [self.pages, *self.state]
 
 
-def read_prefilled(cache: KVCache | HybridCache, seq_id: Hashable, num_tokens: int, *,
+def read_prefilled(cache: KVCache, seq_id: Hashable, num_tokens: int, *,
                    with_state: bool) -> PrefilledKV:
     """A copy of the KV of the first `num_tokens` tokens of sequence `seq_id`, and with
     `with_state` (a hybrid's cache) its state slot, which must hold the state after them."""
@@ -46,7 +45,7 @@ def read_prefilled(cache: KVCache | HybridCache, seq_id: Hashable, num_tokens: i
     return PrefilledKV(num_tokens, pages, state)
 
 
-def write_prefilled(cache: KVCache | HybridCache, seq_id: Hashable, kv: PrefilledKV,
+def write_prefilled(cache: KVCache, seq_id: Hashable, kv: PrefilledKV,
                     first_page: int) -> None:
     """Write `kv`'s pages from `first_page` on into the same pages of sequence `seq_id`
     (which holds at least kv.num_tokens tokens; the pages before are its prefix hit, whose KV

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, StateSpec
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.handoff import PrefilledKV, read_prefilled
@@ -38,8 +38,6 @@ from kvpool.errors import (
     StepFailed,
 )
 from kvpool.group_plan import split_budget
-from kvpool.grouped_cache import GroupedCache
-from kvpool.hybrid_cache import HybridCache
 from kvpool.models import load_config, load_model
 from kvpool.state_pool import RESERVED_SLOTS
 from kvpool.threads import limit_threads
@@ -54,13 +52,13 @@ class LLM:
     `model` is a Hugging Face checkpoint folder or "tiny"; `options` are EngineConfig's
     (page_size, num_pages, memory_fraction, kv_cache_memory, prefix_caching, max_num_seqs,
     max_num_batched_tokens, max_model_len, dtype, kv_cache_dtype, kv_scales, device, seed,
-    enforce_eager, overlap). `on_step` is called with a StepRecord after every step. `cache` is the
-    KVCache, or for a hybrid model (Bamba) the HybridCache: a state slot per seat
-    (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for checkpoints, all taken
-    from the cache's budget. A model mixing full-attention and sliding-window
-    layers (Gemma 3, Qwen with layer_types) gets a GroupedCache: the bytes of `num_pages`
-    pages of every layer (planned or given) split between a full pool and a window pool
-    (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page instead.
+    enforce_eager, overlap). `on_step` is called with a StepRecord after every step. `cache` is
+    the KVCache over the model's layer groups: for a hybrid model (Bamba) with a state group, a
+    state slot per seat (max_num_seqs) and, with prefix caching, mamba_checkpoint_slots for
+    checkpoints, all taken from the cache's budget. A model mixing full-attention and
+    sliding-window layers (Gemma 3, Qwen with layer_types) gets a full and a window group:
+    the bytes of `num_pages` pages of every layer (planned or given) split between their
+    pools (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager` (or
     `tensor_parallel_size` > 1, which runs eagerly for now), and the host schedules each step
     while the device runs the one before (overlap scheduling, kvpool.engine.overlap) unless
@@ -110,37 +108,28 @@ class LLM:
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         self._device = device
+        pages: int | list[int] = num_pages
+        if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
+            pages = [pool.num_pages for pool in split_budget(
+                layout, num_pages * layout.bytes_per_page, max_num_seqs=self.config.max_num_seqs,
+                prefill_tokens=self.max_model_len)]
+        states = None
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
             # so tokens of output.
             interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
-            make_cache = functools.partial(
-                HybridCache, layout, num_pages, mamba, num_slots, device=device,
-                prefix_caching=self.config.prefix_caching, num_checkpoint_slots=num_checkpoints,
-                checkpoint_interval=interval, track_interval=interval * -(-256 // interval),
-                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
-        elif len(layout.groups) > 1 and self.config.free_out_of_window:
-            pools = split_budget(layout, num_pages * layout.bytes_per_page,
-                                 max_num_seqs=self.config.max_num_seqs,
-                                 prefill_tokens=self.max_model_len)
-            make_cache = functools.partial(
-                GroupedCache, layout, [pool.num_pages for pool in pools], device=device,
-                prefix_caching=self.config.prefix_caching,
-                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales)
-        else:
-            tier = make_tier(self.config, layout.bytes_per_page)
-            fingerprint = weights_fingerprint(self.model) if tier is not None else ""
-            make_cache = functools.partial(
-                KVCache, layout, num_pages, device=device,
-                prefix_caching=self.config.prefix_caching,
-                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales,
-                free_out_of_window=self.config.free_out_of_window, tier=tier,
-                model_fingerprint=fingerprint)
+            states = StateSpec(mamba, num_slots, num_checkpoints, interval,
+                               interval * -(-256 // interval))
+        tier = make_tier(self.config, layout.bytes_per_page)
+        fingerprint = weights_fingerprint(self.model) if tier is not None else ""
         # Kept to build the cache anew on wake(): a fresh pool, an empty prefix cache.
-        self._make_cache = make_cache
-        self.cache = make_cache()
-        smallest_pool = min(cache.num_pages for cache in self.cache.groups) \
-            if isinstance(self.cache, GroupedCache) else num_pages
+        self._make_cache = functools.partial(
+            KVCache, layout, pages, device=device, prefix_caching=self.config.prefix_caching,
+            max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales,
+            free_out_of_window=self.config.free_out_of_window, tier=tier,
+            model_fingerprint=fingerprint, states=states)
+        self.cache = self._make_cache()
+        smallest_pool = min(pool.num_pages for pool in self.cache.kv_pools.pools)
         eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=self.config.max_num_seqs,
@@ -397,7 +386,7 @@ class LLM:
     def takes_prefilled(self) -> bool:
         """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
         hybrid's state slots beside it) and keeps every page of a sequence."""
-        return len(self.runner.kv.pools) == 1 and not self.cache.frees_out_of_window
+        return [group.window for group in self.cache.page_groups] == [None]
 
     def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
         """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:

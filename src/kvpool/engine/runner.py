@@ -21,12 +21,9 @@ from typing import NamedTuple, Protocol
 import torch
 
 from kvpool.attention import AttentionMetadata
-from kvpool.cache import KVCache
+from kvpool.cache import SequenceCache
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import ForwardContext, HostLengths
-from kvpool.grouped_cache import GroupedCache
-from kvpool.grouped_pool import GroupedPool
-from kvpool.hybrid_cache import HybridCache
 from kvpool.state_pool import CheckpointRequest, StateBatch
 from kvpool.workspace import Workspace
 
@@ -86,7 +83,7 @@ class Padding(NamedTuple):
 NO_PADDING = Padding((), ())  # for steps that are not padded
 
 
-def pack_step(batch: ScheduledBatch, cache: KVCache | GroupedCache | HybridCache,
+def pack_step(batch: ScheduledBatch, cache: SequenceCache,
               host: torch.Tensor, layout: StepLayout, padding: Padding = NO_PADDING) -> None:
     """Write the batch's metadata into `host` (int64, CPU) laid out by `layout`.
 
@@ -115,10 +112,9 @@ def pack_step(batch: ScheduledBatch, cache: KVCache | GroupedCache | HybridCache
     sections.logits_indices.copy_(cu[1:][sampled] - 1)
     for group, (slots, tables) in enumerate(zip(sections.slot_mappings, sections.page_tables,
                                                 strict=True)):
-        by_group = {"group": group} if layout.num_groups > 1 else {}
         slots[: len(slots) - num_pad] = cache.slot_mapping(seq_ids, batch.starts, batch.ends,
-                                                           **by_group)
-        real = cache.page_tables(seq_ids, **by_group)
+                                                           group=group)
+        real = cache.page_tables(seq_ids, group=group)
         tables[:num_real].zero_()  # columns past a sequence's pages: any valid page id
         tables[:num_real, : real.shape[1]] = real
         if num_pad:
@@ -151,16 +147,15 @@ class ModelRunner:
     host staging buffer is allocated for it once, here. `peers` (a tensor-parallel model's
     other ranks) run every step `run` runs, on their parts."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache | HybridCache | GroupedCache,
-                 workspace: Workspace, *, max_step: StepLayout, peers: StepPeers):
+    def __init__(self, model: torch.nn.Module, cache: SequenceCache, workspace: Workspace, *,
+                 max_step: StepLayout, peers: StepPeers):
         self.model = model
         self.cache = cache
         self.workspace = workspace
         self.peers = peers
         self.device = cache.device
-        pool = cache.pool
-        self.kv = pool if isinstance(pool, GroupedPool) else GroupedPool(pool.layout, (pool,))
-        self.has_states = isinstance(cache, HybridCache)  # a hybrid model's state slots
+        self.kv = cache.kv_pools
+        self.has_states = cache.states is not None  # a hybrid model's state slots
         # Allocated now, outside inference mode, since every step writes them in place; the
         # same path on every device, pinned where pinning exists. Two, used in turn: with
         # overlap scheduling, step N+1 is packed while step N's copy may still wait in the

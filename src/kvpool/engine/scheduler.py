@@ -28,7 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvpool.cache import KVCache
+from kvpool.cache import SequenceCache
 from kvpool.engine.handoff import write_prefilled
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
@@ -84,7 +84,7 @@ class Scheduler:
     `watermark_pages` available so that running decodes do not preempt at once.
     """
 
-    def __init__(self, cache: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, cache: SequenceCache, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark_pages: int, eos_token_ids: Collection[int]):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -296,10 +296,8 @@ class Scheduler:
     def _tokens_to_admit(self, seq: Sequence, budget: int) -> list[int]:
         """The tokens a waiting sequence enters the cache with: all of them, or, when pages
         are taken chunk by chunk, its prefix hit and the first chunk the budget allows."""
-        if not self.cache.frees_out_of_window:
-            return seq.token_ids
-        hit = self.cache.prefix_hit(seq.token_ids, cache_salt=seq.request.cache_salt)
-        return seq.token_ids[:hit + min(seq.num_tokens - hit, budget)]
+        n = self.cache.tokens_to_admit(seq.token_ids, budget, cache_salt=seq.request.cache_salt)
+        return seq.token_ids[:n]
 
     def _load_prefilled(self, seq: Sequence) -> None:
         """Write the KV another engine computed for the first prompt tokens of a sequence

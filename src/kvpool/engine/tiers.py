@@ -50,7 +50,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 def tier_counters(cache) -> dict[str, int]:
     """The tier counters of EngineStats for `cache` (all zero without a tier)."""
-    tier = getattr(cache, "tier", None)
+    tier = cache.tier
     if tier is None:
         return {}
     cs, ts = cache.stats(), tier.stats()

@@ -41,8 +41,12 @@ class BambaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        # The pool holds the attention layers only: model layer -> pool layer.
+        # The pool holds the attention layers only: model layer -> pool layer; the state pool
+        # the Mamba layers: model layer -> state layer (None for an attention layer).
         pool_layer = {layer: i for i, layer in enumerate(config.attention_layers)}
+        mamba = [i for i in range(config.num_layers) if i not in pool_layer]
+        self.state_layers = tuple(mamba.index(i) if i in mamba else None
+                                  for i in range(config.num_layers))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             BambaDecoderLayer(config, dtype, pool_layer.get(i)) for i in range(config.num_layers))
@@ -52,14 +56,12 @@ class BambaModel(nn.Module):
                 context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
-        num_mamba = 0
-        for layer in self.layers:
+        for layer, state_layer in zip(self.layers, self.state_layers, strict=True):
             h = layer.input_layernorm(x)
-            if hasattr(layer, "mamba"):
-                h = layer.mamba(h, context, num_mamba)
-                num_mamba += 1
-            else:
+            if state_layer is None:
                 h = layer.self_attn(h, rope, context)
+            else:
+                h = layer.mamba(h, context, state_layer)
             h, x = layer.pre_ff_layernorm(h, x)
             x = x + layer.feed_forward(h)
         return x

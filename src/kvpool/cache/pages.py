@@ -1,0 +1,410 @@
+"""Page groups: layer groups whose tokens' K/V (or MLA latents) live in pages of a KVPool.
+`FullAttention` keeps every page of a sequence; `SlidingWindow` gives back the pages wholly
+before the window of the sequence's next token. Each owns its pool, allocator and prefix
+index; full attention may keep a tier that evicted prefix pages move to and load back from.
+
+A sequence shares every page of its group's prefix match, even where the coordinator serves
+a shorter hit (another group matched less): the tokens of the match are computed again for
+the other groups' sake, and their K/V here goes to the pool's reserved padding page
+(`slot_mapping` points there), so shared pages are never rewritten."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.allocator import PageAllocator
+from kvpool.cache.group import CacheStats, GroupManager, Plan
+from kvpool.errors import OutOfPages, UnknownSequence
+from kvpool.layout import KVLayout
+from kvpool.pool import KVPool
+from kvpool.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
+from kvpool.tiers import PageKey, Tier, page_namespace
+from kvpool.tokens import TOKEN_BYTES, unpack_tokens
+
+HOLE = -1  # the page-table entry of a page given back after it fell out of the window
+
+
+@dataclass(slots=True)
+class _PageTable:
+    pages: list[int]  # logical page i -> page id
+    num_tokens: int
+    num_cached: int  # pages [0, num_cached) are the sequence's path in the prefix cache
+    num_shared: int  # tokens of its prefix match: K/V in shared pages, never rewritten
+    num_dropped: int = 0  # pages [0, num_dropped) fell out of the window: given back, HOLE
+    caching: bool = True  # False once its pages can no longer join the prefix cache
+
+
+class FullAttention(GroupManager):
+    """`num_pages` pages of `layout` in a KVPool on `device`, a PageAllocator and (with
+    `prefix_caching`) a PrefixCache; each sequence's page table holds every token's page.
+    `tier`, `model_fingerprint` and `kv_scales` as KVCache takes them."""
+
+    window: int | None = None  # tokens a new token attends to (None: the whole context)
+
+    def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
+                 policy: str = "lifo", prefix_caching: bool = False, reserve: int = 0,
+                 scrub_on_free: bool = False, tier: Tier | None = None,
+                 model_fingerprint: str = "", kv_scales=None, name: str = "full attention"):
+        self.name = name
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve,
+                                       thread_safe=False)
+        self.pool = KVPool(layout, num_pages, device=device, kv_scales=kv_scales)
+        scales = None if self.pool.scales is None else self.pool.scales.tolist()
+        self.namespace = page_namespace(layout, model_fingerprint, scales)
+        if tier is not None:
+            tier.bind(self.namespace, self.pool.kv[:, :, 0].shape, layout.dtype)
+        self.tier = tier
+        self.prefix_cache = PrefixCache(self.allocator, self.page_size) \
+            if prefix_caching else None
+        self._index = self.prefix_cache or NoPrefixCache()
+        self.scrub_on_free = scrub_on_free
+        if self.prefix_cache is not None and (tier is not None or scrub_on_free):
+            self.prefix_cache.evict_hooks.append(self._evicted)
+        self._seqs: dict[Hashable, _PageTable] = {}
+        self._query_tokens = self._hit_tokens = 0
+        self._num_cow_copies = self._num_tier_loads = self._num_tier_stores = 0
+
+    # ---- the group interface -----------------------------------------------------------
+
+    def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:
+        """Its own prefix match, whatever `limit`: shared all the same (see the module)."""
+        match = NO_MATCH if token_ids is None else self._index.match(
+            token_ids, (n - 1) // self.page_size if n else 0, salt)
+        return Plan(-(-n // self.page_size) - len(match.pages),
+                    len(match.pages) * self.page_size, match.pages, (match, token_ids))
+
+    def add(self, seq_id: Hashable, n: int, salt: bytes, plan: Plan) -> int:
+        need, (match, ids) = plan.need, plan.data
+        loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
+        if match.pages:
+            self.allocator.share(match.pages)
+        pages = match.pages + self.allocator.allocate(need)
+        hit_pages = len(match.pages) + len(loaded)
+        if loaded:
+            self._load_from_tier(ids, pages, len(match.pages), loaded, salt)
+        if ids is not None and self.prefix_cache is not None:
+            self._query_tokens += n
+            self._hit_tokens += hit_pages * self.page_size
+        hit = hit_pages * self.page_size
+        self._seqs[seq_id] = _PageTable(pages, n, hit_pages, hit, 0, ids is not None)
+        return hit
+
+    def plan_append(self, seq_id: Hashable, n: int, copied: dict[int, int]) -> Plan:
+        """New pages: those it grows by, one for each page `_to_copy` (a first drop out of
+        the window), one if it copies its shared partial last page (copy-on-write)."""
+        seq = self._seqs[seq_id]
+        if n == 0:
+            return Plan(0, data=(False, []))
+        start, ps = seq.num_tokens, self.page_size
+        drop_to = self.drop_point(start)
+        to_copy = self._to_copy(seq, drop_to) if drop_to > 0 and not seq.num_dropped else []
+        need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
+        if start % ps == 0:
+            return Plan(need, data=(False, to_copy))
+        last = seq.pages[-1]
+        holders = self.allocator.refcounts[last]
+        cow = holders > 1 and holders - copied.get(last, 0) > 1
+        if cow:
+            copied[last] = copied.get(last, 0) + 1
+        return Plan(need + cow, data=(cow, to_copy))
+
+    def append(self, seq_id: Hashable, n: int, known: bool, plan: Plan,
+               new: list[int]) -> list[int]:
+        seq = self._seqs[seq_id]
+        cow, to_copy = plan.data
+        start = seq.num_tokens
+        drop_to = self.drop_point(start)
+        if cow:
+            self._copy_on_write(seq, new.pop())
+        if drop_to > seq.num_dropped:
+            self._drop(seq, drop_to, to_copy, [new.pop() for _ in to_copy])
+        seq.pages += new
+        seq.num_tokens = start + n
+        if not known:
+            seq.caching = False  # content unknown from here on: stop caching it
+        return self._slots(seq, start, start + n)
+
+    def allocate(self, n: int) -> list[int]:
+        return self.allocator.allocate(n)
+
+    def room(self, plan: Plan, spare_pages: int = 0) -> bool:
+        """Whether `plan.need` new pages can be allocated, leaving `spare_pages` available,
+        once its shared pages are held (the cached ones among them leave the cached queue)."""
+        available = self.allocator.num_available - spare_pages - plan.need
+        return len(plan.shared) <= available or self.num_unheld(plan.shared) <= available
+
+    def shortage(self, plan: Plan) -> OutOfPages:
+        alloc = self.allocator
+        return OutOfPages(f"need {plan.need} pages, {alloc.num_free} free ({alloc.reserve} "
+                          f"reserved), {alloc.num_cached - self.num_unheld(plan.shared)} "
+                          f"evictable")
+
+    def plan_fork(self, parent_id: Hashable) -> Plan:
+        """Nothing new: the child shares every page."""
+        return Plan(0)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        parent = self._seqs[parent_id]
+        self.allocator.share(parent.pages[parent.num_dropped:])
+        self._seqs[child_id] = _PageTable(list(parent.pages), parent.num_tokens,
+                                          parent.num_cached, parent.num_shared,
+                                          parent.num_dropped, parent.caching)
+
+    def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
+        """Its full pages join the prefix cache; where the cache already holds the content
+        of its next page in another page (an identical prompt prefilled at the same time),
+        the sequence keeps its own pages uncached."""
+        seq = self._seqs[seq_id]
+        full = seq.num_tokens // self.page_size
+        if not seq.caching or token_ids is None or full <= seq.num_cached:
+            return
+        seq.num_cached = self._index.insert(bytes(token_ids), seq.pages[:full],
+                                            seq.num_cached, salt)
+        if seq.num_cached < full:
+            seq.caching = False
+
+    def free(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id)
+        del seq.pages[:seq.num_dropped]  # HOLE entries
+        gone = self.allocator.free(seq.pages)
+        if self.scrub_on_free:
+            self._scrub(gone)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    def num_unheld(self, pages: Sequence[int]) -> int:
+        """How many of `pages` no sequence holds (cached): a hit takes them off the queue."""
+        refcounts = self.allocator.refcounts
+        return [refcounts[page] for page in pages].count(0)
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        """The sequence's page table (a copy); HOLE for pages given back out of the window."""
+        return list(self._get(seq_id).pages)
+
+    def slots(self, seq_id: Hashable) -> list[int]:
+        """The slot of each of the sequence's tokens; HOLE where its page went back."""
+        seq = self._get(seq_id)
+        dropped = seq.num_dropped * self.page_size
+        return [HOLE] * dropped + self._slots(seq, dropped, seq.num_tokens)
+
+    def owners(self, page: int) -> list[Hashable]:
+        """Live sequences whose page table holds `page`."""
+        return [sid for sid, seq in self._seqs.items() if page in seq.pages]
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        """Pages of this group's pool one sequence of `num_tokens` tokens may need."""
+        return self.layout.num_pages_for(num_tokens)
+
+    def drop_point(self, position: int) -> int:
+        """Pages wholly before the window of a token at `position` (none: full attention)."""
+        return 0
+
+    def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
+        """Page tables `[batch, max_pages]` int32 on the host, rows padded with page id 0,
+        which also stands for the pages given back out of the window."""
+        seqs = [self._get(sid) for sid in seq_ids]
+        width = max((len(seq.pages) for seq in seqs), default=0)
+        rows = [[0] * seq.num_dropped + seq.pages[seq.num_dropped:]
+                + [0] * (width - len(seq.pages)) for seq in seqs]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+
+    def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
+                     ends: Sequence[int]) -> torch.Tensor:
+        """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence,
+        concatenated; tokens of a sequence's prefix match go to the padding slot."""
+        out: list[int] = []
+        for sid, start, end in zip(seq_ids, starts, ends, strict=True):
+            seq = self._get(sid)
+            if not 0 <= start <= end <= seq.num_tokens:
+                raise ValueError(f"token range [{start}, {end}) is outside sequence {sid!r} "
+                                 f"of {seq.num_tokens} tokens")
+            if start < end and start < seq.num_dropped * self.page_size:
+                raise ValueError(f"token range [{start}, {end}) of sequence {sid!r} starts "
+                                 f"in its first {seq.num_dropped * self.page_size} tokens, "
+                                 f"whose pages went back out of the window")
+            rewritten = max(min(end, seq.num_shared) - start, 0)
+            out += [self.pool.padding_slot] * rewritten
+            out += self._slots(seq, start + rewritten, end)
+        return torch.tensor(out, dtype=torch.int64)
+
+    def stats(self, num_sequences: int) -> CacheStats:
+        """Page counts, filled slots, prefix-cache and copy-on-write counters."""
+        full: set[int] = set()
+        partial: dict[int, int] = {}
+        ps = self.page_size
+        for seq in self._seqs.values():
+            nfull = seq.num_tokens // ps
+            full.update(seq.pages[seq.num_dropped:nfull])
+            if nfull < len(seq.pages):
+                partial[seq.pages[nfull]] = seq.num_tokens - nfull * ps
+        alloc = self.allocator
+        return CacheStats(
+            num_pages=alloc.num_pages, num_free_pages=alloc.num_free,
+            num_cached_pages=alloc.num_cached, num_used_pages=alloc.num_used,
+            num_sequences=num_sequences, num_tokens=len(full) * ps + sum(partial.values()),
+            prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens,
+            num_evicted_pages=alloc.stats().num_evicted,
+            num_cow_copies=self._num_cow_copies, page_size=ps,
+            num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores,
+            num_reserved_pages=self.pool.num_reserved_pages)
+
+    def check(self, num_tokens: dict[Hashable, int]) -> None:
+        """Allocator conservation; page tables sized to their tokens; each sequence's first
+        `num_cached` pages a path of the prefix cache; each page's reference count equal to
+        the number of sequences whose page table holds it; pages given back only before the
+        window of the next token, never by a sequence on a tree path; the prefix tree, the
+        tier and the pool consistent; the pool's reserved pages outside the allocator's."""
+        self.allocator.check()
+        self.pool.check()
+        assert self.pool.num_pages == self.allocator.num_pages, (
+            f"the pool holds {self.pool.num_pages} pages, the allocator "
+            f"{self.allocator.num_pages}")
+        self._index.check()
+        if self.tier is not None:
+            self.tier.check()
+        assert list(self._seqs) == list(num_tokens), (
+            f"{self.name} holds sequences {list(self._seqs)}, the cache {list(num_tokens)}")
+        holders: Counter[int] = Counter()
+        for sid, seq in self._seqs.items():
+            held = seq.pages[seq.num_dropped:]
+            holders.update(held)
+            assert seq.num_tokens == num_tokens[sid], (
+                f"sequence {sid!r} holds {seq.num_tokens} tokens here, {num_tokens[sid]} in all")
+            assert len(seq.pages) == -(-seq.num_tokens // self.page_size), (
+                f"sequence {sid!r} holds {seq.num_tokens} tokens in {len(seq.pages)} pages")
+            assert len(set(held)) == len(held), f"sequence {sid!r} repeats a page"
+            assert seq.pages[:seq.num_dropped] == [HOLE] * seq.num_dropped and HOLE not in held, (
+                f"sequence {sid!r} has {seq.num_dropped} pages dropped, page table {seq.pages}")
+            assert seq.num_dropped <= self.drop_point(seq.num_tokens), (
+                f"sequence {sid!r} dropped {seq.num_dropped} pages, some in its window")
+            assert not (seq.num_dropped and (seq.num_cached or seq.caching)), (
+                f"sequence {sid!r} dropped pages but is still cached")
+            assert not (seq.num_dropped and any(map(self.allocator.is_cached, held))), (
+                f"sequence {sid!r} dropped pages but holds pages the prefix cache indexes")
+            assert seq.num_shared % self.page_size == 0 and seq.num_shared <= seq.num_tokens, (
+                f"sequence {sid!r} shares {seq.num_shared} of {seq.num_tokens} tokens")
+            assert self._index.holds_path(seq.pages[:seq.num_cached]), (
+                f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
+                f"are not a path of the prefix cache")
+        for page in range(self.allocator.num_pages):
+            assert self.allocator.refcount(page) == holders[page], (
+                f"page {page}: refcount {self.allocator.refcount(page)}, {holders[page]} holders")
+        reserved = sorted(page for page in holders if page >= self.allocator.num_pages)
+        assert not reserved, f"sequences hold reserved or unknown pages {reserved}"
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _PageTable:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}")
+        return seq
+
+    def _fetch_from_tier(self, token_ids: bytes, n: int, match: PrefixMatch) -> list[torch.Tensor]:
+        """The data of the pages continuing the device's `match` in the tier, page by
+        page up to the first miss, never covering the last token; `token_ids` packed. Only
+        `get` touches the tier, and only once the call is known to succeed."""
+        page_bytes = self.page_size * TOKEN_BYTES
+        parent_key = self.prefix_cache.chain_key(match.node, match.depth)
+        loaded = []
+        for i in range(len(match.pages), (n - 1) // self.page_size):
+            key = PageKey.of(parent_key, unpack_tokens(token_ids[i * page_bytes:
+                                                                 (i + 1) * page_bytes]))
+            data = self.tier.get(key)
+            if data is None:
+                break
+            loaded.append(data)
+            parent_key = key.chain_key
+        return loaded
+
+    def _load_from_tier(self, token_ids: bytes, pages: list[int], first: int,
+                        loaded: list[torch.Tensor], salt: bytes) -> None:
+        """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
+        sequence and add them to the prefix cache after its device match."""
+        last = first + len(loaded)
+        self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
+        self._num_tier_loads += len(loaded)
+        self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES], pages[:last],
+                                 salt=salt)
+
+    def _evicted(self, pages: list[int], keys: list[PageKey]) -> None:
+        """The prefix cache's eviction hook: these cached pages, named by `keys`, left it and
+        are about to be reused; copy them to the tier and scrub them. Eviction runs inside
+        calls that have passed their checks, and never fails: a page the tier cannot store is
+        lost, as without a tier."""
+        if self.tier is not None:
+            data = self.pool.read_pages(pages)
+            for i, key in enumerate(keys):
+                self._num_tier_stores += self.tier.store(key, data[:, :, i])
+        self._scrub(pages)
+
+    def _scrub(self, pages: list[int]) -> None:
+        """Zero pages whose content no sequence or cache keeps, if asked to."""
+        if self.scrub_on_free and pages:
+            self.pool.scrub_pages(pages)
+
+    def _copy_on_write(self, seq: _PageTable, new_page: int) -> None:
+        old = seq.pages[-1]
+        self.pool.copy_pages([old], [new_page])
+        self.allocator.free([old])  # others still hold it: never reaches 0 here
+        seq.pages[-1] = new_page
+        self._num_cow_copies += 1
+
+    def _to_copy(self, seq: _PageTable, drop_to: int) -> list[int]:
+        """Indexes of the pages that `seq`, giving back its first pages [0, drop_to) out of the
+        window, must copy to fresh ones first: its full pages in the window that the prefix
+        cache indexes or that another sequence holds (and may yet commit). A sequence holds
+        the tree's pages only while it holds the pages before them (the eviction order needs
+        it), so at its first drop it lets go of its whole tree path and is cached no further;
+        the tree keeps those pages whole, so a prefix hit is always served entirely."""
+        refcounts, is_cached = self.allocator.refcounts, self.allocator.is_cached
+        window = range(drop_to, seq.num_tokens // self.page_size)
+        return [i for i in window if refcounts[seq.pages[i]] > 1 or is_cached(seq.pages[i])]
+
+    def _drop(self, seq: _PageTable, drop_to: int, to_copy: list[int],
+              copies: list[int]) -> None:
+        """Give back pages [num_dropped, drop_to), and the pages at indexes `to_copy` after
+        copying them to `copies`; cache the sequence no more."""
+        kept = [seq.pages[i] for i in to_copy]
+        self.pool.copy_pages(kept, copies)
+        for i, page in zip(to_copy, copies, strict=True):
+            seq.pages[i] = page
+        gone = seq.pages[seq.num_dropped:drop_to] + kept
+        seq.pages[seq.num_dropped:drop_to] = [HOLE] * (drop_to - seq.num_dropped)
+        seq.num_dropped = drop_to
+        seq.num_cached, seq.caching = 0, False
+        self._scrub(self.allocator.free(gone))
+
+    def _slots(self, seq: _PageTable, start: int, end: int) -> list[int]:
+        """The slots of tokens [start, end) of `seq`, built a page at a time."""
+        ps, pages = self.page_size, seq.pages
+        if ps == 1:  # a token's slot is its page
+            return pages[start:end]
+        slots: list[int] = []
+        for i in range(start // ps, -(-end // ps)):
+            first = i * ps
+            slots += range(pages[i] * ps + max(start - first, 0),
+                           pages[i] * ps + min(end - first, ps))
+        return slots
+
+
+class SlidingWindow(FullAttention):
+    """Full attention's pages, less those wholly before the last `window` tokens of the next
+    token: `append` gives them back (a HOLE stays in the page table)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, *, window: int, **options):
+        super().__init__(layout, num_pages, name=f"window {window:,}", **options)
+        self.window = window
+
+    def drop_point(self, position: int) -> int:
+        return max(position - self.window + 1, 0) // self.page_size
+
+    def admitted(self, n: int, entering: int) -> int:
+        """The entering tokens alone: the rest come chunk by chunk, as pages go back."""
+        return entering

@@ -1,0 +1,338 @@
+"""The Mamba state group: a hybrid model's recurrent states, one state slot per live sequence
+in a MambaPool, and with prefix caching checkpoints of the state after some cached prefixes.
+
+A checkpoint is a state slot holding the state after the last token of a token prefix whose
+KV pages the full-attention group's prefix cache holds. Checkpoints are taken within a prompt
+at the last multiple of `checkpoint_interval` tokens each prefill chunk reaches, and after it
+at every multiple of `track_interval` tokens; they are evicted least recently used first,
+apart from the KV pages (a prefix whose pages stay but whose checkpoint went is a tombstone).
+A new sequence's hit is the deepest checkpoint within what the page groups serve; the
+checkpoint is copied into the sequence's own slot (a state is written at every token, so it
+is never shared). A sequence with a cache salt neither uses nor makes checkpoints, which are
+keyed by content alone."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.cache.group import GroupManager, Plan
+from kvpool.cache.pages import FullAttention
+from kvpool.errors import OutOfStateSlots, check_int
+from kvpool.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch
+from kvpool.tokens import TOKEN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """A hybrid model's state group: `num_slots` state slots of `layout` for sequences (each
+    live sequence holds one), `num_checkpoint_slots` more for checkpoints (with prefix
+    caching), taken every `checkpoint_interval` tokens of a prompt (a multiple of the page
+    size) and every `track_interval` tokens after it (a multiple of checkpoint_interval)."""
+
+    layout: MambaLayout
+    num_slots: int
+    num_checkpoint_slots: int = 0
+    checkpoint_interval: int = 64
+    track_interval: int = 256
+
+    def __post_init__(self) -> None:
+        check_int("num_state_slots", self.num_slots, 1)
+        check_int("num_checkpoint_slots", self.num_checkpoint_slots, 0)
+        check_int("checkpoint_interval", self.checkpoint_interval, 1)
+        check_int("track_interval", self.track_interval, 1)
+
+
+class StateCheckpoints:
+    """Checkpoints keyed by packed token prefix, each holding one reference to its slot in
+    `states`; at most `capacity` slots at once, counting the slots `reserve` hands out for
+    checkpoints not yet added. They sit only at multiples of `interval` tokens, so a prompt's
+    deepest one is found by looking up those lengths from the longest down."""
+
+    def __init__(self, states: MambaPool, capacity: int, interval: int):
+        self.states = states
+        self.capacity = capacity
+        self.interval = interval
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._reserved: set[int] = set()
+        self.num_evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def lengths(self) -> list[int]:
+        """Token lengths of the checkpointed prefixes, least recently used first."""
+        return [len(key) // TOKEN_BYTES for key in self._slots]
+
+    def deepest(self, token_ids: bytes, max_tokens: int) -> tuple[int, int | None]:
+        """(length, slot) of the longest checkpointed prefix of `token_ids` (packed) no longer
+        than `max_tokens`; (0, None) if none. Changes nothing."""
+        for length in range(max_tokens // self.interval * self.interval, 0, -self.interval):
+            slot = self._slots.get(token_ids[:length * TOKEN_BYTES])
+            if slot is not None:
+                return length, slot
+        return 0, None
+
+    def __contains__(self, prefix: bytes) -> bool:
+        return prefix in self._slots
+
+    def touch(self, prefix: bytes) -> None:
+        """Mark the checkpoint of `prefix` most recently used (a hit)."""
+        self._slots.move_to_end(prefix)
+
+    def reserve(self) -> int | None:
+        """A slot for a checkpoint about to be computed, evicting the least recently used
+        checkpoint when the capacity is reached; None when every slot of the capacity is
+        reserved already (the checkpoint is skipped)."""
+        if len(self._reserved) >= self.capacity:
+            return None
+        if len(self._slots) + len(self._reserved) >= self.capacity:
+            self.evict(1)
+        slot = self.states.allocate()
+        self._reserved.add(slot)
+        return slot
+
+    def add(self, prefix: bytes, slot: int) -> None:
+        """Index a reserved slot, now holding the state after `prefix`, as its checkpoint;
+        a prefix checkpointed already keeps its slot and this one is released."""
+        if prefix in self._slots:
+            self.release(slot)
+            return
+        self._reserved.remove(slot)
+        self._slots[prefix] = slot
+
+    def release(self, slot: int) -> None:
+        """Give back a reserved slot that will not become a checkpoint."""
+        self._reserved.remove(slot)
+        self.states.free(slot)
+
+    def evict(self, n: int) -> int:
+        """Drop up to `n` least recently used checkpoints; returns how many went."""
+        gone = 0
+        while gone < n and self._slots:
+            self.states.free(self._slots.popitem(last=False)[1])
+            gone += 1
+        self.num_evicted += gone
+        return gone
+
+    def drop(self, prefixes: list[bytes]) -> None:
+        """Drop the checkpoints of these prefixes (their KV pages are gone)."""
+        for prefix in prefixes:
+            self.states.free(self._slots.pop(prefix))
+        self.num_evicted += len(prefixes)
+
+    def prefixes(self) -> list[bytes]:
+        """The checkpointed prefixes, least recently used first."""
+        return list(self._slots)
+
+    def held_slots(self) -> list[int]:
+        """Slots held by checkpoints and reservations."""
+        return [*self._slots.values(), *self._reserved]
+
+    def check(self) -> None:
+        """Each checkpoint and reservation holds a distinct slot with one reference, at
+        most `capacity` of them, at interval multiples; AssertionError naming what broke."""
+        held = self.held_slots()
+        assert len(set(held)) == len(held), f"a checkpoint slot is held twice: {held}"
+        assert len(held) <= self.capacity, (
+            f"{len(held)} checkpoint slots held, capacity {self.capacity}")
+        for prefix, slot in self._slots.items():
+            length = len(prefix) // TOKEN_BYTES
+            assert length and length % self.interval == 0, (
+                f"checkpoint after {length} tokens is not at a multiple of {self.interval}")
+            assert self.states.refcount(slot) == 1, (
+                f"checkpoint slot {slot} has reference count {self.states.refcount(slot)}")
+
+
+@dataclass(slots=True)
+class _StateSlot:
+    slot: int
+    num_prompt_tokens: int  # tokens at creation: checkpoints every checkpoint_interval
+    checkpointing: bool  # False: a salted sequence, or one of unknown tokens
+    pending: list[tuple[int, int]] = field(default_factory=list)  # (tokens, reserved slot)
+
+
+class MambaState(GroupManager):
+    """The state slots of `spec` on `device` beside the page group `kv` (full attention),
+    whose prefix cache decides which checkpoints are servable."""
+
+    name = "mamba state"
+
+    def __init__(self, spec: StateSpec, kv: FullAttention, *, device: str | torch.device):
+        caching = kv.prefix_cache is not None
+        check_int("num_checkpoint_slots", spec.num_checkpoint_slots, int(caching))
+        if spec.checkpoint_interval % kv.page_size or \
+                spec.track_interval % spec.checkpoint_interval:
+            raise ValueError(f"checkpoint_interval {spec.checkpoint_interval} must be a "
+                             f"multiple of page_size {kv.page_size}, and track_interval "
+                             f"{spec.track_interval} a multiple of it")
+        self.kv = kv
+        self.num_sequence_slots = spec.num_slots
+        self.track_interval = spec.track_interval
+        self.states = MambaPool(spec.layout, spec.num_slots + spec.num_checkpoint_slots,
+                                device=device)
+        # Without prefix caching, capacity 0: never a checkpoint, never a hit.
+        self.checkpoints = StateCheckpoints(self.states, spec.num_checkpoint_slots * caching,
+                                            spec.checkpoint_interval)
+        self._seqs: dict[Hashable, _StateSlot] = {}
+        # Set by the KV prefix cache's eviction hook; drop_orphans sweeps then.
+        self._kv_evicted = False
+        if kv.prefix_cache is not None:
+            kv.prefix_cache.evict_hooks.append(self._on_kv_evicted)
+
+    def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:
+        """A slot, and the deepest checkpoint within `limit` tokens (the KV groups' hit)."""
+        if token_ids is None or salt or not len(self.checkpoints):
+            return Plan(1, data=(None, token_ids))
+        hit, slot = self.checkpoints.deepest(token_ids, limit)
+        return Plan(1, hit, data=(slot, token_ids))
+
+    def add(self, seq_id: Hashable, n: int, salt: bytes, plan: Plan) -> int:
+        checkpoint, ids = plan.data
+        slot = self.states.allocate()
+        if checkpoint is not None:
+            self.states.copy(checkpoint, slot)
+            self.checkpoints.touch(ids[:plan.hit * TOKEN_BYTES])
+        self._seqs[seq_id] = _StateSlot(slot, n, ids is not None and not salt)
+        return plan.hit
+
+    def plan_append(self, seq_id: Hashable, n: int, copied: dict[int, int]) -> Plan:
+        """Nothing: the state is updated in place."""
+        return Plan(0)
+
+    def append(self, seq_id: Hashable, n: int, known: bool, plan: Plan,
+               new: list[int]) -> list[int]:
+        if not known:
+            self._seqs[seq_id].checkpointing = False
+        return []
+
+    def allocate(self, n: int) -> list[int]:
+        return []
+
+    def room(self, plan: Plan, spare_pages: int = 0) -> bool:
+        """Whether a new sequence would find its slot (pages to spare do not apply)."""
+        return len(self._seqs) + plan.need <= self.num_sequence_slots
+
+    def shortage(self, plan: Plan) -> OutOfStateSlots:
+        return OutOfStateSlots(f"need 1 state slot, 0 free of {self.num_sequence_slots} "
+                               f"(each of {len(self._seqs)} sequences holds one)")
+
+    def plan_fork(self, parent_id: Hashable) -> Plan:
+        """A slot of the child's own, for a copy of the parent's state."""
+        return Plan(1)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        parent = self._seqs[parent_id]
+        child = self.states.allocate()
+        self.states.copy(parent.slot, child)
+        self._seqs[child_id] = _StateSlot(child, parent.num_prompt_tokens, parent.checkpointing)
+
+    def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
+        """The checkpoints computed for the sequence whose pages are now in the prefix cache
+        become matchable; the others are released."""
+        seq = self._seqs[seq_id]
+        for length, slot in seq.pending:
+            prefix = bytes(token_ids[:length * TOKEN_BYTES]) if seq.checkpointing else None
+            if prefix is not None and self._kv_cached(prefix):
+                self.checkpoints.add(prefix, slot)
+            else:  # tokens unknown, or another copy of the prefix holds the pages
+                self.checkpoints.release(slot)
+        seq.pending = []
+
+    def free(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id)
+        for _, slot in seq.pending:
+            self.checkpoints.release(slot)
+        self.states.free(seq.slot)
+
+    def _on_kv_evicted(self, pages: list[int], keys: list) -> None:
+        """The KV prefix cache's eviction hook: some checkpoint may have lost its KV."""
+        self._kv_evicted = True
+
+    def drop_orphans(self) -> None:
+        """After KV pages were evicted, drop the checkpoints whose prefix lost a page (a state
+        is of no use without the KV before it). The coordinator calls it after every call
+        that may allocate; it sweeps only when the eviction hook ran since the last sweep."""
+        if not self._kv_evicted:
+            return
+        self._kv_evicted = False
+        self.checkpoints.drop([p for p in self.checkpoints.prefixes() if not self._kv_cached(p)])
+
+    # ---- the step's state slots --------------------------------------------------------
+
+    def slot(self, seq_id: Hashable) -> int:
+        """The sequence's state slot."""
+        return self._seqs[seq_id].slot
+
+    def state_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[bytearray | None],
+                    starts: Sequence[int] | None, ends: Sequence[int] | None) -> StateBatch:
+        """The slots of a step's sequences (ranges checked by the caller) and the checkpoints
+        to save during the step, a reserved slot each."""
+        slots = torch.tensor([self._seqs[s].slot for s in seq_ids], dtype=torch.int64,
+                             device=self.states.device)
+        requests = []
+        if starts is not None and self.checkpoints.capacity:
+            for index, (seq_id, ids, start, end) in enumerate(zip(seq_ids, token_ids, starts,
+                                                                  ends, strict=True)):
+                requests += self._checkpoint_requests(index, seq_id, ids, start, end)
+        return StateBatch(self.states, slots, requests)
+
+    def check(self, num_tokens: dict[Hashable, int]) -> None:
+        """MambaPool's and the checkpoints' invariants, plus: the live sequences are the
+        cache's, at most num_sequence_slots of them; each state slot is counted once (held by
+        one sequence, one checkpoint or one reservation); every checkpoint's prefix has its
+        KV pages in the prefix cache."""
+        self.states.check()
+        self.checkpoints.check()
+        assert list(self._seqs) == list(num_tokens), (
+            f"sequences with state slots {list(self._seqs)} differ from the cache's "
+            f"{list(num_tokens)}")
+        assert len(self._seqs) <= self.num_sequence_slots, (
+            f"{len(self._seqs)} sequences for {self.num_sequence_slots} state slots")
+        held = [seq.slot for seq in self._seqs.values()] + self.checkpoints.held_slots()
+        assert len(set(held)) == len(held), f"a state slot is counted twice: {sorted(held)}"
+        reserved = {slot for seq in self._seqs.values() for _, slot in seq.pending}
+        assert reserved <= set(self.checkpoints.held_slots()), (
+            f"pending checkpoint slots {reserved} are not reserved")
+        for slot in range(self.states.num_slots):
+            want = int(slot in held)
+            assert self.states.refcount(slot) == want, (
+                f"state slot {slot} has reference count {self.states.refcount(slot)}, "
+                f"expected {want}")
+        for prefix in self.checkpoints.prefixes():
+            assert self._kv_cached(prefix), (
+                f"checkpoint after {len(prefix) // TOKEN_BYTES} tokens has no KV pages")
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _checkpoint_requests(self, index: int, seq_id: Hashable, token_ids: bytearray | None,
+                             start: int, end: int) -> list[CheckpointRequest]:
+        """Checkpoints to save while computing tokens [start, end) of a sequence, not saved
+        yet, while slots last: in the prompt, at the last checkpoint_interval multiple the
+        chunk reaches (where a later chunk or prompt would resume); after it, at every
+        track_interval multiple."""
+        seq = self._seqs[seq_id]
+        if not seq.checkpointing or token_ids is None:
+            return []
+        interval, track = self.checkpoints.interval, self.track_interval
+        last = min(end, seq.num_prompt_tokens) // interval * interval
+        lengths = [last] if last > start else []
+        lengths += range((max(start, seq.num_prompt_tokens) // track + 1) * track, end + 1, track)
+        requests = []
+        for length in lengths:
+            if bytes(token_ids[:length * TOKEN_BYTES]) in self.checkpoints:
+                continue
+            slot = self.checkpoints.reserve()
+            if slot is None:
+                break
+            seq.pending.append((length, slot))
+            requests.append(CheckpointRequest(index, length, slot))
+        return requests
+
+    def _kv_cached(self, prefix: bytes) -> bool:
+        """Does the KV prefix cache hold every page of this packed prefix?"""
+        num_pages = len(prefix) // TOKEN_BYTES // self.kv.page_size
+        return len(self.kv.prefix_cache.match(prefix, num_pages).pages) == num_pages
