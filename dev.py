@@ -27,7 +27,7 @@ TORCH = "torch==2.13.0"
 # kvpool's extras in .venv: the tests', and matplotlib so that `bench` writes its plot.
 EXTRAS = "test,plot"
 # What the install builds from: a change to any of these reinstalls.
-BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "_tokens.c")
+BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "cache" / "_tokens.c")
 # gpu-check: test workers sharing the one GPU, and the share of its memory each may take
 # (tests/conftest.py applies it), so that a test that overflows fails alone.
 GPU_WORKERS = min(8, os.cpu_count() or 1)

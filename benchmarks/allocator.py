@@ -22,7 +22,7 @@ import timeit
 from collections import deque
 from collections.abc import Callable
 
-from kvpool.allocator import PageAllocator
+from kvpool.memory.allocator import PageAllocator
 
 SIZES = (1_000, 100_000, 1_000_000)
 BATCH = 16  # pages per cycle: one allocate and one free of this many

@@ -50,9 +50,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.allocator import PageAllocator
 from kvpool.cache import CacheStats, KVCache
-from kvpool.layout import KVLayout
+from kvpool.memory.allocator import PageAllocator
+from kvpool.memory.layout import KVLayout
 
 PAGE_SIZE = 16
 TOKENS = 256

@@ -41,7 +41,7 @@ from kvpool.attention import paged_attention
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.formats import format_bytes
-from kvpool.fp8 import FP8_DTYPE, dequantize, quantize, scale_of
+from kvpool.memory.fp8 import FP8_DTYPE, dequantize, quantize, scale_of
 from kvpool.models import mla
 from kvpool.models.config import ModelConfig
 from kvpool.models.gguf import gguf_path

@@ -26,9 +26,9 @@ import random
 import torch
 
 from kvpool.cache import KVCache, StateSpec
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.config import ModelConfig
-from kvpool.state_pool import MambaLayout
 
 BAMBA = ModelConfig.from_hf("Bamba-9B")
 PAGE_BYTES = BAMBA.kv_layout().bytes_per_page

@@ -19,7 +19,7 @@ import argparse
 import os
 import subprocess
 
-from kvpool.allocator import PageAllocator
+from kvpool.memory.allocator import PageAllocator
 
 PAGE_SIZE = 16
 PROMPT = list(range(1_000, 1_000 + 16 * PAGE_SIZE))
@@ -46,7 +46,7 @@ def main() -> None:
     import torch
 
     from kvpool.cache import KVCache
-    from kvpool.layout import KVLayout
+    from kvpool.memory.layout import KVLayout
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
                       page_size=PAGE_SIZE)

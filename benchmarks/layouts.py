@@ -9,7 +9,7 @@ OutOfPages. The table gives the sequences that reached 32,768 tokens together, t
 holds at the end, and the tokens the pool has a slot for, with every page kept in one pool (the
 baseline, same run) against pages given back: by the KVCache of a model whose every layer is
 windowed (Mistral), and by a KVCache of a full and a window group for models mixing full and
-windowed layers (Gemma 3, Qwen3 with layer_types), its 4 GiB split by kvpool.group_plan for
+windowed layers (Gemma 3, Qwen3 with layer_types), its 4 GiB split by kvpool.planning.group_plan for
 8 sequences' windows and one prompt.
 
 Then the engine on a long-context workload, for a small random Mistral (window 512, every layer
@@ -35,9 +35,9 @@ import transformers
 from kvpool.cache import HOLE, KVCache
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import OutOfPages
-from kvpool.group_plan import split_budget
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.planning.group_plan import split_budget
 
 POOL_BYTES = 4 * 2**30
 PAGE_SIZE = 16

@@ -25,7 +25,7 @@ from kvpool.cache import KVCache
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import Request
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 
 
 class OneByOneScheduler(Scheduler):

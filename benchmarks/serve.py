@@ -39,9 +39,9 @@ import aiohttp
 import numpy as np
 import torch
 
-from kvpool.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
+from kvpool.cli.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
+from kvpool.cli.http_bench import model_info, run_client, run_requests, session
 from kvpool.engine import LLM
-from kvpool.server.http_bench import model_info, run_client, run_requests, session
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -79,7 +79,7 @@ def over_http(workload: Workload) -> tuple[BenchResult, Cpu]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli", "serve", "--model", "tiny", "--port", str(port),
+        [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
          "--num-pages", str(DEFAULT_NUM_PAGES), "--seed", str(workload.seed)],
         env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())},
         stderr=subprocess.DEVNULL)

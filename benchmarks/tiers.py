@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.layout import KVLayout
-from kvpool.tiers import DiskTier, HostTier, Tier, page_namespace
+from kvpool.cache.tiers import DiskTier, HostTier, Tier, page_namespace
+from kvpool.memory.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=22, num_kv_heads=4, head_dim=64, dtype=torch.float16,
                   page_size=16)
@@ -175,7 +175,7 @@ def main_replicas(prompts: list[list[int]], url: str | None) -> None:
         (f"HostTier({TIER_PAGES}) each", lambda: HostTier(TIER_PAGES)),
     ]
     if url is not None:
-        from kvpool.redis_tier import RedisTier
+        from kvpool.cache.redis_tier import RedisTier
 
         cases.append(("one shared RedisTier", lambda: RedisTier(url)))
     print(f"\ntwo replicas, each prompt to one at random; {NUM_PAGES} pages each")

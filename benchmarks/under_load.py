@@ -31,7 +31,7 @@ import json, sys
 if sys.argv[1] == "torch defaults":
     import torch  # OpenMP starts before kvpool can choose its wait policy
 from kvpool import LLM
-from kvpool.bench import Workload, make_workload, run_workload
+from kvpool.cli.bench import Workload, make_workload, run_workload
 import torch
 llm = LLM("tiny", num_pages=384, seed=0)
 run_workload(llm, make_workload(Workload(4, seed=1), llm.model_config.vocab_size),

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kvpool.cache import KVCache, StateSpec
-from kvpool.state_pool import MambaPool, StateBatch
+from kvpool.memory.state_pool import MambaPool, StateBatch
 from models_util import packed_context
 
 SMALL_BAMBA = dict(

@@ -14,10 +14,10 @@ from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
 from kvpool.engine import LLM, SamplingParams
 from kvpool.forward_context import ForwardContext, HostLengths
-from kvpool.grouped_pool import GroupedPool
+from kvpool.memory.grouped_pool import GroupedPool
+from kvpool.memory.pool import KVPool
+from kvpool.memory.state_pool import StateBatch
 from kvpool.models.llama import LlamaForCausalLM
-from kvpool.pool import KVPool
-from kvpool.state_pool import StateBatch
 
 SMALL = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

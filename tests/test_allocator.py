@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, KVPoolError, OutOfPages
+from kvpool.memory.allocator import POLICIES, AllocatorStats, PageAllocator
 
 
 def state(allocator):

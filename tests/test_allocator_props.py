@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.allocator import POLICIES, AllocatorStats, PageAllocator
 from kvpool.errors import InvalidPage, OutOfPages
+from kvpool.memory.allocator import POLICIES, AllocatorStats, PageAllocator
 
 NUM_PAGES = 70  # more than one first_fit bucket
 RESERVE = 3

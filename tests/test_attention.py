@@ -12,8 +12,8 @@ import torch
 from kvpool import attention
 from kvpool.attention import AttentionMetadata, paged_attention, write_kv
 from kvpool.kernels import cpu as cpu_kernel
-from kvpool.layout import KVLayout
-from kvpool.pool import KVPool
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
 
 # (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix, a chunk of a
 # chunked prefill (tokens 21..32 of a longer prompt: the rest of its page is unwritten), and

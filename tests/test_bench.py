@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvpool.bench import (
+from kvpool.cli.bench import (
     OUTPUT_LEN,
     PROMPT_LEN,
     BenchResult,
@@ -16,7 +16,7 @@ from kvpool.bench import (
     make_workload,
     write_plot,
 )
-from kvpool.cli import CONTROL_PICTURES, main
+from kvpool.cli.main import CONTROL_PICTURES, main
 from kvpool.engine import LLM, EngineStats, SamplingParams
 
 TINY_VOCAB = 258
@@ -176,8 +176,8 @@ def test_generate_bad_model_is_one_line_with_exit_2(capsys):
 @pytest.mark.parametrize("command", [["generate", "--model", "tiny", "Hi", "--max-tokens", "4"],
                                      ["bench", *SMALL, "--no-plot"]])
 def test_no_overlap_turns_overlap_scheduling_off(command, capsys, monkeypatch):
-    import kvpool.bench
-    import kvpool.cli
+    import kvpool.cli.bench
+    import kvpool.cli.main
 
     built = []
 
@@ -185,7 +185,7 @@ def test_no_overlap_turns_overlap_scheduling_off(command, capsys, monkeypatch):
         built.append(LLM(*args, **kwargs))
         return built[-1]
 
-    for module in (kvpool.bench, kvpool.cli):
+    for module in (kvpool.cli.bench, kvpool.cli.main):
         monkeypatch.setattr(module, "LLM", recording_llm)
     assert main([*command, "--no-overlap"]) == 0
     assert main(command) == 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import (
     DuplicateSequence,
     KVPoolError,
@@ -12,8 +13,7 @@ from kvpool.errors import (
     SequenceTooLong,
     UnknownSequence,
 )
-from kvpool.layout import KVLayout
-from kvpool.tokens import pack_tokens
+from kvpool.memory.layout import KVLayout
 
 PS = 4
 

@@ -28,11 +28,11 @@ from hypothesis.stateful import (
 )
 
 from kvpool.cache import HOLE, KVCache, StateSpec
+from kvpool.cache.tiers import HostTier
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
-from kvpool.fp8 import FP8_DTYPE
-from kvpool.layout import KVLayout
-from kvpool.state_pool import MambaLayout
-from kvpool.tiers import HostTier
+from kvpool.memory.fp8 import FP8_DTYPE
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 
 PAGE_SIZE = 4
 NUM_PAGES = 16  # of PAGE_SIZE tokens: the same tokens at any page size

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.models.config import PRESETS
 from models_util import make_hf_model, save_hf_model
 
@@ -116,7 +116,7 @@ def test_plan_with_a_bad_context_len_exits_2(capsys):
 
 def test_errors_reach_the_shell_without_a_traceback(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
-    result = subprocess.run([sys.executable, "-m", "kvpool.cli", "plan", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "plan", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "is not valid JSON" in result.stderr

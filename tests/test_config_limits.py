@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.engine import LLM
 from kvpool.errors import ConfigError
 from kvpool.models import config as config_module

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvpool.attention import AttentionMetadata, write_latent
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.forward_context import HostLengths
@@ -20,7 +20,7 @@ from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.mla import softmax_scale
 from kvpool.models.rotary import attention_factor, inv_frequencies
-from kvpool.planner import count_parameters, plan_memory
+from kvpool.planning.planner import count_parameters, plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,

@@ -9,13 +9,13 @@ from hybrid_util import hybrid_cache
 from kvpool.cache import KVCache
 from kvpool.devices import check_device
 from kvpool.engine.config import engine_device
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
+from kvpool.memory.state_pool import MambaLayout, MambaPool
+from kvpool.memory.workspace import Workspace
 from kvpool.models.config import ModelConfig
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.loader import LoadedModel, load_model
-from kvpool.pool import KVPool
-from kvpool.state_pool import MambaLayout, MambaPool
-from kvpool.workspace import Workspace
 
 LAYOUT = KVLayout(1, 1, 4, torch.float32, page_size=4)
 MIXED = KVLayout(2, 1, 4, torch.float32, page_size=4, layer_windows=(None, 8))

@@ -11,11 +11,11 @@ import pytest
 import torch
 import transformers
 
-from kvpool import planner
 from kvpool.engine import llm as llm_module
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.planning import planner
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -10,19 +10,27 @@ import re
 import pytest
 import torch
 
-from kvpool import fp8
 from kvpool.attention import paged_attention, write_kv
 from kvpool.cache import KVCache
-from kvpool.cli import main
+from kvpool.cache.tiers import HostTier
+from kvpool.cli.main import main
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, MIN_AMAX, dequantize, quantize, scale_of
 from kvpool.kernels import cpu as cpu_kernel
-from kvpool.layout import KVLayout
-from kvpool.planner import plan_memory
-from kvpool.pool import KVPool
-from kvpool.tiers import HostTier
+from kvpool.memory import fp8
+from kvpool.memory.fp8 import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    HEADROOM,
+    MIN_AMAX,
+    dequantize,
+    quantize,
+    scale_of,
+)
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
+from kvpool.planning.planner import plan_memory
 from test_attention import MIXED, Batch, kernel, relative_error  # noqa: F401 (a fixture)
 
 FP8_LAYOUT = KVLayout(2, 2, 16, FP8_DTYPE, page_size=4)

@@ -19,16 +19,16 @@ if not torch.cuda.is_available():
 
 from kvpool.attention import paged_attention, write_latent
 from kvpool.cache import KVCache
+from kvpool.cache.tiers import HostTier
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.llm import LLM
-from kvpool.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, dequantize, quantize, scale_of
 from kvpool.kernels import triton_support
-from kvpool.layout import KVLayout
+from kvpool.memory.fp8 import E4M3_MAX, FP8_DTYPE, HEADROOM, dequantize, quantize, scale_of
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
 from kvpool.models import mla
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
-from kvpool.pool import KVPool
-from kvpool.tiers import HostTier
 from models_util import PagedRunner, make_hf_model, prompts, relative_error, save_hf_model
 from test_deepseek import CONFIGS, GREEDY, V2_LITE, mixed_batch
 from test_models import MAX_TOKENS

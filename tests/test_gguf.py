@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpool import LLM, SamplingParams
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models import gguf as kvgguf
 from kvpool.models import load_config, load_model

@@ -6,7 +6,7 @@ import torch
 
 from kvpool.cache import HOLE, KVCache
 from kvpool.errors import OutOfPages, SequenceTooLong
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 
 PAGE_SIZE = 4
 WINDOW = 8

@@ -6,8 +6,8 @@ import torch
 
 from hybrid_util import hybrid_cache
 from kvpool.errors import DuplicateSequence, OutOfPages, OutOfStateSlots, UnknownSequence
-from kvpool.layout import KVLayout
-from kvpool.state_pool import MambaLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=4)
 STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_dim=2,

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
+from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.config import ModelConfig, read_hf_config
-from kvpool.planner import count_parameters, plan_memory
-from kvpool.state_pool import MambaLayout
+from kvpool.planning.planner import count_parameters, plan_memory
 
 GiB = 2**30
 
@@ -100,7 +100,7 @@ def test_attention_only_plan_has_no_state_slots():
 
 
 def test_kvpool_plan_reports_state_slots_and_checkpoints(capsys):
-    from kvpool.cli import main
+    from kvpool.cli.main import main
     assert main(["plan", "Bamba-9B", "--device-memory", "40GiB", "--context-len", "8192"]) == 0
     out = capsys.readouterr().out
     plan = plan_memory("Bamba-9B", 40 * GiB)

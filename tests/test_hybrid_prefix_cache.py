@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybrid_util import hybrid_cache
+from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import OutOfPages, OutOfStateSlots
-from kvpool.layout import KVLayout
-from kvpool.state_pool import MambaLayout
-from kvpool.tokens import pack_tokens
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 
 STATES = MambaLayout(num_layers=2, conv_dim=3, conv_kernel=3, num_heads=1, head_dim=2,
                      state_size=2, dtype=torch.float32)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 
 # KVLayout
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpool.errors import ConfigError
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

@@ -13,10 +13,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from kvpool.errors import CheckpointError, ConfigError
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
 from kvpool.models.loader import load_model
 from kvpool.models.tokenizer import ByteTokenizer
-from kvpool.pool import KVPool
 from models_util import (
     CONFIGS,
     PagedRunner,

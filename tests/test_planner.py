@@ -4,12 +4,12 @@ pages that fit in a share of a device's memory."""
 import pytest
 import torch
 
-from kvpool import planner
 from kvpool.engine.config import EngineConfig
-from kvpool.group_plan import split_budget
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
-from kvpool.planner import count_parameters, estimate_activation_bytes, plan_memory
+from kvpool.planning import planner
+from kvpool.planning.group_plan import split_budget
+from kvpool.planning.planner import count_parameters, estimate_activation_bytes, plan_memory
 
 GiB = 2**30
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvpool.errors import InvalidPage, OutOfMemory
-from kvpool.layout import KVLayout
-from kvpool.pool import KVPool, pages_within
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool, pages_within
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, page_size=4)
 

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from hybrid_util import hybrid_cache
 from kvpool.cache import KVCache
-from kvpool.layout import KVLayout
-from kvpool.state_pool import MambaLayout
-from kvpool.tiers import HostTier
+from kvpool.cache.tiers import HostTier
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 
 PS = 4
 PROMPT = list(range(100, 109))  # 9 tokens: two full pages can be served

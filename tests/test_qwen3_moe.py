@@ -13,7 +13,7 @@ from kvpool.errors import ConfigError
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.moe import MoE
-from kvpool.planner import count_parameters, plan_memory
+from kvpool.planning.planner import count_parameters, plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,

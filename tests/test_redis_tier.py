@@ -23,8 +23,8 @@ if shutil.which("redis-server") is None:
 import redis  # noqa: E402
 
 from kvpool import LLM, RedisTier, SamplingParams  # noqa: E402
+from kvpool.cache.tiers import ROOT_KEY, PageKey, page_record  # noqa: E402
 from kvpool.engine.config import EngineConfig  # noqa: E402
-from kvpool.tiers import ROOT_KEY, PageKey, page_record  # noqa: E402
 
 PS = 4
 SHAPE = (2, 2, PS, 1, 2)  # one page: [num_layers, 2, page_size, kv_heads, head_dim]
@@ -268,8 +268,8 @@ def test_server_metrics_count_the_tiers_pages(server, device):
 
 
 def test_cli_tier_flags_become_engine_options():
-    from kvpool.cli import build_parser
-    from kvpool.tier_flags import tier_options
+    from kvpool.cli.main import build_parser
+    from kvpool.cli.tier_flags import tier_options
 
     args = build_parser().parse_args(["serve", "--redis-tier", "redis://127.0.0.1:6379/0"])
     assert tier_options(args) == {"redis_tier": "redis://127.0.0.1:6379/0"}

@@ -16,7 +16,7 @@ from kvpool.engine.runner import StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import HostLengths
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.workspace import ALIGNMENT
+from kvpool.memory.workspace import ALIGNMENT
 from models_util import packed_context, save_hf_model
 
 PAGE = 4

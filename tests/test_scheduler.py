@@ -12,7 +12,7 @@ from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import Request, SequenceStatus
 from kvpool.engine.scheduler import Scheduler
 from kvpool.errors import OutOfPages, SequenceTooLong
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 
 PAGE = 4
 

@@ -10,7 +10,7 @@ from functools import partial
 import httpx
 import pytest
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
 from server_util import metrics, running_server
 

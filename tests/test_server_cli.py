@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -24,7 +24,7 @@ def test_serve_answers_then_exits_0_on_sigterm(flags):
         port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli", "serve", "--model", "tiny", "--port", str(port),
+        [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
          "--num-pages", "64", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         url = f"http://127.0.0.1:{port}"

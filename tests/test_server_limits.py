@@ -19,10 +19,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from kvpool.cli.serve import API_KEY_ENV, add_arguments, api_keys
 from kvpool.engine import LLM
 from kvpool.server.auth import ApiKeyMiddleware
 from kvpool.server.limits import ServerLimits
-from kvpool.server.serve import API_KEY_ENV, add_arguments, api_keys
 from server_util import running_server
 
 KEY_A, KEY_B = "key-a", "key-b"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import InvalidStateSlot, OutOfStateSlots
-from kvpool.state_pool import MambaLayout, MambaPool, slots_within
+from kvpool.memory.state_pool import MambaLayout, MambaPool, slots_within
 
 LAYOUT = MambaLayout(num_layers=3, conv_dim=10, conv_kernel=4, num_heads=2, head_dim=3,
                      state_size=5, dtype=torch.float32)

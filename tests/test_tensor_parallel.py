@@ -14,15 +14,15 @@ import pytest
 import torch
 import transformers
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import ConfigError, RankFailed
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import pages_within
 from kvpool.models import load_model
 from kvpool.models.config import ModelConfig
 from kvpool.models.parallel import TensorParallel
-from kvpool.planner import plan_memory
-from kvpool.pool import pages_within
+from kvpool.planning.planner import plan_memory
 from models_util import CONFIGS, SMALL, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS

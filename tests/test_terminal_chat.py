@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvpool.cli import build_parser, main
+from kvpool.cli.main import build_parser, main
 
 pytest.importorskip("jinja2")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.cache.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, chain_key
 from kvpool.errors import OutOfMemory, OutOfPages
-from kvpool.layout import KVLayout
-from kvpool.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, chain_key
+from kvpool.memory.layout import KVLayout
 
 PS = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, page_size=PS)

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool import tokens
-from kvpool.tokens import (
+from kvpool.cache import tokens
+from kvpool.cache.tokens import (
     TOKEN_BYTES,
     TOKEN_MAX,
     TOKEN_MIN,

@@ -24,8 +24,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: there is no kernel to compile")
 
-from kvpool.fp8 import FP8_DTYPE  # noqa: E402
 from kvpool.kernels import triton_support, triton_variants  # noqa: E402
+from kvpool.memory.fp8 import FP8_DTYPE  # noqa: E402
 
 VARIANTS = triton_variants.variants()
 COVERING = {v.name for v in triton_variants.covering(VARIANTS)}

@@ -23,8 +23,8 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 import torch.nn.functional as F  # noqa: E402
 
 from kvpool.attention import write_kv  # noqa: E402
-from kvpool.fp8 import FP8_DTYPE  # noqa: E402
 from kvpool.kernels import triton_fused, triton_support, triton_write  # noqa: E402
+from kvpool.memory.fp8 import FP8_DTYPE  # noqa: E402
 from kvpool.models.layers import RMSNorm  # noqa: E402
 from kvpool.rope import Rotation, apply_rotary  # noqa: E402
 

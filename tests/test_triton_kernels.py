@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from kvpool.attention import paged_attention  # noqa: E402
-from kvpool.fp8 import FP8_DTYPE, dequantize, quantize  # noqa: E402
 from kvpool.kernels import triton_decode, triton_prefill, triton_write  # noqa: E402
+from kvpool.memory.fp8 import FP8_DTYPE, dequantize, quantize  # noqa: E402
 from test_attention import MIXED, Batch, relative_error  # noqa: E402
 from test_fp8 import LOOSE, TIGHT, fp8_pages  # noqa: E402
 

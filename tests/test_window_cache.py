@@ -8,7 +8,7 @@ import torch
 
 from kvpool.cache import HOLE, KVCache
 from kvpool.errors import OutOfPages
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
 
 WINDOW, PAGE_SIZE = 8, 4
 HELD = -(-WINDOW // PAGE_SIZE) + 1  # pages a decoding sequence holds at most

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.workspace import ALIGNMENT, Workspace, WorkspaceFull
+from kvpool.memory.workspace import ALIGNMENT, Workspace, WorkspaceFull
 
 
 def test_alloc_returns_tensors_of_the_shape_and_dtype_inside_the_buffer(device):

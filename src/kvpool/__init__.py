@@ -4,7 +4,7 @@ One pool of fixed-size pages allocated once, an allocator with reference counts,
 page tables with fork and copy-on-write, a radix-tree prefix cache with LRU eviction, paged
 attention, Llama-family models on the paged cache, and an engine with continuous batching.
 
-The public names are imported on first use, so that `import kvpool.allocator` (or the
+The public names are imported on first use, so that `import kvpool.memory.allocator` (or the
 cache alone) does not load the engine, the tokenizer library or the progress bar.
 """
 
@@ -16,8 +16,8 @@ from kvpool.threads import prefer_passive_wait
 prefer_passive_wait()
 
 _MODULE_OF = {
-    "AllocatorStats": "kvpool.allocator",
-    "PageAllocator": "kvpool.allocator",
+    "AllocatorStats": "kvpool.memory.allocator",
+    "PageAllocator": "kvpool.memory.allocator",
     "CacheStats": "kvpool.cache",
     "KVCache": "kvpool.cache",
     "SequenceCache": "kvpool.cache",
@@ -41,18 +41,18 @@ _MODULE_OF = {
     "RankFailed": "kvpool.errors",
     "SequenceTooLong": "kvpool.errors",
     "UnknownSequence": "kvpool.errors",
-    "KVLayout": "kvpool.layout",
-    "LayerGroup": "kvpool.layout",
-    "MemoryPlan": "kvpool.planner",
-    "plan_memory": "kvpool.planner",
-    "KVPool": "kvpool.pool",
-    "PrefixCache": "kvpool.prefix_cache",
-    "RedisTier": "kvpool.redis_tier",
-    "MambaLayout": "kvpool.state_pool",
-    "MambaPool": "kvpool.state_pool",
-    "DiskTier": "kvpool.tiers",
-    "HostTier": "kvpool.tiers",
-    "Tier": "kvpool.tiers",
+    "KVLayout": "kvpool.memory.layout",
+    "LayerGroup": "kvpool.memory.layout",
+    "MemoryPlan": "kvpool.planning.planner",
+    "plan_memory": "kvpool.planning.planner",
+    "KVPool": "kvpool.memory.pool",
+    "PrefixCache": "kvpool.cache.prefix_cache",
+    "RedisTier": "kvpool.cache.redis_tier",
+    "MambaLayout": "kvpool.memory.state_pool",
+    "MambaPool": "kvpool.memory.state_pool",
+    "DiskTier": "kvpool.cache.tiers",
+    "HostTier": "kvpool.cache.tiers",
+    "Tier": "kvpool.cache.tiers",
 }
 
 __all__ = sorted(_MODULE_OF)

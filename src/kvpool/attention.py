@@ -4,7 +4,7 @@ Backends: "torch" (the reference: gathers pages, then SDPA), "cpu" (decode rows 
 kernel of kvpool/kernels/cpu.py, other rows as torch) and "triton" (kvpool/kernels/triton_*.py,
 on CUDA; Triton is optional and imported only when used).
 
-fp8 caches (float8_e4m3fn, kvpool.fp8) come with a K and a V scale (floats or float32 tensors
+fp8 caches (float8_e4m3fn, kvpool.memory.fp8) come with a K and a V scale (floats or float32 tensors
 `[]`): write_kv quantizes under them, and every backend reads the pages dequantized. The torch
 reference dequantizes the gathered K/V into q's dtype (`float32(byte) * scale`); the kernels
 fold the scales into the scores and the output instead, which differs only by rounding.
@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvpool.fp8 import dequantize, is_fp8, quantize
 from kvpool.kernels import cpu as cpu_kernel
 from kvpool.kernels import triton_support
 from kvpool.kernels.checks import check_index_dtype, check_page_tables
+from kvpool.memory.fp8 import dequantize, is_fp8, quantize
 from kvpool.rope import Rotation, apply_rotary
 
 BACKENDS = ("torch", "cpu", "triton")
@@ -166,9 +166,10 @@ def paged_attention(
     `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
     batch gives an empty result. `backend` is one of BACKENDS, None for the fastest here.
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
-    trusts them and reads nothing back from the device. `workspace` (`kvpool.workspace.Workspace`
-    or anything with its `alloc(shape, dtype)` and `scope()`) provides the triton decode's
-    scratch, taken back when the call returns. fp8 caches need `k_scale` and `v_scale`.
+    trusts them and reads nothing back from the device. `workspace`
+    (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
+    `scope()`) provides the triton decode's scratch, taken back when the call returns. fp8
+    caches need `k_scale` and `v_scale`.
     """
     backend = _choose_backend(backend, q, k_cache.dtype)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.attention import AttentionMetadata
-from kvpool.grouped_pool import GroupedPool
-from kvpool.pool import KVPool
-from kvpool.state_pool import StateBatch
+from kvpool.memory.grouped_pool import GroupedPool
+from kvpool.memory.pool import KVPool
+from kvpool.memory.state_pool import StateBatch
 
 
 @dataclass(frozen=True, slots=True)

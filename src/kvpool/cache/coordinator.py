@@ -14,7 +14,10 @@ import torch
 
 from kvpool.cache.group import CacheStats, GroupManager, Plan
 from kvpool.cache.pages import FullAttention, SlidingWindow
+from kvpool.cache.prefix_cache import salt_key
 from kvpool.cache.state import MambaState, StateSpec
+from kvpool.cache.tiers import Tier
+from kvpool.cache.tokens import TOKEN_BYTES, pack_tokens
 from kvpool.errors import (
     DuplicateSequence,
     KVPoolError,
@@ -23,13 +26,10 @@ from kvpool.errors import (
     UnknownSequence,
     check_int,
 )
-from kvpool.fp8 import is_fp8
-from kvpool.grouped_pool import GroupedPool
-from kvpool.layout import KVLayout, LayerGroup
-from kvpool.prefix_cache import salt_key
-from kvpool.state_pool import MambaPool, StateBatch
-from kvpool.tiers import Tier
-from kvpool.tokens import TOKEN_BYTES, pack_tokens
+from kvpool.memory.fp8 import is_fp8
+from kvpool.memory.grouped_pool import GroupedPool
+from kvpool.memory.layout import KVLayout, LayerGroup
+from kvpool.memory.state_pool import MambaPool, StateBatch
 
 
 @dataclass(slots=True)

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.allocator import PageAllocator
 from kvpool.cache.group import CacheStats, GroupManager, Plan
+from kvpool.cache.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
+from kvpool.cache.tiers import PageKey, Tier, page_namespace
+from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
 from kvpool.errors import OutOfPages, UnknownSequence
-from kvpool.layout import KVLayout
-from kvpool.pool import KVPool
-from kvpool.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
-from kvpool.tiers import PageKey, Tier, page_namespace
-from kvpool.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.memory.allocator import PageAllocator
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
 
 HOLE = -1  # the page-table entry of a page given back after it fell out of the window
 

@@ -8,9 +8,9 @@ from typing import Protocol
 import torch
 
 from kvpool.cache.group import CacheStats
-from kvpool.grouped_pool import GroupedPool
-from kvpool.state_pool import MambaPool, StateBatch
-from kvpool.tiers import Tier
+from kvpool.cache.tiers import Tier
+from kvpool.memory.grouped_pool import GroupedPool
+from kvpool.memory.state_pool import MambaPool, StateBatch
 
 
 class SequenceCache(Protocol):

@@ -21,9 +21,9 @@ import torch
 
 from kvpool.cache.group import GroupManager, Plan
 from kvpool.cache.pages import FullAttention
+from kvpool.cache.tokens import TOKEN_BYTES
 from kvpool.errors import OutOfStateSlots, check_int
-from kvpool.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch
-from kvpool.tokens import TOKEN_BYTES
+from kvpool.memory.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch
 
 
 @dataclass(frozen=True, slots=True)

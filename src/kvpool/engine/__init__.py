@@ -1,6 +1,9 @@
 """The inference engine: LLM (generate and the step API), SamplingParams, the scheduler
 (continuous batching, chunked prefill, preemption) and sampling; DisaggregatedLLM (prefill
-and decode on two engines in two processes)."""
+and decode on two engines in two processes), tensor parallelism (`parallel`).
+
+May import: cache, planning, models, forward_context, attention, kernels, memory and
+kvpool's shared modules; not the server or the CLI."""
 
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.disaggregated import DisaggregatedLLM

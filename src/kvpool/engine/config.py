@@ -12,13 +12,13 @@ from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages, check_int
 from kvpool.formats import format_bytes
-from kvpool.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.layout import KVLayout
+from kvpool.memory.fp8 import KV_CACHE_DTYPES, check_scale
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import RESERVED_PAGES, pages_within
+from kvpool.memory.workspace import ALIGNMENT
 from kvpool.models.config import ModelConfig
-from kvpool.planner import MemoryPlan, estimate_activation_bytes, plan_memory
-from kvpool.pool import RESERVED_PAGES, pages_within
-from kvpool.workspace import ALIGNMENT
+from kvpool.planning.planner import MemoryPlan, estimate_activation_bytes, plan_memory
 
 GiB = 2**30
 DEFAULT_DISK_TIER_MEMORY = 16 * GiB
@@ -39,7 +39,7 @@ class EngineConfig:
     """Keyword options of `LLM` (vLLM's names).
 
     num_pages None plans the pool from the model's config before the weights load
-    (`kvpool.planner`): `memory_fraction` of the device's total memory (a CUDA device's, or
+    (`kvpool.planning.planner`): `memory_fraction` of the device's total memory (a CUDA device's, or
     the host's RAM) is this engine's share; what is already in use on the device, the
     weights, the activations, the workspace and (on CUDA) the CUDA graphs come out of it, and
     the KV cache gets the rest; on the CPU at most `kv_cache_memory` bytes of it.
@@ -49,7 +49,7 @@ class EngineConfig:
     pages in the model's dtype, "fp8_e4m3" in float8_e4m3fn (half the bytes of 16-bit pages)
     with one K and one V scale per layer (one latent scale for an MLA model's latent pages):
     `kv_scales` (k_scale, v_scale) for every layer (MLA: one number), or None to take each
-    layer's from the first prefill (kvpool.fp8). seed seeds the sampling of
+    layer's from the first prefill (kvpool.memory.fp8). seed seeds the sampling of
     requests that have no seed of their own. overlap: schedule each step while the device
     runs the one before (kvpool.engine.overlap); None: on CUDA, not on the CPU, where the
     forward runs on the host and nothing overlaps. mamba_checkpoint_slots (hybrid models with

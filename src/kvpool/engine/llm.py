@@ -37,11 +37,11 @@ from kvpool.errors import (
     SequenceTooLong,
     StepFailed,
 )
-from kvpool.group_plan import split_budget
+from kvpool.memory.state_pool import RESERVED_SLOTS
+from kvpool.memory.workspace import Workspace
 from kvpool.models import load_config, load_model
-from kvpool.state_pool import RESERVED_SLOTS
+from kvpool.planning.group_plan import split_budget
 from kvpool.threads import limit_threads
-from kvpool.workspace import Workspace
 
 Prompt = str | abc.Sequence[int]  # text (needs a tokenizer) or token ids
 
@@ -58,7 +58,7 @@ class LLM:
     checkpoints, all taken from the cache's budget. A model mixing full-attention and
     sliding-window layers (Gemma 3, Qwen with layer_types) gets a full and a window group:
     the bytes of `num_pages` pages of every layer (planned or given) split between their
-    pools (kvpool.group_plan); `free_out_of_window=False` keeps one pool and every page.
+    pools (kvpool.planning.group_plan); `free_out_of_window=False` keeps one pool and every page.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager` (or
     `tensor_parallel_size` > 1, which runs eagerly for now), and the host schedules each step
     while the device runs the one before (overlap scheduling, kvpool.engine.overlap) unless

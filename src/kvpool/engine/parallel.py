@@ -41,12 +41,12 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.errors import RankFailed
 from kvpool.forward_context import HostLengths
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
+from kvpool.memory.workspace import Workspace
 from kvpool.models import load_model
 from kvpool.models.parallel import ONE_RANK, TensorParallel
-from kvpool.pool import KVPool
 from kvpool.threads import limit_threads
-from kvpool.workspace import Workspace
 
 HOST = "127.0.0.1"
 RUN, COPY, STOP = 1, 2, 3  # the commands of a message

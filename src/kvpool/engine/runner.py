@@ -24,8 +24,8 @@ from kvpool.attention import AttentionMetadata
 from kvpool.cache import SequenceCache
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import ForwardContext, HostLengths
-from kvpool.state_pool import CheckpointRequest, StateBatch
-from kvpool.workspace import Workspace
+from kvpool.memory.state_pool import CheckpointRequest, StateBatch
+from kvpool.memory.workspace import Workspace
 
 
 class StepSections(NamedTuple):

@@ -8,7 +8,7 @@ import hashlib
 
 import torch
 
-from kvpool.tiers import DiskTier, HostTier, Tier
+from kvpool.cache.tiers import DiskTier, HostTier, Tier
 
 FINGERPRINT_SAMPLES = 4096  # values hashed per weight tensor, evenly spaced
 
@@ -17,7 +17,7 @@ def make_tier(config, bytes_per_page: int) -> Tier | None:
     """The tier `config` (an EngineConfig) asks for, sized in pages of `bytes_per_page`
     (every layer of one page), or None. ValueError if the memory holds no page."""
     if config.redis_tier is not None:
-        from kvpool.redis_tier import RedisTier
+        from kvpool.cache.redis_tier import RedisTier
 
         return RedisTier(config.redis_tier)  # bounded by the server's maxmemory
     if config.host_tier_memory is not None:

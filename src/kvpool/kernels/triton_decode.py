@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.fp8 import is_fp8
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
+from kvpool.memory.fp8 import is_fp8
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
 LONG_BLOCK_N = 128  # tokens per step for splits of LONG_SPLIT tokens or more (16-bit pages)

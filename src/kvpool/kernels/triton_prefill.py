@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.fp8 import is_fp8
 from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
 from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
+from kvpool.memory.fp8 import is_fp8
 
 BLOCK_M = 64  # query rows per program
 LONG_BLOCK_M = 128  # query rows per program for queries of LONG_QUERY tokens or more

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.fp8 import is_fp8
+from kvpool.memory.fp8 import is_fp8
 
 # Triton compiles float8_e4m3fn (its fp8e4nv) for sm_89 and later only (Ada, Hopper, ...).
 FP8_MIN_ARCH = 89

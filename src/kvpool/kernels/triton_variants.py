@@ -26,7 +26,6 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia import compiler as nvidia_compiler
 from triton.compiler import ASTSource
 
-from kvpool.fp8 import FP8_DTYPE
 from kvpool.kernels import (
     MAX_DECODE_SPLITS,
     triton_decode,
@@ -35,6 +34,7 @@ from kvpool.kernels import (
     triton_write,
 )
 from kvpool.kernels.triton_support import Launch, compiles_fp8
+from kvpool.memory.fp8 import FP8_DTYPE
 
 ARCHS = (80, 90)  # A100, H100/H200
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # bf16 first: what models run in

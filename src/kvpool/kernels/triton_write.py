@@ -6,7 +6,7 @@ so RoPE costs no launch of its own; each product and sum rounds to K's dtype, as
 does. There is no host-side check of the slots here (it would synchronise): a slot outside
 `[0, num_pages * page_size)` is skipped on the device, so a bad slot never writes outside the
 caches. fp8 caches store `x / scale` saturated
-and rounded to the nearest float8_e4m3fn (ties to even), as kvpool.fp8.quantize does.
+and rounded to the nearest float8_e4m3fn (ties to even), as kvpool.memory.fp8.quantize does.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool import fp8
 from kvpool.kernels.triton_fused import round_to
 from kvpool.kernels.triton_support import Launch, scale_args
+from kvpool.memory import fp8
 from kvpool.rope import Rotation
 
 # A jit function reads a module global only if it is a tl.constexpr: the interpreter takes a

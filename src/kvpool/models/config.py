@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from kvpool import fp8
 from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
-from kvpool.layout import KVLayout
+from kvpool.memory import fp8
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
 from kvpool.models.layers import ACTIVATIONS
 from kvpool.numeric import INT64_MAX, check_float32
-from kvpool.state_pool import MambaLayout
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -37,7 +37,7 @@ from torch import nn
 
 from kvpool.attention import AttentionMetadata, paged_attention, write_latent
 from kvpool.forward_context import ForwardContext, HostLengths
-from kvpool.fp8 import dequantize
+from kvpool.memory.fp8 import dequantize
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import RMSNorm
 from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel

@@ -2,6 +2,8 @@
 
 Its dependencies are the `server` extra (`pip install 'kvpool[server]'`); importing this
 package needs none of them, so the command line can say what is missing.
+
+May import: engine, models, memory and kvpool's shared modules; not the CLI.
 """
 
 from __future__ import annotations

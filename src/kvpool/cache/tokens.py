@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 try:
-    from kvpool._tokens import pack_list
+    from kvpool.cache._tokens import pack_list
 except ImportError:  # built without a C compiler
     pack_list = None
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.errors import check_int
-from kvpool.layout import KVLayout, LayerGroup
-from kvpool.pool import RESERVED_PAGES
+from kvpool.memory.layout import KVLayout, LayerGroup
+from kvpool.memory.pool import RESERVED_PAGES
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ the activations and any other memory the caller reserves; the KV cache gets the 
 of what is left. For a hybrid model (attention and Mamba layers), `mamba_memory_ratio` of
 that rest goes to state slots (one per running sequence or cached checkpoint) and the
 pages get the remainder. A model mixing full-attention and sliding-window layers splits the
-bytes of those pages between a full pool and window pools (kvpool.group_plan), as the engine
-does."""
+bytes of those pages between a full pool and window pools (kvpool.planning.group_plan), as
+the engine does."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import torch
 from kvpool.devices import check_device
 from kvpool.errors import check_int
 from kvpool.formats import format_bytes
-from kvpool.group_plan import GroupPlan, split_budget
-from kvpool.layout import KVLayout
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import RESERVED_PAGES, pages_within
+from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
 from kvpool.models.config import ModelConfig
 from kvpool.models.hybrid_config import MambaConfig
-from kvpool.pool import RESERVED_PAGES, pages_within
-from kvpool.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
+from kvpool.planning.group_plan import GroupPlan, split_budget
 
 ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
 

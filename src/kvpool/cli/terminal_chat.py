@@ -9,11 +9,11 @@ import argparse
 import sys
 from typing import TextIO
 
+from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
 from kvpool.formats import CONTROL_PICTURES
-from kvpool.parallel_flag import add_tensor_parallel_argument
 from kvpool.server import INSTALL_HINT, missing_modules
-from kvpool.tier_flags import add_tier_arguments, tier_options
 
 RESET = "/reset"
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
-from kvpool.allocator import PageAllocator
-from kvpool.tiers import ROOT_KEY, PageKey, chain_key
-from kvpool.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
+from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.memory.allocator import PageAllocator
 
 
 @dataclass(slots=True, eq=False)

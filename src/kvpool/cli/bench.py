@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.formats import format_bytes, format_table
-from kvpool.fp8 import KV_CACHE_DTYPES
-from kvpool.parallel_flag import add_tensor_parallel_argument
-from kvpool.tier_flags import add_tier_arguments, tier_options
+from kvpool.memory.fp8 import KV_CACHE_DTYPES
 
 DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
 def run_url(args: argparse.Namespace) -> int:
     """`kvpool bench --url`: the same seeded workload sent to a running server through
     HTTP streaming; prints the table's client-side rows and the server's counters."""
-    from kvpool.server.http_bench import bench_url, run_client
+    from kvpool.cli.http_bench import bench_url, run_client
 
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),

@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvpool.attention import AttentionMetadata
-from kvpool.layout import KVLayout
-from kvpool.pool import KVPool
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
+
+if TYPE_CHECKING:  # a pool knows the metadata's type, not the attention code
+    from kvpool.attention import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -21,11 +21,11 @@ import os
 import signal
 import sys
 
+from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.formats import DTYPES, parse_bytes
-from kvpool.fp8 import KV_CACHE_DTYPES
-from kvpool.parallel_flag import add_tensor_parallel_argument
+from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.server import INSTALL_HINT, missing_modules
-from kvpool.tier_flags import add_tier_arguments, tier_options
 
 DEFAULT_MAX_WAITING = 1024
 API_KEY_ENV = "KVPOOL_API_KEY"

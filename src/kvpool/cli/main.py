@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-from kvpool import bench
+from kvpool.cli import bench, serve
+from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
@@ -20,21 +22,18 @@ from kvpool.formats import (
     format_table,
     parse_bytes,
 )
-from kvpool.fp8 import KV_CACHE_DTYPES
-from kvpool.group_plan import GroupPlan
-from kvpool.layout import KVLayout, LayerGroup
+from kvpool.memory.fp8 import KV_CACHE_DTYPES
+from kvpool.memory.layout import KVLayout, LayerGroup
 from kvpool.models import load_config
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.numeric import check_int64
-from kvpool.parallel_flag import add_tensor_parallel_argument
-from kvpool.planner import (
+from kvpool.planning.group_plan import GroupPlan
+from kvpool.planning.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
     count_parameters,
     plan_memory,
 )
-from kvpool.server import serve
-from kvpool.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 
 MAX_PORT = 65535  # 0 lets the system pick a free port
 

@@ -25,7 +25,7 @@ import time
 import aiohttp
 from tqdm import tqdm
 
-from kvpool.bench import BenchRequest, BenchResult, RequestTiming, _percentiles_ms
+from kvpool.cli.bench import BenchRequest, BenchResult, RequestTiming, _percentiles_ms
 
 
 def run_client(coroutine):

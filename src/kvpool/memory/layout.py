@@ -1,5 +1,5 @@
 """KV-cache geometry: bytes per token and per page of a paged KV cache. How many pages fit
-on a device is the planner's question (kvpool.planner)."""
+on a device is the planner's question (kvpool.planning.planner)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpool.errors import check_int
-from kvpool.fp8 import FP8_DTYPE
+from kvpool.memory.fp8 import FP8_DTYPE
 
 KINDS = ("mha", "mla")
 
@@ -38,7 +38,7 @@ class KVLayout:
     (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
     latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
     serves as the key, and whose first kv_lora_rank values serve as the value. A float8_e4m3fn
-    layout holds fp8 pages with one scale per layer and plane (kvpool.fp8).
+    layout holds fp8 pages with one scale per layer and plane (kvpool.memory.fp8).
 
     `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
     when every layer attends to the whole context; `groups` gathers the layers by window.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from threading import Lock
 
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfPages, check_int
-from kvpool.first_fit import FirstFitFreeList
+from kvpool.memory.first_fit import FirstFitFreeList
 
 POLICIES = ("lifo", "first_fit")
 

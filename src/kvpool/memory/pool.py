@@ -9,8 +9,8 @@ import torch
 
 from kvpool.devices import check_device
 from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
-from kvpool.fp8 import check_scale, is_fp8, quantize, scale_of
-from kvpool.layout import KVLayout
+from kvpool.memory.fp8 import check_scale, is_fp8, quantize, scale_of
+from kvpool.memory.layout import KVLayout
 
 # What one layer's scales are called, one per plane (K and V, or the MLA latent), and the
 # form kv_scales gives them in.
@@ -43,7 +43,7 @@ class KVPool:
     bits were there, and readers only look at the slots a sequence has written.
 
     A float8_e4m3fn layout also holds `scales` `[num_layers, num_planes]` (float32, on the
-    device): the scale of each layer's planes (kvpool.fp8), K and V ("mha") or the latent
+    device): the scale of each layer's planes (kvpool.memory.fp8), K and V ("mha") or the latent
     ("mla"). `kv_scales` gives them: one layer's scales for every layer, or a sequence of one
     layer's scales per layer, where one layer's are a (k_scale, v_scale) pair for "mha" and one
     number for "mla". A layer without is calibrated by the first K/V (latent) written to it
@@ -130,7 +130,7 @@ class KVPool:
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Take the layer's scales from K and V (for "mla" the latent `k`, `v` None) about to
-        be written, if it has none yet (kvpool.fp8.scale_of; nothing is read back from the
+        be written, if it has none yet (kvpool.memory.fp8.scale_of; nothing is read back from the
         device). Does nothing for pages that are not fp8, and while calibration is paused."""
         if self.quantized and self._calibrating and not self._has_scales[layer]:
             for plane, x in enumerate((k, v)[: self.layout.num_planes]):

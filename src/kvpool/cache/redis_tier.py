@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvpool.tiers import PageKey, Tier, page_record, read_page_record
+from kvpool.cache.tiers import PageKey, Tier, page_record, read_page_record
 
 KEY_PREFIX = "kvpool:page"
 UNBOUNDED = 2**62  # capacity_pages when Redis's own maxmemory is the only bound
