@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from depth import examples
 from kvpool.errors import InvalidPage, OutOfPages
 from kvpool.memory.allocator import POLICIES, AllocatorStats, PageAllocator
 
@@ -111,7 +112,7 @@ class FirstFitMachine(AllocatorMachine):
     policy = "first_fit"
 
 
-SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None)
+SETTINGS = settings(max_examples=examples(60), stateful_step_count=50, deadline=None)
 TestLifo = AllocatorMachine.TestCase
 TestLifo.settings = SETTINGS
 TestFirstFit = FirstFitMachine.TestCase

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from depth import examples
 from kvpool.cache import HOLE, KVCache, StateSpec
 from kvpool.cache.tiers import HostTier
 from kvpool.errors import DuplicateSequence, KVPoolError, SequenceTooLong, UnknownSequence
@@ -353,11 +354,12 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
+TestCacheMachine.settings = settings(max_examples=examples(400),
+                                     stateful_step_count=50, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(num_prompts=st.integers(1, 10), uses=st.lists(st.integers(0, 9), max_size=30))
 def test_eviction_takes_the_least_recently_used_page_first(num_prompts, uses):
     """One cached page per prompt, used (hit) in a random order: evicting one page at a time

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import examples
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import StepFailed
 
@@ -104,7 +105,7 @@ requests = st.lists(
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(requests=requests)
 def test_failures_injected_into_sampling_harm_no_other_request(requests, overlap):
     llm = engine(overlap)

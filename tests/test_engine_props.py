@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from depth import examples
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import OutOfPages, SequenceTooLong
 
@@ -175,6 +176,8 @@ class OverlapEngineMachine(EngineMachine):
 
 
 TestEngine = EngineMachine.TestCase
-TestEngine.settings = settings(max_examples=30, stateful_step_count=12, deadline=None)
+TestEngine.settings = settings(max_examples=examples(30),
+                               stateful_step_count=12, deadline=None)
 TestOverlapEngine = OverlapEngineMachine.TestCase
-TestOverlapEngine.settings = settings(max_examples=10, stateful_step_count=12, deadline=None)
+TestOverlapEngine.settings = settings(max_examples=examples(10),
+                                      stateful_step_count=12, deadline=None)

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from depth import examples
 from hybrid_util import hybrid_cache
 from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import OutOfPages, OutOfStateSlots
@@ -282,5 +283,5 @@ class HybridPrefixMachine(RuleBasedStateMachine):
 
 
 TestHybridPrefixMachine = HybridPrefixMachine.TestCase
-TestHybridPrefixMachine.settings = settings(max_examples=60, stateful_step_count=40,
+TestHybridPrefixMachine.settings = settings(max_examples=examples(60), stateful_step_count=40,
                                             deadline=None)

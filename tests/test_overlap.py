@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import examples
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.runner import fill_placeholders
 from kvpool.engine.scheduler import placeholder
@@ -90,7 +91,7 @@ params = st.builds(SamplingParams, max_tokens=st.integers(1, 8),
                    logprobs=st.none() | st.just(2))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(batch=st.lists(st.tuples(prompts, params), min_size=1, max_size=4),
        num_pages=st.sampled_from([12, 24, 64]),
        aborts=st.dictionaries(st.integers(0, 3), st.integers(1, 6), max_size=2))

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from depth import examples
 from hybrid_util import hybrid_cache
 from kvpool.cache import KVCache
 from kvpool.cache.tiers import HostTier
@@ -115,7 +116,7 @@ def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(d
     cache.check()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([None, "alice", "bob"]),
                           st.integers(0, 12), st.booleans()), max_size=30))
 def test_random_requests_only_ever_read_pages_of_their_own_salt(requests):

@@ -13,6 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from depth import examples
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import EngineStateError
 
@@ -104,4 +105,4 @@ class SleepMachine(RuleBasedStateMachine):
 
 
 TestSleep = SleepMachine.TestCase
-TestSleep.settings = settings(max_examples=25, stateful_step_count=15, deadline=None)
+TestSleep.settings = settings(max_examples=examples(25), stateful_step_count=15, deadline=None)

@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from depth import examples
 from kvpool.errors import InvalidStateSlot, OutOfStateSlots
 from kvpool.memory.state_pool import MambaLayout, MambaPool, slots_within
 
@@ -165,4 +166,5 @@ class MambaPoolMachine(RuleBasedStateMachine):
 
 
 TestMambaPoolMachine = MambaPoolMachine.TestCase
-TestMambaPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestMambaPoolMachine.settings = settings(max_examples=examples(60),
+                                         stateful_step_count=30, deadline=None)
