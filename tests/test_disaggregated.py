@@ -31,8 +31,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
+    return _prompts(seed=0)
+
+
+def _prompts(seed: int) -> list[list[int]]:
     """12 prompts of 1 to 70 tokens; four share a 40-token prefix."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     shared = [rng.randrange(160) for _ in range(40)]
     out = [[7]] + [[rng.randrange(160) for _ in range(rng.randint(2, 70))] for _ in range(7)]
     out += [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 5, 16, 23)]
@@ -69,10 +73,13 @@ def _assert_drained(llm):
     assert not llm.has_unfinished()
 
 
-def test_greedy_tokens_equal_one_engine_with_chunks_and_decode_preemption(llm, prompts,
-                                                                         expected):
+def test_greedy_tokens_equal_one_engine_with_chunks_and_decode_preemption(llm, reference):
+    # prompts no other test sends: none of their pages is cached on the decode side, which
+    # must then hold them all at once and preempt, whichever tests ran before
+    fresh = _prompts(seed=5)
+    expected = _tokens(reference.generate(fresh, GREEDY, use_tqdm=False))
     preemptions = llm.stats().num_preemptions
-    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert _tokens(llm.generate(fresh, GREEDY, use_tqdm=False)) == expected
     assert llm.stats().num_preemptions > preemptions
     _assert_drained(llm)
 

@@ -1,8 +1,9 @@
 """Every model family's decode step reads nothing back from the device, so a CUDA graph can
 replay it: its forward, on the forward context the CUDA-graph runner builds for a padded
 decode batch, traces with fake tensors (`make_fx(tracing_mode="fake")`) into a graph with no
-`.item()` / `.tolist()` (aten._local_scalar_dense), `nonzero` or `unique`, and no shape that
-depends on the data (an unbacked symbolic size), and the trace never branches on a value.
+`.item()` / `.tolist()` (aten._local_scalar_dense), `nonzero` or `unique`, no shape that
+depends on the data (an unbacked symbolic size) and no tensor made on the default device (a
+host tensor among device tensors), and the trace never branches on a value.
 kvpool's attention ops enter the trace as custom ops with fake implementations (their kernels
 are tested on their own); the pools are constants, the context's tensors the inputs."""
 
@@ -116,7 +117,11 @@ def host_reads(fn, *inputs) -> list[str]:
     takes a shape from it: the forbidden ops and data-dependent shapes in its graph, or the
     error that stopped the trace (a branch on a value)."""
     try:
-        graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+        # A tensor the forward makes without naming a device lands on the meta device here
+        # and meets the inputs' device in some op: the CPU tensor it would be on CUDA, which
+        # a CUDA graph cannot capture (it would be copied to the device at every replay).
+        with torch.device("meta"):
+            graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
     except RuntimeError as e:  # torch's data-dependent errors, guards included
         return [f"{type(e).__name__}: {str(e).splitlines()[0]}"]
     found = []
@@ -203,6 +208,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
     lambda x: x.nonzero(),
     lambda x: x.unique(),
     lambda x: x[x > 0],
+    lambda x: torch.where(x > 0, torch.zeros(()), x),  # a tensor on the default device
 ])
 def test_the_trace_finds_a_host_read_or_a_data_dependent_shape(read):
     assert host_reads(read, torch.arange(4))

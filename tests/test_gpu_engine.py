@@ -98,7 +98,7 @@ def test_an_overlapped_step_launches_without_host_synchronisation(enforce_eager)
         llm._finish(previous, 0.0)  # waits for the previous step's tokens, by design
         torch.cuda.set_sync_debug_mode("error")
         try:
-            launched = llm._launch(batch, logits)
+            launched, failed = llm._launch(batch, logits)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert launched is not None and launched.tokens.is_cuda
+    assert launched is not None and launched.tokens.is_cuda and failed == []

@@ -12,7 +12,7 @@ from kvpool.engine.disaggregated import PREFILL_PARAMS
 from kvpool.engine.handoff import PrefilledKV
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.errors import StepFailed
+from kvpool.errors import EngineStateError, StepFailed
 from models_util import make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -35,7 +35,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def prefill(checkpoint, device):
-    return LLM(checkpoint, device=device, page_size=4, num_pages=128)
+    return LLM(checkpoint, device=device, page_size=4, num_pages=128, overlap=False)
 
 
 def _prefilled(prefill, prompt):
@@ -108,3 +108,11 @@ def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, dev
         windowed.resume_request(request_id, kv)
     windowed.resume_request(request_id, None)  # still held: computed here instead
     assert len(_run(windowed)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_reading_a_prefill_needs_an_engine_without_overlap(checkpoint, device):
+    llm = LLM(checkpoint, device=device, page_size=4, num_pages=32, overlap=True)
+    request_id = llm.add_request([5, 6, 7], PREFILL_PARAMS)
+    llm.step()
+    with pytest.raises(EngineStateError, match="overlap=False"):
+        llm.read_prefilled(request_id)

@@ -37,6 +37,16 @@ def hf_parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def fake_cuda(monkeypatch, *, free: int, total: int, share: float = 1.0, reserved: int = 0):
+    """A CUDA device of `total` bytes, `free` of them free, of which torch lets this process
+    take `share` (torch.cuda.set_per_process_memory_fraction), `reserved` taken already."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: share,
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+
+
 # Parameter counts
 
 
@@ -132,8 +142,7 @@ def test_memory_fraction_is_of_the_given_memory():
 
 
 def test_plan_reads_cuda_total_and_excludes_memory_others_use(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB)
     plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cuda", 80 * GiB, 10 * GiB)
     assert plan.budget_bytes == int(80 * GiB * 0.9) - 10 * GiB - 16_060_522_496
@@ -189,8 +198,7 @@ def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
 
 
 def test_the_reason_names_memory_already_in_use(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * GiB, 24 * GiB))
+    fake_cuda(monkeypatch, free=4 * GiB, total=24 * GiB)
     plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
     assert plan.reason == ("weights 14.96 GiB + activations 0 B + 20.00 GiB already in use exceed "
                            "90% of 24.00 GiB (21.60 GiB)")
@@ -236,6 +244,14 @@ def test_max_sequences_rejects_a_context_len_below_one():
         plan_memory("tiny", GiB).max_sequences(0)
 
 
+def test_plan_reads_the_share_of_cuda_memory_torch_allows_this_process(monkeypatch):
+    # set_per_process_memory_fraction(0.25) on an 80 GiB device, 70 GiB free, 4 GiB reserved
+    # by this process already: the plan sees a 20 GiB device with 4 GiB in use.
+    fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, share=0.25, reserved=4 * GiB)
+    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    assert (plan.device_memory, plan.in_use_bytes) == (20 * GiB, 4 * GiB)
+
+
 def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA, and this machine has no CUDA device"):
@@ -255,8 +271,7 @@ def test_plan_rejects_devices_it_cannot_read(device, message):
 
 
 def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * GiB, 80 * GiB))
+    fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB)
     model, config = ModelConfig.from_hf("Llama-3-8B"), EngineConfig()
     layout = model.kv_layout()
     activations = estimate_activation_bytes(model, torch.bfloat16, max_num_batched_tokens=2048,

@@ -22,7 +22,8 @@ def test_serve_answers_then_exits_0_on_sigterm(flags):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
          "--num-pages", "64", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

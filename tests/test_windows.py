@@ -81,7 +81,8 @@ def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair):
     runner = PagedRunner(model, seed=1)
     runner.step({"a": prompt[:9]})
     second = runner.step({"a": prompt[9:]}, all_logits=True)
-    torch.testing.assert_close(second, whole[9:], rtol=1e-5, atol=1e-5)
+    # float32 matrix products of other shapes add in another order: ~1e-5 apart on CUDA
+    torch.testing.assert_close(second, whole[9:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3"])

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.formats import format_bytes, format_table
@@ -307,9 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per forward at most (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the workload and the sampling (default: 0)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="finish each step before scheduling the next (overlap scheduling "
-                             "is on by default on CUDA, off on the CPU)")
+    add_step_arguments(parser)
     add_tier_arguments(parser)
     add_tensor_parallel_argument(parser)
     parser.add_argument("--url", metavar="URL",
@@ -332,8 +331,7 @@ def run(args: argparse.Namespace) -> int:
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
     options = {"max_num_seqs": args.max_num_seqs,
-               "max_num_batched_tokens": args.max_num_batched_tokens,
-               "overlap": False if args.no_overlap else None}
+               "max_num_batched_tokens": args.max_num_batched_tokens, **step_options(args)}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
               kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from kvpool.cli import bench, serve
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import engine_device
@@ -123,9 +124,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user turn in the model's chat template")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="finish each step before scheduling the next (overlap scheduling "
-                             "is on by default on CUDA, off on the CPU)")
+    add_step_arguments(parser)
     add_tensor_parallel_argument(parser)
 
 
@@ -133,8 +132,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Stream the text generated for the prompt to stdout as its tokens arrive."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
-    with LLM(args.model, seed=args.seed, overlap=False if args.no_overlap else None,
-             tensor_parallel_size=args.tensor_parallel_size) as llm:
+    with LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+             **step_options(args)) as llm:
         llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
                         params)
         shown = ""

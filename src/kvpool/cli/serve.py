@@ -22,6 +22,7 @@ import signal
 import sys
 
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.formats import DTYPES, parse_bytes
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
@@ -72,9 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each prompt's KV to the decode engine (kvpool.engine."
                              "disaggregated); each engine gets these options, the tier flags "
                              "go to the prefill engine")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="finish each step before scheduling the next (overlap scheduling "
-                             "is on by default on CUDA, off on the CPU)")
+    add_step_arguments(parser)
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
                         help=f"sequences that may wait for a seat; beyond, 503 with "
                              f"Retry-After (default: {DEFAULT_MAX_WAITING})")
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                "max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens,
                "dtype": DTYPES.get(args.dtype),
-               "device": args.device, "overlap": False if args.no_overlap else None}
+               "device": args.device, **step_options(args)}
     options = {"page_size": args.page_size, "prefix_caching": not args.no_prefix_caching,
                "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
                "tensor_parallel_size": args.tensor_parallel_size,

@@ -10,6 +10,7 @@ import sys
 from typing import TextIO
 
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
 from kvpool.formats import CONTROL_PICTURES
@@ -29,6 +30,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
                         help="0 is greedy (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_tier_arguments(parser)
+    add_step_arguments(parser)
     add_tensor_parallel_argument(parser)
 
 
@@ -58,7 +60,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-              **tier_options(args))
+              **tier_options(args), **step_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)

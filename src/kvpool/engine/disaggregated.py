@@ -65,7 +65,10 @@ class DisaggregatedLLM:
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        prefill, decode = _options(prefill), _options(decode)
+        # The prefill side reads each prompt's KV between two steps: without overlap, since
+        # with it the step after the prompt would already be running (and, for a hybrid,
+        # advancing the state that is read).
+        prefill, decode = {**_options(prefill), "overlap": False}, _options(decode)
         self.timeout = timeout
         self.decode = LLM(model, **decode)
         if not self.decode.takes_prefilled:

@@ -416,7 +416,12 @@ class LLM:
     def read_prefilled(self, request_id: str) -> PrefilledKV:
         """A copy of the KV of the computed tokens of a request's first sample (after the
         step that prefilled its prompt: every prompt token), and a hybrid's state after them:
-        what another engine continues from. KeyError for an id that is not running."""
+        what another engine continues from. KeyError for an id that is not running;
+        EngineStateError with overlap scheduling, where the next step may already be running
+        (build the engine with overlap=False)."""
+        if self.overlap:
+            raise EngineStateError("read_prefilled needs an engine built with overlap=False: "
+                                   "with overlap the step after the prompt may be running")
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or not request.seqs:

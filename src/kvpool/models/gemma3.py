@@ -97,7 +97,8 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         # transformers rounds sqrt(hidden_size) to the weights' dtype before multiplying
-        self.embed_scale = math.sqrt(config.hidden_size)
+        self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=dtype,
+                                              device="cpu"))
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
         )
@@ -108,7 +109,7 @@ class Gemma3Model(nn.Module):
         """input_ids `[T]` and the (full, sliding) layers' ropes -> hidden states
         `[T, hidden]` after the last layer (not normed)."""
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = x * self.embed_scale
         full, sliding = ropes
         for layer in self.layers:
             x = layer(x, sliding if layer.sliding else full, context)

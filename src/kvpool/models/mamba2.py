@@ -109,7 +109,7 @@ class Mamba2Mixer(nn.Module):
         slots `[B]` and whether each starts from zeros `[B]` (device tensors all) -> y
         `[B, heads, head_dim]` float32; their conv and SSM states advance one step."""
         fresh = fresh[:, None, None]  # where, not a product: an unwritten slot may hold NaN
-        past = torch.where(fresh, torch.zeros((), dtype=conv.dtype), conv[slots])
+        past = torch.where(fresh, conv.new_zeros(()), conv[slots])
         window = torch.cat([past, xbc.unsqueeze(-1)], dim=-1)
         conv[slots] = window[..., 1:]
         x, B, C = self._split(F.silu(self._conv(window)[..., -1]))

@@ -361,6 +361,12 @@ def _memory(
     device = check_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        # torch may cap this process at a share of the device (torch >= 2.9 reports it)
+        share = (torch.cuda.get_per_process_memory_fraction(device)
+                 if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0)
+        if share < 1:
+            total = int(total * share)
+            free = min(free, max(total - torch.cuda.memory_reserved(device), 0))
     elif device.type == "cpu":
         total, free = host_memory()
     else:
