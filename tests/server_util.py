@@ -115,11 +115,12 @@ def num_steps(llm: LLM) -> int:
 
 
 def fail_next_forward(llm: LLM) -> None:
-    """Make the engine's next forward raise RuntimeError("injected"), once."""
-    def run_once(batch, last_tokens=None):
-        del llm.runner.run  # back to the real method
+    """Make the engine's next forward (eager, or a CUDA graph's replay) raise
+    RuntimeError("injected"), once."""
+    def forward_once(batch, previous):
+        del llm._forward  # back to the real method
         raise RuntimeError("injected")
-    llm.runner.run = run_once
+    llm._forward = forward_once
 
 
 class PoisonedSampler:

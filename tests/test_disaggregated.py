@@ -74,12 +74,14 @@ def _assert_drained(llm):
 
 
 def test_greedy_tokens_equal_one_engine_with_chunks_and_decode_preemption(llm, reference):
-    # prompts no other test sends: none of their pages is cached on the decode side, which
-    # must then hold them all at once and preempt, whichever tests ran before
-    fresh = _prompts(seed=5)
-    expected = _tokens(reference.generate(fresh, GREEDY, use_tqdm=False))
+    # prompts no other test sends (none of their pages is cached on the decode side, whichever
+    # tests ran before), each decoding long enough that the decode side holds several at once
+    # however fast the prefill side hands them over: more than its 40 pages, so it preempts
+    fresh, params = _prompts(seed=5), SamplingParams(max_tokens=40, temperature=0,
+                                                      ignore_eos=True)
+    expected = _tokens(reference.generate(fresh, params, use_tqdm=False))
     preemptions = llm.stats().num_preemptions
-    assert _tokens(llm.generate(fresh, GREEDY, use_tqdm=False)) == expected
+    assert _tokens(llm.generate(fresh, params, use_tqdm=False)) == expected
     assert llm.stats().num_preemptions > preemptions
     _assert_drained(llm)
 

