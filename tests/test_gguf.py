@@ -329,10 +329,12 @@ def test_smollm2_greedy_tokens_equal_transformers(llm, reference):
 
 @NEEDS_SMOLLM2
 def test_smollm2_prefix_hits_leave_the_tokens_unchanged(llm, reference):
-    # Two chats the greedy test ran: their prompts' full pages are cached.
+    # A one-token run caches the two prompts' full pages, whichever tests ran before on `llm`.
     chats = [0, 3]
+    prompts = [reference["chat_ids"][i] for i in chats]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
     before = llm.cache.stats().prefix_hit_tokens
-    outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
+    outputs = llm.generate(prompts, GREEDY)
     assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
     assert llm.cache.stats().prefix_hit_tokens > before
 
