@@ -7,6 +7,7 @@ import random
 
 import torch
 import transformers
+from packaging.version import Version
 
 from kvpool.cache import KVCache, StateSpec
 from kvpool.memory.state_pool import MambaPool, StateBatch
@@ -25,15 +26,23 @@ BAMBA_CONFIGS = {
         **{**SMALL_BAMBA, "attn_layer_indices": [0, 3], "mamba_n_groups": 1},
         mamba_proj_bias=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
 }
+# Mamba2's gated RMSNorm normalises each of mamba_n_groups channel groups apart (mamba_ssm's
+# RMSNormGated with group_size = d_ssm // ngroups, which its fused kernel and Bamba's training
+# use). transformers' BambaRMSNormGated normalised all of intermediate_size at once until 5.23,
+# which gave it a group_size (Mamba2 and GraniteMoeHybrid alike); with 2 groups the two differ.
+HF_BAMBA_NORM_IS_GROUPED = Version(transformers.__version__) >= Version("5.23")
 
 
 def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     """A small random float32 Bamba of BAMBA_CONFIGS[name]. Norm scales, biases, A_log, D and
-    dt_bias are randomised too (transformers initialises them to constants)."""
+    dt_bias are randomised too (transformers initialises them to constants). Before
+    transformers 5.23 its mixers get transformers' own grouped gated norm (see above)."""
     torch.manual_seed(seed)
     config = BAMBA_CONFIGS[name]()
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if not HF_BAMBA_NORM_IS_GROUPED:
+        _group_the_gated_norms(model)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
@@ -43,6 +52,18 @@ def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
             elif param_name.endswith(".A_log"):
                 param.uniform_(-1.0, 1.5)
     return model
+
+
+def _group_the_gated_norms(model: transformers.PreTrainedModel) -> None:
+    """Replaces each mixer's norm by Zamba2RMSNormGated, the code transformers 5.23 gave
+    BambaRMSNormGated, normalising each of the mixer's groups apart."""
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNormGated
+
+    mixers = [module for name, module in model.named_modules() if name.endswith(".mamba")]
+    for mixer in mixers:
+        mixer.norm = Zamba2RMSNormGated(mixer.intermediate_size,
+                                        mixer.intermediate_size // mixer.n_groups,
+                                        eps=mixer.layer_norm_epsilon)
 
 
 class HybridRunner:

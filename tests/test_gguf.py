@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 
 from kvpool import LLM, SamplingParams
 from kvpool.cli.main import main
@@ -143,9 +144,10 @@ SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
               "\u2581", "a", "b", "c", "ab", "\u2581a", "\u2581ab", "bc", "\u2581abc"]
 
 
-def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    writer = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+def _write_spm_gguf(path: Path, add_bos: bool | None) -> kvgguf.GGUFCheckpoint:
+    """A GGUF file holding only the SentencePiece BPE vocabulary SPM_TOKENS, its
+    tokenizer.ggml.add_bos_token `add_bos` (None: left out, as older files do)."""
+    writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(SPM_TOKENS)
     writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_TOKENS) - 259)])
@@ -153,18 +155,39 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
         step()
-    checkpoint = kvgguf.GGUFCheckpoint(tmp_path / "spm.gguf")
+    return kvgguf.GGUFCheckpoint(path)
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False], ids=["bos-unset", "bos", "no-bos"])
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path, add_bos):
+    transformers = pytest.importorskip("transformers")
+    # Before 5.23 transformers' GGUF tokenizer ignores tokenizer.ggml.add_bos_token and adds no
+    # BOS; 5.23 reads the flag and, in a file without it, adds BOS to a SentencePiece vocabulary
+    # as llama.cpp does (and kvpool: gguf_vocab.build_tokenizer).
+    if add_bos is not False and Version(transformers.__version__) < Version("5.23"):
+        pytest.skip(f"transformers {transformers.__version__} ignores a GGUF file's "
+                    "add_bos_token and adds no BOS (llama.cpp's rule came in 5.23)")
+    checkpoint = _write_spm_gguf(tmp_path / "spm.gguf", add_bos)
     ours = HFTokenizer(build_tokenizer(checkpoint.meta), 1, (2,))
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
     for text in ("abc", "ab c", "a bc zz", "c</s>"):
         assert ours.encode(text) == theirs(text).input_ids, text
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text).input_ids,
                                                                skip_special_tokens=True)
+    bos = [] if add_bos is False else [1]
+    assert ours.encode("abc") == [*bos, SPM_TOKENS.index("\u2581abc")]
+
+
+def test_a_sentencepiece_vocabulary_marks_every_text_piece_as_llama_cpp_does(tmp_path):
     # Every text piece, after a special token too, gets the word-start mark, as llama.cpp (and
     # Llama 2's own tokenizer.json) tokenize; transformers' GGUF tokenizer adds it only once,
     # and not before a leading space.
+    checkpoint = _write_spm_gguf(tmp_path / "spm.gguf", None)
+    ours = HFTokenizer(build_tokenizer(checkpoint.meta), 1, (2,))
     assert ours.encode(" ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("\u2581ab")]
     assert ours.encode("c</s>ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("c"), 2,
                                       SPM_TOKENS.index("\u2581ab")]
@@ -306,10 +329,12 @@ def test_smollm2_greedy_tokens_equal_transformers(llm, reference):
 
 @NEEDS_SMOLLM2
 def test_smollm2_prefix_hits_leave_the_tokens_unchanged(llm, reference):
-    # Two chats the greedy test ran: their prompts' full pages are cached.
+    # A one-token run caches the two prompts' full pages, whichever tests ran before on `llm`.
     chats = [0, 3]
+    prompts = [reference["chat_ids"][i] for i in chats]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
     before = llm.cache.stats().prefix_hit_tokens
-    outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
+    outputs = llm.generate(prompts, GREEDY)
     assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
     assert llm.cache.stats().prefix_hit_tokens > before
 
