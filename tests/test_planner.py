@@ -37,15 +37,19 @@ def hf_parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def fake_cuda(monkeypatch, *, free: int, total: int, share: float = 1.0, reserved: int = 0):
+def fake_cuda(monkeypatch, *, free: int, total: int, share: float = 1.0, reserved: int = 0,
+              allocated: int | None = None):
     """A CUDA device of `total` bytes, `free` of them free, of which torch lets this process
-    take `share` (torch.cuda.set_per_process_memory_fraction), `reserved` taken already."""
+    take `share` (torch.cuda.set_per_process_memory_fraction); torch's allocator holds
+    `reserved` for this process, `allocated` of it (all by default) in tensors."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: share,
                         raising=False)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated",
+                        lambda device: reserved if allocated is None else allocated)
 
 
 # Parameter counts
@@ -251,6 +255,18 @@ def test_plan_reads_the_share_of_cuda_memory_torch_allows_this_process(monkeypat
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, share=0.25, reserved=4 * GiB)
     plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
     assert (plan.device_memory, plan.in_use_bytes) == (20 * GiB, 4 * GiB)
+
+
+def test_memory_torch_keeps_for_this_process_but_no_tensor_uses_is_free_to_the_plan(
+        monkeypatch):
+    # an earlier engine's pool, freed, stays reserved in torch's cache: 6 GiB reserved, 2 GiB
+    # allocated; the device says 70 GiB free, this process can have 74
+    fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, reserved=6 * GiB, allocated=2 * GiB)
+    assert plan_memory("Llama-3-8B", activation_bytes=0, device="cuda").in_use_bytes == 6 * GiB
+    fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, share=0.25, reserved=6 * GiB,
+              allocated=2 * GiB)
+    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    assert (plan.device_memory, plan.in_use_bytes) == (20 * GiB, 2 * GiB)
 
 
 def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):

@@ -361,13 +361,16 @@ def _memory(
     device = check_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # torch may cap this process at a share of the device (torch >= 2.9 reports it)
         index = torch.cuda.current_device() if device.index is None else device.index
+        # blocks torch's allocator keeps for this process with no tensor in them are free to it
+        allocated = torch.cuda.memory_allocated(index)
+        free += torch.cuda.memory_reserved(index) - allocated
+        # torch may cap this process at a share of the device (torch >= 2.9 reports it)
         share = (torch.cuda.get_per_process_memory_fraction(index)
                  if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0)
         if share < 1:
             total = int(total * share)
-            free = min(free, max(total - torch.cuda.memory_reserved(device), 0))
+            free = max(min(free, total - allocated), 0)
     elif device.type == "cpu":
         total, free = host_memory()
     else:
