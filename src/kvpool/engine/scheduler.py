@@ -244,9 +244,12 @@ class Scheduler:
             if end == self.cache.num_tokens(seq.seq_id):
                 self.cache.commit(seq.seq_id)
             if sampled:
-                family = [seq] if seq.request.forked else [seq, *self._fork(seq)]
-                seqs += family
-                rows += [row] * len(family)
+                seqs.append(seq)
+                rows.append(row)
+                if not seq.request.forked:
+                    children = self._fork(seq)
+                    seqs += children
+                    rows += [row] * len(children)
         return Samples(seqs, rows)
 
     def add_placeholders(self, seqs: list[Sequence]) -> None:
