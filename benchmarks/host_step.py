@@ -9,10 +9,10 @@ API (`add_request`, `step`), the way a server drives it. Decode steps take the G
 each is staged into its CUDA-graph bucket by `CUDAGraphRunner.stage` (padded rows,
 full-width page tables) and the bucket's forward, which a graph replays on a GPU, runs
 eagerly on the staged inputs (the context's views, which the graph computes, count as
-forward). Every phase is timed with the thread's CPU time (less
-disturbed than wall time on a shared machine); the model's forward and the sampler are
-timed too and left out of the host total. Torch runs one intra-op thread, so that small host
-tensors never wait for a busy core. Each repeat measures `steps` decode steps after a
+forward). Every phase is timed with the thread's CPU time (less disturbed than wall time on
+a shared machine); the model's forward and the sampler are timed too and left out of the
+host total. Torch runs one intra-op thread, so that small host tensors never wait for a busy
+core. Each repeat measures `steps` decode steps after a
 warm-up; the table gives the median over repeats of each phase's microseconds per step, for
 batch 8 (the baseline, same run) and batch N, and their ratio.
 """
