@@ -4,8 +4,9 @@ check: SamplingParams and the server's request parsing."""
 import math
 
 import pytest
+import torch
 
-from kvpool.numeric import FLOAT32_TINY, INT64_MAX, check_float32, check_int64
+from kvpool.numeric import FLOAT32_TINY, INT64_MAX, check_float32, check_int64, int_tensor
 from kvpool.server.limits import ServerLimits
 from kvpool.server.protocol import RequestError, parse_completion
 
@@ -55,3 +56,19 @@ def test_server_accepts_a_tiny_top_p():
     request = parse_completion({"model": "tiny", "prompt": "x", "top_p": 1e-300}, "tiny",
                                ServerLimits())
     assert request.sampling_params(4).top_p == 1e-300
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_int_tensor_holds_the_ints_in_order(dtype):
+    values = [0, 5, -3, torch.iinfo(dtype).max, torch.iinfo(dtype).min]
+    t = int_tensor(values, dtype)
+    assert t.dtype == dtype and t.device.type == "cpu" and t.tolist() == values
+
+
+def test_int_tensor_of_no_ints_is_empty():
+    assert int_tensor([], torch.int32).shape == (0,)
+
+
+def test_int_tensor_refuses_an_int_past_its_dtype():
+    with pytest.raises(OverflowError):
+        int_tensor([2**31], torch.int32)

@@ -2,11 +2,13 @@
 float32 or int64 tensor. A value that is fine as a Python number can overflow to inf, flush
 to 0 or wrap around there; these checks refuse it first, naming the parameter and the value.
 SamplingParams, the server's request parsing, the model configs, fp8 scales and the CLI all
-use them."""
+use them. `int_tensor` puts Python ints in a host tensor, the way every step's metadata
+reaches the device."""
 
 from __future__ import annotations
 
 import math
+from array import array
 
 import torch
 
@@ -43,3 +45,17 @@ def check_float32(name: str, value: object, *, low: float = -FLOAT32_MAX,
         raise ValueError(f"{name} must be a normal float32 (at least {FLOAT32_TINY:.4g} in "
                          f"magnitude), got {value!r}")
     return number
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A 1-D CPU tensor of a list of Python ints (int32 or int64), built through an `array`:
+    torch.tensor takes several times longer, which a decode step pays
+    for every section it stages (benchmarks/host_step.py). OverflowError for a value out of
+    the dtype's range."""
+    packed = array(_ARRAY_CODES[dtype], values)
+    if not packed:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(packed, dtype=dtype)

@@ -24,6 +24,7 @@ from kvpool.errors import OutOfPages, UnknownSequence
 from kvpool.memory.allocator import PageAllocator
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
+from kvpool.numeric import int_tensor
 
 HOLE = -1  # the page-table entry of a page given back after it fell out of the window
 
@@ -210,9 +211,11 @@ class FullAttention(GroupManager):
         which also stands for the pages given back out of the window."""
         seqs = [self._get(sid) for sid in seq_ids]
         width = max((len(seq.pages) for seq in seqs), default=0)
-        rows = [[0] * seq.num_dropped + seq.pages[seq.num_dropped:]
-                + [0] * (width - len(seq.pages)) for seq in seqs]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+        flat: list[int] = []
+        for seq in seqs:
+            flat += [0] * seq.num_dropped + seq.pages[seq.num_dropped:]
+            flat += [0] * (width - len(seq.pages))
+        return int_tensor(flat, torch.int32).reshape(len(seqs), width)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
                      ends: Sequence[int]) -> torch.Tensor:
@@ -231,7 +234,7 @@ class FullAttention(GroupManager):
             rewritten = max(min(end, seq.num_shared) - start, 0)
             out += [self.pool.padding_slot] * rewritten
             out += self._slots(seq, start + rewritten, end)
-        return torch.tensor(out, dtype=torch.int64)
+        return int_tensor(out)
 
     def stats(self, num_sequences: int) -> CacheStats:
         """Page counts, filled slots, prefix-cache and copy-on-write counters."""

@@ -15,7 +15,9 @@ get each step's packed buffer and run `forward` on their part of the model
 
 from __future__ import annotations
 
+import operator
 from contextlib import AbstractContextManager
+from itertools import accumulate, chain
 from typing import NamedTuple, Protocol
 
 import torch
@@ -26,6 +28,7 @@ from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import ForwardContext, HostLengths
 from kvpool.memory.state_pool import CheckpointRequest, StateBatch
 from kvpool.memory.workspace import Workspace
+from kvpool.numeric import int_tensor
 
 
 class StepSections(NamedTuple):
@@ -93,23 +96,18 @@ def pack_step(batch: ScheduledBatch, cache: SequenceCache,
     seq_ids = [seq.seq_id for seq in batch.seqs]
     num_real, num_pad = len(seq_ids), layout.num_seqs - len(seq_ids)
     sections = layout.split(host)
-    starts = torch.tensor(batch.starts + [0] * num_pad, dtype=torch.int32)
-    ends = torch.tensor(batch.ends + [1] * num_pad, dtype=torch.int32)
-    query_lens = ends - starts
+    starts, ends = batch.starts + [0] * num_pad, batch.ends + [1] * num_pad
     input_ids: list[int] = []
     for seq, start, end in zip(batch.seqs, batch.starts, batch.ends, strict=True):
         input_ids += seq.token_ids[start:end]
-    ids = sections.input_ids
-    ids.copy_(torch.tensor(input_ids + [0] * num_pad))
-    cu = torch.zeros(layout.num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(query_lens, 0, out=cu[1:])
-    sections.cu_seqlens_q.copy_(cu)
-    # position of packed token t of sequence b: starts[b] + (t - cu_seqlens_q[b])
-    offsets = (starts - cu[:-1]).repeat_interleave(query_lens, output_size=len(ids))
-    torch.add(torch.arange(len(ids), dtype=torch.int32), offsets, out=sections.positions)
-    sections.seq_lens.copy_(ends)
-    sampled = torch.tensor(batch.sampled + [True] * num_pad)
-    sections.logits_indices.copy_(cu[1:][sampled] - 1)
+    sections.input_ids.copy_(int_tensor(input_ids + [0] * num_pad))
+    sections.positions.copy_(int_tensor(list(chain.from_iterable(map(range, starts, ends)))))
+    cu = list(accumulate(map(operator.sub, ends, starts), initial=0))
+    sections.seq_lens.copy_(int_tensor(ends))
+    sections.cu_seqlens_q.copy_(int_tensor(cu))
+    sections.logits_indices.copy_(int_tensor(
+        [end - 1 for end, sampled in zip(cu[1:], batch.sampled + [True] * num_pad,
+                                         strict=True) if sampled]))
     for group, (slots, tables) in enumerate(zip(sections.slot_mappings, sections.page_tables,
                                                 strict=True)):
         slots[: len(slots) - num_pad] = cache.slot_mapping(seq_ids, batch.starts, batch.ends,
@@ -121,7 +119,7 @@ def pack_step(batch: ScheduledBatch, cache: SequenceCache,
             slots[len(slots) - num_pad:] = padding.slots[group]
             tables[num_real:] = padding.pages[group]
     if layout.states:
-        sections.state_slots.copy_(torch.tensor(
+        sections.state_slots.copy_(int_tensor(
             [cache.state_slot(seq_id) for seq_id in seq_ids] + [padding.state_slot] * num_pad))
 
 

@@ -150,7 +150,8 @@ class Scheduler:
             budget = self._schedule_running_at_once(batch)
         except OutOfPages:
             budget = self._schedule_running_one_by_one(batch)
-        seats = sum(self._seats(s) for s in self.running)
+        # counted only when someone waits: a decode step with nobody waiting pays nothing
+        seats = sum(self._seats(s) for s in self.running) if self.waiting else 0
         while self.waiting and budget and seats + self._seats(self.waiting[0]) <= self.max_num_seqs:
             seq = self.waiting[0]
             if self._reached_max_tokens(seq):  # preempted just now; it finishes on its token
@@ -181,18 +182,17 @@ class Scheduler:
         them in the cache with one call. Raises OutOfPages, having changed nothing, when
         the pages run out. Returns the budget left."""
         budget = self.max_num_batched_tokens
-        seqs, ends = [], []
+        seqs, ends, grow_ids, grow_tokens = [], [], [], []
         for seq in self.running:
             if not budget:
                 break
             if self._reached_max_tokens(seq):
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + num_new
             seqs.append(seq)
-            ends.append(seq.num_computed_tokens + num_new)
+            ends.append(end)
             budget -= num_new
-        grow_ids, grow_tokens = [], []
-        for seq, end in zip(seqs, ends, strict=True):
             missing = self._missing(seq, end)
             if missing:
                 grow_ids.append(seq.seq_id)
@@ -244,9 +244,12 @@ class Scheduler:
             if end == self.cache.num_tokens(seq.seq_id):
                 self.cache.commit(seq.seq_id)
             if sampled:
-                family = [seq] if seq.request.forked else [seq, *self._fork(seq)]
-                seqs += family
-                rows += [row] * len(family)
+                seqs.append(seq)
+                rows.append(row)
+                if not seq.request.forked:
+                    children = self._fork(seq)
+                    seqs += children
+                    rows += [row] * len(children)
         return Samples(seqs, rows)
 
     def add_placeholders(self, seqs: list[Sequence]) -> None:

@@ -70,4 +70,4 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD."""
-        return bytes(i for i in ids if i < BYTE_BOS).decode("utf-8", errors="replace")
+        return bytes([i for i in ids if i < BYTE_BOS]).decode("utf-8", errors="replace")
