@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from kvpool.cache import HOLE
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import ConfigError, RankFailed
@@ -26,6 +27,7 @@ from kvpool.planning.planner import plan_memory
 from models_util import CONFIGS, SMALL, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
+from test_windows import CONFIGS as WINDOW_CONFIGS
 
 RANKS = 2
 MAX_TOKENS = 32  # the longest request then needs 73 slots: the 96 of the engine preempt
@@ -36,6 +38,7 @@ PARITY = {
     "qwen3": CONFIGS["qwen3"],
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
+    "gemma3": WINDOW_CONFIGS["gemma3"],  # a full and a window pool
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
@@ -82,7 +85,32 @@ def test_forked_samples_copy_their_shared_page_on_every_rank(engine):
 def test_each_rank_pool_holds_its_share_of_the_kv_heads(engine):
     case, llm = engine
     heads = llm.model_config.num_kv_heads
-    assert llm.cache.pool.layout.num_kv_heads == max(1, heads // RANKS)
+    for pool in llm.cache.kv_pools.pools:  # Gemma 3: the full and the window pool
+        assert pool.layout.num_kv_heads == max(1, heads // RANKS)
+
+
+@pytest.mark.parametrize("engine", ["gemma3"], indirect=True)
+def test_window_drops_copy_the_same_pages_on_every_rank(engine):
+    """A sequence leaving the window gives its first pages back, copying those the prefix
+    cache holds to fresh pages of the window pool first; a worker whose window pool missed
+    the copies would read other bits there."""
+    case, llm = engine
+    copied: list[int] = []
+    window_pool = llm.cache.kv_pools.pools[1]
+    window_pool.copy_listeners.append(lambda src, dst: copied.extend(dst))
+    ids = [llm.add_request(prompt, GREEDY) for prompt in case.batch]
+    outputs, dropped = {}, 0
+    try:
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            dropped += sum(HOLE in llm.cache.pages(s, 1) for s in llm.cache.sequences())
+    finally:
+        window_pool.copy_listeners.pop()
+    assert copied and dropped
+    assert [outputs[i] for i in ids] == case.expected
+    llm.cache.check()
 
 
 # --- failures -------------------------------------------------------------------------------

@@ -108,11 +108,11 @@ class LLM:
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         self._device = device
-        pages: int | list[int] = num_pages
+        pages: int | tuple[int, ...] = num_pages
         if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
-            pages = [pool.num_pages for pool in split_budget(
+            pages = tuple(pool.num_pages for pool in split_budget(
                 layout, num_pages * layout.bytes_per_page, max_num_seqs=self.config.max_num_seqs,
-                prefill_tokens=self.max_model_len)]
+                prefill_tokens=self.max_model_len))
         states = None
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
@@ -146,9 +146,10 @@ class LLM:
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
         self._max_step, self._longest = max_step, longest
         self._build_runner()
-        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout, num_pages,
+        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout,
+                                    pages,
                                     self.config.kv_scales, workspace_bytes,
-                                    self.runner.max_step), self.cache.pool)
+                                    self.runner.max_step, states), self.cache)
         self.sampler = Sampler(self.config.seed)
         # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
         # the host; on the CPU the forward runs in this thread, so there is nothing to hide.

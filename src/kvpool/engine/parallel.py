@@ -10,9 +10,9 @@ with the same number of pages, so a page id means the same page everywhere.
 Each step rank 0 broadcasts one message on a gloo group: the step's layout, the host copies of
 its lengths and the flat int64 metadata its runner packed (`StepChannel`). Every worker puts it
 in its own workspace and runs the same ModelRunner forward on its part; the model's
-all-reduces and its logits' all-gather join the ranks, and rank 0 samples. Page copies rank 0's
-pool makes (copy-on-write) travel first, in messages of their own, so the workers' pools copy
-the same pages.
+all-reduces and its logits' all-gather join the ranks, and rank 0 samples. The copies rank 0's
+pools make (copy-on-write and window drops in each page group's pool, a hybrid's state copies)
+travel first, in messages of their own, so the workers' pools copy the same pages and slots.
 
 Failures: the model's collectives time out after `tensor_parallel_timeout` seconds; a worker
 waits for its next message without limit (the engine may idle). A worker that raises reports
@@ -24,25 +24,26 @@ and the group and leaves no process behind."""
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import queue
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, StateSpec
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.errors import RankFailed
 from kvpool.forward_context import HostLengths
 from kvpool.memory.layout import KVLayout
-from kvpool.memory.pool import KVPool
 from kvpool.memory.workspace import Workspace
 from kvpool.models import load_model
 from kvpool.models.parallel import ONE_RANK, TensorParallel
@@ -59,17 +60,19 @@ REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error repo
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What every rank builds besides its part of `model`: a pool of one rank's `layout` and
-    `num_pages` pages, a workspace of `workspace_bytes` and a runner for steps up to
-    `max_step` (rank 0's, so that all agree)."""
+    """What every rank builds besides its part of `model`: the pools of one rank's `layout`,
+    `num_pages` pages (one pool, or one per layer group: as KVCache takes them) and a hybrid's
+    `states` (one rank's share of each state slot), a workspace of `workspace_bytes` and a
+    runner for steps up to `max_step` (rank 0's, so that all agree)."""
 
     model: str
     dtype: torch.dtype | None
     layout: KVLayout
-    num_pages: int
+    num_pages: int | tuple[int, ...]
     kv_scales: tuple[float, float] | float | None
     workspace_bytes: int
     max_step: StepLayout
+    states: StateSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,12 +107,13 @@ class StepChannel:
         self.buffer[start:start + layout.size] = staged[:layout.size]
         self._broadcast()
 
-    def send_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Broadcast page copies src[i] -> dst[i], in as many messages as they need."""
+    def send_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Broadcast copies src[i] -> dst[i] in mirrored pool `pool` (`mirrored_pools`), in as
+        many messages as they need."""
         room = (len(self.buffer) - HEADER) // 2
         for first in range(0, len(src), room):
             n = min(room, len(src) - first)
-            self.buffer[:2] = torch.tensor([COPY, n])
+            self.buffer[:3] = torch.tensor([COPY, n, pool])
             pairs = torch.tensor([*src[first:first + n], *dst[first:first + n]])
             self.buffer[HEADER:HEADER + 2 * n] = pairs
             self._broadcast()
@@ -134,11 +138,12 @@ class StepChannel:
         start = HEADER + b + 1 + b * has_seq_lens
         return layout, host, self.buffer[start:start + layout.size]
 
-    def copies(self) -> tuple[list[int], list[int]]:
-        """The (src, dst) pages of a COPY message just received."""
-        n = int(self.buffer[1])
+    def copies(self) -> tuple[int, list[int], list[int]]:
+        """The mirrored pool and the (src, dst) pages or slots of a COPY message just
+        received."""
+        n, pool = self.buffer[1:3].tolist()
         pairs = self.buffer[HEADER:HEADER + 2 * n].tolist()
-        return pairs[:n], pairs[n:]
+        return pool, pairs[:n], pairs[n:]
 
     def _broadcast(self) -> None:
         dist.broadcast(self.buffer, src=0, group=self.group)
@@ -150,7 +155,7 @@ class NoPeers:
 
     tp = ONE_RANK
 
-    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
+    def start(self, spec: WorkerSpec, cache: KVCache) -> None:
         pass
 
     @contextmanager
@@ -164,7 +169,7 @@ class NoPeers:
 
 class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
-    the step channel and the page copies of rank 0's pool not sent yet. Made before rank 0
+    the step channel and the copies of rank 0's pools not sent yet. Made before rank 0
     loads its part of the model (`tp` holds the group its collectives run on), it spawns the
     workers, which join the group and wait; `start` sends them what to build and waits
     until they have; `step` wraps each forward; `close` stops everything."""
@@ -175,7 +180,7 @@ class TensorParallelGroup:
         self.failure: RankFailed | None = None
         self.channel: StepChannel | None = None
         self.closed = False
-        self._copies: tuple[list[int], list[int]] = ([], [])
+        self._copies: dict[int, tuple[list[int], list[int]]] = {}  # by mirrored pool
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
@@ -195,9 +200,9 @@ class TensorParallelGroup:
             raise
         self.tp = TensorParallel(0, size, collectives)
 
-    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
-        """Have every worker build `spec` and wait until each has. `pool` is rank 0's: its
-        page copies are sent to the workers before the next step."""
+    def start(self, spec: WorkerSpec, cache: KVCache) -> None:
+        """Have every worker build `spec` and wait until each has. `cache` is rank 0's: the
+        copies its pools make are sent to the workers before the next step."""
         for _ in self.workers:
             self.specs.put(spec)
         self.channel = StepChannel(self.steps, spec.max_step)
@@ -206,7 +211,8 @@ class TensorParallelGroup:
         except BaseException:
             self.close()
             raise
-        pool.copy_listeners.append(self._record_copies)
+        for index, pool in enumerate(mirrored_pools(cache)):
+            pool.listeners.append(functools.partial(self._record_copies, index))
 
     def _wait_ready(self) -> None:
         """Wait for every worker's report; a worker that fails or dies raises RankFailed."""
@@ -221,9 +227,10 @@ class TensorParallelGroup:
                 raise RankFailed(f"tensor-parallel rank {rank} failed while loading: {error}")
             waiting.discard(rank)
 
-    def _record_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self._copies[0].extend(src)
-        self._copies[1].extend(dst)
+    def _record_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        sources, destinations = self._copies.setdefault(pool, ([], []))
+        sources.extend(src)
+        destinations.extend(dst)
 
     @contextmanager
     def step(self, layout: StepLayout, host: HostLengths,
@@ -237,9 +244,9 @@ class TensorParallelGroup:
         start = time.monotonic()
         try:
             self._check_alive("before a step")
-            if self._copies[0]:
-                self.channel.send_copies(*self._copies)
-                self._copies = ([], [])
+            for pool, (src, dst) in self._copies.items():
+                self.channel.send_copies(pool, src, dst)
+            self._copies = {}
             self.channel.send_step(layout, host, staged)
             yield
         except Exception as e:
@@ -296,6 +303,23 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
+class MirroredPool(NamedTuple):
+    """A pool whose copies every rank repeats: rank 0 records them through `listeners` (called
+    with (src, dst) after each copy), a worker repeats them with `copy(src, dst)`."""
+
+    listeners: list[Callable[[Sequence[int], Sequence[int]], None]]
+    copy: Callable[[Sequence[int], Sequence[int]], None]
+
+
+def mirrored_pools(cache: KVCache) -> list[MirroredPool]:
+    """The pools of `cache` whose copies every rank repeats, in the order the COPY messages
+    number them: each page group's KV pool, then a hybrid's state pool."""
+    pools = [MirroredPool(pool.copy_listeners, pool.copy_pages) for pool in cache.kv_pools.pools]
+    if cache.states is not None:
+        pools.append(MirroredPool(cache.states.copy_listeners, cache.states.copy_slots))
+    return pools
+
+
 def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorParallelGroup:
     """The peers of an engine of `config` whose rank 0 runs on `device` (not started)."""
     if config.tensor_parallel_size == 1:
@@ -306,22 +330,19 @@ def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorPa
 
 def check_tensor_parallel(config: EngineConfig, layout: KVLayout, mamba: object,
                           device: torch.device) -> None:
-    """ValueError unless an engine of `config` can split its model across its ranks: one
-    pool (no Mamba state pool, no full-and-window pools), no tier (the workers' pages would
-    not follow), and on CUDA a device per rank, rank r on cuda:r."""
+    """ValueError unless an engine of `config` can split its model across its ranks: KV pools
+    only (no Mamba state pool), no tier (the workers' pages would not follow), and on CUDA a
+    device per rank, rank r on cuda:r."""
     size = config.tensor_parallel_size
     if size == 1:
         return
     refused = None
     if mamba:
         refused = "a hybrid (Mamba) model's state pool"
-    elif len(layout.groups) > 1 and config.free_out_of_window:
-        refused = ("a full and a sliding-window pool (pass free_out_of_window=False for one "
-                   "pool)")
     elif config.tier_option:
         refused = f"a tier ({config.tier_option})"
     if refused:
-        raise ValueError(f"tensor_parallel_size={size} runs models of one KV pool without a "
+        raise ValueError(f"tensor_parallel_size={size} runs models of KV pools without a "
                          f"tier; this engine would have {refused}")
     if device.type == "cuda":
         if device.index not in (None, 0):
@@ -394,17 +415,20 @@ def receive_spec(specs) -> WorkerSpec:
 def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:
     """This rank's part of the model, its pool and workspace, and their runner."""
     loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp)
-    cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales)
+    cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales,
+                    states=spec.states)
     workspace = Workspace(spec.workspace_bytes, device=device)
     return ModelRunner(loaded.model, cache, workspace, max_step=spec.max_step, peers=NoPeers())
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:
-    """Run rank 0's messages until STOP: page copies into this rank's pool, steps through
-    its runner."""
+    """Run rank 0's messages until STOP: copies into this rank's pools, steps through its
+    runner."""
     with torch.inference_mode():
+        pools = mirrored_pools(runner.cache)
         while (command := channel.receive()) != STOP:
             if command == COPY:
-                runner.cache.pool.copy_pages(*channel.copies())
+                pool, src, dst = channel.copies()
+                pools[pool].copy(src, dst)
             else:
                 runner.forward(*channel.step())
