@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
-Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints equal
-transformers' (and so one rank's) through preemption, prefix hits, chunks and copy-on-write;
+Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE, DeepSeek-V3 and Gemma 3 (a full and a
+window pool) checkpoints equal transformers' (and so one rank's) through preemption, prefix
+hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations

@@ -71,8 +71,9 @@ class LLM:
     `hold_request`, `resume_request` and `read_prefilled` hand a prompt's KV between two
     engines (kvpool.engine.disaggregated).
     With `tensor_parallel_size` N the model is split across N ranks: this process and N-1
-    workers it spawns (kvpool.engine.parallel); `close()` (or leaving a `with` block, or the
-    interpreter's exit) stops them.
+    workers it spawns (kvpool.engine.parallel), each holding its share of every pool (a full
+    and a window pool, a hybrid's state slots); `close()` (or leaving a `with` block, or the
+    interpreter's exit) stops them. Not with a tier yet.
     """
 
     def __init__(self, model: str | Path, *,
@@ -84,7 +85,8 @@ class LLM:
         self.max_model_len = self.config.resolve_max_model_len(mc)
         # Planned before loading, from the config: the memory read then still holds the
         # weights' room, and the plan counts them once.
-        mamba = mc.mamba_layout(dtype=self.config.dtype)
+        mamba = mc.mamba_layout(dtype=self.config.dtype,
+                                tensor_parallel_size=self.config.tensor_parallel_size)
         # One state slot per seat: the scheduler never runs more than max_num_seqs sequences.
         num_slots = self.config.max_num_seqs
         num_checkpoints = 0
@@ -98,7 +100,7 @@ class LLM:
             kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
             raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
                              f"windowed pool; this {kind} cache takes none yet")
-        check_tensor_parallel(self.config, layout, mamba, device)
+        check_tensor_parallel(self.config, device)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait

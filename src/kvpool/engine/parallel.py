@@ -44,6 +44,7 @@ from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.errors import RankFailed
 from kvpool.forward_context import HostLengths
 from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import CheckpointRequest
 from kvpool.memory.workspace import Workspace
 from kvpool.models import load_model
 from kvpool.models.parallel import ONE_RANK, TensorParallel
@@ -51,7 +52,8 @@ from kvpool.threads import limit_threads
 
 HOST = "127.0.0.1"
 RUN, COPY, STOP = 1, 2, 3  # the commands of a message
-HEADER = 10  # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens
+# command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens, checkpoints
+HEADER = 11
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
@@ -88,23 +90,29 @@ class GroupAddress:
 
 class StepChannel:
     """Rank 0's step messages to the workers: one broadcast per message of a fixed-size int64
-    buffer on `group`, room for the largest step (`max_step`)."""
+    buffer on `group`, room for the largest step (`max_step`) and `max_checkpoints` state
+    checkpoints (a hybrid's checkpoint slots: a step saves at most that many)."""
 
-    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout):
+    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout, max_checkpoints: int):
         self.group = group
-        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size,
-                                  dtype=torch.int64)
+        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size
+                                  + 3 * max_checkpoints, dtype=torch.int64)
 
-    def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor) -> None:
-        """Broadcast a step: its layout, host lengths and packed metadata `staged`."""
+    def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+                  checkpoints: list[CheckpointRequest]) -> None:
+        """Broadcast a step: its layout, host lengths, packed metadata `staged` and the
+        state checkpoints it saves."""
         seq_lens = host.seq_lens or []
         head = [RUN, *layout[:5], int(layout.states), host.max_seq_len, host.max_query_len,
-                host.seq_lens is not None]
+                host.seq_lens is not None, len(checkpoints)]
         body = [*host.query_starts, *seq_lens]
         self.buffer[:HEADER] = torch.tensor(head)
         self.buffer[HEADER:HEADER + len(body)] = torch.tensor(body, dtype=torch.int64)
         start = HEADER + len(body)
         self.buffer[start:start + layout.size] = staged[:layout.size]
+        start += layout.size
+        saves = [x for request in checkpoints for x in request]
+        self.buffer[start:start + len(saves)] = torch.tensor(saves, dtype=torch.int64)
         self._broadcast()
 
     def send_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -127,16 +135,20 @@ class StepChannel:
         self._broadcast()
         return int(self.buffer[0])
 
-    def step(self) -> tuple[StepLayout, HostLengths, torch.Tensor]:
-        """The step of a RUN message just received: layout, host lengths, packed metadata."""
+    def step(self) -> tuple[StepLayout, HostLengths, torch.Tensor, list[CheckpointRequest]]:
+        """The step of a RUN message just received: layout, host lengths, packed metadata
+        and state checkpoints."""
         head = self.buffer[:HEADER].tolist()
         layout = StepLayout(*head[1:6], states=bool(head[6]))
-        b, has_seq_lens = layout.num_seqs, head[9]
+        b, has_seq_lens, num_checkpoints = layout.num_seqs, head[9], head[10]
         lengths = self.buffer[HEADER:HEADER + 2 * b + 1].tolist()
         host = HostLengths(lengths[:b + 1], lengths[b + 1:] if has_seq_lens else None,
                            head[7], head[8])
         start = HEADER + b + 1 + b * has_seq_lens
-        return layout, host, self.buffer[start:start + layout.size]
+        saves = self.buffer[start + layout.size:start + layout.size + 3 * num_checkpoints]
+        checkpoints = [CheckpointRequest(*saves[i:i + 3].tolist())
+                       for i in range(0, len(saves), 3)]
+        return layout, host, self.buffer[start:start + layout.size], checkpoints
 
     def copies(self) -> tuple[int, list[int], list[int]]:
         """The mirrored pool and the (src, dst) pages or slots of a COPY message just
@@ -159,8 +171,8 @@ class NoPeers:
         pass
 
     @contextmanager
-    def step(self, layout: StepLayout, host: HostLengths,
-             staged: torch.Tensor) -> Iterator[None]:
+    def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+             checkpoints: list[CheckpointRequest]) -> Iterator[None]:
         yield
 
     def close(self) -> None:
@@ -205,7 +217,7 @@ class TensorParallelGroup:
         copies its pools make are sent to the workers before the next step."""
         for _ in self.workers:
             self.specs.put(spec)
-        self.channel = StepChannel(self.steps, spec.max_step)
+        self.channel = StepChannel(self.steps, spec.max_step, max_checkpoints(spec))
         try:
             self._wait_ready()
         except BaseException:
@@ -233,9 +245,9 @@ class TensorParallelGroup:
         destinations.extend(dst)
 
     @contextmanager
-    def step(self, layout: StepLayout, host: HostLengths,
-             staged: torch.Tensor) -> Iterator[None]:
-        """Send the step (page copies first) to the workers, then run rank 0's forward in the
+    def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+             checkpoints: list[CheckpointRequest]) -> Iterator[None]:
+        """Send the step (copies first) to the workers, then run rank 0's forward in the
         block. A failure in either stops the group and raises RankFailed naming the rank."""
         if self.failure is not None:
             raise self.failure
@@ -247,7 +259,7 @@ class TensorParallelGroup:
             for pool, (src, dst) in self._copies.items():
                 self.channel.send_copies(pool, src, dst)
             self._copies = {}
-            self.channel.send_step(layout, host, staged)
+            self.channel.send_step(layout, host, staged, checkpoints)
             yield
         except Exception as e:
             self.failure = self._blame(e, time.monotonic() - start)
@@ -320,6 +332,11 @@ def mirrored_pools(cache: KVCache) -> list[MirroredPool]:
     return pools
 
 
+def max_checkpoints(spec: WorkerSpec) -> int:
+    """The most state checkpoints one step saves: one per checkpoint slot (none without)."""
+    return spec.states.num_checkpoint_slots if spec.states is not None else 0
+
+
 def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorParallelGroup:
     """The peers of an engine of `config` whose rank 0 runs on `device` (not started)."""
     if config.tensor_parallel_size == 1:
@@ -328,22 +345,16 @@ def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorPa
                                config.tensor_parallel_timeout)
 
 
-def check_tensor_parallel(config: EngineConfig, layout: KVLayout, mamba: object,
-                          device: torch.device) -> None:
-    """ValueError unless an engine of `config` can split its model across its ranks: KV pools
-    only (no Mamba state pool), no tier (the workers' pages would not follow), and on CUDA a
-    device per rank, rank r on cuda:r."""
+def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
+    """ValueError unless an engine of `config` can split its model across its ranks: no tier
+    (the workers' pages would not follow), and on CUDA a device per rank, rank r on cuda:r."""
     size = config.tensor_parallel_size
     if size == 1:
         return
-    refused = None
-    if mamba:
-        refused = "a hybrid (Mamba) model's state pool"
-    elif config.tier_option:
-        refused = f"a tier ({config.tier_option})"
-    if refused:
-        raise ValueError(f"tensor_parallel_size={size} runs models of KV pools without a "
-                         f"tier; this engine would have {refused}")
+    if config.tier_option:
+        raise ValueError(f"tensor_parallel_size={size} runs without a tier (the workers' "
+                         f"pages would not follow); this engine would have "
+                         f"{config.tier_option}")
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size={size} puts rank r on cuda:r: rank 0 runs "
@@ -391,7 +402,7 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
         spec = receive_spec(specs)
         runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
         reports.put((rank, None))
-        serve(runner, StepChannel(steps, spec.max_step))
+        serve(runner, StepChannel(steps, spec.max_step, max_checkpoints(spec)))
     except BaseException as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         reports.put((rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
