@@ -31,7 +31,7 @@ from kvpool.models.parallel import (
     Sharded,
     StackedColumnLinear,
     TensorParallel,
-    rows,
+    row_parts,
 )
 
 
@@ -48,7 +48,7 @@ class GatedRMSNorm(nn.Module, Sharded):
         self.part, self.group_size, self.eps, self.tp = part, group_size, eps, tp
         self.piece = min(group_size, len(part))  # channels of a group this rank holds
         self.first_group = part.start // group_size
-        self.num_groups = -(-tp.size * len(part) // group_size)  # groups of the whole
+        self.num_groups = tp.size * len(part) // group_size  # groups of the whole
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z `[T, len(part)]` -> `[T, len(part)]` in y's dtype."""
@@ -64,7 +64,7 @@ class GatedRMSNorm(nn.Module, Sharded):
         return self.weight * groups.view_as(h).to(y.dtype)
 
     def checkpoint_index(self, name: str) -> Index:
-        return rows(self.part)
+        return row_parts(self.part)
 
 
 class DepthwiseConv1d(nn.Conv1d, Sharded):
@@ -74,7 +74,7 @@ class DepthwiseConv1d(nn.Conv1d, Sharded):
     def __init__(self, parts: tuple[range, ...], kernel: int, bias: bool, dtype: torch.dtype):
         channels = sum(len(part) for part in parts)
         super().__init__(channels, channels, kernel, groups=channels, bias=bias, dtype=dtype)
-        self.rows = rows(*parts)
+        self.rows = row_parts(*parts)
 
     def checkpoint_index(self, name: str) -> Index:
         return self.rows
@@ -110,7 +110,7 @@ class Mamba2Mixer(nn.Module, Sharded):
 
     def checkpoint_index(self, name: str) -> Index:
         """dt_bias, A_log and D: one per head."""
-        return rows(self.heads)
+        return row_parts(self.heads)
 
     def forward(self, hidden: torch.Tensor, context: ForwardContext,
                 layer: int) -> torch.Tensor:

@@ -92,7 +92,7 @@ class Sharded:
         raise NotImplementedError
 
 
-def rows(*parts: range) -> Index:
+def row_parts(*parts: range) -> Index:
     """The rows `parts` of a checkpoint tensor (and all of its other dimensions), stacked."""
     return tuple((slice(part.start, part.stop),) for part in parts)
 
@@ -105,7 +105,7 @@ class ColumnLinear(nn.Linear, Sharded):
     def __init__(self, in_features: int, part: range, unit: int, bias: bool,
                  dtype: torch.dtype):
         super().__init__(in_features, len(part) * unit, bias=bias, dtype=dtype)
-        self.rows = rows(range(part.start * unit, part.stop * unit))
+        self.rows = row_parts(range(part.start * unit, part.stop * unit))
 
     def checkpoint_index(self, name: str) -> Index:
         return self.rows
@@ -119,7 +119,7 @@ class StackedColumnLinear(nn.Linear, Sharded):
     def __init__(self, in_features: int, parts: tuple[range, ...], bias: bool,
                  dtype: torch.dtype):
         super().__init__(in_features, sum(len(part) for part in parts), bias=bias, dtype=dtype)
-        self.rows = rows(*parts)
+        self.rows = row_parts(*parts)
 
     def checkpoint_index(self, name: str) -> Index:
         return self.rows
@@ -161,7 +161,7 @@ class VocabEmbedding(nn.Embedding, Sharded):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
     def checkpoint_index(self, name: str) -> Index:
-        return rows(self.part)
+        return row_parts(self.part)
 
 
 ONE_RANK = TensorParallel()  # a model on one device: every part is the whole
