@@ -18,6 +18,7 @@ import transformers
 from kvpool.cache import HOLE
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
+from kvpool.engine.handoff import PrefilledKV
 from kvpool.errors import ConfigError, RankFailed
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import pages_within
@@ -112,6 +113,17 @@ def test_window_drops_copy_the_same_pages_on_every_rank(engine):
     assert copied and dropped
     assert [outputs[i] for i in ids] == case.expected
     llm.cache.check()
+
+
+@pytest.mark.parametrize("engine", ["llama"], indirect=True)
+def test_kv_computed_elsewhere_is_refused_since_the_workers_would_not_get_it(engine):
+    case, llm = engine
+    request_id, _ = llm.hold_request(case.batch[0], GREEDY)
+    assert not llm.takes_prefilled
+    prefilled = PrefilledKV(1, torch.zeros(0), ())
+    with pytest.raises(ValueError, match="on one rank.*tensor_parallel_size 2"):
+        llm.resume_request(request_id, prefilled)
+    llm.abort(request_id)
 
 
 # --- failures -------------------------------------------------------------------------------

@@ -388,16 +388,19 @@ class LLM:
     @property
     def takes_prefilled(self) -> bool:
         """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
-        hybrid's state slots beside it) and keeps every page of a sequence."""
-        return [group.window for group in self.cache.page_groups] == [None]
+        hybrid's state slots beside it), keeps every page of a sequence, and is on one rank
+        (the workers of a tensor-parallel engine would not get their share of it)."""
+        return [group.window for group in self.cache.page_groups] == [None] \
+            and self.config.tensor_parallel_size == 1
 
     def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
         """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:
         computed here). Admitted, it starts past them; preempted, it recomputes them."""
         if prefilled is not None and not self.takes_prefilled:
             raise ValueError("KV computed elsewhere needs a cache of one pool that keeps every "
-                             "page; this model's (a full and a window pool, or pages given "
-                             "back out of the window) takes none")
+                             "page, on one rank; this engine's (a full and a window pool, "
+                             "pages given back out of the window, or tensor_parallel_size "
+                             f"{self.config.tensor_parallel_size}) takes none")
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or request.seqs:
