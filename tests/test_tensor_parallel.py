@@ -126,6 +126,23 @@ def test_kv_computed_elsewhere_is_refused_since_the_workers_would_not_get_it(eng
     llm.abort(request_id)
 
 
+def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(tmp_path, device):
+    """The batch twice through 24 pages: the first run's prefix pages are evicted to the
+    tiers (rank 0's share to its tier, the worker's to its own), the second run loads them
+    back into the same pages on both ranks; a worker that missed either would compute with
+    other K/V for its heads."""
+    cpu_only(device)
+    case = engine_case("llama", PARITY, tmp_path, device, MAX_TOKENS)
+    with LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+             device=device, tensor_parallel_size=RANKS, host_tier_memory=2**16) as llm:
+        for _ in range(2):
+            outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == case.expected
+        stats = llm.stats()
+        assert stats.num_tier_stores > 0 and stats.num_tier_loads > 0
+        llm.cache.check()
+
+
 # --- failures -------------------------------------------------------------------------------
 
 def test_a_killed_worker_fails_the_next_step_naming_its_rank(device):
@@ -169,10 +186,13 @@ def test_kv_heads_that_do_not_split_are_refused(device):
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=3)
 
 
-def test_a_tier_is_refused_with_tensor_parallelism(device):
-    with pytest.raises(ValueError, match="without a tier.*host_tier_memory"):
+def test_a_disk_or_redis_tier_is_refused_with_tensor_parallelism(tmp_path, device):
+    with pytest.raises(ValueError, match="host tier only.*would have disk_tier"):
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
-            host_tier_memory=2**20)
+            disk_tier=tmp_path)
+    with pytest.raises(ValueError, match="host tier only.*would have redis_tier"):
+        LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+            redis_tier="redis://127.0.0.1:1/0")
 
 
 def test_a_rank_loads_only_its_part_of_each_weight(tmp_path, device):

@@ -73,7 +73,7 @@ class LLM:
     With `tensor_parallel_size` N the model is split across N ranks: this process and N-1
     workers it spawns (kvpool.engine.parallel), each holding its share of every pool (a full
     and a window pool, a hybrid's state slots); `close()` (or leaving a `with` block, or the
-    interpreter's exit) stops them. Not with a tier yet.
+    interpreter's exit) stops them. Then the tier may be a host tier only, one per rank.
     """
 
     def __init__(self, model: str | Path, *,
@@ -151,7 +151,8 @@ class LLM:
         self.peers.start(WorkerSpec(str(model), self.config.dtype, layout,
                                     pages,
                                     self.config.kv_scales, workspace_bytes,
-                                    self.runner.max_step, states), self.cache)
+                                    self.runner.max_step, states,
+                                    tier.capacity_pages if tier is not None else 0), self.cache)
         self.sampler = Sampler(self.config.seed)
         # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
         # the host; on the CPU the forward runs in this thread, so there is nothing to hide.

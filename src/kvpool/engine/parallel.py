@@ -13,6 +13,9 @@ in its own workspace and runs the same ModelRunner forward on its part; the mode
 all-reduces and its logits' all-gather join the ranks, and rank 0 samples. The copies rank 0's
 pools make (copy-on-write and window drops in each page group's pool, a hybrid's state copies)
 travel first, in messages of their own, so the workers' pools copy the same pages and slots.
+With a host tier each rank keeps its share of every page in a tier of its own: the pages rank
+0 stores to its tier and fetches from it travel the same way, keys and all, in rank 0's
+order, so every rank's tier holds the same pages.
 
 Failures: the model's collectives time out after `tensor_parallel_timeout` seconds; a worker
 waits for its next message without limit (the engine may idle). A worker that raises reports
@@ -39,11 +42,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvpool.cache import KVCache, StateSpec
+from kvpool.cache.tiers import HostTier, PageKey, Tier
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
+from kvpool.engine.tiers import weights_fingerprint
 from kvpool.errors import RankFailed
 from kvpool.forward_context import HostLengths
 from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import KVPool
 from kvpool.memory.state_pool import CheckpointRequest
 from kvpool.memory.workspace import Workspace
 from kvpool.models import load_model
@@ -51,7 +57,7 @@ from kvpool.models.parallel import ONE_RANK, TensorParallel
 from kvpool.threads import limit_threads
 
 HOST = "127.0.0.1"
-RUN, COPY, STOP = 1, 2, 3  # the commands of a message
+RUN, COPY, STOP, STORE, FETCH, LOAD = 1, 2, 3, 4, 5, 6  # the commands of a message
 # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens, checkpoints
 HEADER = 11
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
@@ -64,8 +70,10 @@ REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error repo
 class WorkerSpec:
     """What every rank builds besides its part of `model`: the pools of one rank's `layout`,
     `num_pages` pages (one pool, or one per layer group: as KVCache takes them) and a hybrid's
-    `states` (one rank's share of each state slot), a workspace of `workspace_bytes` and a
-    runner for steps up to `max_step` (rank 0's, so that all agree)."""
+    `states` (one rank's share of each state slot), a host tier of `host_tier_pages` pages
+    (0: none) for its share of the pages rank 0's tier keeps, a workspace of
+    `workspace_bytes` and a runner for steps up to `max_step` (rank 0's, so that all
+    agree)."""
 
     model: str
     dtype: torch.dtype | None
@@ -75,6 +83,7 @@ class WorkerSpec:
     workspace_bytes: int
     max_step: StepLayout
     states: StateSpec | None = None
+    host_tier_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +124,17 @@ class StepChannel:
         self.buffer[start:start + len(saves)] = torch.tensor(saves, dtype=torch.int64)
         self._broadcast()
 
-    def send_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Broadcast copies src[i] -> dst[i] in mirrored pool `pool` (`mirrored_pools`), in as
-        many messages as they need."""
-        room = (len(self.buffer) - HEADER) // 2
-        for first in range(0, len(src), room):
-            n = min(room, len(src) - first)
-            self.buffer[:3] = torch.tensor([COPY, n, pool])
-            pairs = torch.tensor([*src[first:first + n], *dst[first:first + n]])
-            self.buffer[HEADER:HEADER + 2 * n] = pairs
+    def send_entries(self, command: int, pool: int, entries: list[list[int]]) -> None:
+        """Broadcast a COPY, STORE, FETCH or LOAD of mirrored pool `pool` (`mirrored_pools`):
+        its entries, rows of one length (a copy's [src, dst], a stored page's [page, *its tier
+        key], a fetched page's tier key, a loaded page's id), in as many messages as they
+        need."""
+        width = len(entries[0])
+        room = (len(self.buffer) - HEADER) // width
+        for first in range(0, len(entries), room):
+            part = entries[first:first + room]
+            self.buffer[:4] = torch.tensor([command, len(part), pool, width])
+            self.buffer[HEADER:HEADER + len(part) * width] = torch.tensor(part).view(-1)
             self._broadcast()
 
     def send_stop(self) -> None:
@@ -150,12 +161,11 @@ class StepChannel:
                        for i in range(0, len(saves), 3)]
         return layout, host, self.buffer[start:start + layout.size], checkpoints
 
-    def copies(self) -> tuple[int, list[int], list[int]]:
-        """The mirrored pool and the (src, dst) pages or slots of a COPY message just
+    def entries(self) -> tuple[int, list[list[int]]]:
+        """The mirrored pool and the entries of a COPY, STORE, FETCH or LOAD message just
         received."""
-        n, pool = self.buffer[1:3].tolist()
-        pairs = self.buffer[HEADER:HEADER + 2 * n].tolist()
-        return pool, pairs[:n], pairs[n:]
+        n, pool, width = self.buffer[1:4].tolist()
+        return pool, self.buffer[HEADER:HEADER + n * width].view(n, width).tolist()
 
     def _broadcast(self) -> None:
         dist.broadcast(self.buffer, src=0, group=self.group)
@@ -181,7 +191,8 @@ class NoPeers:
 
 class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
-    the step channel and the copies of rank 0's pools not sent yet. Made before rank 0
+    the step channel and what rank 0's pools did that the workers' must repeat, not sent
+    yet: copies, and pages stored to or loaded from the tier, in order. Made before rank 0
     loads its part of the model (`tp` holds the group its collectives run on), it spawns the
     workers, which join the group and wait; `start` sends them what to build and waits
     until they have; `step` wraps each forward; `close` stops everything."""
@@ -192,7 +203,7 @@ class TensorParallelGroup:
         self.failure: RankFailed | None = None
         self.channel: StepChannel | None = None
         self.closed = False
-        self._copies: dict[int, tuple[list[int], list[int]]] = {}  # by mirrored pool
+        self._pending: list[tuple[int, int, list[list[int]]]] = []  # (command, pool, entries)
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
@@ -225,6 +236,10 @@ class TensorParallelGroup:
             raise
         for index, pool in enumerate(mirrored_pools(cache)):
             pool.listeners.append(functools.partial(self._record_copies, index))
+        if cache.tier is not None:  # one page group: pool 0
+            cache.prefix_cache.evict_hooks.append(self._record_stores)
+            cache.page_groups[0].fetch_listeners.append(self._record_fetches)
+            cache.page_groups[0].load_listeners.append(self._record_loads)
 
     def _wait_ready(self) -> None:
         """Wait for every worker's report; a worker that fails or dies raises RankFailed."""
@@ -240,9 +255,24 @@ class TensorParallelGroup:
             waiting.discard(rank)
 
     def _record_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        sources, destinations = self._copies.setdefault(pool, ([], []))
-        sources.extend(src)
-        destinations.extend(dst)
+        self._record(COPY, pool, [[s, d] for s, d in zip(src, dst, strict=True)])
+
+    def _record_stores(self, pages: Sequence[int], keys: Sequence[PageKey]) -> None:
+        """Pages of pool 0 evicted, and so stored to the tier, with their keys."""
+        self._record(STORE, 0, [[page, *key_entry(key)]
+                                for page, key in zip(pages, keys, strict=True)])
+
+    def _record_fetches(self, keys: Sequence[PageKey]) -> None:
+        self._record(FETCH, 0, [key_entry(key) for key in keys])
+
+    def _record_loads(self, pages: Sequence[int]) -> None:
+        self._record(LOAD, 0, [[page] for page in pages])
+
+    def _record(self, command: int, pool: int, entries: list[list[int]]) -> None:
+        if self._pending and self._pending[-1][:2] == (command, pool):
+            self._pending[-1][2].extend(entries)
+        else:
+            self._pending.append((command, pool, entries))
 
     @contextmanager
     def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
@@ -256,9 +286,9 @@ class TensorParallelGroup:
         start = time.monotonic()
         try:
             self._check_alive("before a step")
-            for pool, (src, dst) in self._copies.items():
-                self.channel.send_copies(pool, src, dst)
-            self._copies = {}
+            for command, pool, entries in self._pending:
+                self.channel.send_entries(command, pool, entries)
+            self._pending = []
             self.channel.send_step(layout, host, staged, checkpoints)
             yield
         except Exception as e:
@@ -346,15 +376,17 @@ def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorPa
 
 
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
-    """ValueError unless an engine of `config` can split its model across its ranks: no tier
-    (the workers' pages would not follow), and on CUDA a device per rank, rank r on cuda:r."""
+    """ValueError unless an engine of `config` can split its model across its ranks: a host
+    tier or none (each rank keeps its share of every page in a tier of its own, and must find
+    it whenever rank 0 finds its own), and on CUDA a device per rank, rank r on cuda:r."""
     size = config.tensor_parallel_size
     if size == 1:
         return
-    if config.tier_option:
-        raise ValueError(f"tensor_parallel_size={size} runs without a tier (the workers' "
-                         f"pages would not follow); this engine would have "
-                         f"{config.tier_option}")
+    if config.tier_option not in (None, "host_tier_memory"):
+        raise ValueError(f"tensor_parallel_size={size} keeps a host tier only "
+                         f"(host_tier_memory): every rank's tier must hold the pages rank "
+                         f"0's does, which a disk or Redis tier does not promise; this engine "
+                         f"would have {config.tier_option}")
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size={size} puts rank r on cuda:r: rank 0 runs "
@@ -424,22 +456,60 @@ def receive_spec(specs) -> WorkerSpec:
 
 
 def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:
-    """This rank's part of the model, its pool and workspace, and their runner."""
+    """This rank's part of the model, its pools, tier and workspace, and their runner."""
     loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp)
+    tier = HostTier(spec.host_tier_pages) if spec.host_tier_pages else None
+    # A worker's prefix cache indexes nothing: it is there for the tier, which needs one.
     cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales,
-                    states=spec.states)
+                    states=spec.states, prefix_caching=tier is not None, tier=tier,
+                    model_fingerprint=weights_fingerprint(loaded.model) if tier else "")
     workspace = Workspace(spec.workspace_bytes, device=device)
     return ModelRunner(loaded.model, cache, workspace, max_step=spec.max_step, peers=NoPeers())
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:
-    """Run rank 0's messages until STOP: copies into this rank's pools, steps through its
-    runner."""
+    """Run rank 0's messages until STOP: copies into this rank's pools, pages stored to and
+    loaded from its tier, steps through its runner."""
     with torch.inference_mode():
         pools = mirrored_pools(runner.cache)
+        fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched
         while (command := channel.receive()) != STOP:
-            if command == COPY:
-                pool, src, dst = channel.copies()
-                pools[pool].copy(src, dst)
-            else:
+            if command == RUN:
                 runner.forward(*channel.step())
+                continue
+            pool, entries = channel.entries()
+            if command == COPY:
+                pools[pool].copy([src for src, _ in entries], [dst for _, dst in entries])
+            elif command == STORE:
+                store_pages(runner.cache.tier, runner.cache.pool, entries)
+            elif command == FETCH:
+                fetched = fetch_pages(runner.cache.tier, entries)
+            else:
+                runner.cache.pool.write_pages([page for page, in entries],
+                                              torch.stack(fetched, dim=2))
+
+
+def key_entry(key: PageKey) -> list[int]:
+    """A tier key as message entries: chain key, parent key, token ids."""
+    return [key.chain_key, key.parent_key, *key.token_ids]
+
+
+def store_pages(tier: Tier, pool: KVPool, entries: list[list[int]]) -> None:
+    """Store this rank's share of the pages rank 0 evicted to its tier (entries: page, key),
+    under the same keys, into this rank's tier (a page it cannot keep is dropped, as there)."""
+    data = pool.read_pages([page for page, *_ in entries])
+    for i, (_, chain, parent, *tokens) in enumerate(entries):
+        tier.store(PageKey(chain, parent, tuple(tokens)), data[:, :, i])
+
+
+def fetch_pages(tier: Tier, entries: list[list[int]]) -> list[torch.Tensor]:
+    """This rank's share of the pages rank 0 fetched from its tier (entries: keys), in the
+    same order of tier operations, so both tiers keep the same pages. RuntimeError if this
+    rank's tier lost one: the ranks would compute with different prefixes, so the engine
+    stops (RankFailed)."""
+    fetched = [tier.get(PageKey(chain, parent, tuple(tokens)))
+               for chain, parent, *tokens in entries]
+    if any(data is None for data in fetched):
+        raise RuntimeError(f"this rank's tier holds {sum(d is not None for d in fetched)} of "
+                           f"the {len(entries)} pages rank 0 fetched from its own")
+    return fetched
