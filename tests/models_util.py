@@ -194,7 +194,12 @@ class EngineCase(NamedTuple):
 def engine_case(name: str, configs, folder: Path, device, max_tokens: int) -> EngineCase:
     """A checkpoint of config `name`, 8 prompts (four share a 24-token prefix) and
     transformers' greedy continuations of each, run alone on `device`."""
-    hf = make_hf_model(name, configs=configs)
+    return case_of(make_hf_model(name, configs=configs), folder, device, max_tokens)
+
+
+def case_of(hf: transformers.PreTrainedModel, folder: Path, device,
+            max_tokens: int) -> EngineCase:
+    """engine_case of the transformers model `hf`, saved into `folder`."""
     folder = save_hf_model(hf, folder)
     hf.to(device)
     shared = prompts(160, lengths=(24,), seed=2)["seq0"]

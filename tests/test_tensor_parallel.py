@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
-Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE and DeepSeek-V3 checkpoints equal
-transformers' (and so one rank's) through preemption, prefix hits, chunks and copy-on-write;
+Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE, DeepSeek-V3 and Gemma 3 (a full and a
+window pool) checkpoints equal transformers' (and so one rank's) through preemption, prefix
+hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import pytest
 import torch
 import transformers
 
+from kvpool.cache import HOLE
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
+from kvpool.engine.handoff import PrefilledKV
 from kvpool.errors import ConfigError, RankFailed
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import pages_within
@@ -26,6 +29,7 @@ from kvpool.planning.planner import plan_memory
 from models_util import CONFIGS, SMALL, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
+from test_windows import CONFIGS as WINDOW_CONFIGS
 
 RANKS = 2
 MAX_TOKENS = 32  # the longest request then needs 73 slots: the 96 of the engine preempt
@@ -36,6 +40,7 @@ PARITY = {
     "qwen3": CONFIGS["qwen3"],
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
+    "gemma3": WINDOW_CONFIGS["gemma3"],  # a full and a window pool
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
@@ -82,7 +87,60 @@ def test_forked_samples_copy_their_shared_page_on_every_rank(engine):
 def test_each_rank_pool_holds_its_share_of_the_kv_heads(engine):
     case, llm = engine
     heads = llm.model_config.num_kv_heads
-    assert llm.cache.pool.layout.num_kv_heads == max(1, heads // RANKS)
+    for pool in llm.cache.kv_pools.pools:  # Gemma 3: the full and the window pool
+        assert pool.layout.num_kv_heads == max(1, heads // RANKS)
+
+
+@pytest.mark.parametrize("engine", ["gemma3"], indirect=True)
+def test_window_drops_copy_the_same_pages_on_every_rank(engine):
+    """A sequence leaving the window gives its first pages back, copying those the prefix
+    cache holds to fresh pages of the window pool first; a worker whose window pool missed
+    the copies would read other bits there."""
+    case, llm = engine
+    copied: list[int] = []
+    window_pool = llm.cache.kv_pools.pools[1]
+    window_pool.copy_listeners.append(lambda src, dst: copied.extend(dst))
+    ids = [llm.add_request(prompt, GREEDY) for prompt in case.batch]
+    outputs, dropped = {}, 0
+    try:
+        while llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            dropped += sum(HOLE in llm.cache.pages(s, 1) for s in llm.cache.sequences())
+    finally:
+        window_pool.copy_listeners.pop()
+    assert copied and dropped
+    assert [outputs[i] for i in ids] == case.expected
+    llm.cache.check()
+
+
+@pytest.mark.parametrize("engine", ["llama"], indirect=True)
+def test_kv_computed_elsewhere_is_refused_since_the_workers_would_not_get_it(engine):
+    case, llm = engine
+    request_id, _ = llm.hold_request(case.batch[0], GREEDY)
+    assert not llm.takes_prefilled
+    prefilled = PrefilledKV(1, torch.zeros(0), ())
+    with pytest.raises(ValueError, match="on one rank.*tensor_parallel_size 2"):
+        llm.resume_request(request_id, prefilled)
+    llm.abort(request_id)
+
+
+def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(tmp_path, device):
+    """The batch twice through 24 pages: the first run's prefix pages are evicted to the
+    tiers (rank 0's share to its tier, the worker's to its own), the second run loads them
+    back into the same pages on both ranks; a worker that missed either would compute with
+    other K/V for its heads."""
+    cpu_only(device)
+    case = engine_case("llama", PARITY, tmp_path, device, MAX_TOKENS)
+    with LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+             device=device, tensor_parallel_size=RANKS, host_tier_memory=2**16) as llm:
+        for _ in range(2):
+            outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == case.expected
+        stats = llm.stats()
+        assert stats.num_tier_stores > 0 and stats.num_tier_loads > 0
+        llm.cache.check()
 
 
 # --- failures -------------------------------------------------------------------------------
@@ -128,10 +186,13 @@ def test_kv_heads_that_do_not_split_are_refused(device):
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=3)
 
 
-def test_a_tier_is_refused_with_tensor_parallelism(device):
-    with pytest.raises(ValueError, match="without a tier.*host_tier_memory"):
+def test_a_disk_or_redis_tier_is_refused_with_tensor_parallelism(tmp_path, device):
+    with pytest.raises(ValueError, match="host tier only.*would have disk_tier"):
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
-            host_tier_memory=2**20)
+            disk_tier=tmp_path)
+    with pytest.raises(ValueError, match="host tier only.*would have redis_tier"):
+        LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+            redis_tier="redis://127.0.0.1:1/0")
 
 
 def test_a_rank_loads_only_its_part_of_each_weight(tmp_path, device):

@@ -11,7 +11,7 @@ the other groups' sake, and their K/V here goes to the pool's reserved padding p
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,12 @@ class FullAttention(GroupManager):
         self.scrub_on_free = scrub_on_free
         if self.prefix_cache is not None and (tier is not None or scrub_on_free):
             self.prefix_cache.evict_hooks.append(self._evicted)
+        # The tensor-parallel ranks repeat this group's tier loads (kvpool.engine.parallel):
+        # fetch listeners are called with the keys fetched from the tier (before the
+        # allocation that may store evicted pages to it), load listeners with the pages
+        # they are then written into.
+        self.fetch_listeners: list[Callable[[list[PageKey]], None]] = []
+        self.load_listeners: list[Callable[[list[int]], None]] = []
         self._seqs: dict[Hashable, _PageTable] = {}
         self._query_tokens = self._hit_tokens = 0
         self._num_cow_copies = self._num_tier_loads = self._num_tier_stores = 0
@@ -309,9 +315,10 @@ class FullAttention(GroupManager):
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
-    def _fetch_from_tier(self, token_ids: bytes, n: int, match: PrefixMatch) -> list[torch.Tensor]:
-        """The data of the pages continuing the device's `match` in the tier, page by
-        page up to the first miss, never covering the last token; `token_ids` packed. Only
+    def _fetch_from_tier(self, token_ids: bytes, n: int,
+                         match: PrefixMatch) -> list[tuple[PageKey, torch.Tensor]]:
+        """The keys and data of the pages continuing the device's `match` in the tier, page
+        by page up to the first miss, never covering the last token; `token_ids` packed. Only
         `get` touches the tier, and only once the call is known to succeed."""
         page_bytes = self.page_size * TOKEN_BYTES
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
@@ -322,16 +329,21 @@ class FullAttention(GroupManager):
             data = self.tier.get(key)
             if data is None:
                 break
-            loaded.append(data)
+            loaded.append((key, data))
             parent_key = key.chain_key
+        if loaded:
+            for listener in self.fetch_listeners:
+                listener([key for key, _ in loaded])
         return loaded
 
     def _load_from_tier(self, token_ids: bytes, pages: list[int], first: int,
-                        loaded: list[torch.Tensor], salt: bytes) -> None:
-        """Write `loaded` into the fresh pages [first, first + len(loaded)) of a new
-        sequence and add them to the prefix cache after its device match."""
+                        loaded: list[tuple[PageKey, torch.Tensor]], salt: bytes) -> None:
+        """Write the data of `loaded` into the fresh pages [first, first + len(loaded)) of a
+        new sequence and add them to the prefix cache after its device match."""
         last = first + len(loaded)
-        self.pool.write_pages(pages[first:last], torch.stack(loaded, dim=2))
+        self.pool.write_pages(pages[first:last], torch.stack([data for _, data in loaded], dim=2))
+        for listener in self.load_listeners:
+            listener(pages[first:last])
         self._num_tier_loads += len(loaded)
         self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES], pages[:last],
                                  salt=salt)

@@ -73,8 +73,9 @@ class DisaggregatedLLM:
         self.decode = LLM(model, **decode)
         if not self.decode.takes_prefilled:
             raise ValueError("disaggregation serves models of one KV pool that keeps every "
-                             "page (and hybrids); this model's cache (full and window pools, "
-                             "or pages given back out of the window) takes none yet")
+                             "page (and hybrids), on one rank; this decode engine's cache "
+                             "(full and window pools, pages given back out of the window, or "
+                             "tensor parallelism) takes none yet")
         self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
         self._process, self._conn = _start_prefill_process()

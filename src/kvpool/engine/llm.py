@@ -71,8 +71,9 @@ class LLM:
     `hold_request`, `resume_request` and `read_prefilled` hand a prompt's KV between two
     engines (kvpool.engine.disaggregated).
     With `tensor_parallel_size` N the model is split across N ranks: this process and N-1
-    workers it spawns (kvpool.engine.parallel); `close()` (or leaving a `with` block, or the
-    interpreter's exit) stops them.
+    workers it spawns (kvpool.engine.parallel), each holding its share of every pool (a full
+    and a window pool, a hybrid's state slots); `close()` (or leaving a `with` block, or the
+    interpreter's exit) stops them. Then the tier may be a host tier only, one per rank.
     """
 
     def __init__(self, model: str | Path, *,
@@ -84,7 +85,8 @@ class LLM:
         self.max_model_len = self.config.resolve_max_model_len(mc)
         # Planned before loading, from the config: the memory read then still holds the
         # weights' room, and the plan counts them once.
-        mamba = mc.mamba_layout(dtype=self.config.dtype)
+        mamba = mc.mamba_layout(dtype=self.config.dtype,
+                                tensor_parallel_size=self.config.tensor_parallel_size)
         # One state slot per seat: the scheduler never runs more than max_num_seqs sequences.
         num_slots = self.config.max_num_seqs
         num_checkpoints = 0
@@ -98,7 +100,7 @@ class LLM:
             kind = "hybrid (Mamba)" if mamba else "grouped (full and sliding-window)"
             raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
                              f"windowed pool; this {kind} cache takes none yet")
-        check_tensor_parallel(self.config, layout, mamba, device)
+        check_tensor_parallel(self.config, device)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait
@@ -108,11 +110,11 @@ class LLM:
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
         self._device = device
-        pages: int | list[int] = num_pages
+        pages: int | tuple[int, ...] = num_pages
         if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
-            pages = [pool.num_pages for pool in split_budget(
+            pages = tuple(pool.num_pages for pool in split_budget(
                 layout, num_pages * layout.bytes_per_page, max_num_seqs=self.config.max_num_seqs,
-                prefill_tokens=self.max_model_len)]
+                prefill_tokens=self.max_model_len))
         states = None
         if mamba:
             # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
@@ -146,9 +148,11 @@ class LLM:
         max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
         self._max_step, self._longest = max_step, longest
         self._build_runner()
-        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout, num_pages,
+        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout,
+                                    pages,
                                     self.config.kv_scales, workspace_bytes,
-                                    self.runner.max_step), self.cache.pool)
+                                    self.runner.max_step, states,
+                                    tier.capacity_pages if tier is not None else 0), self.cache)
         self.sampler = Sampler(self.config.seed)
         # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
         # the host; on the CPU the forward runs in this thread, so there is nothing to hide.
@@ -385,16 +389,19 @@ class LLM:
     @property
     def takes_prefilled(self) -> bool:
         """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
-        hybrid's state slots beside it) and keeps every page of a sequence."""
-        return [group.window for group in self.cache.page_groups] == [None]
+        hybrid's state slots beside it), keeps every page of a sequence, and is on one rank
+        (the workers of a tensor-parallel engine would not get their share of it)."""
+        return [group.window for group in self.cache.page_groups] == [None] \
+            and self.config.tensor_parallel_size == 1
 
     def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
         """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:
         computed here). Admitted, it starts past them; preempted, it recomputes them."""
         if prefilled is not None and not self.takes_prefilled:
             raise ValueError("KV computed elsewhere needs a cache of one pool that keeps every "
-                             "page; this model's (a full and a window pool, or pages given "
-                             "back out of the window) takes none")
+                             "page, on one rank; this engine's (a full and a window pool, "
+                             "pages given back out of the window, or tensor_parallel_size "
+                             f"{self.config.tensor_parallel_size}) takes none")
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or request.seqs:

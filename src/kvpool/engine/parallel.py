@@ -10,9 +10,12 @@ with the same number of pages, so a page id means the same page everywhere.
 Each step rank 0 broadcasts one message on a gloo group: the step's layout, the host copies of
 its lengths and the flat int64 metadata its runner packed (`StepChannel`). Every worker puts it
 in its own workspace and runs the same ModelRunner forward on its part; the model's
-all-reduces and its logits' all-gather join the ranks, and rank 0 samples. Page copies rank 0's
-pool makes (copy-on-write) travel first, in messages of their own, so the workers' pools copy
-the same pages.
+all-reduces and its logits' all-gather join the ranks, and rank 0 samples. The copies rank 0's
+pools make (copy-on-write and window drops in each page group's pool, a hybrid's state copies)
+travel first, in messages of their own, so the workers' pools copy the same pages and slots.
+With a host tier each rank keeps its share of every page in a tier of its own: the pages rank
+0 stores to its tier and fetches from it travel the same way, keys and all, in rank 0's
+order, so every rank's tier holds the same pages.
 
 Failures: the model's collectives time out after `tensor_parallel_timeout` seconds; a worker
 waits for its next message without limit (the engine may idle). A worker that raises reports
@@ -24,33 +27,39 @@ and the group and leaves no process behind."""
 from __future__ import annotations
 
 import datetime
+import functools
 import multiprocessing
 import queue
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, StateSpec
+from kvpool.cache.tiers import HostTier, PageKey, Tier
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
+from kvpool.engine.tiers import weights_fingerprint
 from kvpool.errors import RankFailed
 from kvpool.forward_context import HostLengths
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
+from kvpool.memory.state_pool import CheckpointRequest
 from kvpool.memory.workspace import Workspace
 from kvpool.models import load_model
 from kvpool.models.parallel import ONE_RANK, TensorParallel
 from kvpool.threads import limit_threads
 
 HOST = "127.0.0.1"
-RUN, COPY, STOP = 1, 2, 3  # the commands of a message
-HEADER = 10  # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens
+RUN, COPY, STOP, STORE, FETCH, LOAD = 1, 2, 3, 4, 5, 6  # the commands of a message
+# command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens, checkpoints
+HEADER = 11
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
@@ -59,17 +68,22 @@ REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error repo
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
-    """What every rank builds besides its part of `model`: a pool of one rank's `layout` and
-    `num_pages` pages, a workspace of `workspace_bytes` and a runner for steps up to
-    `max_step` (rank 0's, so that all agree)."""
+    """What every rank builds besides its part of `model`: the pools of one rank's `layout`,
+    `num_pages` pages (one pool, or one per layer group: as KVCache takes them) and a hybrid's
+    `states` (one rank's share of each state slot), a host tier of `host_tier_pages` pages
+    (0: none) for its share of the pages rank 0's tier keeps, a workspace of
+    `workspace_bytes` and a runner for steps up to `max_step` (rank 0's, so that all
+    agree)."""
 
     model: str
     dtype: torch.dtype | None
     layout: KVLayout
-    num_pages: int
+    num_pages: int | tuple[int, ...]
     kv_scales: tuple[float, float] | float | None
     workspace_bytes: int
     max_step: StepLayout
+    states: StateSpec | None = None
+    host_tier_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,33 +99,42 @@ class GroupAddress:
 
 class StepChannel:
     """Rank 0's step messages to the workers: one broadcast per message of a fixed-size int64
-    buffer on `group`, room for the largest step (`max_step`)."""
+    buffer on `group`, room for the largest step (`max_step`) and `max_checkpoints` state
+    checkpoints (a hybrid's checkpoint slots: a step saves at most that many)."""
 
-    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout):
+    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout, max_checkpoints: int):
         self.group = group
-        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size,
-                                  dtype=torch.int64)
+        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size
+                                  + 3 * max_checkpoints, dtype=torch.int64)
 
-    def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor) -> None:
-        """Broadcast a step: its layout, host lengths and packed metadata `staged`."""
+    def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+                  checkpoints: list[CheckpointRequest]) -> None:
+        """Broadcast a step: its layout, host lengths, packed metadata `staged` and the
+        state checkpoints it saves."""
         seq_lens = host.seq_lens or []
         head = [RUN, *layout[:5], int(layout.states), host.max_seq_len, host.max_query_len,
-                host.seq_lens is not None]
+                host.seq_lens is not None, len(checkpoints)]
         body = [*host.query_starts, *seq_lens]
         self.buffer[:HEADER] = torch.tensor(head)
         self.buffer[HEADER:HEADER + len(body)] = torch.tensor(body, dtype=torch.int64)
         start = HEADER + len(body)
         self.buffer[start:start + layout.size] = staged[:layout.size]
+        start += layout.size
+        saves = [x for request in checkpoints for x in request]
+        self.buffer[start:start + len(saves)] = torch.tensor(saves, dtype=torch.int64)
         self._broadcast()
 
-    def send_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Broadcast page copies src[i] -> dst[i], in as many messages as they need."""
-        room = (len(self.buffer) - HEADER) // 2
-        for first in range(0, len(src), room):
-            n = min(room, len(src) - first)
-            self.buffer[:2] = torch.tensor([COPY, n])
-            pairs = torch.tensor([*src[first:first + n], *dst[first:first + n]])
-            self.buffer[HEADER:HEADER + 2 * n] = pairs
+    def send_entries(self, command: int, pool: int, entries: list[list[int]]) -> None:
+        """Broadcast a COPY, STORE, FETCH or LOAD of mirrored pool `pool` (`mirrored_pools`):
+        its entries, rows of one length (a copy's [src, dst], a stored page's [page, *its tier
+        key], a fetched page's tier key, a loaded page's id), in as many messages as they
+        need."""
+        width = len(entries[0])
+        room = (len(self.buffer) - HEADER) // width
+        for first in range(0, len(entries), room):
+            part = entries[first:first + room]
+            self.buffer[:4] = torch.tensor([command, len(part), pool, width])
+            self.buffer[HEADER:HEADER + len(part) * width] = torch.tensor(part).view(-1)
             self._broadcast()
 
     def send_stop(self) -> None:
@@ -123,22 +146,26 @@ class StepChannel:
         self._broadcast()
         return int(self.buffer[0])
 
-    def step(self) -> tuple[StepLayout, HostLengths, torch.Tensor]:
-        """The step of a RUN message just received: layout, host lengths, packed metadata."""
+    def step(self) -> tuple[StepLayout, HostLengths, torch.Tensor, list[CheckpointRequest]]:
+        """The step of a RUN message just received: layout, host lengths, packed metadata
+        and state checkpoints."""
         head = self.buffer[:HEADER].tolist()
         layout = StepLayout(*head[1:6], states=bool(head[6]))
-        b, has_seq_lens = layout.num_seqs, head[9]
+        b, has_seq_lens, num_checkpoints = layout.num_seqs, head[9], head[10]
         lengths = self.buffer[HEADER:HEADER + 2 * b + 1].tolist()
         host = HostLengths(lengths[:b + 1], lengths[b + 1:] if has_seq_lens else None,
                            head[7], head[8])
         start = HEADER + b + 1 + b * has_seq_lens
-        return layout, host, self.buffer[start:start + layout.size]
+        saves = self.buffer[start + layout.size:start + layout.size + 3 * num_checkpoints]
+        checkpoints = [CheckpointRequest(*saves[i:i + 3].tolist())
+                       for i in range(0, len(saves), 3)]
+        return layout, host, self.buffer[start:start + layout.size], checkpoints
 
-    def copies(self) -> tuple[list[int], list[int]]:
-        """The (src, dst) pages of a COPY message just received."""
-        n = int(self.buffer[1])
-        pairs = self.buffer[HEADER:HEADER + 2 * n].tolist()
-        return pairs[:n], pairs[n:]
+    def entries(self) -> tuple[int, list[list[int]]]:
+        """The mirrored pool and the entries of a COPY, STORE, FETCH or LOAD message just
+        received."""
+        n, pool, width = self.buffer[1:4].tolist()
+        return pool, self.buffer[HEADER:HEADER + n * width].view(n, width).tolist()
 
     def _broadcast(self) -> None:
         dist.broadcast(self.buffer, src=0, group=self.group)
@@ -150,12 +177,12 @@ class NoPeers:
 
     tp = ONE_RANK
 
-    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
+    def start(self, spec: WorkerSpec, cache: KVCache) -> None:
         pass
 
     @contextmanager
-    def step(self, layout: StepLayout, host: HostLengths,
-             staged: torch.Tensor) -> Iterator[None]:
+    def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+             checkpoints: list[CheckpointRequest]) -> Iterator[None]:
         yield
 
     def close(self) -> None:
@@ -164,7 +191,8 @@ class NoPeers:
 
 class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
-    the step channel and the page copies of rank 0's pool not sent yet. Made before rank 0
+    the step channel and what rank 0's pools did that the workers' must repeat, not sent
+    yet: copies, and pages stored to or loaded from the tier, in order. Made before rank 0
     loads its part of the model (`tp` holds the group its collectives run on), it spawns the
     workers, which join the group and wait; `start` sends them what to build and waits
     until they have; `step` wraps each forward; `close` stops everything."""
@@ -175,7 +203,7 @@ class TensorParallelGroup:
         self.failure: RankFailed | None = None
         self.channel: StepChannel | None = None
         self.closed = False
-        self._copies: tuple[list[int], list[int]] = ([], [])
+        self._pending: list[tuple[int, int, list[list[int]]]] = []  # (command, pool, entries)
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
@@ -195,18 +223,23 @@ class TensorParallelGroup:
             raise
         self.tp = TensorParallel(0, size, collectives)
 
-    def start(self, spec: WorkerSpec, pool: KVPool) -> None:
-        """Have every worker build `spec` and wait until each has. `pool` is rank 0's: its
-        page copies are sent to the workers before the next step."""
+    def start(self, spec: WorkerSpec, cache: KVCache) -> None:
+        """Have every worker build `spec` and wait until each has. `cache` is rank 0's: the
+        copies its pools make are sent to the workers before the next step."""
         for _ in self.workers:
             self.specs.put(spec)
-        self.channel = StepChannel(self.steps, spec.max_step)
+        self.channel = StepChannel(self.steps, spec.max_step, max_checkpoints(spec))
         try:
             self._wait_ready()
         except BaseException:
             self.close()
             raise
-        pool.copy_listeners.append(self._record_copies)
+        for index, pool in enumerate(mirrored_pools(cache)):
+            pool.listeners.append(functools.partial(self._record_copies, index))
+        if cache.tier is not None:  # one page group: pool 0
+            cache.prefix_cache.evict_hooks.append(self._record_stores)
+            cache.page_groups[0].fetch_listeners.append(self._record_fetches)
+            cache.page_groups[0].load_listeners.append(self._record_loads)
 
     def _wait_ready(self) -> None:
         """Wait for every worker's report; a worker that fails or dies raises RankFailed."""
@@ -221,14 +254,30 @@ class TensorParallelGroup:
                 raise RankFailed(f"tensor-parallel rank {rank} failed while loading: {error}")
             waiting.discard(rank)
 
-    def _record_copies(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self._copies[0].extend(src)
-        self._copies[1].extend(dst)
+    def _record_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        self._record(COPY, pool, [[s, d] for s, d in zip(src, dst, strict=True)])
+
+    def _record_stores(self, pages: Sequence[int], keys: Sequence[PageKey]) -> None:
+        """Pages of pool 0 evicted, and so stored to the tier, with their keys."""
+        self._record(STORE, 0, [[page, *key_entry(key)]
+                                for page, key in zip(pages, keys, strict=True)])
+
+    def _record_fetches(self, keys: Sequence[PageKey]) -> None:
+        self._record(FETCH, 0, [key_entry(key) for key in keys])
+
+    def _record_loads(self, pages: Sequence[int]) -> None:
+        self._record(LOAD, 0, [[page] for page in pages])
+
+    def _record(self, command: int, pool: int, entries: list[list[int]]) -> None:
+        if self._pending and self._pending[-1][:2] == (command, pool):
+            self._pending[-1][2].extend(entries)
+        else:
+            self._pending.append((command, pool, entries))
 
     @contextmanager
-    def step(self, layout: StepLayout, host: HostLengths,
-             staged: torch.Tensor) -> Iterator[None]:
-        """Send the step (page copies first) to the workers, then run rank 0's forward in the
+    def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+             checkpoints: list[CheckpointRequest]) -> Iterator[None]:
+        """Send the step (copies first) to the workers, then run rank 0's forward in the
         block. A failure in either stops the group and raises RankFailed naming the rank."""
         if self.failure is not None:
             raise self.failure
@@ -237,10 +286,10 @@ class TensorParallelGroup:
         start = time.monotonic()
         try:
             self._check_alive("before a step")
-            if self._copies[0]:
-                self.channel.send_copies(*self._copies)
-                self._copies = ([], [])
-            self.channel.send_step(layout, host, staged)
+            for command, pool, entries in self._pending:
+                self.channel.send_entries(command, pool, entries)
+            self._pending = []
+            self.channel.send_step(layout, host, staged, checkpoints)
             yield
         except Exception as e:
             self.failure = self._blame(e, time.monotonic() - start)
@@ -296,6 +345,28 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
+class MirroredPool(NamedTuple):
+    """A pool whose copies every rank repeats: rank 0 records them through `listeners` (called
+    with (src, dst) after each copy), a worker repeats them with `copy(src, dst)`."""
+
+    listeners: list[Callable[[Sequence[int], Sequence[int]], None]]
+    copy: Callable[[Sequence[int], Sequence[int]], None]
+
+
+def mirrored_pools(cache: KVCache) -> list[MirroredPool]:
+    """The pools of `cache` whose copies every rank repeats, in the order the COPY messages
+    number them: each page group's KV pool, then a hybrid's state pool."""
+    pools = [MirroredPool(pool.copy_listeners, pool.copy_pages) for pool in cache.kv_pools.pools]
+    if cache.states is not None:
+        pools.append(MirroredPool(cache.states.copy_listeners, cache.states.copy_slots))
+    return pools
+
+
+def max_checkpoints(spec: WorkerSpec) -> int:
+    """The most state checkpoints one step saves: one per checkpoint slot (none without)."""
+    return spec.states.num_checkpoint_slots if spec.states is not None else 0
+
+
 def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorParallelGroup:
     """The peers of an engine of `config` whose rank 0 runs on `device` (not started)."""
     if config.tensor_parallel_size == 1:
@@ -304,25 +375,18 @@ def make_peers(config: EngineConfig, device: torch.device) -> NoPeers | TensorPa
                                config.tensor_parallel_timeout)
 
 
-def check_tensor_parallel(config: EngineConfig, layout: KVLayout, mamba: object,
-                          device: torch.device) -> None:
-    """ValueError unless an engine of `config` can split its model across its ranks: one
-    pool (no Mamba state pool, no full-and-window pools), no tier (the workers' pages would
-    not follow), and on CUDA a device per rank, rank r on cuda:r."""
+def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
+    """ValueError unless an engine of `config` can split its model across its ranks: a host
+    tier or none (each rank keeps its share of every page in a tier of its own, and must find
+    it whenever rank 0 finds its own), and on CUDA a device per rank, rank r on cuda:r."""
     size = config.tensor_parallel_size
     if size == 1:
         return
-    refused = None
-    if mamba:
-        refused = "a hybrid (Mamba) model's state pool"
-    elif len(layout.groups) > 1 and config.free_out_of_window:
-        refused = ("a full and a sliding-window pool (pass free_out_of_window=False for one "
-                   "pool)")
-    elif config.tier_option:
-        refused = f"a tier ({config.tier_option})"
-    if refused:
-        raise ValueError(f"tensor_parallel_size={size} runs models of one KV pool without a "
-                         f"tier; this engine would have {refused}")
+    if config.tier_option not in (None, "host_tier_memory"):
+        raise ValueError(f"tensor_parallel_size={size} keeps a host tier only "
+                         f"(host_tier_memory): every rank's tier must hold the pages rank "
+                         f"0's does, which a disk or Redis tier does not promise; this engine "
+                         f"would have {config.tier_option}")
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size={size} puts rank r on cuda:r: rank 0 runs "
@@ -370,7 +434,7 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
         spec = receive_spec(specs)
         runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
         reports.put((rank, None))
-        serve(runner, StepChannel(steps, spec.max_step))
+        serve(runner, StepChannel(steps, spec.max_step, max_checkpoints(spec)))
     except BaseException as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         reports.put((rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
@@ -392,19 +456,60 @@ def receive_spec(specs) -> WorkerSpec:
 
 
 def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:
-    """This rank's part of the model, its pool and workspace, and their runner."""
+    """This rank's part of the model, its pools, tier and workspace, and their runner."""
     loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp)
-    cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales)
+    tier = HostTier(spec.host_tier_pages) if spec.host_tier_pages else None
+    # A worker's prefix cache indexes nothing: it is there for the tier, which needs one.
+    cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales,
+                    states=spec.states, prefix_caching=tier is not None, tier=tier,
+                    model_fingerprint=weights_fingerprint(loaded.model) if tier else "")
     workspace = Workspace(spec.workspace_bytes, device=device)
     return ModelRunner(loaded.model, cache, workspace, max_step=spec.max_step, peers=NoPeers())
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:
-    """Run rank 0's messages until STOP: page copies into this rank's pool, steps through
-    its runner."""
+    """Run rank 0's messages until STOP: copies into this rank's pools, pages stored to and
+    loaded from its tier, steps through its runner."""
     with torch.inference_mode():
+        pools = mirrored_pools(runner.cache)
+        fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched
         while (command := channel.receive()) != STOP:
-            if command == COPY:
-                runner.cache.pool.copy_pages(*channel.copies())
-            else:
+            if command == RUN:
                 runner.forward(*channel.step())
+                continue
+            pool, entries = channel.entries()
+            if command == COPY:
+                pools[pool].copy([src for src, _ in entries], [dst for _, dst in entries])
+            elif command == STORE:
+                store_pages(runner.cache.tier, runner.cache.pool, entries)
+            elif command == FETCH:
+                fetched = fetch_pages(runner.cache.tier, entries)
+            else:
+                runner.cache.pool.write_pages([page for page, in entries],
+                                              torch.stack(fetched, dim=2))
+
+
+def key_entry(key: PageKey) -> list[int]:
+    """A tier key as message entries: chain key, parent key, token ids."""
+    return [key.chain_key, key.parent_key, *key.token_ids]
+
+
+def store_pages(tier: Tier, pool: KVPool, entries: list[list[int]]) -> None:
+    """Store this rank's share of the pages rank 0 evicted to its tier (entries: page, key),
+    under the same keys, into this rank's tier (a page it cannot keep is dropped, as there)."""
+    data = pool.read_pages([page for page, *_ in entries])
+    for i, (_, chain, parent, *tokens) in enumerate(entries):
+        tier.store(PageKey(chain, parent, tuple(tokens)), data[:, :, i])
+
+
+def fetch_pages(tier: Tier, entries: list[list[int]]) -> list[torch.Tensor]:
+    """This rank's share of the pages rank 0 fetched from its tier (entries: keys), in the
+    same order of tier operations, so both tiers keep the same pages. RuntimeError if this
+    rank's tier lost one: the ranks would compute with different prefixes, so the engine
+    stops (RankFailed)."""
+    fetched = [tier.get(PageKey(chain, parent, tuple(tokens)))
+               for chain, parent, *tokens in entries]
+    if any(data is None for data in fetched):
+        raise RuntimeError(f"this rank's tier holds {sum(d is not None for d in fetched)} of "
+                           f"the {len(entries)} pages rank 0 fetched from its own")
+    return fetched

@@ -133,9 +133,10 @@ def fill_placeholders(input_ids: torch.Tensor, sampled: torch.Tensor) -> None:
 class StepPeers(Protocol):
     """The other ranks of a tensor-parallel model (kvpool.engine.parallel)."""
 
-    def step(self, layout: StepLayout, host: HostLengths,
-             staged: torch.Tensor) -> AbstractContextManager[None]:
-        """Send them a step packed in `staged`; the block runs this rank's forward."""
+    def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+             checkpoints: list[CheckpointRequest]) -> AbstractContextManager[None]:
+        """Send them a step packed in `staged`, with the state checkpoints it saves; the
+        block runs this rank's forward."""
 
 
 class ModelRunner:
@@ -252,13 +253,15 @@ class ModelRunner:
             query_starts.append(query_starts[-1] + end - start)
         host = HostLengths(query_starts, list(batch.ends), max(batch.ends),
                            max(b - a for a, b in zip(batch.starts, batch.ends, strict=True)))
-        with self.peers.step(layout, host, self.staged):
+        with self.peers.step(layout, host, self.staged, checkpoints):
             logits = self.model(self.context(flat, layout, host, checkpoints))
         self.save_checkpoints(batch, checkpoints)
         return logits
 
-    def forward(self, layout: StepLayout, host: HostLengths,
-                staged: torch.Tensor) -> torch.Tensor:
+    def forward(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
+                checkpoints: list[CheckpointRequest]) -> torch.Tensor:
         """Run a step another rank packed (`staged`, laid out by `layout`, with its host
-        lengths `host`): a tensor-parallel worker's part of that rank's `run`."""
-        return self.model(self.context(self.load(staged, layout), layout, host))
+        lengths `host` and the state checkpoints it saves): a tensor-parallel worker's part
+        of that rank's `run`. The checkpoints of one-token rows, which that rank copies
+        after the step, reach this rank's pool as copies before the next."""
+        return self.model(self.context(self.load(staged, layout), layout, host, checkpoints))

@@ -8,6 +8,7 @@ state per layer, the padding slot, is set aside beyond them, as KVPool sets its 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -100,6 +101,9 @@ class MambaPool:
                                 device=self.device)
         self.ssm = torch.zeros((layers, rows, *layout.ssm_shape), dtype=layout.dtype,
                                device=self.device)
+        # Called with (src, dst) after every copy: the tensor-parallel ranks' pools repeat this
+        # pool's copies (kvpool.engine.parallel).
+        self.copy_listeners: list[Callable[[Sequence[int], Sequence[int]], None]] = []
         self._free = list(range(num_slots - 1, -1, -1))  # top at the end: 0 goes first
         self._refs = [0] * num_slots
         self._peak = self._allocated = self._freed = self._failed = self._copies = 0
@@ -167,9 +171,25 @@ class MambaPool:
         """Copy the state of slot `src` into slot `dst`, every layer (both held)."""
         self._check_held(src)
         self._check_held(dst)
-        self.conv[:, dst] = self.conv[:, src]
-        self.ssm[:, dst] = self.ssm[:, src]
+        self.copy_slots([src], [dst])
         self._copies += 1
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the states of slots src[i] -> dst[i], every layer, whoever holds them: a
+        tensor-parallel worker repeats rank 0's copies, whose reference counts only rank 0
+        keeps. IndexError for a slot outside [0, num_slots), nothing copied."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_slots needs as many sources as destinations, "
+                             f"got {len(src)} and {len(dst)}")
+        for slot in (*src, *dst):
+            if not 0 <= slot < self.num_slots:
+                raise IndexError(f"state slots must lie in [0, {self.num_slots}), got {slot}")
+        if src:
+            rows = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            self.conv[:, rows[1]] = self.conv[:, rows[0]]
+            self.ssm[:, rows[1]] = self.ssm[:, rows[0]]
+            for listener in self.copy_listeners:
+                listener(src, dst)
 
     def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of the state in `slot` (held), every layer: conv `[layers, conv_dim,

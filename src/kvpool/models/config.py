@@ -342,12 +342,14 @@ class ModelConfig:
         mamba = set(self.mamba.layers) if self.mamba else set()
         return tuple(i for i in range(self.num_layers) if i not in mamba)
 
-    def mamba_layout(self, *, dtype: torch.dtype | None = None) -> MambaLayout | None:
+    def mamba_layout(self, *, dtype: torch.dtype | None = None,
+                     tensor_parallel_size: int = 1) -> MambaLayout | None:
         """The state-slot layout of a hybrid's Mamba layers (None for attention-only models),
-        in the dtype its weights load in."""
-        m = self.mamba
-        if m is None:
+        in the dtype its weights load in; with `tensor_parallel_size` N, one rank's share of
+        each state (its heads' SSM states, its channels' conv states)."""
+        if self.mamba is None:
             return None
+        m = self.mamba.per_rank(tensor_parallel_size)
         return MambaLayout(len(m.layers), m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim,
                            m.state_size, self.weights_dtype(dtype))
 

@@ -4,10 +4,11 @@ the geometry of their mixer, validated into one dataclass."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool.errors import ConfigError
+from kvpool.models.parallel import TensorParallel
 from kvpool.numeric import INT64_MAX
 
 HYBRID_ARCHITECTURES = ("BambaForCausalLM",)
@@ -48,6 +49,15 @@ class MambaConfig:
     def in_proj_size(self) -> int:
         """Outputs of in_proj: the gate z, the conv channels and one dt per head."""
         return self.intermediate_size + self.conv_dim + self.num_heads
+
+    def per_rank(self, size: int) -> MambaConfig:
+        """The mixer one of `size` tensor-parallel ranks holds: its share of the heads and of
+        the B/C groups, or one group replicated when there are fewer groups than ranks
+        (kvpool.models.parallel). ConfigError when they do not split evenly."""
+        tp = TensorParallel(0, size)
+        heads = tp.part(self.num_heads, "mamba_n_heads")
+        groups = tp.shared_part(self.num_groups, "mamba_n_groups")
+        return replace(self, num_heads=len(heads), num_groups=len(groups))
 
 
 def parse_bamba(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:

@@ -20,7 +20,14 @@ from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
 from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.models.llama import LlamaForCausalLM
-from kvpool.models.parallel import ONE_RANK, TensorParallel, checkpoint_index, part_shape
+from kvpool.models.parallel import (
+    ONE_RANK,
+    Index,
+    TensorParallel,
+    checkpoint_index,
+    part_shape,
+    take,
+)
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_PRESET = "tiny"
@@ -92,7 +99,7 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
                    path)
     with torch.no_grad():
         for name, tensor in checkpoint.tensors():
-            _copy_finite(params[name], tensor[checkpoint_index(net, name)], name, path)
+            _copy_finite(params[name], take(tensor, checkpoint_index(net, name)), name, path)
     return LoadedModel(net.eval(), config, checkpoint.tokenizer())
 
 
@@ -147,7 +154,7 @@ def init_random_weights(model: torch.nn.Module, shapes: dict[str, tuple[int, ...
                 tensor.zero_()
             else:
                 whole = torch.randn(shapes[name], generator=generator) * std
-                tensor.copy_(whole[checkpoint_index(model, name)])
+                tensor.copy_(take(whole, checkpoint_index(model, name)))
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -223,10 +230,10 @@ def _open_safetensors(file: Path):
         raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
 
 
-def _read_tensor(f, name: str, file: Path, index: tuple[slice, ...]) -> torch.Tensor:
+def _read_tensor(f, name: str, file: Path, index: Index) -> torch.Tensor:
     """The part `index` of tensor `name`, reading only its bytes."""
     try:
-        return f.get_slice(name)[index]
+        return take(f.get_slice(name), index)
     except (SafetensorError, OSError) as e:  # a header promising more bytes than there are
         raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 

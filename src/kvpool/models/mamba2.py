@@ -7,7 +7,14 @@ recurrence; a prefill chunk runs the chunked scan (within a chunk, attention-lik
 weighted by the decay between tokens; across chunks, the recurrence on the chunk-end
 states). The state slot holds the last `conv_kernel - 1` conv inputs and h after the
 sequence's last computed token; a sequence whose chunk starts at position 0 starts from
-zeros and never reads its slot."""
+zeros and never reads its slot.
+
+Under tensor parallelism each rank holds a contiguous share of the heads (their x, z, dt, A,
+D and SSM states) and of the B/C groups (or, with fewer groups than ranks, the one group its
+heads read, replicated): in_proj and the convolution by those output channels, out_proj by
+its input features, ending in a partial sum the decoder layer all-reduces. The gated norm
+normalizes within groups of channels; a group split across ranks gets its mean square summed
+across them (one all-reduce of `[tokens, num_groups]`)."""
 
 from __future__ import annotations
 
@@ -17,41 +24,93 @@ from torch import nn
 
 from kvpool.forward_context import ForwardContext
 from kvpool.models.hybrid_config import MambaConfig
+from kvpool.models.parallel import (
+    ONE_RANK,
+    Index,
+    RowLinear,
+    Sharded,
+    StackedColumnLinear,
+    TensorParallel,
+    row_parts,
+)
 
 
-class GatedRMSNorm(nn.Module):
-    """`y * silu(z)`, then RMS-normed within each of `num_groups` channel groups, in float32,
-    and scaled by the learned weight (Mamba2's norm before out_proj)."""
+class GatedRMSNorm(nn.Module, Sharded):
+    """`y * silu(z)`, then RMS-normed within each group of `group_size` channels, in float32,
+    and scaled by the learned weight (Mamba2's norm before out_proj). It holds the channels
+    `part` of the whole: whole groups, or a piece of one group whose mean square the ranks
+    holding its other pieces (under `tp`) add to."""
 
-    def __init__(self, size: int, num_groups: int, eps: float, dtype: torch.dtype):
+    def __init__(self, part: range, group_size: int, eps: float, dtype: torch.dtype,
+                 tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-        self.num_groups, self.eps = num_groups, eps
+        self.weight = nn.Parameter(torch.empty(len(part), dtype=dtype))
+        self.part, self.group_size, self.eps, self.tp = part, group_size, eps, tp
+        self.piece = min(group_size, len(part))  # channels of a group this rank holds
+        self.first_group = part.start // group_size
+        self.num_groups = tp.size * len(part) // group_size  # groups of the whole
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """y, z `[T, size]` -> `[T, size]` in y's dtype."""
+        """y, z `[T, len(part)]` -> `[T, len(part)]` in y's dtype."""
         h = y.float() * F.silu(z.float())
-        groups = h.view(h.shape[0], self.num_groups, -1)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        groups = h.view(h.shape[0], -1, self.piece)
+        variance = groups.pow(2).mean(-1, keepdim=True)
+        if self.piece < self.group_size:  # the group's mean square: its pieces' shares summed
+            g = self.first_group
+            whole = variance.new_zeros(h.shape[0], self.num_groups, 1)
+            whole[:, g] = variance[:, 0] * (self.piece / self.group_size)
+            variance = self.tp.all_reduce(whole)[:, g:g + 1]
+        groups = groups * torch.rsqrt(variance + self.eps)
         return self.weight * groups.view_as(h).to(y.dtype)
 
+    def checkpoint_index(self, name: str) -> Index:
+        return row_parts(self.part)
 
-class Mamba2Mixer(nn.Module):
+
+class DepthwiseConv1d(nn.Conv1d, Sharded):
+    """A depthwise nn.Conv1d holding the channels `parts` of a checkpoint's weight and bias,
+    stacked in order (a mixer's x, B and C channels)."""
+
+    def __init__(self, parts: tuple[range, ...], kernel: int, bias: bool, dtype: torch.dtype):
+        channels = sum(len(part) for part in parts)
+        super().__init__(channels, channels, kernel, groups=channels, bias=bias, dtype=dtype)
+        self.rows = row_parts(*parts)
+
+    def checkpoint_index(self, name: str) -> Index:
+        return self.rows
+
+
+class Mamba2Mixer(nn.Module, Sharded):
     """in_proj -> (gate z, conv inputs, dt); causal conv + SiLU -> (x, B, C); the SSM scan;
-    gated norm; out_proj. Parameter names follow the Hugging Face checkpoints."""
+    gated norm; out_proj. Parameter names follow the Hugging Face checkpoints. Under `tp` it
+    holds this rank's heads and groups (`self.m` is their geometry: MambaConfig.per_rank) and
+    returns its partial sum."""
 
-    def __init__(self, m: MambaConfig, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, m: MambaConfig, hidden_size: int, eps: float, dtype: torch.dtype,
+                 tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.m = m
-        self.in_proj = nn.Linear(hidden_size, m.in_proj_size, bias=m.proj_bias, dtype=dtype)
-        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim,
-                                bias=m.conv_bias, dtype=dtype)
-        self.dt_bias = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
-        self.A_log = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
-        self.D = nn.Parameter(torch.empty(m.num_heads, dtype=dtype))
-        self.norm = GatedRMSNorm(m.intermediate_size, m.num_groups, eps, dtype)
-        self.out_proj = nn.Linear(m.intermediate_size, hidden_size, bias=m.proj_bias,
-                                  dtype=dtype)
+        self.m = m.per_rank(tp.size)
+        self.heads = tp.part(m.num_heads, "mamba_n_heads")
+        groups = tp.shared_part(m.num_groups, "mamba_n_groups")
+        d, n, bc = m.head_dim, m.state_size, m.num_groups * m.state_size
+        x = range(self.heads.start * d, self.heads.stop * d)
+        b = range(groups.start * n, groups.stop * n)
+        # the checkpoint's conv channels are x, B, C; its in_proj outputs z, x, B, C, dt
+        conv = (x, _shift(b, m.intermediate_size), _shift(b, m.intermediate_size + bc))
+        self.in_proj = StackedColumnLinear(
+            hidden_size, (x, *(_shift(c, m.intermediate_size) for c in conv),
+                          _shift(self.heads, m.intermediate_size + m.conv_dim)),
+            m.proj_bias, dtype)
+        self.conv1d = DepthwiseConv1d(conv, m.conv_kernel, m.conv_bias, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.m.num_heads, dtype=dtype))
+        self.A_log = nn.Parameter(torch.empty(self.m.num_heads, dtype=dtype))
+        self.D = nn.Parameter(torch.empty(self.m.num_heads, dtype=dtype))
+        self.norm = GatedRMSNorm(x, m.intermediate_size // m.num_groups, eps, dtype, tp)
+        self.out_proj = RowLinear(self.heads, d, hidden_size, m.proj_bias, dtype, tp)
+
+    def checkpoint_index(self, name: str) -> Index:
+        """dt_bias, A_log and D: one per head."""
+        return row_parts(self.heads)
 
     def forward(self, hidden: torch.Tensor, context: ForwardContext,
                 layer: int) -> torch.Tensor:
@@ -160,6 +219,10 @@ class Mamba2Mixer(nn.Module):
         B = B.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         C = C.view(-1, m.num_groups, m.state_size).repeat_interleave(per_group, dim=1)
         return x.view(-1, m.num_heads, m.head_dim), B, C
+
+
+def _shift(part: range, offset: int) -> range:
+    return range(part.start + offset, part.stop + offset)
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -26,8 +26,9 @@ from torch import nn
 
 from kvpool.errors import ConfigError
 
-Index = tuple[slice, ...]  # the part of a checkpoint tensor a rank holds
-WHOLE: Index = (slice(None),)
+Piece = tuple[slice, ...]  # a rectangular part of a checkpoint tensor
+Index = tuple[Piece, ...]  # the part a rank holds: its pieces, stacked along the first dim
+WHOLE: Index = ((slice(None),),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +54,20 @@ class TensorParallel:
         return range(self.rank * share, (self.rank + 1) * share)
 
     def kv_part(self, num_kv_heads: int) -> range:
-        """The KV heads this rank holds: its share, or one head replicated when there are
-        fewer heads than ranks (then the ranks must be a multiple of the heads)."""
-        if num_kv_heads >= self.size:
-            return self.part(num_kv_heads, "num_key_value_heads")
-        if self.size % num_kv_heads:
-            raise ConfigError(f"{num_kv_heads} KV heads cannot be replicated evenly across "
+        """The KV heads this rank holds (`shared_part`)."""
+        return self.shared_part(num_kv_heads, "num_key_value_heads")
+
+    def shared_part(self, total: int, what: str) -> range:
+        """The units of `total` this rank holds when each serves a group of ranks' other units
+        (KV heads, a Mamba mixer's B/C groups): its share, or one unit replicated when there
+        are fewer units than ranks (then the ranks must be a multiple of the units)."""
+        if total >= self.size:
+            return self.part(total, what)
+        if self.size % total:
+            raise ConfigError(f"{what} {total} cannot be replicated evenly across "
                               f"{self.size} tensor-parallel ranks")
-        head = self.rank * num_kv_heads // self.size
-        return range(head, head + 1)
+        unit = self.rank * total // self.size
+        return range(unit, unit + 1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place)."""
@@ -78,7 +84,20 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
-class ColumnLinear(nn.Linear):
+class Sharded:
+    """A module that holds a part of some of its checkpoint tensors: `checkpoint_index(name)`
+    says which part of its tensor `name` (a parameter's name within the module)."""
+
+    def checkpoint_index(self, name: str) -> Index:
+        raise NotImplementedError
+
+
+def row_parts(*parts: range) -> Index:
+    """The rows `parts` of a checkpoint tensor (and all of its other dimensions), stacked."""
+    return tuple((slice(part.start, part.stop),) for part in parts)
+
+
+class ColumnLinear(nn.Linear, Sharded):
     """nn.Linear holding the output features `part` (in units of `unit` features, such as
     heads of head_dim) of a checkpoint's weight and bias; its output is this rank's share of
     the features."""
@@ -86,13 +105,27 @@ class ColumnLinear(nn.Linear):
     def __init__(self, in_features: int, part: range, unit: int, bias: bool,
                  dtype: torch.dtype):
         super().__init__(in_features, len(part) * unit, bias=bias, dtype=dtype)
-        self.rows = slice(part.start * unit, part.stop * unit)
+        self.rows = row_parts(range(part.start * unit, part.stop * unit))
 
     def checkpoint_index(self, name: str) -> Index:
-        return (self.rows,)
+        return self.rows
 
 
-class RowLinear(nn.Linear):
+class StackedColumnLinear(nn.Linear, Sharded):
+    """nn.Linear whose outputs are the sections of a fused projection (a Mamba mixer's
+    in_proj: gate, x, B, C, dt), holding the output features `parts` of a checkpoint's weight
+    and bias, one range per section, stacked in order."""
+
+    def __init__(self, in_features: int, parts: tuple[range, ...], bias: bool,
+                 dtype: torch.dtype):
+        super().__init__(in_features, sum(len(part) for part in parts), bias=bias, dtype=dtype)
+        self.rows = row_parts(*parts)
+
+    def checkpoint_index(self, name: str) -> Index:
+        return self.rows
+
+
+class RowLinear(nn.Linear, Sharded):
     """nn.Linear holding the input features `part` (in units of `unit`) of a checkpoint's
     weight; its output is this rank's partial sum, the bias counted once (by rank 0), so the
     ranks' outputs sum to the whole layer's."""
@@ -100,17 +133,17 @@ class RowLinear(nn.Linear):
     def __init__(self, part: range, unit: int, out_features: int, bias: bool,
                  dtype: torch.dtype, tp: TensorParallel):
         super().__init__(len(part) * unit, out_features, bias=bias, dtype=dtype)
-        self.cols = slice(part.start * unit, part.stop * unit)
+        self.cols = ((slice(None), slice(part.start * unit, part.stop * unit)),)
         self.adds_bias = tp.rank == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias if self.adds_bias else None)
 
     def checkpoint_index(self, name: str) -> Index:
-        return (slice(None), self.cols) if name == "weight" else WHOLE
+        return self.cols if name == "weight" else WHOLE
 
 
-class VocabEmbedding(nn.Embedding):
+class VocabEmbedding(nn.Embedding, Sharded):
     """nn.Embedding holding the vocabulary rows `part` of a checkpoint's table: ids outside
     them embed to zeros and the all-reduce adds the rank that holds them. As a tied lm_head
     its rows give this rank's share of the logits."""
@@ -128,21 +161,26 @@ class VocabEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill(outside[:, None], 0))
 
     def checkpoint_index(self, name: str) -> Index:
-        return (slice(self.part.start, self.part.stop),)
+        return row_parts(self.part)
 
 
 ONE_RANK = TensorParallel()  # a model on one device: every part is the whole
-
-ShardedLayer = ColumnLinear | RowLinear | VocabEmbedding
 
 
 def checkpoint_index(model: nn.Module, name: str) -> Index:
     """The part of checkpoint tensor `name` that `model`'s parameter of that name holds."""
     prefix, _, leaf = name.rpartition(".")
     module = model.get_submodule(prefix)
-    return module.checkpoint_index(leaf) if isinstance(module, ShardedLayer) else WHOLE
+    return module.checkpoint_index(leaf) if isinstance(module, Sharded) else WHOLE
+
+
+def take(tensor, index: Index) -> torch.Tensor:
+    """The part `index` of `tensor` (a torch tensor, or a safetensors slice: then only its
+    bytes are read): its pieces stacked along the first dimension."""
+    pieces = [tensor[piece] for piece in index]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def part_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     """The shape of the part `index` of a tensor of `shape`."""
-    return tuple(torch.empty(shape, device="meta")[index].shape)
+    return tuple(take(torch.empty(shape, device="meta"), index).shape)

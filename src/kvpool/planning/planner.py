@@ -169,9 +169,9 @@ def plan_memory(
     window pools unless not `free_out_of_window`; the window pools hold `max_num_seqs` windows
     and `prefill_tokens` of prompt pages (None: the config's max_position_embeddings).
     `tensor_parallel_size` N plans one rank of N: its share of the weights (the parameters
-    / N: the few replicated ones, norms and routers, are not counted again) and of the KV
-    heads (`KVLayout.per_rank`), in `device_memory` of its own; every rank holds the same
-    number of pages."""
+    / N: the few replicated ones, norms and routers, are not counted again), of the KV
+    heads (`KVLayout.per_rank`) and of a hybrid's Mamba heads (`MambaConfig.per_rank`), in
+    `device_memory` of its own; every rank holds the same number of pages and state slots."""
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -190,7 +190,7 @@ def plan_memory(
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
     usable = int(device_memory * memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
-    mamba = model.mamba_layout(dtype=dtype)
+    mamba = model.mamba_layout(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     ratio = mamba_memory_ratio if mamba else 0.0
     num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
     state_bytes = (num_slots + RESERVED_SLOTS) * mamba.bytes_per_slot if num_slots else 0
