@@ -11,6 +11,10 @@ loop, and does nothing more when run without valgrind. Cases:
   off    KVCache, caching off: add a 256-token sequence (16 pages) + free it
   hit    KVCache, caching on, a 256-token prompt cached: add it again (15-page hit, the last
          page is new) + commit + free
+  shared KVCache of 16,384 pages, caching on: the prompts of benchmarks/cache.py (b) (50
+         shared system prompts, unique tails), each added (match, and eviction: the first
+         4,000 fill the pool uncounted) + committed (insert) + freed; each request a fresh
+         list, made before counting starts
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def counting_on() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", choices=("alloc", "off", "hit"))
+    parser.add_argument("case", choices=("alloc", "off", "hit", "shared"))
     parser.add_argument("requests", type=int)
     args = parser.parse_args()
     if args.case == "alloc":
@@ -50,6 +54,9 @@ def main() -> None:
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16,
                       page_size=PAGE_SIZE)
+    if args.case == "shared":
+        shared(layout, args.requests)
+        return
     cache = KVCache(layout, 4096, device="cpu", prefix_caching=args.case == "hit")
     if args.case == "hit":
         cache.add_sequence(-1, PROMPT)
@@ -62,6 +69,22 @@ def main() -> None:
         else:
             cache.add_sequence(i, PROMPT)
             cache.commit(i)
+        cache.free_sequence(i)
+
+
+def shared(layout, requests: int) -> None:
+    """The `shared` case: `requests` prompts counted after 4,000 that fill the pool."""
+    from cache import shared_prefix_prompts, tokenizer_output
+    from kvpool.cache import KVCache
+
+    warm = 4_000
+    prompts = [tokenizer_output(p) for p in shared_prefix_prompts(warm + requests)]
+    cache = KVCache(layout, 16_384, device="cpu", prefix_caching=True)
+    for i, prompt in enumerate(prompts):
+        if i == warm:
+            counting_on()
+        cache.add_sequence(i, prompt)
+        cache.commit(i)
         cache.free_sequence(i)
 
 
