@@ -43,6 +43,9 @@ PARITY = {
     "gemma3": WINDOW_CONFIGS["gemma3"],  # a full and a window pool
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+# 24 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
+ENGINE = dict(num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+              tensor_parallel_size=RANKS)
 
 
 def cpu_only(device: torch.device) -> None:
@@ -57,8 +60,7 @@ def engine(request, tmp_path_factory, device):
     cpu_only(device)
     case = engine_case(request.param, PARITY, tmp_path_factory.mktemp(request.param), device,
                        MAX_TOKENS)
-    llm = LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=16, device=device, tensor_parallel_size=RANKS)
+    llm = LLM(case.folder, device=device, **ENGINE)
     yield case, llm
     llm.close()
 
@@ -133,8 +135,7 @@ def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(tmp_pat
     other K/V for its heads."""
     cpu_only(device)
     case = engine_case("llama", PARITY, tmp_path, device, MAX_TOKENS)
-    with LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-             device=device, tensor_parallel_size=RANKS, host_tier_memory=2**16) as llm:
+    with LLM(case.folder, device=device, host_tier_memory=2**16, **ENGINE) as llm:
         for _ in range(2):
             outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
             assert [o.outputs[0].token_ids for o in outputs] == case.expected

@@ -17,22 +17,17 @@ from kvpool.models import load_model
 from kvpool.models.config import ModelConfig
 from kvpool.models.parallel import TensorParallel
 from models_util import case_of, save_hf_model
-
-RANKS = 2
-MAX_TOKENS = 32
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+from test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, RANKS, cpu_only
 
 
 @pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
 def engine(request, tmp_path_factory, device):
     """(case, LLM of 2 ranks) for one Bamba config (2 B/C groups: one per rank; or 1 group,
     replicated, whose gated norm spans both ranks): 24 pages of 4 tokens, 16-token chunks."""
-    if device.type != "cpu":
-        pytest.skip("the tensor-parallel tests run 2 ranks on the CPU (gloo)")
+    cpu_only(device)
     case = case_of(make_bamba(request.param), tmp_path_factory.mktemp(request.param), device,
                    MAX_TOKENS)
-    llm = LLM(case.folder, num_pages=24, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=16, device=device, tensor_parallel_size=RANKS)
+    llm = LLM(case.folder, device=device, **ENGINE)
     yield case, llm
     llm.close()
 
