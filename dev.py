@@ -35,7 +35,9 @@ SHARE_VARIABLE = "KVPOOL_TEST_CUDA_MEMORY_FRACTION"
 
 
 def _pip(*args: str) -> None:
-    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", *args])
+    # --no-compile: byte-compiling every installed module (torch alone has thousands) takes
+    # longer than compiling, on first import, the few a run uses.
+    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", "--no-compile", *args])
 
 
 def ensure_venv() -> None:
