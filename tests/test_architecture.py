@@ -18,7 +18,7 @@ ALLOWED = {
     "kernels": {"memory"},
     "attention": {"kernels", "memory"},
     "cache": {"memory"},
-    "planning": {"memory", "models"},  # the planner parses model configs (models.config)
+    "planning": {"memory"},  # takes a model geometry, imports no model code
     "forward_context": {"attention", "memory"},
     "models": {"forward_context", "attention", "kernels", "memory", "planning"},
     "engine": {"cache", "planning", "models", "forward_context", "attention", "kernels",

@@ -20,7 +20,7 @@ from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.mla import softmax_scale
 from kvpool.models.rotary import attention_factor, inv_frequencies
-from kvpool.planning.planner import count_parameters, plan_memory
+from kvpool.planning.planner import plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,
@@ -265,12 +265,12 @@ def test_parameters_are_counted_exactly_as_the_checkpoint_stores_them(
         hf = transformers.AutoModelForCausalLM.from_config(hf_class.from_dict(config))
     router_biases = sum(b.numel() for name, b in hf.named_buffers()
                         if name.endswith("e_score_correction_bias"))  # V3: 58 layers x 256
-    assert count_parameters(ModelConfig.from_hf(config)) == expected
+    assert ModelConfig.from_hf(config).count_parameters() == expected
     assert expected == hf.num_parameters() + router_biases
 
 
 def test_plan_holds_the_latent_tokens_the_budget_allows():
-    plan = plan_memory(V2_LITE, 80 * 2**30, activation_bytes=0)
+    plan = plan_memory(ModelConfig.from_hf(V2_LITE), 80 * 2**30, activation_bytes=0)
     assert plan.bytes_per_token == 31_104
     assert plan.num_pages == (int(80 * 2**30 * 0.9) - 15_706_484_224 * 2) // (16 * 31_104) - 1
 

@@ -347,8 +347,8 @@ def test_the_pool_gets_the_share_left_after_others_weights_activations_and_works
     host_with(monkeypatch, 10 * 2**20, 8 * 2**20, loading_takes_ram=True)
     llm = LLM(checkpoint, device="cpu", memory_fraction=0.8, kv_cache_memory=2**30)
     weights = sum(p.numel() * p.element_size() for p in llm.model.parameters())
-    activations = planner.estimate_activation_bytes(llm.model_config, torch.float32,
-                                                    max_num_batched_tokens=2048, max_num_seqs=64)
+    activations = llm.model_config.estimate_activation_bytes(
+        torch.float32, max_num_batched_tokens=2048, max_num_seqs=64)
     share = 8 * 2**20 - 2 * 2**20  # 80% of the total, less what others hold
     budget = share - weights - activations - llm.workspace.nbytes
     assert llm.cache.stats().num_pages == budget // (16 * 512) - 1  # and the reserved page

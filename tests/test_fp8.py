@@ -30,6 +30,7 @@ from kvpool.memory.fp8 import (
 )
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
+from kvpool.models.config import ModelConfig
 from kvpool.planning.planner import plan_memory
 from test_attention import MIXED, Batch, kernel, relative_error  # noqa: F401 (a fixture)
 
@@ -286,8 +287,9 @@ def test_tier_round_trip_keeps_fp8_pages_under_the_same_scales():
 
 def test_the_plan_holds_twice_the_tokens_of_bfloat16_in_the_same_budget():
     common = dict(device_memory=24 * 2**30, dtype=torch.bfloat16)
-    bf16 = plan_memory("Llama-3-8B", **common)
-    fp8_plan = plan_memory("Llama-3-8B", **common, kv_cache_dtype="fp8_e4m3")
+    model = ModelConfig.from_hf("Llama-3-8B")
+    bf16 = plan_memory(model, **common)
+    fp8_plan = plan_memory(model, **common, kv_cache_dtype="fp8_e4m3")
     assert fp8_plan.weight_bytes == bf16.weight_bytes
     assert fp8_plan.budget_bytes == bf16.budget_bytes
     assert fp8_plan.bytes_per_token * 2 == bf16.bytes_per_token

@@ -7,7 +7,7 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.config import ModelConfig, read_hf_config
-from kvpool.planning.planner import count_parameters, plan_memory
+from kvpool.planning.planner import plan_memory
 
 GiB = 2**30
 
@@ -38,7 +38,7 @@ def test_bamba_rotates_half_of_each_head():
 
 def test_bamba_9b_parameter_count_is_exact():
     # BambaForCausalLM built by transformers 5.23 on the meta device counts the same
-    assert count_parameters(ModelConfig.from_hf("Bamba-9B")) == 9_780_235_392
+    assert ModelConfig.from_hf("Bamba-9B").count_parameters() == 9_780_235_392
 
 
 def test_attention_only_models_have_no_state_layout():
@@ -66,7 +66,7 @@ def test_time_step_limit_as_transformers_writes_infinity():
 
 
 def test_plan_gives_the_state_share_to_whole_slots_and_the_rest_to_pages():
-    plan = plan_memory("Bamba-9B", 40 * GiB, mamba_memory_ratio=0.25)
+    plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB, mamba_memory_ratio=0.25)
     slot = plan.mamba_layout.bytes_per_slot
     # each pool sets one aside: the padding slot, the padding page
     assert plan.num_state_slots == int(plan.budget_bytes * 0.25) // slot - 1
@@ -76,14 +76,14 @@ def test_plan_gives_the_state_share_to_whole_slots_and_the_rest_to_pages():
 
 
 def test_hybrid_sequences_need_a_page_run_and_a_state_slot_each():
-    plan = plan_memory("Bamba-9B", 40 * GiB, mamba_memory_ratio=0.1)
+    plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB, mamba_memory_ratio=0.1)
     by_pages = plan.num_pages // plan.layout.num_pages_for(8192)
     assert plan.max_sequences(8192) == min(by_pages, plan.num_state_slots)
     assert plan.max_checkpoints(8192) == plan.num_state_slots - plan.max_sequences(8192)
 
 
 def test_state_budget_below_one_slot_is_a_reason():
-    plan = plan_memory("Bamba-9B", 21 * GiB, mamba_memory_ratio=0.01)
+    plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 21 * GiB, mamba_memory_ratio=0.01)
     assert plan.num_state_slots == 0
     assert "less than one state slot" in plan.reason
 
@@ -91,11 +91,11 @@ def test_state_budget_below_one_slot_is_a_reason():
 @pytest.mark.parametrize("ratio", [0, 1, 1.5])
 def test_mamba_memory_ratio_outside_zero_one_is_refused(ratio):
     with pytest.raises(ValueError, match=f"mamba_memory_ratio must be in \\(0, 1\\), got {ratio}"):
-        plan_memory("Bamba-9B", 40 * GiB, mamba_memory_ratio=ratio)
+        plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB, mamba_memory_ratio=ratio)
 
 
 def test_attention_only_plan_has_no_state_slots():
-    plan = plan_memory("Llama-3-8B", 24 * GiB)
+    plan = plan_memory(ModelConfig.from_hf("Llama-3-8B"), 24 * GiB)
     assert (plan.num_state_slots, plan.state_bytes, plan.max_checkpoints(8192)) == (0, 0, 0)
 
 
@@ -103,6 +103,6 @@ def test_kvpool_plan_reports_state_slots_and_checkpoints(capsys):
     from kvpool.cli.main import main
     assert main(["plan", "Bamba-9B", "--device-memory", "40GiB", "--context-len", "8192"]) == 0
     out = capsys.readouterr().out
-    plan = plan_memory("Bamba-9B", 40 * GiB)
+    plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB)
     assert f"state slots           {plan.num_state_slots:,} (" in out
     assert f"checkpoints           {plan.max_checkpoints(8192):,} state slots left" in out

@@ -1,6 +1,9 @@
 """Memory planning: parameter counts of published models, activation estimates, and the
 pages that fit in a share of a device's memory."""
 
+from dataclasses import dataclass, replace
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,10 +11,13 @@ from kvpool.engine.config import EngineConfig
 from kvpool.memory.layout import KVLayout
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planning import planner
+from kvpool.planning.geometry import ModelGeometry
 from kvpool.planning.group_plan import split_budget
-from kvpool.planning.planner import count_parameters, estimate_activation_bytes, plan_memory
+from kvpool.planning.planner import plan_memory
 
 GiB = 2**30
+TINY, LLAMA = ModelConfig.from_hf("tiny"), ModelConfig.from_hf("Llama-3-8B")
+GEMMA, MISTRAL = ModelConfig.from_hf("Gemma-3-4B"), ModelConfig.from_hf("Mistral-7B")
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
 
@@ -57,7 +63,7 @@ def fake_cuda(monkeypatch, *, free: int, total: int, share: float = 1.0, reserve
 
 @pytest.mark.parametrize(("name", "num_parameters"), PUBLISHED_PARAMETERS.items())
 def test_parameter_count_of_published_models(name, num_parameters):
-    assert count_parameters(ModelConfig.from_hf(name)) == num_parameters
+    assert ModelConfig.from_hf(name).count_parameters() == num_parameters
 
 
 @pytest.mark.parametrize("name", ["Llama-3-8B", "Qwen3-8B", "Gemma-3-4B"])
@@ -82,12 +88,12 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)
     model = ModelConfig.from_hf(hf_config.to_dict())
-    assert count_parameters(model) == hf_parameter_count(hf_config)
+    assert model.count_parameters() == hf_parameter_count(hf_config)
 
 
 def test_weight_bytes_are_parameters_times_dtype_size_not_twice_that():
-    assert plan_memory("Llama-3-8B", 80 * GiB).weight_bytes == 8_030_261_248 * 2
-    assert plan_memory("Llama-3-8B", 80 * GiB, dtype=torch.float32).weight_bytes == (
+    assert plan_memory(LLAMA, 80 * GiB).weight_bytes == 8_030_261_248 * 2
+    assert plan_memory(LLAMA, 80 * GiB, dtype=torch.float32).weight_bytes == (
         8_030_261_248 * 4
     )
 
@@ -99,28 +105,27 @@ def test_activation_estimate_is_one_layer_of_a_batched_forward_plus_float32_logi
     # tiny: hidden 256, q 8 x 32, kv 2 x 32, intermediate 704 (the MLP is the larger phase)
     per_token = (2 * 256 + 3 * 704) * 4
     logits = 256 * 258 * 4
-    model = ModelConfig.from_hf("tiny")
-    assert estimate_activation_bytes(model, torch.float32) == 2048 * per_token + logits
+    assert TINY.estimate_activation_bytes(torch.float32, max_num_batched_tokens=2048,
+                                          max_num_seqs=256) == 2048 * per_token + logits
 
 
 def test_activation_estimate_counts_logits_of_at_most_one_per_batched_token():
-    model = ModelConfig.from_hf("tiny")
-    estimate = estimate_activation_bytes(model, torch.float32, max_num_batched_tokens=8,
-                                         max_num_seqs=256)
+    estimate = TINY.estimate_activation_bytes(torch.float32, max_num_batched_tokens=8,
+                                              max_num_seqs=256)
     assert estimate == 8 * (2 * 256 + 3 * 704) * 4 + 8 * 258 * 4
 
 
-def test_plan_subtracts_the_activation_estimate_by_default():
-    model = ModelConfig.from_hf("Llama-3-8B")
-    plan = plan_memory(model, 24 * GiB)
-    assert plan.activation_bytes == estimate_activation_bytes(model, torch.bfloat16)
+def test_plan_subtracts_the_activation_estimate_of_a_2048_token_forward_by_default():
+    plan = plan_memory(LLAMA, 24 * GiB)
+    assert plan.activation_bytes == LLAMA.estimate_activation_bytes(
+        torch.bfloat16, max_num_batched_tokens=2048, max_num_seqs=256)
 
 
 # Budget arithmetic
 
 
 def test_plan_for_given_device_memory():
-    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
+    plan = plan_memory(LLAMA, 24 * GiB, activation_bytes=0)
     assert plan.budget_bytes == int(24 * GiB * 0.9) - 16_060_522_496 == 7_132_300_902
     assert (plan.bytes_per_token, plan.bytes_per_page, plan.page_size) == (131_072, 2 * 2**20, 16)
     assert plan.num_pages == 3399  # 7,132,300,902 // 2,097,152 = 3400, one of them reserved
@@ -131,24 +136,24 @@ def test_plan_for_given_device_memory():
 
 
 def test_max_sequences_gives_each_sequence_whole_pages():
-    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0)
+    plan = plan_memory(LLAMA, 24 * GiB, activation_bytes=0)
     assert plan.max_sequences(8192) == 3399 // 512
     assert plan.max_sequences(17) == 3399 // 2
 
 
 def test_a_larger_page_size_gives_fewer_pages_of_the_same_bytes():
-    plan = plan_memory("Llama-3-8B", 24 * GiB, activation_bytes=0, page_size=64)
+    plan = plan_memory(LLAMA, 24 * GiB, activation_bytes=0, page_size=64)
     assert (plan.num_pages, plan.bytes_per_page) == (849, 8 * 2**20)
 
 
 def test_memory_fraction_is_of_the_given_memory():
-    plan = plan_memory("tiny", 2**30, memory_fraction=0.5, activation_bytes=0)
+    plan = plan_memory(TINY, 2**30, memory_fraction=0.5, activation_bytes=0)
     assert plan.budget_bytes == 2**29 - 2_952_448 * 4
 
 
 def test_plan_reads_cuda_total_and_excludes_memory_others_use(monkeypatch):
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB)
-    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    plan = plan_memory(LLAMA, activation_bytes=0, device="cuda")
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cuda", 80 * GiB, 10 * GiB)
     assert plan.budget_bytes == int(80 * GiB * 0.9) - 10 * GiB - 16_060_522_496
 
@@ -158,7 +163,7 @@ def test_plan_on_cpu_takes_the_fraction_of_total_ram_less_what_is_in_use(monkeyp
     meminfo.write_text("MemTotal:       33554432 kB\nMemFree:         1048576 kB\n"
                        "MemAvailable:   16777216 kB\n")
     monkeypatch.setattr(planner, "_MEMINFO", meminfo)
-    plan = plan_memory("tiny", device="cpu", activation_bytes=0)
+    plan = plan_memory(TINY, device="cpu", activation_bytes=0)
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cpu", 32 * GiB, 16 * GiB)
     assert plan.budget_bytes == int(32 * GiB * 0.9) - 16 * GiB - 2_952_448 * 4
 
@@ -167,34 +172,34 @@ def test_host_memory_falls_back_to_the_os_page_counts_without_meminfo(monkeypatc
     monkeypatch.setattr(planner, "_MEMINFO", tmp_path / "missing")
     sizes = {"SC_PHYS_PAGES": 3000, "SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(planner.os, "sysconf", sizes.__getitem__)
-    plan = plan_memory("tiny", device="cpu")
+    plan = plan_memory(TINY, device="cpu")
     assert (plan.device_memory, plan.in_use_bytes) == (12_288_000, 8_192_000)
 
 
 def test_reserved_bytes_come_out_of_the_budget_and_are_named_when_it_is_short():
     weights = 2_952_448 * 4
-    plan = plan_memory("tiny", weights + 2**20, memory_fraction=1.0, activation_bytes=0,
+    plan = plan_memory(TINY, weights + 2**20, memory_fraction=1.0, activation_bytes=0,
                        reserved_bytes=2**20 - 64 * 2**10)
     assert (plan.reserved_bytes, plan.budget_bytes, plan.num_pages) == (
         2**20 - 64 * 2**10, 64 * 2**10, 1)  # a page of 32 KiB and the reserved one
-    short = plan_memory("tiny", weights, memory_fraction=1.0, activation_bytes=0,
+    short = plan_memory(TINY, weights, memory_fraction=1.0, activation_bytes=0,
                         reserved_bytes=2**20)
     assert short.reason == ("weights 11.26 MiB + activations 0 B + reserved 1.00 MiB exceed "
                             "100% of 11.26 MiB (11.26 MiB)")
 
 
 def test_plan_reads_the_memory_of_the_device_it_is_given(device):
-    plan = plan_memory("tiny", device=device)
+    plan = plan_memory(TINY, device=device)
     assert plan.device == str(device) and plan.device_memory > 0
 
 
 def test_plan_needs_device_memory_or_a_device_to_read_it_from():
     with pytest.raises(ValueError, match="needs device_memory .bytes. or the device to read"):
-        plan_memory("tiny")
+        plan_memory(TINY)
 
 
 def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
-    plan = plan_memory("Llama-3-8B", 8 * GiB, activation_bytes=GiB // 2)
+    plan = plan_memory(LLAMA, 8 * GiB, activation_bytes=GiB // 2)
     assert (plan.num_pages, plan.max_tokens, plan.kv_bytes, plan.max_sequences(8192)) == (
         0, 0, 0, 0)
     assert plan.budget_bytes < 0
@@ -204,17 +209,63 @@ def test_a_model_larger_than_the_memory_gets_no_pages_and_a_reason():
 
 def test_the_reason_names_memory_already_in_use(monkeypatch):
     fake_cuda(monkeypatch, free=4 * GiB, total=24 * GiB)
-    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    plan = plan_memory(LLAMA, activation_bytes=0, device="cuda")
     assert plan.reason == ("weights 14.96 GiB + activations 0 B + 20.00 GiB already in use exceed "
                            "90% of 24.00 GiB (21.60 GiB)")
 
 
 def test_a_budget_below_one_page_gets_no_pages_and_a_reason():
     weights = 2_952_448 * 4
-    plan = plan_memory("tiny", weights + 1000, memory_fraction=1.0, activation_bytes=0)
+    plan = plan_memory(TINY, weights + 1000, memory_fraction=1.0, activation_bytes=0)
     assert (plan.num_pages, plan.budget_bytes) == (0, 1000)
     assert plan.reason == ("the 1000 B left for the KV cache is less than one page (32.00 KiB) "
                            "and the pool's reserved one")
+
+
+# The model's geometry
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model known only by its sizes: what the planner reads of one."""
+
+    layout: KVLayout
+    num_parameters: int
+    max_position_embeddings: int = 4096
+
+    def weights_dtype(self, dtype=None):
+        return dtype or self.layout.dtype
+
+    def kv_layout(self, *, dtype=None, page_size=16, kv_cache_dtype="auto"):
+        return replace(self.layout, page_size=page_size)
+
+    def mamba_layout(self, *, dtype=None, tensor_parallel_size=1):
+        return None
+
+    def count_parameters(self):
+        return self.num_parameters
+
+    def estimate_activation_bytes(self, dtype, *, max_num_batched_tokens, max_num_seqs):
+        return max_num_batched_tokens * 4
+
+
+def test_a_model_config_is_a_model_geometry():
+    assert isinstance(TINY, ModelGeometry)
+
+
+def test_plan_takes_any_model_geometry():
+    layout = KVLayout(2, 1, 8, torch.float32, 4)  # 128 B a token, 512 B a page
+    plan = plan_memory(Geometry(layout, 1000), 20_000, memory_fraction=1.0, page_size=4)
+    assert (plan.weight_bytes, plan.activation_bytes) == (4000, 2048 * 4)
+    assert plan.budget_bytes == 20_000 - 4000 - 8192 == 7808
+    assert plan.num_pages == 7808 // 512 - 1 == 14  # and the reserved page
+
+
+@pytest.mark.parametrize("source", ["Llama-3-8B", Path("config.json"), dict(SMALL), None])
+def test_plan_refuses_what_is_not_a_model_geometry_and_names_the_parser(source):
+    with pytest.raises(TypeError, match=r"plan_memory takes a model geometry, got .*"
+                                        r"ModelConfig\.from_hf\(source\)"):
+        plan_memory(source, GiB)
 
 
 # Argument validation
@@ -223,7 +274,7 @@ def test_a_budget_below_one_page_gets_no_pages_and_a_reason():
 @pytest.mark.parametrize("fraction", [0, -0.1, 1.01])
 def test_plan_rejects_a_memory_fraction_outside_zero_to_one(fraction):
     with pytest.raises(ValueError, match=rf"memory_fraction must be in \(0, 1\], got {fraction}"):
-        plan_memory("tiny", GiB, memory_fraction=fraction)
+        plan_memory(TINY, GiB, memory_fraction=fraction)
 
 
 @pytest.mark.parametrize(("device_memory", "error"), [
@@ -231,29 +282,29 @@ def test_plan_rejects_a_memory_fraction_outside_zero_to_one(fraction):
 ])
 def test_plan_rejects_device_memory_that_is_not_a_positive_int(device_memory, error):
     with pytest.raises(error, match="device_memory must be"):
-        plan_memory("tiny", device_memory)
+        plan_memory(TINY, device_memory)
 
 
 def test_plan_rejects_negative_activation_bytes():
     with pytest.raises(ValueError, match="activation_bytes must be >= 0, got -1"):
-        plan_memory("tiny", GiB, activation_bytes=-1)
+        plan_memory(TINY, GiB, activation_bytes=-1)
 
 
 def test_plan_rejects_a_page_size_below_one():
     with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
-        plan_memory("tiny", GiB, page_size=0)
+        plan_memory(TINY, GiB, page_size=0)
 
 
 def test_max_sequences_rejects_a_context_len_below_one():
     with pytest.raises(ValueError, match="context_len must be >= 1, got 0"):
-        plan_memory("tiny", GiB).max_sequences(0)
+        plan_memory(TINY, GiB).max_sequences(0)
 
 
 def test_plan_reads_the_share_of_cuda_memory_torch_allows_this_process(monkeypatch):
     # set_per_process_memory_fraction(0.25) on an 80 GiB device, 70 GiB free, 4 GiB reserved
     # by this process already: the plan sees a 20 GiB device with 4 GiB in use.
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, share=0.25, reserved=4 * GiB)
-    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    plan = plan_memory(LLAMA, activation_bytes=0, device="cuda")
     assert (plan.device_memory, plan.in_use_bytes) == (20 * GiB, 4 * GiB)
 
 
@@ -262,17 +313,17 @@ def test_memory_torch_keeps_for_this_process_but_no_tensor_uses_is_free_to_the_p
     # an earlier engine's pool, freed, stays reserved in torch's cache: 6 GiB reserved, 2 GiB
     # allocated; the device says 70 GiB free, this process can have 74
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, reserved=6 * GiB, allocated=2 * GiB)
-    assert plan_memory("Llama-3-8B", activation_bytes=0, device="cuda").in_use_bytes == 6 * GiB
+    assert plan_memory(LLAMA, activation_bytes=0, device="cuda").in_use_bytes == 6 * GiB
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB, share=0.25, reserved=6 * GiB,
               allocated=2 * GiB)
-    plan = plan_memory("Llama-3-8B", activation_bytes=0, device="cuda")
+    plan = plan_memory(LLAMA, activation_bytes=0, device="cuda")
     assert (plan.device_memory, plan.in_use_bytes) == (20 * GiB, 2 * GiB)
 
 
 def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA, and this machine has no CUDA device"):
-        plan_memory("tiny", device="cuda")
+        plan_memory(TINY, device="cuda")
 
 
 @pytest.mark.parametrize(("device", "message"), [
@@ -281,7 +332,7 @@ def test_plan_cannot_read_cuda_memory_without_cuda(monkeypatch):
 ])
 def test_plan_rejects_devices_it_cannot_read(device, message):
     with pytest.raises(ValueError, match=message):
-        plan_memory("tiny", device=device)
+        plan_memory(TINY, device=device)
 
 
 # The engine's plan
@@ -291,8 +342,8 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
     fake_cuda(monkeypatch, free=70 * GiB, total=80 * GiB)
     model, config = ModelConfig.from_hf("Llama-3-8B"), EngineConfig()
     layout = model.kv_layout()
-    activations = estimate_activation_bytes(model, torch.bfloat16, max_num_batched_tokens=2048,
-                                            max_num_seqs=64)
+    activations = model.estimate_activation_bytes(torch.bfloat16, max_num_batched_tokens=2048,
+                                                  max_num_seqs=64)
     workspace = config.workspace_bytes(model, layout, 8192)
     graphs = config.cuda_graph_bytes(model, torch.bfloat16)
     budget = int(80 * GiB * 0.9) - 10 * GiB - 8_030_261_248 * 2 - activations - workspace - graphs
@@ -300,7 +351,7 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
 
 
 def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
-    plan = plan_memory("Gemma-3-4B", 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
+    plan = plan_memory(GEMMA, 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
     full, window = plan.groups
     assert (full.group.window, window.group.window) == (None, 1024)
     assert window.num_pages == 32 * 65 + 512
@@ -313,17 +364,17 @@ def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
 
 
 def test_a_mixed_model_plan_keeps_one_pool_when_told_to():
-    plan = plan_memory("Gemma-3-4B", 24 * GiB, free_out_of_window=False)
+    plan = plan_memory(GEMMA, 24 * GiB, free_out_of_window=False)
     assert plan.groups == () and plan.max_tokens == plan.num_pages * 16
 
 
 def test_an_all_windowed_model_plans_one_pool():
-    assert plan_memory("Mistral-7B", 24 * GiB).groups == ()
+    assert plan_memory(MISTRAL, 24 * GiB).groups == ()
 
 
 def test_an_all_windowed_model_counts_a_window_of_pages_per_sequence_unless_it_keeps_them():
-    given_back = plan_memory("Mistral-7B", 24 * GiB)
-    kept = plan_memory("Mistral-7B", 24 * GiB, free_out_of_window=False)
+    given_back = plan_memory(MISTRAL, 24 * GiB)
+    kept = plan_memory(MISTRAL, 24 * GiB, free_out_of_window=False)
     assert (given_back.window, kept.window) == (4096, None)
     assert given_back.num_pages == kept.num_pages
     assert given_back.max_sequences(32768) == kept.num_pages // (256 + 1)

@@ -13,7 +13,7 @@ from kvpool.errors import ConfigError
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.models.loader import load_model
 from kvpool.models.moe import MoE
-from kvpool.planning.planner import count_parameters, plan_memory
+from kvpool.planning.planner import plan_memory
 from models_util import (
     PagedRunner,
     assert_logits_match,
@@ -167,12 +167,12 @@ def test_parameters_are_counted_exactly_as_transformers_builds_them(name, expect
     config = transformers.Qwen3MoeConfig.from_dict(PRESETS[name])
     with torch.device("meta"):
         hf = transformers.Qwen3MoeForCausalLM(config)
-    assert count_parameters(ModelConfig.from_hf(name)) == expected
+    assert ModelConfig.from_hf(name).count_parameters() == expected
     assert expected == sum(p.numel() for p in hf.parameters())
 
 
 def test_plan_holds_what_the_budget_leaves_after_the_experts_weights():
-    plan = plan_memory("Qwen3-30B-A3B", 80 * 2**30, activation_bytes=0)
+    plan = plan_memory(ModelConfig.from_hf("Qwen3-30B-A3B"), 80 * 2**30, activation_bytes=0)
     assert plan.weight_bytes == 30_532_122_624 * 2  # bf16: every expert is resident
     assert plan.bytes_per_token == 98_304  # 48 layers x K and V x 4 heads x 128 x 2 bytes
     assert plan.num_pages == (int(80 * 2**30 * 0.9) - 30_532_122_624 * 2) // (16 * 98_304) - 1

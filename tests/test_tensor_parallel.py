@@ -221,8 +221,9 @@ def test_a_dimension_that_does_not_split_names_itself(tmp_path, device):
 # --- planning ------------------------------------------------------------------------------
 
 def test_a_rank_plans_half_the_weights_and_half_the_kv_heads():
-    one = plan_memory("Llama-3-8B", 80 * 2**30)
-    rank = plan_memory("Llama-3-8B", 80 * 2**30, tensor_parallel_size=2)
+    model = ModelConfig.from_hf("Llama-3-8B")
+    one = plan_memory(model, 80 * 2**30)
+    rank = plan_memory(model, 80 * 2**30, tensor_parallel_size=2)
     assert rank.layout.num_kv_heads == 4 and one.layout.num_kv_heads == 8
     assert rank.bytes_per_token * 2 == one.bytes_per_token
     assert rank.weight_bytes * 2 == one.weight_bytes

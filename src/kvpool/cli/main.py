@@ -32,7 +32,6 @@ from kvpool.planning.group_plan import GroupPlan
 from kvpool.planning.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
-    count_parameters,
     plan_memory,
 )
 
@@ -320,7 +319,7 @@ def _preset_summary(name: str) -> str:
     """One line about a preset: architecture, parameters, KV bytes per token."""
     model = ModelConfig.from_hf(name)
     layout = model.kv_layout()
-    return (f"{model.architecture}, {_count(count_parameters(model))} parameters, "
+    return (f"{model.architecture}, {_count(model.count_parameters())} parameters, "
             f"{format_bytes(layout.bytes_per_token)} KV per token in "
             f"{dtype_name(layout.dtype)}, "
             f"context {model.max_position_embeddings:,}")

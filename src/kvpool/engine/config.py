@@ -18,7 +18,7 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.workspace import ALIGNMENT
 from kvpool.models.config import ModelConfig
-from kvpool.planning.planner import MemoryPlan, estimate_activation_bytes, plan_memory
+from kvpool.planning.planner import MemoryPlan, plan_memory
 
 GiB = 2**30
 DEFAULT_DISK_TIER_MEMORY = 16 * GiB
@@ -217,8 +217,8 @@ class EngineConfig:
         the activations of the largest bucket, which every smaller one reuses."""
         if self.enforce_eager:
             return 0
-        return estimate_activation_bytes(model, dtype, max_num_batched_tokens=self.max_num_seqs,
-                                         max_num_seqs=self.max_num_seqs)
+        return model.estimate_activation_bytes(dtype, max_num_batched_tokens=self.max_num_seqs,
+                                               max_num_seqs=self.max_num_seqs)
 
     def plan_num_pages(self, model: ModelConfig, device: torch.device,
                        max_model_len: int, *, state_bytes: int = 0) -> int:
@@ -229,8 +229,8 @@ class EngineConfig:
             return self.num_pages
         layout = self.kv_layout(model)
         weights_dtype = model.weights_dtype(self.dtype)
-        activations = estimate_activation_bytes(
-            model, weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+        activations = model.estimate_activation_bytes(
+            weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs)
         graphs = self.cuda_graph_bytes(model, weights_dtype) if device.type == "cuda" else 0
         plan = functools.partial(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, check_int
 from kvpool.formats import DTYPES
 from kvpool.memory import fp8
 from kvpool.memory.layout import KVLayout
@@ -369,6 +369,89 @@ class ModelConfig:
                         fp8.kv_cache_dtype(kv_cache_dtype, self.weights_dtype(dtype)), page_size,
                         kind="mla" if self.mla else "mha",
                         layer_windows=windows if any(windows) else ())
+
+    def count_parameters(self) -> int:
+        """Exact parameter count: embeddings; per layer its mixer (attention, Llama-family: q,
+        k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
+        a hybrid's Mamba2 mixer), the MLP (gated; MoE layers: routed and shared experts and
+        the router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied
+        to the embeddings."""
+        hidden = self.hidden_size
+        attention = self._mla_parameters() if self.mla else self._attention_parameters()
+        mixers = len(self.attention_layers) * attention
+        if self.mamba:
+            mixers += len(self.mamba.layers) * self.mamba.count_parameters(hidden)
+        embeddings = self.vocab_size * hidden
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+        norms = 4 if self.gemma else 2  # Gemma 3 also norms the attention's and MLP's outputs
+        return (embeddings + mixers + self.num_layers * norms * hidden
+                + self._mlp_parameters() + hidden + lm_head)
+
+    def estimate_activation_bytes(self, dtype: torch.dtype, *, max_num_batched_tokens: int,
+                                  max_num_seqs: int) -> int:
+        """Rough peak activation bytes of one forward over `max_num_batched_tokens` tokens.
+        Layers run one at a time, so per token: the residual stream and its normed copy (2 x
+        hidden) plus the largest of attention (q, k, v and its output), the MLP (gate, up and
+        their product, 3 x intermediate) and a Mamba mixer, in `dtype`; plus float32 logits of
+        the last token of up to `max_num_seqs` sequences. Not covered: attention scores of
+        unfused kernels, CUDA graphs, fragmentation."""
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int("max_num_seqs", max_num_seqs, 1)
+        attention = 2 * (self.num_heads + self.num_kv_heads) * self.head_dim
+        mlp = 3 * self.intermediate_size
+        mamba = self.mamba.activation_size if self.mamba else 0
+        per_token = (2 * self.hidden_size + max(attention, mlp, mamba)) * dtype.itemsize
+        num_logits = min(max_num_seqs, max_num_batched_tokens)
+        return max_num_batched_tokens * per_token + num_logits * self.vocab_size * 4
+
+    def _attention_parameters(self) -> int:
+        """One layer's q, k, v and o projections, their biases, and Qwen3's and Gemma 3's
+        per-head q/k norms."""
+        hidden, head_dim = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        attention = hidden * (q + 2 * kv) + q * hidden
+        if self.qkv_bias:
+            attention += q + 2 * kv
+        if self.o_bias:
+            attention += hidden
+        if self.qk_norm:
+            attention += 2 * head_dim
+        return attention
+
+    def _mla_parameters(self) -> int:
+        """One layer of DeepSeek's MLA: the query (directly, or down to q_lora_rank, normed,
+        and up), the latent's projection and norm, kv_b_proj up to per-head keys and values,
+        o_proj."""
+        mla, hidden, heads = self.mla, self.hidden_size, self.num_heads
+        q_size = heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            query = hidden * q_size
+        else:
+            query = (hidden + 1 + q_size) * mla.q_lora_rank + self.qkv_bias * mla.q_lora_rank
+        latent = hidden * mla.latent_dim + self.qkv_bias * mla.latent_dim + mla.kv_lora_rank
+        kv_b = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        out = heads * mla.v_head_dim * hidden + self.o_bias * hidden
+        return query + latent + kv_b + out
+
+    def _mlp_parameters(self) -> int:
+        """The MLPs of every layer: dense, except the MoE layers (DeepSeek's, Qwen3-MoE's):
+        their routed experts, shared experts (if any) and router, with V3's router bias (a
+        buffer in transformers, but a tensor of the checkpoint like any weight)."""
+        hidden, moe = self.hidden_size, self.moe
+        dense = _gated_mlp_parameters(hidden, self.intermediate_size, self.mlp_bias)
+        if moe is None:
+            return self.num_layers * dense
+        experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size, False)
+        shared = _gated_mlp_parameters(hidden, moe.num_shared_experts * moe.intermediate_size,
+                                       self.mlp_bias) if moe.num_shared_experts else 0
+        router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
+        moe_layers = len(moe.layers)
+        return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
+
+
+def _gated_mlp_parameters(hidden: int, intermediate: int, bias: bool) -> int:
+    """A gated MLP: gate, up and down projections (and their biases)."""
+    return 3 * hidden * intermediate + bias * (2 * intermediate + hidden)
 
 
 def read_hf_config(source: dict | str | Path) -> dict:

@@ -50,6 +50,25 @@ class MambaConfig:
         """Outputs of in_proj: the gate z, the conv channels and one dt per head."""
         return self.intermediate_size + self.conv_dim + self.num_heads
 
+    @property
+    def activation_size(self) -> int:
+        """Values per token a mixer's forward holds at its peak: in_proj's outputs, the
+        conv's and the scan's."""
+        return self.in_proj_size + self.conv_dim + self.intermediate_size
+
+    def count_parameters(self, hidden_size: int) -> int:
+        """Parameters of one mixer on a residual stream of `hidden_size`: in_proj, the
+        depthwise conv, dt_bias, A_log and D per head, the gated norm, out_proj, and the
+        biases the config has."""
+        params = hidden_size * self.in_proj_size + self.conv_dim * self.conv_kernel
+        params += 3 * self.num_heads + self.intermediate_size
+        params += self.intermediate_size * hidden_size
+        if self.conv_bias:
+            params += self.conv_dim
+        if self.proj_bias:
+            params += self.in_proj_size + hidden_size
+        return params
+
     def per_rank(self, size: int) -> MambaConfig:
         """The mixer one of `size` tensor-parallel ranks holds: its share of the heads and of
         the B/C groups, or one group replicated when there are fewer groups than ranks

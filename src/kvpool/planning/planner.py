@@ -1,5 +1,6 @@
 """Memory planning: how many KV pages, tokens and sequences fit on a device next to a model's
-weights and activations, computed from the model's config before any weight is loaded.
+weights and activations, computed from the model's geometry (kvpool.planning.geometry: its
+config gives it) before any weight is loaded.
 
 `memory_fraction` has one meaning everywhere (vLLM's): the fraction of the device's total
 memory (a CUDA device's, or the host's RAM) that this model may use. What is already in use
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import reprlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,12 +28,10 @@ from kvpool.formats import format_bytes
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
-from kvpool.models.config import ModelConfig
-from kvpool.models.hybrid_config import MambaConfig
+from kvpool.planning.geometry import ModelGeometry
 from kvpool.planning.group_plan import GroupPlan, split_budget
 
-ModelSource = ModelConfig | dict | str | Path  # a config dict, config.json, folder or preset
-
+# The forward whose activations a plan sets aside unless given activation_bytes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAMBA_MEMORY_RATIO = 0.5  # share of a hybrid's cache budget given to state slots
@@ -140,7 +140,7 @@ class MemoryPlan:
 
 
 def plan_memory(
-    config: ModelSource,
+    model: ModelGeometry,
     device_memory: int | None = None,
     *,
     memory_fraction: float = 0.9,
@@ -157,21 +157,24 @@ def plan_memory(
     prefill_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
-    the memory after the weights, the activations and `reserved_bytes`. `device_memory`
-    (bytes) is the memory to plan in; None reads `device` (which must then be given; the
-    plan's `device` names it): its total memory (a CUDA device's, or the host's RAM), less
-    what is already in use.
-    `dtype` None: the config's, else float32 (as the loader does): the weights', and the KV
-    pages' unless `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
-    `activation_bytes` None: `estimate_activation_bytes` with its defaults.
+    the memory after the weights, the activations and `reserved_bytes`. `model` is its
+    geometry (a `ModelConfig`: a preset, config.json or folder parsed by `from_hf`).
+    `device_memory` (bytes) is the memory to plan in; None reads `device` (which must then be
+    given; the plan's `device` names it): its total memory (a CUDA device's, or the host's
+    RAM), less what is already in use.
+    `dtype` None: the model's (`weights_dtype`): the weights', and the KV pages' unless
+    `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
+    `activation_bytes` None: the model's estimate for a forward of
+    DEFAULT_MAX_NUM_BATCHED_TOKENS tokens of up to DEFAULT_MAX_NUM_SEQS sequences.
     `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots (ignored
     for attention-only models). A model mixing full and windowed layers gets a full pool and
     window pools unless not `free_out_of_window`; the window pools hold `max_num_seqs` windows
-    and `prefill_tokens` of prompt pages (None: the config's max_position_embeddings).
+    and `prefill_tokens` of prompt pages (None: the model's max_position_embeddings).
     `tensor_parallel_size` N plans one rank of N: its share of the weights (the parameters
     / N: the few replicated ones, norms and routers, are not counted again), of the KV
-    heads (`KVLayout.per_rank`) and of a hybrid's Mamba heads (`MambaConfig.per_rank`), in
+    heads (`KVLayout.per_rank`) and of a hybrid's Mamba state (`mamba_layout`), in
     `device_memory` of its own; every rank holds the same number of pages and state slots."""
+    _check_geometry(model)
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -179,14 +182,15 @@ def plan_memory(
     check_int("reserved_bytes", reserved_bytes, 0)
     _check_fraction(memory_fraction)
     _check_ratio(mamba_memory_ratio)
-    model = model_config(config)
     layout = model.kv_layout(dtype=dtype, page_size=page_size,
                              kv_cache_dtype=kv_cache_dtype).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
-    num_parameters = count_parameters(model)
+    num_parameters = model.count_parameters()
     weight_bytes = -(-num_parameters // tensor_parallel_size) * weights_dtype.itemsize
     if activation_bytes is None:
-        activation_bytes = estimate_activation_bytes(model, weights_dtype)
+        activation_bytes = model.estimate_activation_bytes(
+            weights_dtype, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=DEFAULT_MAX_NUM_SEQS)
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
     usable = int(device_memory * memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
@@ -213,120 +217,6 @@ def plan_memory(
     if plan.num_pages and (mamba is None or num_slots):
         return plan
     return replace(plan, reason=_reason(plan))
-
-
-def model_config(config: ModelSource) -> ModelConfig:
-    """`config` as a ModelConfig (parsed unless it is one already)."""
-    return config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
-
-
-def count_parameters(model: ModelConfig) -> int:
-    """Exact parameter count of a decoder: embeddings; per layer its mixer (attention, Llama-family:
-    q, k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
-    a hybrid's Mamba2 mixer), the MLP (gated; MoE layers: routed and shared experts and the
-    router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied to the
-    embeddings."""
-    hidden = model.hidden_size
-    attention = _mla_parameters(model) if model.mla else _attention_parameters(model)
-    mixers = len(model.attention_layers) * attention
-    if model.mamba:
-        mixers += len(model.mamba.layers) * _mamba_parameters(model.mamba, hidden)
-    embeddings = model.vocab_size * hidden
-    lm_head = 0 if model.tie_word_embeddings else model.vocab_size * hidden
-    norms = 4 if model.gemma else 2  # Gemma 3 also norms the attention's and MLP's outputs
-    return (embeddings + mixers + model.num_layers * norms * hidden
-            + _all_mlp_parameters(model) + hidden + lm_head)
-
-
-def _all_mlp_parameters(model: ModelConfig) -> int:
-    """The MLPs of every layer: dense, except the MoE layers (DeepSeek's, Qwen3-MoE's)."""
-    dense = _mlp_parameters(model.hidden_size, model.intermediate_size, model.mlp_bias)
-    if model.moe is None:
-        return model.num_layers * dense
-    moe_layers = len(model.moe.layers)
-    return (model.num_layers - moe_layers) * dense + moe_layers * _moe_parameters(model)
-
-
-def _attention_parameters(model: ModelConfig) -> int:
-    """q, k, v and o projections, their biases, and Qwen3's and Gemma 3's per-head q/k
-    norms."""
-    hidden, head_dim = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * head_dim, model.num_kv_heads * head_dim
-    attention = hidden * (q + 2 * kv) + q * hidden
-    if model.qkv_bias:
-        attention += q + 2 * kv
-    if model.o_bias:
-        attention += hidden
-    if model.qk_norm:
-        attention += 2 * head_dim
-    return attention
-
-
-def _mla_parameters(model: ModelConfig) -> int:
-    """DeepSeek's MLA: the query (directly, or down to q_lora_rank, normed, and up), the
-    latent's projection and norm, kv_b_proj up to per-head keys and values, o_proj."""
-    mla, hidden, heads = model.mla, model.hidden_size, model.num_heads
-    q_size = heads * mla.qk_head_dim
-    if mla.q_lora_rank is None:
-        query = hidden * q_size
-    else:
-        query = (hidden + 1 + q_size) * mla.q_lora_rank + model.qkv_bias * mla.q_lora_rank
-    latent = hidden * mla.latent_dim + model.qkv_bias * mla.latent_dim + mla.kv_lora_rank
-    kv_b = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-    out = heads * mla.v_head_dim * hidden + model.o_bias * hidden
-    return query + latent + kv_b + out
-
-
-def _mlp_parameters(hidden: int, intermediate: int, bias: bool) -> int:
-    """A gated MLP: gate, up and down projections (and their biases)."""
-    return 3 * hidden * intermediate + bias * (2 * intermediate + hidden)
-
-
-def _moe_parameters(model: ModelConfig) -> int:
-    """A MoE layer's routed experts, shared experts (if any) and router, with V3's router
-    bias (a buffer in transformers, but a tensor of the checkpoint like any weight)."""
-    moe, hidden = model.moe, model.hidden_size
-    experts = moe.num_experts * _mlp_parameters(hidden, moe.intermediate_size, False)
-    shared = _mlp_parameters(hidden, moe.num_shared_experts * moe.intermediate_size,
-                             model.mlp_bias) if moe.num_shared_experts else 0
-    router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
-    return experts + shared + router
-
-
-def _mamba_parameters(m: MambaConfig, hidden: int) -> int:
-    """One Mamba2 mixer: in_proj, the depthwise conv, dt_bias, A_log and D per head, the
-    gated norm, out_proj, and the biases the config has."""
-    params = hidden * m.in_proj_size + m.conv_dim * m.conv_kernel + 3 * m.num_heads
-    params += m.intermediate_size + m.intermediate_size * hidden
-    if m.conv_bias:
-        params += m.conv_dim
-    if m.proj_bias:
-        params += m.in_proj_size + hidden
-    return params
-
-
-def estimate_activation_bytes(
-    model: ModelConfig,
-    dtype: torch.dtype,
-    *,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-) -> int:
-    """Rough peak activation bytes of one forward over `max_num_batched_tokens` tokens. Layers
-    run one at a time, so per token: the residual stream and its normed copy (2 x hidden) plus
-    the larger of attention (q, k, v and its output) and the MLP (gate, up and their product,
-    3 x intermediate), in `dtype`; plus float32 logits of the last token of up to `max_num_seqs`
-    sequences. Not covered: attention scores of unfused kernels, CUDA graphs, fragmentation."""
-    check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-    check_int("max_num_seqs", max_num_seqs, 1)
-    attention = 2 * (model.num_heads + model.num_kv_heads) * model.head_dim
-    mlp = 3 * model.intermediate_size
-    mamba = 0
-    if model.mamba:  # in_proj's outputs, the conv's, and the scan's
-        mamba = model.mamba.in_proj_size + model.mamba.conv_dim + model.mamba.intermediate_size
-    per_token = (2 * model.hidden_size + max(attention, mlp, mamba)) * dtype.itemsize
-    num_logits = min(max_num_seqs, max_num_batched_tokens)
-    return max_num_batched_tokens * per_token + num_logits * model.vocab_size * 4
 
 
 def _reason(plan: MemoryPlan) -> str:
@@ -396,6 +286,16 @@ def host_memory() -> tuple[int, int]:
     except (AttributeError, ValueError, OSError):
         msg = "cannot read this machine's memory; pass device_memory"
         raise ValueError(msg) from None
+
+
+def _check_geometry(model: object) -> None:
+    """Raise TypeError unless `model` is a model geometry (a preset name, path or config
+    dict must be parsed first)."""
+    if not isinstance(model, ModelGeometry):
+        raise TypeError(f"plan_memory takes a model geometry, got {type(model).__name__} "
+                        f"{reprlib.repr(model)}; parse a preset, config.json, checkpoint folder "
+                        f"or config dict first: plan_memory(ModelConfig.from_hf(source), ...) "
+                        f"(kvpool.models.config)")
 
 
 def _check_ratio(ratio: object) -> None:
