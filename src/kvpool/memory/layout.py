@@ -22,11 +22,6 @@ class LayerGroup:
     layers: tuple[int, ...]
     bytes_per_token: int
 
-    @property
-    def kind(self) -> str:
-        """"full" or "sliding_window"."""
-        return "full" if self.window is None else "sliding_window"
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -41,9 +36,7 @@ class KVLayout:
     layout holds fp8 pages with one scale per layer and plane (kvpool.memory.fp8).
 
     `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
-    when every layer attends to the whole context; `groups` gathers the layers by window.
-    All layers share one page table, so the bytes per token count every layer whatever its
-    window; when every layer is windowed, KVCache gives back the pages that leave the window."""
+    when every layer attends to the whole context; `groups` gathers the layers by window."""
 
     num_layers: int
     num_kv_heads: int
@@ -81,11 +74,9 @@ class KVLayout:
         windows = self.layer_windows or (None,) * self.num_layers
         order = sorted(set(windows), key=lambda w: -1 if w is None else w)
         per_layer = self.bytes_per_token // self.num_layers
-        groups = []
-        for window in order:
-            layers = tuple(i for i, w in enumerate(windows) if w == window)
-            groups.append(LayerGroup(window, layers, per_layer * len(layers)))
-        return tuple(groups)
+        layers = [tuple(i for i, w in enumerate(windows) if w == window) for window in order]
+        return tuple(LayerGroup(window, group, per_layer * len(group))
+                     for window, group in zip(order, layers, strict=True))
 
     @property
     def num_planes(self) -> int:
