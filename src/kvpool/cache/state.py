@@ -176,7 +176,7 @@ class MambaState(GroupManager):
         self._seqs: dict[Hashable, _StateSlot] = {}
         # Set by the KV prefix cache's eviction hook; drop_orphans sweeps then.
         self._kv_evicted = False
-        if kv.prefix_cache is not None:
+        if caching:
             kv.prefix_cache.evict_hooks.append(self._on_kv_evicted)
 
     def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:

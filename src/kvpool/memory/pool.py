@@ -38,9 +38,9 @@ class KVPool:
 
     An fp8 layout also holds `scales` `[num_layers, num_planes]` (float32, on the device), one
     per layer and plane (kvpool.memory.fp8). `kv_scales` gives them: one layer's scales for every
-    layer, or one layer's per layer, where one layer's are a (k_scale, v_scale) pair for "mha"
-    and one number for "mla". A layer without is calibrated by the first K/V (latent) written to
-    it, and keeps its scales for the pool's lifetime.
+    layer, or a sequence of one layer's scales per layer; one layer's scales are a (k_scale,
+    v_scale) pair for "mha", one number for "mla". A layer without is calibrated by the first
+    K/V (latent) written to it, and keeps its scales for the pool's lifetime.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,

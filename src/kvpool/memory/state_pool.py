@@ -181,9 +181,10 @@ class MambaPool:
             if not 0 <= slot < self.num_slots:
                 raise IndexError(f"state slots must lie in [0, {self.num_slots}), got {slot}")
         if src:
-            rows = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            self.conv[:, rows[1]] = self.conv[:, rows[0]]
-            self.ssm[:, rows[1]] = self.ssm[:, rows[0]]
+            src_rows = torch.tensor(src, device=self.device)
+            dst_rows = torch.tensor(dst, device=self.device)
+            self.conv[:, dst_rows] = self.conv[:, src_rows]
+            self.ssm[:, dst_rows] = self.ssm[:, src_rows]
             for listener in self.copy_listeners:
                 listener(src, dst)
 
