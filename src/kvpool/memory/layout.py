@@ -87,8 +87,8 @@ class KVLayout:
         """The layout of one tensor-parallel rank's pool: its share of the KV heads, or one
         head when there are fewer heads than ranks (each replicated on several; an MLA latent
         is whole on every rank). ValueError when the heads do not split evenly."""
-        heads, ranks = self.num_kv_heads, check_int("tensor_parallel_size",
-                                                    tensor_parallel_size, 1)
+        ranks = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        heads = self.num_kv_heads
         if (heads % ranks if heads >= ranks else ranks % heads) and self.kind == "mha":
             raise ValueError(f"{heads} KV heads do not split evenly across {ranks} "
                              f"tensor-parallel ranks")
