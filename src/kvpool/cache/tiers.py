@@ -80,7 +80,7 @@ class Tier(ABC):
         self.page_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
         self._keys: OrderedDict[int, PageKey] = OrderedDict()  # least recently used first
-        self._counts = TierStats(capacity_pages)  # the cumulative counters
+        self._counts = TierStats(capacity_pages)  # cumulative; stats() adds capacity and size
 
     def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
         """Fix what this tier stores: pages of `namespace`, shaped `page_shape`, of `dtype`.
