@@ -27,10 +27,11 @@ class GroupedPool:
     where: tuple[tuple[int, int], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        where = [(0, layer) for layer in range(self.layout.num_layers)]
-        for g, group in enumerate(self.layout.groups if len(self.pools) > 1 else ()):
-            for i, layer in enumerate(group.layers):
-                where[layer] = (g, i)
+        where = [(0, layer) for layer in range(self.layout.num_layers)]  # one pool: in order
+        if len(self.pools) > 1:
+            for g, group in enumerate(self.layout.groups):
+                for i, layer in enumerate(group.layers):
+                    where[layer] = (g, i)
         self.where = tuple(where)
 
     @property
