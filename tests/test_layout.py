@@ -80,7 +80,7 @@ def test_mla_layout_rejects_more_than_one_kv_head():
 
 def test_a_layout_without_windows_is_one_full_group_of_every_layer():
     (group,) = KVLayout(3, 2, 64, torch.bfloat16).groups
-    assert (group.kind, group.window, group.layers) == ("full", None, (0, 1, 2))
+    assert (group.window, group.layers) == (None, (0, 1, 2))
     assert group.bytes_per_token == KVLayout(3, 2, 64, torch.bfloat16).bytes_per_token
 
 

@@ -223,6 +223,17 @@ def test_tier_drops_the_least_recently_used_page_beyond_capacity():
     tier.check()
 
 
+def test_stats_are_a_snapshot_that_later_calls_leave_alone():
+    tier = bound(HostTier(2))
+    before = tier.stats()
+    tier.put(keys(1)[0], page(0))
+    tier.get(keys(2)[1])
+    assert (before.num_pages, before.num_stored, before.num_misses) == (0, 0, 0)
+    after = tier.stats()
+    assert (after.capacity_pages, after.num_pages, after.num_stored, after.num_misses) == (
+        2, 1, 1, 1)
+
+
 def test_key_collision_is_a_miss():
     tier = bound(HostTier(4))
     key = PageKey.of(ROOT_KEY, [1, 2, 3, 4])

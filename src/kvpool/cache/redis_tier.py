@@ -13,12 +13,12 @@ seconds (so a dead server costs one timeout, not one per page). Keys Redis evict
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 
 import torch
 
-from kvpool.cache.tiers import PageKey, Tier, page_record, read_page_record
+from kvpool.cache.tiers import PageKey, Tier, namespace_tag, page_record
+from kvpool.errors import check_int
 
 KEY_PREFIX = "kvpool:page"
 UNBOUNDED = 2**62  # capacity_pages when Redis's own maxmemory is the only bound
@@ -46,10 +46,8 @@ class RedisTier(Tier):
         except ImportError:
             raise ImportError("RedisTier needs the redis client: pip install 'kvpool[redis]'") \
                 from None
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(
-                capacity_bytes, int) or capacity_bytes < 1):
-            raise ValueError(f"capacity_bytes must be a positive int or None, "
-                             f"got {capacity_bytes!r}")
+        if capacity_bytes is not None:
+            check_int("capacity_bytes", capacity_bytes, 1)
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
         for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):
@@ -66,15 +64,10 @@ class RedisTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.prefix = KEY_PREFIX if namespace is None else f"{KEY_PREFIX}:{namespace}"
         self.retry_interval = retry_interval
-        self._errors = redis.RedisError
+        self.num_errors = 0  # calls to Redis that failed (refused, timed out, server error)
+        self._redis_error = redis.RedisError
         self._tag = ""  # the bound namespace, hashed into every key
         self._retry_at = 0.0  # monotonic time before which Redis is not called
-        self._num_errors = 0  # failed calls to Redis
-
-    @property
-    def num_errors(self) -> int:
-        """Calls to Redis that failed (refused, timed out, or any server error)."""
-        return self._num_errors
 
     def redis_key(self, key: PageKey) -> str:
         """The Redis key of the page stored under `key`."""
@@ -86,11 +79,11 @@ class RedisTier(Tier):
         data = self._read(key)
         if data is None:
             self._keys.pop(key.chain_key, None)
-            self._num_misses += 1
+            self._counts.num_misses += 1
             return None
         if key.chain_key in self._keys:
             self._keys.move_to_end(key.chain_key)
-        self._num_hits += 1
+        self._counts.num_hits += 1
         return data
 
     def __contains__(self, key: PageKey) -> bool:
@@ -99,7 +92,7 @@ class RedisTier(Tier):
         return self._read(key) is not None
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+        self._tag = namespace_tag(namespace)
         if self.capacity_bytes is not None:
             page_bytes = torch.Size(page_shape).numel() * dtype.itemsize
             if self.capacity_bytes < page_bytes:
@@ -113,22 +106,18 @@ class RedisTier(Tier):
     def _read(self, key: PageKey) -> torch.Tensor | None:
         try:
             record = self._call("get", self.redis_key(key))
-        except (self._errors, ConnectionError):
+        except (self._redis_error, ConnectionError):
             return None
         if record is None:
             return None
-        data = read_page_record(record, key, self.namespace, self.page_shape, self.dtype)
+        data = self._page_of(record, key)
         if data is None:
-            self._num_corrupt += 1
-            self._delete(key)
+            self._discard(key)
         return data
 
     def _discard(self, key: PageKey) -> None:
-        self._delete(key)
-
-    def _delete(self, key: PageKey) -> None:
         """Delete the value of `key` if Redis answers; one left behind Redis evicts in time."""
-        with contextlib.suppress(self._errors, ConnectionError):
+        with contextlib.suppress(self._redis_error, ConnectionError):
             self._call("delete", self.redis_key(key))
 
     def _call(self, command: str, *args):
@@ -139,7 +128,7 @@ class RedisTier(Tier):
                                    f"{self.retry_interval} s ago")
         try:
             return getattr(self.client, command)(*args)
-        except self._errors:
-            self._num_errors += 1
+        except self._redis_error:
+            self.num_errors += 1
             self._retry_at = time.monotonic() + self.retry_interval
             raise

@@ -58,7 +58,6 @@ class StateCheckpoints:
         self.interval = interval
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._reserved: set[int] = set()
-        self.num_evicted = 0
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -111,18 +110,15 @@ class StateCheckpoints:
 
     def evict(self, n: int) -> int:
         """Drop up to `n` least recently used checkpoints; returns how many went."""
-        gone = 0
-        while gone < n and self._slots:
+        gone = min(n, len(self._slots))
+        for _ in range(gone):
             self.states.free(self._slots.popitem(last=False)[1])
-            gone += 1
-        self.num_evicted += gone
         return gone
 
     def drop(self, prefixes: list[bytes]) -> None:
         """Drop the checkpoints of these prefixes (their KV pages are gone)."""
         for prefix in prefixes:
             self.states.free(self._slots.pop(prefix))
-        self.num_evicted += len(prefixes)
 
     def prefixes(self) -> list[bytes]:
         """The checkpointed prefixes, least recently used first."""
@@ -180,7 +176,7 @@ class MambaState(GroupManager):
         self._seqs: dict[Hashable, _StateSlot] = {}
         # Set by the KV prefix cache's eviction hook; drop_orphans sweeps then.
         self._kv_evicted = False
-        if kv.prefix_cache is not None:
+        if caching:
             kv.prefix_cache.evict_hooks.append(self._on_kv_evicted)
 
     def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:

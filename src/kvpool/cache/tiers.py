@@ -1,8 +1,8 @@
-"""Tiers below the pool: host memory and disk, where evicted prefix pages go instead of
-being lost, to be loaded back into fresh pages when a later prompt continues their prefix.
-A page is stored under a `PageKey`, which names its whole prefix. A tier belongs to one
-namespace (model and layout: see `KVCache`), fixed by `bind` before its first use: a page
-of another namespace is never served.
+"""Tiers below the pool: host memory and disk (here), Redis (`redis_tier`), where evicted
+prefix pages go instead of being lost, to be loaded back into fresh pages when a later prompt
+continues their prefix. A page is stored under a `PageKey`, which names its whole prefix. A
+tier belongs to one namespace (model and layout: `page_namespace`), fixed by `bind` before
+its first use: a page of another namespace is never served.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -54,24 +54,24 @@ class PageKey:
         return cls(chain_key(parent_key, tokens), parent_key, tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TierStats:
-    """A snapshot of a tier's counters, in pages (hits and misses count `get` calls)."""
+    """A tier's counters, in pages (hits and misses count `get` calls)."""
 
     capacity_pages: int
-    num_pages: int  # held now
-    num_stored: int  # cumulative puts
-    num_hits: int
-    num_misses: int
-    num_evictions: int  # pages dropped to make room (least recently used first)
+    num_pages: int = 0  # held now
+    num_stored: int = 0  # cumulative puts
+    num_hits: int = 0
+    num_misses: int = 0
+    num_evictions: int = 0  # pages dropped to make room (least recently used first)
     num_dropped: int = 0  # pages `store` could not keep (a failed write)
     num_corrupt: int = 0  # stored pages that failed their checks on load, and were removed
 
 
 class Tier(ABC):
     """Storage for evicted prefix pages, at most `capacity_pages` of them, LRU beyond that.
-    A page's data is shaped `[num_layers, num_planes, page_size, num_kv_heads, head_dim]`
-    (one page of `KVPool.read_pages`). Subclasses say where the data lives (`_write`, `_read`,
+    A page's data is one page of `KVPool.read_pages`: `[num_layers, num_planes, page_size,
+    num_kv_heads, head_dim]`. Subclasses say where the data lives (`_open`, `_write`, `_read`,
     `_discard`); this class keeps the index, the recency order and the counters."""
 
     def __init__(self, capacity_pages: int):
@@ -80,12 +80,7 @@ class Tier(ABC):
         self.page_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
         self._keys: OrderedDict[int, PageKey] = OrderedDict()  # least recently used first
-        self._num_stored = 0
-        self._num_hits = 0
-        self._num_misses = 0
-        self._num_evictions = 0
-        self._num_dropped = 0
-        self._num_corrupt = 0
+        self._counts = TierStats(capacity_pages)  # cumulative; stats() adds capacity and size
 
     def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
         """Fix what this tier stores: pages of `namespace`, shaped `page_shape`, of `dtype`.
@@ -115,10 +110,10 @@ class Tier(ABC):
             self._discard(self._keys.pop(key.chain_key))
         elif len(self._keys) == self.capacity_pages:
             self._discard(self._keys.popitem(last=False)[1])
-            self._num_evictions += 1
+            self._counts.num_evictions += 1
         self._write(key, data)
         self._keys[key.chain_key] = key
-        self._num_stored += 1
+        self._counts.num_stored += 1
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
         """`put` that never raises, for eviction, which must not fail: a page the tier cannot
@@ -126,7 +121,7 @@ class Tier(ABC):
         try:
             self.put(key, data)
         except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
-            self._num_dropped += 1
+            self._counts.num_dropped += 1
             return False
         return True
 
@@ -137,10 +132,10 @@ class Tier(ABC):
             data = self._read(key)
             if data is not None:
                 self._keys.move_to_end(key.chain_key)
-                self._num_hits += 1
+                self._counts.num_hits += 1
                 return data
             self._discard(self._keys.pop(key.chain_key))
-        self._num_misses += 1
+        self._counts.num_misses += 1
         return None
 
     def __contains__(self, key: PageKey) -> bool:
@@ -156,10 +151,9 @@ class Tier(ABC):
         return iter(list(self._keys.values()))
 
     def stats(self) -> TierStats:
-        """Capacity, pages held, and cumulative put/hit/miss/eviction/drop counts."""
-        return TierStats(self.capacity_pages, len(self._keys), self._num_stored,
-                         self._num_hits, self._num_misses, self._num_evictions,
-                         self._num_dropped, self._num_corrupt)
+        """A snapshot of the counters, with the capacity and the pages held now."""
+        return replace(self._counts, capacity_pages=self.capacity_pages,
+                       num_pages=len(self._keys))
 
     def clear(self) -> None:
         """Drop every page (counters stay)."""
@@ -175,6 +169,18 @@ class Tier(ABC):
             assert ck == key.chain_key == chain_key(key.parent_key, key.token_ids), (
                 f"key {key} filed under {ck}")
 
+    def _page_of(self, record: bytes, key: PageKey) -> torch.Tensor | None:
+        """The page data in `record` (see `page_record`); None, counted corrupt, unless the
+        record is whole and holds exactly `key`'s page of this tier's namespace, shape and
+        dtype."""
+        f = io.BytesIO(record)
+        header = _read_header(f, self.namespace, self.page_shape, self.dtype)
+        payload = bytearray(f.read())
+        if header != (key, len(payload), zlib.crc32(payload)):
+            self._counts.num_corrupt += 1
+            return None
+        return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.page_shape)
+
     @abstractmethod
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Prepare the storage for pages of `namespace`; raise before changing anything."""
@@ -185,7 +191,7 @@ class Tier(ABC):
 
     @abstractmethod
     def _read(self, key: PageKey) -> torch.Tensor | None:
-        """A copy of the data stored for `key` (which the index holds), None if lost."""
+        """A copy of the data stored for `key`, None if lost or damaged."""
 
     @abstractmethod
     def _discard(self, key: PageKey) -> None:
@@ -252,7 +258,7 @@ class HostTier(Tier):
         self._free_slots.append(self._slot_of.pop(key.chain_key))
 
 
-# A page file: magic, header length and header CRC-32, the header (JSON), the payload.
+# A page record: magic, header length and header CRC-32, the header (JSON), the payload.
 _MAGIC = b"KVPOOLPG"
 _PREFIX = struct.Struct("<8sII")
 _FORMAT_VERSION = 1
@@ -260,14 +266,13 @@ _TMP_PREFIX = ".kvpage-"
 
 
 class DiskTier(Tier):
-    """Pages on disk in `directory`, one file per page named by its namespace and chain key.
-    Each file carries a header (format version, namespace, key, shape, dtype, payload length
-    and CRC-32) checked on every load: a page that fails is a miss, removed and counted.
-    Files are written atomically (to a temporary name, then renamed), removed on eviction and
-    by `clear()`. Binding indexes the namespace's pages already in the directory again, least
-    recently used (by file modification time) first, and removes those whose header fails,
-    those beyond capacity and temporaries of interrupted writes; other namespaces' files are
-    left alone and never served."""
+    """Pages on disk in `directory`, one file per page (a `page_record`) named by its
+    namespace and chain key, checked on every load: a page that fails is a miss, removed and
+    counted. Files are written atomically (to a temporary name, then renamed), removed on
+    eviction and by `clear()`. Binding indexes the namespace's pages already in the directory
+    again, least recently used (by file modification time) first, and removes those whose
+    header fails, those beyond capacity and temporaries of interrupted writes; other
+    namespaces' files are left alone and never served."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -286,7 +291,7 @@ class DiskTier(Tier):
         return self.directory / f"{self._tag}-{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._tag = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+        self._tag = namespace_tag(namespace)
         for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
             _remove(f)
         files = self.directory.glob(f"{self._tag}-*.kvpage")
@@ -297,7 +302,7 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError), open(path, "rb") as f:
                 header = _read_header(f, namespace, page_shape, dtype)
             if header is None or self.path(header[0]) != path:
-                self._num_corrupt += 1
+                self._counts.num_corrupt += 1
                 _remove(path)
             else:
                 self._keys[header[0].chain_key] = header[0]
@@ -321,16 +326,13 @@ class DiskTier(Tier):
     def _read(self, key: PageKey) -> torch.Tensor | None:
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                header = _read_header(f, self.namespace, self.page_shape, self.dtype)
-                payload = bytearray(f.read())
+            record = path.read_bytes()
         except OSError:
             return None
-        if header != (key, len(payload), zlib.crc32(payload)):
-            self._num_corrupt += 1
-            return None
-        self._touch(path)
-        return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.page_shape)
+        data = self._page_of(record, key)
+        if data is not None:
+            self._touch(path)
+        return data
 
     def _discard(self, key: PageKey) -> None:
         _remove(self.path(key))
@@ -351,6 +353,11 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def namespace_tag(namespace: str) -> str:
+    """A short hash of `namespace` (16 hex digits) that names its pages in a shared store."""
+    return hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+
+
 def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
     """One stored page as bytes: magic, header length and header CRC-32, the header (JSON:
     format version, namespace, key, shape, dtype, payload length and CRC-32), the payload."""
@@ -365,23 +372,11 @@ def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
                      payload.tobytes()])
 
 
-def read_page_record(record: bytes, key: PageKey, namespace: str,
-                     page_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """The page data in `record` (see `page_record`), or None unless it is whole and holds
-    exactly `key`'s page of `namespace`, `page_shape` and `dtype`."""
-    f = io.BytesIO(record)
-    header = _read_header(f, namespace, page_shape, dtype)
-    payload = bytearray(f.read())
-    if header != (key, len(payload), zlib.crc32(payload)):
-        return None
-    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(page_shape)
-
-
 def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
                  dtype: torch.dtype) -> tuple[PageKey, object, object] | None:
-    """The key, payload length and payload CRC-32 in the header of the page file open as
-    `f`, which is left at the payload; None unless the magic and the header's CRC-32 match
-    and the header names this format version, namespace, shape and dtype."""
+    """The key, payload length and payload CRC-32 in the header of the record open as `f`,
+    which is left at the payload; None unless the magic and the header's CRC-32 match and the
+    header names this format version, namespace, shape and dtype."""
     try:
         magic, header_len, header_crc = _PREFIX.unpack(f.read(_PREFIX.size))
         raw = f.read(header_len)

@@ -1,6 +1,5 @@
-"""What the attention layers of a model read: one KVPool per layer group (GroupedPool, with
-the attention layer -> (group, pool layer) map); a step's forward context holds one
-AttentionMetadata per group (each group has its own page tables and slot mapping)."""
+"""GroupedPool: what the attention layers of a model read, one KVPool per layer group; a
+step's forward context holds one AttentionMetadata per group."""
 
 from __future__ import annotations
 
@@ -28,10 +27,11 @@ class GroupedPool:
     where: tuple[tuple[int, int], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        where = [(0, layer) for layer in range(self.layout.num_layers)]
-        for g, group in enumerate(self.layout.groups if len(self.pools) > 1 else ()):
-            for i, layer in enumerate(group.layers):
-                where[layer] = (g, i)
+        where = [(0, layer) for layer in range(self.layout.num_layers)]  # one pool: in order
+        if len(self.pools) > 1:
+            for g, group in enumerate(self.layout.groups):
+                for i, layer in enumerate(group.layers):
+                    where[layer] = (g, i)
         self.where = tuple(where)
 
     @property
@@ -41,7 +41,7 @@ class GroupedPool:
 
     @property
     def scales_ready(self) -> bool:
-        """Whether every layer of every group has its fp8 scales (True when not fp8)."""
+        """Whether every group's pool has all its fp8 scales (KVPool.scales_ready)."""
         return all(pool.scales_ready for pool in self.pools)
 
     @property
@@ -51,7 +51,7 @@ class GroupedPool:
 
     @contextmanager
     def calibration_paused(self) -> Iterator[None]:
-        """Within this block writes set no fp8 scales in any group (KVPool's)."""
+        """KVPool.calibration_paused for every group's pool."""
         with ExitStack() as stack:
             for pool in self.pools:
                 stack.enter_context(pool.calibration_paused())

@@ -22,11 +22,6 @@ class LayerGroup:
     layers: tuple[int, ...]
     bytes_per_token: int
 
-    @property
-    def kind(self) -> str:
-        """"full" or "sliding_window"."""
-        return "full" if self.window is None else "sliding_window"
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -41,9 +36,7 @@ class KVLayout:
     layout holds fp8 pages with one scale per layer and plane (kvpool.memory.fp8).
 
     `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
-    when every layer attends to the whole context; `groups` gathers the layers by window.
-    All layers share one page table, so the bytes per token count every layer whatever its
-    window; when every layer is windowed, KVCache gives back the pages that leave the window."""
+    when every layer attends to the whole context; `groups` gathers the layers by window."""
 
     num_layers: int
     num_kv_heads: int
@@ -81,11 +74,9 @@ class KVLayout:
         windows = self.layer_windows or (None,) * self.num_layers
         order = sorted(set(windows), key=lambda w: -1 if w is None else w)
         per_layer = self.bytes_per_token // self.num_layers
-        groups = []
-        for window in order:
-            layers = tuple(i for i, w in enumerate(windows) if w == window)
-            groups.append(LayerGroup(window, layers, per_layer * len(layers)))
-        return tuple(groups)
+        layers = [tuple(i for i, w in enumerate(windows) if w == window) for window in order]
+        return tuple(LayerGroup(window, group, per_layer * len(group))
+                     for window, group in zip(order, layers, strict=True))
 
     @property
     def num_planes(self) -> int:
@@ -96,8 +87,8 @@ class KVLayout:
         """The layout of one tensor-parallel rank's pool: its share of the KV heads, or one
         head when there are fewer heads than ranks (each replicated on several; an MLA latent
         is whole on every rank). ValueError when the heads do not split evenly."""
-        heads, ranks = self.num_kv_heads, check_int("tensor_parallel_size",
-                                                    tensor_parallel_size, 1)
+        ranks = check_int("tensor_parallel_size", tensor_parallel_size, 1)
+        heads = self.num_kv_heads
         if (heads % ranks if heads >= ranks else ranks % heads) and self.kind == "mha":
             raise ValueError(f"{heads} KV heads do not split evenly across {ranks} "
                              f"tensor-parallel ranks")

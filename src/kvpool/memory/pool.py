@@ -30,24 +30,17 @@ def pages_within(layout: KVLayout, nbytes: int) -> int:
 
 class KVPool:
     """`num_pages` pages of K and V for every layer, and RESERVED_PAGES more, in one tensor on
-    `device` (keyword-only, no default) `[num_layers, num_planes, num_pages + 1, page_size,
-    num_kv_heads, head_dim]`: planes K and V (layout kind "mha"), or the one latent plane (kind
-    "mla", whose K and V views are both that plane).
+    `device` `[num_layers, num_planes, num_pages + 1, page_size, num_kv_heads, head_dim]`:
+    planes K and V (layout kind "mha"), or the one latent plane ("mla": K and V views are both
+    that plane). Page ids [0, num_pages) are the allocator's, the only ones page-level calls
+    take; the reserved `padding_page` (id num_pages) is no sequence's and never counted as used.
+    Allocating a page never touches its contents: readers only look at slots a sequence wrote.
 
-    Page ids [0, num_pages) are the allocator's. The reserved page, `padding_page` (id
-    num_pages), is no sequence's and never counted as used: padded rows of a CUDA-graph step
-    write their K/V to `padding_slot` and read only that page. Page-level calls (copy, read,
-    write and scrub pages) take allocator page ids only.
-
-    Allocating a page never touches its contents: a fresh or reused page holds whatever
-    bits were there, and readers only look at the slots a sequence has written.
-
-    A float8_e4m3fn layout also holds `scales` `[num_layers, num_planes]` (float32, on the
-    device): the scale of each layer's planes (kvpool.memory.fp8), K and V ("mha") or the latent
-    ("mla"). `kv_scales` gives them: one layer's scales for every layer, or a sequence of one
-    layer's scales per layer, where one layer's are a (k_scale, v_scale) pair for "mha" and one
-    number for "mla". A layer without is calibrated by the first K/V (latent) written to it
-    (`calibrate`), and keeps its scales for the pool's lifetime.
+    An fp8 layout also holds `scales` `[num_layers, num_planes]` (float32, on the device), one
+    per layer and plane (kvpool.memory.fp8). `kv_scales` gives them: one layer's scales for every
+    layer, or a sequence of one layer's scales per layer; one layer's scales are a (k_scale,
+    v_scale) pair for "mha", one number for "mla". A layer without is calibrated by the first
+    K/V (latent) written to it, and keeps its scales for the pool's lifetime.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
@@ -79,12 +72,12 @@ class KVPool:
 
     @property
     def padding_page(self) -> int:
-        """The reserved page's id (num_pages): outside the allocator's ids, no sequence's."""
+        """The reserved page, which padded rows of a CUDA-graph step read (num_pages)."""
         return self.num_pages
 
     @property
     def padding_slot(self) -> int:
-        """The first slot of the padding page: where a padded row writes its K/V."""
+        """The padding page's first slot, where padded rows and unread writes put their K/V."""
         return self.padding_page * self.layout.page_size
 
     @property
@@ -103,17 +96,16 @@ class KVPool:
         return all(self._has_scales) or not self.quantized
 
     def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The layer's K and V scale, float32 views `[]` on the device that kernels read when
-        they run (for "mla" both the latent's), or (None, None) when pages are not fp8."""
+        """The layer's K and V scale, float32 views `[]` on the device (for "mla" both the
+        latent's), or (None, None) when pages are not fp8."""
         if self.scales is None:
             return None, None
         return self.scales[layer, 0], self.scales[layer, -1]
 
     def set_scales(self, layer: int, *scales: float) -> None:
-        """Give `layer` its scales, one positive finite float per plane (`k_scale, v_scale`
-        for "mha", `latent_scale` for "mla"), before anything is written to it. ValueError
-        (changing nothing) if the pages are not fp8, or the layer has its scales already: its
-        pages may hold values stored under them."""
+        """Give `layer` its scales, one positive float per plane (`k_scale, v_scale` for "mha",
+        `latent_scale` for "mla"). ValueError (changing nothing) if the pages are not fp8, or
+        the layer has its scales already: its pages may hold values stored under them."""
         check_int("layer", layer, 0, self.layout.num_layers - 1)
         names = SCALE_NAMES[self.layout.kind]
         if len(scales) != len(names):
@@ -129,9 +121,9 @@ class KVPool:
         self._has_scales[layer] = True
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
-        """Take the layer's scales from K and V (for "mla" the latent `k`, `v` None) about to
-        be written, if it has none yet (kvpool.memory.fp8.scale_of; nothing is read back from the
-        device). Does nothing for pages that are not fp8, and while calibration is paused."""
+        """Take the layer's scales from the K and V (for "mla" the latent `k`) about to be
+        written, if it has none yet (fp8.scale_of, on the device). Does nothing for pages that
+        are not fp8, and while calibration is paused."""
         if self.quantized and self._calibrating and not self._has_scales[layer]:
             for plane, x in enumerate((k, v)[: self.layout.num_planes]):
                 self.scales[layer, plane] = scale_of(x)
@@ -153,12 +145,11 @@ class KVPool:
         return self.kv.numel() * self.kv.element_size()
 
     def k_cache(self, layer: int) -> torch.Tensor:
-        """Layer's K pages, a view `[num_pages + 1, page_size, num_kv_heads, head_dim]` (the
-        padding page last)."""
+        """Layer's K pages, a view `[num_pages + 1, page_size, num_kv_heads, head_dim]`."""
         return self.kv[layer, 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        """Layer's V pages, a view shaped as `k_cache`'s (for "mla" the same latent plane)."""
+        """Layer's V pages, shaped as `k_cache`'s (for "mla" the same latent plane)."""
         return self.kv[layer, self.layout.num_planes - 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
@@ -211,8 +202,8 @@ class KVPool:
         self.kv[:, :, self._index(pages)] = 0
 
     def check(self) -> None:
-        """Raise AssertionError unless the tensor holds num_pages pages and the reserved ones,
-        and every layer that has scales has positive finite ones."""
+        """The tensor holds num_pages and the reserved pages, and every layer that has its
+        scales has positive finite ones; AssertionError naming what is broken."""
         assert self.kv.shape[2] == self.num_pages + RESERVED_PAGES, (
             f"the pool tensor holds {self.kv.shape[2]} pages for {self.num_pages} and "
             f"{RESERVED_PAGES} reserved")
@@ -239,8 +230,8 @@ def _check_within(index: torch.Tensor, bound: int, what: str, error: type[Except
 
 
 def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
-    """`kv_scales` (see KVPool) as one tuple of scales per layer, one per plane, checked
-    (TypeError or ValueError naming the bad value); None stays None."""
+    """`kv_scales` (see KVPool) as one tuple of scales per layer, checked (TypeError or
+    ValueError naming the bad value); None stays None."""
     if kv_scales is None:
         return None
     if not is_fp8(layout.dtype):
@@ -258,8 +249,8 @@ def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None
 
 
 def _is_row(x, num_planes: int) -> bool:
-    """Whether `x` has the form of one layer's scales: a bare number for one plane, a tuple or
-    list of numbers, one per plane, for several."""
+    """Whether `x` has the form of one layer's scales: a number for one plane, a tuple or list
+    of one per plane for several."""
     if num_planes == 1:
         return not isinstance(x, (tuple, list))
     return (isinstance(x, (tuple, list)) and len(x) == num_planes

@@ -3,11 +3,11 @@
 A Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token:
 the last `conv_kernel - 1` inputs of its causal convolution and its SSM state. The pool
 allocates `num_slots` such states per Mamba layer once, and hands out state slots (indices
-into them) with a free list and reference counts, as the allocator does for pages. One more
-state per layer, the padding slot, is set aside beyond them, as KVPool sets its padding page."""
+into them) with a free list and reference counts, as the allocator does for pages."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -56,9 +56,8 @@ class MambaLayout:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes of one state slot over all Mamba layers."""
-        conv = self.conv_dim * (self.conv_kernel - 1)
-        ssm = self.num_heads * self.head_dim * self.state_size
-        return self.num_layers * (conv + ssm) * self.dtype.itemsize
+        elements = math.prod(self.conv_shape) + math.prod(self.ssm_shape)
+        return self.num_layers * elements * self.dtype.itemsize
 
 
 def slots_within(layout: MambaLayout, nbytes: int) -> int:
@@ -84,13 +83,10 @@ class StateStats:
 
 class MambaPool:
     """`num_slots` state slots per Mamba layer, allocated once on `device`, with a LIFO
-    free list and one reference count per slot.
-
-    `conv_state(layer)` `[num_slots + 1, conv_dim, conv_kernel - 1]` and `ssm_state(layer)`
-    `[num_slots + 1, num_heads, head_dim, state_size]` are views the model reads and writes by
-    slot. Allocating a slot never touches its contents: a sequence's first step starts from a
-    zero state without reading it. The last row, `padding_slot` (index num_slots), is reserved:
-    never allocated, never counted as used; padded rows of a CUDA-graph step use it."""
+    free list and one reference count per slot, and one more slot, `padding_slot` (index
+    num_slots), never allocated or counted as used: padded rows of a CUDA-graph step use it.
+    Allocating a slot never touches its contents: a sequence's first step starts from a zero
+    state without reading it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
         check_int("num_slots", num_slots, 1)
@@ -110,12 +106,12 @@ class MambaPool:
 
     @property
     def num_slots(self) -> int:
-        """State slots in the pool."""
+        """State slots in the pool, the padding slot not counted."""
         return len(self._refs)
 
     @property
     def padding_slot(self) -> int:
-        """The reserved slot's index (num_slots): outside the allocatable slots."""
+        """The reserved slot (num_slots)."""
         return self.num_slots
 
     @property
@@ -129,11 +125,11 @@ class MambaPool:
         return (self.num_slots + RESERVED_SLOTS) * self.layout.bytes_per_slot
 
     def conv_state(self, layer: int) -> torch.Tensor:
-        """Conv states of Mamba layer `layer`: `[num_slots + 1, conv_dim, conv_kernel - 1]`."""
+        """Conv states of Mamba layer `layer` by slot: `[num_slots + 1, *conv_shape]`."""
         return self.conv[layer]
 
     def ssm_state(self, layer: int) -> torch.Tensor:
-        """SSM states of Mamba layer `layer`: `[num_slots + 1, heads, head_dim, state_size]`."""
+        """SSM states of Mamba layer `layer` by slot: `[num_slots + 1, *ssm_shape]`."""
         return self.ssm[layer]
 
     def allocate(self) -> int:
@@ -185,15 +181,16 @@ class MambaPool:
             if not 0 <= slot < self.num_slots:
                 raise IndexError(f"state slots must lie in [0, {self.num_slots}), got {slot}")
         if src:
-            rows = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            self.conv[:, rows[1]] = self.conv[:, rows[0]]
-            self.ssm[:, rows[1]] = self.ssm[:, rows[0]]
+            src_rows = torch.tensor(src, device=self.device)
+            dst_rows = torch.tensor(dst, device=self.device)
+            self.conv[:, dst_rows] = self.conv[:, src_rows]
+            self.ssm[:, dst_rows] = self.ssm[:, src_rows]
             for listener in self.copy_listeners:
                 listener(src, dst)
 
     def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the state in `slot` (held), every layer: conv `[layers, conv_dim,
-        conv_kernel - 1]` and SSM `[layers, heads, head_dim, state_size]`."""
+        """A copy of the state in `slot` (held), every layer: conv `[layers, *conv_shape]` and
+        SSM `[layers, *ssm_shape]`."""
         self._check_held(slot)
         return self.conv[:, slot].clone(), self.ssm[:, slot].clone()
 

@@ -24,13 +24,13 @@ class WorkspaceFull(KVPoolError, MemoryError):
 
 
 class Workspace:
-    """`nbytes` bytes on `device` (keyword-only, no default), handed out by `alloc(shape,
-    dtype)` until `reset()`."""
+    """`nbytes` bytes on `device`, handed out by `alloc(shape, dtype)` until `reset()`."""
 
     def __init__(self, nbytes: int, *, device: str | torch.device):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"workspace size must be an int >= 0 bytes, got {nbytes!r}")
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=check_device(device))
+        self.device = check_device(device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.used = 0  # bytes handed out since the last reset, alignment padding included
         self.peak = 0  # the most bytes ever in use at once
         self.num_allocs = 0  # allocations since the last reset
@@ -39,10 +39,6 @@ class Workspace:
     def nbytes(self) -> int:
         """Size of the workspace in bytes."""
         return self.buffer.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.buffer.device
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` and `dtype` in the workspace, valid
@@ -78,7 +74,7 @@ class Workspace:
         self.num_allocs = 0
 
     def check(self) -> None:
-        """Raise AssertionError naming the broken invariant."""
+        """The buffer is bytes, use and peak lie within it; AssertionError naming what broke."""
         assert self.buffer.dim() == 1 and self.buffer.dtype == torch.uint8, "buffer is not bytes"
         assert 0 <= self.used <= self.nbytes, f"used {self.used} outside [0, {self.nbytes}]"
         assert self.used <= self.peak <= self.nbytes, (
