@@ -12,9 +12,10 @@ from functools import partial
 
 import pytest
 
+from engine_probes import cache_stats, check_cache, num_steps, used_pages
 from kvpool.engine import LLM, SamplingParams
 from kvpool.server.engine_loop import EngineLoop
-from server_util import cache_stats, check_cache, metrics, num_steps, running_server, used_pages
+from server_util import metrics, running_server
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
