@@ -31,6 +31,10 @@ BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "cache" / "_t
 # gpu-check: test workers sharing the one GPU, and the share of its memory each may take
 # (tests/conftest.py applies it), so that a test that overflows fails alone.
 GPU_WORKERS = min(8, os.cpu_count() or 1)
+# How xdist hands out tests: a module at a time, so that what a module builds once (a
+# server, a model, a compile) is built on one worker only, not on each that runs one of its
+# tests.
+WHOLE_MODULES = ("--dist", "loadscope")
 SHARE_VARIABLE = "KVPOOL_TEST_CUDA_MEMORY_FRACTION"
 
 
@@ -99,7 +103,7 @@ def gpu_check(args: list[str]) -> int:
               f"process (pip install -e '.[test]' for {GPU_WORKERS} workers)")
         workers = 1
     env[SHARE_VARIABLE] = f"{0.9 / workers:.3f}"
-    parallel = ["-n", str(workers)] if workers > 1 else []
+    parallel = ["-n", str(workers), *WHOLE_MODULES] if workers > 1 else []
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "suite.xml"
@@ -121,13 +125,13 @@ def gpu_check(args: list[str]) -> int:
 
 
 def test_workers(args: list[str]) -> list[str]:
-    """pytest-xdist workers for `dev.py test`, one per core, unless the arguments choose (-n,
-    or -p no:xdist) or there is one core."""
+    """pytest-xdist workers for `dev.py test`, one per core, each given whole modules, unless
+    the arguments choose (-n, or -p no:xdist) or there is one core."""
     cores = os.cpu_count() or 1
     if cores == 1 or any(a.startswith(("-n", "--numprocesses")) or "no:xdist" in a
                          for a in args):
         return []
-    return ["-n", str(cores)]
+    return ["-n", str(cores), *WHOLE_MODULES]
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Helpers for the server tests: a real uvicorn server on 127.0.0.1 (a free port, in a
 thread) serving an LLM in its engine process, and reading the engine's state between two of
-its steps. What runs in the engine process must pickle, so the probes are functions here."""
+its steps with the probes of engine_probes.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_probes import has_unfinished
 from kvpool.engine import LLM
 from kvpool.server.app import build_app
 from kvpool.server.listener import DrainingServer
@@ -89,58 +90,3 @@ def metrics(server: RunningServer) -> dict:
     text = httpx.get(f"{server.url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-# ---- probes run in the engine process --------------------------------------------------
-
-
-def has_unfinished(llm: LLM) -> bool:
-    return llm.has_unfinished()
-
-
-def check_cache(llm: LLM) -> None:
-    llm.cache.check()
-
-
-def cache_stats(llm: LLM):
-    return llm.cache.stats()
-
-
-def used_pages(llm: LLM) -> int:
-    return llm.cache.stats().num_used_pages
-
-
-def num_steps(llm: LLM) -> int:
-    return llm.stats().num_steps
-
-
-def fail_next_forward(llm: LLM) -> None:
-    """Make the engine's next forward (eager, or a CUDA graph's replay) raise
-    RuntimeError("injected"), once."""
-    def forward_once(batch, previous):
-        del llm._forward  # back to the real method
-        raise RuntimeError("injected")
-    llm._forward = forward_once
-
-
-class PoisonedSampler:
-    """The engine's sampler, except that it raises for any batch holding a request of
-    `max_tokens` 7 (the engine then samples each request alone, and only that one fails)."""
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    def __call__(self, logits, params, streams, positions):
-        if any(p.max_tokens == 7 for p in params):
-            raise RuntimeError("injected")
-        return self.sampler(logits, params, streams, positions)
-
-
-def poison_sampling(llm: LLM) -> None:
-    """Requests of max_tokens 7 fail in their first step from now on."""
-    llm.sampler = PoisonedSampler(llm.sampler)
-
-
-def heal_sampling(llm: LLM) -> None:
-    """Undo `poison_sampling`."""
-    llm.sampler = llm.sampler.sampler

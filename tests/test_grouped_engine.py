@@ -35,6 +35,13 @@ def batch() -> list[list[int]]:
     return out + [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
 
 
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt of batch()."""
+    hf, _ = checkpoint
+    return [hf_greedy(hf, p, MAX_TOKENS) for p in batch()]
+
+
 def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint, device):
     _, folder = checkpoint
     llm = LLM(folder, **ENGINE, device=device)
@@ -51,8 +58,8 @@ def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemption(
-        checkpoint, prefix_caching, device, overlap):
-    hf, folder = checkpoint
+        checkpoint, expected, prefix_caching, device, overlap):
+    _, folder = checkpoint
     llm = LLM(folder, prefix_caching=prefix_caching, **ENGINE, device=device, overlap=overlap)
     prompts_ = batch()
     ids = [llm.add_request(p, GREEDY) for p in prompts_]
@@ -70,18 +77,17 @@ def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemptio
             assert HOLE not in llm.cache.pages(seq_id, 0)
         llm.cache.check()
     assert windowed > 0
-    assert [outputs[i] for i in ids] == [hf_greedy(hf, p, MAX_TOKENS) for p in prompts_]
+    assert [outputs[i] for i in ids] == expected
     assert llm.stats().num_preemptions > 0
     assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
 
 
-def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint, device):
-    hf, folder = checkpoint
+def test_free_out_of_window_false_keeps_one_pool_of_every_page(checkpoint, expected, device):
+    _, folder = checkpoint
     llm = LLM(folder, free_out_of_window=False, **ENGINE, device=device)
     assert len(llm.cache.groups) == 1 and llm.cache.num_pages == 22
-    prompt = batch()[1]
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+    out = llm.generate([batch()[1]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[1]
 
 
 def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint, device):

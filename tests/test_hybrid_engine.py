@@ -112,14 +112,20 @@ def test_abort_returns_the_pages_and_the_state_slot(checkpoint, prompts, device)
     _assert_drained(llm)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
-        checkpoint, hf_model, device, overlap):
+@pytest.fixture(scope="module")
+def shared_prefix(hf_model, device):
+    """(4 prompts sharing a 21-token prefix, transformers' greedy continuation of each)."""
     rng = random.Random(1)
     shared = [rng.randrange(160) for _ in range(21)]
     prompts = [shared + [rng.randrange(160) for _ in range(k)] for k in (1, 4, 9, 12)]
     hf_model = copy.deepcopy(hf_model).to(device)
-    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+    return prompts, [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_with_prefix_hits_from_checkpoints_equal_transformers(
+        checkpoint, shared_prefix, device, overlap):
+    prompts, expected = shared_prefix
     # one at a time: later prompts hit the checkpoints of earlier ones
     llm = _llm(checkpoint, max_num_seqs=1, mamba_checkpoint_slots=8, device=device,
                overlap=overlap)

@@ -4,6 +4,10 @@ errors, and the built-in "tiny" preset and its byte tokenizer."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,6 +229,21 @@ def test_tiny_preset_generates_varied_tokens(device):
     tiny = load_model("tiny", device=device)
     out = PagedRunner(tiny.model).greedy({"a": tiny.tokenizer.encode("Hello")}, 16)["a"]
     assert len(set(out)) > 4
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported():
+    # Every engine process loads its model first; an init run on the meta device would import
+    # torch._dynamo there, seconds of each server's start. Checked in a fresh process.
+    code = ("import sys\n"
+            "from kvpool.models.loader import load_model\n"
+            "load_model('tiny', device='cpu')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_planning_presets_have_no_weights_to_load(device):

@@ -12,15 +12,15 @@ from functools import partial
 import httpx
 import pytest
 
-from kvpool.engine import LLM
-from server_util import (
+from engine_probes import (
     check_cache,
     fail_next_forward,
     heal_sampling,
     poison_sampling,
-    running_server,
     used_pages,
 )
+from kvpool.engine import LLM
+from server_util import running_server
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
         "stream": True}

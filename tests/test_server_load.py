@@ -12,9 +12,10 @@ from functools import partial
 
 import pytest
 
+from engine_probes import cache_stats, check_cache, num_steps, used_pages
 from kvpool.engine import LLM, SamplingParams
 from kvpool.server.engine_loop import EngineLoop
-from server_util import cache_stats, check_cache, metrics, num_steps, running_server, used_pages
+from server_util import metrics, running_server
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
@@ -99,12 +100,10 @@ def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
         "kvpool_generation_tokens_total", ()] < 2000
 
 
-def test_an_abort_gives_the_pages_back_before_the_next_step(device):
-    engine = EngineLoop(partial(LLM, "tiny", num_pages=64, device=device), max_waiting=8)
-    engine.start()
+def test_an_abort_gives_the_pages_back_before_the_next_step(server):
+    engine: EngineLoop = server.engine  # driven directly, on the server's event loop
 
     async def main():
-        engine.attach()
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
         stream = await engine.add("a", [256, *b"Hello"], params)
         await stream.get()
@@ -112,9 +111,9 @@ def test_an_abort_gives_the_pages_back_before_the_next_step(device):
         engine.abort("a")
         pages = await engine.call(used_pages)
         steps_after = await engine.call(num_steps)
-        await engine.stop()
         return pages, steps_after - steps
 
-    pages, steps_between = asyncio.run(main())
+    server.wait_idle()
+    pages, steps_between = asyncio.run_coroutine_threadsafe(main(), server.loop).result(30)
     assert pages == 0
     assert steps_between <= 1  # a step already under way when the abort arrived

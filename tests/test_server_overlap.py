@@ -3,16 +3,13 @@ the text of the engine without it."""
 
 from functools import partial
 
+from engine_probes import check_cache, overlapping, used_pages
 from kvpool.engine import LLM, SamplingParams
-from server_util import check_cache, running_server, used_pages
+from server_util import running_server
 
 PROMPT = "The pool"
 ENGINE = partial(LLM, "tiny", num_pages=24, max_model_len=512, max_num_seqs=8, device="cpu")
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-def overlapping(llm: LLM) -> bool:
-    return llm.overlap
 
 
 def test_completions_and_stop_strings_with_overlap_give_the_plain_text():

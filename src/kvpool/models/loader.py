@@ -71,7 +71,9 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     if model == TINY_PRESET:
         weights_dtype = config.weights_dtype(dtype)
         net = LlamaForCausalLM(config, dtype=weights_dtype, device=device, tp=tp)
-        whole = LlamaForCausalLM(config, dtype=weights_dtype, device="meta")
+        # The whole model's shapes, from a CPU copy (a few MB): its rotary tables on the meta
+        # device would import torch._dynamo, seconds of every fresh process's start.
+        whole = LlamaForCausalLM(config, dtype=weights_dtype, device="cpu")
         init_random_weights(net, {name: tuple(t.shape) for name, t in whole.state_dict().items()},
                             seed=TINY_SEED, std=TINY_INIT_STD)
         return LoadedModel(net.eval(), config, ByteTokenizer())

@@ -151,7 +151,10 @@ class VocabEmbedding(nn.Embedding, Sharded):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  tp: TensorParallel):
         self.part = tp.part(vocab_size, "vocab_size")
-        super().__init__(len(self.part), hidden_size, dtype=dtype)
+        # An uninitialised table (the loader fills it): nn.Embedding's own normal_ init on the
+        # meta device would import torch._dynamo, seconds of every fresh process's start.
+        super().__init__(len(self.part), hidden_size, dtype=dtype,
+                         _weight=torch.empty(len(self.part), hidden_size, dtype=dtype))
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

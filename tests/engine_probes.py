@@ -1,0 +1,63 @@
+"""Probes the server tests run in the engine process (RunningServer.on_engine): they must
+pickle, so they are functions of a module, and this one imports only kvpool, so that the
+engine process, which imports it to unpickle them, does not load the test's HTTP clients."""
+
+from __future__ import annotations
+
+from kvpool.engine import LLM
+
+
+def has_unfinished(llm: LLM) -> bool:
+    return llm.has_unfinished()
+
+
+def check_cache(llm: LLM) -> None:
+    llm.cache.check()
+
+
+def cache_stats(llm: LLM):
+    return llm.cache.stats()
+
+
+def used_pages(llm: LLM) -> int:
+    return llm.cache.stats().num_used_pages
+
+
+def num_steps(llm: LLM) -> int:
+    return llm.stats().num_steps
+
+
+def overlapping(llm: LLM) -> bool:
+    return llm.overlap
+
+
+def fail_next_forward(llm: LLM) -> None:
+    """Make the engine's next forward (eager, or a CUDA graph's replay) raise
+    RuntimeError("injected"), once."""
+    def forward_once(batch, previous):
+        del llm._forward  # back to the real method
+        raise RuntimeError("injected")
+    llm._forward = forward_once
+
+
+class PoisonedSampler:
+    """The engine's sampler, except that it raises for any batch holding a request of
+    `max_tokens` 7 (the engine then samples each request alone, and only that one fails)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __call__(self, logits, params, streams, positions):
+        if any(p.max_tokens == 7 for p in params):
+            raise RuntimeError("injected")
+        return self.sampler(logits, params, streams, positions)
+
+
+def poison_sampling(llm: LLM) -> None:
+    """Requests of max_tokens 7 fail in their first step from now on."""
+    llm.sampler = PoisonedSampler(llm.sampler)
+
+
+def heal_sampling(llm: LLM) -> None:
+    """Undo `poison_sampling`."""
+    llm.sampler = llm.sampler.sampler
