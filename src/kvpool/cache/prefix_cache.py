@@ -30,9 +30,10 @@ prompt uses `root`. A salted root leaves the tree with its last child.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
+from types import MappingProxyType
 from typing import NamedTuple
 
 from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
@@ -49,8 +50,20 @@ class PrefixNode:
     tokens: bytearray
     pages: list[int]
     parent: PrefixNode | None
-    children: dict[bytes, PrefixNode] = field(default_factory=dict)
+    # A leaf's children: the shared empty LEAF (most nodes are leaves; a dict each would
+    # cost 64 bytes), replaced by a dict of its own when it gains a child (`adopt`).
+    children: Mapping[bytes, PrefixNode] = field(default_factory=lambda: LEAF)
     base_key: int | None = None  # chain key of the prefix before pages[0]; None: not known yet
+
+
+    def adopt(self, child: PrefixNode) -> None:
+        """Make `child` a child of this node, under its key."""
+        if self.children is LEAF:
+            self.children = {}
+        self.children[child.key] = child
+
+
+LEAF: Mapping[bytes, PrefixNode] = MappingProxyType({})
 
 
 class PrefixMatch(NamedTuple):
@@ -139,7 +152,7 @@ class PrefixCache:
             node.tokens += new_tokens
         else:
             node = PrefixNode(new_tokens[:page_bytes], bytearray(new_tokens), new_pages, node)
-            node.parent.children[node.key] = node
+            node.parent.adopt(node)
         for page in new_pages:
             node_of_page[page] = node
         return len(pages)
@@ -249,7 +262,7 @@ class PrefixCache:
         node.key = bytes(node.tokens[:self._page_bytes])
         node.parent = head
         node.base_key = None
-        head.children[node.key] = node
+        head.adopt(node)
         for page in head.pages:
             self._node_of_page[page] = head
         return head
