@@ -211,26 +211,30 @@ class PageAllocator:
 
     def drop(self, pages: list[int]) -> list[int]:
         """`free` for the owner of the page tables, calling from one thread, whose pages are
-        known held, once per listing (a page table's): the same effect, unchecked."""
-        refcounts, is_cached = self._refcounts, self._is_cached
-        released, queued = [], []
+        known held at least as many times as listed (a page table's): the same effect,
+        unchecked."""
+        refcounts, is_cached, nxt, prv = self._refcounts, self._is_cached, self._next, self._prev
+        sentinel = self._num_pages
+        # The pages that go to the queue form one chain, linked as they come, back to front:
+        # the first one is the warmest (next to the sentinel), the last the coldest, linked to
+        # the queue's warmest page at the end. Each link is written once.
+        warmest, after = prv[sentinel], sentinel
+        released, queued = [], 0
         for page in pages:
             count = refcounts[page] - 1
             refcounts[page] = count
-            if not count:
-                (queued if is_cached[page] else released).append(page)
-        if queued:
-            # One chain, coldest first, between the warmest page and the sentinel: each link
-            # written once, two writes a page.
-            nxt, prv, sentinel = self._next, self._prev, self._num_pages
-            before = prv[sentinel]
-            for page in reversed(queued):
-                nxt[before] = page
-                prv[page] = before
-                before = page
-            nxt[before] = sentinel
-            prv[sentinel] = before
-            self._num_cached += len(queued)
+            if count:
+                continue
+            if is_cached[page]:
+                prv[after] = page
+                nxt[page] = after
+                after = page
+                queued += 1
+            else:
+                released.append(page)
+        nxt[warmest] = after
+        prv[after] = warmest
+        self._num_cached += queued
         self._free.extend(released)
         return released
 
