@@ -120,19 +120,17 @@ class PrefixCache:
         `token_ids`) past the longest prefix of them the tree holds already; the caller knows
         its first `num_cached` pages to be a path of the tree, and the search starts past
         them; `salt` is the sequence's (its root). Returns how many of its first pages are in
-        the tree now: all, unless the tree
-        holds the content of one of them in another page (an identical prompt computed at
-        the same time); the sequence keeps its copies from there on uncached."""
+        the tree now: all, unless the tree holds the content of one of them in another page
+        (an identical prompt computed at the same time); the sequence keeps its copies from
+        there on uncached."""
         page_bytes = self._page_bytes
-        node, depth = self._roots.get(salt), num_cached
         if num_cached:
             node = self._node_of_page[pages[num_cached - 1]]
-            above = node.parent
-            while above is not None:  # a root holds no pages
-                depth -= len(above.pages)
-                above = above.parent
-        elif node is None:
-            node = self._roots[salt] = _salted_root(salt)
+            depth = node.pages.index(pages[num_cached - 1]) + 1
+        else:
+            node, depth = self._roots.get(salt), 0
+            if node is None:
+                node = self._roots[salt] = _salted_root(salt)
         path = pages[:num_cached]
         node, depth = self._walk(token_ids, path, len(pages), node, depth)
         for i in range(num_cached, len(path)):
