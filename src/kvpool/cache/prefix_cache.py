@@ -47,7 +47,7 @@ class PrefixNode:
     page `page_size * TOKEN_BYTES` bytes)."""
 
     key: bytes  # its first page's packed ids: its entry in parent.children (a root: its salt)
-    tokens: bytearray
+    tokens: bytes  # immutable: the ids live in the object itself (one allocation, not two)
     pages: list[int]
     parent: PrefixNode | None
     # A leaf's children: the shared empty LEAF (most nodes are leaves; a dict each would
@@ -83,7 +83,7 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
-        self.root = PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
+        self.root = PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
         self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
         # The node listing each page; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
@@ -149,7 +149,7 @@ class PrefixCache:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
-            node = PrefixNode(new_tokens[:page_bytes], bytearray(new_tokens), new_pages, node)
+            node = PrefixNode(new_tokens[:page_bytes], new_tokens, new_pages, node)
             node.parent.adopt(node)
         for page in new_pages:
             node_of_page[page] = node
@@ -239,7 +239,7 @@ class PrefixCache:
             run = node.pages
             run.pop()
             if run:
-                del node.tokens[-page_bytes:]
+                node.tokens = node.tokens[:-page_bytes]
                 continue
             siblings = node.parent.children
             del siblings[node.key]
@@ -255,9 +255,9 @@ class PrefixCache:
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
                           base_key=node.base_key)
         node.parent.children[head.key] = head
-        del node.tokens[:cut]
+        node.tokens = node.tokens[cut:]
         del node.pages[:depth]
-        node.key = bytes(node.tokens[:self._page_bytes])
+        node.key = node.tokens[:self._page_bytes]
         node.parent = head
         node.base_key = None
         head.adopt(node)
@@ -338,14 +338,14 @@ def _salted_root(salt: bytes) -> PrefixNode:
     """A root for `salt`; its chain key holds -1, which no page of token ids holds, so no
     key below it equals an unsalted one."""
     if not salt:
-        return PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
-    return PrefixNode(salt, bytearray(), [], None,
+        return PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
+    return PrefixNode(salt, b"", [], None,
                       base_key=chain_key(ROOT_KEY, (-1, *salt)))
 
 
 # The match of a prompt whose content is unknown, or of any prompt when caching is off
 # (shared: callers never change a match).
-NO_MATCH = PrefixMatch([], PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY), 0)
+NO_MATCH = PrefixMatch([], PrefixNode(b"", b"", [], None, base_key=ROOT_KEY), 0)
 
 
 class NoPrefixCache:
@@ -366,7 +366,7 @@ class NoPrefixCache:
         """Nothing to check: it holds no state."""
 
 
-def _common_pages(ids: bytes | bytearray, tokens: bytes | bytearray, page_bytes: int) -> int:
+def _common_pages(ids: bytes, tokens: bytes, page_bytes: int) -> int:
     """How many whole pages (`page_bytes` each) of packed `ids` equal `tokens` from the front."""
     depth = 0
     for offset in range(0, len(ids), page_bytes):
