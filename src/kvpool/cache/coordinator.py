@@ -209,7 +209,8 @@ class KVCache:
         """Evict up to `num_pages` cached pages of each page group (least recently used
         first), and the checkpoints that needed them; returns the pages evicted."""
         gone = sum(len(group.allocator.evict(num_pages)) for group in self.page_groups)
-        self._settle()
+        if self.state is not None:  # the checkpoints that needed the evicted pages go
+            self.state.drop_orphans()
         return gone
 
     # ---- room --------------------------------------------------------------------------
@@ -443,11 +444,6 @@ class KVCache:
         if self.state is not None:
             self.state.drop_orphans()
         return slots
-
-    def _settle(self) -> None:
-        """Let the state group catch up with the KV evictions of the call."""
-        if self.state is not None:
-            self.state.drop_orphans()
 
     def _shortage(self, group: GroupManager, plan: Plan) -> KVPoolError:
         return self._named(group, group.shortage(plan))

@@ -90,7 +90,7 @@ class FullAttention(GroupManager):
         need, (match, ids) = plan.need, plan.data
         loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
         if match.pages:
-            self.allocator.share(match.pages)
+            self.allocator.hold(match.pages)
         pages = match.pages + self.allocator.allocate(need)
         hit_pages = len(match.pages) + len(loaded)
         if loaded:
@@ -158,7 +158,7 @@ class FullAttention(GroupManager):
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         parent = self._seqs[parent_id]
-        self.allocator.share(parent.pages[parent.num_dropped:])
+        self.allocator.hold(parent.pages[parent.num_dropped:])
         self._seqs[child_id] = _PageTable(list(parent.pages), parent.num_tokens,
                                           parent.num_cached, parent.num_shared,
                                           parent.num_dropped, parent.caching)
@@ -179,7 +179,7 @@ class FullAttention(GroupManager):
     def free(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id)
         del seq.pages[:seq.num_dropped]  # HOLE entries
-        gone = self.allocator.free(seq.pages)
+        gone = self.allocator.drop(seq.pages)
         if self.scrub_on_free:
             self._scrub(gone)
 
@@ -367,7 +367,7 @@ class FullAttention(GroupManager):
     def _copy_on_write(self, seq: _PageTable, new_page: int) -> None:
         old = seq.pages[-1]
         self.pool.copy_pages([old], [new_page])
-        self.allocator.free([old])  # others still hold it: never reaches 0 here
+        self.allocator.drop([old])  # others still hold it: never reaches 0 here
         seq.pages[-1] = new_page
         self._num_cow_copies += 1
 
@@ -394,7 +394,7 @@ class FullAttention(GroupManager):
         seq.pages[seq.num_dropped:drop_to] = [HOLE] * (drop_to - seq.num_dropped)
         seq.num_dropped = drop_to
         seq.num_cached, seq.caching = 0, False
-        self._scrub(self.allocator.free(gone))
+        self._scrub(self.allocator.drop(gone))
 
     def _slots(self, seq: _PageTable, start: int, end: int) -> list[int]:
         """The slots of tokens [start, end) of `seq`, built a page at a time."""

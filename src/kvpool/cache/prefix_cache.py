@@ -30,9 +30,10 @@ prompt uses `root`. A salted root leaves the tree with its last child.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
+from types import MappingProxyType
 from typing import NamedTuple
 
 from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
@@ -46,11 +47,23 @@ class PrefixNode:
     page `page_size * TOKEN_BYTES` bytes)."""
 
     key: bytes  # its first page's packed ids: its entry in parent.children (a root: its salt)
-    tokens: bytearray
+    tokens: bytes  # immutable: the ids live in the object itself (one allocation, not two)
     pages: list[int]
     parent: PrefixNode | None
-    children: dict[bytes, PrefixNode] = field(default_factory=dict)
+    # A leaf's children: the shared empty LEAF (most nodes are leaves; a dict each would
+    # cost 64 bytes), replaced by a dict of its own when it gains a child (`adopt`).
+    children: Mapping[bytes, PrefixNode] = field(default_factory=lambda: LEAF)
     base_key: int | None = None  # chain key of the prefix before pages[0]; None: not known yet
+
+
+    def adopt(self, child: PrefixNode) -> None:
+        """Make `child` a child of this node, under its key."""
+        if self.children is LEAF:
+            self.children = {}
+        self.children[child.key] = child
+
+
+LEAF: Mapping[bytes, PrefixNode] = MappingProxyType({})
 
 
 class PrefixMatch(NamedTuple):
@@ -70,7 +83,7 @@ class PrefixCache:
         self.allocator = allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
-        self.root = PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
+        self.root = PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
         self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
         # The node listing each page; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
@@ -107,19 +120,17 @@ class PrefixCache:
         `token_ids`) past the longest prefix of them the tree holds already; the caller knows
         its first `num_cached` pages to be a path of the tree, and the search starts past
         them; `salt` is the sequence's (its root). Returns how many of its first pages are in
-        the tree now: all, unless the tree
-        holds the content of one of them in another page (an identical prompt computed at
-        the same time); the sequence keeps its copies from there on uncached."""
+        the tree now: all, unless the tree holds the content of one of them in another page
+        (an identical prompt computed at the same time); the sequence keeps its copies from
+        there on uncached."""
         page_bytes = self._page_bytes
-        node, depth = self._roots.get(salt), num_cached
         if num_cached:
             node = self._node_of_page[pages[num_cached - 1]]
-            above = node.parent
-            while above is not None:  # a root holds no pages
-                depth -= len(above.pages)
-                above = above.parent
-        elif node is None:
-            node = self._roots[salt] = _salted_root(salt)
+            depth = node.pages.index(pages[num_cached - 1]) + 1
+        else:
+            node, depth = self._roots.get(salt), 0
+            if node is None:
+                node = self._roots[salt] = _salted_root(salt)
         path = pages[:num_cached]
         node, depth = self._walk(token_ids, path, len(pages), node, depth)
         for i in range(num_cached, len(path)):
@@ -138,8 +149,8 @@ class PrefixCache:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
-            node = PrefixNode(new_tokens[:page_bytes], bytearray(new_tokens), new_pages, node)
-            node.parent.children[node.key] = node
+            node = PrefixNode(new_tokens[:page_bytes], new_tokens, new_pages, node)
+            node.parent.adopt(node)
         for page in new_pages:
             node_of_page[page] = node
         return len(pages)
@@ -228,7 +239,7 @@ class PrefixCache:
             run = node.pages
             run.pop()
             if run:
-                del node.tokens[-page_bytes:]
+                node.tokens = node.tokens[:-page_bytes]
                 continue
             siblings = node.parent.children
             del siblings[node.key]
@@ -244,12 +255,12 @@ class PrefixCache:
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
                           base_key=node.base_key)
         node.parent.children[head.key] = head
-        del node.tokens[:cut]
+        node.tokens = node.tokens[cut:]
         del node.pages[:depth]
-        node.key = bytes(node.tokens[:self._page_bytes])
+        node.key = node.tokens[:self._page_bytes]
         node.parent = head
         node.base_key = None
-        head.children[node.key] = node
+        head.adopt(node)
         for page in head.pages:
             self._node_of_page[page] = head
         return head
@@ -327,14 +338,14 @@ def _salted_root(salt: bytes) -> PrefixNode:
     """A root for `salt`; its chain key holds -1, which no page of token ids holds, so no
     key below it equals an unsalted one."""
     if not salt:
-        return PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY)
-    return PrefixNode(salt, bytearray(), [], None,
+        return PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
+    return PrefixNode(salt, b"", [], None,
                       base_key=chain_key(ROOT_KEY, (-1, *salt)))
 
 
 # The match of a prompt whose content is unknown, or of any prompt when caching is off
 # (shared: callers never change a match).
-NO_MATCH = PrefixMatch([], PrefixNode(b"", bytearray(), [], None, base_key=ROOT_KEY), 0)
+NO_MATCH = PrefixMatch([], PrefixNode(b"", b"", [], None, base_key=ROOT_KEY), 0)
 
 
 class NoPrefixCache:
@@ -355,7 +366,7 @@ class NoPrefixCache:
         """Nothing to check: it holds no state."""
 
 
-def _common_pages(ids: bytes | bytearray, tokens: bytes | bytearray, page_bytes: int) -> int:
+def _common_pages(ids: bytes, tokens: bytes, page_bytes: int) -> int:
     """How many whole pages (`page_bytes` each) of packed `ids` equal `tokens` from the front."""
     depth = 0
     for offset in range(0, len(ids), page_bytes):
