@@ -64,6 +64,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its 
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
 REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
+# What the forkserver imports for its workers: the engine, and torch._dynamo, which torch
+# imports at the first meta-device op of a process (building a model), seconds on a CPU.
+WORKER_MODULES = ["kvpool.engine.parallel", "torch._dynamo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +210,7 @@ class TensorParallelGroup:
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
-        context = mp.get_context("spawn")
+        context = worker_context()
         self.specs = context.Queue()  # what to build, one WorkerSpec per worker
         self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
         self.workers = [context.Process(target=run_worker,
@@ -394,6 +397,19 @@ def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
         if torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this "
                              f"machine has {torch.cuda.device_count()}")
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The context the workers start in: forkserver. Its server process, started at the first
+    engine of several ranks, imports WORKER_MODULES once and forks every worker from itself,
+    so a worker starts with them imported and exits without tearing an interpreter down
+    (spawn paid seconds for each). The server runs no torch op, so it has no OpenMP threads
+    for a fork to break; it serves every later engine and exits with this process. Its
+    preload list is set here: a program that started the forkserver before gets workers that
+    import what they need themselves."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_MODULES)
+    return context
 
 
 def startup_timeout(timeout: float) -> datetime.timedelta:
