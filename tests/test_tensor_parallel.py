@@ -29,7 +29,7 @@ from kvpool.planning.planner import plan_memory
 from models_util import CONFIGS, SMALL, EngineCase, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
-from test_windows import CONFIGS as WINDOW_CONFIGS
+from test_windows import GEMMA
 
 RANKS = 2
 MAX_TOKENS = 12  # the longest request then needs 53 slots: the 56 of the engine preempt
@@ -40,7 +40,9 @@ PARITY = {
     "qwen3": CONFIGS["qwen3"],
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
-    "gemma3": WINDOW_CONFIGS["gemma3"],  # a full and a window pool
+    # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},
+                                                   sliding_window_pattern=2),
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # 14 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
