@@ -1,7 +1,15 @@
-"""Tensor parallelism on the CPU: one engine of 2 ranks (gloo) against one rank, same model,
-same workload, in the same run; and where rank 0's time goes.
+"""Tensor parallelism on the CPU: how long an engine of 2 ranks takes to start, its workers
+forked by the forkserver against spawned as before; one engine of 2 ranks (gloo) against one
+rank, same model, same workload, in the same run; and where rank 0's time goes.
 
-Run: python benchmarks/tp.py  (a few minutes on 2 CPU cores; --help for the sizes)
+Run: python benchmarks/tp.py  (a few minutes on 2 CPU cores; --help for the sizes;
+--start-only for the start times alone)
+
+Start: the seconds from `LLM("tiny", tensor_parallel_size=2)` to a ready engine, and of its
+`close()`, medians of --starts engines each, after a one-rank engine has loaded everything in
+this process. The spawned workers come first (kvpool.engine.parallel's worker_context
+replaced by spawn's); then the forkserver's first engine, which starts the server (it
+imports torch and the engine once), and its later engines.
 
 A random float32 Llama checkpoint (hidden 512, 8 layers, 8 heads, 4 KV heads, MLP 1408,
 vocabulary 8192: 27 M parameters) saved to a temporary folder; a batch of prompts run to
@@ -16,7 +24,9 @@ for the slower rank, so on a machine whose cores are shared that wait shows up t
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 
@@ -25,6 +35,7 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 from kvpool import LLM, SamplingParams
+from kvpool.engine import parallel
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
@@ -54,6 +65,39 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[flo
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
 
 
+def start_close(repeats: int) -> tuple[float, float]:
+    """Median seconds to start an engine of 2 ranks, and to close it, of `repeats` engines."""
+    starts, closes = [], []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        llm = LLM("tiny", device="cpu", num_pages=32, tensor_parallel_size=2)
+        ready = time.perf_counter()
+        llm.close()
+        starts.append(ready - begin)
+        closes.append(time.perf_counter() - ready)
+    return statistics.median(starts), statistics.median(closes)
+
+
+def start_times(repeats: int) -> str:
+    """The table of start and close times: workers spawned, then forked by the forkserver
+    (its first engine, then later ones)."""
+    LLM("tiny", device="cpu", num_pages=32).close()  # rank 0's imports and first model
+    forkserver = parallel.worker_context
+    parallel.worker_context = lambda: multiprocessing.get_context("spawn")
+    try:
+        spawned = start_close(repeats)
+    finally:
+        parallel.worker_context = forkserver
+    first = start_close(1)
+    later = start_close(repeats)
+    rows = [("2 ranks, tiny: workers", "start (s)", "close (s)", "start vs spawn")]
+    for name, (start, close) in (("spawned (before)", spawned),
+                                 ("forkserver, first engine", first),
+                                 ("forkserver, later engines", later)):
+        rows.append((name, f"{start:.2f}", f"{close:.2f}", f"{spawned[0] / start:.1f}x"))
+    return format_table(rows)
+
+
 def collective_seconds(prof) -> dict[str, float]:
     """Rank 0's wall seconds in each kind of collective, from the profiler's events."""
     spent: dict[str, float] = {}
@@ -70,7 +114,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--starts", type=int, default=3, help="engines per start time")
+    parser.add_argument("--start-only", action="store_true", help="the start times alone")
     args = parser.parse_args()
+    print(start_times(args.starts))
+    print(f"\n{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}\n")
+    if args.start_only:
+        return
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(CONFIG["vocab_size"], (args.prompts, args.prompt_len),
                             generator=gen).tolist()

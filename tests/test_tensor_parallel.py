@@ -26,13 +26,13 @@ from kvpool.models import load_model
 from kvpool.models.config import ModelConfig
 from kvpool.models.parallel import TensorParallel
 from kvpool.planning.planner import plan_memory
-from models_util import CONFIGS, SMALL, engine_case, make_hf_model, save_hf_model
+from models_util import CONFIGS, SMALL, EngineCase, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
-from test_windows import CONFIGS as WINDOW_CONFIGS
+from test_windows import GEMMA
 
 RANKS = 2
-MAX_TOKENS = 32  # the longest request then needs 73 slots: the 96 of the engine preempt
+MAX_TOKENS = 12  # the longest request then needs 53 slots: the 56 of the engine preempt
 PARITY = {
     "llama": CONFIGS["llama"],  # 4 heads, 2 KV heads: one each
     "qwen2-one-kv-head": lambda: transformers.Qwen2Config(**{**SMALL,
@@ -40,11 +40,13 @@ PARITY = {
     "qwen3": CONFIGS["qwen3"],
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
-    "gemma3": WINDOW_CONFIGS["gemma3"],  # a full and a window pool
+    # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},
+                                                   sliding_window_pattern=2),
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-# 24 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
-ENGINE = dict(num_pages=24, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+# 14 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
+ENGINE = dict(num_pages=14, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
               tensor_parallel_size=RANKS)
 
 
@@ -53,13 +55,26 @@ def cpu_only(device: torch.device) -> None:
         pytest.skip("the tensor-parallel tests run 2 ranks on the CPU (gloo)")
 
 
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory, device):
+    """The EngineCase of a PARITY config by name, made at its first use: the module's tests
+    of one config share its checkpoint and transformers' tokens."""
+    made = {}
+
+    def case(name: str) -> EngineCase:
+        if name not in made:
+            made[name] = engine_case(name, PARITY, tmp_path_factory.mktemp(name), device,
+                                     MAX_TOKENS)
+        return made[name]
+    return case
+
+
 @pytest.fixture(scope="module", params=list(PARITY))
-def engine(request, tmp_path_factory, device):
-    """(case, LLM of 2 ranks) for one config: 24 pages of 4 tokens, 16-token chunks; closed
+def engine(request, cases, device):
+    """(case, LLM of 2 ranks) for one config: 14 pages of 4 tokens, 16-token chunks; closed
     after the module's tests of that config."""
     cpu_only(device)
-    case = engine_case(request.param, PARITY, tmp_path_factory.mktemp(request.param), device,
-                       MAX_TOKENS)
+    case = cases(request.param)
     llm = LLM(case.folder, device=device, **ENGINE)
     yield case, llm
     llm.close()
@@ -128,13 +143,13 @@ def test_kv_computed_elsewhere_is_refused_since_the_workers_would_not_get_it(eng
     llm.abort(request_id)
 
 
-def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(tmp_path, device):
-    """The batch twice through 24 pages: the first run's prefix pages are evicted to the
+def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(cases, device):
+    """The batch twice through 14 pages: the first run's prefix pages are evicted to the
     tiers (rank 0's share to its tier, the worker's to its own), the second run loads them
     back into the same pages on both ranks; a worker that missed either would compute with
     other K/V for its heads."""
     cpu_only(device)
-    case = engine_case("llama", PARITY, tmp_path, device, MAX_TOKENS)
+    case = cases("llama")
     with LLM(case.folder, device=device, host_tier_memory=2**16, **ENGINE) as llm:
         for _ in range(2):
             outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
@@ -163,7 +178,7 @@ def test_a_stuck_worker_fails_the_step_within_the_timeout(device):
     """A worker that stops answering (SIGSTOP) leaves rank 0 in a collective: the step fails
     after tensor_parallel_timeout seconds instead of hanging, and close kills the worker."""
     cpu_only(device)
-    timeout = 3.0
+    timeout = 2.0
     llm = LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
               tensor_parallel_timeout=timeout)
     worker = llm.peers.workers[0]
@@ -171,7 +186,7 @@ def test_a_stuck_worker_fails_the_step_within_the_timeout(device):
     start = time.monotonic()
     try:
         with pytest.raises(RankFailed, match=r"rank\(s\) 1 alive but a collective got no "
-                                             r"answer within 3 s"):
+                                             r"answer within 2 s"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert time.monotonic() - start < timeout + 10
     finally:

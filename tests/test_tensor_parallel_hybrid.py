@@ -23,7 +23,7 @@ from test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, RANKS, cpu_only
 @pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
 def engine(request, tmp_path_factory, device):
     """(case, LLM of 2 ranks) for one Bamba config (2 B/C groups: one per rank; or 1 group,
-    replicated, whose gated norm spans both ranks): 24 pages of 4 tokens, 16-token chunks."""
+    replicated, whose gated norm spans both ranks): 14 pages of 4 tokens, 16-token chunks."""
     cpu_only(device)
     case = case_of(make_bamba(request.param), tmp_path_factory.mktemp(request.param), device,
                    MAX_TOKENS)

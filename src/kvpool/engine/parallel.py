@@ -2,10 +2,11 @@
 one scheduler.
 
 Rank 0 is the LLM's process: the scheduler, the allocator and the prefix cache run there only.
-It spawns N-1 worker processes (torch.multiprocessing, spawn), one per device (rank r on
-cuda:r, or all on the CPU), joined in one torch.distributed process group: NCCL on CUDA, gloo
-on the CPU. Every rank holds its part of the weights and a pool of its share of the KV heads
-with the same number of pages, so a page id means the same page everywhere.
+It starts N-1 worker processes (torch.multiprocessing, forked by a forkserver that imported
+the engine once: `worker_context`), one per device (rank r on cuda:r, or all on the CPU),
+joined in one torch.distributed process group: NCCL on CUDA, gloo on the CPU. Every rank
+holds its part of the weights and a pool of its share of the KV heads with the same number
+of pages, so a page id means the same page everywhere.
 
 Each step rank 0 broadcasts one message on a gloo group: the step's layout, the host copies of
 its lengths and the flat int64 metadata its runner packed (`StepChannel`). Every worker puts it
@@ -64,6 +65,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its 
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
 REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
+# What the forkserver imports for its workers: the engine, and torch._dynamo, which torch
+# imports at the first meta-device op of a process (building a model), seconds on a CPU.
+WORKER_MODULES = ["kvpool.engine.parallel", "torch._dynamo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +197,7 @@ class TensorParallelGroup:
     """Rank 0's side of a tensor-parallel engine: the worker processes, the process group,
     the step channel and what rank 0's pools did that the workers' must repeat, not sent
     yet: copies, and pages stored to or loaded from the tier, in order. Made before rank 0
-    loads its part of the model (`tp` holds the group its collectives run on), it spawns the
+    loads its part of the model (`tp` holds the group its collectives run on), it starts the
     workers, which join the group and wait; `start` sends them what to build and waits
     until they have; `step` wraps each forward; `close` stops everything."""
 
@@ -207,7 +211,7 @@ class TensorParallelGroup:
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
-        context = mp.get_context("spawn")
+        context = worker_context()
         self.specs = context.Queue()  # what to build, one WorkerSpec per worker
         self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
         self.workers = [context.Process(target=run_worker,
@@ -396,9 +400,24 @@ def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
                              f"machine has {torch.cuda.device_count()}")
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The context the workers start in: forkserver. Its server process, started at the first
+    engine of several ranks, imports WORKER_MODULES once and forks every worker from itself,
+    so a worker starts with them imported and exits without tearing an interpreter down
+    (spawn paid seconds for each). The server runs no torch op, so it has no OpenMP threads
+    for a fork to break; it serves every later engine and exits with this process, and its
+    workers see the environment of the moment it started. Its preload list is set here: a
+    program that started the forkserver before gets workers that import what they need
+    themselves."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_MODULES)
+    return context
+
+
 def startup_timeout(timeout: float) -> datetime.timedelta:
     """How long the ranks wait for each other to join the group: the collectives' timeout,
-    and at least STARTUP_SECONDS for the workers to start (spawn, import)."""
+    and at least STARTUP_SECONDS for the workers to start (the forkserver's imports, at the
+    first engine)."""
     return datetime.timedelta(seconds=max(timeout, STARTUP_SECONDS))
 
 
