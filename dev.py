@@ -33,15 +33,16 @@ BUILD_INPUTS = (ROOT / "pyproject.toml", ROOT / "src" / "kvpool" / "cache" / "_t
 GPU_WORKERS = min(8, os.cpu_count() or 1)
 # How xdist hands out tests: a module at a time, so that what a module builds once (a
 # server, a model, a compile) is built on one worker only, not on each that runs one of its
-# tests.
-WHOLE_MODULES = ("--dist", "loadscope")
+# tests; and in the order collected, which runs the longest modules first
+# (tests/conftest.py), so that the workers finish together.
+WHOLE_MODULES = ("--dist", "loadscope", "--no-loadscope-reorder")
 SHARE_VARIABLE = "KVPOOL_TEST_CUDA_MEMORY_FRACTION"
 
 
 def _pip(*args: str) -> None:
-    # --no-compile: byte-compiling every installed module (torch alone has thousands) takes
-    # longer than compiling, on first import, the few a run uses.
-    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", "--no-compile", *args])
+    # Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set, nothing compiled later
+    # is kept, and every process would compile torch's modules again on import.
+    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", *args])
 
 
 def ensure_venv() -> None:

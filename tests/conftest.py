@@ -33,6 +33,20 @@ MISSING_SERVER_MODULES = [m for m in SERVER_MODULES if importlib.util.find_spec(
 collect_ignore_glob = ["test_server*.py"] if MISSING_SERVER_MODULES else []
 
 
+# The modules that take longest (seconds of CPU on 2 cores), collected first: `dev.py test`
+# hands whole modules to its workers in collection order, so none of these is left running
+# alone at the end.
+LONGEST_FIRST = ("test_tensor_parallel", "test_triton_kernels", "test_tensor_parallel_hybrid",
+                 "test_server_cli", "test_cache_props", "test_gguf", "test_disaggregated",
+                 "test_numerics", "test_fake_trace", "test_redis_tier", "test_server_limits",
+                 "test_hybrid_engine", "test_models", "test_engine_props", "test_server")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules stay whole
+
+
 def pytest_report_header(config):
     if MISSING_SERVER_MODULES:
         return (f"server tests left out: {', '.join(MISSING_SERVER_MODULES)} not installed "
