@@ -17,7 +17,7 @@ import transformers
 
 from kvpool.cache import HOLE
 from kvpool.cli.main import main
-from kvpool.engine import LLM, SamplingParams
+from kvpool.engine import LLM, SamplingParams, parallel
 from kvpool.engine.handoff import PrefilledKV
 from kvpool.errors import ConfigError, RankFailed
 from kvpool.memory.layout import KVLayout
@@ -171,6 +171,18 @@ def test_a_killed_worker_fails_the_next_step_naming_its_rank(device):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
         with pytest.raises(RankFailed, match="rank 1"):  # and every step after it
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not multiprocessing.active_children()
+
+
+def test_a_worker_that_fails_before_joining_the_group_fails_the_engine_at_once(device):
+    """A worker that raises before it reaches rank 0's store (here: sent to a CUDA device
+    this machine lacks) fails the group with its report, instead of leaving rank 0 waiting
+    for the group until the startup timeout."""
+    cpu_only(device)
+    if torch.cuda.is_available():
+        pytest.skip("the failure is a CUDA device that does not exist")
+    with pytest.raises(RankFailed, match="rank 1 failed while starting: .*(CUDA|_cuda)"):
+        parallel.TensorParallelGroup(RANKS, torch.device("cuda"), timeout=5.0)
     assert not multiprocessing.active_children()
 
 

@@ -65,6 +65,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its 
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
 REPORT_SECONDS = 2.0  # how long a failed step waits for the workers' error reports
+POLL_SECONDS = 0.05  # how often rank 0 looks at the workers while they start
 # What the forkserver imports for its workers: the engine, and torch._dynamo, which torch
 # imports at the first meta-device op of a process (building a model), seconds on a CPU.
 WORKER_MODULES = ["kvpool.engine.parallel", "torch._dynamo"]
@@ -221,11 +222,29 @@ class TensorParallelGroup:
         for worker in self.workers:
             worker.start()
         try:
+            self._wait_connected(store)
             collectives, self.steps = join_group(0, address, store)
         except BaseException:
             self.close()
             raise
         self.tp = TensorParallel(0, size, collectives)
+
+    def _wait_connected(self, store: dist.TCPStore) -> None:
+        """Wait until every worker has reached the store (it then joins the group at once),
+        watching them meanwhile: one that fails or dies first raises RankFailed now, where
+        the group's own wait would hang until its startup timeout."""
+        keys = [connected_key(worker_rank) for worker_rank in range(1, len(self.workers) + 1)]
+        deadline = time.monotonic() + startup_timeout(self.timeout).total_seconds()
+        while not store.check(keys):
+            try:
+                rank, error = self.reports.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                self._check_alive("while starting")
+            else:
+                raise RankFailed(f"tensor-parallel rank {rank} failed while starting: {error}")
+            if time.monotonic() > deadline:
+                raise RankFailed(f"tensor-parallel workers did not start within "
+                                 f"{startup_timeout(self.timeout).total_seconds():g} s")
 
     def start(self, spec: WorkerSpec, cache: KVCache) -> None:
         """Have every worker build `spec` and wait until each has. `cache` is rank 0's: the
@@ -414,6 +433,11 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return context
 
 
+def connected_key(rank: int) -> str:
+    """The store key a worker sets once it has reached rank 0's store."""
+    return f"kvpool/connected/{rank}"
+
+
 def startup_timeout(timeout: float) -> datetime.timedelta:
     """How long the ranks wait for each other to join the group: the collectives' timeout,
     and at least STARTUP_SECONDS for the workers to start (the forkserver's imports, at the
@@ -449,6 +473,7 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
             torch.cuda.set_device(device)
         store = dist.TCPStore(HOST, address.port, address.size, is_master=False,
                               timeout=startup_timeout(address.timeout))
+        store.set(connected_key(rank), "1")
         collectives, steps = join_group(rank, address, store)
         spec = receive_spec(specs)
         runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
