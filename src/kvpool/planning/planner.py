@@ -26,7 +26,7 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
 from kvpool.planning.geometry import ModelGeometry
-from kvpool.planning.group_plan import GroupPlan, split_budget
+from kvpool.planning.group_plan import GroupPlan, pages_held, split_budget
 
 # The forward whose activations a plan sets aside unless given activation_bytes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -107,10 +107,7 @@ class MemoryPlan:
         """Pages of the one pool a decoding sequence of `context_len` tokens holds: all of
         them, or a window and a page when every layer is windowed and pages go back."""
         check_int("context_len", context_len, 1)
-        pages = self.layout.num_pages_for(context_len)
-        if self.window is not None:
-            pages = min(pages, self.layout.num_pages_for(self.window) + 1)
-        return pages
+        return pages_held(context_len, self.window, self.layout.page_size)
 
     def max_checkpoints(self, context_len: int) -> int:
         """State slots left for the prefix cache's checkpoints while `max_sequences` run."""
