@@ -1,9 +1,6 @@
-"""MambaPool: the recurrent states of a hybrid model's Mamba layers, beside the KV pages.
-
-A Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token:
-the last `conv_kernel - 1` inputs of its causal convolution and its SSM state. The pool
-allocates `num_slots` such states per Mamba layer once, and hands out state slots (indices
-into them) with a PageAllocator of its own."""
+"""MambaPool: the recurrent states of a hybrid model's Mamba layers, beside the KV pages. A
+Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token: the
+last `conv_kernel - 1` inputs of its causal convolution and its SSM state."""
 
 from __future__ import annotations
 
