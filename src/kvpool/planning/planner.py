@@ -239,13 +239,10 @@ def host_memory() -> tuple[int, int]:
     """(total, available) bytes of this machine's RAM, available meaning without swapping:
     MemTotal and MemAvailable from /proc/meminfo, else the physical and free pages the OS
     reports."""
-    with contextlib.suppress(OSError):
-        kib = {}  # meminfo lines read "MemTotal:       33554432 kB"
-        for line in _MEMINFO.read_text().splitlines():
-            name, _, value = line.partition(":")
-            kib[name] = value.split()[0] if value.split() else ""
-        if kib.get("MemTotal", "").isdigit() and kib.get("MemAvailable", "").isdigit():
-            return int(kib["MemTotal"]) * 1024, int(kib["MemAvailable"]) * 1024
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        lines = _MEMINFO.read_text().splitlines()  # "MemTotal:       33554432 kB"
+        kib = dict(line.split(":", 1) for line in lines if ":" in line)
+        return int(kib["MemTotal"].split()[0]) * 1024, int(kib["MemAvailable"].split()[0]) * 1024
     try:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
