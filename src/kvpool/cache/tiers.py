@@ -252,7 +252,6 @@ class HostTier(Tier):
         self._free_slots.append(self._slot_of.pop(key.chain_key))
 
 
-# A page record: magic, header length and header CRC-32, the header (JSON), the payload.
 _MAGIC = b"KVPOOLPG"
 _PREFIX = struct.Struct("<8sII")
 _FORMAT_VERSION = 1

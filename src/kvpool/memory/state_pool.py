@@ -15,9 +15,7 @@ from kvpool.devices import check_device
 from kvpool.errors import InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
 from kvpool.memory.allocator import PageAllocator
 
-# State slots a pool sets aside beyond its num_slots: the padding slot, which padded rows of a
-# CUDA-graph step read and write.
-RESERVED_SLOTS = 1
+RESERVED_SLOTS = 1  # the padding slot, which padded rows of a CUDA-graph step use
 
 
 @dataclass(frozen=True, slots=True)
