@@ -78,11 +78,12 @@ class StateStats:
 
 
 class MambaPool:
-    """`num_slots` state slots per Mamba layer, allocated once on `device`, and one more,
-    `padding_slot` (index num_slots), never allocated or counted as used: padded rows of a
-    CUDA-graph step use it. A PageAllocator (lifo) hands out the slots and keeps their
-    reference counts. Allocating a slot never touches its contents: a sequence's first step
-    starts from a zero state without reading it."""
+    """`num_slots` state slots per Mamba layer and the `padding_slot` after them, allocated
+    once on `device`: `conv` `[layers, num_slots + 1, *conv_shape]` and `ssm` `[layers,
+    num_slots + 1, *ssm_shape]`. A PageAllocator (lifo) hands out the slots and keeps their
+    reference counts; the padding slot, which padded rows of a CUDA-graph step use, is never
+    allocated or counted as used. Allocating a slot never touches its contents: a sequence's
+    first step starts from a zero state without reading it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
         self.allocator = PageAllocator(check_int("num_slots", num_slots, 1), thread_safe=False)
@@ -117,14 +118,6 @@ class MambaPool:
     def nbytes(self) -> int:
         """Bytes of the state tensors, the padding slot's included."""
         return (self.num_slots + RESERVED_SLOTS) * self.layout.bytes_per_slot
-
-    def conv_state(self, layer: int) -> torch.Tensor:
-        """Conv states of Mamba layer `layer` by slot: `[num_slots + 1, *conv_shape]`."""
-        return self.conv[layer]
-
-    def ssm_state(self, layer: int) -> torch.Tensor:
-        """SSM states of Mamba layer `layer` by slot: `[num_slots + 1, *ssm_shape]`."""
-        return self.ssm[layer]
 
     def allocate(self) -> int:
         """A free slot, with reference count 1. Raises OutOfStateSlots (nothing changed)."""
