@@ -118,10 +118,9 @@ class StateCheckpoints:
         return [*self._slots.values(), *self._reserved]
 
     def check(self, servable: Callable[[bytes], bool]) -> None:
-        """At most `capacity` distinct slots, and checkpoints at interval multiples of
-        `servable` prefixes; AssertionError naming what broke."""
+        """At most `capacity` slots, and checkpoints at interval multiples of `servable`
+        prefixes; AssertionError naming what broke (MambaState checks the slots' holders)."""
         held = self.held_slots()
-        assert len(set(held)) == len(held), f"a checkpoint slot is held twice: {held}"
         assert len(held) <= self.capacity, (
             f"{len(held)} checkpoint slots held, capacity {self.capacity}")
         for prefix in self._slots:
