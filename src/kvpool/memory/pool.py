@@ -29,7 +29,8 @@ class KVPool:
     """`num_pages` pages of every layer, and the reserved `padding_page` (id num_pages, no
     sequence's), in one tensor on `device` `[num_layers, num_planes, num_pages + 1, page_size,
     num_kv_heads, head_dim]`: planes K and V ("mha"), or the one latent plane ("mla", which K
-    and V views both show). Allocating a page never touches its contents.
+    and V views both show). Page-level calls take the allocator's ids, [0, num_pages).
+    Allocating a page never touches its contents: readers only look at slots a sequence wrote.
 
     fp8 pages read back through `scales` `[num_layers, num_planes]` (float32, on the device).
     `kv_scales` gives them: one layer's scales for every layer, or one layer's per layer; one
