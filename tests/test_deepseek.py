@@ -271,7 +271,7 @@ def test_parameters_are_counted_exactly_as_the_checkpoint_stores_them(
 
 def test_plan_holds_the_latent_tokens_the_budget_allows():
     plan = plan_memory(ModelConfig.from_hf(V2_LITE), 80 * 2**30, activation_bytes=0)
-    assert plan.bytes_per_token == 31_104
+    assert plan.layout.bytes_per_token == 31_104
     assert plan.num_pages == (int(80 * 2**30 * 0.9) - 15_706_484_224 * 2) // (16 * 31_104) - 1
 
 

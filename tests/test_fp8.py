@@ -292,7 +292,7 @@ def test_the_plan_holds_twice_the_tokens_of_bfloat16_in_the_same_budget():
     fp8_plan = plan_memory(model, **common, kv_cache_dtype="fp8_e4m3")
     assert fp8_plan.weight_bytes == bf16.weight_bytes
     assert fp8_plan.budget_bytes == bf16.budget_bytes
-    assert fp8_plan.bytes_per_token * 2 == bf16.bytes_per_token
+    assert fp8_plan.layout.bytes_per_token * 2 == bf16.layout.bytes_per_token
     assert fp8_plan.num_pages in (2 * bf16.num_pages, 2 * bf16.num_pages + 1)
 
 

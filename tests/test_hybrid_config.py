@@ -71,7 +71,7 @@ def test_plan_gives_the_state_share_to_whole_slots_and_the_rest_to_pages():
     # each pool sets one aside: the padding slot, the padding page
     assert plan.num_state_slots == int(plan.budget_bytes * 0.25) // slot - 1
     assert plan.num_pages == (plan.budget_bytes - (plan.num_state_slots + 1) * slot) // (
-        plan.bytes_per_page) - 1
+        plan.layout.bytes_per_page) - 1
     assert plan.state_bytes + plan.kv_bytes <= plan.budget_bytes
 
 

@@ -127,7 +127,9 @@ def test_plan_subtracts_the_activation_estimate_of_a_2048_token_forward_by_defau
 def test_plan_for_given_device_memory():
     plan = plan_memory(LLAMA, 24 * GiB, activation_bytes=0)
     assert plan.budget_bytes == int(24 * GiB * 0.9) - 16_060_522_496 == 7_132_300_902
-    assert (plan.bytes_per_token, plan.bytes_per_page, plan.page_size) == (131_072, 2 * 2**20, 16)
+    layout = plan.layout
+    assert (layout.bytes_per_token, layout.bytes_per_page, layout.page_size) == (
+        131_072, 2 * 2**20, 16)
     assert plan.num_pages == 3399  # 7,132,300,902 // 2,097,152 = 3400, one of them reserved
     assert plan.kv_bytes == 3400 * 2 * 2**20
     assert plan.max_tokens == 3399 * 16
@@ -143,7 +145,7 @@ def test_max_sequences_gives_each_sequence_whole_pages():
 
 def test_a_larger_page_size_gives_fewer_pages_of_the_same_bytes():
     plan = plan_memory(LLAMA, 24 * GiB, activation_bytes=0, page_size=64)
-    assert (plan.num_pages, plan.bytes_per_page) == (849, 8 * 2**20)
+    assert (plan.num_pages, plan.layout.bytes_per_page) == (849, 8 * 2**20)
 
 
 def test_memory_fraction_is_of_the_given_memory():
@@ -356,8 +358,8 @@ def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
     assert (full.group.window, window.group.window) == (None, 1024)
     assert window.num_pages == 32 * 65 + 512
     # each pool's reserved page on top: one page of every layer in all, as one pool's
-    assert full.nbytes + window.nbytes <= (plan.num_pages + 1) * plan.bytes_per_page
-    assert (plan.num_pages + 1) * plan.bytes_per_page - full.nbytes - window.nbytes < \
+    assert full.nbytes + window.nbytes <= (plan.num_pages + 1) * plan.layout.bytes_per_page
+    assert (plan.num_pages + 1) * plan.layout.bytes_per_page - full.nbytes - window.nbytes < \
         full.bytes_per_page
     assert plan.max_tokens == full.max_tokens and plan.kv_bytes == full.nbytes + window.nbytes
     assert plan.max_sequences(8192) == min(full.num_pages // 512, window.num_pages // 65)

@@ -174,7 +174,7 @@ def test_parameters_are_counted_exactly_as_transformers_builds_them(name, expect
 def test_plan_holds_what_the_budget_leaves_after_the_experts_weights():
     plan = plan_memory(ModelConfig.from_hf("Qwen3-30B-A3B"), 80 * 2**30, activation_bytes=0)
     assert plan.weight_bytes == 30_532_122_624 * 2  # bf16: every expert is resident
-    assert plan.bytes_per_token == 98_304  # 48 layers x K and V x 4 heads x 128 x 2 bytes
+    assert plan.layout.bytes_per_token == 98_304  # 48 layers x K and V x 4 heads x 128 x 2 bytes
     assert plan.num_pages == (int(80 * 2**30 * 0.9) - 30_532_122_624 * 2) // (16 * 98_304) - 1
 
 

@@ -27,8 +27,8 @@ def test_bytes_per_slot_counts_conv_and_ssm_states_of_every_layer(device):
 
 def test_state_views_are_shaped_per_slot_the_padding_slot_last(device):
     p = pool(4, device=device)
-    assert p.conv_state(1).shape == (4 + 1, 10, 3)
-    assert p.ssm_state(2).shape == (4 + 1, 2, 3, 5)
+    assert p.conv[1].shape == (4 + 1, 10, 3)
+    assert p.ssm[2].shape == (4 + 1, 2, 3, 5)
 
 
 def test_the_padding_slot_is_never_allocated_or_counted(device):

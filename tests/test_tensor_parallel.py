@@ -252,7 +252,7 @@ def test_a_rank_plans_half_the_weights_and_half_the_kv_heads():
     one = plan_memory(model, 80 * 2**30)
     rank = plan_memory(model, 80 * 2**30, tensor_parallel_size=2)
     assert rank.layout.num_kv_heads == 4 and one.layout.num_kv_heads == 8
-    assert rank.bytes_per_token * 2 == one.bytes_per_token
+    assert rank.layout.bytes_per_token * 2 == one.layout.bytes_per_token
     assert rank.weight_bytes * 2 == one.weight_bytes
     assert rank.budget_bytes == one.budget_bytes + one.weight_bytes - rank.weight_bytes
     assert rank.num_pages == pages_within(rank.layout, rank.budget_bytes)

@@ -1,14 +1,9 @@
-"""RedisTier: evicted prefix pages in a Redis server, which engines in other processes (or
-machines) reading the same server share: a prompt one replica computed, the next loads.
-
-Each page is one Redis string under its namespace and the chain key of its whole prefix,
-holding the record `DiskTier` writes (header, key, checksum): a value that is short,
-corrupt or of another namespace is a miss, deleted and counted. Redis down or slow never
-fails the engine: every call has a timeout, a store that fails is dropped and counted, a load
-that fails is a miss, and after a failure the tier leaves Redis alone for `retry_interval`
-seconds (so a dead server costs one timeout, not one per page). Keys Redis evicts under its
-`maxmemory` policy are misses.
-"""
+"""RedisTier: evicted prefix pages in a Redis server, shared by every engine reading it: a
+prompt one replica computed, the next loads. Each page is one Redis string (the record
+`DiskTier` writes) under its namespace and chain key; a value that fails its checks is a miss,
+deleted and counted. Redis down or slow never fails the engine: every call has a timeout, a
+failed store is dropped, a failed load a miss, and after a failure the tier leaves Redis alone
+for `retry_interval` seconds (a dead server costs one timeout, not one per page)."""
 
 from __future__ import annotations
 
@@ -29,13 +24,12 @@ class RedisUnavailable(ConnectionError):
 
 
 class RedisTier(Tier):
-    """Pages in the Redis server at `url` (redis://host:port/db), shared with every engine of
-    the same namespace using it. `capacity_bytes`: this tier's share of the server (it deletes
-    the least recently used of the pages it stored beyond it); None leaves the bound to the
-    server's `maxmemory`. `namespace` prefixes this tier's keys (to separate deployments on
-    one server; pages of different models never mix anyway). `timeout`: seconds per call.
-    `len` and iteration count the pages this tier stored that it has not seen go; `get` finds
-    any engine's. `put` raises redis.RedisError (or RedisUnavailable) when Redis fails."""
+    """Pages in the Redis server at `url` (redis://host:port/db). `capacity_bytes`: this
+    tier's share of the server, beyond which it deletes the least recently used pages it
+    stored (None: the server's `maxmemory` bounds it). `namespace` prefixes the keys, to
+    separate deployments on one server. `timeout`: seconds per call. `len` and iteration count
+    the pages this tier stored and has not seen go; `get` finds any engine's. `put` raises
+    redis.RedisError (or RedisUnavailable) when Redis fails."""
 
     def __init__(self, url: str, capacity_bytes: int | None = None, namespace: str | None = None,
                  *, timeout: float = 0.25, retry_interval: float = 1.0):

@@ -1,20 +1,15 @@
-"""The Mamba state group: a hybrid model's recurrent states, one state slot per live sequence
-in a MambaPool, and with prefix caching checkpoints of the state after some cached prefixes.
-
-A checkpoint is a state slot holding the state after the last token of a token prefix whose
-KV pages the full-attention group's prefix cache holds. Checkpoints are taken within a prompt
-at the last multiple of `checkpoint_interval` tokens each prefill chunk reaches, and after it
-at every multiple of `track_interval` tokens; they are evicted least recently used first,
-apart from the KV pages (a prefix whose pages stay but whose checkpoint went is a tombstone).
-A new sequence's hit is the deepest checkpoint within what the page groups serve; the
-checkpoint is copied into the sequence's own slot (a state is written at every token, so it
-is never shared). A sequence with a cache salt neither uses nor makes checkpoints, which are
-keyed by content alone."""
+"""The Mamba state group: one state slot per live sequence in a MambaPool and, with prefix
+caching, checkpoints: slots holding the state after a prefix whose KV pages the full-attention
+group's prefix cache holds. A prompt is checkpointed at the last `checkpoint_interval`
+multiple each prefill chunk reaches, the output every `track_interval` tokens. Checkpoints are
+evicted least recently used first, apart from the KV pages (which leaves tombstones). A hit is
+the deepest checkpoint within what the page groups serve, copied into the sequence's own slot.
+Salted sequences neither use nor make checkpoints, which are keyed by content alone."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +23,10 @@ from kvpool.memory.state_pool import CheckpointRequest, MambaLayout, MambaPool, 
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
-    """A hybrid model's state group: `num_slots` state slots of `layout` for sequences (each
-    live sequence holds one), `num_checkpoint_slots` more for checkpoints (with prefix
-    caching), taken every `checkpoint_interval` tokens of a prompt (a multiple of the page
-    size) and every `track_interval` tokens after it (a multiple of checkpoint_interval)."""
+    """A hybrid model's state group: `num_slots` state slots of `layout`, one per live
+    sequence, and `num_checkpoint_slots` for checkpoints, taken every `checkpoint_interval`
+    tokens of a prompt (a page size multiple) and `track_interval` tokens after it (a
+    checkpoint_interval multiple)."""
 
     layout: MambaLayout
     num_slots: int
@@ -47,10 +42,9 @@ class StateSpec:
 
 
 class StateCheckpoints:
-    """Checkpoints keyed by packed token prefix, each holding one reference to its slot in
-    `states`; at most `capacity` slots at once, counting the slots `reserve` hands out for
-    checkpoints not yet added. They sit only at multiples of `interval` tokens, so a prompt's
-    deepest one is found by looking up those lengths from the longest down."""
+    """Checkpoints keyed by packed token prefix, at multiples of `interval` tokens, each
+    holding its slot in `states`; at most `capacity` slots, counting those `reserve` hands
+    out for checkpoints not yet added."""
 
     def __init__(self, states: MambaPool, capacity: int, interval: int):
         self.states = states
@@ -67,8 +61,8 @@ class StateCheckpoints:
         return [len(key) // TOKEN_BYTES for key in self._slots]
 
     def deepest(self, token_ids: bytes, max_tokens: int) -> tuple[int, int | None]:
-        """(length, slot) of the longest checkpointed prefix of `token_ids` (packed) no longer
-        than `max_tokens`; (0, None) if none. Changes nothing."""
+        """(length, slot) of the longest checkpointed prefix of `token_ids` (packed) within
+        `max_tokens`, looked up from the longest interval multiple down; (0, None) if none."""
         for length in range(max_tokens // self.interval * self.interval, 0, -self.interval):
             slot = self._slots.get(token_ids[:length * TOKEN_BYTES])
             if slot is not None:
@@ -84,8 +78,7 @@ class StateCheckpoints:
 
     def reserve(self) -> int | None:
         """A slot for a checkpoint about to be computed, evicting the least recently used
-        checkpoint when the capacity is reached; None when every slot of the capacity is
-        reserved already (the checkpoint is skipped)."""
+        checkpoint at capacity; None when every slot is reserved already (skip it)."""
         if len(self._reserved) >= self.capacity:
             return None
         if len(self._slots) + len(self._reserved) >= self.capacity:
@@ -95,8 +88,8 @@ class StateCheckpoints:
         return slot
 
     def add(self, prefix: bytes, slot: int) -> None:
-        """Index a reserved slot, now holding the state after `prefix`, as its checkpoint;
-        a prefix checkpointed already keeps its slot and this one is released."""
+        """Index a reserved slot, now holding the state after `prefix`, as its checkpoint (or
+        release it, if the prefix has one)."""
         if prefix in self._slots:
             self.release(slot)
             return
@@ -115,32 +108,26 @@ class StateCheckpoints:
             self.states.free(self._slots.popitem(last=False)[1])
         return gone
 
-    def drop(self, prefixes: list[bytes]) -> None:
-        """Drop the checkpoints of these prefixes (their KV pages are gone)."""
-        for prefix in prefixes:
+    def drop_unservable(self, servable: Callable[[bytes], bool]) -> None:
+        """Drop the checkpoints whose prefix is not `servable` (its KV pages are gone)."""
+        for prefix in [prefix for prefix in self._slots if not servable(prefix)]:
             self.states.free(self._slots.pop(prefix))
-
-    def prefixes(self) -> list[bytes]:
-        """The checkpointed prefixes, least recently used first."""
-        return list(self._slots)
 
     def held_slots(self) -> list[int]:
         """Slots held by checkpoints and reservations."""
         return [*self._slots.values(), *self._reserved]
 
-    def check(self) -> None:
-        """Each checkpoint and reservation holds a distinct slot with one reference, at
-        most `capacity` of them, at interval multiples; AssertionError naming what broke."""
+    def check(self, servable: Callable[[bytes], bool]) -> None:
+        """At most `capacity` slots, and checkpoints at interval multiples of `servable`
+        prefixes; AssertionError naming what broke (MambaState checks the slots' holders)."""
         held = self.held_slots()
-        assert len(set(held)) == len(held), f"a checkpoint slot is held twice: {held}"
         assert len(held) <= self.capacity, (
             f"{len(held)} checkpoint slots held, capacity {self.capacity}")
-        for prefix, slot in self._slots.items():
+        for prefix in self._slots:
             length = len(prefix) // TOKEN_BYTES
             assert length and length % self.interval == 0, (
                 f"checkpoint after {length} tokens is not at a multiple of {self.interval}")
-            assert self.states.refcount(slot) == 1, (
-                f"checkpoint slot {slot} has reference count {self.states.refcount(slot)}")
+            assert servable(prefix), f"checkpoint after {length} tokens has no KV pages"
 
 
 @dataclass(slots=True)
@@ -152,8 +139,8 @@ class _StateSlot:
 
 
 class MambaState(GroupManager):
-    """The state slots of `spec` on `device` beside the page group `kv` (full attention),
-    whose prefix cache decides which checkpoints are servable."""
+    """The state slots of `spec` on `device` beside the full-attention page group `kv`, whose
+    prefix cache decides which checkpoints are servable."""
 
     name = "mamba state"
 
@@ -170,12 +157,11 @@ class MambaState(GroupManager):
         self.track_interval = spec.track_interval
         self.states = MambaPool(spec.layout, spec.num_slots + spec.num_checkpoint_slots,
                                 device=device)
-        # Without prefix caching, capacity 0: never a checkpoint, never a hit.
+        # capacity 0 without prefix caching: never a checkpoint, never a hit
         self.checkpoints = StateCheckpoints(self.states, spec.num_checkpoint_slots * caching,
                                             spec.checkpoint_interval)
         self._seqs: dict[Hashable, _StateSlot] = {}
-        # Set by the KV prefix cache's eviction hook; drop_orphans sweeps then.
-        self._kv_evicted = False
+        self._kv_evicted = False  # set by the prefix cache's eviction hook, for drop_orphans
         if caching:
             kv.prefix_cache.evict_hooks.append(self._on_kv_evicted)
 
@@ -249,15 +235,12 @@ class MambaState(GroupManager):
         self._kv_evicted = True
 
     def drop_orphans(self) -> None:
-        """After KV pages were evicted, drop the checkpoints whose prefix lost a page (a state
-        is of no use without the KV before it). The coordinator calls it after every call
-        that may allocate; it sweeps only when the eviction hook ran since the last sweep."""
+        """Drop the checkpoints whose prefix lost a KV page since the last call (a state is of
+        no use without the KV before it). The coordinator calls it after every allocation."""
         if not self._kv_evicted:
             return
         self._kv_evicted = False
-        self.checkpoints.drop([p for p in self.checkpoints.prefixes() if not self._kv_cached(p)])
-
-    # ---- the step's state slots --------------------------------------------------------
+        self.checkpoints.drop_unservable(self._kv_cached)
 
     def slot(self, seq_id: Hashable) -> int:
         """The sequence's state slot."""
@@ -265,8 +248,7 @@ class MambaState(GroupManager):
 
     def state_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[bytearray | None],
                     starts: Sequence[int] | None, ends: Sequence[int] | None) -> StateBatch:
-        """The slots of a step's sequences (ranges checked by the caller) and the checkpoints
-        to save during the step, a reserved slot each."""
+        """The slots of a step's sequences and the checkpoints to save during the step."""
         slots = torch.tensor([self._seqs[s].slot for s in seq_ids], dtype=torch.int64,
                              device=self.states.device)
         requests = []
@@ -278,11 +260,10 @@ class MambaState(GroupManager):
 
     def check(self, num_tokens: dict[Hashable, int]) -> None:
         """MambaPool's and the checkpoints' invariants, plus: the live sequences are the
-        cache's, at most num_sequence_slots of them; each state slot is counted once (held by
-        one sequence, one checkpoint or one reservation); every checkpoint's prefix has its
-        KV pages in the prefix cache."""
+        cache's, within num_sequence_slots; each slot has one holder (a sequence, checkpoint or
+        reservation); every checkpoint's prefix has its KV pages in the prefix cache."""
         self.states.check()
-        self.checkpoints.check()
+        self.checkpoints.check(self._kv_cached)
         assert list(self._seqs) == list(num_tokens), (
             f"sequences with state slots {list(self._seqs)} differ from the cache's "
             f"{list(num_tokens)}")
@@ -298,18 +279,12 @@ class MambaState(GroupManager):
             assert self.states.refcount(slot) == want, (
                 f"state slot {slot} has reference count {self.states.refcount(slot)}, "
                 f"expected {want}")
-        for prefix in self.checkpoints.prefixes():
-            assert self._kv_cached(prefix), (
-                f"checkpoint after {len(prefix) // TOKEN_BYTES} tokens has no KV pages")
-
-    # ---- internals ---------------------------------------------------------------------
 
     def _checkpoint_requests(self, index: int, seq_id: Hashable, token_ids: bytearray | None,
                              start: int, end: int) -> list[CheckpointRequest]:
-        """Checkpoints to save while computing tokens [start, end) of a sequence, not saved
-        yet, while slots last: in the prompt, at the last checkpoint_interval multiple the
-        chunk reaches (where a later chunk or prompt would resume); after it, at every
-        track_interval multiple."""
+        """Checkpoints not saved yet to save while computing tokens [start, end), while slots
+        last: the last checkpoint_interval multiple of the prompt the chunk reaches, and
+        every track_interval multiple after the prompt."""
         seq = self._seqs[seq_id]
         if not seq.checkpointing or token_ids is None:
             return []

@@ -1,9 +1,7 @@
-"""Tiers below the pool: host memory and disk (here), Redis (`redis_tier`), where evicted
-prefix pages go instead of being lost, to be loaded back into fresh pages when a later prompt
-continues their prefix. A page is stored under a `PageKey`, which names its whole prefix. A
-tier belongs to one namespace (model and layout: `page_namespace`), fixed by `bind` before
-its first use: a page of another namespace is never served.
-"""
+"""Tiers below the pool: host memory and disk (here), Redis (`redis_tier`). Evicted prefix
+pages go there instead of being lost, and load back when a later prompt continues their
+prefix. A page is stored under a `PageKey`, which names its whole prefix, in a tier bound to
+one namespace (model and layout: `page_namespace`): a page of another is never served."""
 
 from __future__ import annotations
 
@@ -31,17 +29,16 @@ ROOT_KEY = 0  # chain key of the empty prefix
 
 
 def chain_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    """The chain key of a page holding `token_ids` below the prefix named `parent_key`.
-    CPython hashes ints and tuples of ints the same way in every process (hash randomization
-    only touches str and bytes), so chain keys are stable across runs."""
+    """The chain key of a page holding `token_ids` below the prefix named `parent_key`: the
+    same in every process (hash randomization spares ints and tuples of ints)."""
     return hash((parent_key, token_ids))
 
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """Names one page by its whole prefix: `chain_key` of the prefix through this page,
-    `parent_key` of the prefix before it, and the page's own `token_ids`, which a tier
-    compares on every lookup so that a hash collision is a miss, never wrong KV."""
+    `parent_key` of the prefix before it, and the page's `token_ids`, which every lookup
+    compares: a hash collision is a miss, never wrong KV."""
 
     chain_key: int
     parent_key: int
@@ -69,10 +66,10 @@ class TierStats:
 
 
 class Tier(ABC):
-    """Storage for evicted prefix pages, at most `capacity_pages` of them, LRU beyond that.
-    A page's data is one page of `KVPool.read_pages`: `[num_layers, num_planes, page_size,
-    num_kv_heads, head_dim]`. Subclasses say where the data lives (`_open`, `_write`, `_read`,
-    `_discard`); this class keeps the index, the recency order and the counters."""
+    """Storage for at most `capacity_pages` evicted prefix pages, dropping the least recently
+    used beyond. A page's data is one page of `KVPool.read_pages`. Subclasses say where the
+    data lives (`_open`, `_write`, `_read`, `_discard`); this class keeps the index, the
+    recency order and the counters."""
 
     def __init__(self, capacity_pages: int):
         self.capacity_pages = check_int("capacity_pages", capacity_pages, 1)
@@ -84,8 +81,7 @@ class Tier(ABC):
 
     def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
         """Fix what this tier stores: pages of `namespace`, shaped `page_shape`, of `dtype`.
-        Binding again to the same is allowed (caches of one model may share a tier); to
-        anything else raises ValueError, changing nothing."""
+        Binding again to the same is allowed; to anything else raises ValueError."""
         wanted = (namespace, tuple(page_shape), dtype)
         if self.namespace is None:
             self._open(*wanted)
@@ -98,9 +94,8 @@ class Tier(ABC):
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """Store one page's data under `key` (replacing what its chain key held), dropping
-        the least recently used page if the tier is full. Raises ValueError for data of
-        another shape or dtype than the tier's, OSError if the storage fails (disk full);
-        the index stays consistent either way."""
+        the least recently used page if the tier is full. ValueError for data of another
+        shape or dtype, OSError if the storage fails; the index stays consistent."""
         if self.namespace is None:
             raise ValueError("bind the tier to a namespace before storing pages")
         if tuple(data.shape) != self.page_shape or data.dtype != self.dtype:
@@ -117,7 +112,7 @@ class Tier(ABC):
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
         """`put` that never raises, for eviction, which must not fail: a page the tier cannot
-        keep, for any reason, is dropped and counted. Returns whether the page was stored."""
+        keep is dropped and counted. Returns whether it was stored."""
         try:
             self.put(key, data)
         except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
@@ -126,8 +121,8 @@ class Tier(ABC):
         return True
 
     def get(self, key: PageKey) -> torch.Tensor | None:
-        """A copy of the page stored under `key`, or None (a miss) if the tier holds none for
-        this exact prefix or cannot read it; a hit becomes the most recently used. Never raises."""
+        """A copy of the page stored under `key`, now the most recently used; None (a miss)
+        if the tier holds none for this exact prefix or cannot read it. Never raises."""
         if key in self:
             data = self._read(key)
             if data is not None:
@@ -139,7 +134,7 @@ class Tier(ABC):
         return None
 
     def __contains__(self, key: PageKey) -> bool:
-        """Whether the tier holds a page for exactly this prefix. Changes nothing."""
+        """Whether the tier holds a page for exactly this prefix."""
         return self._keys.get(key.chain_key) == key
 
     def __len__(self) -> int:
@@ -170,9 +165,8 @@ class Tier(ABC):
                 f"key {key} filed under {ck}")
 
     def _page_of(self, record: bytes, key: PageKey) -> torch.Tensor | None:
-        """The page data in `record` (see `page_record`); None, counted corrupt, unless the
-        record is whole and holds exactly `key`'s page of this tier's namespace, shape and
-        dtype."""
+        """The page data in `record` (a `page_record`); None, counted corrupt, unless it is
+        whole and holds `key`'s page of this tier's namespace, shape and dtype."""
         f = io.BytesIO(record)
         header = _read_header(f, self.namespace, self.page_shape, self.dtype)
         payload = bytearray(f.read())
@@ -200,8 +194,8 @@ class Tier(ABC):
 
 class HostTier(Tier):
     """Pages in host memory: one CPU tensor of `capacity_pages` pages, allocated when the
-    tier is bound (which fixes the page shape and dtype) and never resized, with a free list
-    of its page slots. `pin_memory=True` pins it for faster copies to and from a GPU."""
+    tier is bound and never resized, and a free list of its slots. `pin_memory=True` pins
+    it for faster copies to and from a GPU."""
 
     def __init__(self, capacity_pages: int, *, pin_memory: bool = False):
         super().__init__(capacity_pages)
@@ -218,8 +212,8 @@ class HostTier(Tier):
         return 0 if self.buffer is None else self.buffer.nbytes
 
     def check(self) -> None:
-        """Index invariants plus: every stored page has its own slot; slots in use and
-        free slots add up to the capacity."""
+        """Index invariants, and the slots in use (one per page) and free partition the
+        capacity."""
         super().check()
         assert set(self._slot_of) == set(self._keys), "slot index disagrees with the keys"
         used = sorted(self._slot_of.values())
@@ -258,7 +252,6 @@ class HostTier(Tier):
         self._free_slots.append(self._slot_of.pop(key.chain_key))
 
 
-# A page record: magic, header length and header CRC-32, the header (JSON), the payload.
 _MAGIC = b"KVPOOLPG"
 _PREFIX = struct.Struct("<8sII")
 _FORMAT_VERSION = 1
@@ -266,13 +259,12 @@ _TMP_PREFIX = ".kvpage-"
 
 
 class DiskTier(Tier):
-    """Pages on disk in `directory`, one file per page (a `page_record`) named by its
-    namespace and chain key, checked on every load: a page that fails is a miss, removed and
-    counted. Files are written atomically (to a temporary name, then renamed), removed on
-    eviction and by `clear()`. Binding indexes the namespace's pages already in the directory
-    again, least recently used (by file modification time) first, and removes those whose
-    header fails, those beyond capacity and temporaries of interrupted writes; other
-    namespaces' files are left alone and never served."""
+    """Pages on disk in `directory`, one file per page (a `page_record`) named by namespace
+    and chain key, written atomically (a temporary renamed) and checked on every load: one
+    that fails is a miss, removed and counted. Binding indexes the namespace's files already
+    there in recency order (modification times), removing those that fail their header,
+    those beyond capacity and temporaries of interrupted writes; other namespaces' files
+    are left alone."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -339,16 +331,15 @@ class DiskTier(Tier):
 
     def _touch(self, path: Path) -> None:
         """Stamp `path` used now, strictly after every other page file (the clock may tick
-        coarser than uses), so that a reopened index keeps the exact recency order. On a
-        directory it cannot write, the order is kept in memory only."""
+        coarser than uses), so that a reopened index keeps the recency order; in memory only
+        where the directory cannot be written."""
         self._last_use_ns = max(time.time_ns(), self._last_use_ns + 1)
         with contextlib.suppress(OSError):
             os.utime(path, ns=(self._last_use_ns, self._last_use_ns))
 
 
 def _remove(path: Path) -> None:
-    """Remove a page file if the directory lets us; a file left behind is never served,
-    since only indexed pages are read."""
+    """Remove a page file if the directory lets us (one left behind is never indexed)."""
     with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
 
@@ -359,8 +350,8 @@ def namespace_tag(namespace: str) -> str:
 
 
 def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
-    """One stored page as bytes: magic, header length and header CRC-32, the header (JSON:
-    format version, namespace, key, shape, dtype, payload length and CRC-32), the payload."""
+    """One stored page as bytes: magic, header length and CRC-32, the header (JSON: format
+    version, namespace, key, shape, dtype, payload length and CRC-32), the payload."""
     payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     header = json.dumps({
         "version": _FORMAT_VERSION, "namespace": namespace,
@@ -374,9 +365,9 @@ def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
 
 def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
                  dtype: torch.dtype) -> tuple[PageKey, object, object] | None:
-    """The key, payload length and payload CRC-32 in the header of the record open as `f`,
-    which is left at the payload; None unless the magic and the header's CRC-32 match and the
-    header names this format version, namespace, shape and dtype."""
+    """(key, payload length, payload CRC-32) from the header of the record open as `f`, left
+    at the payload; None unless the magic and CRC-32 match and the header names this format
+    version, namespace, shape and dtype."""
     try:
         magic, header_len, header_crc = _PREFIX.unpack(f.read(_PREFIX.size))
         raw = f.read(header_len)
@@ -394,9 +385,8 @@ def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
 
 def page_namespace(layout, model_fingerprint: str = "", kv_scales=None) -> str:
     """What a stored page of `layout` is valid for: the KV geometry, dtype and page size,
-    `model_fingerprint` (a string naming the model's architecture and weights, given by
-    whoever loaded them; two models of one geometry differ only there) and, for fp8 pages,
-    `kv_scales` (each layer's [K, V] scale, which the stored bytes mean nothing without)."""
+    `model_fingerprint` (naming the model's architecture and weights) and, for fp8 pages,
+    `kv_scales`, without which the stored bytes mean nothing."""
     scales = "" if kv_scales is None else f" kv_scales={kv_scales}"
     return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} "
             f"head_dim={layout.head_dim} dtype={layout.dtype} page_size={layout.page_size} "

@@ -204,7 +204,7 @@ def _plan_rows(
     name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing `plan` for the model `name`."""
-    pages_per_seq = plan.pages_per_sequence(context_len)
+    pages_per_seq, layout = plan.pages_per_sequence(context_len), plan.layout
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),
@@ -228,19 +228,20 @@ def _plan_rows(
     if plan.tensor_parallel_size > 1:
         rows.append(("tensor parallel", f"{plan.tensor_parallel_size} ranks: each holds "
                                         f"1/{plan.tensor_parallel_size} of the weights, "
-                                        f"{plan.layout.num_kv_heads} of {model.num_kv_heads} "
+                                        f"{layout.num_kv_heads} of {model.num_kv_heads} "
                                         f"KV heads and the same pages; the rows below are "
                                         f"one rank's"))
     rows += [
-        ("KV layout", _layout_text(model, plan.layout)),
-        ("KV dtype", dtype_name(plan.layout.dtype)),
-        ("KV bytes per token", f"{plan.bytes_per_token:,} ({format_bytes(plan.bytes_per_token)})"),
+        ("KV layout", _layout_text(model, layout)),
+        ("KV dtype", dtype_name(layout.dtype)),
+        ("KV bytes per token", f"{layout.bytes_per_token:,} "
+                               f"({format_bytes(layout.bytes_per_token)})"),
     ]
-    if len(plan.layout.groups) > 1 or plan.layout.layer_windows:
-        rows += [_group_row(group) for group in plan.layout.groups]
-    rows.append(("KV bytes per page", f"{plan.bytes_per_page:,} "
-                                      f"({format_bytes(plan.bytes_per_page)}, "
-                                      f"{plan.page_size} tokens)"))
+    if len(layout.groups) > 1 or layout.layer_windows:
+        rows += [_group_row(group) for group in layout.groups]
+    rows.append(("KV bytes per page", f"{layout.bytes_per_page:,} "
+                                      f"({format_bytes(layout.bytes_per_page)}, "
+                                      f"{layout.page_size} tokens)"))
     if plan.groups:
         rows += [_pool_row(pool, context_len) for pool in plan.groups]
         rows += [
@@ -248,7 +249,7 @@ def _plan_rows(
                       f"{len(plan.groups)} pools ({format_bytes(plan.kv_bytes)}); one pool "
                       f"of every layer: {plan.num_pages:,}"),
             ("tokens", f"{plan.max_tokens:,}; one pool of every layer: "
-                       f"{plan.num_pages * plan.page_size:,}"),
+                       f"{plan.num_pages * layout.page_size:,}"),
             (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,}"),
         ]
     else:

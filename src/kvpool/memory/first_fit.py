@@ -14,12 +14,9 @@ _BUCKET_SIZE = 1 << _BUCKET_SHIFT
 
 
 class FirstFitFreeList:
-    """Free page ids handed out lowest first: O(1) per id, plus O(log num_pages) per bucket
-    that empties or refills.
-
-    Ids live in buckets of `_BUCKET_SIZE` consecutive ids, each an ascending list; a heap holds
-    the numbers of the non-empty buckets, so the lowest free id leads the heap's top bucket.
-    """
+    """Free page ids handed out lowest first, in ascending buckets of `_BUCKET_SIZE`
+    consecutive ids, and a heap of the non-empty buckets' numbers: O(1) per id, plus
+    O(log num_pages) per bucket that empties or refills."""
 
     __slots__ = ("_buckets", "_nonempty", "_size")
 

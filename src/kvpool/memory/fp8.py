@@ -1,10 +1,7 @@
 """fp8 KV pages: float8_e4m3fn values with one float32 scale per layer for K and one for V.
-
-A value x is stored as `e4m3(clamp(x / scale, -448, 448))` (round to nearest, ties to even) and
-read back as `float32(byte) * scale`. Out-of-range values saturate at +-448 * scale: a page
-never holds inf or NaN that its K/V did not hold. A layer's scale is the user's, or taken from
-the first K/V written to the layer: `amax * HEADROOM / E4M3_MAX`.
-"""
+x is stored as `e4m3(clamp(x / scale, -448, 448))` (round to nearest even), so a page never
+holds inf or NaN its K/V did not, and read back as `float32(byte) * scale`. A layer's scale is
+the user's, or taken from the first K/V written to it: `amax * HEADROOM / E4M3_MAX`."""
 
 from __future__ import annotations
 
@@ -14,11 +11,7 @@ from kvpool.numeric import FLOAT32_MAX, FLOAT32_TINY, check_float32
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-# Later tokens may exceed the first prefill's largest |K| or |V|: RoPE turns each pair of a
-# head's dims, so one dim can reach sqrt(2) of the pair's largest entry, and new content varies.
-# Twice the first amax covers that at the cost of one binade at the bottom of e4m3's 2^17 range
-# (the 3 mantissa bits, its relative precision, stay the same).
-HEADROOM = 2.0
+HEADROOM = 2.0  # room for later tokens above the first amax (docs/design-notes.md)
 # The amax floor: a first prefill of all-zero K/V (or none finite) still gives a usable scale.
 MIN_AMAX = 2.0**-10
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")

@@ -25,18 +25,13 @@ class LayerGroup:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Geometry of the paged KV cache: for every token, in each of `num_layers` layers,
-    `num_kv_heads` heads of `head_dim` elements of `dtype` in each of its planes; pages of
-    `page_size` tokens.
-
-    `kind` "mha" (multi-head and grouped-query attention) stores two planes, K and V. "mla"
-    (multi-head latent attention, DeepSeek-V2/V3) stores one plane: per token and layer one
-    latent vector (`num_kv_heads` 1, `head_dim` = kv_lora_rank + qk_rope_head_dim) that
-    serves as the key, and whose first kv_lora_rank values serve as the value. A float8_e4m3fn
-    layout holds fp8 pages with one scale per layer and plane (kvpool.memory.fp8).
-
-    `layer_windows` gives each layer's sliding window in tokens (None: full attention), empty
-    when every layer attends to the whole context; `groups` gathers the layers by window."""
+    """Geometry of the paged KV cache: per token, in each of `num_layers` layers and each
+    plane, `num_kv_heads` heads of `head_dim` elements of `dtype`; pages of `page_size` tokens.
+    `kind` "mha" stores two planes, K and V; "mla" (DeepSeek's latent attention) one latent
+    per token and layer (`num_kv_heads` 1, `head_dim` kv_lora_rank + qk_rope_head_dim), the
+    key, whose first kv_lora_rank values are the value. float8_e4m3fn pages have scales
+    (kvpool.memory.fp8). `layer_windows`: each layer's sliding window in tokens (None: full
+    attention), or empty when no layer has one."""
 
     num_layers: int
     num_kv_heads: int

@@ -12,14 +12,11 @@ from kvpool.errors import MAX_PAGES, InvalidPage, OutOfMemory, check_int
 from kvpool.memory.fp8 import check_scale, is_fp8, quantize, scale_of
 from kvpool.memory.layout import KVLayout
 
-# What one layer's scales are called, one per plane (K and V, or the MLA latent), and the
-# form kv_scales gives them in.
+# One layer's scales, one per plane (K and V, or the MLA latent), and kv_scales' form of them
 SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
              "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
-# Pages a pool sets aside beyond its num_pages: the padding page, which padded rows of a
-# CUDA-graph step write to and read, as do writes whose K/V no one reads.
-RESERVED_PAGES = 1
+RESERVED_PAGES = 1  # the padding page: padded rows of a CUDA-graph step and unread writes
 
 
 def pages_within(layout: KVLayout, nbytes: int) -> int:
@@ -29,18 +26,16 @@ def pages_within(layout: KVLayout, nbytes: int) -> int:
 
 
 class KVPool:
-    """`num_pages` pages of K and V for every layer, and RESERVED_PAGES more, in one tensor on
-    `device` `[num_layers, num_planes, num_pages + 1, page_size, num_kv_heads, head_dim]`:
-    planes K and V (layout kind "mha"), or the one latent plane ("mla": K and V views are both
-    that plane). Page ids [0, num_pages) are the allocator's, the only ones page-level calls
-    take; the reserved `padding_page` (id num_pages) is no sequence's and never counted as used.
+    """`num_pages` pages of every layer, and the reserved `padding_page` (id num_pages, no
+    sequence's), in one tensor on `device` `[num_layers, num_planes, num_pages + 1, page_size,
+    num_kv_heads, head_dim]`: planes K and V ("mha"), or the one latent plane ("mla", which K
+    and V views both show). Page-level calls take the allocator's ids, [0, num_pages).
     Allocating a page never touches its contents: readers only look at slots a sequence wrote.
 
-    An fp8 layout also holds `scales` `[num_layers, num_planes]` (float32, on the device), one
-    per layer and plane (kvpool.memory.fp8). `kv_scales` gives them: one layer's scales for every
-    layer, or a sequence of one layer's scales per layer; one layer's scales are a (k_scale,
-    v_scale) pair for "mha", one number for "mla". A layer without is calibrated by the first
-    K/V (latent) written to it, and keeps its scales for the pool's lifetime.
+    fp8 pages read back through `scales` `[num_layers, num_planes]` (float32, on the device).
+    `kv_scales` gives them: one layer's scales for every layer, or one layer's per layer; one
+    layer's are a (k_scale, v_scale) pair ("mha") or one number ("mla"). A layer without is
+    calibrated by the first K/V written to it, and keeps its scales for the pool's lifetime.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
@@ -72,7 +67,7 @@ class KVPool:
 
     @property
     def padding_page(self) -> int:
-        """The reserved page, which padded rows of a CUDA-graph step read (num_pages)."""
+        """The reserved page (num_pages), which padded rows of a CUDA-graph step read."""
         return self.num_pages
 
     @property
@@ -103,9 +98,9 @@ class KVPool:
         return self.scales[layer, 0], self.scales[layer, -1]
 
     def set_scales(self, layer: int, *scales: float) -> None:
-        """Give `layer` its scales, one positive float per plane (`k_scale, v_scale` for "mha",
-        `latent_scale` for "mla"). ValueError (changing nothing) if the pages are not fp8, or
-        the layer has its scales already: its pages may hold values stored under them."""
+        """Give `layer` its scales, one positive float per plane (`k_scale, v_scale`, or
+        `latent_scale`). ValueError if the pages are not fp8 or the layer has its scales
+        already (its pages may hold values stored under them)."""
         check_int("layer", layer, 0, self.layout.num_layers - 1)
         names = SCALE_NAMES[self.layout.kind]
         if len(scales) != len(names):
@@ -122,8 +117,7 @@ class KVPool:
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Take the layer's scales from the K and V (for "mla" the latent `k`) about to be
-        written, if it has none yet (fp8.scale_of, on the device). Does nothing for pages that
-        are not fp8, and while calibration is paused."""
+        written, if it has none yet and calibration is not paused (fp8 pages only)."""
         if self.quantized and self._calibrating and not self._has_scales[layer]:
             for plane, x in enumerate((k, v)[: self.layout.num_planes]):
                 self.scales[layer, plane] = scale_of(x)
@@ -131,8 +125,8 @@ class KVPool:
 
     @contextmanager
     def calibration_paused(self) -> Iterator[None]:
-        """Within this block writes set no scales: for K/V that are no real tokens' (the
-        padding of a CUDA graph capture), which a layer's scales must not be taken from."""
+        """Within this block writes set no scales: for K/V of no real tokens (the padding of
+        a CUDA graph capture)."""
         self._calibrating = False
         try:
             yield
@@ -154,9 +148,8 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
-        """Write one layer's K/V `[n, num_kv_heads, head_dim]` for n tokens at `slots` [n];
-        for "mla" `k` is the latent `[n, 1, latent_dim]` and `v` must be None. fp8 pages are
-        written quantized under the layer's scales, calibrating them first if needed."""
+        """Write one layer's K/V `[n, num_kv_heads, head_dim]` at `slots` [n]; for "mla" `k` is
+        the latent `[n, 1, latent_dim]` and `v` None. fp8 pages are written quantized."""
         if (v is None) != (self.layout.kind == "mla"):
             raise ValueError(f"a {self.layout.kind} pool writes "
                              f"{'the latent alone' if v is not None else 'both K and V'}")
@@ -202,8 +195,8 @@ class KVPool:
         self.kv[:, :, self._index(pages)] = 0
 
     def check(self) -> None:
-        """The tensor holds num_pages and the reserved pages, and every layer that has its
-        scales has positive finite ones; AssertionError naming what is broken."""
+        """The tensor holds num_pages and the reserved page, and the layers' scales are
+        positive and finite; AssertionError naming what is broken."""
         assert self.kv.shape[2] == self.num_pages + RESERVED_PAGES, (
             f"the pool tensor holds {self.kv.shape[2]} pages for {self.num_pages} and "
             f"{RESERVED_PAGES} reserved")
@@ -230,8 +223,7 @@ def _check_within(index: torch.Tensor, bound: int, what: str, error: type[Except
 
 
 def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
-    """`kv_scales` (see KVPool) as one tuple of scales per layer, checked (TypeError or
-    ValueError naming the bad value); None stays None."""
+    """`kv_scales` (see KVPool) as one checked tuple of scales per layer; None stays None."""
     if kv_scales is None:
         return None
     if not is_fp8(layout.dtype):
@@ -249,8 +241,7 @@ def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None
 
 
 def _is_row(x, num_planes: int) -> bool:
-    """Whether `x` has the form of one layer's scales: a number for one plane, a tuple or list
-    of one per plane for several."""
+    """Whether `x` is one layer's scales: a number for one plane, else a tuple or list."""
     if num_planes == 1:
         return not isinstance(x, (tuple, list))
     return (isinstance(x, (tuple, list)) and len(x) == num_planes

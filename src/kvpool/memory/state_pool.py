@@ -1,9 +1,6 @@
-"""MambaPool: the recurrent states of a hybrid model's Mamba layers, beside the KV pages.
-
-A Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token:
-the last `conv_kernel - 1` inputs of its causal convolution and its SSM state. The pool
-allocates `num_slots` such states per Mamba layer once, and hands out state slots (indices
-into them) with a free list and reference counts, as the allocator does for pages."""
+"""MambaPool: the recurrent states of a hybrid model's Mamba layers, beside the KV pages. A
+Mamba layer keeps one fixed-size state per sequence, overwritten in place at every token: the
+last `conv_kernel - 1` inputs of its causal convolution and its SSM state."""
 
 from __future__ import annotations
 
@@ -15,11 +12,10 @@ from typing import NamedTuple
 import torch
 
 from kvpool.devices import check_device
-from kvpool.errors import InvalidStateSlot, OutOfStateSlots, check_int
+from kvpool.errors import InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
+from kvpool.memory.allocator import PageAllocator
 
-# State slots a pool sets aside beyond its num_slots: the padding slot, which padded rows of a
-# CUDA-graph step read and write.
-RESERVED_SLOTS = 1
+RESERVED_SLOTS = 1  # the padding slot, which padded rows of a CUDA-graph step use
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +78,15 @@ class StateStats:
 
 
 class MambaPool:
-    """`num_slots` state slots per Mamba layer, allocated once on `device`, with a LIFO
-    free list and one reference count per slot, and one more slot, `padding_slot` (index
-    num_slots), never allocated or counted as used: padded rows of a CUDA-graph step use it.
-    Allocating a slot never touches its contents: a sequence's first step starts from a zero
-    state without reading it."""
+    """`num_slots` state slots per Mamba layer and the `padding_slot` after them, allocated
+    once on `device`: `conv` `[layers, num_slots + 1, *conv_shape]` and `ssm` `[layers,
+    num_slots + 1, *ssm_shape]`. A PageAllocator (lifo) hands out the slots and keeps their
+    reference counts; the padding slot, which padded rows of a CUDA-graph step use, is never
+    allocated or counted as used. Allocating a slot never touches its contents: a sequence's
+    first step starts from a zero state without reading it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
-        check_int("num_slots", num_slots, 1)
+        self.allocator = PageAllocator(check_int("num_slots", num_slots, 1), thread_safe=False)
         self.layout = layout
         self.device = check_device(device)
         layers, rows = layout.num_layers, num_slots + RESERVED_SLOTS
@@ -100,14 +97,12 @@ class MambaPool:
         # Called with (src, dst) after every copy: the tensor-parallel ranks' pools repeat this
         # pool's copies (kvpool.engine.parallel).
         self.copy_listeners: list[Callable[[Sequence[int], Sequence[int]], None]] = []
-        self._free = list(range(num_slots - 1, -1, -1))  # top at the end: 0 goes first
-        self._refs = [0] * num_slots
-        self._peak = self._allocated = self._freed = self._failed = self._copies = 0
+        self._copies = 0
 
     @property
     def num_slots(self) -> int:
         """State slots in the pool, the padding slot not counted."""
-        return len(self._refs)
+        return self.allocator.num_pages
 
     @property
     def padding_slot(self) -> int:
@@ -117,57 +112,35 @@ class MambaPool:
     @property
     def num_free(self) -> int:
         """Slots on the free list."""
-        return len(self._free)
+        return self.allocator.num_free
 
     @property
     def nbytes(self) -> int:
         """Bytes of the state tensors, the padding slot's included."""
         return (self.num_slots + RESERVED_SLOTS) * self.layout.bytes_per_slot
 
-    def conv_state(self, layer: int) -> torch.Tensor:
-        """Conv states of Mamba layer `layer` by slot: `[num_slots + 1, *conv_shape]`."""
-        return self.conv[layer]
-
-    def ssm_state(self, layer: int) -> torch.Tensor:
-        """SSM states of Mamba layer `layer` by slot: `[num_slots + 1, *ssm_shape]`."""
-        return self.ssm[layer]
-
     def allocate(self) -> int:
         """A free slot, with reference count 1. Raises OutOfStateSlots (nothing changed)."""
-        if not self._free:
-            self._failed += 1
-            raise OutOfStateSlots(f"need 1 state slot, 0 free of {self.num_slots}")
-        slot = self._free.pop()
-        self._refs[slot] = 1
-        self._allocated += 1
-        self._peak = max(self._peak, self.num_slots - self.num_free)
-        return slot
+        try:
+            return self.allocator.allocate(1)[0]
+        except OutOfPages:
+            raise OutOfStateSlots(f"need 1 state slot, 0 free of {self.num_slots}") from None
 
     def share(self, slot: int) -> None:
         """One more holder of an allocated slot (reference count + 1)."""
-        self._check_held(slot)
-        self._refs[slot] += 1
+        self.allocator.hold([self._check_held(slot)])
 
     def free(self, slot: int) -> bool:
         """One holder fewer; True if the slot went back to the free list."""
-        self._check_held(slot)
-        self._refs[slot] -= 1
-        if self._refs[slot]:
-            return False
-        self._free.append(slot)
-        self._freed += 1
-        return True
+        return bool(self.allocator.drop([self._check_held(slot)]))
 
     def refcount(self, slot: int) -> int:
         """Holders of `slot` (0: free)."""
-        check_int("slot", slot, 0, self.num_slots - 1)
-        return self._refs[slot]
+        return self.allocator.refcount(check_int("slot", slot, 0, self.num_slots - 1))
 
     def copy(self, src: int, dst: int) -> None:
         """Copy the state of slot `src` into slot `dst`, every layer (both held)."""
-        self._check_held(src)
-        self._check_held(dst)
-        self.copy_slots([src], [dst])
+        self.copy_slots([self._check_held(src)], [self._check_held(dst)])
         self._copies += 1
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -206,30 +179,25 @@ class MambaPool:
 
     def stats(self) -> StateStats:
         """The pool's counters now."""
-        used = self.num_slots - self.num_free
-        return StateStats(self.num_slots, self.num_free, used, self._peak, self._allocated,
-                          self._freed, self._failed, self._copies)
+        counts = self.allocator.stats()
+        return StateStats(counts.num_pages, counts.num_free, counts.num_used, counts.peak_used,
+                          counts.num_allocated, counts.num_freed, counts.num_failed,
+                          self._copies)
 
     def check(self) -> None:
-        """Conservation: every slot is free (count 0, once on the free list) or held (count
-        > 0), and the state tensors hold one row more, the padding slot; AssertionError naming
-        what is broken."""
+        """The allocator's invariants (every slot free or held, none twice), and the state
+        tensors hold one row more, the padding slot; AssertionError naming what is broken."""
+        self.allocator.check()
         rows = self.num_slots + RESERVED_SLOTS
         assert self.conv.shape[1] == self.ssm.shape[1] == rows, (
             f"the state tensors hold {self.conv.shape[1]} and {self.ssm.shape[1]} slots for "
             f"{self.num_slots} and {RESERVED_SLOTS} reserved")
-        free = set(self._free)
-        assert len(free) == len(self._free), f"a slot is on the free list twice: {self._free}"
-        for slot, refs in enumerate(self._refs):
-            assert refs >= 0, f"slot {slot} has reference count {refs}"
-            assert (refs == 0) == (slot in free), (
-                f"slot {slot} has reference count {refs} and is "
-                f"{'' if slot in free else 'not '}on the free list")
 
-    def _check_held(self, slot: int) -> None:
-        check_int("slot", slot, 0, self.num_slots - 1)
-        if not self._refs[slot]:
+    def _check_held(self, slot: int) -> int:
+        """`slot`, if it is allocated; ValueError out of range, InvalidStateSlot if free."""
+        if not self.refcount(slot):
             raise InvalidStateSlot(f"state slot {slot} is not allocated")
+        return slot
 
 
 class CheckpointRequest(NamedTuple):

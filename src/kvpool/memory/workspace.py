@@ -1,9 +1,6 @@
-"""Workspace: scratch memory allocated once at start-up and handed out again every step.
-
-A bump allocator over one byte tensor: `alloc` carves the next aligned range and returns a
-view of it, `reset` (once per step) takes everything back. Nothing is freed one by one, so
-a step's scratch (kernels' partial results, sampling buffers, graph inputs) costs no
-allocation, and the memory is counted once, when it is planned."""
+"""Workspace: scratch memory allocated once at start-up and handed out again every step, a
+bump allocator over one byte tensor: `alloc` carves the next aligned range, `reset` (once a
+step) takes everything back. A step's scratch costs no allocation and is planned once."""
 
 from __future__ import annotations
 

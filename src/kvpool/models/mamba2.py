@@ -122,7 +122,7 @@ class Mamba2Mixer(nn.Module, Sharded):
         z, xbc, dt = self.in_proj(hidden).split(
             [m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)
-        conv, ssm = states.pool.conv_state(layer), states.pool.ssm_state(layer)
+        conv, ssm = states.pool.conv[layer], states.pool.ssm[layer]
         if context.host.decode_only:
             y = self._decode(xbc, dt, conv, ssm, states.slots, context.positions == 0)
         else:

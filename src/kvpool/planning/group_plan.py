@@ -1,13 +1,7 @@
-"""How a KV budget is split between the pools of a layout's layer groups (a full-attention pool
-and sliding-window pools, as a KVCache of several page groups keeps them).
-
-The rule: each window group's pool gets the pages of `max_num_seqs` sequences' windows (a
-decoding sequence holds ceil(window / page_size) + 1 pages there) plus `prefill_tokens` of
-prompt pages (the scheduler takes a windowed prompt's pages chunk by chunk, but a prompt
-admitted with a prefix hit holds the hit's whole path until its next chunk gives the pages
-before its window back, so one longest prompt must fit beside the windows), but never more
-tokens than the full pool gets; the full pool gets the rest. A window pool so capped holds as
-many tokens as the full pool: the pair then holds what one pool of every layer would."""
+"""How a KV budget is split between the pools of a layout's layer groups: a full-attention pool
+and sliding-window pools, as a KVCache of several page groups keeps them. Each window pool
+gets `max_num_seqs` windows plus one prompt of `prefill_tokens` (docs/design-notes.md says
+why), never more tokens than the full pool; the full pool gets the rest."""
 
 from __future__ import annotations
 
@@ -16,6 +10,14 @@ from dataclasses import dataclass
 from kvpool.errors import check_int
 from kvpool.memory.layout import KVLayout, LayerGroup
 from kvpool.memory.pool import RESERVED_PAGES
+
+
+def pages_held(context_len: int, window: int | None, page_size: int) -> int:
+    """Pages a decoding sequence of `context_len` tokens holds in a pool of `window` (None:
+    full attention, every page), which gives back the pages that leave it: the window's
+    pages and one more."""
+    pages = -(-context_len // page_size)
+    return pages if window is None else min(pages, -(-window // page_size) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,20 +45,16 @@ class GroupPlan:
         return self.num_pages * self.page_size
 
     def pages_per_sequence(self, context_len: int) -> int:
-        """Pages a sequence of `context_len` tokens holds here while it decodes: all of them
-        for full attention, its window and one more page for a window group."""
-        pages = -(-context_len // self.page_size)
-        if self.group.window is None:
-            return pages
-        return min(pages, -(-self.group.window // self.page_size) + 1)
+        """Pages a decoding sequence of `context_len` tokens holds in this pool."""
+        return pages_held(context_len, self.group.window, self.page_size)
 
 
 def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
                  prefill_tokens: int) -> tuple[GroupPlan, ...]:
-    """The pools of `layout.groups` in `budget_bytes` (see the module's rule), in group order.
-    The full group (or, without one, the widest window) gets what the others leave. Each
-    pool's reserved page comes on top: together they take one page of every layer, as one
-    pool's would, so a budget that holds `num_pages` pages and a reserved one holds these."""
+    """The pools of `layout.groups` in `budget_bytes`, in group order; the full group (or,
+    without one, the widest window) gets what the others leave. The pools' reserved pages
+    take one page of every layer, as one pool's would: a budget of `num_pages` pages and a
+    reserved one holds these."""
     check_int("max_num_seqs", max_num_seqs, 1)
     check_int("prefill_tokens", prefill_tokens, 0)
     ps, groups = layout.page_size, layout.groups
@@ -67,8 +65,7 @@ def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
     for g, group in enumerate(groups):
         if g != rest:
             window_pages = -(-group.window // ps) + 1
-            want = max_num_seqs * window_pages + -(-prefill_tokens // ps)
-            pages[g] = min(want, one_pool)
+            pages[g] = min(max_num_seqs * window_pages + -(-prefill_tokens // ps), one_pool)
     spent = sum(pages[g] * groups[g].bytes_per_token * ps for g in pages)
     pages[rest] = (budget - spent) // (groups[rest].bytes_per_token * ps)
     return tuple(GroupPlan(group, pages[g], ps) for g, group in enumerate(groups))

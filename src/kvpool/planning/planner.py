@@ -1,16 +1,13 @@
 """Memory planning: how many KV pages, tokens and sequences fit on a device next to a model's
-weights and activations, computed from the model's geometry (kvpool.planning.geometry: its
-config gives it) before any weight is loaded.
+weights and activations, from the model's geometry (kvpool.planning.geometry) before any
+weight is loaded.
 
-`memory_fraction` has one meaning everywhere (vLLM's): the fraction of the device's total
-memory (a CUDA device's, or the host's RAM) that this model may use. What is already in use
-on the device when planning (other processes) comes out of that share, and so do the weights,
-the activations and any other memory the caller reserves; the KV cache gets the whole pages
-of what is left. For a hybrid model (attention and Mamba layers), `mamba_memory_ratio` of
-that rest goes to state slots (one per running sequence or cached checkpoint) and the
-pages get the remainder. A model mixing full-attention and sliding-window layers splits the
-bytes of those pages between a full pool and window pools (kvpool.planning.group_plan), as
-the engine does."""
+`memory_fraction` means what it means in vLLM: the share of the device's total memory (a CUDA
+device's, or the host's RAM) this model may use. What is in use on the device already, the
+weights, the activations and the caller's reserve come out of that share; the KV cache gets
+the whole pages of the rest, of which a hybrid model gives `mamba_memory_ratio` to state
+slots first. A model mixing full-attention and sliding-window layers splits its pages' bytes
+between pools (kvpool.planning.group_plan), as the engine does."""
 
 from __future__ import annotations
 
@@ -29,27 +26,24 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
 from kvpool.planning.geometry import ModelGeometry
-from kvpool.planning.group_plan import GroupPlan, split_budget
+from kvpool.planning.group_plan import GroupPlan, pages_held, split_budget
 
 # The forward whose activations a plan sets aside unless given activation_bytes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAMBA_MEMORY_RATIO = 0.5  # share of a hybrid's cache budget given to state slots
 _MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """How a model and its paged KV cache share memory (all sizes in bytes).
+    """How a model and its paged KV cache share memory (sizes in bytes).
 
     budget_bytes = int(device_memory * memory_fraction) - in_use_bytes - weight_bytes
-    - activation_bytes - reserved_bytes (negative when the model alone does not fit); the KV
-    cache gets the whole pages that fit in it. When not one page fits, num_pages is 0 and
-    `reason` says why. A hybrid model's state slots take `mamba_memory_ratio` of the budget
-    first (`mamba_layout` None and no slots for attention-only models). `num_pages` counts
+    - activation_bytes - reserved_bytes (negative when the model alone does not fit). When not
+    one page (or, for a hybrid, one state slot) fits, `reason` says why. `num_pages` counts
     pages of every layer, as one pool holds them; a model mixing full and windowed layers
-    splits their bytes between the pools of `groups` (empty for one pool), and then `kv_bytes`,
-    `max_tokens` and `max_sequences` are the pair's."""
+    splits their bytes between the pools of `groups`, and `kv_bytes`, `max_tokens` and
+    `max_sequences` are then the pools'."""
 
     layout: KVLayout
     num_parameters: int
@@ -63,7 +57,7 @@ class MemoryPlan:
     budget_bytes: int
     num_pages: int
     reason: str | None = None
-    mamba_layout: MambaLayout | None = None
+    mamba_layout: MambaLayout | None = None  # None for attention-only models
     num_state_slots: int = 0
     mamba_memory_ratio: float = 0.0  # the share of budget_bytes given to state slots
     groups: tuple[GroupPlan, ...] = ()  # the full and window pools of a mixed model
@@ -72,26 +66,10 @@ class MemoryPlan:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the state pool: `num_state_slots` slots and the reserved one (0 without
-        slots)."""
+        """Bytes of the state pool, its reserved slot included (0 without slots)."""
         if not self.num_state_slots:
             return 0
         return (self.num_state_slots + RESERVED_SLOTS) * self.mamba_layout.bytes_per_slot
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return self.layout.page_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        """KV bytes of one token (K and V, all layers)."""
-        return self.layout.bytes_per_token
-
-    @property
-    def bytes_per_page(self) -> int:
-        """KV bytes of one page."""
-        return self.layout.bytes_per_page
 
     @property
     def usable_bytes(self) -> int:
@@ -100,25 +78,25 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the KV pool: `num_pages` pages and the reserved one (or the groups'
-        pools; 0 without pages)."""
+        """Bytes of the KV pool (or the groups' pools), reserved pages included; 0 without
+        pages."""
         if self.groups:
             return sum(group.nbytes for group in self.groups)
-        return (self.num_pages + RESERVED_PAGES) * self.bytes_per_page if self.num_pages else 0
+        if not self.num_pages:
+            return 0
+        return (self.num_pages + RESERVED_PAGES) * self.layout.bytes_per_page
 
     @property
     def max_tokens(self) -> int:
-        """Token slots in the KV pool (for a pair, in the first group's pool, full attention:
-        every token of a sequence has a slot there)."""
+        """Token slots in the KV pool (for a pair, in the full-attention pool, where every token
+        of a sequence has a slot)."""
         if self.groups:
             return self.groups[0].max_tokens
-        return self.num_pages * self.page_size
+        return self.num_pages * self.layout.page_size
 
     def max_sequences(self, context_len: int) -> int:
-        """How many sequences of `context_len` tokens fit at once, each in whole pages (and,
-        for a hybrid, each with a state slot; for a pair, what each pool holds of a decoding
-        sequence: all its pages in the full pool, a window and a page in a window pool; when
-        every layer is windowed and pages go back, a window and a page)."""
+        """How many sequences of `context_len` tokens fit at once: in whole pages of every pool
+        (`pages_per_sequence`) and, for a hybrid, each with a state slot."""
         by_pages = self.num_pages // self.pages_per_sequence(context_len)
         if self.groups:
             by_pages = min(group.num_pages // group.pages_per_sequence(context_len)
@@ -129,10 +107,7 @@ class MemoryPlan:
         """Pages of the one pool a decoding sequence of `context_len` tokens holds: all of
         them, or a window and a page when every layer is windowed and pages go back."""
         check_int("context_len", context_len, 1)
-        pages = self.layout.num_pages_for(context_len)
-        if self.window is not None:
-            pages = min(pages, self.layout.num_pages_for(self.window) + 1)
-        return pages
+        return pages_held(context_len, self.window, self.layout.page_size)
 
     def max_checkpoints(self, context_len: int) -> int:
         """State slots left for the prefix cache's checkpoints while `max_sequences` run."""
@@ -149,39 +124,31 @@ def plan_memory(
     activation_bytes: int | None = None,
     reserved_bytes: int = 0,
     device: str | torch.device | None = None,
-    mamba_memory_ratio: float = DEFAULT_MAMBA_MEMORY_RATIO,
+    mamba_memory_ratio: float = 0.5,
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     free_out_of_window: bool = True,
     max_num_seqs: int = 64,
     prefill_tokens: int | None = None,
 ) -> MemoryPlan:
-    """Plan the KV pool of a model before loading it: the pages left in `memory_fraction` of
-    the memory after the weights, the activations and `reserved_bytes`. `model` is its
-    geometry (a `ModelConfig`: a preset, config.json or folder parsed by `from_hf`).
-    `device_memory` (bytes) is the memory to plan in; None reads `device` (which must then be
-    given; the plan's `device` names it): its total memory (a CUDA device's, or the host's
-    RAM), less what is already in use.
-    `dtype` None: the model's (`weights_dtype`): the weights', and the KV pages' unless
-    `kv_cache_dtype` is "fp8_e4m3" (one byte per value: twice the tokens).
-    `activation_bytes` None: the model's estimate for a forward of
-    DEFAULT_MAX_NUM_BATCHED_TOKENS tokens of up to DEFAULT_MAX_NUM_SEQS sequences.
-    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots (ignored
-    for attention-only models). A model mixing full and windowed layers gets a full pool and
-    window pools unless not `free_out_of_window`; the window pools hold `max_num_seqs` windows
-    and `prefill_tokens` of prompt pages (None: the model's max_position_embeddings).
-    `tensor_parallel_size` N plans one rank of N: its share of the weights (the parameters
-    / N: the few replicated ones, norms and routers, are not counted again), of the KV
-    heads (`KVLayout.per_rank`) and of a hybrid's Mamba state (`mamba_layout`), in
-    `device_memory` of its own; every rank holds the same number of pages and state slots."""
+    """Plan the KV pool of `model` (a geometry: a `ModelConfig`) before loading it.
+    `device_memory` (bytes) is the memory to plan in; None reads the total and in-use memory
+    of `device`. `dtype` None: the model's, for the weights and (unless `kv_cache_dtype` is
+    "fp8_e4m3") the pages. `activation_bytes` None: the model's estimate for a forward of
+    DEFAULT_MAX_NUM_BATCHED_TOKENS tokens of DEFAULT_MAX_NUM_SEQS sequences.
+    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots. A model
+    mixing full and windowed layers gets window pools unless not `free_out_of_window`, sized
+    for `max_num_seqs` windows and `prefill_tokens` of prompt (None: max_position_embeddings).
+    `tensor_parallel_size` N plans one rank of N: 1/N of the parameters, its share of the KV
+    heads and Mamba state, in `device_memory` of its own."""
     _check_geometry(model)
     if device_memory is not None:
         check_int("device_memory", device_memory, 1)
     if activation_bytes is not None:
         check_int("activation_bytes", activation_bytes, 0)
     check_int("reserved_bytes", reserved_bytes, 0)
-    _check_fraction(memory_fraction)
-    _check_ratio(mamba_memory_ratio)
+    _check_share("memory_fraction", memory_fraction, "(0, 1]")
+    _check_share("mamba_memory_ratio", mamba_memory_ratio, "(0, 1)")
     layout = model.kv_layout(dtype=dtype, page_size=page_size,
                              kv_cache_dtype=kv_cache_dtype).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
@@ -197,14 +164,13 @@ def plan_memory(
     mamba = model.mamba_layout(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     ratio = mamba_memory_ratio if mamba else 0.0
     num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
-    state_bytes = (num_slots + RESERVED_SLOTS) * mamba.bytes_per_slot if num_slots else 0
     plan = MemoryPlan(
         layout, num_parameters, weight_bytes, activation_bytes, reserved_bytes, device_name,
-        device_memory, in_use_bytes, memory_fraction, budget,
-        num_pages=pages_within(layout, budget - state_bytes),
+        device_memory, in_use_bytes, memory_fraction, budget, num_pages=0,
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
         tensor_parallel_size=tensor_parallel_size,
     )
+    plan = replace(plan, num_pages=pages_within(layout, budget - plan.state_bytes))
     windows = layout.layer_windows
     if free_out_of_window and windows and None not in windows:  # as KVCache gives pages back
         plan = replace(plan, window=max(windows))
@@ -227,7 +193,8 @@ def _reason(plan: MemoryPlan) -> str:
                 f"({format_bytes(plan.mamba_layout.bytes_per_slot)})")
     if plan.budget_bytes >= 0:
         return (f"the {format_bytes(plan.budget_bytes)} left for the KV cache is less than "
-                f"one page ({format_bytes(plan.bytes_per_page)}) and the pool's reserved one")
+                f"one page ({format_bytes(plan.layout.bytes_per_page)}) and the pool's "
+                f"reserved one")
     parts = [f"weights {format_bytes(plan.weight_bytes)}",
              f"activations {format_bytes(plan.activation_bytes)}"]
     if plan.reserved_bytes:
@@ -238,9 +205,8 @@ def _reason(plan: MemoryPlan) -> str:
             f"{format_bytes(plan.device_memory)} ({format_bytes(plan.usable_bytes)})")
 
 
-def _memory(
-    device_memory: int | None, device: str | torch.device | None
-) -> tuple[str | None, int, int]:
+def _memory(device_memory: int | None, device: str | torch.device | None
+            ) -> tuple[str | None, int, int]:
     """(device name, memory, bytes already in use): the given memory on no device, else the
     device's total memory and what is not free on it (a CUDA device, or the host's RAM)."""
     if device_memory is not None:
@@ -270,27 +236,23 @@ def _memory(
 
 
 def host_memory() -> tuple[int, int]:
-    """(total, available) bytes of this machine's RAM; available is what a process could get
-    without swapping: MemTotal and MemAvailable from /proc/meminfo, or where there is none,
-    the physical and free pages the OS reports (free omits reclaimable caches)."""
-    with contextlib.suppress(OSError):
-        kib = {}  # meminfo lines read "MemTotal:       33554432 kB"
-        for line in _MEMINFO.read_text().splitlines():
-            name, _, value = line.partition(":")
-            kib[name] = value.split()[0] if value.split() else ""
-        if kib.get("MemTotal", "").isdigit() and kib.get("MemAvailable", "").isdigit():
-            return int(kib["MemTotal"]) * 1024, int(kib["MemAvailable"]) * 1024
+    """(total, available) bytes of this machine's RAM, available meaning without swapping:
+    MemTotal and MemAvailable from /proc/meminfo, else the physical and free pages the OS
+    reports."""
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        lines = _MEMINFO.read_text().splitlines()  # "MemTotal:       33554432 kB"
+        kib = dict(line.split(":", 1) for line in lines if ":" in line)
+        return int(kib["MemTotal"].split()[0]) * 1024, int(kib["MemAvailable"].split()[0]) * 1024
     try:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
     except (AttributeError, ValueError, OSError):
-        msg = "cannot read this machine's memory; pass device_memory"
-        raise ValueError(msg) from None
+        raise ValueError("cannot read this machine's memory; pass device_memory") from None
 
 
 def _check_geometry(model: object) -> None:
-    """Raise TypeError unless `model` is a model geometry (a preset name, path or config
-    dict must be parsed first)."""
+    """TypeError unless `model` is a model geometry (a preset name, path or config dict must
+    be parsed first)."""
     if not isinstance(model, ModelGeometry):
         raise TypeError(f"plan_memory takes a model geometry, got {type(model).__name__} "
                         f"{reprlib.repr(model)}; parse a preset, config.json, checkpoint folder "
@@ -298,15 +260,10 @@ def _check_geometry(model: object) -> None:
                         f"(kvpool.models.config)")
 
 
-def _check_ratio(ratio: object) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"mamba_memory_ratio must be a number in (0, 1), got {ratio!r}")
-    if not 0 < ratio < 1:
-        raise ValueError(f"mamba_memory_ratio must be in (0, 1), got {ratio}")
-
-
-def _check_fraction(memory_fraction: object) -> None:
-    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
-        raise TypeError(f"memory_fraction must be a number in (0, 1], got {memory_fraction!r}")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+def _check_share(name: str, value: object, interval: str) -> None:
+    """TypeError unless `value` is a number, ValueError unless it lies in `interval`: "(0, 1]"
+    or "(0, 1)"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in {interval}, got {value!r}")
+    if not (0 < value < 1 or (value == 1 and interval.endswith("]"))):
+        raise ValueError(f"{name} must be in {interval}, got {value}")
