@@ -76,7 +76,7 @@ class PageAllocator:
         self._free = (FirstFitFreeList(num_pages) if policy == "first_fit"
                       else list(range(num_pages - 1, -1, -1)))
         self._refcounts = [0] * num_pages  # holders of each page
-        self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
+        self._is_cached = [False] * num_pages  # True: the prefix cache indexes the page
         self._next = [num_pages] * (num_pages + 1)  # the sentinel's: the coldest
         self._prev = [num_pages] * (num_pages + 1)  # the sentinel's: the warmest
         self._num_cached = 0  # pages on the queue
@@ -196,17 +196,25 @@ class PageAllocator:
     def hold(self, pages: list[int]) -> None:
         """`share` for the owner of the page tables, calling from one thread, whose pages are
         known held or cached (a page table's, a prefix match's): the same effect, unchecked."""
-        refcounts, nxt, prv = self._refcounts, self._next, self._prev
+        refcounts, nxt = self._refcounts, self._next
+        # The cached pages of a match mostly lie on the queue in runs, each page the next
+        # colder than the one before it (`drop` queues a page table tail first): a run leaves
+        # the queue at once, from its warmest page `first` to its coldest, `last`.
+        first = last = -1
         revived = 0
         for page in pages:
             if refcounts[page]:
                 refcounts[page] += 1
-            else:  # cached: held again, off the queue
-                refcounts[page] = 1
-                before, after = prv[page], nxt[page]
-                nxt[before] = after
-                prv[after] = before
-                revived += 1
+                continue
+            refcounts[page] = 1  # cached: held again, off the queue
+            revived += 1
+            if nxt[page] != last:  # not the page after the run: a run of its own
+                if first >= 0:
+                    self._unlink(first, last)
+                first = page
+            last = page
+        if first >= 0:
+            self._unlink(first, last)
         self._num_cached -= revived
 
     def drop(self, pages: list[int]) -> list[int]:
@@ -219,22 +227,21 @@ class PageAllocator:
         # the first one is the warmest (next to the sentinel), the last the coldest, linked to
         # the queue's warmest page at the end. Each link is written once.
         warmest, after = prv[sentinel], sentinel
-        released, queued = [], 0
+        released, kept = [], 0  # kept: listings after which the page is still held
         for page in pages:
             count = refcounts[page] - 1
             refcounts[page] = count
             if count:
-                continue
-            if is_cached[page]:
+                kept += 1
+            elif is_cached[page]:
                 prv[after] = page
                 nxt[page] = after
                 after = page
-                queued += 1
             else:
                 released.append(page)
         nxt[warmest] = after
         prv[after] = warmest
-        self._num_cached += queued
+        self._num_cached += len(pages) - kept - len(released)
         self._free.extend(released)
         return released
 
@@ -250,7 +257,7 @@ class PageAllocator:
                     self._check_id(page)
                     raise InvalidPage(f"cannot cache page {page}: nobody holds it")
             for page in pages:
-                self._is_cached[page] = 1
+                self._is_cached[page] = True
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
@@ -351,7 +358,7 @@ class PageAllocator:
         page = nxt[sentinel]
         for _ in range(n):
             pages.append(page)
-            marks[page] = 0
+            marks[page] = False
             page = nxt[page]
         nxt[sentinel] = page
         self._prev[page] = sentinel
@@ -369,6 +376,12 @@ class PageAllocator:
             pages.append(page)
             page = nxt[page]
         return pages
+
+    def _unlink(self, first: int, last: int) -> None:
+        """Take the queue's pages from `first` to the colder `last` off it."""
+        before, after = self._prev[last], self._next[first]
+        self._next[before] = after
+        self._prev[after] = before
 
     def _check_id(self, page: object) -> None:
         """Raise TypeError unless `page` is an int, InvalidPage unless it is in range."""
