@@ -7,9 +7,8 @@ at the cold end once the free pages run out: eviction costs what allocation cost
 page, never a pass of its own. The allocator tells the prefix index at once (`on_evict`),
 before it hands the pages out, so that the index drops them while their content is still
 there. The queue is a doubly linked list threaded through two lists indexed by page id, its
-sentinel the index past the last page. Lists cost 8 bytes a page each where arrays of 32-bit
-ints cost 4 (0.8 MiB more per 100,000 pages), but a link written to a list costs a third of
-one written to an array, and a prefix hit writes four per page.
+sentinel the index past the last page; the marks of the prefix cache's pages are a list too
+(a list's item is read and written by specialized opcodes, an array's or bytearray's not).
 
 Every call checks before it acts: a call that raises has changed nothing. The owner of the
 page tables, which knows its pages valid, takes and gives back references through `hold`
