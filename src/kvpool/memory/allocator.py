@@ -196,9 +196,8 @@ class PageAllocator:
         """`share` for the owner of the page tables, calling from one thread, whose pages are
         known held or cached (a page table's, a prefix match's): the same effect, unchecked."""
         refcounts, nxt = self._refcounts, self._next
-        # The cached pages of a match mostly lie on the queue in runs, each page the next
-        # colder than the one before it (`drop` queues a page table tail first): a run leaves
-        # the queue at once, from its warmest page `first` to its coldest, `last`.
+        # A match's cached pages mostly lie on the queue in runs, each the next colder than the
+        # last (`drop` queues a page table tail first): a run leaves at once, `first` to `last`.
         first = last = -1
         revived = 0
         for page in pages:
