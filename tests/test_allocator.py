@@ -560,6 +560,21 @@ def test_sharing_a_cached_page_takes_it_off_the_queue():
     allocator.check()
 
 
+def test_sharing_cached_pages_takes_them_off_the_queue_run_by_run():
+    allocator = PageAllocator(6)
+    pages = allocator.allocate(5)
+    allocator.mark_cached(pages)
+    allocator.free(pages)
+    assert allocator.cached_pages() == [4, 3, 2, 1, 0]
+    allocator.share([1, 2, 4, 1])  # runs [1, 2] and [4]; 1 held twice
+    assert allocator.cached_pages() == [3, 0]
+    assert [allocator.refcount(p) for p in range(5)] == [0, 2, 1, 0, 1]
+    allocator.check()
+    allocator.share([0, 3])  # one run: 3 is now the page next colder than 0
+    assert allocator.cached_pages() == [] and allocator.num_cached == 0
+    allocator.check()
+
+
 def test_evict_moves_the_coldest_cached_pages_to_the_free_list():
     allocator = cached_allocator()
     assert allocator.evict(2) == [2, 1]

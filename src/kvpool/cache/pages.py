@@ -95,10 +95,10 @@ class FullAttention(GroupManager):
         hit_pages = len(match.pages) + len(loaded)
         if loaded:
             self._load_from_tier(ids, pages, len(match.pages), loaded, salt)
+        hit = hit_pages * self.page_size
         if ids is not None and self.prefix_cache is not None:
             self._query_tokens += n
-            self._hit_tokens += hit_pages * self.page_size
-        hit = hit_pages * self.page_size
+            self._hit_tokens += hit
         self._seqs[seq_id] = _PageTable(pages, n, hit_pages, hit, 0, ids is not None)
         return hit
 

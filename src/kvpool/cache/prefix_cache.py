@@ -267,12 +267,7 @@ class PrefixCache:
 
     def _all_nodes(self) -> Iterator[PrefixNode]:
         """Every node below every root."""
-        for root in list(self._roots.values()):
-            yield from self._nodes(root)
-
-    def _nodes(self, top: PrefixNode) -> Iterator[PrefixNode]:
-        """Every node below `top`."""
-        stack = [top]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             for child in node.children.values():

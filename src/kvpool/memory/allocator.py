@@ -7,9 +7,8 @@ at the cold end once the free pages run out: eviction costs what allocation cost
 page, never a pass of its own. The allocator tells the prefix index at once (`on_evict`),
 before it hands the pages out, so that the index drops them while their content is still
 there. The queue is a doubly linked list threaded through two lists indexed by page id, its
-sentinel the index past the last page. Lists cost 8 bytes a page each where arrays of 32-bit
-ints cost 4 (0.8 MiB more per 100,000 pages), but a link written to a list costs a third of
-one written to an array, and a prefix hit writes four per page.
+sentinel the index past the last page; the marks of the prefix cache's pages are a list too
+(a list's item is read and written by specialized opcodes, an array's or bytearray's not).
 
 Every call checks before it acts: a call that raises has changed nothing. The owner of the
 page tables, which knows its pages valid, takes and gives back references through `hold`
@@ -76,7 +75,7 @@ class PageAllocator:
         self._free = (FirstFitFreeList(num_pages) if policy == "first_fit"
                       else list(range(num_pages - 1, -1, -1)))
         self._refcounts = [0] * num_pages  # holders of each page
-        self._is_cached = bytearray(num_pages)  # 1: the prefix cache indexes the page
+        self._is_cached = [False] * num_pages  # True: the prefix cache indexes the page
         self._next = [num_pages] * (num_pages + 1)  # the sentinel's: the coldest
         self._prev = [num_pages] * (num_pages + 1)  # the sentinel's: the warmest
         self._num_cached = 0  # pages on the queue
@@ -196,17 +195,24 @@ class PageAllocator:
     def hold(self, pages: list[int]) -> None:
         """`share` for the owner of the page tables, calling from one thread, whose pages are
         known held or cached (a page table's, a prefix match's): the same effect, unchecked."""
-        refcounts, nxt, prv = self._refcounts, self._next, self._prev
+        refcounts, nxt = self._refcounts, self._next
+        # A match's cached pages mostly lie on the queue in runs, each the next colder than the
+        # last (`drop` queues a page table tail first): a run leaves at once, `first` to `last`.
+        first = last = -1
         revived = 0
         for page in pages:
             if refcounts[page]:
                 refcounts[page] += 1
-            else:  # cached: held again, off the queue
-                refcounts[page] = 1
-                before, after = prv[page], nxt[page]
-                nxt[before] = after
-                prv[after] = before
-                revived += 1
+                continue
+            refcounts[page] = 1  # cached: held again, off the queue
+            revived += 1
+            if nxt[page] != last:  # not the page after the run: a run of its own
+                if first >= 0:
+                    self._unlink(first, last)
+                first = page
+            last = page
+        if first >= 0:
+            self._unlink(first, last)
         self._num_cached -= revived
 
     def drop(self, pages: list[int]) -> list[int]:
@@ -219,22 +225,21 @@ class PageAllocator:
         # the first one is the warmest (next to the sentinel), the last the coldest, linked to
         # the queue's warmest page at the end. Each link is written once.
         warmest, after = prv[sentinel], sentinel
-        released, queued = [], 0
+        released, kept = [], 0  # kept: listings after which the page is still held
         for page in pages:
             count = refcounts[page] - 1
             refcounts[page] = count
             if count:
-                continue
-            if is_cached[page]:
+                kept += 1
+            elif is_cached[page]:
                 prv[after] = page
                 nxt[page] = after
                 after = page
-                queued += 1
             else:
                 released.append(page)
         nxt[warmest] = after
         prv[after] = warmest
-        self._num_cached += queued
+        self._num_cached += len(pages) - kept - len(released)
         self._free.extend(released)
         return released
 
@@ -243,14 +248,10 @@ class PageAllocator:
         wait on the cached queue instead of the free list (a page marked already stays so).
         Raises InvalidPage, changing nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
-        with self._lock or nullcontext():
-            refcounts, num_pages = self._refcounts, self._num_pages
-            for page in pages:
-                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                    self._check_id(page)
-                    raise InvalidPage(f"cannot cache page {page}: nobody holds it")
-            for page in pages:
-                self._is_cached[page] = 1
+        if self._lock is None:  # as in `allocate`: a commit of new pages calls it each time
+            return self._mark_cached(pages)
+        with self._lock:
+            return self._mark_cached(pages)
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
@@ -343,6 +344,16 @@ class PageAllocator:
             self._fewest_unused = left
         return ids
 
+    def _mark_cached(self, pages: list[int]) -> None:
+        """`mark_cached`, the lock held."""
+        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
+        for page in pages:
+            if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                self._check_id(page)
+                raise InvalidPage(f"cannot cache page {page}: nobody holds it")
+        for page in pages:
+            is_cached[page] = True
+
     def _evict(self, n: int) -> list[int]:
         """Take the `n` (at most `num_cached`) least recently used cached pages off the queue
         and unmark them, telling `on_evict`; returns them coldest first."""
@@ -351,7 +362,7 @@ class PageAllocator:
         page = nxt[sentinel]
         for _ in range(n):
             pages.append(page)
-            marks[page] = 0
+            marks[page] = False
             page = nxt[page]
         nxt[sentinel] = page
         self._prev[page] = sentinel
@@ -369,6 +380,12 @@ class PageAllocator:
             pages.append(page)
             page = nxt[page]
         return pages
+
+    def _unlink(self, first: int, last: int) -> None:
+        """Take the queue's pages from `first` to the colder `last` off it."""
+        before, after = self._prev[last], self._next[first]
+        self._next[before] = after
+        self._prev[after] = before
 
     def _check_id(self, page: object) -> None:
         """Raise TypeError unless `page` is an int, InvalidPage unless it is in range."""
