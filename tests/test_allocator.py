@@ -145,6 +145,17 @@ def test_marked_pages_lists_the_cached_marks_until_eviction():
     allocator.check()
 
 
+@pytest.mark.parametrize("method", ["mark_cached", "mark"])
+def test_mark_and_mark_cached_have_one_effect(method):
+    """`mark` is the owner's `mark_cached` without the check: the same marks, the same queue."""
+    allocator = PageAllocator(10, thread_safe=False)
+    pages = allocator.allocate(4)
+    getattr(allocator, method)(pages[1:3])
+    assert allocator.drop(pages) == [0, 3]
+    assert (allocator.marked_pages(), allocator.cached_pages()) == ([1, 2], [2, 1])
+    allocator.check()
+
+
 def test_critical_allocation_may_take_the_reserved_pages():
     allocator = PageAllocator(10, reserve=2)
     allocator.allocate(8)

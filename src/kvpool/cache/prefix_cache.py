@@ -142,7 +142,7 @@ class PrefixCache:
         new_pages = pages[num_held:]
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
-        self.allocator.mark_cached(new_pages)
+        self.allocator.mark(new_pages)
         if depth < len(node.pages):
             node = self._split(node, depth)
         if node.parent is not None and not node.children:

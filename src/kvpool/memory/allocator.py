@@ -248,10 +248,20 @@ class PageAllocator:
         wait on the cached queue instead of the free list (a page marked already stays so).
         Raises InvalidPage, changing nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
-        if self._lock is None:  # as in `allocate`: a commit of new pages calls it each time
-            return self._mark_cached(pages)
-        with self._lock:
-            return self._mark_cached(pages)
+        with self._lock or nullcontext():
+            refcounts, num_pages = self._refcounts, self._num_pages
+            for page in pages:
+                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                    self._check_id(page)
+                    raise InvalidPage(f"cannot cache page {page}: nobody holds it")
+            self.mark(pages)
+
+    def mark(self, pages: list[int]) -> None:
+        """`mark_cached` for the owner of the page tables, calling from one thread, whose pages
+        are known held (a page table's): the same effect, unchecked."""
+        is_cached = self._is_cached
+        for page in pages:
+            is_cached[page] = True
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
@@ -343,16 +353,6 @@ class PageAllocator:
         if left < self._fewest_unused:
             self._fewest_unused = left
         return ids
-
-    def _mark_cached(self, pages: list[int]) -> None:
-        """`mark_cached`, the lock held."""
-        refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
-        for page in pages:
-            if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                self._check_id(page)
-                raise InvalidPage(f"cannot cache page {page}: nobody holds it")
-        for page in pages:
-            is_cached[page] = True
 
     def _evict(self, n: int) -> list[int]:
         """Take the `n` (at most `num_cached`) least recently used cached pages off the queue
