@@ -180,11 +180,8 @@ class PageAllocator:
         """
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
-            refcounts, num_pages = self._refcounts, self._num_pages
-            for page in pages:
-                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                    self._check_id(page)
-                    raise InvalidPage(f"cannot free page {page}: it is not allocated")
+            self._check_held(pages, "free", "it is not allocated")
+            refcounts = self._refcounts
             if len(set(pages)) < len(pages):
                 for page, times in Counter(pages).items():
                     if times > refcounts[page]:
@@ -249,11 +246,7 @@ class PageAllocator:
         Raises InvalidPage, changing nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
-            refcounts, num_pages = self._refcounts, self._num_pages
-            for page in pages:
-                if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
-                    self._check_id(page)
-                    raise InvalidPage(f"cannot cache page {page}: nobody holds it")
+            self._check_held(pages, "cache", "nobody holds it")
             self.mark(pages)
 
     def mark(self, pages: list[int]) -> None:
@@ -386,6 +379,15 @@ class PageAllocator:
         before, after = self._prev[last], self._next[first]
         self._next[before] = after
         self._prev[after] = before
+
+    def _check_held(self, pages: list[int], verb: str, reason: str) -> None:
+        """Raise InvalidPage "cannot `verb` page P: `reason`" for the first of `pages` nobody
+        holds (TypeError for an id that is not an int)."""
+        refcounts, num_pages = self._refcounts, self._num_pages
+        for page in pages:
+            if type(page) is not int or not 0 <= page < num_pages or not refcounts[page]:
+                self._check_id(page)
+                raise InvalidPage(f"cannot {verb} page {page}: {reason}")
 
     def _check_id(self, page: object) -> None:
         """Raise TypeError unless `page` is an int, InvalidPage unless it is in range."""
