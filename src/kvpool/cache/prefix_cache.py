@@ -229,8 +229,8 @@ class PrefixCache:
     def _evicted(self, pages: list[int]) -> None:
         """The allocator's eviction listener: cut `pages` (coldest first, each the last page
         of a leaf once the pages before it in the list are cut) from the tree, then run the
-        hooks. The pages of one leaf come one after another (a sequence queues its pages
-        tail first), so each leaf is cut once, by the number of its pages listed."""
+        hooks. Pages of one leaf listed one after another (as a sequence queues its pages
+        tail first, they mostly are) are cut at once."""
         hooks = self.evict_hooks
         keys = self.page_keys(pages) if hooks else []
         node_of_page = self._node_of_page
@@ -238,13 +238,12 @@ class PrefixCache:
         for page in pages:
             node = node_of_page[page]
             node_of_page[page] = None
-            if node is leaf:
-                cut += 1
-                continue
-            if leaf is not None:
-                self._cut(leaf, cut)
-            leaf, cut = node, 1
-        if leaf is not None:
+            if node is not leaf:
+                if cut:
+                    self._cut(leaf, cut)
+                leaf, cut = node, 0
+            cut += 1
+        if cut:
             self._cut(leaf, cut)
         for hook in hooks:
             hook(pages, keys)
