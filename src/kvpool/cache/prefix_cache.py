@@ -229,24 +229,36 @@ class PrefixCache:
     def _evicted(self, pages: list[int]) -> None:
         """The allocator's eviction listener: cut `pages` (coldest first, each the last page
         of a leaf once the pages before it in the list are cut) from the tree, then run the
-        hooks. A leaf left empty goes, and so does a salted root left with no child."""
+        hooks. Pages of one leaf listed one after another (as a sequence queues its pages
+        tail first, they mostly are) are cut at once."""
         hooks = self.evict_hooks
         keys = self.page_keys(pages) if hooks else []
-        node_of_page, page_bytes = self._node_of_page, self._page_bytes
+        node_of_page = self._node_of_page
+        leaf, cut = None, 0
         for page in pages:
             node = node_of_page[page]
             node_of_page[page] = None
-            run = node.pages
-            run.pop()
-            if run:
-                node.tokens = node.tokens[:-page_bytes]
-                continue
-            siblings = node.parent.children
-            del siblings[node.key]
-            if not siblings and node.parent.parent is None and node.parent is not self.root:
-                del self._roots[node.parent.key]
+            if node is not leaf:
+                if cut:
+                    self._cut(leaf, cut)
+                leaf, cut = node, 0
+            cut += 1
+        if cut:
+            self._cut(leaf, cut)
         for hook in hooks:
             hook(pages, keys)
+
+    def _cut(self, leaf: PrefixNode, n: int) -> None:
+        """Cut the last `n` pages of `leaf`; a leaf left empty goes, and so does a salted root
+        left with no child."""
+        if n < len(leaf.pages):
+            del leaf.pages[-n:]
+            leaf.tokens = leaf.tokens[:-n * self._page_bytes]
+            return
+        siblings = leaf.parent.children
+        del siblings[leaf.key]
+        if not siblings and leaf.parent.parent is None and leaf.parent is not self.root:
+            del self._roots[leaf.parent.key]
 
     def _split(self, node: PrefixNode, depth: int) -> PrefixNode:
         """Split `node` after its first `depth` pages into a new parent holding those and

@@ -196,13 +196,13 @@ class PageAllocator:
         # A match's cached pages mostly lie on the queue in runs, each the next colder than the
         # last (`drop` queues a page table tail first): a run leaves at once, `first` to `last`.
         first = last = -1
-        revived = 0
+        held = 0  # listings of pages held already (the rest come off the queue)
         for page in pages:
             if refcounts[page]:
                 refcounts[page] += 1
+                held += 1
                 continue
             refcounts[page] = 1  # cached: held again, off the queue
-            revived += 1
             if nxt[page] != last:  # not the page after the run: a run of its own
                 if first >= 0:
                     self._unlink(first, last)
@@ -210,7 +210,7 @@ class PageAllocator:
             last = page
         if first >= 0:
             self._unlink(first, last)
-        self._num_cached -= revived
+        self._num_cached -= len(pages) - held
 
     def drop(self, pages: list[int]) -> list[int]:
         """`free` for the owner of the page tables, calling from one thread, whose pages are

@@ -10,14 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvpool.devices import check_device
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
-from kvpool.models.llama import LlamaAttention, Rope, check_dtypes, logits
+from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
 from kvpool.models.mamba2 import Mamba2Mixer
-from kvpool.models.parallel import ONE_RANK, ColumnLinear, TensorParallel, VocabEmbedding
-from kvpool.models.rotary import RotaryEmbedding
+from kvpool.models.parallel import TensorParallel, VocabEmbedding
 
 
 class BambaDecoderLayer(nn.Module):
@@ -55,6 +53,12 @@ class BambaModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
+    @property
+    def norm(self) -> RMSNorm:
+        """The final norm, which the head applies (Bamba's checkpoints name it
+        `final_layernorm`)."""
+        return self.final_layernorm
+
     def forward(self, input_ids: torch.Tensor, rope: Rope,
                 context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
@@ -70,34 +74,11 @@ class BambaModel(nn.Module):
         return x
 
 
-class BambaForCausalLM(nn.Module):
-    """The hybrid decoder plus its output head (tied to the embedding when the config says so).
+class BambaForCausalLM(LlamaForCausalLM):
+    """Llama's output head over the hybrid decoder. The model never allocates pages or state
+    slots: it writes K/V at the slots it is given, reads through the page tables, and updates
+    the state slots of the context's states (`context.states.slots[b]` is sequence b's). With
+    `tp` of several ranks it holds this rank's part of every weight and its share of every
+    state slot, and every rank returns the whole logits."""
 
-    Parameters are allocated on `device` but not initialised (load a checkpoint into them).
-    The model never allocates pages or state slots: it writes K/V at the slots it is given,
-    reads through the page tables, and updates the state slots of the context's states.
-    With `tp` of several ranks it holds this rank's part of every weight and its share of
-    every state slot, and every rank returns the whole logits."""
-
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device, tp: TensorParallel = ONE_RANK):
-        super().__init__()
-        device = check_device(device)
-        self.config = config
-        self.dtype = dtype
-        self.tp = tp
-        with torch.device("meta"):  # skip the default init: weights are loaded next
-            self.model = BambaModel(config, dtype, tp)
-            self.lm_head = None if config.tie_word_embeddings else ColumnLinear(
-                config.hidden_size, tp.part(config.vocab_size, "vocab_size"), 1, False, dtype)
-        self.to_empty(device=device)
-        self.rotary_emb = RotaryEmbedding(config, device=device)
-
-    @torch.inference_mode()
-    def forward(self, context: ForwardContext) -> torch.Tensor:
-        """One packed step -> float32 logits `[n, vocab_size]` of the tokens at
-        `context.logits_indices`; `context.states.slots[b]` is sequence b's state slot."""
-        check_dtypes(self, context)
-        rope = self.rotary_emb(context.positions, self.dtype)
-        hidden = self.model(context.input_ids, rope, context)
-        return logits(self, self.model.final_layernorm, hidden, context)
+    decoder = BambaModel

@@ -50,7 +50,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
 class LoadedModel:
     """A model ready to run, its config, and its tokenizer (None if the folder has none)."""
 
-    model: LlamaForCausalLM | BambaForCausalLM | DeepseekForCausalLM
+    model: LlamaForCausalLM  # or a subclass: every decoder family is one (MODEL_CLASSES)
     config: ModelConfig
     tokenizer: Tokenizer | None
 
