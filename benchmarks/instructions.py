@@ -15,6 +15,11 @@ loop, and does nothing more when run without valgrind. Cases:
          shared system prompts, unique tails), each added (match, and eviction: the first
          4,000 fill the pool uncounted) + committed (insert) + freed; each request a fresh
          list, made before counting starts
+
+With `--peer kvpool` or `--peer vllm`, the case off, hit or shared runs through that peer's
+adapter in benchmarks/peers.py, as peers.py times it (every request a fresh list of fresh
+ints, vLLM's Request and block hashes built inside the count): the ratio of two peers'
+counts is the side-by-side comparison without the spread of a loaded machine's timings.
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=("alloc", "off", "hit", "shared"))
     parser.add_argument("requests", type=int)
+    parser.add_argument("--peer", choices=("kvpool", "vllm"),
+                        help="serve the case through this peer's adapter in peers.py")
     args = parser.parse_args()
+    if args.peer is not None:
+        if args.case == "alloc":
+            parser.error("--peer serves the cases off, hit and shared")
+        through_peer(args.peer, args.case, args.requests)
+        return
     if args.case == "alloc":
         allocator = PageAllocator(100_000)
         allocator.allocate(50_000)
@@ -86,6 +98,36 @@ def shared(layout, requests: int) -> None:
         cache.add_sequence(i, prompt)
         cache.commit(i)
         cache.free_sequence(i)
+
+
+def through_peer(name: str, case: str, requests: int) -> None:
+    """`case` served by peers.py's adapter of peer `name`, its prompts made before counting:
+    off, fresh prompts with caching off; hit, one prompt served once uncounted; shared, the
+    `shared` case's prompts after the same 4,000 uncounted."""
+    import random
+
+    from cache import random_prompts, shared_prefix_prompts, tokenizer_output
+    from peers import KVPoolPeer, VLLMPeer
+
+    peer = {"kvpool": KVPoolPeer, "vllm": VLLMPeer}[name]()
+    if case == "shared":
+        warm = 4_000
+        serve, _ = peer.server(16_384, True)
+        prompts = [tokenizer_output(p) for p in shared_prefix_prompts(warm + requests)]
+        for i, prompt in enumerate(prompts[:warm]):
+            serve(i, prompt)
+        prompts = prompts[warm:]
+    elif case == "hit":
+        serve, _ = peer.server(4096, True)
+        packed = random_prompts(1, random.Random(0))[0]
+        serve(-1, tokenizer_output(packed))
+        prompts = [tokenizer_output(packed) for _ in range(requests)]
+    else:
+        serve, _ = peer.server(4096, False)
+        prompts = [tokenizer_output(p) for p in random_prompts(requests, random.Random(0))]
+    counting_on()
+    for i, prompt in enumerate(prompts):
+        serve(i, prompt)
 
 
 if __name__ == "__main__":
