@@ -12,7 +12,7 @@ def has_unfinished(llm: LLM) -> bool:
 
 
 def check_cache(llm: LLM) -> None:
-    llm.cache.check()
+    llm.check()
 
 
 def cache_stats(llm: LLM):

@@ -216,7 +216,7 @@ def check_engine_with_prefix_hits_and_chunks(case: EngineCase, device,
     outputs = llm.generate(case.batch, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == case.expected
     assert llm.cache.stats().prefix_hit_tokens > 0
-    llm.cache.check()
+    llm.check()
 
 
 def check_engine_with_preemption(case: EngineCase, device, greedy: SamplingParams) -> None:
@@ -226,4 +226,4 @@ def check_engine_with_preemption(case: EngineCase, device, greedy: SamplingParam
     outputs = llm.generate(case.batch, greedy, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == case.expected
-    llm.cache.check()
+    llm.check()

@@ -73,7 +73,7 @@ def _tokens(outputs):
 
 def _assert_drained(llm):
     """Every request finished: invariants hold and only prefix-cached pages remain."""
-    llm.cache.check()
+    llm.check()
     stats = llm.cache.stats()
     assert stats.num_used_pages == 0 and stats.num_sequences == 0
     assert not llm.has_unfinished()

@@ -53,7 +53,7 @@ def run_with_failures(llm: LLM, prompts, params, fail_at: dict[int, int]) -> dic
         final = {}
         while llm.has_unfinished():
             for output in llm.step():
-                llm.cache.check()
+                llm.check()
                 if output.finished:
                     final[output.request_id] = output
         return {i: final[request_id] for i, request_id in enumerate(ids)}
@@ -62,7 +62,7 @@ def run_with_failures(llm: LLM, prompts, params, fail_at: dict[int, int]) -> dic
 
 
 def assert_nothing_leaks(llm: LLM) -> None:
-    llm.cache.check()
+    llm.check()
     assert llm.cache.stats().num_used_pages == 0
     llm.cache.prefix_cache.clear()
     assert llm.cache.stats().num_free_pages == llm.cache.num_pages
@@ -150,7 +150,7 @@ def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed(ov
             except RuntimeError as e:
                 assert str(e) == "injected forward failure"
                 continue
-            llm.cache.check()
+            llm.check()
             final.update((o.request_id, o) for o in outputs if o.finished)
     finally:
         del llm.runner.run

@@ -51,7 +51,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def after_step(self, record) -> None:
         """on_step: check the cache, and abort a running or waiting request when planned."""
-        self.llm.cache.check()
+        self.llm.check()
         index = self.abort_at_step.pop(record.step, None)
         seqs = [*self.llm.scheduler.running, *self.llm.scheduler.waiting]
         if index is not None and seqs:
@@ -63,7 +63,7 @@ class EngineMachine(RuleBasedStateMachine):
         for request_id in list(self.live):
             self.llm.abort(request_id)
         self.llm.on_step = None
-        self.llm.cache.check()
+        self.llm.check()
         assert not self.llm.has_unfinished()
         assert self.llm.cache.stats().num_used_pages == 0
 
@@ -160,7 +160,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def engine_agrees_with_the_model(self):
-        self.llm.cache.check()
+        self.llm.check()
         assert self.llm.has_unfinished() == bool(self.live)
         running = len(self.llm.scheduler.running)
         assert len(self.llm.cache.sequences()) == running <= MAX_NUM_SEQS

@@ -324,7 +324,7 @@ def test_engine_generates_with_fp8_pages_and_serves_prefix_hits():
     assert len(first.outputs[0].token_ids) == 8
     assert llm.cache.stats().prefix_hit_tokens == 32
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    llm.cache.check()
+    llm.check()
 
 
 def test_engine_samples_fork_and_copy_fp8_pages_on_write():
@@ -333,7 +333,7 @@ def test_engine_samples_fork_and_copy_fp8_pages_on_write():
     (out,) = llm.generate([list(range(1, 22))], params, use_tqdm=False)  # 21: a partial page
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
     assert llm.cache.stats().num_cow_copies == 1
-    llm.cache.check()
+    llm.check()
 
 
 def test_a_write_to_a_slot_outside_the_pool_sets_no_scales():

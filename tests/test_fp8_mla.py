@@ -236,7 +236,7 @@ def test_engine_on_fp8_latent_pages_with_prefix_hits_chunks_and_preemption_decod
     runner = with_given_scale(PagedRunner(llm.model, kv_dtype=FP8_DTYPE, num_pages=256))
     expected = runner.greedy({i: prompt for i, prompt in enumerate(batch)}, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outputs] == list(expected.values())
-    llm.cache.check()
+    llm.check()
 
 
 def test_engine_calibrates_each_layers_latent_scale_from_the_first_prefill(v3_folder):
@@ -245,7 +245,7 @@ def test_engine_calibrates_each_layers_latent_scale_from_the_first_prefill(v3_fo
     scales = llm.cache.pool.scales
     assert scales.shape == (3, 1) and llm.cache.pool.scales_ready
     assert all(0 < s < GIVEN_SCALE for s in scales.flatten().tolist())
-    llm.cache.check()
+    llm.check()
 
 
 @pytest.mark.parametrize(("model", "kv_scales", "message"), [

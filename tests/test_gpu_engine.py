@@ -49,7 +49,7 @@ def test_graph_decode_steps_give_the_eager_tokens():
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     stats = llm.stats()
     assert stats.num_cuda_graphs == 5 and stats.num_graph_steps > 0  # 1, 2, 4, 8, 16
-    llm.cache.check()
+    llm.check()
 
 
 def test_sampling_on_the_device_runs_without_host_synchronisation():
@@ -76,7 +76,7 @@ def test_overlap_is_on_by_default_and_gives_the_plain_tokens_with_graphs():
     assert [[c.token_ids for c in o.outputs] for o in overlapped] == \
         [[c.token_ids for c in o.outputs] for o in plain]
     assert llm.stats().num_graph_steps > 0 and llm.cache.stats().num_used_pages == 0
-    llm.cache.check()
+    llm.check()
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])

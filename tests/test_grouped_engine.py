@@ -75,7 +75,7 @@ def test_greedy_outputs_equal_transformers_with_chunks_prefix_hits_and_preemptio
                 assert len(pages) - pages.count(HOLE) <= WINDOW_PAGES + 16 // PAGE_SIZE
                 windowed += 1
             assert HOLE not in llm.cache.pages(seq_id, 0)
-        llm.cache.check()
+        llm.check()
     assert windowed > 0
     assert [outputs[i] for i in ids] == expected
     assert llm.stats().num_preemptions > 0
@@ -96,4 +96,4 @@ def test_fp8_pages_calibrate_each_pool_of_the_pair(checkpoint, device):
     out = llm.generate([batch()[1]], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
     assert llm.cache.pool.quantized and llm.cache.pool.scales_ready
-    llm.cache.check()
+    llm.check()

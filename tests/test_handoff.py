@@ -53,7 +53,7 @@ def _run(llm):
     done = {}
     while llm.has_unfinished():
         done.update((o.request_id, o) for o in llm.step() if o.finished)
-    llm.cache.check()
+    llm.check()
     return done
 
 

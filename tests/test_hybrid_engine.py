@@ -53,7 +53,7 @@ def _tokens(outputs):
 
 
 def _assert_drained(llm):
-    llm.cache.check()
+    llm.check()
     # recomputed K/V goes to the pool's reserved padding page, which no sequence holds
     assert llm.cache.sequences() == [] and llm.cache.stats().num_used_pages == 0
     assert llm.cache.states.num_free == llm.cache.states.num_slots - len(

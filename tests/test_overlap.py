@@ -48,7 +48,7 @@ def _run(llm: LLM, prompts, params, aborts: dict[int, int]) -> list:
     first_id = llm._next_request_id
 
     def on_step(record):
-        llm.cache.check()
+        llm.check()
         for index, length in aborts.items():
             request = llm._requests.get(str(first_id + index))
             if request and request.seqs and len(request.seqs[0].output_token_ids) >= length:
@@ -59,7 +59,7 @@ def _run(llm: LLM, prompts, params, aborts: dict[int, int]) -> list:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.on_step = None
-    llm.cache.check()
+    llm.check()
     assert llm.cache.stats().num_used_pages == 0 and not llm.has_unfinished()
     return [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in outputs]
 
@@ -169,7 +169,7 @@ def test_a_sample_that_stopped_loses_the_token_the_next_step_computed(monkeypatc
     # stop was read, and its token dropped
     assert len(forwards) == first + 2
     assert llm._in_flight is None and llm.cache.stats().num_used_pages == 0
-    llm.cache.check()
+    llm.check()
 
 
 def test_an_abort_while_a_step_runs_returns_the_tokens_read_so_far():
@@ -185,7 +185,7 @@ def test_an_abort_while_a_step_runs_returns_the_tokens_read_so_far():
     assert all(t >= 0 for t in output.outputs[0].token_ids)
     assert llm.step() == [] and not llm.has_unfinished()
     assert llm.cache.stats().num_used_pages == 0
-    llm.cache.check()
+    llm.check()
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -228,7 +228,7 @@ def test_engine_keeps_serving_when_redis_stops(device):
     stats = llm.stats()
     assert stats.num_tier_dropped > 0 and stats.num_tier_misses > 0
     assert stats.num_tier_loads == 0
-    llm.cache.check()
+    llm.check()
 
 
 def test_host_tier_in_the_engine_loads_evicted_prefix_back(device):

@@ -223,7 +223,7 @@ def test_padded_rows_use_the_pools_reserved_page_which_no_sequence_holds(llm):
     assert (graphs.pad_page, graphs.pad_slot) == (64, 64 * PAGE)  # the page after the 64
     assert graphs.pad_page == llm.cache.pool.padding_page
     assert llm.cache.stats() == before
-    llm.cache.check()
+    llm.check()
     others = llm.cache.allocator.allocate(llm.cache.allocator.num_free)
     assert graphs.pad_page not in others
 
@@ -244,7 +244,7 @@ def test_after_a_padded_run_the_cache_holds_no_sequence_and_no_used_page(llm):
     assert (stats.num_sequences, stats.num_used_pages, stats.num_reserved_pages) == (0, 0, 1)
     assert stats.num_free_pages + stats.num_cached_pages == stats.num_pages == 64
     assert llm.cache.sequences() == []
-    llm.cache.check()
+    llm.check()
 
 
 def test_two_graph_runners_share_one_cache_and_its_padding_page(llm):
@@ -254,14 +254,14 @@ def test_two_graph_runners_share_one_cache_and_its_padding_page(llm):
     torch.testing.assert_close(_run_padded(first, batch, 8)[:3],
                                _run_padded(second, batch, 4)[:3], rtol=1e-5, atol=1e-5)
     assert llm.cache.stats().num_sequences == 3
-    llm.cache.check()
+    llm.cache.check()  # sequences added behind the scheduler: the cache alone is checked
 
 
 def test_after_generate_the_cache_holds_no_sequence_and_no_used_page(llm):
     llm.generate([[1, 2, 3] * 5, [4, 5]], SamplingParams(max_tokens=4), use_tqdm=False)
     stats = llm.cache.stats()
     assert (stats.num_sequences, stats.num_used_pages, llm.stats().num_used_pages) == (0, 0, 0)
-    llm.cache.check()
+    llm.check()
 
 
 def test_graph_runners_capture_and_replay_on_one_cache_as_often_as_wanted(llm, device):
@@ -278,7 +278,7 @@ def test_graph_runners_capture_and_replay_on_one_cache_as_often_as_wanted(llm, d
     for logits in replays:
         torch.testing.assert_close(logits, eager, rtol=1e-3, atol=1e-3)
     assert llm.cache.stats().num_sequences == 3
-    llm.cache.check()
+    llm.cache.check()  # sequences added behind the scheduler: the cache alone is checked
 
 
 def test_a_forward_of_padding_alone_changes_no_page_of_the_allocator(llm):

@@ -38,11 +38,15 @@ def _add(scheduler, prompt_len, request_id="r", *, start=10, **params):
 def _step(scheduler, token=9):
     """One step with a fake model; returns [(request id, sample index, start, end)]."""
     batch = scheduler.schedule()
+    scheduler.check()
     work = [(s.request.request_id, s.index, a, b)
             for s, a, b in zip(batch.seqs, batch.starts, batch.ends, strict=True)]
     seqs, _ = scheduler.update(batch)
+    scheduler.check()
     scheduler.add_placeholders(seqs)
+    scheduler.check()
     scheduler.postprocess(seqs, [token] * len(seqs))
+    scheduler.check()
     scheduler.cache.check()
     return work
 
@@ -291,3 +295,24 @@ def test_windowed_prompt_is_committed_chunk_by_chunk_until_its_first_page_leaves
     _step(s)
     # chunks [0, 8) and [8, 16) were committed; the chunk at 16 gave back pages 0 and 1
     assert again.num_cached_tokens == 16
+
+
+def test_check_names_a_sequence_out_of_step_with_its_queue_or_the_cache(device):
+    s = _scheduler(device=device)
+    _add(s, 6, "a", max_tokens=3)
+    _add(s, 6, "b", max_tokens=3)
+    _step(s)
+    a = s.running[0]
+    a.num_computed_tokens += 1
+    with pytest.raises(AssertionError, match="running sequence 0: 7 tokens computed, 6 in the "
+                                             "cache, 7 in all"):
+        s.check()
+    a.num_computed_tokens -= 1
+    s.waiting.append(a)
+    with pytest.raises(AssertionError, match=r"a sequence is queued twice: \[0, 0, 1\]"):
+        s.check()
+    s.waiting.pop()
+    s.cache.free_sequence(a.seq_id)
+    with pytest.raises(AssertionError, match=r"the cache holds sequences \[1\], the running "
+                                             r"ones are \[0, 1\]"):
+        s.check()

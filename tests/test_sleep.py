@@ -66,7 +66,7 @@ def test_greedy_tokens_after_wake_equal_a_fresh_engines(checkpoint, prompts, exp
     assert _tokens(outputs) == expected
     # the prefix cache went with the pool: prompts seen before sleep are computed again
     assert outputs[0].num_cached_tokens == 0
-    llm.cache.check()
+    llm.check()
 
 
 def test_a_hundred_sleep_wake_cycles_leak_no_pool(checkpoint, prompts, expected, device):

@@ -100,7 +100,7 @@ class SleepMachine(RuleBasedStateMachine):
             with pytest.raises(EngineStateError):
                 self.llm.stats()
             return
-        self.llm.cache.check()
+        self.llm.check()
         assert self.llm.has_unfinished() == bool(self.live)
 
 

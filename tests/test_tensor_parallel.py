@@ -86,7 +86,7 @@ def test_greedy_tokens_equal_one_rank_through_preemption_prefix_hits_and_chunks(
     assert [o.outputs[0].token_ids for o in outputs] == case.expected
     assert llm.stats().num_preemptions > 0
     assert llm.cache.stats().prefix_hit_tokens > 0
-    llm.cache.check()
+    llm.check()
 
 
 def test_forked_samples_copy_their_shared_page_on_every_rank(engine):
@@ -129,7 +129,7 @@ def test_window_drops_copy_the_same_pages_on_every_rank(engine):
         window_pool.copy_listeners.pop()
     assert copied and dropped
     assert [outputs[i] for i in ids] == case.expected
-    llm.cache.check()
+    llm.check()
 
 
 @pytest.mark.parametrize("engine", ["llama"], indirect=True)
@@ -156,7 +156,7 @@ def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(cases, 
             assert [o.outputs[0].token_ids for o in outputs] == case.expected
         stats = llm.stats()
         assert stats.num_tier_stores > 0 and stats.num_tier_loads > 0
-        llm.cache.check()
+        llm.check()
 
 
 # --- failures -------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_greedy_tokens_equal_transformers_through_preemption_prefix_hits_and_chu
     assert [o.outputs[0].token_ids for o in outputs] == case.expected
     assert llm.stats().num_preemptions > 0
     assert llm.cache.stats().prefix_hit_tokens > 0  # served from a state checkpoint
-    llm.cache.check()
+    llm.check()
 
 
 def test_forked_samples_copy_their_state_on_every_rank(engine):

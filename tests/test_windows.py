@@ -101,7 +101,7 @@ def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(na
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
                                                           for p in batch]
     assert llm.cache.stats().prefix_hit_tokens > 0
-    llm.cache.check()
+    llm.check()
 
 
 # --- reading the configs ---
@@ -238,7 +238,7 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
                                                           for p in batch]
     assert llm.cache.groups[0].window == WINDOW
     assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
-    llm.cache.check()
+    llm.check()
 
 
 def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mistral, tmp_path,
@@ -255,7 +255,7 @@ def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mist
             if llm.cache.num_tokens(seq_id) > 40:
                 decoded_far += 1
                 assert sum(page != HOLE for page in llm.cache.pages(seq_id)) <= 3
-        llm.cache.check()
+        llm.check()
     assert decoded_far > 0
 
 

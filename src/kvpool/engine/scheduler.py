@@ -278,6 +278,35 @@ class Scheduler:
                 self._finish(seq, reason)
         return list(dict.fromkeys(seq.request for seq in advanced))
 
+    def check(self) -> None:
+        """The queues, their sequences and the cache agree: a waiting sequence is WAITING with
+        nothing computed and no cache sequence; a running one RUNNING, its cache sequence
+        holding its computed tokens and at most its tokens; the running ones take at most
+        `max_num_seqs` seats; only a last token may be a placeholder. AssertionError naming
+        the first sequence that breaks one. O(tokens): for tests and debugging."""
+        queued = [*self.waiting, *self.running]
+        ids = [seq.seq_id for seq in queued]
+        assert len(set(ids)) == len(ids), f"a sequence is queued twice: {sorted(ids)}"
+        running = {seq.seq_id for seq in self.running}
+        in_cache = set(self.cache.sequences())
+        assert in_cache == running, (f"the cache holds sequences {sorted(in_cache)}, the "
+                                     f"running ones are {sorted(running)}")
+        for seq in queued:
+            sid = seq.seq_id
+            assert seq.request.seqs[seq.index] is seq and sid < self._next_seq_id, (
+                f"sequence {sid} is not sample {seq.index} of its request")
+            assert min(seq.token_ids[:-1], default=0) >= 0, (
+                f"sequence {sid} has a placeholder before its last token")
+            status = SequenceStatus.RUNNING if sid in running else SequenceStatus.WAITING
+            assert seq.status is status, f"sequence {sid} is queued {status}, marked {seq.status}"
+            held = self.cache.num_tokens(sid) if sid in running else 0
+            assert seq.num_computed_tokens <= held <= seq.num_tokens, (
+                f"{seq.status.value} sequence {sid}: {seq.num_computed_tokens} tokens computed, "
+                f"{held} in the cache, {seq.num_tokens} in all")
+        seats = sum(self._seats(seq) for seq in self.running)
+        assert seats <= self.max_num_seqs, (
+            f"running sequences take {seats} seats, over max_num_seqs {self.max_num_seqs}")
+
     # ---- check / act -------------------------------------------------------------------
 
     def _missing(self, seq: Sequence, end: int) -> list[int]:
