@@ -68,7 +68,7 @@ def _tokens(outputs):
 
 def _assert_drained(llm):
     """Every request finished on both sides: no page of the decode pool held."""
-    llm.cache.check()
+    llm.check()
     assert llm.cache.stats().num_used_pages == 0
     assert not llm.has_unfinished()
 

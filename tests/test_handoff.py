@@ -85,6 +85,7 @@ def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint,
     decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
     aborted, _ = decode.hold_request(prompts[0], GREEDY)
     failed, _ = decode.hold_request(prompts[1], GREEDY)
+    decode.check()
     assert decode.abort(aborted).outputs[0].finish_reason == "abort"
     output = decode.fail_request(failed, StepFailed("the other side refused it"))
     assert output.error.args == ("the other side refused it",) and output.finished
@@ -93,6 +94,7 @@ def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint,
         decode.resume_request(aborted, None)
     request_id, _ = decode.hold_request(prompts[2], GREEDY)
     decode.resume_request(request_id, None)  # nothing handed: computed here
+    decode.check()
     with pytest.raises(ValueError, match="is not held"):
         decode.resume_request(request_id, None)
     assert len(_run(decode)[request_id].outputs[0].token_ids) == GREEDY.max_tokens

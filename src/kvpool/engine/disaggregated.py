@@ -48,8 +48,8 @@ PREFILL_PARAMS = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
 class DisaggregatedLLM:
-    """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats) over
-    a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
+    """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats, check)
+    over a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
     options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
     dtype). The decode side serves models of one KV pool, hybrids (Mamba) included; not a
     full and a window pool together, nor a pool giving pages back out of the window.
@@ -202,6 +202,11 @@ class DisaggregatedLLM:
     def has_unfinished(self) -> bool:
         """True while a request waits on either side or runs."""
         return bool(self._pending) or self.decode.has_unfinished()
+
+    def check(self) -> None:
+        """The decode engine's invariants (`LLM.check`): its requests held for the prefill
+        side's KV among them. For tests and debugging."""
+        self.decode.check()
 
     def stats(self) -> EngineStats:
         """The decode engine's counters (prompt tokens counted there are the last token of

@@ -289,17 +289,19 @@ class LLM:
 
     def check(self) -> None:
         """The engine's invariants: the cache's, the scheduler's, and its unfinished requests
-        exactly those with a sample waiting or running. AssertionError naming what breaks;
-        EngineStateError while asleep. O(tokens + pages): for tests and debugging."""
+        exactly those with a sample waiting or running and those held (`hold_request`: no
+        sample yet). AssertionError naming what breaks; EngineStateError while asleep.
+        O(tokens + pages): for tests and debugging."""
         with self._cut_in():
             self._check_awake()
             self.cache.check()
             self.scheduler.check()
             queued = {seq.request.request_id
                       for seq in [*self.scheduler.waiting, *self.scheduler.running]}
-            assert queued == set(self._requests), (
-                f"requests with a queued sample {sorted(queued)}, unfinished requests "
-                f"{sorted(self._requests)}")
+            held = {rid for rid, request in self._requests.items() if not request.seqs}
+            assert queued | held == set(self._requests) and not queued & held, (
+                f"requests with a queued sample {sorted(queued)}, held {sorted(held)}, "
+                f"unfinished {sorted(self._requests)}")
 
     def stats(self) -> EngineStats:
         """The engine's counters and the pool's pages now (EngineStateError while asleep:
