@@ -1,18 +1,26 @@
 """The engine under random operation sequences (hypothesis): step-API requests added,
 stepped and aborted, refused requests, and generate batches that mix in requests that can
 never fit or are refused outright, with aborts from the on_step callback. After every step
-the cache's invariants hold, and the engine's view agrees with the requests it was given."""
+the engine's invariants hold (`LLM.check`: the cache's and the scheduler's), and its view
+agrees with the requests it was given. One machine per shape of cache: one page group (the
+tiny preset), a window group that gives pages back (Mistral, every layer windowed), a full
+and a window group (Gemma 3), a page group and Mamba state (Bamba)."""
 
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import models_util
+import test_windows
 from depth import examples
+from hybrid_util import make_bamba
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import OutOfPages, SequenceTooLong
 
@@ -20,29 +28,45 @@ NUM_PAGES = 24
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 64
 MAX_NUM_SEQS = 4
-VOCAB = 258  # the tiny preset's
+VOCAB = 160  # below every family's vocabulary
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
 params = st.builds(SamplingParams, max_tokens=st.integers(1, 12),
                    temperature=st.sampled_from([0.0, 1.0]), n=st.integers(1, 3),
                    seed=st.none() | st.integers(0, 2**64 - 3), ignore_eos=st.booleans())
+_FOLDER = tempfile.TemporaryDirectory()  # the families' checkpoints, removed at exit
 
 
 @functools.cache
-def engine(overlap: bool) -> LLM:
+def checkpoint(family: str) -> str:
+    """The family's small random checkpoint, saved once (the tiny preset needs none)."""
+    if family == "tiny":
+        return family
+    if family == "bamba":
+        hf = make_bamba(family)
+    else:
+        hf = models_util.make_hf_model(family, configs={**models_util.CONFIGS,
+                                                        **test_windows.CONFIGS})
+    return str(models_util.save_hf_model(hf, Path(_FOLDER.name) / family))
+
+
+@functools.cache
+def engine(family: str, overlap: bool) -> LLM:
     """One small engine for every example (building it is the slow part), with or without
     overlap scheduling; each example starts with no request in it."""
-    return LLM("tiny", num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_model_len=MAX_MODEL_LEN,
-               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=32, device="cpu",
-               overlap=overlap)
+    return LLM(checkpoint(family), num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+               max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+               max_num_batched_tokens=32, device="cpu", overlap=overlap)
 
 
 class EngineMachine(RuleBasedStateMachine):
+    family = "tiny"
     overlap = False
 
     def __init__(self):
         super().__init__()
-        self.llm = engine(self.overlap)
+        self.llm = engine(self.family, self.overlap)
+        self.vocab = self.llm.model_config.vocab_size
         assert not self.llm.has_unfinished()
         self.llm.on_step = self.after_step
         self.live: dict[str, list[int]] = {}  # step-API requests not finished: their prompts
@@ -84,8 +108,9 @@ class EngineMachine(RuleBasedStateMachine):
         assert fits
         self.live[request_id] = prompt
 
-    @rule(token=st.sampled_from([-1, VOCAB, "a", 2.0]))
+    @rule(token=st.sampled_from([-1, "the vocabulary's size", "a", 2.0]))
     def add_a_bad_prompt(self, token):
+        token = self.vocab if token == "the vocabulary's size" else token
         with pytest.raises(ValueError, match="prompt token ids must be ints"):
             self.llm.add_request([1, token])
 
@@ -149,7 +174,7 @@ class EngineMachine(RuleBasedStateMachine):
           position=st.integers(0, 3), bad=st.sampled_from(["token", "samples"]))
     def generate_with_a_refused_request_queues_nothing(self, batch, position, bad):
         requests = list(batch)
-        refused = ([1, VOCAB], SamplingParams()) if bad == "token" else (
+        refused = ([1, self.vocab], SamplingParams()) if bad == "token" else (
             [1, 2], SamplingParams(n=MAX_NUM_SEQS + 1))
         requests.insert(min(position, len(requests)), refused)
         before = self.llm.cache.stats()
@@ -165,19 +190,26 @@ class EngineMachine(RuleBasedStateMachine):
         running = len(self.llm.scheduler.running)
         assert len(self.llm.cache.sequences()) == running <= MAX_NUM_SEQS
         stats = self.llm.cache.stats()
-        assert stats.num_used_pages + stats.num_cached_pages + stats.num_free_pages == NUM_PAGES
+        assert stats.num_used_pages + stats.num_cached_pages + stats.num_free_pages == \
+            stats.num_pages
 
 
-class OverlapEngineMachine(EngineMachine):
-    """The same with overlap scheduling: a step is launched before the last one's tokens
-    are read."""
+def _test_case(family: str, overlap: bool, num_examples: int):
+    """The machine's TestCase for one family's engine, with or without overlap scheduling
+    (where a step is launched before the last one's tokens are read)."""
+    machine = type(f"EngineMachine[{family}{', overlap' if overlap else ''}]", (EngineMachine,),
+                   {"family": family, "overlap": overlap})
+    case = machine.TestCase
+    case.settings = settings(max_examples=examples(num_examples), stateful_step_count=12,
+                             deadline=None)
+    return case
 
-    overlap = True
 
-
-TestEngine = EngineMachine.TestCase
-TestEngine.settings = settings(max_examples=examples(30),
-                               stateful_step_count=12, deadline=None)
-TestOverlapEngine = OverlapEngineMachine.TestCase
-TestOverlapEngine.settings = settings(max_examples=examples(10),
-                                      stateful_step_count=12, deadline=None)
+TestEngine = _test_case("tiny", False, 30)
+TestOverlapEngine = _test_case("tiny", True, 10)
+TestWindowEngine = _test_case("mistral-window-8", False, 10)
+TestWindowOverlapEngine = _test_case("mistral-window-8", True, 5)
+TestGroupedEngine = _test_case("gemma3", False, 10)
+TestGroupedOverlapEngine = _test_case("gemma3", True, 5)
+TestHybridEngine = _test_case("bamba", False, 10)
+TestHybridOverlapEngine = _test_case("bamba", True, 5)
