@@ -293,8 +293,10 @@ class Scheduler:
                                      f"running ones are {sorted(running)}")
         for seq in queued:
             sid = seq.seq_id
-            assert seq.request.seqs[seq.index] is seq and sid < self._next_seq_id, (
+            assert seq.request.seqs[seq.index] is seq, (
                 f"sequence {sid} is not sample {seq.index} of its request")
+            assert sid < self._next_seq_id, (
+                f"sequence {sid} has an id not handed out yet (next: {self._next_seq_id})")
             assert min(seq.token_ids[:-1], default=0) >= 0, (
                 f"sequence {sid} has a placeholder before its last token")
             status = SequenceStatus.RUNNING if sid in running else SequenceStatus.WAITING
