@@ -88,6 +88,33 @@ def test_variants_cover_each_kernel_switch_on_both_archs():
             if v.kernel_name == "_rms_norm"} == {False, True}
 
 
+# Integer arguments whose value changes from one step to the next. Triton compiles a kernel
+# again for each new specialisation of an integer (1, divisible by 16, other) unless told not
+# to: specialising on these would compile during serving, variants this file never compiles.
+PER_STEP = {"_prefill": "stride_table", "_decode_split": "stride_table",
+            "_merge_splits": "num_splits"}
+
+
+PLAIN = """
+import json, sys
+from kvpool.kernels import triton_decode, triton_prefill
+kernels = (triton_prefill._prefill, triton_decode._decode_split, triton_decode._merge_splits)
+json.dump({k.fn.__name__: [p.name for p in k.params if p.do_not_specialize] for k in kernels},
+          sys.stdout)
+"""
+
+
+def test_no_kernel_compiles_again_for_a_value_that_changes_every_step():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiled kernels, as a GPU runs them
+    child = subprocess.run([sys.executable, "-c", PLAIN], env=env, capture_output=True,
+                           text=True, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    plain = json.loads(child.stdout)
+    for name, argument in PER_STEP.items():
+        assert argument in plain[name], f"{name} specialises on {argument}"
+        assert argument in triton_variants.UNALIGNED  # compiled here as any value
+
+
 @pytest.mark.parametrize(("arch", "fp8_runs"), [(80, False), (89, True), (90, True)])
 def test_fp8_pages_take_triton_only_where_it_compiles_e4m3(monkeypatch, arch, fp8_runs):
     monkeypatch.setattr(triton_support, "interpreted", lambda: False)

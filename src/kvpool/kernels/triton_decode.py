@@ -76,7 +76,9 @@ def load_tokens(cache, page, slot, kv_head, d, mask, stride_p, stride_s, stride_
     return x
 
 
-@triton.jit
+# The page tables' row stride is a plain argument, as in triton_prefill: eager steps' widths
+# vary.
+@triton.jit(do_not_specialize=["stride_table"])
 def _decode_split(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
     k_scale, v_scale, scale_log2, window, group, page_size,

@@ -61,7 +61,10 @@ def _attend_keys(
     return acc, m_new, denom
 
 
-@triton.jit
+# The page tables' row stride (their width, the step's longest sequence in pages) changes
+# from step to step: a plain argument, or Triton would compile again for a width of 1 and for
+# a width divisible by 16 during serving.
+@triton.jit(do_not_specialize=["stride_table"])
 def _prefill(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
     k_scale, v_scale, scale_log2, window, group, page_size,

@@ -64,7 +64,9 @@ GEOMETRIES = (
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
           FP8_DTYPE: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
 _FLOATS = ("scale_log2", "eps")
-_UNALIGNED = ("window", "group", "num_splits", "stride_table")  # any value
+# Integers compiled as any value: per model (window, group) or per step (the kernels do not
+# specialise on those: tests/test_triton_compile.py).
+UNALIGNED = ("window", "group", "num_splits", "stride_table")
 _SHAPES = ("NUM_KV_HEADS", "HEAD_DIM", "BLOCK_H", "BLOCK_D", "BLOCK_G", "BLOCK_M", "BLOCK_N",
            "NUM_HEADS", "BLOCK_QH", "ROTARY_DIM", "BLOCK")
 
@@ -104,7 +106,7 @@ class Variant:
                 signature[arg] = "*" + _TYPES[self.pointers[arg]]
             else:
                 signature[arg] = "fp32" if arg in _FLOATS else "i32"
-            if arg not in _FLOATS and arg not in _UNALIGNED:
+            if arg not in _FLOATS and arg not in UNALIGNED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         return ASTSource(self.kernel, signature, dict(self.launch.constexprs), attrs)
 
