@@ -327,6 +327,15 @@ def test_engine_generates_with_fp8_pages_and_serves_prefix_hits():
     llm.check()
 
 
+def test_the_start_up_warm_up_sets_no_scales_and_the_first_prefill_does(device):
+    llm = LLM("tiny", kv_cache_dtype="fp8_e4m3", num_pages=64, device=device)
+    llm.runner.warm_up([2, 40])  # on CUDA the engine has warmed up once already
+    assert not llm.cache.pool.scales_ready
+    llm.generate([list(range(1, 30))], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.cache.pool.scales_ready
+    llm.check()
+
+
 def test_engine_samples_fork_and_copy_fp8_pages_on_write():
     llm = LLM("tiny", kv_cache_dtype="fp8_e4m3", num_pages=64)
     params = SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True)

@@ -1,7 +1,8 @@
 """CUDA graphs for every model family: the padded decode step a graph replays (its context
 from the graph runner's static buffer, padded rows on the padding pages and state slot) gives
 the real rows the eager step's logits and state, on any device; on CUDA, decode steps replayed
-from graphs give the eager steps' greedy tokens."""
+from graphs give the eager steps' greedy tokens. The start-up warm-up's padded prefill rows
+touch only the padding pages and state slot."""
 
 from __future__ import annotations
 
@@ -87,6 +88,30 @@ def test_every_groups_metadata_and_the_state_slots_are_in_the_graphs_input_buffe
     if context.states is not None:
         slots = [llm.cache.state_slot(f"s{i}") for i in range(3)]
         assert context.states.slots.tolist() == slots + [graphs.padding.state_slot]
+
+
+def test_the_start_up_warm_up_writes_only_the_padding_pages_and_state_slot(folder):
+    llm = LLM(folder, device="cpu", **ENGINE)  # on the CPU the engine warms up nothing itself
+    for pool in llm.runner.kv.pools:
+        pool.kv.normal_()
+    before = _state(llm)
+    model, lengths = llm.runner.model, []
+    llm.runner.model = lambda context: lengths.append(context.host.max_query_len) or model(
+        context)
+    llm.runner.warm_up([2, 40])
+    assert lengths == [2, 40]
+    after = _state(llm)
+    for pool, was, now in zip(llm.runner.kv.pools, before, after, strict=False):
+        assert torch.equal(now[:, :, : pool.num_pages], was[:, :, : pool.num_pages])
+        assert not torch.equal(now[:, :, pool.padding_page], was[:, :, pool.padding_page])
+    if llm.runner.has_states:  # bytes: slots never written may hold NaN
+        others = [s for s in range(llm.cache.states.num_slots)
+                  if s != llm.cache.states.padding_slot]
+        for was, now in zip(before[-2:], after[-2:], strict=True):
+            assert torch.equal(now[:, others].view(torch.uint8), was[:, others].view(torch.uint8))
+    stats = llm.cache.stats()
+    assert (stats.num_sequences, stats.num_used_pages) == (0, 0)
+    llm.check()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

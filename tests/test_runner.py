@@ -12,7 +12,7 @@ from hybrid_util import make_bamba
 from kvpool.engine.graphs import CUDAGraphRunner, graph_batch_sizes, is_decode_only
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.engine.runner import StepLayout
+from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import HostLengths
 from kvpool.kernels import MAX_DECODE_SPLITS
@@ -407,3 +407,31 @@ def test_graph_memory_is_planned_unless_enforce_eager(llm):
 def test_enforce_eager_must_be_a_bool():
     with pytest.raises(TypeError, match="enforce_eager"):
         LLM("tiny", num_pages=8, enforce_eager="yes")
+
+
+# ---- the start-up warm-up ----------------------------------------------------------------
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_an_engine_on_one_gpu_warms_up_its_shortest_and_longest_prefill(
+        device, enforce_eager, monkeypatch):
+    warmed = []
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda runner, lens: warmed.append(list(lens)))
+    LLM("tiny", num_pages=64, page_size=PAGE, max_model_len=64, max_num_batched_tokens=48,
+        device=device, enforce_eager=enforce_eager)
+    # the CPU compiles nothing at run time: no warm-up there
+    assert warmed == ([[2, 48]] if device.type == "cuda" else [])
+
+
+def test_the_warm_up_is_a_prefill_row_of_each_length_on_the_padding_page(llm):
+    steps = []  # read at once: each step's views alias the workspace the next one reuses
+    llm.runner.model = lambda context: steps.append(
+        (_as_lists(context), context.host.max_seq_len, context.host.max_query_len))
+    llm.runner.warm_up([2, 9])
+    pad = llm.runner.padding
+    for (got, max_seq_len, max_query_len), n in zip(steps, [2, 9], strict=True):
+        assert got == dict(input_ids=[0] * n, positions=list(range(n)),
+                           slot_mapping=[pad.slots[0]] * n,
+                           page_tables=[[pad.pages[0]] * -(-n // PAGE)], seq_lens=[n],
+                           cu_seqlens_q=[0, n], logits_indices=[n - 1])
+        assert (max_seq_len, max_query_len) == (n, n)
+

@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from kvpool.engine.runner import ModelRunner, Padding, StepLayout
+from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import ForwardContext, HostLengths
 
@@ -52,10 +52,7 @@ class CUDAGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // runner.cache.page_size)  # pages of a longest sequence
-        pools = runner.kv.pools
-        self.padding = Padding(tuple(pool.padding_slot for pool in pools),
-                               tuple(pool.padding_page for pool in pools),
-                               runner.cache.states.padding_slot if runner.has_states else 0)
+        self.padding = runner.padding
         self.pad_page, self.pad_slot = self.padding.pages[0], self.padding.slots[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, overwritten by replay

@@ -379,13 +379,16 @@ class LLM:
                                    f"wake() it first")
 
     def _build_runner(self) -> None:
-        """The runner over the cache, and on CUDA (unless enforce_eager) the decode steps'
-        CUDA graphs, captured now."""
+        """The runner over the cache; on one CUDA device its prefill kernels compiled by a
+        warm-up, and (unless enforce_eager) the decode steps' CUDA graphs, captured now."""
         self.runner = ModelRunner(self.model, self.cache, self.workspace,
                                   max_step=self._max_step, peers=self.peers)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
-        if self._device.type == "cuda" and not self.config.enforce_eager \
-                and self.config.tensor_parallel_size == 1:
+        one_gpu = self._device.type == "cuda" and self.config.tensor_parallel_size == 1
+        if one_gpu:  # the shortest prefill and the longest chunk a step holds
+            longest = min(self.config.max_num_batched_tokens, self._longest)
+            self.runner.warm_up(sorted({min(2, longest), longest}))
+        if one_gpu and not self.config.enforce_eager:
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, self._longest)
             self.graphs.capture()
 

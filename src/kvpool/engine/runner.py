@@ -16,6 +16,7 @@ get each step's packed buffer and run `forward` on their part of the model
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from itertools import accumulate, chain
 from typing import NamedTuple, Protocol
@@ -75,12 +76,14 @@ class StepLayout(NamedTuple):
 
 
 class Padding(NamedTuple):
-    """Where padded rows (decode steps padded up to a CUDA-graph size) write and read: a
-    slot and a page per layer group, and a state slot for a hybrid's Mamba layers."""
+    """Where padded rows (decode steps padded up to a CUDA-graph size, the start-up warm-up)
+    write and read: a slot and a page per layer group, and a state slot for a hybrid's Mamba
+    layers; each row is `num_tokens` tokens (every one written to the slot)."""
 
     slots: tuple[int, ...]
     pages: tuple[int, ...]
     state_slot: int = 0
+    num_tokens: int = 1
 
 
 NO_PADDING = Padding((), ())  # for steps that are not padded
@@ -90,17 +93,19 @@ def pack_step(batch: ScheduledBatch, cache: SequenceCache,
               host: torch.Tensor, layout: StepLayout, padding: Padding = NO_PADDING) -> None:
     """Write the batch's metadata into `host` (int64, CPU) laid out by `layout`.
 
-    Rows beyond the batch (`layout.num_seqs > len(batch.seqs)`) are one-token sequences of
-    token 0 at position 0 that write their K/V to the padding slots, read only the padding
-    pages and update only the padding state slot; their logits rows come last."""
+    Rows beyond the batch (`layout.num_seqs > len(batch.seqs)`) are sequences of
+    `padding.num_tokens` tokens 0 from position 0 that write their K/V to the padding slots,
+    read only the padding pages and update only the padding state slot; their logits rows
+    come last."""
     seq_ids = [seq.seq_id for seq in batch.seqs]
     num_real, num_pad = len(seq_ids), layout.num_seqs - len(seq_ids)
+    padded_tokens = num_pad * padding.num_tokens
     sections = layout.split(host)
-    starts, ends = batch.starts + [0] * num_pad, batch.ends + [1] * num_pad
+    starts, ends = batch.starts + [0] * num_pad, batch.ends + [padding.num_tokens] * num_pad
     input_ids: list[int] = []
     for seq, start, end in zip(batch.seqs, batch.starts, batch.ends, strict=True):
         input_ids += seq.token_ids[start:end]
-    sections.input_ids.copy_(int_tensor(input_ids + [0] * num_pad))
+    sections.input_ids.copy_(int_tensor(input_ids + [0] * padded_tokens))
     sections.positions.copy_(int_tensor(list(chain.from_iterable(map(range, starts, ends)))))
     cu = list(accumulate(map(operator.sub, ends, starts), initial=0))
     sections.seq_lens.copy_(int_tensor(ends))
@@ -110,13 +115,13 @@ def pack_step(batch: ScheduledBatch, cache: SequenceCache,
                                          strict=True) if sampled]))
     for group, (slots, tables) in enumerate(zip(sections.slot_mappings, sections.page_tables,
                                                 strict=True)):
-        slots[: len(slots) - num_pad] = cache.slot_mapping(seq_ids, batch.starts, batch.ends,
-                                                           group=group)
+        slots[: len(slots) - padded_tokens] = cache.slot_mapping(
+            seq_ids, batch.starts, batch.ends, group=group)
         real = cache.page_tables(seq_ids, group=group)
         tables[:num_real].zero_()  # columns past a sequence's pages: any valid page id
         tables[:num_real, : real.shape[1]] = real
         if num_pad:
-            slots[len(slots) - num_pad:] = padding.slots[group]
+            slots[len(slots) - padded_tokens:] = padding.slots[group]
             tables[num_real:] = padding.pages[group]
     if layout.states:
         sections.state_slots.copy_(int_tensor(
@@ -166,6 +171,11 @@ class ModelRunner:
                                          pin_memory=self.device.type == "cuda")
                              for _ in range(2))
         self._num_staged = 0
+        # Padded rows use each pool's reserved page (one per layer group) and a hybrid's
+        # reserved state slot, which the allocators never hand out and stats never count.
+        self.padding = Padding(tuple(pool.padding_slot for pool in self.kv.pools),
+                               tuple(pool.padding_page for pool in self.kv.pools),
+                               cache.states.padding_slot if self.has_states else 0)
 
     def layout(self, batch: ScheduledBatch) -> StepLayout:
         """The flat buffer's sections for `batch` as it is (no padding)."""
@@ -223,6 +233,20 @@ class ModelRunner:
             states = StateBatch(self.cache.states, sections.state_slots, checkpoints or [])
         return ForwardContext(sections.input_ids, sections.positions, sections.logits_indices,
                               attention, self.kv, host, states)
+
+    @torch.inference_mode()
+    def warm_up(self, query_lens: Sequence[int]) -> None:
+        """Run a step of one padded row of each of `query_lens` tokens, fp8 calibration
+        paused: Triton compiles the kernels of prefill steps (a tile for short queries and
+        one for long ones) now, at start-up, instead of while the first requests wait. The
+        rows write only the padding pages and state slot; no sequence, page or stat
+        changes."""
+        with self.kv.calibration_paused():
+            for n in query_lens:
+                layout = StepLayout(1, n, -(-n // self.cache.page_size), 1, len(self.kv.pools),
+                                    self.has_states)
+                flat = self.stage(ScheduledBatch(), layout, self.padding._replace(num_tokens=n))
+                self.model(self.context(flat, layout, HostLengths([0, n], [n], n, n)))
 
     def checkpoints(self, batch: ScheduledBatch) -> list[CheckpointRequest]:
         """The state checkpoints the step saves (a hybrid cache with prefix caching)."""
