@@ -10,6 +10,12 @@ from hypothesis import settings
 settings.register_profile("kvpool", deadline=None)
 settings.load_profile("kvpool")
 
+# Without CUDA the Triton kernels run on CPU tensors in Triton's interpreter, which must be
+# chosen before any module imports triton (kernels imported compiled cannot run on the CPU):
+# here, so that every test file, collected in any order or alone, sees the same kernels.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # The suite runs many tiny forwards; one thread per process keeps them fast and steady on a
 # small shared machine (two threads contend with each other and with the test runner).
 torch.set_num_threads(1)

@@ -2,20 +2,17 @@
 quantized and saturating, read dequantized by the absorbed decode and the expanded prefill; the
 pool, write_latent, the model and the engine with their bad inputs. The cache's state machine
 runs on fp8 latent pages in tests/test_cache_props.py. Without CUDA the Triton decode runs in
-Triton's interpreter (TRITON_INTERPRET=1, set before triton is first imported)."""
+Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets before triton is first
+imported)."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from functools import partial
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from kvpool.attention import paged_attention, write_latent
 from kvpool.cache import KVCache

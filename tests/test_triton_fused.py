@@ -2,21 +2,15 @@
 the torch code they replace: RMSNorm with the residual add, SiLU-and-mul, and the K/V write that
 rotates q and K.
 
-Without CUDA they run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set here
-before triton is first imported), while the torch code runs on the same CPU tensors: the
-models choose the kernels on CUDA only (`triton_support.fused_on`).
+Without CUDA they run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, which
+tests/conftest.py sets before triton is first imported), while the torch code runs on the same
+CPU tensors: the models choose the kernels on CUDA only (`triton_support.fused_on`).
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 

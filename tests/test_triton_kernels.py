@@ -1,21 +1,16 @@
 """The Triton kernels (kvpool/kernels/triton_*.py) against the float64 reference and the torch path.
 
-Without CUDA they run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set here
-before triton is first imported), on small shapes: the interpreter runs each program in numpy.
-The tests at real sizes need CUDA.
+Without CUDA they run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, which
+tests/conftest.py sets before triton is first imported), on small shapes: the interpreter runs
+each program in numpy. The tests at real sizes need CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
