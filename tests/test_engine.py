@@ -4,6 +4,7 @@ samples sharing pages; abort; refused requests; stats."""
 
 import collections
 import copy
+import itertools
 import random
 import threading
 
@@ -294,6 +295,26 @@ def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected, 
 
 
 # ---- text, options, stats ----------------------------------------------------------------
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_steps_text_grows_into_the_decode_of_the_finished_tokens(device, overlap):
+    # The tiny model's random weights sample bytes that are seldom valid UTF-8: characters
+    # left incomplete, then completed or found invalid, with the end of EOS and stop tokens.
+    llm = LLM("tiny", num_pages=64, device=device, overlap=overlap)
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=2)
+    request_id = llm.add_request("Hé, 世界", params)
+    texts: dict[int, list[str]] = {0: [], 1: []}
+    while llm.has_unfinished():
+        for output in llm.step():
+            for sample in output.outputs:
+                texts[sample.index].append(sample.text)
+    for sample in output.outputs:
+        ids = sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids
+        assert sample.text == llm.tokenizer.decode(ids)
+        for earlier, later in itertools.pairwise(texts[sample.index]):
+            assert later.startswith(earlier)
+    assert output.request_id == request_id and output.finished
+    llm.check()
 
 def test_tiny_model_generates_text_from_strings(device):
     llm = LLM("tiny", num_pages=32, device=device)

@@ -8,11 +8,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from packaging.version import Version
 
 from kvpool import LLM, SamplingParams
@@ -25,6 +28,7 @@ from kvpool.models.gguf_vocab import build_tokenizer
 from kvpool.models.tokenizer import HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
+from models_util import streamed
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -193,6 +197,34 @@ def test_a_sentencepiece_vocabulary_marks_every_text_piece_as_llama_cpp_does(tmp
                                       SPM_TOKENS.index("\u2581ab")]
 
 
+@given(ids=st.lists(st.integers(0, len(SPM_TOKENS) - 1), max_size=24),
+       cuts=st.lists(st.integers(0, 24), max_size=5))
+def test_a_sentencepiece_stream_grows_as_its_decode_does(spm_tokenizer, ids, cuts):
+    streamed(spm_tokenizer, ids, cuts)  # byte pieces, word marks, specials at random
+
+
+@pytest.fixture(scope="module")
+def spm_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    return HFTokenizer(build_tokenizer(_write_spm_gguf(path, None).meta), 1, (2,))
+
+
+def test_a_stream_that_cannot_follow_its_ids_decodes_them_whole(spm_tokenizer):
+    ids = [SPM_TOKENS.index("<0x00>"), SPM_TOKENS.index("<0x80>"), 0]  # the stream raises
+    stream = spm_tokenizer.stream()
+    texts = [stream.text(ids[:n]) for n in (1, 2, 3)]
+    assert texts[0] == "\x00" and texts[-1] == spm_tokenizer.decode(ids) == "\ufffd\ufffd<unk>"
+    assert stream.text(ids + [SPM_TOKENS.index("c")]) == spm_tokenizer.decode(ids) + "c"
+
+
+def test_streams_of_whole_words_are_their_decode(tmp_path, spm_tokenizer):
+    write_gguf(tmp_path / "tiny.gguf")
+    byte_level = load_model(tmp_path / "tiny.gguf", device="cpu").tokenizer
+    for tokenizer, text in ((spm_tokenizer, "ab c abc bc"), (byte_level, "ab c ab")):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert streamed(tokenizer, ids, [1, 2, 4]) == tokenizer.decode(ids) == text
+
+
 def test_kvpool_plan_reads_a_gguf_file(tmp_path, capsys):
     write_gguf(tmp_path / "tiny.gguf")
     assert main(["plan", str(tmp_path / "tiny.gguf"), "--device-memory", "1GiB"]) == 0
@@ -320,6 +352,17 @@ def test_smollm2_chat_template_gives_transformers_token_ids(llm, smollm2, refere
            for chat in CHATS]
     assert ids == reference["chat_ids"]
     assert [llm.tokenizer.encode(t) for t in TEXTS] == reference["text_ids"]
+
+
+@NEEDS_SMOLLM2
+def test_smollm2_streams_grow_as_the_decode_does_and_whole_words_are_the_decode(llm):
+    tokenizer, rng = llm.tokenizer, random.Random(0)
+    for _ in range(200):  # random ids: byte-level pieces that split characters, specials
+        ids = [rng.randrange(49_152) for _ in range(rng.randint(1, 30))]
+        streamed(tokenizer, ids, [rng.randint(0, 30) for _ in range(3)])
+    ids = tokenizer.encode("Les élèves ont lu 日本語の本, then wrote: naïve—café!",
+                           add_special_tokens=False)
+    assert streamed(tokenizer, ids, [1, 2, 5, 9]) == tokenizer.decode(ids)
 
 
 @NEEDS_SMOLLM2

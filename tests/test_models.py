@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -30,6 +32,7 @@ from models_util import (
     packed_context,
     prompts,
     save_hf_model,
+    streamed,
 )
 
 MAX_TOKENS = 32
@@ -260,6 +263,26 @@ def test_byte_tokenizer_round_trips_utf8_text():
 
 def test_byte_tokenizer_replaces_invalid_utf8():
     assert ByteTokenizer().decode([0x68, 0xFF, 0x69]) == "h\ufffdi"
+
+
+@given(st.lists(st.integers(0, 257), max_size=48), st.lists(st.integers(0, 48), max_size=6))
+def test_the_byte_stream_is_a_prefix_of_the_decode_short_of_a_partial_character(ids, cuts):
+    text = streamed(ByteTokenizer(), ids, cuts)  # a prefix after every piece
+    assert ByteTokenizer().decode(ids)[len(text):] in ("", "\ufffd")
+
+
+@given(st.text(max_size=40), st.lists(st.integers(0, 120), max_size=6))
+def test_the_byte_stream_of_whole_characters_is_their_decode(text, cuts):
+    assert streamed(ByteTokenizer(), ByteTokenizer().encode(text), cuts) == text
+
+
+def test_a_tokenizer_json_streams_its_decode(broken, device):
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(broken / "tokenizer.json"))
+    loaded = load_model(broken, device=device).tokenizer
+    ids = loaded.encode("hello world world hello")
+    assert streamed(loaded, ids, [1, 2, 3]) == loaded.decode(ids) == "hello world world hello"
 
 
 # --- damaged checkpoints: one CheckpointError naming the problem ---

@@ -667,11 +667,18 @@ class LLM:
                              request.num_cached_tokens or 0, request.scheduled_time)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
+        """A sample's output. Its text, while it runs, is what the sequence's text stream has
+        decoded (new tokens only: a step costs time linear in them); once finished, the full
+        decode of its tokens, less a stop token."""
         token_ids = seq.output_token_ids
         text = ""
-        if self.tokenizer is not None:
-            shown = token_ids[:-1] if seq.finish_reason == "stop" else token_ids
-            text = self.tokenizer.decode(shown)
+        if self.tokenizer is not None and seq.finished:
+            text = self.tokenizer.decode(token_ids[:-1] if seq.finish_reason == "stop"
+                                         else token_ids)
+        elif self.tokenizer is not None:
+            if seq.text_stream is None:
+                seq.text_stream = self.tokenizer.stream()
+            text = seq.text_stream.text(token_ids)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         return CompletionOutput(seq.index, token_ids, text, seq.finish_reason, logprobs)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvpool.engine.handoff import PrefilledKV
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import KVPoolError
+from kvpool.models.tokenizer import TextStream
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +36,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     # One per generated token when the request asks for logprobs.
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Decodes the generated tokens while the sequence runs (made at its first output).
+    text_stream: TextStream | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,16 @@
 """Tokenizers: a checkpoint's tokenizer.json or GGUF vocabulary (through the `tokenizers`
-library) and the byte tokenizer of the built-in "tiny" model. Both map text <-> token ids and
-know the special ids."""
+library) and the byte tokenizer of the built-in "tiny" model. Both map text <-> token ids,
+know the special ids, and decode a growing sequence incrementally (`stream`), so that a
+sample's text costs time linear in its tokens, not in their square."""
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import Protocol
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from kvpool.errors import CheckpointError
 
@@ -24,6 +27,20 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def stream(self) -> TextStream:
+        """A decoder for one growing sequence of token ids."""
+
+
+class TextStream(Protocol):
+    """Decodes one sequence's token ids as they grow, in time linear in the new ones."""
+
+    def text(self, ids: list[int]) -> str:
+        """The text of the sequence's ids so far (`ids` extends the last call's): the
+        tokenizer's `decode` of them, or, while the last ids do not yet spell whole
+        characters (`decode` shows U+FFFD), a prefix of it that leaves them out. Wherever
+        `decode` itself never takes text back as ids are added, each text is a prefix of the
+        next."""
 
 
 class HFTokenizer:
@@ -57,6 +74,33 @@ class HFTokenizer:
         """Token ids -> text, special tokens dropped."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def stream(self) -> TextStream:
+        """The `tokenizers` library's DecodeStream over this tokenizer, special tokens
+        dropped: about 1 us a token, where `decode` of 150 tokens takes 27 (SmolLM2)."""
+        return _HFTextStream(self)
+
+
+class _HFTextStream:
+    """A DecodeStream's chunks, joined. A sequence it cannot follow (it raises where the
+    text of a piece would change what it returned before: byte pieces that turn invalid
+    together) is decoded whole from then on."""
+
+    def __init__(self, tokenizer: HFTokenizer):
+        self._tokenizer = tokenizer
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+        self._text, self._fed = "", 0
+
+    def text(self, ids: list[int]) -> str:
+        if self._stream is not None:
+            try:
+                for i in ids[self._fed:]:
+                    self._text += self._stream.step(self._tokenizer._tokenizer, i) or ""
+                self._fed = len(ids)
+                return self._text
+            except Exception:  # the tokenizers library raises bare Exception for every fault
+                self._stream = None
+        return self._tokenizer.decode(ids)
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte (ids 0-255), plus BOS (256) and EOS (257)."""
@@ -71,3 +115,18 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD."""
         return bytes([i for i in ids if i < BYTE_BOS]).decode("utf-8", errors="replace")
+
+    def stream(self) -> TextStream:
+        """An incremental UTF-8 decoder over the byte ids (special ids dropped)."""
+        return _ByteTextStream()
+
+
+class _ByteTextStream:
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text, self._fed = "", 0
+
+    def text(self, ids: list[int]) -> str:
+        self._text += self._decoder.decode(bytes([i for i in ids[self._fed:] if i < BYTE_BOS]))
+        self._fed = len(ids)
+        return self._text
