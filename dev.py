@@ -15,6 +15,7 @@ import tempfile
 import time
 import venv
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -101,6 +102,15 @@ def failures(report: Path) -> list[tuple[str, str]]:
     return found
 
 
+def skip_reasons(report: Path) -> list[tuple[int, str]]:
+    """(tests, reason) for each reason tests were skipped in a JUnit XML report, most first:
+    on a GPU machine, what it lacked."""
+    reasons = Counter(problem.get("message") or "(no reason)"
+                      for case in ET.parse(report).iter("testcase") for problem in case
+                      if problem.tag == "skipped")
+    return [(count, reason) for reason, count in reasons.most_common()]
+
+
 def gpu_check(args: list[str]) -> int:
     """The whole suite with CUDA visible (GPU_WORKERS pytest-xdist workers, each with its share
     of the GPU's memory), then benchmarks/gpu.py; one summary at the end. It runs in the Python
@@ -126,13 +136,17 @@ def gpu_check(args: list[str]) -> int:
                                 f"--junitxml={report}", *args], cwd=ROOT, env=env)
         failed = failures(report) if report.exists() else [
             ("pytest", f"exited with {suite.returncode} before writing its report")]
+        skipped = skip_reasons(report) if report.exists() else []
     suite_s = time.monotonic() - start
     bench = subprocess.run([python, "benchmarks/gpu.py"], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, text=True)
     print(f"\n==== gpu-check on {device}: suite {suite_s:.0f} s with {workers} workers, "
-          f"{len(failed)} failed; benchmarks {time.monotonic() - start - suite_s:.0f} s")
+          f"{len(failed)} failed, {sum(n for n, _ in skipped)} skipped; benchmarks "
+          f"{time.monotonic() - start - suite_s:.0f} s")
     for test, line in failed:
         print(f"FAILED {test}: {line}")
+    for count, reason in skipped:
+        print(f"SKIPPED {count}: {reason}")
     print(bench.stdout, end="")
     if bench.returncode:
         print(f"benchmarks/gpu.py exited with {bench.returncode}")

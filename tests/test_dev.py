@@ -1,5 +1,6 @@
 """dev.py gpu-check: without CUDA it says so and succeeds; with it, its summary names each
-failed test with the first line of its error (read from pytest's JUnit report)."""
+failed test with the first line of its error and counts the skipped ones by reason (read from
+pytest's JUnit report)."""
 
 import importlib.util
 import os
@@ -38,3 +39,17 @@ def test_failures_are_each_test_with_the_first_line_of_its_error(tmp_path):
         ("tests.test_a::test_bad[cuda]", "AssertionError: assert 1 == 2"),
         ("tests.test_b::test_setup", "fixture broke"),
     ]
+
+
+def test_skips_are_counted_by_reason_most_first(tmp_path):
+    report = tmp_path / "suite.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="t" name="a"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="t" name="b"><skipped message="redis-server is missing"/>'
+        '</testcase>'
+        '<testcase classname="t" name="c"><skipped message="needs CUDA"/></testcase>'
+        '<testcase classname="t" name="d"/>'
+        '</testsuite></testsuites>')
+    assert dev.skip_reasons(report) == [(2, "needs CUDA"), (1, "redis-server is missing")]
+
