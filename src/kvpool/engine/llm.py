@@ -671,11 +671,12 @@ class LLM:
         decoded (new tokens only: a step costs time linear in them); once finished, the full
         decode of its tokens, less a stop token."""
         token_ids = seq.output_token_ids
-        text = ""
-        if self.tokenizer is not None and seq.finished:
+        if self.tokenizer is None:
+            text = ""
+        elif seq.finished:
             text = self.tokenizer.decode(token_ids[:-1] if seq.finish_reason == "stop"
                                          else token_ids)
-        elif self.tokenizer is not None:
+        else:
             if seq.text_stream is None:
                 seq.text_stream = self.tokenizer.stream()
             text = seq.text_stream.text(token_ids)
