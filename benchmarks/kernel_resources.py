@@ -7,8 +7,8 @@ Per variant: registers and spill-store bytes per thread (ptxas -v), shared memor
 (the compiled kernel's metadata) against the arch's limit. A variant whose shared memory is over
 the limit compiles but cannot launch.
 
-    python benchmarks/kernels.py [--workers N] [--only TEXT]   (variants whose name has TEXT)
-    python benchmarks/kernels.py --shapes [--sms 132]
+    python benchmarks/kernel_resources.py [--workers N] [--only TEXT]  (names with TEXT)
+    python benchmarks/kernel_resources.py --shapes [--sms 132]
 
 `--shapes` prints, for each attention shape of benchmarks/gpu.py (Llama 3's heads, bf16), the
 tile the launchers choose on a GPU of `--sms` SMs (132: H100 and H200) and that variant's
