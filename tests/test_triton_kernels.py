@@ -167,25 +167,25 @@ def test_decode_tile_follows_the_tokens_of_a_split():
 
     assert tile(20) == (32, 4)  # a short context: a block no longer than it
     assert tile(1024) == (64, 4)
-    assert tile(4096) == (128, 8)  # long: twice the bytes a step, twice the warps
-    assert tile(4096, torch.float32) == (64, 4)  # 4-byte pages: 64 tokens
+    assert tile(4096) == (64, 4)  # a long one: BLOCK_N a step
+    assert tile(4096, torch.float32) == (64, 4)
     assert tile(4096, head_dim=576)[0] == triton_decode.WIDE_BLOCK_N
 
 
 def test_prefill_tile_follows_the_query_length():
-    def rows(query_len, head_dim=128):
+    def tile(query_len, head_dim=128):
         launch = triton_prefill.prefill_launch(torch.bfloat16, torch.bfloat16, head_dim,
                                                query_len)
-        return launch.constexprs["BLOCK_M"], launch.num_warps
+        return launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"], launch.num_warps
 
-    assert rows(2048) == (128, 8)
-    assert rows(100) == (64, 4)
-    assert rows(2048, head_dim=256) == (64, 8)
+    assert tile(100) == (64, 64, 4)
+    assert tile(2048) == (64, 32, 4)  # long queries: fewer keys a step
+    assert tile(100, head_dim=256) == (64, 32, 8)  # wide heads: fewer keys, more warps
 
 
 @pytest.mark.parametrize("max_query_len", [40, 600])
 def test_prefill_tiles_of_either_size_match_reference(max_query_len):
-    # Long prompts take the 128-row tile and the unmasked key steps before the diagonal.
+    # Long prompts take the long-query tile and the unmasked key steps before the diagonal.
     specs = [(max_query_len, max_query_len), (max_query_len + 70, max_query_len // 2),
              (90, 1)]
     batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16,

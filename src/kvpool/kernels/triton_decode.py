@@ -21,8 +21,6 @@ from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
 from kvpool.memory.fp8 import is_fp8
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
-LONG_BLOCK_N = 128  # tokens per step for splits of LONG_SPLIT tokens or more (16-bit pages)
-LONG_SPLIT = 2048
 WIDE_BLOCK_N = 16  # tokens per step for heads over 256 wide (MLA's 576): pages fit shared memory
 MAX_BLOCK_G = 16  # query heads per program
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
@@ -203,17 +201,13 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
                   num_splits: int, split_tokens: int) -> Launch:
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
-    `split_tokens` tokens. The tile follows the split: a short one takes tokens in a block of
-    the power of two that covers it (16 at least), a long one of 16-bit pages 128 at a time
-    with 8 warps (twice the bytes in flight per program, and fewer registers a thread than 64
-    tokens with 4 warps: benchmarks/kernels.py). Heads over 256 wide step WIDE_BLOCK_N
-    tokens."""
+    `split_tokens` tokens. A split takes its tokens in blocks of the power of two that covers
+    it, from 16 to BLOCK_N (on an H200, 128 tokens a step with 8 warps or 4 were no faster:
+    benchmarks/tiles.py). Heads over 256 wide step WIDE_BLOCK_N tokens."""
     fp8 = is_fp8(cache_dtype)
     block_d = triton.next_power_of_2(head_dim)
     if block_d > 256:
         block_n = WIDE_BLOCK_N
-    elif split_tokens >= LONG_SPLIT and cache_dtype.itemsize <= 2:
-        block_n = LONG_BLOCK_N
     else:
         block_n = min(BLOCK_N, max(16, triton.next_power_of_2(split_tokens)))
     return Launch(dict(

@@ -157,11 +157,11 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                       writes)
         for query_len in (1, triton_prefill.LONG_QUERY):
             launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len)
-            yield Variant(f"{name}-prefill-m{launch.constexprs['BLOCK_M']}", arch,
+            yield Variant(f"{name}-prefill-n{launch.constexprs['BLOCK_N']}", arch,
                           triton_prefill._prefill, launch,
                           {**pages, **tables, "q": dtype, "out": dtype})
-    # Every tile decode_launch picks: tokens per split from one block of 16 to a long split.
-    for split_tokens in (16, 32, 64, triton_decode.LONG_SPLIT):
+    # Every tile decode_launch picks: a split of one block of 16 tokens up to BLOCK_N.
+    for split_tokens in (16, 32, triton_decode.BLOCK_N):
         for num_splits in (1, MAX_DECODE_SPLITS):
             split = num_splits > 1
             parts = torch.float32 if split else dtype  # unsplit: `out` stands in
