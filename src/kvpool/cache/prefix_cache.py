@@ -342,12 +342,9 @@ def salt_key(cache_salt: str | None) -> bytes:
 
 
 def _salted_root(salt: bytes) -> PrefixNode:
-    """A root for `salt`; its chain key holds -1, which no page of token ids holds, so no
-    key below it equals an unsalted one."""
-    if not salt:
-        return PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
-    return PrefixNode(salt, b"", [], None,
-                      base_key=chain_key(ROOT_KEY, (-1, *salt)))
+    """A root for `salt` (not the unsalted b""); its chain key holds -1, which no page of
+    token ids holds, so no key below it equals an unsalted one."""
+    return PrefixNode(salt, b"", [], None, base_key=chain_key(ROOT_KEY, (-1, *salt)))
 
 
 # The match of a prompt whose content is unknown, or of any prompt when caching is off
