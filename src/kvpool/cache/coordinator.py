@@ -276,7 +276,7 @@ class KVCache:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits alone in every
         page group's pool."""
         for group in self.page_groups:
-            need, have = group.num_pages_for(num_tokens), group.allocator.num_pages
+            need, have = group.layout.num_pages_for(num_tokens), group.allocator.num_pages
             if need > have:
                 raise self._named(group, OutOfPages(
                     f"{num_tokens} tokens need {need} pages of {self.page_size} tokens; "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -159,9 +159,7 @@ class FullAttention(GroupManager):
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         parent = self._seqs[parent_id]
         self.allocator.hold(parent.pages[parent.num_dropped:])
-        self._seqs[child_id] = _PageTable(list(parent.pages), parent.num_tokens,
-                                          parent.num_cached, parent.num_shared,
-                                          parent.num_dropped, parent.caching)
+        self._seqs[child_id] = replace(parent, pages=list(parent.pages))
 
     def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
         """Its full pages join the prefix cache; where the cache already holds the content
@@ -203,10 +201,6 @@ class FullAttention(GroupManager):
     def owners(self, page: int) -> list[Hashable]:
         """Live sequences whose page table holds `page`."""
         return [sid for sid, seq in self._seqs.items() if page in seq.pages]
-
-    def num_pages_for(self, num_tokens: int) -> int:
-        """Pages of this group's pool one sequence of `num_tokens` tokens may need."""
-        return self.layout.num_pages_for(num_tokens)
 
     def drop_point(self, position: int) -> int:
         """Pages wholly before the window of a token at `position` (none: full attention)."""
