@@ -258,11 +258,10 @@ class FullAttention(GroupManager):
             num_reserved_pages=self.pool.num_reserved_pages)
 
     def check(self, num_tokens: dict[Hashable, int]) -> None:
-        """Allocator conservation; page tables sized to their tokens; each sequence's first
-        `num_cached` pages a path of the prefix cache; each page's reference count equal to
-        the number of sequences whose page table holds it; pages given back only before the
-        window of the next token, never by a sequence on a tree path; the prefix tree, the
-        tier and the pool consistent; the pool's reserved pages outside the allocator's."""
+        """The allocator, pool, prefix tree and tier consistent; each page table sized to its
+        tokens, its first `num_cached` pages a tree path, its HOLEs before the window (none on
+        a tree path); each page's reference count the page tables holding it, which hold no
+        reserved page."""
         self.allocator.check()
         self.pool.check()
         assert self.pool.num_pages == self.allocator.num_pages, (

@@ -3,11 +3,9 @@ weights and activations, from the model's geometry (kvpool.planning.geometry) be
 weight is loaded.
 
 `memory_fraction` means what it means in vLLM: the share of the device's total memory (a CUDA
-device's, or the host's RAM) this model may use. What is in use on the device already, the
-weights, the activations and the caller's reserve come out of that share; the KV cache gets
-the whole pages of the rest, of which a hybrid model gives `mamba_memory_ratio` to state
-slots first. A model mixing full-attention and sliding-window layers splits its pages' bytes
-between pools (kvpool.planning.group_plan), as the engine does."""
+device's, or the host's RAM) this model may use. The KV cache gets the whole pages of what
+is left of it (MemoryPlan.budget_bytes), of which a hybrid model gives `mamba_memory_ratio`
+to state slots first."""
 
 from __future__ import annotations
 
