@@ -81,6 +81,33 @@ def contiguous(cache, page_tables, b: int, length: int) -> torch.Tensor:
     return cache[pages].flatten(0, 1)[:length].transpose(0, 1).contiguous()
 
 
+def decode_sdpa(inputs, context: int):
+    """The decode baseline of `paged_inputs` of one query token per sequence of `context`
+    tokens: SDPA on `[batch, heads, context, head_dim]` contiguous copies of its K/V."""
+    q, k_cache, v_cache, page_tables = inputs[:4]
+    batch = page_tables.shape[0]
+    k, v = (torch.stack([contiguous(c, page_tables, b, context) for b in range(batch)])
+            for c in (k_cache, v_cache))
+    q4 = q.view(batch, HEADS, 1, HEAD_DIM)
+    return lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def prefill_sdpa(inputs, length: int):
+    """The prefill baseline of `paged_inputs` of whole prompts of `length` tokens: causal
+    SDPA on contiguous copies of each prompt's K/V, one call per prompt."""
+    q, k_cache, v_cache, page_tables = inputs[:4]
+    prompts = page_tables.shape[0]
+    ks = [contiguous(k_cache, page_tables, b, length) for b in range(prompts)]
+    vs = [contiguous(v_cache, page_tables, b, length) for b in range(prompts)]
+    qs = [q[b * length : (b + 1) * length].transpose(0, 1)[None] for b in range(prompts)]
+
+    def sdpa():
+        for qb, kb, vb in zip(qs, ks, vs, strict=True):
+            F.scaled_dot_product_attention(qb, kb[None], vb[None], is_causal=True,
+                                           enable_gqa=True)
+    return sdpa
+
+
 def decode_tile(batch: int, context: int) -> str:
     """The triton decode's choice for a shape: splits, tokens per step, warps."""
     from kvpool.kernels import triton_decode
@@ -106,13 +133,8 @@ def decode_row(batch: int, context: int, names: list[str]) -> tuple[str, list[fl
     """One decode table line: SDPA on contiguous K/V, then each backend on shuffled pages;
     and each backend's ratio."""
     inputs = paged_inputs([context] * batch, [1] * batch)
-    q, k_cache, v_cache, page_tables = inputs[:4]
-    tokens = page_tables[:, : context // PAGE_SIZE].long()
-    k = k_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
-    v = v_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
-    q4 = q.view(batch, HEADS, 1, HEAD_DIM)
-    kv_bytes = 2 * k.numel() * k.element_size()
-    sdpa = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    sdpa = time_ms(decode_sdpa(inputs, context))
     line = f"{batch:>6} {context:>8} {sdpa:>8.3f} {kv_bytes / sdpa / 1e6:>9.0f}"
     ratios = []
     for name in names:
@@ -145,17 +167,7 @@ def decode_section() -> None:
 def prefill_row(prompts: int, length: int, names: list[str]) -> str:
     """One prefill table line: causal SDPA per prompt, then each backend on the packed batch."""
     inputs = paged_inputs([length] * prompts, [length] * prompts)
-    q, k_cache, v_cache, page_tables = inputs[:4]
-    ks = [contiguous(k_cache, page_tables, b, length) for b in range(prompts)]
-    vs = [contiguous(v_cache, page_tables, b, length) for b in range(prompts)]
-    qs = [q[b * length : (b + 1) * length].transpose(0, 1)[None] for b in range(prompts)]
-
-    def sdpa():
-        for qb, kb, vb in zip(qs, ks, vs, strict=True):
-            F.scaled_dot_product_attention(qb, kb[None], vb[None], is_causal=True,
-                                           enable_gqa=True)
-
-    base = time_ms(sdpa)
+    base = time_ms(prefill_sdpa(inputs, length))
     line = f"{prompts:>7} {length:>7} {base:>8.3f}"
     for name in names:
         ms = time_ms(lambda name=name: paged_attention(

@@ -20,7 +20,6 @@ import statistics
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 
 from gpu import (
     DECODE_CASES,
@@ -30,8 +29,9 @@ from gpu import (
     KV_HEADS,
     PAGE_SIZE,
     PREFILL_CASES,
-    contiguous,
+    decode_sdpa,
     paged_inputs,
+    prefill_sdpa,
     time_ms,
 )
 
@@ -46,16 +46,12 @@ def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
     {name: (run, SDPA)}, and the chosen tile's name."""
     from kvpool.kernels import triton_decode, triton_support
 
-    q, k_cache, v_cache, page_tables, seq_lens, cu = paged_inputs([context] * batch, [1] * batch)
+    inputs = paged_inputs([context] * batch, [1] * batch)
     chosen_splits = triton_decode.choose_num_splits(
-        batch, KV_HEADS, context, triton_support.num_sms(q.device))
+        batch, KV_HEADS, context, triton_support.num_sms(inputs[0].device))
     chosen = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS,
                                          chosen_splits, -(-context // chosen_splits))
-    tokens = page_tables[:, : context // PAGE_SIZE].long()
-    k = k_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
-    v = v_cache[tokens].flatten(1, 2).transpose(1, 2).contiguous()
-    q4 = q.view(batch, HEADS, 1, HEAD_DIM)
-    candidates = {"SDPA": lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)}
+    candidates = {"SDPA": decode_sdpa(inputs, context)}
     tile = (chosen_splits, chosen.constexprs["BLOCK_N"], chosen.num_warps, chosen.num_stages)
     for splits, block_n, warps, stages in {tile, *itertools.product(*DECODE_TILES.values())}:
         launch = dataclasses.replace(
@@ -65,8 +61,8 @@ def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
         def run(splits=splits, launch=launch):
             with mock.patch.object(triton_decode, "decode_launch", lambda *_: launch):
                 return triton_decode.paged_decode(
-                    q, k_cache, v_cache, page_tables, seq_lens, cu, scale=HEAD_DIM ** -0.5,
-                    window=None, num_splits=splits, max_span=context)
+                    *inputs, scale=HEAD_DIM ** -0.5, window=None, num_splits=splits,
+                    max_span=context)
         candidates[f"{splits}/{block_n}/{warps}/{stages}"] = run
     return candidates, "/".join(map(str, tile))
 
@@ -76,19 +72,9 @@ def prefill_candidates(prompts: int, length: int) -> tuple[dict, str]:
     `decode_candidates` gives them."""
     from kvpool.kernels import triton_prefill
 
-    q, k_cache, v_cache, page_tables, seq_lens, cu = paged_inputs([length] * prompts,
-                                                                  [length] * prompts)
+    inputs = paged_inputs([length] * prompts, [length] * prompts)
     chosen = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
-    ks = [contiguous(k_cache, page_tables, b, length) for b in range(prompts)]
-    vs = [contiguous(v_cache, page_tables, b, length) for b in range(prompts)]
-    qs = [q[b * length:(b + 1) * length].transpose(0, 1)[None] for b in range(prompts)]
-
-    def sdpa():
-        for qb, kb, vb in zip(qs, ks, vs, strict=True):
-            F.scaled_dot_product_attention(qb, kb[None], vb[None], is_causal=True,
-                                           enable_gqa=True)
-
-    candidates = {"SDPA": sdpa}
+    candidates = {"SDPA": prefill_sdpa(inputs, length)}
     tile = (chosen.constexprs["BLOCK_M"], chosen.constexprs["BLOCK_N"], chosen.num_warps,
             chosen.num_stages)
     for block_m, block_n, warps, stages in {tile, *itertools.product(*PREFILL_TILES.values())}:
@@ -99,8 +85,7 @@ def prefill_candidates(prompts: int, length: int) -> tuple[dict, str]:
         def run(launch=launch):
             with mock.patch.object(triton_prefill, "prefill_launch", lambda *_: launch):
                 return triton_prefill.paged_prefill(
-                    q, k_cache, v_cache, page_tables, seq_lens, cu, scale=HEAD_DIM ** -0.5,
-                    window=None, max_query_len=length)
+                    *inputs, scale=HEAD_DIM ** -0.5, window=None, max_query_len=length)
         candidates[f"{block_m}/{block_n}/{warps}/{stages}"] = run
     return candidates, "/".join(map(str, tile))
 
