@@ -149,9 +149,12 @@ class PagedRunner:
 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation of one prompt (no padding, never stops early)."""
+    """transformers' greedy continuation of one prompt (no padding, never stops early). The
+    attention mask is given: without it, `generate` masks every prompt token equal to the pad
+    token (SmolLM2's pad token is its `<|im_end|>`, which chat prompts hold)."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_tokens)
     return out[0, len(prompt):].tolist()
 
