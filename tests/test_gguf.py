@@ -323,7 +323,9 @@ def _transformers_reference(path: Path) -> dict:
     text_ids = [tokenizer(text).input_ids for text in TEXTS]
     outputs = []
     for ids in chat_ids + text_ids:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        tensor = torch.tensor([ids])  # the mask given: never inferred from the pad token
+        out = model.generate(tensor, attention_mask=torch.ones_like(tensor),
+                             max_new_tokens=MAX_TOKENS, do_sample=False)
         outputs.append(out[0, len(ids):].tolist())
     return {"chat_ids": chat_ids, "text_ids": text_ids, "outputs": outputs}
 
