@@ -4,8 +4,8 @@ Every variant comes from kvpool.kernels.triton_variants, which takes each kernel
 and options from the same function its launcher calls. CI compiles the variants that cover
 every code path (each kernel and constexpr switch on each arch, at the smallest head shape);
 KVPOOL_COMPILE_ALL=1 compiles every variant, every head shape and dtype too (minutes: see
-benchmarks/kernel_resources.py, which prints their registers, spills and shared memory). Sliding
-windows and page sizes are runtime arguments: no variant of their own.
+benchmarks/kernel_resources.py, which prints their registers, spills and shared memory).
+Sliding windows and page sizes are runtime arguments: no variant of their own.
 
 The compiles run in a child process: the kernels' modules, once imported under the CPU
 interpreter (TRITON_INTERPRET=1, which other test files set), cannot be compiled for a GPU.
