@@ -42,8 +42,9 @@ ROUNDS = 5  # every candidate is timed once a round, so that drift reaches all o
 
 
 def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
-    """Every decode tile of DECODE_TILES on `batch` sequences of `context` tokens, as
-    {name: (run, SDPA)}, and the chosen tile's name."""
+    """Every decode tile of DECODE_TILES (and the chosen one) on `batch` sequences of
+    `context` tokens as {name: a function running it}, SDPA's baseline under "SDPA"; and the
+    chosen tile's name."""
     from kvpool.kernels import triton_decode, triton_support
 
     inputs = paged_inputs([context] * batch, [1] * batch)
@@ -68,8 +69,8 @@ def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
 
 
 def prefill_candidates(prompts: int, length: int) -> tuple[dict, str]:
-    """Every prefill tile of PREFILL_TILES on `prompts` whole prompts of `length` tokens, as
-    `decode_candidates` gives them."""
+    """Every prefill tile of PREFILL_TILES (and the chosen one) on `prompts` whole prompts of
+    `length` tokens, as `decode_candidates` gives them."""
     from kvpool.kernels import triton_prefill
 
     inputs = paged_inputs([length] * prompts, [length] * prompts)
