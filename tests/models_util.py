@@ -36,6 +36,10 @@ CONFIGS = {
     "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
+    # Qwen3's long-context recipe: 4x the trained context, cos/sin scaled by 1 + 0.1 ln 4
+    "qwen3-rope-yarn": lambda: transformers.Qwen3Config(
+        **SMALL, head_dim=32,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral-window-8": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
 }
 

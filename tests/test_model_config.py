@@ -92,6 +92,35 @@ def test_transformers_4_torch_dtype_and_rope_theta_are_read(transformers, tmp_pa
     assert ModelConfig.from_hf(tmp_path).kv_layout().dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("rope", [
+    # Qwen3's published recipe for 131,072 tokens (its config says 40,960)
+    {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+     "original_max_position_embeddings": 32768},
+    # the trained context from max_position_embeddings; an attention factor given; no truncation
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "attention_factor": 0.8,
+     "beta_fast": 16, "truncate": False},
+], ids=["qwen3-recipe", "given-factor-untruncated"])
+def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transformers, rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvpool.models.rotary import attention_factor, inv_frequencies
+
+    hf_config = transformers.Qwen3Config(**SMALL, head_dim=128, max_position_embeddings=40960,
+                                         rope_parameters=rope)
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    ours = ModelConfig.from_hf(hf_config.to_dict())
+    assert torch.equal(inv_frequencies(ours, device="cpu"), hf_inv_freq)
+    assert attention_factor(ours) == hf_factor != 1.0
+
+
+def test_an_unsupported_rope_type_names_the_supported_ones():
+    config = {"architectures": ["Qwen3ForCausalLM"], **SMALL,
+              "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
+    with pytest.raises(ConfigError, match="unsupported rope_type 'longrope'; kvpool supports "
+                                          "default, linear, llama3, yarn here"):
+        ModelConfig.from_hf(config)
+
+
 def test_an_explicit_head_dim_wins_over_hidden_size_by_heads(transformers):
     config = transformers.Qwen3Config(**SMALL, head_dim=32).to_dict()
     assert ModelConfig.from_hf(config).kv_layout().head_dim == 32

@@ -506,7 +506,7 @@ def _architecture(cfg: dict) -> str:
     return archs
 
 
-def _rope(cfg: dict, rope_types=("linear", "llama3")) -> tuple[float, dict | None]:
+def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn")) -> tuple[float, dict | None]:
     # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key) or {}
@@ -519,8 +519,8 @@ def _rope(cfg: dict, rope_types=("linear", "llama3")) -> tuple[float, dict | Non
     if rope_type == "default":
         return theta, None
     if rope_type not in rope_types:
-        raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports default and "
-                          f"{' and '.join(rope_types)} here")
+        raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports "
+                          f"{', '.join(('default', *rope_types))} here")
     if "factor" not in params:
         raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
     for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",

@@ -1,5 +1,5 @@
 """Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3` and
-`yarn` (DeepSeek) rope types and cos/sin for a step's positions (kvpool.rope applies them to
+`yarn` rope types and cos/sin for a step's positions (kvpool.rope applies them to
 packed q/k).
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
