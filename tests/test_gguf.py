@@ -57,9 +57,11 @@ def _quantize(values: np.ndarray, qtype, rng) -> np.ndarray:
     return raw.reshape(values.shape[0], -1)
 
 
-def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0) -> dict:
-    """A one-layer Llama GGUF file whose matrices are `qtype`; returns its tensors as
-    written (GGUF names -> (raw data, type)), q/k in llama.cpp's row order."""
+def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
+               rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None) -> dict:
+    """A one-layer Llama GGUF file whose matrices are `qtype`, with a `rope_freqs` tensor
+    and a rope scaling type (factor 2) if given; returns its tensors as written (GGUF names ->
+    (raw data, type)), q/k in llama.cpp's row order."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(LAYERS)
@@ -70,6 +72,11 @@ def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0) -
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
+        writer.add_rope_scaling_factor(2.0)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -263,6 +270,58 @@ def test_the_cached_conversion_loads_the_same_model(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").iterdir())) == 1
     template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
     assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama31_rope_freqs(head_dim: int, base: float, rope: dict) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as `rope_freqs` for Llama 3.1's scaling: 1
+    for wavelengths under context / high_freq_factor, `factor` over context / low_freq_factor,
+    interpolated between."""
+    context, low, high = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                          rope["high_freq_factor"])
+    wavelength = 2 * np.pi * base ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (context / wavelength - low) / (high - low)
+    return np.where(wavelength < context / high, 1.0,
+                    np.where(wavelength > context / low, rope["factor"],
+                             1 / ((1 - smooth) / rope["factor"] + smooth)))
+
+
+def test_llama_3_1_rope_freqs_give_transformers_llama3_frequencies(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = HIDDEN // HEADS
+    factors = _llama31_rope_freqs(head_dim, 10000.0, LLAMA31)
+    assert {1.0, 8.0} < set(factors.tolist())  # kept, divided, and interpolated frequencies
+    write_gguf(tmp_path / "llama31.gguf", rope_freqs=factors)
+    hf_config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, max_position_embeddings=128,
+        rope_parameters={"rope_theta": 10000.0, **LLAMA31})
+    expected = ROPE_INIT_FUNCTIONS["llama3"](hf_config)[0]
+    for cache in (None, tmp_path / "cache"):  # the file, then its conversion's config.json
+        if cache is not None:
+            monkeypatch.setenv(kvgguf.CACHE_ENV, str(cache))
+        inv_freq = load_model(tmp_path / "llama31.gguf", device="cpu").model.rotary_emb.inv_freq
+        assert torch.allclose(inv_freq, expected, rtol=1e-6, atol=0)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@pytest.mark.parametrize(("rope_freqs", "rope_scaling", "message"), [
+    (np.ones(16), None, "rope frequency factors: 16 given, but a rotary dimension of 64 has 32"),
+    (np.r_[np.ones(3), 0.0, np.ones(28)], None,
+     r"'rope_scaling.factors\[3\]' must be a positive finite number, got 0.0"),
+    (np.r_[np.ones(31), np.nan], None, r"'rope_scaling.factors\[31\]' must be a positive"),
+    (np.ones(32), "linear", "GGUF rope scaling 'linear' with rope_freqs is not supported"),
+    (None, "yarn", "GGUF rope scaling 'yarn' is not supported"),
+], ids=["too-few", "zero", "nan", "with-linear", "yarn"])
+def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_freqs,
+                                                                  rope_scaling, message):
+    write_gguf(tmp_path / "bad.gguf", rope_freqs=rope_freqs, rope_scaling=rope_scaling)
+    with pytest.raises(ConfigError, match=message):
+        load_model(tmp_path / "bad.gguf", device="cpu")
 
 
 # SmolLM2-135M-Instruct against transformers.

@@ -113,11 +113,19 @@ def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transf
     assert attention_factor(ours) == hf_factor != 1.0
 
 
+def test_frequency_factors_without_a_list_of_factors_is_a_config_error():
+    config = {"architectures": ["LlamaForCausalLM"], **SMALL,
+              "rope_scaling": {"rope_type": "frequency_factors", "factors": 2.0}}
+    with pytest.raises(ConfigError, match="rope_type 'frequency_factors' needs a list "
+                                          "'factors', got 2.0"):
+        ModelConfig.from_hf(config)
+
+
 def test_an_unsupported_rope_type_names_the_supported_ones():
     config = {"architectures": ["Qwen3ForCausalLM"], **SMALL,
               "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}
     with pytest.raises(ConfigError, match="unsupported rope_type 'longrope'; kvpool supports "
-                                          "default, linear, llama3, yarn here"):
+                                          "default, linear, llama3, yarn, frequency_factors here"):
         ModelConfig.from_hf(config)
 
 

@@ -229,7 +229,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" (linear, llama3, yarn)
+    rope_scaling: dict | None  # None: plain RoPE; else has "rope_type" (see models/rotary.py)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 always; Llama/Qwen3 when attention_bias
@@ -506,7 +506,8 @@ def _architecture(cfg: dict) -> str:
     return archs
 
 
-def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn")) -> tuple[float, dict | None]:
+def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn", "frequency_factors")
+          ) -> tuple[float, dict | None]:
     # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
     params = cfg.get(key) or {}
@@ -521,6 +522,13 @@ def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn")) -> tuple[float, di
     if rope_type not in rope_types:
         raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports "
                           f"{', '.join(('default', *rope_types))} here")
+    if rope_type == "frequency_factors":  # GGUF's rope_freqs: a divisor per inverse frequency
+        factors = params.get("factors")
+        if not isinstance(factors, list) or not factors:
+            raise ConfigError(f"rope_type 'frequency_factors' needs a list 'factors', "
+                              f"got {factors!r}")
+        return theta, {"rope_type": rope_type, "factors": [
+            _number(f, f"{key}.factors[{i}]") for i, f in enumerate(factors)]}
     if "factor" not in params:
         raise ConfigError(f"rope_type {rope_type!r} needs a 'factor'")
     for name in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",

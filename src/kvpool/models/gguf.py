@@ -36,6 +36,7 @@ PACKAGED_MODELS = {
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # general.architecture -> kvpool's
+ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
 # GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`).
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -103,9 +104,6 @@ class GGUFCheckpoint:
         if arch not in ARCHITECTURES:
             raise ConfigError(f"{self.path.name}: GGUF architecture {arch!r} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
-        if self._tensor("rope_freqs.weight") is not None:
-            raise ConfigError(f"{self.path.name}: per-frequency rope factors (rope_freqs, "
-                              f"Llama 3.1's rope scaling) are not supported")
 
         def key(name, default=None):
             return self.meta.get(f"{arch}.{name}", default)
@@ -124,7 +122,8 @@ class GGUFCheckpoint:
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
             "rope_theta": key("rope.freq_base", 10000.0),
-            "rope_scaling": _rope_scaling(key("rope.scaling.type"), key("rope.scaling.factor")),
+            "rope_scaling": self._rope_scaling(key("rope.scaling.type"),
+                                               key("rope.scaling.factor")),
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
@@ -149,7 +148,7 @@ class GGUFCheckpoint:
         """parameter name -> shape of every tensor, without reading the data. A tensor type
         outside SUPPORTED_TYPES raises CheckpointError naming the type and the tensors."""
         unsupported = {}
-        for tensor in self._reader.tensors:
+        for tensor in self._weights():
             if tensor.tensor_type.name not in SUPPORTED_TYPES:
                 unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         if unsupported:
@@ -160,7 +159,7 @@ class GGUFCheckpoint:
                                   f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
         # GGUF lists dimensions fastest-first; torch lists them slowest-first.
         return {parameter_name(t.name): tuple(int(n) for n in reversed(t.shape))
-                for t in self._reader.tensors}
+                for t in self._weights()}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(parameter name, float32 tensor) for every tensor, dequantized one at a time with a
@@ -168,7 +167,7 @@ class GGUFCheckpoint:
         from gguf import dequantize
 
         config = self.hf_config()
-        for tensor in tqdm(self._reader.tensors, desc=f"loading {self.path.name}", unit="tensor"):
+        for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             name = parameter_name(tensor.name)
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
@@ -179,6 +178,27 @@ class GGUFCheckpoint:
                     else config["num_key_value_heads"]
                 values = unpermute_rotary(values, heads)
             yield name, values
+
+    def _rope_scaling(self, kind: str | None, factor: float | None) -> dict | None:
+        """The config's rope_scaling: linear from the metadata, or a divisor per frequency
+        from the `rope_freqs` tensor (Llama 3.1's scaling as llama.cpp's converter writes it)."""
+        freqs = self._tensor(ROPE_FREQS)
+        if kind in (None, "none"):
+            if freqs is None:
+                return None
+            from gguf import dequantize
+
+            factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+            return {"rope_type": "frequency_factors", "factors": factors.tolist()}
+        if kind == "linear" and factor and freqs is None:
+            return {"rope_type": "linear", "factor": float(factor)}
+        raise ConfigError(f"{self.path.name}: GGUF rope scaling {kind!r}"
+                          f"{' with rope_freqs' if freqs is not None else ''} is not supported "
+                          f"(supported: none, linear, rope_freqs alone)")
+
+    def _weights(self) -> list:
+        """The model's tensors: all but `rope_freqs`, which is config (`_rope_scaling`)."""
+        return [t for t in self._reader.tensors if t.name != ROPE_FREQS]
 
     def _tensor(self, name: str):
         return next((t for t in self._reader.tensors if t.name == name), None)
@@ -262,12 +282,6 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
-def _rope_scaling(kind: str | None, factor: float | None) -> dict | None:
-    if kind in (None, "none"):
-        return None
-    if kind == "linear" and factor:
-        return {"rope_type": "linear", "factor": float(factor)}
-    raise ConfigError(f"GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
 
 
 # LLM reads the config, then the weights: one parse of the file (its metadata takes seconds to

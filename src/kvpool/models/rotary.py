@@ -1,6 +1,7 @@
-"""Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3` and
-`yarn` rope types and cos/sin for a step's positions (kvpool.rope applies them to
-packed q/k).
+"""Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3`,
+`yarn` and `frequency_factors` rope types, and cos/sin for a step's positions (kvpool.rope
+applies them to packed q/k). `frequency_factors` divides each inverse frequency by its own
+factor: the `rope_freqs` tensor in which GGUF files carry Llama 3.1's scaling.
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
 float32, cos/sin (times yarn's attention factor) cast to the activations' dtype."""
@@ -31,6 +32,12 @@ def inv_frequencies(config: ModelConfig, *, device: str | torch.device) -> torch
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_frequencies(config.rope_theta**exponents, config)
+    if scaling["rope_type"] == "frequency_factors":
+        factors = scaling["factors"]
+        if len(factors) != dim // 2:
+            raise ConfigError(f"rope frequency factors: {len(factors)} given, but a rotary "
+                              f"dimension of {dim} has {dim // 2} frequencies")
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device=device)
     return _llama3_inv_frequencies(inv_freq, scaling)
 
 
