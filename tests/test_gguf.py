@@ -28,7 +28,7 @@ from kvpool.models.gguf_vocab import build_tokenizer
 from kvpool.models.tokenizer import HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
-from models_util import streamed
+from models_util import PagedRunner, assert_logits_match, make_hf_model, prompts, streamed
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -322,6 +322,66 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
     write_gguf(tmp_path / "bad.gguf", rope_freqs=rope_freqs, rope_scaling=rope_scaling)
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path / "bad.gguf", device="cpu")
+
+
+def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
+    """The file llama.cpp's converter writes for a transformers Qwen model (tensors renamed,
+    q/k rows as they are), in float32, with a vocabulary of placeholder tokens."""
+    config = hf.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
+    writer.add_token_types([1] * config.vocab_size)
+    if merges:
+        writer.add_token_merges(list(merges))
+    writer.add_eos_token_id(1)
+    gguf_names = {f"model.layers.{i}.{ours}": f"blk.{i}.{theirs}"
+                  for i in range(config.num_hidden_layers)
+                  for theirs, ours in kvgguf.LAYER_TENSORS.items()}
+    gguf_names |= {ours: theirs for theirs, ours in kvgguf.MODEL_TENSORS.items()}
+    for name, tensor in hf.state_dict().items():
+        writer.add_tensor(gguf_names[name], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_file_gives_transformers_logits(tmp_path, name):
+    hf = make_hf_model(name)  # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32
+    _gguf_of(hf, tmp_path / f"{name}.gguf", name)
+    loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
+    assert loaded.config.architecture == type(hf).__name__
+    batch = prompts(hf.config.vocab_size)
+    assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
+
+
+def test_a_byte_level_vocabulary_without_merges_is_a_checkpoint_error(tmp_path):
+    _gguf_of(make_hf_model("qwen2"), tmp_path / "no-merges.gguf", "qwen2", merges=())
+    with pytest.raises(CheckpointError, match="without tokenizer.ggml.merges"):
+        load_model(tmp_path / "no-merges.gguf", device="cpu")
+
+
+def test_qwen2s_pre_tokenizer_splits_digits_one_at_a_time_where_llama_3s_takes_three():
+    from kvpool.models.gguf_vocab import PRE_TOKENIZERS
+
+    def words(pre: str) -> list[str]:
+        return [w for w, _ in PRE_TOKENIZERS[pre]().pre_tokenize_str("in 2026, x")]
+    assert words("qwen2") == ["in", "Ġ", "2", "0", "2", "6", ",", "Ġx"]
+    assert words("llama-bpe") == ["in", "Ġ", "202", "6", ",", "Ġx"]
 
 
 # SmolLM2-135M-Instruct against transformers.

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of the Llama family: the config, weights,
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Qwen2 and Qwen3: the config, weights,
 tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
 (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
 to kvpool's config fields and parameter names."""
@@ -35,7 +35,11 @@ PACKAGED_MODELS = {
 # except the i-quants, ternary and fp4 formats (no llama-family release uses them alone).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}  # general.architecture -> kvpool's
+# general.architecture -> kvpool's
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
+PERMUTED_ROTARY = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
 # GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`).
 LAYER_TENSORS = {
@@ -43,6 +47,11 @@ LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -167,13 +176,14 @@ class GGUFCheckpoint:
         from gguf import dequantize
 
         config = self.hf_config()
+        permuted = config["model_type"] in PERMUTED_ROTARY
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             name = parameter_name(tensor.name)
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
             values = torch.from_numpy(array if array.flags.writeable else array.copy())
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
                     else config["num_key_value_heads"]
                 values = unpermute_rotary(values, heads)

@@ -22,6 +22,7 @@ NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (tokenizer.gg
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
 
 
 def _byte_level() -> pre_tokenizers.PreTokenizer:
@@ -33,10 +34,18 @@ def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
                                     _byte_level()])
 
 
-def _llama3_split() -> pre_tokenizers.PreTokenizer:
+def _split_then_byte_level(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _llama3_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(_LLAMA3_SPLIT)
+
+
+def _qwen2_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(_QWEN2_SPLIT)
 
 
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes).
@@ -44,6 +53,7 @@ PRE_TOKENIZERS = {
     "default": _byte_level, "gpt-2": _byte_level, "gpt2": _byte_level,
     "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level,
     "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
+    "qwen2": _qwen2_split,
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
@@ -81,6 +91,8 @@ def _byte_level_bpe(meta: dict) -> Tokenizer:
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: "
                               f"{', '.join(sorted(PRE_TOKENIZERS))})")
+    if "tokenizer.ggml.merges" not in meta:
+        raise CheckpointError("GGUF byte-level BPE vocabulary without tokenizer.ggml.merges")
     vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
     merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
