@@ -46,6 +46,7 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
+MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
 # integer is bounded by int64.
@@ -248,6 +249,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     gemma: GemmaConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
+    # float8 weights with a scale per block of (rows, columns), dequantized at load: None for
+    # a checkpoint without quantization (see `_fp8_weight_block`)
+    fp8_weight_block: tuple[int, int] | None = None
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -316,6 +320,7 @@ class ModelConfig:
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
             moe=_qwen3_moe(cfg, num_layers) if arch == QWEN3_MOE else None,
+            fp8_weight_block=_fp8_weight_block(cfg),
         )
 
     @property
@@ -686,7 +691,34 @@ def _deepseek(cfg: dict, arch: str) -> ModelConfig:
         eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
         mla=mla,
         moe=_deepseek_moe(cfg, v3, num_layers),
+        fp8_weight_block=_fp8_weight_block(cfg),
     )
+
+
+def _fp8_weight_block(cfg: dict) -> tuple[int, int] | None:
+    """The (rows, columns) each weight scale covers in a checkpoint of float8 e4m3 weights
+    with per-block scales (quantization_config `fp8` with `weight_block_size`, as DeepSeek-V3
+    and Qwen3's FP8 releases are published); None without quantization. Other quantization
+    methods are refused."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise ConfigError(f"config 'quantization_config' must be an object, got {quant!r}")
+    method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method != "fp8" or block is None:
+        raise ConfigError(f"quantization_config quant_method {method!r}"
+                          f"{'' if method != 'fp8' else ' without weight_block_size'} is not "
+                          f"supported (supported: fp8 with weight_block_size, loaded dequantized)")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(type(b) is int and 0 < b <= MAX_WEIGHT_BLOCK for b in block)):
+        raise ConfigError(f"quantization_config weight_block_size must be two ints in "
+                          f"[1, {MAX_WEIGHT_BLOCK}], got {block!r}")
+    for key, supported in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        if quant.get(key, supported) != supported:
+            raise ConfigError(f"quantization_config {key} {quant[key]!r} is not supported "
+                              f"(supported: {supported})")
+    return block[0], block[1]
 
 
 def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:

@@ -22,6 +22,7 @@ from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.parallel import (
     ONE_RANK,
+    WHOLE,
     Index,
     TensorParallel,
     checkpoint_index,
@@ -35,6 +36,7 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
+SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
 # The module class of each architecture other than the dense Llama family (which
 # LlamaForCausalLM runs); Qwen3-MoE is a Llama-family decoder whose layers hold experts.
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
@@ -195,21 +197,57 @@ def _index_file_names(index: Path) -> list[str]:
 def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Copy the checkpoint's tensors (the model's tensor-parallel part of each) into the model
     by name, after checking that names and shapes match exactly (a tied lm_head and rotary
-    inv_freq buffers are skipped)."""
+    inv_freq buffers are skipped). With `fp8_weight_block` in the config, float8 weights are
+    dequantized by their `weight_scale_inv` first."""
     params = model.state_dict()
+    block = model.config.fp8_weight_block
     # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
     extra_layers = model.config.architecture == "DeepseekV3ForCausalLM"
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
                                num_layers=model.config.num_layers if extra_layers else None)
+    # weight name -> the file of its scale (without quantization, scales are unexpected)
+    scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
+                                       for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
     _check_weights(model, found, files[0].parent)
+    if orphans := sorted(scales.keys() - found.keys()):
+        raise CheckpointError(f"checkpoint {files[0].parent} has scales of no weight: "
+                              f"{_first([name + SCALE_SUFFIX for name in orphans])}")
     with torch.no_grad():
         for file in files:
             with _open_safetensors(file) as f:
                 names = f.keys()
                 for name in names:
-                    if name in found and found[name][1] == file:
-                        tensor = _read_tensor(f, name, file, checkpoint_index(model, name))
-                        _copy_finite(params[name], tensor, name, file)
+                    if name not in found or found[name][1] != file:
+                        continue
+                    index = checkpoint_index(model, name)
+                    if name in scales:
+                        tensor = take(_dequantized(f, name, file, scales[name], block), index)
+                    else:
+                        tensor = _read_tensor(f, name, file, index)
+                        if tensor.dtype == torch.float8_e4m3fn:
+                            raise CheckpointError(f"weight {name} in {file.name} is float8 "
+                                                  f"with no {name}{SCALE_SUFFIX}")
+                    _copy_finite(params[name], tensor, name, file)
+
+
+def _dequantized(f, name: str, file: Path, scale_file: Path, block: tuple[int, int]
+                 ) -> torch.Tensor:
+    """The float32 values of the float8 weight `name`: each block of `block` rows and columns
+    times its scale (the last blocks of a dimension may be partial)."""
+    weight = _read_tensor(f, name, file, WHOLE)
+    with _open_safetensors(scale_file) as g:
+        scale = _read_tensor(g, name + SCALE_SUFFIX, scale_file, WHOLE)
+    blocks = None  # the scale's shape a 2-d weight needs
+    if weight.dim() == 2:
+        blocks = tuple(-(-n // b) for n, b in zip(weight.shape, block, strict=True))
+    if weight.dtype != torch.float8_e4m3fn or tuple(scale.shape) != blocks:
+        raise CheckpointError(
+            f"weight {name} in {file.name} is {weight.dtype} of shape {tuple(weight.shape)} "
+            f"with a scale of shape {tuple(scale.shape)}; blocks of {block[0]} x {block[1]} "
+            f"need a 2-d float8_e4m3fn weight and a scale of shape {blocks}")
+    rows, cols = weight.shape
+    scale = scale.float().repeat_interleave(block[0], 0)[:rows]
+    return weight.float() * scale.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
