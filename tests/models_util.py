@@ -41,6 +41,8 @@ CONFIGS = {
         **SMALL, head_dim=32,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral-window-8": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
+    # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader
+    "phi3-window-8": lambda: transformers.Phi3Config(**SMALL, sliding_window=8),
 }
 
 

@@ -169,6 +169,17 @@ def test_misshapen_weight_names_both_shapes(broken, device):
         load_model(broken, device=device)
 
 
+def test_a_fused_projection_of_the_wrong_rows_names_its_parts(tmp_path, device):
+    folder = save_hf_model(make_hf_model("phi3-window-8"), tmp_path)
+    tensors = load_file(folder / WEIGHTS)
+    name = "model.layers.1.self_attn.qkv_proj.weight"  # q 4 x 16 rows, k and v 2 x 16 each
+    tensors[name] = tensors[name][:-16].contiguous()
+    save_file(tensors, folder / WEIGHTS)
+    with pytest.raises(CheckpointError, match=rf"{name} has 112 rows in the checkpoint, the "
+                                              r"config needs 128 \(64 \+ 32 \+ 32\)"):
+        load_model(folder, device=device)
+
+
 def test_rotary_inv_freq_buffers_in_a_checkpoint_are_ignored(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)

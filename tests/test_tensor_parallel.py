@@ -38,6 +38,7 @@ PARITY = {
     "qwen2-one-kv-head": lambda: transformers.Qwen2Config(**{**SMALL,
                                                             "num_key_value_heads": 1}),
     "qwen3": CONFIGS["qwen3"],
+    "phi3": CONFIGS["phi3-window-8"],  # each rank's rows of the fused q/k/v and gate/up
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each

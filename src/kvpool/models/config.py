@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -37,6 +38,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -547,12 +549,12 @@ def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn", "frequency_factors"
 
 
 def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, layer types) as transformers reads them: Mistral windows every layer
-    when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, then the layers
-    `layer_types` names (by default those from `max_window_layers` on); Gemma 3 the layers
-    `layer_types` names (by default all but every `sliding_window_pattern`-th). Other
-    architectures have no windows."""
-    if arch == "MistralForCausalLM":
+    """(sliding window, layer types) as transformers reads them: Mistral and Phi-3 window
+    every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
+    then the layers `layer_types` names (by default those from `max_window_layers` on);
+    Gemma 3 the layers `layer_types` names (by default all but every
+    `sliding_window_pattern`-th). Other architectures have no windows."""
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")

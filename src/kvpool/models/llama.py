@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) running on the paged KV
-cache; Qwen3-MoE's layers hold a mixture of experts (kvpool.models.moe) where its config says.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3) running on the paged
+KV cache; Qwen3-MoE's layers hold a mixture of experts (kvpool.models.moe) where its config
+says.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:

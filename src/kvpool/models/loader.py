@@ -37,6 +37,13 @@ TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float 
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
+# Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
+# projections), named after `model.layers.N.`: the parameters, in order.
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
 # The module class of each architecture other than the dense Llama family (which
 # LlamaForCausalLM runs); Qwen3-MoE is a Llama-family decoder whose layers hold experts.
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
@@ -208,6 +215,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
+    parts = _split_fused(found, model.config)
     _check_weights(model, found, files[0].parent)
     if orphans := sorted(scales.keys() - found.keys()):
         raise CheckpointError(f"checkpoint {files[0].parent} has scales of no weight: "
@@ -215,19 +223,41 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     with torch.no_grad():
         for file in files:
             with _open_safetensors(file) as f:
-                names = f.keys()
-                for name in names:
-                    if name not in found or found[name][1] != file:
-                        continue
+                for name in [n for n, (_, where) in found.items() if where == file]:
                     index = checkpoint_index(model, name)
                     if name in scales:
                         tensor = take(_dequantized(f, name, file, scales[name], block), index)
+                    elif name in parts:
+                        fused, rows = parts[name]
+                        tensor = take(_read_tensor(f, fused, file, ((rows,),)), index)
                     else:
                         tensor = _read_tensor(f, name, file, index)
                         if tensor.dtype == torch.float8_e4m3fn:
                             raise CheckpointError(f"weight {name} in {file.name} is float8 "
                                                   f"with no {name}{SCALE_SUFFIX}")
                     _copy_finite(params[name], tensor, name, file)
+
+
+def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """Replace each FUSED tensor of `found` by the parameters it stacks, with their shapes;
+    returns parameter name -> (the fused tensor's name, its rows)."""
+    rows = {"self_attn.qkv_proj.weight": (config.num_heads * config.head_dim,
+                                          *(config.num_kv_heads * config.head_dim,) * 2),
+            "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2}
+    parts = {}
+    for name in [n for n in found if n.split(".", 3)[-1] in FUSED and _layer_index(n) >= 0]:
+        (total, *rest), file = found.pop(name)
+        suffix = name.split(".", 3)[3]
+        layer = name[:-len(suffix)]  # model.layers.N.
+        start = 0
+        for part, size in zip(FUSED[suffix], rows[suffix], strict=True):
+            found[layer + part] = ((size, *rest), file)
+            parts[layer + part] = (name, slice(start, start + size))
+            start += size
+        if start != total:
+            raise CheckpointError(f"{name} has {total} rows in the checkpoint, the config "
+                                  f"needs {start} ({' + '.join(map(str, rows[suffix]))})")
+    return parts
 
 
 def _dequantized(f, name: str, file: Path, scale_file: Path, block: tuple[int, int]
