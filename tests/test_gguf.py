@@ -365,6 +365,9 @@ def test_a_qwen_gguf_file_gives_transformers_logits(tmp_path, name):
     _gguf_of(hf, tmp_path / f"{name}.gguf", name)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__
+    # as transformers' Qwen tokenizer: "e" + a combining acute accent is composed to "é"
+    normalizer = build_tokenizer(kvgguf.GGUFCheckpoint(tmp_path / f"{name}.gguf").meta).normalizer
+    assert normalizer.normalize_str("caf\u0065\u0301") == "caf\u00e9"
     batch = prompts(hf.config.vocab_size)
     assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
 

@@ -57,6 +57,8 @@ PRE_TOKENIZERS = {
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+# Qwen's tokenizer composes text to Unicode NFC first, as transformers' does (llama.cpp not).
+_NFC = ("qwen2",)
 
 
 def build_tokenizer(meta: dict) -> Tokenizer:
@@ -96,6 +98,8 @@ def _byte_level_bpe(meta: dict) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
     merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    if pre in _NFC:
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
