@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 from packaging.version import Version
+from safetensors.torch import load_file
 
 from kvpool import LLM, SamplingParams
 from kvpool.cli.main import main
@@ -28,7 +30,15 @@ from kvpool.models.gguf_vocab import build_tokenizer
 from kvpool.models.tokenizer import HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
-from models_util import PagedRunner, assert_logits_match, make_hf_model, prompts, streamed
+from models_util import (
+    CONFIGS,
+    PagedRunner,
+    assert_logits_match,
+    make_hf_model,
+    prompts,
+    save_hf_model,
+    streamed,
+)
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -326,7 +336,8 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
     """The file llama.cpp's converter writes for a transformers Qwen model (tensors renamed,
-    q/k rows as they are), in float32, with a vocabulary of placeholder tokens."""
+    q/k rows as they are, each layer's experts stacked), in float32, with a vocabulary of
+    placeholder tokens."""
     config = hf.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
@@ -340,6 +351,10 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
@@ -351,7 +366,13 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
                   for i in range(config.num_hidden_layers)
                   for theirs, ours in kvgguf.LAYER_TENSORS.items()}
     gguf_names |= {ours: theirs for theirs, ours in kvgguf.MODEL_TENSORS.items()}
-    for name, tensor in hf.state_dict().items():
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for stack, ours in kvgguf.EXPERT_TENSORS.items():
+        for i in range(config.num_hidden_layers if arch == "qwen3moe" else 0):
+            experts = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}")
+                       for e in range(config.num_experts)]
+            writer.add_tensor(f"blk.{i}.{stack}", torch.stack(experts).numpy())
+    for name, tensor in weights.items():
         writer.add_tensor(gguf_names[name], tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -359,9 +380,18 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+# Qwen3-MoE as llama.cpp runs it: experts on every layer, the chosen ones' weights renormalised
+QWEN3_MOE = {"qwen3moe": lambda: transformers.Qwen3MoeConfig(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, max_position_embeddings=256,
+    initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe"])
 def test_a_qwen_gguf_file_gives_transformers_logits(tmp_path, name):
-    hf = make_hf_model(name)  # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32
+    # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE: 8 experts in 3D stacks
+    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE)
     _gguf_of(hf, tmp_path / f"{name}.gguf", name)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__

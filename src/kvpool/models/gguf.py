@@ -1,7 +1,7 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Qwen2 and Qwen3: the config, weights,
-tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
-(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
-to kvpool's config fields and parameter names."""
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Qwen2, Qwen3 and Qwen3-MoE: the
+config, weights, tokenizer and chat template a .gguf file holds, parsed and dequantized by the
+`gguf` package (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys
+and tensor names to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
 PERMUTED_ROTARY = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
@@ -57,6 +57,14 @@ LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # Qwen3-MoE's router
+}
+# GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
+# expert's parameter (after `model.layers.N.mlp.experts.E.`).
+EXPERT_TENSORS = {
+    "ffn_gate_exps.weight": "gate_proj.weight",
+    "ffn_up_exps.weight": "up_proj.weight",
+    "ffn_down_exps.weight": "down_proj.weight",
 }
 # The chat template's special-token variables -> their tokenizer.ggml.*_token_id keys.
 _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
@@ -119,7 +127,11 @@ class GGUFCheckpoint:
 
         heads = key("attention.head_count")
         eos = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
-        return {
+        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised
+        experts = {} if key("expert_count") is None else {
+            "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
+        return {**experts,
             "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
@@ -166,9 +178,13 @@ class GGUFCheckpoint:
                               for kind, names in unsupported.items())
             raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
                                   f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
-        # GGUF lists dimensions fastest-first; torch lists them slowest-first.
-        return {parameter_name(t.name): tuple(int(n) for n in reversed(t.shape))
-                for t in self._weights()}
+        shapes = {}
+        for tensor in self._weights():
+            # GGUF lists dimensions fastest-first; torch lists them slowest-first.
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            for name, expert in _parameters(tensor.name, shape[0]):
+                shapes[name] = shape if expert is None else shape[1:]
+        return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(parameter name, float32 tensor) for every tensor, dequantized one at a time with a
@@ -178,16 +194,17 @@ class GGUFCheckpoint:
         config = self.hf_config()
         permuted = config["model_type"] in PERMUTED_ROTARY
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
-            name = parameter_name(tensor.name)
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
             values = torch.from_numpy(array if array.flags.writeable else array.copy())
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
-                    else config["num_key_value_heads"]
-                values = unpermute_rotary(values, heads)
-            yield name, values
+            for name, expert in _parameters(tensor.name, values.shape[0]):
+                part = values if expert is None else values[expert]
+                if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
+                        else config["num_key_value_heads"]
+                    part = unpermute_rotary(part, heads)
+                yield name, part
 
     def _rope_scaling(self, kind: str | None, factor: float | None) -> dict | None:
         """The config's rope_scaling: linear from the metadata, or a divisor per frequency
@@ -285,13 +302,21 @@ def parameter_name(gguf_name: str) -> str:
     return gguf_name
 
 
+def _parameters(gguf_name: str, rows: int) -> list[tuple[str, int | None]]:
+    """(parameter name, expert) of each parameter a GGUF tensor holds, whose first dimension
+    is `rows` long: one (expert None) for most tensors, one per expert for a stack of them."""
+    layer, _, suffix = gguf_name.removeprefix("blk.").partition(".")
+    if gguf_name.startswith("blk.") and layer.isdigit() and suffix in EXPERT_TENSORS:
+        experts = f"model.layers.{layer}.mlp.experts."
+        return [(f"{experts}{e}.{EXPERT_TENSORS[suffix]}", e) for e in range(rows)]
+    return [(parameter_name(gguf_name), None)]
+
+
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of a q/k projection's rows: its converter interleaves each
     head's two rotary halves (rows i and i + d/2 become neighbours) for its rope kernel."""
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
-
-
 
 
 # LLM reads the config, then the weights: one parse of the file (its metadata takes seconds to
