@@ -27,6 +27,7 @@ from kvpool.models import gguf as kvgguf
 from kvpool.models import load_config, load_model
 from kvpool.models.gguf import unpermute_rotary
 from kvpool.models.gguf_vocab import build_tokenizer
+from kvpool.models.loader import RENAMED
 from kvpool.models.tokenizer import HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
@@ -335,10 +336,11 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
-    """The file llama.cpp's converter writes for a transformers Qwen model (tensors renamed,
-    q/k rows as they are, each layer's experts stacked), in float32, with a vocabulary of
-    placeholder tokens."""
+    """The file llama.cpp's converter writes for a transformers Qwen or Mixtral model
+    (tensors renamed, each layer's experts stacked, q/k rows reordered for `llama`), in
+    float32, with a vocabulary of placeholder tokens."""
     config = hf.config
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -351,10 +353,11 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if arch == "qwen3moe":
-        writer.add_expert_count(config.num_experts)
+    if num_experts:
+        writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None)
+                                              or config.intermediate_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
@@ -367,12 +370,17 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
                   for theirs, ours in kvgguf.LAYER_TENSORS.items()}
     gguf_names |= {ours: theirs for theirs, ours in kvgguf.MODEL_TENSORS.items()}
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for pattern, template in RENAMED:  # Mixtral's names for the router and experts
+        weights = {pattern.sub(template, name): w for name, w in weights.items()}
     for stack, ours in kvgguf.EXPERT_TENSORS.items():
-        for i in range(config.num_hidden_layers if arch == "qwen3moe" else 0):
+        for i in range(config.num_hidden_layers if num_experts else 0):
             experts = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}")
-                       for e in range(config.num_experts)]
+                       for e in range(num_experts)]
             writer.add_tensor(f"blk.{i}.{stack}", torch.stack(experts).numpy())
     for name, tensor in weights.items():
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
         writer.add_tensor(gguf_names[name], tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -386,13 +394,23 @@ QWEN3_MOE = {"qwen3moe": lambda: transformers.Qwen3MoeConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, max_position_embeddings=256,
     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
+# Mixtral (no window: llama.cpp's metadata has none), 2 of 8 experts on every layer
+MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
+    vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=256, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    pad_token_id=None)}
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3moe"])
-def test_a_qwen_gguf_file_gives_transformers_logits(tmp_path, name):
-    # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE: 8 experts in 3D stacks
-    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE)
-    _gguf_of(hf, tmp_path / f"{name}.gguf", name)
+@pytest.mark.parametrize(("name", "arch"), [
+    ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3moe"),
+    ("mixtral", "llama"),  # as llama.cpp writes Mixtral: llama with experts
+])
+def test_a_qwen_or_mixtral_gguf_file_gives_transformers_logits(tmp_path, name, arch):
+    # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE, Mixtral: 8 experts
+    # stacked per matrix
+    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL)
+    _gguf_of(hf, tmp_path / f"{name}.gguf", arch)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__
     # as transformers' Qwen tokenizer: "e" + a combining acute accent is composed to "é"

@@ -1,6 +1,7 @@
 """Qwen3-MoE (Qwen3 attention with q/k norms, a mixture of experts on the layers its config
 names) against transformers, through the engine, its config checks, and the exact parameter
-counts of the published models."""
+counts of the published models; and Mixtral, the same experts on every layer under other
+checkpoint names."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ CONFIGS = {
 }
 
 
+# Mistral's attention windowed to 8 tokens, 2 of 8 experts on every layer, renormalised
+MIXTRAL = {"mixtral-window-8": lambda: transformers.MixtralConfig(
+    **{**SMALL, "intermediate_size": 32}, num_local_experts=8, sliding_window=8)}
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one Qwen3-MoE case."""
@@ -82,6 +88,17 @@ def test_the_layers_the_config_names_hold_experts_and_the_others_a_dense_mlp(pai
     assert ours in ([True, False, True], [False, True, False])
     assert all(layer.mlp.shared_experts is None for layer in model.model.layers
                if isinstance(layer.mlp, MoE))
+
+
+def test_mixtral_loads_its_renamed_experts_and_gives_transformers_logits_and_tokens(
+        tmp_path, device):
+    hf = make_hf_model("mixtral-window-8", configs=MIXTRAL).to(device)
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    assert all(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+    batch = prompts(model.config.vocab_size)  # up to 26 tokens: past the window
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
+    ours = PagedRunner(model).greedy(batch, MAX_TOKENS)
+    assert ours == {seq_id: hf_greedy(hf, prompt, MAX_TOKENS) for seq_id, prompt in batch.items()}
 
 
 @pytest.fixture(scope="module")

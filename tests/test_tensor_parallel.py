@@ -29,6 +29,7 @@ from kvpool.planning.planner import plan_memory
 from models_util import CONFIGS, SMALL, EngineCase, engine_case, make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
+from test_qwen3_moe import MIXTRAL
 from test_windows import GEMMA
 
 RANKS = 2
@@ -40,6 +41,7 @@ PARITY = {
     "qwen3": CONFIGS["qwen3"],
     "phi3": CONFIGS["phi3-window-8"],  # each rank's rows of the fused q/k/v and gate/up
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
+    "mixtral": MIXTRAL["mixtral-window-8"],  # experts under Mixtral's checkpoint names
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},

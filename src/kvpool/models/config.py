@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MistralForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -39,6 +40,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -46,6 +48,7 @@ _ARCH_BY_MODEL_TYPE = {
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -321,7 +324,7 @@ class ModelConfig:
             layer_types=layer_types,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
-            moe=_qwen3_moe(cfg, num_layers) if arch == QWEN3_MOE else None,
+            moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
             fp8_weight_block=_fp8_weight_block(cfg),
         )
 
@@ -549,12 +552,12 @@ def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn", "frequency_factors"
 
 
 def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding window, layer types) as transformers reads them: Mistral and Phi-3 window
-    every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
+    """(sliding window, layer types) as transformers reads them: Mistral, Mixtral and Phi-3
+    window every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     then the layers `layer_types` names (by default those from `max_window_layers` on);
     Gemma 3 the layers `layer_types` names (by default all but every
     `sliding_window_pattern`-th). Other architectures have no windows."""
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", MIXTRAL):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -821,6 +824,18 @@ def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
         routed_scaling_factor=1.0,
         router_in_float32=False,
     )
+
+
+def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """Mixtral's experts: Qwen3-MoE's routing with the chosen weights renormalised, on every
+    layer, each expert `intermediate_size` wide."""
+    return _qwen3_moe({**cfg, "moe_intermediate_size": _int(cfg, "intermediate_size"),
+                       "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": []}, num_layers)
+
+
+# The Llama-family architectures whose layers hold experts -> their MoE config's parser.
+MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, MIXTRAL: _mixtral_moe}
 
 
 def _partial_rotary_factor(cfg: dict) -> float:

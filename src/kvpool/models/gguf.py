@@ -1,7 +1,7 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Qwen2, Qwen3 and Qwen3-MoE: the
-config, weights, tokenizer and chat template a .gguf file holds, parsed and dequantized by the
-`gguf` package (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys
-and tensor names to kvpool's config fields and parameter names."""
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3 and
+Qwen3-MoE: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
+GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
+WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
 PERMUTED_ROTARY = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
@@ -131,8 +133,10 @@ class GGUFCheckpoint:
         experts = {} if key("expert_count") is None else {
             "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
             "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
+        architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
+            else ARCHITECTURES[arch]
         return {**experts,
-            "architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
+            "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
             "intermediate_size": key("feed_forward_length"),

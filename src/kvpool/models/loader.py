@@ -6,6 +6,7 @@ weights, byte tokenizer). A tensor-parallel rank loads only its part of each wei
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +38,16 @@ TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float 
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
+# Checkpoint names of Mixtral's router and experts -> kvpool's (Qwen3-MoE's).
+RENAMED = (
+    (re.compile(r"(.*\.)block_sparse_moe\.gate\.weight"), r"\1mlp.gate.weight"),
+    (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w1\.weight"),
+     r"\1mlp.experts.\2.gate_proj.weight"),
+    (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w2\.weight"),
+     r"\1mlp.experts.\2.down_proj.weight"),
+    (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w3\.weight"),
+     r"\1mlp.experts.\2.up_proj.weight"),
+)
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
 # projections), named after `model.layers.N.`: the parameters, in order.
 FUSED = {
@@ -215,27 +226,43 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
-    parts = _split_fused(found, model.config)
+    # parameter name -> (the checkpoint tensor holding it, its rows there; None: all of them)
+    sources = _renamed(found) | _split_fused(found, model.config)
     _check_weights(model, found, files[0].parent)
-    if orphans := sorted(scales.keys() - found.keys()):
+    read = {sources.get(name, (name, None))[0] for name in found}
+    if orphans := sorted(scales.keys() - read):
         raise CheckpointError(f"checkpoint {files[0].parent} has scales of no weight: "
                               f"{_first([name + SCALE_SUFFIX for name in orphans])}")
     with torch.no_grad():
         for file in files:
             with _open_safetensors(file) as f:
                 for name in [n for n, (_, where) in found.items() if where == file]:
+                    source, rows = sources.get(name, (name, None))
                     index = checkpoint_index(model, name)
-                    if name in scales:
-                        tensor = take(_dequantized(f, name, file, scales[name], block), index)
-                    elif name in parts:
-                        fused, rows = parts[name]
-                        tensor = take(_read_tensor(f, fused, file, ((rows,),)), index)
+                    if source in scales:
+                        whole = _dequantized(f, source, file, scales[source], block)
+                        tensor = take(whole if rows is None else whole[rows], index)
+                    elif rows is None:
+                        tensor = _read_tensor(f, source, file, index)
                     else:
-                        tensor = _read_tensor(f, name, file, index)
-                        if tensor.dtype == torch.float8_e4m3fn:
-                            raise CheckpointError(f"weight {name} in {file.name} is float8 "
-                                                  f"with no {name}{SCALE_SUFFIX}")
+                        tensor = take(_read_tensor(f, source, file, ((rows,),)), index)
+                    if tensor.dtype == torch.float8_e4m3fn:
+                        raise CheckpointError(f"weight {source} in {file.name} is float8 "
+                                              f"with no {source}{SCALE_SUFFIX}")
                     _copy_finite(params[name], tensor, name, file)
+
+
+def _renamed(found: dict) -> dict[str, tuple[str, None]]:
+    """Rename the RENAMED tensors of `found` to kvpool's parameter names; returns parameter
+    name -> (the checkpoint's name, None)."""
+    sources = {}
+    for name in list(found):
+        for pattern, template in RENAMED:
+            if match := pattern.fullmatch(name):
+                ours = match.expand(template)
+                found[ours] = found.pop(name)
+                sources[ours] = (name, None)
+    return sources
 
 
 def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, slice]]:
