@@ -1,6 +1,6 @@
-"""dev.py gpu-check: without CUDA it says so and succeeds; with it, its summary names each
+"""dev.py: gpu-check without CUDA says so and succeeds; with it, its summary names each
 failed test with the first line of its error and counts the skipped ones by reason (read from
-pytest's JUnit report)."""
+pytest's JUnit report). Installs through uv take pip's package sources."""
 
 import importlib.util
 import os
@@ -53,3 +53,23 @@ def test_skips_are_counted_by_reason_most_first(tmp_path):
         '</testsuite></testsuites>')
     assert dev.skip_reasons(report) == [(2, "needs CUDA"), (1, "redis-server is missing")]
 
+
+
+def test_pips_sources_become_uv_options_that_choose_across_indexes_as_pip_does(monkeypatch):
+    listed = ("global.cert='/etc/ssl/certs/ca.crt'\n"
+              "global.extra-index-url='file:///a/simple file:///b/simple'\n"
+              "global.find-links='/opt/wheels'\n"
+              ":env:.find-links='/opt/wheels'\n"
+              "global.constraint='/etc/pip/constraints.txt'\n")
+    monkeypatch.setattr(dev.subprocess, "run",
+                        lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, listed, ""))
+    assert dev._pip_sources() == [
+        "--extra-index-url", "file:///a/simple", "--extra-index-url", "file:///b/simple",
+        "--find-links", "/opt/wheels", "--constraint", "/etc/pip/constraints.txt",
+        "--index-strategy", "unsafe-best-match"]
+
+
+def test_without_pip_sources_uv_keeps_its_own_defaults(monkeypatch):
+    monkeypatch.setattr(dev.subprocess, "run",
+                        lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "", ""))
+    assert dev._pip_sources() == []
