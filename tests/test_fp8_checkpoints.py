@@ -30,17 +30,22 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def quantize(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def spread(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Each block's scale repeated over the block's elements of a weight of `shape`."""
+    rows, cols = shape
+    return scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 weight, float32 scale per block) with weight ~ float8 * scale, each block's
     largest magnitude mapped to e4m3's largest value."""
     rows, cols = weight.shape
-    scale = torch.empty(-(-rows // block[0]), -(-cols // block[1]))
+    scale = torch.empty(-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
-            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            part = weight[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]]
             scale[i, j] = part.abs().max() / E4M3_MAX
-    spread = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (weight / spread).to(torch.float8_e4m3fn), scale
+    return (weight / spread(scale, weight.shape)).to(torch.float8_e4m3fn), scale
 
 
 def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False) -> Path:
@@ -55,9 +60,7 @@ def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False) -> Path:
     names = [n for n in weights if ".layers." in n and n.endswith("proj.weight")]
     for name in names:
         weights[name], scale = quantize(weights[name])
-        spread = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
-        rows, cols = weights[name].shape
-        dequantized[name] = weights[name].float() * spread[:rows, :cols]
+        dequantized[name] = weights[name].float() * spread(scale, weights[name].shape)
         if not (drop_first_scale and name == names[0]):
             weights[name + "_scale_inv"] = scale
     save_file(weights, folder / "model.safetensors")
