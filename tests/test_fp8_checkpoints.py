@@ -75,14 +75,15 @@ def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False) -> Path:
     ("v3-yarn", DEEPSEEK),  # MLA projections and MoE experts, as DeepSeek-V3 is published
 ], ids=["qwen3", "llama-biases", "deepseek-v3"])
 def test_fp8_block_weights_load_dequantized_and_give_transformers_logits(name, configs,
-                                                                          tmp_path):
+                                                                          tmp_path, device):
     folder = fp8_checkpoint(make_hf_model(name, configs=configs), tmp_path)
-    loaded = load_model(folder, device="cpu")
+    loaded = load_model(folder, device=device)
     assert loaded.config.fp8_weight_block == tuple(BLOCK)
-    reference = load_model(folder / "dequantized", device="cpu").model.state_dict()
+    reference = load_model(folder / "dequantized", device=device).model.state_dict()
     for param, value in loaded.model.state_dict().items():
         assert torch.equal(value, reference[param]), param
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "dequantized").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "dequantized").to(device)
+    hf.eval()
     batch = prompts(hf.config.vocab_size)
     assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
 
