@@ -145,6 +145,14 @@ def test_chat_template_jinja_file_comes_before_tokenizer_config(checkpoint):
         "<|eot_id|>user"
 
 
+def test_a_multimodal_processors_chat_template_json_serves_when_the_tokenizer_has_none(
+        tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (tmp_path / "chat_template.json").write_text(
+        json.dumps({"chat_template": "{{ messages[0].content }}{{ eos_token }}"}))
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == "x<eos>"
+
+
 def test_a_named_default_template_is_used_from_a_list(tmp_path):
     config = {"chat_template": [{"name": "tool_use", "template": "tools"},
                                 {"name": "default", "template": "plain"}]}

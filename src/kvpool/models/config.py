@@ -47,6 +47,8 @@ _ARCH_BY_MODEL_TYPE = {
     "bamba": "BambaForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Image-and-text checkpoints whose text decoder kvpool runs (the vision encoder is not loaded)
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
@@ -261,7 +263,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
         """Parse a config dict, a config.json path, a checkpoint folder or a preset name."""
-        cfg = read_hf_config(source)
+        cfg = _text_decoder(read_hf_config(source))
         arch = _architecture(cfg)
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek(cfg, arch)
@@ -495,6 +497,22 @@ def token_ids(value: Any, key: str) -> tuple[int, ...]:
         raise ConfigError(f"config {key!r} must be a token id or a list of them (ints >= 0), "
                           f"got {value!r}")
     return tuple(ids)
+
+
+def _text_decoder(cfg: dict) -> dict:
+    """The config of the text decoder of a MULTIMODAL checkpoint (its `text_config`, taking
+    the dtype and token ids the top level gives and it does not); any other config as it
+    is."""
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch not in MULTIMODAL:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config of {arch} has no 'text_config' object")
+    inherited = {key: cfg[key] for key in ("dtype", "torch_dtype", "bos_token_id",
+                                           "eos_token_id") if key in cfg}
+    return {**inherited, **text, "architectures": [MULTIMODAL[arch]]}
 
 
 def _architecture(cfg: dict) -> str:

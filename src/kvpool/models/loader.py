@@ -37,9 +37,12 @@ TINY_SEED = 0
 TINY_INIT_STD = 0.2  # varied greedy outputs with top-1 margins far above float noise
 _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
+VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
-# Checkpoint names of Mixtral's router and experts -> kvpool's (Qwen3-MoE's).
+# Checkpoint names of Mixtral's router and experts, and of a multimodal checkpoint's text
+# decoder -> kvpool's.
 RENAMED = (
+    (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
     (re.compile(r"(.*\.)block_sparse_moe\.gate\.weight"), r"\1mlp.gate.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w1\.weight"),
      r"\1mlp.experts.\2.gate_proj.weight"),
@@ -262,6 +265,7 @@ def _renamed(found: dict) -> dict[str, tuple[str, None]]:
                 ours = match.expand(template)
                 found[ours] = found.pop(name)
                 sources[ours] = (name, None)
+                break
     return sources
 
 
@@ -345,6 +349,8 @@ def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = N
             names = f.keys()
             for name in names:
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                if name.startswith(VISION_PARTS):  # kvpool runs the text decoder only
                     continue
                 if num_layers is not None and _layer_index(name) >= num_layers:
                     continue

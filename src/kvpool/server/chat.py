@@ -54,11 +54,15 @@ class ChatTemplate:
                        add_special_tokens=False)
         folder = Path(source or model)
         config = _read_json(folder / "tokenizer_config.json") if folder.is_dir() else {}
+        # where transformers keeps it: its own file, or a multimodal processor's JSON
+        processor = _read_json(folder / "chat_template.json") if folder.is_dir() else {}
         source = None
         if (folder / "chat_template.jinja").is_file():
             source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         elif config.get("chat_template"):
             source = _default_template(config["chat_template"])
+        elif processor.get("chat_template"):
+            source = _default_template(processor["chat_template"])
         if source is None:
             return cls(_compile(FALLBACK_TEMPLATE), {}, add_special_tokens=True)
         special = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS
