@@ -53,7 +53,9 @@ def make_hf_model(name: str, seed: int = 0, configs=CONFIGS) -> transformers.Pre
     torch.manual_seed(seed)
     config = configs[name]()
     config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "vision_config") \
+        else transformers.AutoModelForCausalLM
+    model = auto.from_config(config).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name:

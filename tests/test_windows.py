@@ -104,21 +104,30 @@ def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(na
     llm.check()
 
 
-# Gemma 3's 4B-27B checkpoints: the text decoder beside a vision encoder (not loaded), whose
-# image tokens (157-159) the prompts leave out
-MULTIMODAL = {"gemma3-multimodal": lambda: transformers.Gemma3Config(
-    text_config=transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2),
-    vision_config=transformers.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=28, patch_size=14),
-    mm_tokens_per_image=4, boi_token_index=157, eoi_token_index=158, image_token_index=159)}
+# Gemma 3's 4B-27B and Mistral Small 3's checkpoints: a text decoder beside a vision encoder
+# (not loaded), whose image tokens (157-159) the prompts leave out
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14)
+MULTIMODAL = {
+    "gemma3-multimodal": lambda: transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2),
+        vision_config=transformers.SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
+        boi_token_index=157, eoi_token_index=158, image_token_index=159),
+    # the head tied by the top level's tie_word_embeddings, as transformers ties it
+    "mistral3-multimodal": lambda: transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
+        vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=16),
+        image_token_index=159),
+}
 
 
-def test_a_multimodal_gemma_3_checkpoints_text_decoder_gives_its_logits_and_tokens(tmp_path,
-                                                                                     device):
-    hf = make_hf_model("gemma3-multimodal", configs=MULTIMODAL).to(device)
+@pytest.mark.parametrize(("name", "architecture"), [
+    ("gemma3-multimodal", "Gemma3ForCausalLM"), ("mistral3-multimodal", "MistralForCausalLM")])
+def test_a_multimodal_checkpoints_text_decoder_gives_its_logits_and_tokens(name, architecture,
+                                                                           tmp_path, device):
+    hf = make_hf_model(name, configs=MULTIMODAL).to(device)
     model = load_model(save_hf_model(hf, tmp_path), device=device).model
-    assert model.config.architecture == "Gemma3ForCausalLM"
+    assert model.config.architecture == architecture
     batch = prompts(157)
     assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
     ours = PagedRunner(model).greedy(batch, MAX_TOKENS)

@@ -48,7 +48,8 @@ _ARCH_BY_MODEL_TYPE = {
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Image-and-text checkpoints whose text decoder kvpool runs (the vision encoder is not loaded)
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
@@ -500,9 +501,9 @@ def token_ids(value: Any, key: str) -> tuple[int, ...]:
 
 
 def _text_decoder(cfg: dict) -> dict:
-    """The config of the text decoder of a MULTIMODAL checkpoint (its `text_config`, taking
-    the dtype and token ids the top level gives and it does not); any other config as it
-    is."""
+    """The config of the text decoder of a MULTIMODAL checkpoint: its `text_config`, taking
+    the dtype and token ids the top level gives and it does not, and the top level's
+    `tie_word_embeddings`, which transformers ties the head by; any other config as it is."""
     archs = cfg.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in MULTIMODAL:
@@ -512,7 +513,9 @@ def _text_decoder(cfg: dict) -> dict:
         raise ConfigError(f"config of {arch} has no 'text_config' object")
     inherited = {key: cfg[key] for key in ("dtype", "torch_dtype", "bos_token_id",
                                            "eos_token_id") if key in cfg}
-    return {**inherited, **text, "architectures": [MULTIMODAL[arch]]}
+    tied = {"tie_word_embeddings": cfg["tie_word_embeddings"]} \
+        if "tie_word_embeddings" in cfg else {}
+    return {**inherited, **text, **tied, "architectures": [MULTIMODAL[arch]]}
 
 
 def _architecture(cfg: dict) -> str:
