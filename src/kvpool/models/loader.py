@@ -1,7 +1,10 @@
 """Load a model: a local Hugging Face checkpoint folder (config.json + safetensors, optional
 tokenizer.json), a GGUF file (models/gguf.py) or the built-in "tiny" preset (seeded random
 weights, byte tokenizer). A tensor-parallel rank loads only its part of each weight
-(kvpool.models.parallel): safetensors reads just those bytes."""
+(kvpool.models.parallel): safetensors reads just those bytes. Checkpoints whose names or
+layout differ from kvpool's parameters are mapped at load: renamed (Mixtral's experts, a
+multimodal checkpoint's text decoder), split (Phi-3's fused projections) or dequantized
+(FP8 releases' block-scaled float8 weights)."""
 
 from __future__ import annotations
 
