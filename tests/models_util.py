@@ -43,6 +43,8 @@ CONFIGS = {
     "mistral-window-8": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
     # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader
     "phi3-window-8": lambda: transformers.Phi3Config(**SMALL, sliding_window=8),
+    # no RoPE on every second layer (NoPE), q/k left as projected
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2),
 }
 
 

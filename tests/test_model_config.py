@@ -113,6 +113,25 @@ def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transf
     assert attention_factor(ours) == hf_factor != 1.0
 
 
+def test_smollm3_leaves_every_fourth_layer_unrotated_unless_its_config_lists_them():
+    config = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "num_hidden_layers": 8}
+    assert ModelConfig.from_hf(config).no_rope_layers == (3, 7)
+    flags = [1, 0, 1, 1, 1, 1, 1, 0]
+    assert ModelConfig.from_hf({**config, "no_rope_layers": flags}).no_rope_layers == (1, 7)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"no_rope_layers": [1, 0]}, r"'no_rope_layers' must be 0 or 1 for each of the 3 layers, "
+                                 r"got \[1, 0\]"),
+    ({"no_rope_layers": [1, 2, 1]}, "must be 0 or 1"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true is not"),
+], ids=["too-few", "not-a-flag", "sliding-window"])
+def test_unsupported_smollm3_configs_name_the_field(change, message):
+    config = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "num_hidden_layers": 3, **change}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(config)
+
+
 def test_frequency_factors_without_a_list_of_factors_is_a_config_error():
     config = {"architectures": ["LlamaForCausalLM"], **SMALL,
               "rope_scaling": {"rope_type": "frequency_factors", "factors": 2.0}}

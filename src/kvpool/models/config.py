@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MistralForCausalLM",
     "Phi3ForCausalLM",
+    "SmolLM3ForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -40,6 +41,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -52,6 +54,7 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
+SMOLLM3 = "SmolLM3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -257,6 +260,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     gemma: GemmaConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
+    no_rope_layers: tuple[int, ...] = ()  # layers whose q/k go unrotated (SmolLM3's NoPE)
     # float8 weights with a scale per block of (rows, columns), dequantized at load: None for
     # a checkpoint without quantization (see `_fp8_weight_block`)
     fp8_weight_block: tuple[int, int] | None = None
@@ -329,6 +333,7 @@ class ModelConfig:
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
             moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
             fp8_weight_block=_fp8_weight_block(cfg),
+            no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else (),
         )
 
     @property
@@ -845,6 +850,23 @@ def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
         routed_scaling_factor=1.0,
         router_in_float32=False,
     )
+
+
+def _no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: those `no_rope_layers` marks 0, by default every
+    `no_rope_layer_interval`-th. Its sliding window is refused (no published SmolLM3 uses
+    it)."""
+    if _bool(cfg, "use_sliding_window"):
+        raise ConfigError("SmolLM3ForCausalLM with use_sliding_window=true is not supported")
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = _int(cfg, "no_rope_layer_interval", 4)
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if not (isinstance(flags, list) and len(flags) == num_layers
+            and all(flag in (0, 1) and not isinstance(flag, bool) for flag in flags)):
+        raise ConfigError(f"config 'no_rope_layers' must be 0 or 1 for each of the "
+                          f"{num_layers} layers, got {flags!r}")
+    return tuple(i for i, flag in enumerate(flags) if flag == 0)
 
 
 def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:

@@ -1,6 +1,6 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi-3) running on the paged
-KV cache; Qwen3-MoE's layers hold a mixture of experts (kvpool.models.moe) where its config
-says.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, SmolLM3)
+on the paged KV cache; Qwen3-MoE's and Mixtral's layers hold a mixture of experts
+(kvpool.models.moe) where their configs say.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:
@@ -29,7 +29,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, write K/V into the
-    pages of pool layer `layer_idx` rotating q and K as they are written, attend through the
+    pages of pool layer `layer_idx` rotating q and K as they are written (unless the config
+    lists the layer among its NoPE layers), attend through the
     page tables (to the last `sliding_window` tokens only, when given), project back. With fp8
     pages, the layer's first K/V written (before rotation: fp8.HEADROOM covers it) set its
     scales unless they were given. `layer_idx` is the attention layer: the
@@ -56,6 +57,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         self.qk_norm = config.qk_norm
+        self.rotates = layer_idx not in config.no_rope_layers
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
@@ -71,7 +73,7 @@ class LlamaAttention(nn.Module):
         k_scale, v_scale = pool.kv_scales(layer)
         # Stores K rotated and rotates q in place: RoPE in the write, one launch on CUDA.
         write_kv(k_cache, v_cache, meta.slot_mapping, k, v, k_scale=k_scale, v_scale=v_scale,
-                 rotation=Rotation(q, *rope))
+                 rotation=Rotation(q, *rope) if self.rotates else None)
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
                               sliding_window=self.sliding_window,
