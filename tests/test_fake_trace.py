@@ -31,6 +31,7 @@ from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
+from test_qwen3_moe import MIXTRAL
 from test_windows import CONFIGS as WINDOWED
 
 BUCKET, MAX_MODEL_LEN = 4, 64
@@ -38,6 +39,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "llama": lambda: make_hf_model("llama"),
     "qwen3": lambda: make_hf_model("qwen3"),
     "qwen3-moe": lambda: make_hf_model("qwen3-moe", configs=QWEN3_MOE),  # dense and MoE layers
+    "mixtral": lambda: make_hf_model("mixtral-window-8", configs=MIXTRAL),  # MoE, a window
+    "smollm3": lambda: make_hf_model("smollm3"),  # layers without RoPE
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
@@ -56,6 +59,17 @@ def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tens
 
 @_write_kv_op.register_fake
 def _(k_cache, v_cache, slots, k, v, q, cos, sin) -> None:
+    return None
+
+
+@torch.library.custom_op("kvpool_trace::write_kv_unrotated", mutates_args=("k_cache", "v_cache"))
+def _write_kv_unrotated_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           k: torch.Tensor, v: torch.Tensor) -> None:
+    write_kv(k_cache, v_cache, slots, k, v)
+
+
+@_write_kv_unrotated_op.register_fake
+def _(k_cache, v_cache, slots, k, v) -> None:
     return None
 
 
@@ -88,7 +102,10 @@ def _(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, sliding_w
 def _traced_write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
                      rotation):
     assert k_scale is None and v_scale is None  # the traced pools hold no fp8 pages
-    _write_kv_op(k_cache, v_cache, slots, k, v, *rotation)
+    if rotation is None:  # a NoPE layer
+        _write_kv_unrotated_op(k_cache, v_cache, slots, k, v)
+    else:
+        _write_kv_op(k_cache, v_cache, slots, k, v, *rotation)
 
 
 def _traced_write_latent(cache, slots, latent, *, scale=None):
@@ -192,7 +209,8 @@ def test_the_trace_covers_every_model_class_and_architecture():
     # the loader builds, and each architecture it maps to a class of its own (Qwen3-MoE runs
     # on the Llama class with experts in its layers), must be a family traced above.
     traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3-moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+              "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
               "bamba": "BambaForCausalLM"}
     assert set(traced) == set(FAMILIES)
