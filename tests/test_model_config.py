@@ -113,6 +113,19 @@ def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transf
     assert attention_factor(ours) == hf_factor != 1.0
 
 
+@pytest.mark.parametrize(("name", "model_class", "expected"), [
+    ("Mixtral-8x7B", "MixtralForCausalLM", 46_702_792_704),  # "46.7B"
+    ("Phi-4", "Phi3ForCausalLM", 14_659_507_200),  # "14.7B"
+])
+def test_presets_count_their_parameters_as_transformers_builds_them(transformers, name,
+                                                                    model_class, expected):
+    model_type = getattr(transformers, model_class).config_class
+    with torch.device("meta"):
+        hf = getattr(transformers, model_class)(model_type.from_dict(PRESETS[name]))
+    assert ModelConfig.from_hf(name).count_parameters() == expected
+    assert expected == sum(p.numel() for p in hf.parameters())
+
+
 def test_smollm3_leaves_every_fourth_layer_unrotated_unless_its_config_lists_them():
     config = {"architectures": ["SmolLM3ForCausalLM"], **SMALL, "num_hidden_layers": 8}
     assert ModelConfig.from_hf(config).no_rope_layers == (3, 7)

@@ -137,6 +137,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+    "Mixtral-8x7B": {  # 2 of 8 experts per token on every layer
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
+    "Phi-4": {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352,
+        "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
+        "num_attention_heads": 40, "num_key_value_heads": 10, "max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "sliding_window": None,
+        "tie_word_embeddings": False, "bos_token_id": 100257, "eos_token_id": 100265,
+        "torch_dtype": "bfloat16",
+    },
     "Mistral-7B": {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
