@@ -47,7 +47,8 @@ CONFIGS = {
 
 # Mistral's attention windowed to 8 tokens, 2 of 8 experts on every layer, renormalised
 MIXTRAL = {"mixtral-window-8": lambda: transformers.MixtralConfig(
-    **{**SMALL, "intermediate_size": 32}, num_local_experts=8, sliding_window=8)}
+    **{**SMALL, "intermediate_size": 32, "num_experts_per_tok": 2}, num_local_experts=8,
+    sliding_window=8)}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
