@@ -295,25 +295,23 @@ def _sha256(path: Path, mtime_ns: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def parameter_name(gguf_name: str) -> str:
-    """kvpool's parameter name of a GGUF tensor (`blk.3.attn_q.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`); a name with no mapping is returned as is."""
-    if gguf_name in MODEL_TENSORS:
-        return MODEL_TENSORS[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
-    return gguf_name
-
-
 def _parameters(gguf_name: str, rows: int) -> list[tuple[str, int | None]]:
-    """(parameter name, expert) of each parameter a GGUF tensor holds, whose first dimension
-    is `rows` long: one (expert None) for most tensors, one per expert for a stack of them."""
-    layer, _, suffix = gguf_name.removeprefix("blk.").partition(".")
-    if gguf_name.startswith("blk.") and layer.isdigit() and suffix in EXPERT_TENSORS:
+    """(kvpool's parameter name, expert) of each parameter a GGUF tensor holds, whose first
+    dimension is `rows` long: one (expert None) for most tensors (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`; a name with no mapping as it is), one per
+    expert for a stack of them."""
+    if gguf_name in MODEL_TENSORS:
+        return [(MODEL_TENSORS[gguf_name], None)]
+    parts = gguf_name.split(".", 2)
+    if len(parts) < 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return [(gguf_name, None)]
+    _, layer, suffix = parts
+    if suffix in EXPERT_TENSORS:
         experts = f"model.layers.{layer}.mlp.experts."
         return [(f"{experts}{e}.{EXPERT_TENSORS[suffix]}", e) for e in range(rows)]
-    return [(parameter_name(gguf_name), None)]
+    if suffix in LAYER_TENSORS:
+        return [(f"model.layers.{layer}.{LAYER_TENSORS[suffix]}", None)]
+    return [(gguf_name, None)]
 
 
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:

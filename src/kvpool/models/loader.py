@@ -279,9 +279,11 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, slice
                                           *(config.num_kv_heads * config.head_dim,) * 2),
             "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2}
     parts = {}
-    for name in [n for n in found if n.split(".", 3)[-1] in FUSED and _layer_index(n) >= 0]:
+    for name in list(found):
+        suffix = name.split(".", 3)[-1]
+        if suffix not in FUSED or _layer_index(name) < 0:
+            continue
         (total, *rest), file = found.pop(name)
-        suffix = name.split(".", 3)[3]
         layer = name[:-len(suffix)]  # model.layers.N.
         start = 0
         for part, size in zip(FUSED[suffix], rows[suffix], strict=True):
