@@ -784,6 +784,15 @@ def test_check_names_a_page_the_tree_lists_after_the_allocator_evicted_it(device
         cache.prefix_cache.check()
 
 
+def test_check_names_a_reference_count_the_page_tables_do_not_hold(device):
+    cache = make_cache(num_pages=12, device=device)
+    cache.add_sequence("a", num_tokens=6)
+    cache.check()
+    cache.allocator.share([1])  # a reference no page table holds
+    with pytest.raises(AssertionError, match="page 1 counts 2, held by 1"):
+        cache.check()
+
+
 def test_a_salted_root_leaves_with_its_last_evicted_page(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8), cache_salt="key")

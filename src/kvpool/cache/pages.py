@@ -294,9 +294,11 @@ class FullAttention(GroupManager):
             assert self._index.holds_path(seq.pages[:seq.num_cached]), (
                 f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
                 f"are not a path of the prefix cache")
-        for page in range(self.allocator.num_pages):
-            assert self.allocator.refcount(page) == holders[page], (
-                f"page {page}: refcount {self.allocator.refcount(page)}, {holders[page]} holders")
+        refcounts = self.allocator.refcounts
+        expected = [holders.get(page, 0) for page in range(len(refcounts))]
+        wrong = [page for page, count in enumerate(refcounts) if count != expected[page]]
+        assert not wrong, "reference counts unlike the page tables: " + "; ".join(
+            f"page {page} counts {refcounts[page]}, held by {expected[page]}" for page in wrong[:5])
         reserved = sorted(page for page in holders if page >= self.allocator.num_pages)
         assert not reserved, f"sequences hold reserved or unknown pages {reserved}"
 
