@@ -111,6 +111,24 @@ def test_evicting_kv_pages_drops_the_checkpoints_that_needed_them(device):
     c.check()
 
 
+def test_evicting_the_page_a_checkpoint_ends_on_drops_it_and_no_other(device):
+    c = cache(device=device)
+    cached_then_freed(c, list(range(200)))
+    c.evict(c.num_cached_pages - 8)  # the pages past token 128 (the coldest, a tail first)
+    assert c.state.checkpoints.lengths() == [64, 128]
+    c.check()
+
+
+def test_check_names_a_checkpoint_that_outlived_the_page_it_ends_on(device):
+    c = cache(device=device)
+    cached_then_freed(c, list(range(200)))
+    c.prefix_cache.evict_hooks.clear()  # the state group no longer hears of evictions
+    c.evict(c.num_cached_pages)
+    with pytest.raises(AssertionError, match="checkpoint after 64 tokens: its KV ends on page "
+                                             "None"):
+        c.check()
+
+
 def test_a_prefix_without_a_checkpoint_is_computed_again_over_its_shared_pages(device):
     c = cache(device=device)
     _, pages = cached_then_freed(c, list(range(60)))  # 3 full pages, no checkpoint below 64

@@ -133,8 +133,6 @@ class KVCache:
             self._query_tokens += n
             self._hit_tokens += hit
             self._seqs[seq_id] = _Sequence(n, bytearray(ids), salt)
-        if self.state is not None:
-            self.state.drop_orphans()
         return hit
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -208,10 +206,7 @@ class KVCache:
     def evict(self, num_pages: int) -> int:
         """Evict up to `num_pages` cached pages of each page group (least recently used
         first), and the checkpoints that needed them; returns the pages evicted."""
-        gone = sum(len(group.allocator.evict(num_pages)) for group in self.page_groups)
-        if self.state is not None:  # the checkpoints that needed the evicted pages go
-            self.state.drop_orphans()
-        return gone
+        return sum(len(group.allocator.evict(num_pages)) for group in self.page_groups)
 
     # ---- room --------------------------------------------------------------------------
 
@@ -441,8 +436,6 @@ class KVCache:
                     seq.token_ids = None  # content unknown from here on
                 else:
                     seq.token_ids += ids
-        if self.state is not None:
-            self.state.drop_orphans()
         return slots
 
     def _shortage(self, group: GroupManager, plan: Plan) -> KVPoolError:

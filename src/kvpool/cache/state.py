@@ -2,9 +2,11 @@
 caching, checkpoints: slots holding the state after a prefix whose KV pages the full-attention
 group's prefix cache holds. A prompt is checkpointed at the last `checkpoint_interval`
 multiple each prefill chunk reaches, the output every `track_interval` tokens. Checkpoints are
-evicted least recently used first, apart from the KV pages (which leaves tombstones). A hit is
-the deepest checkpoint within what the page groups serve, copied into the sequence's own slot.
-Salted sequences neither use nor make checkpoints, which are keyed by content alone."""
+evicted least recently used first, apart from the KV pages (which leaves tombstones), and each
+goes with the KV page its prefix ends on (the prefix cache's eviction hook): a state is of no
+use without the KV before it. A hit is the deepest checkpoint within what the page groups
+serve, copied into the sequence's own slot. Salted sequences neither use nor make checkpoints,
+which are keyed by content alone."""
 
 from __future__ import annotations
 
@@ -43,14 +45,16 @@ class StateSpec:
 
 class StateCheckpoints:
     """Checkpoints keyed by packed token prefix, at multiples of `interval` tokens, each
-    holding its slot in `states`; at most `capacity` slots, counting those `reserve` hands
-    out for checkpoints not yet added."""
+    holding its slot in `states` and known by the KV page its prefix ends on; at most
+    `capacity` slots, counting those `reserve` hands out for checkpoints not yet added."""
 
     def __init__(self, states: MambaPool, capacity: int, interval: int):
         self.states = states
         self.capacity = capacity
         self.interval = interval
-        self._slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        # prefix -> (slot, the KV page it ends on), least recently used first
+        self._slots: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._ending_on: dict[int, bytes] = {}  # KV page -> the prefix checkpointed there
         self._reserved: set[int] = set()
 
     def __len__(self) -> int:
@@ -64,9 +68,9 @@ class StateCheckpoints:
         """(length, slot) of the longest checkpointed prefix of `token_ids` (packed) within
         `max_tokens`, looked up from the longest interval multiple down; (0, None) if none."""
         for length in range(max_tokens // self.interval * self.interval, 0, -self.interval):
-            slot = self._slots.get(token_ids[:length * TOKEN_BYTES])
-            if slot is not None:
-                return length, slot
+            found = self._slots.get(token_ids[:length * TOKEN_BYTES])
+            if found is not None:
+                return length, found[0]
         return 0, None
 
     def __contains__(self, prefix: bytes) -> bool:
@@ -87,14 +91,15 @@ class StateCheckpoints:
         self._reserved.add(slot)
         return slot
 
-    def add(self, prefix: bytes, slot: int) -> None:
-        """Index a reserved slot, now holding the state after `prefix`, as its checkpoint (or
-        release it, if the prefix has one)."""
+    def add(self, prefix: bytes, slot: int, end_page: int) -> None:
+        """Index a reserved slot, now holding the state after `prefix`, whose last KV page is
+        `end_page`, as its checkpoint (or release it, if the prefix has one)."""
         if prefix in self._slots:
             self.release(slot)
             return
         self._reserved.remove(slot)
-        self._slots[prefix] = slot
+        self._slots[prefix] = (slot, end_page)
+        self._ending_on[end_page] = prefix
 
     def release(self, slot: int) -> None:
         """Give back a reserved slot that will not become a checkpoint."""
@@ -105,29 +110,38 @@ class StateCheckpoints:
         """Drop up to `n` least recently used checkpoints; returns how many went."""
         gone = min(n, len(self._slots))
         for _ in range(gone):
-            self.states.free(self._slots.popitem(last=False)[1])
+            slot, end_page = self._slots.popitem(last=False)[1]
+            del self._ending_on[end_page]
+            self.states.free(slot)
         return gone
 
-    def drop_unservable(self, servable: Callable[[bytes], bool]) -> None:
-        """Drop the checkpoints whose prefix is not `servable` (its KV pages are gone)."""
-        for prefix in [prefix for prefix in self._slots if not servable(prefix)]:
-            self.states.free(self._slots.pop(prefix))
+    def drop_ending_on(self, pages: list[int]) -> None:
+        """Drop the checkpoints whose prefix ends on one of these KV pages (evicted)."""
+        for page in pages:
+            prefix = self._ending_on.pop(page, None)
+            if prefix is not None:
+                self.states.free(self._slots.pop(prefix)[0])
 
     def held_slots(self) -> list[int]:
         """Slots held by checkpoints and reservations."""
-        return [*self._slots.values(), *self._reserved]
+        return [*(slot for slot, _ in self._slots.values()), *self._reserved]
 
-    def check(self, servable: Callable[[bytes], bool]) -> None:
-        """At most `capacity` slots, and checkpoints at interval multiples of `servable`
-        prefixes; AssertionError naming what broke (MambaState checks the slots' holders)."""
+    def check(self, end_page: Callable[[bytes], int | None]) -> None:
+        """At most `capacity` slots, and checkpoints at interval multiples, each known by the
+        page its prefix ends on in the KV prefix cache (`end_page`; None: not all cached);
+        AssertionError naming what broke (MambaState checks the slots' holders)."""
         held = self.held_slots()
         assert len(held) <= self.capacity, (
             f"{len(held)} checkpoint slots held, capacity {self.capacity}")
-        for prefix in self._slots:
+        for prefix, (_, page) in self._slots.items():
             length = len(prefix) // TOKEN_BYTES
             assert length and length % self.interval == 0, (
                 f"checkpoint after {length} tokens is not at a multiple of {self.interval}")
-            assert servable(prefix), f"checkpoint after {length} tokens has no KV pages"
+            assert end_page(prefix) == page and self._ending_on.get(page) == prefix, (
+                f"checkpoint after {length} tokens: its KV ends on page {end_page(prefix)} "
+                f"(None: not all cached), it is known by page {page}")
+        assert len(self._ending_on) == len(self._slots), (
+            f"{len(self._ending_on)} pages name checkpoints, {len(self._slots)} are held")
 
 
 @dataclass(slots=True)
@@ -161,9 +175,9 @@ class MambaState(GroupManager):
         self.checkpoints = StateCheckpoints(self.states, spec.num_checkpoint_slots * caching,
                                             spec.checkpoint_interval)
         self._seqs: dict[Hashable, _StateSlot] = {}
-        self._kv_evicted = False  # set by the prefix cache's eviction hook, for drop_orphans
-        if caching:
-            kv.prefix_cache.evict_hooks.append(self._on_kv_evicted)
+        if caching:  # a checkpoint goes with the KV page its prefix ends on
+            kv.prefix_cache.evict_hooks.append(
+                lambda pages, keys: self.checkpoints.drop_ending_on(pages))
 
     def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:
         """A slot, and the deepest checkpoint within `limit` tokens (the KV groups' hit)."""
@@ -218,8 +232,9 @@ class MambaState(GroupManager):
         seq = self._seqs[seq_id]
         for length, slot in seq.pending:
             prefix = bytes(token_ids[:length * TOKEN_BYTES]) if seq.checkpointing else None
-            if prefix is not None and self._kv_cached(prefix):
-                self.checkpoints.add(prefix, slot)
+            end_page = None if prefix is None else self._kv_end_page(prefix)
+            if end_page is not None:
+                self.checkpoints.add(prefix, slot, end_page)
             else:  # tokens unknown, or another copy of the prefix holds the pages
                 self.checkpoints.release(slot)
         seq.pending = []
@@ -229,18 +244,6 @@ class MambaState(GroupManager):
         for _, slot in seq.pending:
             self.checkpoints.release(slot)
         self.states.free(seq.slot)
-
-    def _on_kv_evicted(self, pages: list[int], keys: list) -> None:
-        """The KV prefix cache's eviction hook: some checkpoint may have lost its KV."""
-        self._kv_evicted = True
-
-    def drop_orphans(self) -> None:
-        """Drop the checkpoints whose prefix lost a KV page since the last call (a state is of
-        no use without the KV before it). The coordinator calls it after every allocation."""
-        if not self._kv_evicted:
-            return
-        self._kv_evicted = False
-        self.checkpoints.drop_unservable(self._kv_cached)
 
     def slot(self, seq_id: Hashable) -> int:
         """The sequence's state slot."""
@@ -263,7 +266,7 @@ class MambaState(GroupManager):
         cache's, within num_sequence_slots; each slot has one holder (a sequence, checkpoint or
         reservation); every checkpoint's prefix has its KV pages in the prefix cache."""
         self.states.check()
-        self.checkpoints.check(self._kv_cached)
+        self.checkpoints.check(self._kv_end_page)
         assert list(self._seqs) == list(num_tokens), (
             f"sequences with state slots {list(self._seqs)} differ from the cache's "
             f"{list(num_tokens)}")
@@ -303,7 +306,9 @@ class MambaState(GroupManager):
             requests.append(CheckpointRequest(index, length, slot))
         return requests
 
-    def _kv_cached(self, prefix: bytes) -> bool:
-        """Does the KV prefix cache hold every page of this packed prefix?"""
+    def _kv_end_page(self, prefix: bytes) -> int | None:
+        """The KV page this packed prefix ends on in the prefix cache; None unless the cache
+        holds every page of it."""
         num_pages = len(prefix) // TOKEN_BYTES // self.kv.page_size
-        return len(self.kv.prefix_cache.match(prefix, num_pages).pages) == num_pages
+        pages = self.kv.prefix_cache.match(prefix, num_pages).pages
+        return pages[-1] if len(pages) == num_pages else None
