@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.cache.tiers import ROOT_KEY, PageKey
 from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import (
     DuplicateSequence,
@@ -762,7 +763,7 @@ def test_eviction_hooks_get_the_pages_and_their_keys_once_the_tree_has_dropped_t
     cache.commit("a")
     cache.free_sequence("a")
     pc = cache.prefix_cache
-    keys = pc.page_keys([0, 1, 2])
+    keys = chain_keys(prompt(12))
     seen = []
 
     def hook(pages, page_keys):
@@ -770,6 +771,35 @@ def test_eviction_hooks_get_the_pages_and_their_keys_once_the_tree_has_dropped_t
     pc.evict_hooks.append(hook)
     assert pc.evict(2) == [2, 1]
     assert seen == [([2, 1], [keys[2], keys[1]], 1)]
+    cache.check()
+
+
+def chain_keys(tokens):
+    """The tier keys of the full pages of a prompt of `tokens`, chained from the root."""
+    keys, parent = [], ROOT_KEY
+    for start in range(0, len(tokens) - PS + 1, PS):
+        keys.append(PageKey.of(parent, tokens[start:start + PS]))
+        parent = keys[-1].chain_key
+    return keys
+
+
+def test_the_keys_of_a_run_evicted_in_parts_and_split_are_its_prefixes_chain_keys(device):
+    cache = make_cache(num_pages=8, prefix_caching=True, device=device)
+    seen = []
+    cache.prefix_cache.evict_hooks.append(lambda pages, keys: seen.extend(keys))
+    first = prompt(24)
+    cache.add_sequence("a", first)
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.evict(2)  # the run's last two pages, its keys computed on the way
+    second = first[:8] + prompt(8, 100)  # splits the run after its second page
+    cache.add_sequence("b", second)
+    cache.commit("b")
+    cache.free_sequence("b")
+    cache.check()
+    cache.evict(cache.num_cached_pages)
+    keys = chain_keys(first) + chain_keys(second)[2:]
+    assert sorted(seen, key=keys.index) == keys
     cache.check()
 
 

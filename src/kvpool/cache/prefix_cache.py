@@ -19,7 +19,8 @@ the pages and their tier keys: a tier stores the pages, a state cache drops what
 them. No page is ever listed that the allocator has not marked as the tree's.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
-a tier asks.
+a tier asks, and then kept with the node: naming the pages of a long run one after another
+costs a step each, not a walk from the run's first page.
 
 A cache salt isolates the prefixes of whoever holds it: each salt has its own root (its key
 the salt, its chain key derived from it), so a prompt matches only pages that prompts of the
@@ -54,6 +55,9 @@ class PrefixNode:
     # cost 64 bytes), replaced by a dict of its own when it gains a child (`adopt`).
     children: Mapping[bytes, PrefixNode] = field(default_factory=lambda: LEAF)
     base_key: int | None = None  # chain key of the prefix before pages[0]; None: not known yet
+    # keys[i]: the chain key of the prefix through pages[i], for the first len(keys) pages;
+    # computed when a tier asks (an empty tuple, shared, until then).
+    keys: list[int] | tuple[()] = ()
 
 
     def adopt(self, child: PrefixNode) -> None:
@@ -155,15 +159,6 @@ class PrefixCache:
             node_of_page[page] = node
         return len(pages)
 
-    def page_keys(self, pages: list[int]) -> list[PageKey]:
-        """The tier keys of `pages`, pages of the tree."""
-        keys = []
-        for page in pages:
-            node = self._node_of_page[page]
-            i = node.pages.index(page)
-            keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
-        return keys
-
     def evict(self, num_pages: int) -> list[int]:
         """Evict up to `num_pages` cached pages, coldest first; returns their ids, now free."""
         return self.allocator.evict(num_pages)
@@ -176,10 +171,16 @@ class PrefixCache:
         """The chain key naming the prefix through the first `depth` pages of `node`."""
         if node.base_key is None:  # computed once, when a tier first asks
             node.base_key = self.chain_key(node.parent, len(node.parent.pages))
-        key = node.base_key
-        for i in range(depth):
-            key = chain_key(key, self._page_tokens(node, i))
-        return key
+        if depth == 0:
+            return node.base_key
+        if len(node.keys) < depth:
+            if not node.keys:
+                node.keys = []
+            key = node.keys[-1] if node.keys else node.base_key
+            for i in range(len(node.keys), depth):
+                key = chain_key(key, self._page_tokens(node, i))
+                node.keys.append(key)
+        return node.keys[depth - 1]
 
     def holds_path(self, pages: list[int]) -> bool:
         """Whether `pages` spell a path of live pages of the tree from the root."""
@@ -229,10 +230,10 @@ class PrefixCache:
     def _evicted(self, pages: list[int]) -> None:
         """The allocator's eviction listener: cut `pages` (coldest first, each the last page
         of a leaf once the pages before it in the list are cut) from the tree, then run the
-        hooks. Pages of one leaf listed one after another (as a sequence queues its pages
-        tail first, they mostly are) are cut at once."""
+        hooks with the pages' tier keys. Pages of one leaf listed one after another (as a
+        sequence queues its pages tail first, they mostly are) are cut at once."""
         hooks = self.evict_hooks
-        keys = self.page_keys(pages) if hooks else []
+        keys = []
         node_of_page = self._node_of_page
         leaf, cut = None, 0
         for page in pages:
@@ -243,6 +244,9 @@ class PrefixCache:
                     self._cut(leaf, cut)
                 leaf, cut = node, 0
             cut += 1
+            if hooks:  # the page is its leaf's last but the `cut - 1` listed before it
+                i = len(node.pages) - cut
+                keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
         if cut:
             self._cut(leaf, cut)
         for hook in hooks:
@@ -254,6 +258,8 @@ class PrefixCache:
         if n < len(leaf.pages):
             del leaf.pages[-n:]
             leaf.tokens = leaf.tokens[:-n * self._page_bytes]
+            if len(leaf.keys) > len(leaf.pages):
+                del leaf.keys[len(leaf.pages):]
             return
         siblings = leaf.parent.children
         del siblings[leaf.key]
@@ -265,13 +271,14 @@ class PrefixCache:
         `node` holding the rest. Returns the new parent."""
         cut = depth * self._page_bytes
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
-                          base_key=node.base_key)
+                          base_key=node.base_key, keys=node.keys[:depth])
         node.parent.children[head.key] = head
         node.tokens = node.tokens[cut:]
         del node.pages[:depth]
         node.key = node.tokens[:self._page_bytes]
         node.parent = head
         node.base_key = None
+        node.keys = node.keys[depth:]
         head.adopt(node)
         for page in head.pages:
             self._node_of_page[page] = head
@@ -326,6 +333,13 @@ class PrefixCache:
             if node.base_key is not None and node.parent.base_key is not None:
                 assert node.base_key == self.chain_key(node.parent, len(node.parent.pages)), (
                     f"{where}: stale base key")
+            if node.keys:
+                key = self.chain_key(node, 0)
+                for i, kept in enumerate(node.keys):
+                    key = chain_key(key, self._page_tokens(node, i))
+                    assert kept == key, f"{where}: stale chain key of page {node.pages[i]}"
+            assert len(node.keys) <= len(node.pages), (
+                f"{where} keeps {len(node.keys)} chain keys for {len(node.pages)} pages")
             listed += node.pages
         assert len(listed) == len(indexed), (
             f"the page index names {len(indexed)} pages, the tree lists {len(listed)}")
