@@ -233,7 +233,7 @@ class PrefixCache:
         hooks with the pages' tier keys. Pages of one leaf listed one after another (as a
         sequence queues its pages tail first, they mostly are) are cut at once."""
         hooks = self.evict_hooks
-        keys = []
+        keys = self._evicted_keys(pages) if hooks else []
         node_of_page = self._node_of_page
         leaf, cut = None, 0
         for page in pages:
@@ -244,13 +244,21 @@ class PrefixCache:
                     self._cut(leaf, cut)
                 leaf, cut = node, 0
             cut += 1
-            if hooks:  # the page is its leaf's last but the `cut - 1` listed before it
-                i = len(node.pages) - cut
-                keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
         if cut:
             self._cut(leaf, cut)
         for hook in hooks:
             hook(pages, keys)
+
+    def _evicted_keys(self, pages: list[int]) -> list[PageKey]:
+        """The tier keys of `pages`, listed as `_evicted` takes them: the k-th page of a node
+        in the list is its k-th page from the end."""
+        keys, listed = [], {}
+        for page in pages:
+            node = self._node_of_page[page]
+            listed[node] = k = listed.get(node, 0) + 1
+            i = len(node.pages) - k
+            keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
+        return keys
 
     def _cut(self, leaf: PrefixNode, n: int) -> None:
         """Cut the last `n` pages of `leaf`; a leaf left empty goes, and so does a salted root
