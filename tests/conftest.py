@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -51,6 +52,55 @@ LONGEST_FIRST = ("test_tensor_parallel", "test_triton_kernels", "test_tensor_par
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules stay whole
+    _patch_the_language_once_a_launch()
+
+
+def _patch_the_language_once_a_launch():
+    """Triton's interpreter patches triton.language (hundreds of attributes, found by
+    inspect.getmembers) when a kernel launches, restoring it when the launch ends, and again
+    at every call of a @triton.jit device function inside the kernel: a third of the time
+    the kernels take in the interpreter. An inner patch of a language module patched already
+    in this launch changes nothing (it sets what was set, the builtins found wrapped
+    already), so a device function runs without one unless it sees a module not yet patched
+    in the launch (triton.language.core, for tl.sum and the like): patched once, then.
+    Only where the test files imported the interpreter (the Triton tests collected, no
+    CUDA)."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is None or os.environ.get("TRITON_INTERPRET") != "1" or getattr(
+            interpreter, "_kvpool_patched_once", False):
+        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or not hasattr(interpreter, "_LangPatchScope"):
+        return  # another Triton: its interpreter as it is
+    launch = executor.__call__
+    running = {"fn": None, "langs": None}  # the kernel launching or running, its modules
+
+    def languages(fn) -> set[int]:
+        tl = interpreter.tl
+        return {id(value) for value in fn.__globals__.values()
+                if value is tl or value is tl.core}
+
+    def _patch_lang(fn):
+        if running["fn"] is fn and running["langs"] is None:  # the launch's own patch
+            running["langs"] = languages(fn)
+        elif running["langs"] is not None:  # a device function inside the launch
+            seen = languages(fn)
+            if seen and seen <= running["langs"]:  # (none seen: Triton's assertion fails)
+                return interpreter._LangPatchScope()  # nothing to patch, nothing to restore
+            running["langs"] |= seen  # its patch is left in place, as Triton leaves it
+        return patch_lang(fn)
+
+    def launch_patching_once(self, *args, **kwargs):
+        running["fn"], running["langs"] = self.fn, None
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running["fn"] = running["langs"] = None
+
+    interpreter._patch_lang = _patch_lang
+    executor.__call__ = launch_patching_once
+    interpreter._kvpool_patched_once = True
 
 
 def pytest_report_header(config):
