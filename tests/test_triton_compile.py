@@ -30,23 +30,37 @@ from kvpool.memory.fp8 import FP8_DTYPE  # noqa: E402
 VARIANTS = triton_variants.variants()
 COVERING = {v.name for v in triton_variants.covering(VARIANTS)}
 ALL = os.environ.get("KVPOOL_COMPILE_ALL", "0") == "1"
+# The child, with the compiled kernels as a GPU runs them: first the integer arguments each
+# kernel leaves unspecialised, as imported (see PER_STEP below), then the variants compiled.
 CHILD = """
 import json, sys
+from kvpool.kernels import triton_decode, triton_prefill
+kernels = (triton_prefill._prefill, triton_decode._decode_split, triton_decode._merge_splits)
+plain = {k.fn.__name__: [p.name for p in k.params if p.do_not_specialize] for k in kernels}
 from kvpool.kernels import triton_variants
 results = triton_variants.compile_all(sys.argv[1:], workers=2)
-json.dump([result._asdict() for result in results], sys.stdout)
+json.dump({"plain": plain, "compiled": [result._asdict() for result in results]}, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, dict]:
-    """What compiling each selected variant gave, by name (one child process for all)."""
+def child() -> dict:
+    """What the child process (one for the module) gave: "compiled", what compiling each
+    selected variant gave, by name; "plain", each kernel's unspecialised arguments."""
     names = [v.name for v in VARIANTS if ALL or v.name in COVERING]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    child = subprocess.run([sys.executable, "-c", CHILD, *names], env=env, capture_output=True,
-                           text=True, check=False)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return {result["name"]: result for result in json.loads(child.stdout)}
+    done = subprocess.run([sys.executable, "-c", CHILD, *names], env=env, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    return {"plain": out["plain"],
+            "compiled": {result["name"]: result for result in out["compiled"]}}
+
+
+@pytest.fixture(scope="module")
+def compiled(child) -> dict[str, dict]:
+    """What compiling each selected variant gave, by name."""
+    return child["compiled"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
@@ -95,21 +109,8 @@ PER_STEP = {"_prefill": "stride_table", "_decode_split": "stride_table",
             "_merge_splits": "num_splits"}
 
 
-PLAIN = """
-import json, sys
-from kvpool.kernels import triton_decode, triton_prefill
-kernels = (triton_prefill._prefill, triton_decode._decode_split, triton_decode._merge_splits)
-json.dump({k.fn.__name__: [p.name for p in k.params if p.do_not_specialize] for k in kernels},
-          sys.stdout)
-"""
-
-
-def test_no_kernel_compiles_again_for_a_value_that_changes_every_step():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiled kernels, as a GPU runs them
-    child = subprocess.run([sys.executable, "-c", PLAIN], env=env, capture_output=True,
-                           text=True, check=False)
-    assert child.returncode == 0, child.stderr[-3000:]
-    plain = json.loads(child.stdout)
+def test_no_kernel_compiles_again_for_a_value_that_changes_every_step(child):
+    plain = child["plain"]  # the compiled kernels, as a GPU runs them (the child's)
     for name, argument in PER_STEP.items():
         assert argument in plain[name], f"{name} specialises on {argument}"
         assert argument in triton_variants.UNALIGNED  # compiled here as any value
