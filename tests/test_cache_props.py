@@ -93,20 +93,28 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def value(self, tokens, pos):
-        """The K row of a token: its id (unique to its content), as two e4m3 values in fp8."""
-        value = self.value_ids.setdefault(tuple(tokens[:pos + 1]), len(self.value_ids) + 1)
-        if self.fp8:
-            digits = len(E4M3_VALUES)
-            return [E4M3_VALUES[value % digits], E4M3_VALUES[value // digits]]
-        return [value]
+    def values(self, tokens, start=0):
+        """The K rows of tokens[start:]: each token's id (unique to its content, the token
+        ids up to and including it: the id of its prefix and itself), as two e4m3 values in
+        fp8."""
+        rows, value = [], 0
+        for pos, token in enumerate(tokens):
+            value = self.value_ids.setdefault((value, token), len(self.value_ids) + 1)
+            if pos < start:
+                continue
+            if self.fp8:
+                digits = len(E4M3_VALUES)
+                rows.append([E4M3_VALUES[value % digits], E4M3_VALUES[value // digits]])
+            else:
+                rows.append([value])
+        return rows
 
     def write(self, seq_id, start):
         """Write tokens [start, end) in every group through slot_mapping, as the model does."""
         tokens = self.tokens[seq_id]
         if start == len(tokens):
             return
-        k = torch.tensor([self.value(tokens, p) for p in range(start, len(tokens))],
+        k = torch.tensor(self.values(tokens, start),
                          dtype=torch.float32).view(len(tokens) - start, 1, -1)
         v = -k if self.cache.layout.kind == "mha" else None  # an MLA latent is one plane
         for g, group in enumerate(self.groups):
@@ -121,8 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
         return (
             {sid: ([c.pages(sid, g) for g in range(len(self.groups))], c.num_tokens(sid))
              for sid in c.sequences()},
-            [[g.allocator.refcount(p) for p in range(g.allocator.num_pages)]
-             for g in self.groups],
+            [list(g.allocator.refcounts) for g in self.groups],
             c.stats(), c.group_stats(), state,
             (list(c.tier), c.tier.stats()) if c.tier else None,
             # the bytes: NaN compares equal to itself
@@ -330,13 +337,15 @@ class CacheMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_values(self):
         if self.cache is None:
             return
+        values = {seq_id: self.values(tokens) for seq_id, tokens in self.tokens.items()}
         for g, group in enumerate(self.groups):
-            k = group.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim)
+            # every slot's K row, read once a group
+            k = group.pool.k_cache(0).reshape(-1, self.cache.layout.head_dim).float().tolist()
             for seq_id, tokens in self.tokens.items():
                 slots = self.cache.slots(seq_id, g)
                 held = [p for p, slot in enumerate(slots) if slot != HOLE]
-                got = k[torch.tensor([slots[p] for p in held], dtype=torch.long)].float()
-                assert got.tolist() == [self.value(tokens, p) for p in held], (g, seq_id)
+                got = [k[slots[p]] for p in held]
+                assert got == [values[seq_id][p] for p in held], (g, seq_id)
                 window = group.window or len(tokens)
                 assert set(range(max(len(tokens) - window, 0), len(tokens))) <= set(held)
 
