@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
@@ -277,9 +277,11 @@ def test_byte_tokenizer_replaces_invalid_utf8():
 
 
 @given(st.lists(st.integers(0, 257), max_size=48), st.lists(st.integers(0, 48), max_size=6))
+@example(ids=[0xED, 0xA0], cuts=[])  # a surrogate's first bytes, which UTF-8 forbids: two U+FFFD
 def test_the_byte_stream_is_a_prefix_of_the_decode_short_of_a_partial_character(ids, cuts):
     text = streamed(ByteTokenizer(), ids, cuts)  # a prefix after every piece
-    assert ByteTokenizer().decode(ids)[len(text):] in ("", "\ufffd")
+    rest = ByteTokenizer().decode(ids)[len(text):]  # what the held-back bytes decode to
+    assert rest in ("", "\ufffd", "\ufffd\ufffd")
 
 
 @given(st.text(max_size=40), st.lists(st.integers(0, 120), max_size=6))
