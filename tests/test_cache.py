@@ -757,20 +757,33 @@ def test_evicting_both_branches_below_a_shared_head_keeps_the_head(device):
     cache.check()
 
 
-def test_eviction_hooks_get_the_pages_and_their_keys_once_the_tree_has_dropped_them(device):
+def test_eviction_hooks_get_the_pages_and_their_keys_before_the_tree_drops_them(device):
     cache = make_cache(num_pages=12, prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(12))
     cache.commit("a")
     cache.free_sequence("a")
     pc = cache.prefix_cache
     keys = chain_keys(prompt(12))
-    seen = []
+    seen, calls = [], []
+    key_of = pc._evicted_keys
+
+    def counted(pages):
+        calls.append(pages)
+        return key_of(pages)
+    pc._evicted_keys = counted
 
     def hook(pages, page_keys):
-        seen.append((pages, page_keys, pc.num_pages))
-    pc.evict_hooks.append(hook)
+        seen.append((pages, page_keys(), page_keys(), pc.num_pages))
+    pc.evict_hooks += [hook, lambda pages, page_keys: seen.append(page_keys())]
     assert pc.evict(2) == [2, 1]
-    assert seen == [([2, 1], [keys[2], keys[1]], 1)]
+    # both hooks saw the keys, computed once, while the tree still listed the pages
+    assert seen == [([2, 1], [keys[2], keys[1]], [keys[2], keys[1]], 3), [keys[2], keys[1]]]
+    assert calls == [[2, 1]] and pc.num_pages == 1
+    pc.evict_hooks.clear()
+    pc.evict_hooks.append(lambda pages, page_keys: seen.append(pages))
+    assert pc.evict(1) == [0]
+    assert seen[-1] == [0] and pc.num_pages == 0
+    assert calls == [[2, 1]]  # a hook that does not ask for keys costs none
     cache.check()
 
 
@@ -786,7 +799,7 @@ def chain_keys(tokens):
 def test_the_keys_of_a_run_evicted_in_parts_and_split_are_its_prefixes_chain_keys(device):
     cache = make_cache(num_pages=8, prefix_caching=True, device=device)
     seen = []
-    cache.prefix_cache.evict_hooks.append(lambda pages, keys: seen.extend(keys))
+    cache.prefix_cache.evict_hooks.append(lambda pages, keys: seen.extend(keys()))
     first = prompt(24)
     cache.add_sequence("a", first)
     cache.commit("a")

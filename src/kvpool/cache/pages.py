@@ -343,14 +343,14 @@ class FullAttention(GroupManager):
         self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES], pages[:last],
                                  salt=salt)
 
-    def _evicted(self, pages: list[int], keys: list[PageKey]) -> None:
-        """The prefix cache's eviction hook: these cached pages, named by `keys`, left it and
-        are about to be reused; copy them to the tier and scrub them. Eviction runs inside
+    def _evicted(self, pages: list[int], keys: Callable[[], list[PageKey]]) -> None:
+        """The prefix cache's eviction hook: these cached pages, named by `keys()`, leave it
+        and are about to be reused; copy them to the tier and scrub them. Eviction runs inside
         calls that have passed their checks, and never fails: a page the tier cannot store is
         lost, as without a tier."""
         if self.tier is not None:
             data = self.pool.read_pages(pages)
-            for i, key in enumerate(keys):
+            for i, key in enumerate(keys()):
                 self._num_tier_stores += self.tier.store(key, data[:, :, i])
         self._scrub(pages)
 

@@ -13,10 +13,11 @@ its path from the root and gives its pages back tail first, so a page is always 
 its parent: the coldest cached page is the last page of a leaf.
 
 An evicted page leaves the tree at once: the allocator calls `_evicted` with the pages it
-takes, coldest first, before it hands them out, and each is cut from the end of its leaf (a
-leaf left empty goes, and a salted root left with no child). Then the `evict_hooks` run with
-the pages and their tier keys: a tier stores the pages, a state cache drops what depended on
-them. No page is ever listed that the allocator has not marked as the tree's.
+takes, coldest first, before it hands them out. First the `evict_hooks` run with the pages
+and a function returning their tier keys, computed on the first call only (a tier stores the
+pages by them; a state cache drops what depended on the pages and never asks). Then each page
+is cut from the end of its leaf (a leaf left empty goes, and a salted root left with no
+child). No page is ever listed that the allocator has not marked as the tree's.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
 a tier asks, and then kept with the node: naming the pages of a long run one after another
@@ -30,6 +31,7 @@ prompt uses `root`. A salted root leaves the tree with its last child.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -91,10 +93,11 @@ class PrefixCache:
         self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
         # The node listing each page; None for a page the tree does not list.
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
-        # Called as hook(pages, keys) with the evicted pages, coldest first, and their tier
-        # keys, once the pages have left the tree and before they are written again. A hook
-        # must not raise: eviction runs inside allocations that have passed their checks.
-        self.evict_hooks: list[Callable[[list[int], list[PageKey]], None]] = []
+        # Called as hook(pages, keys) with the evicted pages, coldest first, before they leave
+        # the tree and are written again; keys() returns their tier keys (computed once, for
+        # the hooks that ask). A hook must not raise, nor change the tree: eviction runs
+        # inside allocations that have passed their checks.
+        self.evict_hooks: list[Callable[[list[int], Callable[[], list[PageKey]]], None]] = []
         allocator.on_evict = self._evicted
 
     @property
@@ -228,12 +231,14 @@ class PrefixCache:
         return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
 
     def _evicted(self, pages: list[int]) -> None:
-        """The allocator's eviction listener: cut `pages` (coldest first, each the last page
-        of a leaf once the pages before it in the list are cut) from the tree, then run the
-        hooks with the pages' tier keys. Pages of one leaf listed one after another (as a
-        sequence queues its pages tail first, they mostly are) are cut at once."""
-        hooks = self.evict_hooks
-        keys = self._evicted_keys(pages) if hooks else []
+        """The allocator's eviction listener: run the hooks, then cut `pages` (coldest first,
+        each the last page of a leaf once the pages before it in the list are cut) from the
+        tree. Pages of one leaf listed one after another (as a sequence queues its pages tail
+        first, they mostly are) are cut at once."""
+        if self.evict_hooks:
+            keys = functools.cache(functools.partial(self._evicted_keys, pages))
+            for hook in self.evict_hooks:
+                hook(pages, keys)
         node_of_page = self._node_of_page
         leaf, cut = None, 0
         for page in pages:
@@ -246,8 +251,6 @@ class PrefixCache:
             cut += 1
         if cut:
             self._cut(leaf, cut)
-        for hook in hooks:
-            hook(pages, keys)
 
     def _evicted_keys(self, pages: list[int]) -> list[PageKey]:
         """The tier keys of `pages`, listed as `_evicted` takes them: the k-th page of a node

@@ -280,10 +280,10 @@ class TensorParallelGroup:
     def _record_copies(self, pool: int, src: Sequence[int], dst: Sequence[int]) -> None:
         self._record(COPY, pool, [[s, d] for s, d in zip(src, dst, strict=True)])
 
-    def _record_stores(self, pages: Sequence[int], keys: Sequence[PageKey]) -> None:
+    def _record_stores(self, pages: Sequence[int], keys: Callable[[], list[PageKey]]) -> None:
         """Pages of pool 0 evicted, and so stored to the tier, with their keys."""
         self._record(STORE, 0, [[page, *key_entry(key)]
-                                for page, key in zip(pages, keys, strict=True)])
+                                for page, key in zip(pages, keys(), strict=True)])
 
     def _record_fetches(self, keys: Sequence[PageKey]) -> None:
         self._record(FETCH, 0, [key_entry(key) for key in keys])
