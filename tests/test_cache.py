@@ -357,6 +357,29 @@ def test_bad_counts_are_rejected(device):
     assert cache.sequences() == []
 
 
+def test_bad_groups_budgets_and_pool_sizes_are_rejected_by_name(device):
+    cache = make_cache(device=device)
+    cache.add_sequence("a", [1, 2, 3])
+    for call in (lambda g: cache.pages("a", g), lambda g: cache.slots("a", g),
+                 lambda g: cache.owners(0, g), lambda g: cache.page_tables(["a"], group=g),
+                 lambda g: cache.slot_mapping(["a"], [0], [1], group=g)):
+        with pytest.raises(ValueError, match=r"group must be in \[0, 0\], got -1"):
+            call(-1)  # not the last group, as a tuple index would give
+        with pytest.raises(ValueError, match=r"group must be in \[0, 0\], got 1"):
+            call(1)
+    with pytest.raises(ValueError, match="spare_pages must be >= 0, got -1"):
+        cache.can_add([1, 2], spare_pages=-1)
+    with pytest.raises(ValueError, match=r"entering must be in \[0, 2\], got 3"):
+        cache.can_add([1, 2], entering=3)
+    with pytest.raises(ValueError, match="budget must be >= 0, got -4"):
+        cache.tokens_to_admit([1, 2, 3], -4)
+    with pytest.raises(TypeError, match="num_pages must be an int or a sequence of ints, "
+                                        "got float 4.0"):
+        make_cache(4.0, device=device)
+    assert cache.sequences() == ["a"]
+    cache.check()
+
+
 def test_bad_token_ids_name_the_position_and_change_nothing(device):
     cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(6))

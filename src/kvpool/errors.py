@@ -51,6 +51,8 @@ class EngineStateError(KVPoolError, RuntimeError):
 class EngineDied(KVPoolError, RuntimeError):
     """An engine process (the prefill side of a DisaggregatedLLM) died or stopped answering
     within its timeout; the requests waiting on it failed."""
+
+
 class RankFailed(KVPoolError, RuntimeError):
     """A rank of a tensor-parallel engine died or raised: the message names it. The engine's
     ranks are out of step, so it runs no further step."""

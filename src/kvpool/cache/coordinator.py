@@ -221,6 +221,7 @@ class KVCache:
         """How many leading tokens of a prompt a new sequence enters with when `budget` tokens
         can be computed now: all of them, unless a group gives pages back as the sequence
         grows; then its prefix hit and `budget` more, the rest taken chunk by chunk."""
+        check_int("budget", budget, 0)
         n = len(token_ids)
         if min(group.admitted(n, 0) for group in self.groups) == n:
             return n
@@ -252,6 +253,9 @@ class KVCache:
         first `entering` tokens and takes the rest chunk by chunk: each group asks room for
         the tokens it holds at once (`GroupManager.admitted`). Changes nothing."""
         n, ids = _tokens(token_ids, None)
+        check_int("spare_pages", spare_pages, 0)
+        if entering is not None:
+            check_int("entering", entering, 0, n)
         salt, limit = salt_key(cache_salt), n
         for group in self.groups:
             m = group.admitted(n, n if entering is None else entering)
@@ -286,12 +290,12 @@ class KVCache:
     def pages(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """The sequence's page table in page group `group` (a copy; HOLE for pages given
         back out of the window)."""
-        return self.page_groups[group].pages(seq_id)
+        return self._page_group(group).pages(seq_id)
 
     def slots(self, seq_id: Hashable, group: int = 0) -> list[int]:
         """The slot of each of the sequence's tokens in page group `group`; HOLE for tokens
         whose page went back out of the window."""
-        return self.page_groups[group].slots(seq_id)
+        return self._page_group(group).slots(seq_id)
 
     def sequences(self) -> list[Hashable]:
         """Ids of the live sequences, in creation order."""
@@ -299,20 +303,20 @@ class KVCache:
 
     def owners(self, page: int, group: int = 0) -> list[Hashable]:
         """Live sequences whose page table in `group` holds `page` (debugging, metrics)."""
-        return self.page_groups[group].owners(page)
+        return self._page_group(group).owners(page)
 
     def page_tables(self, seq_ids: Sequence[Hashable], *, group: int = 0) -> torch.Tensor:
         """Page tables `[batch, max_pages]` int32 of page group `group`, on the host
         (bookkeeping: whoever hands them to a kernel moves them to the pool's device), rows
         padded with page id 0, which also stands for the pages given back out of the window."""
-        return self.page_groups[group].page_tables(seq_ids)
+        return self._page_group(group).page_tables(seq_ids)
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
                      ends: Sequence[int], *, group: int = 0) -> torch.Tensor:
         """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence in page
         group `group`, concatenated; the tokens of the group's prefix match (computed again
         where another group served less) go to its pool's reserved padding slot."""
-        return self.page_groups[group].slot_mapping(seq_ids, starts, ends)
+        return self._page_group(group).slot_mapping(seq_ids, starts, ends)
 
     @property
     def states(self) -> MambaPool | None:
@@ -391,6 +395,10 @@ class KVCache:
             raise UnknownSequence(f"no sequence {seq_id!r}")
         return seq
 
+    def _page_group(self, group: int) -> FullAttention:
+        """Page group `group`; TypeError or ValueError naming the groups there are."""
+        return self.page_groups[check_int("group", group, 0, len(self.page_groups) - 1)]
+
     def _plan_add(self, ids: bytes | None, n: int, salt: bytes
                   ) -> list[tuple[GroupManager, Plan]]:
         """Every group with its plan for a new sequence, each served at most what the groups
@@ -462,6 +470,9 @@ def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_w
         if free_out_of_window and windows and None not in windows:
             return (SlidingWindow(layout, num_pages, window=max(windows), **options),)
         return (FullAttention(layout, num_pages, **options),)
+    if isinstance(num_pages, (str, bytes)) or not isinstance(num_pages, Sequence):
+        raise TypeError(f"num_pages must be an int or a sequence of ints, "
+                        f"got {type(num_pages).__name__} {num_pages!r}")
     groups = layout.groups
     if len(num_pages) != len(groups):
         raise ValueError(f"num_pages gives {len(num_pages)} pool sizes for "
