@@ -116,6 +116,8 @@ def test_evicting_the_page_a_checkpoint_ends_on_drops_it_and_no_other(device):
     cached_then_freed(c, list(range(200)))
     c.evict(c.num_cached_pages - 8)  # the pages past token 128 (the coldest, a tail first)
     assert c.state.checkpoints.lengths() == [64, 128]
+    # with no tier, no hook asks for the evicted pages' keys: the tree chained none
+    assert all(node.keys == () for node in c.prefix_cache._all_nodes())
     c.check()
 
 
