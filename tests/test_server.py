@@ -255,8 +255,18 @@ BAD_REQUESTS = [
      400, "top_p", None, "top_p must be in (0, 1], got 0"),
     ("empty prompt", {"model": "tiny", "prompt": []}, 400, "prompt", None,
      "prompt must be a non-empty string or a non-empty list of token ids, got []"),
-    ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 300]}, 400, None,
+    ("token id outside the vocabulary", {"model": "tiny", "prompt": [1, 300]}, 400, "prompt",
      None, "prompt token ids must be ints in [0, 258), got 300"),
+    ("negative token id", {"model": "tiny", "prompt": [1, -1]}, 400, "prompt", None,
+     "prompt token ids must be ints in [0, 258), got -1"),
+    ("token id past int64", {"model": "tiny", "prompt": [2**64]}, 400, "prompt", None,
+     "prompt token ids must be ints in [0, 258), got 18446744073709551616"),
+    ("stop token id past int64", {"model": "tiny", "prompt": "x", "stop_token_ids": [2**63]},
+     400, "stop_token_ids", None,
+     "stop_token_ids must be a list of token ids (ints in [0, 2**63)), got [9223372036854775808]"),
+    # sample i is seeded with seed + i, which must stay below 2**64
+    ("seed + n past 2**64", {"model": "tiny", "prompt": "x", "n": 2, "seed": 2**64 - 1}, 400,
+     "seed", None, "seed must be <= 18446744073709551614, got 18446744073709551615"),
     ("prompt longer than max_model_len", {"model": "tiny", "prompt": [1] * 600},
      400, "prompt", "context_length_exceeded",
      "prompt of 600 tokens + max_tokens 16 = 616 tokens, over max_model_len 512"),
@@ -326,6 +336,13 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
     assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
                                          "param": param, "code": code}}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+def test_a_wrong_method_gets_405_with_the_allowed_methods(server):
+    response = httpx.get(f"{server.url}/v1/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
 def test_bench_url_sends_the_bench_workload_through_the_server(server, capsys):

@@ -74,6 +74,8 @@ class Server:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
             prompt = self.info.tokenizer.encode(prompt)
+        else:
+            _check_token_ids(prompt, self.info.vocab_size)
         return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -264,7 +266,7 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
         RequestError: lambda request, e: _error(e),
         HTTPException: lambda request, e: _error(RequestError(
             e.detail, status=e.status_code, type="not_found" if e.status_code == 404
-            else "invalid_request_error")),
+            else "invalid_request_error"), e.headers),  # a 405's Allow
         Exception: lambda request, e: _error(RequestError(
             f"internal error: {type(e).__name__}", status=500, type="internal_error")),
     }, lifespan=lifespan)
@@ -291,6 +293,15 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
                     media_type="application/json")
 
 
-def _error(error: RequestError) -> Response:
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if error.status == 503 else None
+def _check_token_ids(prompt: list[int], vocab_size: int) -> None:
+    """Refuse a prompt of token ids outside the vocabulary, naming the field."""
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad}",
+                           param="prompt")
+
+
+def _error(error: RequestError, headers: dict | None = None) -> Response:
+    if error.status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
     return _json(error.body(), error.status, headers)

@@ -148,10 +148,12 @@ def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages
              logprobs) -> GenerationRequest:
     stop = _stop(fields.get("stop"), limits)
     stop_ids = fields.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise RequestError(f"stop_token_ids must be a list of token ids (ints >= 0), got "
-                           f"{_show(stop_ids)}", param="stop_token_ids")
+    if not isinstance(stop_ids, list) or not all(
+            _is_int(t) and 0 <= t <= INT64_MAX for t in stop_ids):
+        raise RequestError(f"stop_token_ids must be a list of token ids (ints in [0, 2**63)), "
+                           f"got {_show(stop_ids)}", param="stop_token_ids")
     top_k = _int(fields, "top_k", 0, minimum=-1)
+    n = _int(fields, "n", 1, minimum=1)
     options = fields.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"stream_options must be an object, got {_show(options)}",
@@ -161,8 +163,9 @@ def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages
         temperature=_number(fields, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(fields, "top_p", 1.0, 0.0, 1.0, open_low=True),
         top_k=max(top_k, 0),  # -1 means off, as in vLLM
-        n=_int(fields, "n", 1, minimum=1),
-        seed=_int(fields, "seed", None, minimum=0, maximum=SEED_LIMIT - 1),
+        n=n,
+        # sample i of n is seeded with seed + i, which must stay below 2**64
+        seed=_int(fields, "seed", None, minimum=0, maximum=SEED_LIMIT - n),
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
