@@ -15,7 +15,7 @@ import transformers
 from kvpool.engine import llm as llm_module
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.errors import OutOfPages, SequenceTooLong
+from kvpool.errors import InvalidPrompt, OutOfPages, SequenceTooLong
 from kvpool.planning import planner
 
 MAX_TOKENS = 10
@@ -274,11 +274,11 @@ def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoi
 
 def test_bad_prompts_raise_before_anything_runs(checkpoint, device):
     llm = _llm(checkpoint, device=device)
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(InvalidPrompt, match="at least one token"):
         llm.generate([[1, 2], []], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+    with pytest.raises(InvalidPrompt, match=r"\[0, 128\)"):
         llm.generate([[1, 128]], use_tqdm=False)
-    with pytest.raises(ValueError, match="no tokenizer"):
+    with pytest.raises(InvalidPrompt, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
     assert not llm.has_unfinished()
 

@@ -33,6 +33,7 @@ _MODULE_OF = {
     "EngineDied": "kvpool.errors",
     "EngineStateError": "kvpool.errors",
     "InvalidPage": "kvpool.errors",
+    "InvalidPrompt": "kvpool.errors",
     "InvalidStateSlot": "kvpool.errors",
     "KVPoolError": "kvpool.errors",
     "OutOfMemory": "kvpool.errors",

@@ -35,6 +35,11 @@ class DuplicateSequence(KVPoolError, ValueError):
     """A sequence with this id already exists."""
 
 
+class InvalidPrompt(KVPoolError, ValueError):
+    """A prompt the engine cannot take: empty, a token id outside the vocabulary, or text for
+    a model without a tokenizer; nothing was changed."""
+
+
 class SequenceTooLong(KVPoolError, ValueError):
     """A sequence would grow past its per-sequence token limit."""
 

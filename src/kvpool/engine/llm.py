@@ -32,6 +32,7 @@ from kvpool.engine.stats import EngineStats, StepRecord
 from kvpool.engine.tiers import make_tier, tier_counters, weights_fingerprint
 from kvpool.errors import (
     EngineStateError,
+    InvalidPrompt,
     KVPoolError,
     OutOfPages,
     SequenceTooLong,
@@ -640,16 +641,16 @@ class LLM:
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass prompts as token ids")
+                raise InvalidPrompt("this model has no tokenizer.json: pass prompts as token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
         vocab = self.model_config.vocab_size
         if not token_ids:
-            raise ValueError("a prompt must hold at least one token")
+            raise InvalidPrompt("a prompt must hold at least one token")
         bad = [t for t in token_ids if not (_is_token(t) and t < vocab)]
         if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}), got {bad[0]!r}")
+            raise InvalidPrompt(f"prompt token ids must be ints in [0, {vocab}), got {bad[0]!r}")
         return text, token_ids
 
     def _add(self, request: Request) -> None:

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.engine import LLM
-from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
+from kvpool.errors import InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLong
 from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, key_salt
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.engine_loop import (
@@ -74,8 +74,6 @@ class Server:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
             prompt = self.info.tokenizer.encode(prompt)
-        else:
-            _check_token_ids(prompt, self.info.vocab_size)
         return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -174,6 +172,8 @@ class Server:
         except (ServerBusy, EngineStopped) as e:
             raise RequestError(str(e), status=503, type="server_busy",
                                code="server_busy") from None
+        except InvalidPrompt as e:
+            raise RequestError(str(e), param="prompt") from None
         except SequenceTooLong as e:
             raise RequestError(str(e), param="messages" if parsed.messages else "prompt",
                                code="context_length_exceeded") from None
@@ -291,14 +291,6 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
     surrogate that a client sent, encodes."""
     return Response(json.dumps(body), status_code=status, headers=headers,
                     media_type="application/json")
-
-
-def _check_token_ids(prompt: list[int], vocab_size: int) -> None:
-    """Refuse a prompt of token ids outside the vocabulary, naming the field."""
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"prompt token ids must be ints in [0, {vocab_size}), got {bad}",
-                           param="prompt")
 
 
 def _error(error: RequestError, headers: dict | None = None) -> Response:
