@@ -149,6 +149,41 @@ def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
     assert len(err) == 2
 
 
+@pytest.mark.parametrize(("name", "message"), [
+    ("missing/pool.png", "--plot '{path}': no folder '{folder}/missing'"),
+    ("pool", "--plot '{path}' is not the path of a .png file"),
+    ("pool.txt", "--plot '{path}' is not the path of a .png file"),
+    ("folder.png", "--plot '{path}' is a folder"),
+], ids=["missing-folder", "no-suffix", "txt-suffix", "a-folder"])
+def test_bench_refuses_a_plot_path_it_cannot_write_before_the_run(capsys, tmp_path, name,
+                                                                  message):
+    (tmp_path / "folder.png").mkdir()
+    path = tmp_path / name
+    assert main(["bench", *SMALL, "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before the run
+    assert captured.err == (f"kvpool bench: error: "
+                            f"{message.format(path=path, folder=tmp_path)}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_bench_refuses_a_plot_in_a_read_only_folder_before_the_run(capsys, tmp_path):
+    tmp_path.chmod(0o555)
+    try:
+        assert main(["bench", *SMALL, "--plot", str(tmp_path / "pool.png")]) == 2
+    finally:
+        tmp_path.chmod(0o755)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "is not writable" in captured.err
+    assert not any(tmp_path.iterdir())
+
+
+def test_workload_num_requests_is_bounded():
+    with pytest.raises(ValueError, match=r"num_requests must be in \[1, 1000000\], got 1000001"):
+        Workload(1_000_001)
+
+
 def test_write_plot_draws_the_pool_over_the_steps(tmp_path):
     pytest.importorskip("matplotlib")
     steps = [EngineStats(0, 0, used, cached, 10 - used - cached, 0.5, 0.0, 0, i, 0, 0, 0.1)

@@ -104,6 +104,28 @@ def test_plan_with_a_bad_size_exits_2(capsys):
     assert "bad size '24XB'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["chat", "--host-tier-memory", "24XB"], "argument --host-tier-memory: bad size '24XB'"),
+    (["bench", "--disk-tier-memory=-1GiB"], "argument --disk-tier-memory: bad size '-1GiB'"),
+    (["serve", "--max-body-size", "1e3"], "argument --max-body-size: bad size '1e3'"),
+    (["serve", "--kv-cache-memory", "10000000TiB"],
+     "argument --kv-cache-memory: size must be in [0, 9223372036854775807], got "
+     "10995116277760000000"),
+    (["plan", "tiny", "--device-memory", str(10**23)],
+     f"argument --device-memory: size must be in [0, 9223372036854775807], got {10**23}"),
+    (["plan", "tiny", "--device-memory", "1GiB", "--device", "nosuch"],
+     "argument --device: not allowed with argument --device-memory"),
+], ids=["tier-memory-unit", "tier-memory-negative", "body-size-exponent", "kv-memory-int64",
+        "device-memory-int64", "device-and-device-memory"])
+def test_a_bad_size_or_a_conflict_is_an_argparse_error_naming_the_option(capsys, argv,
+                                                                         message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"kvpool {argv[0]}: error: {message}"), err
+
+
 def test_plan_with_a_bad_memory_fraction_exits_2(capsys):
     assert main(["plan", "tiny", "--device-memory", "1GiB", "--memory-fraction", "1.5"]) == 2
     assert "memory_fraction must be in (0, 1], got 1.5" in capsys.readouterr().err
@@ -190,6 +212,20 @@ def test_plan_of_a_config_with_a_null_rms_norm_eps_uses_the_default(checkpoint, 
     (["bench", "--request-rate", "nan"], "request_rate must be > 0 requests/s, got nan"),
     (["bench", "--seed", str(2**64)], "seed must be an int in [0, 2**64)"),
     (["generate", "--seed", str(2**64), "hi"], "seed must be an int in [0, 2**64)"),
+    (["bench", "--num-requests", str(10**20)],
+     f"num_requests must be in [1, 1000000], got {10**20}"),
+    (["bench", "--prompt-len", str(10**19)],
+     f"--prompt-len {10**19} + --output-len 50 = {10**19 + 50:,} tokens, over the model's "
+     f"max_model_len 4,096"),
+    (["bench", "--output-len", str(10**20)],
+     f"--prompt-len 100 + --output-len {10**20} = {10**20 + 100:,} tokens, over the "
+     f"model's max_model_len 4,096"),
+    (["bench", "--disk-tier-memory", "1MiB"], "--disk-tier-memory needs --disk-tier"),
+    (["chat", "--disk-tier-memory", "1MiB"], "--disk-tier-memory needs --disk-tier"),
+    (["serve", "--shutdown-timeout", "-1"],
+     "--shutdown-timeout must be a number of seconds >= 0, got -1.0"),
+    (["serve", "--shutdown-timeout", "nan"],
+     "--shutdown-timeout must be a number of seconds >= 0, got nan"),
 ])
 def test_bad_options_are_one_line_with_exit_2(capsys, argv, message):
     assert main([*argv, "--no-plot"] if argv[0] == "bench" else argv) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import sys
 import time
@@ -23,6 +24,7 @@ from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
+from kvpool.errors import check_int
 from kvpool.formats import format_bytes, format_table
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
 
@@ -31,6 +33,8 @@ DEFAULT_NUM_REQUESTS = 200
 DEFAULT_NUM_PAGES = 384
 DEFAULT_PLOT = "kvpool-bench.png"
 MAX_ARRIVAL_SPAN = 86_400  # seconds: mean arrival time of the last request, at most a day
+# The workload is built before the run: about 2 KB a request at the default lengths.
+MAX_NUM_REQUESTS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +78,7 @@ class Workload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        check_int("num_requests", self.num_requests, 1, MAX_NUM_REQUESTS)
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 requests/s, got {self.request_rate}")
         span = self.num_requests / self.request_rate
@@ -116,6 +119,16 @@ def make_workload(workload: Workload, vocab_size: int) -> list[BenchRequest]:
     return [BenchRequest((systems[s] if s is not None else []) +
                          _random_tokens(tokens, user_len, vocab_size), output_len, t, s)
             for s, user_len, output_len, t in shapes]
+
+
+def check_lengths(workload: Workload, max_model_len: int) -> None:
+    """ValueError when a request of the median lengths does not fit in `max_model_len`
+    tokens: most of the workload could never run (and its prompts are built first)."""
+    prompt, output = workload.prompt_len.median, workload.output_len.median
+    if prompt + output > max_model_len:
+        raise ValueError(f"--prompt-len {prompt} + --output-len {output} = "
+                         f"{prompt + output:,} tokens, over the model's max_model_len "
+                         f"{max_model_len:,}")
 
 
 def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -260,6 +273,20 @@ def plot_available() -> bool:
     return True
 
 
+def check_plot_path(path: str) -> None:
+    """ValueError when the plot could not be written at `path` (a .png file in a writable
+    folder), checked before the run that it comes after."""
+    folder = os.path.dirname(path) or "."
+    if os.path.splitext(path)[1].lower() != ".png":
+        raise ValueError(f"--plot {path!r} is not the path of a .png file")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path!r}: no folder {folder!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path!r} is a folder")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path!r}: folder {folder!r} is not writable")
+
+
 def write_plot(result: BenchResult, path: str, title: str) -> None:
     """Write a PNG of the pool's used, cached and free pages after each step (stacked areas).
     Needs matplotlib."""
@@ -330,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
+    if args.plot is not None:
+        check_plot_path(args.plot)
     options = {"max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, **step_options(args)}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
@@ -337,8 +366,9 @@ def run(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
               tensor_parallel_size=args.tensor_parallel_size,
               **{name: value for name, value in options.items() if value is not None})
-    requests = make_workload(workload, llm.model_config.vocab_size)
     with llm:
+        check_lengths(workload, llm.max_model_len)
+        requests = make_workload(workload, llm.model_config.vocab_size)
         result = run_workload(llm, requests)
     rows = [("model", args.model), *summary_rows(llm, requests, result)]
     plot = args.plot is not None and plot_available()
@@ -360,7 +390,11 @@ def run_url(args: argparse.Namespace) -> int:
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
-    model, rows = run_client(bench_url(args.url.rstrip("/"),
-                                       lambda vocab: make_workload(workload, vocab)))
+
+    def requests_for(vocab_size: int, max_model_len: int) -> list[BenchRequest]:
+        check_lengths(workload, max_model_len)
+        return make_workload(workload, vocab_size)
+
+    model, rows = run_client(bench_url(args.url.rstrip("/"), requests_for))
     print(format_table([("model", model), ("url", args.url), *rows]))
     return 0

@@ -140,13 +140,13 @@ def summary_rows(requests: list[BenchRequest], result: BenchResult,
     ]
 
 
-async def bench_url(url: str, requests_for_vocab, *,
+async def bench_url(url: str, requests_for_model, *,
                     show_progress: bool = True) -> tuple[str, list[tuple[str, str]]]:
-    """Run the workload `requests_for_vocab(vocab_size)` against the server at `url`;
-    returns the model's name and the summary rows."""
+    """Run the workload `requests_for_model(vocab_size, max_model_len)` against the server
+    at `url`; returns the model's name and the summary rows."""
     async with session(url) as client:
         info = await model_info(client)
-        requests = requests_for_vocab(info["vocab_size"])
+        requests = requests_for_model(info["vocab_size"], info["max_model_len"])
         before = await scrape(client)
         result = await run_requests(client, info["id"], requests,
                                     show_progress=show_progress)

@@ -12,6 +12,7 @@ from kvpool.cli import bench, serve
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
+from kvpool.cli.tier_flags import byte_size
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
@@ -21,7 +22,6 @@ from kvpool.formats import (
     dtype_name,
     format_bytes,
     format_table,
-    parse_bytes,
 )
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.memory.layout import KVLayout, LayerGroup
@@ -52,10 +52,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"config.json, checkpoint folder, .gguf file or preset "
                              f"({', '.join(PRESETS)})")
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
-    parser.add_argument("--device-memory", type=_byte_size, metavar="SIZE",
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--device-memory", type=byte_size, metavar="SIZE",
                         help="memory for this model, e.g. 24GiB or 80GB "
                              "(default: read the device: its total memory, less what is in use)")
-    parser.add_argument("--device", help="device to read when no --device-memory "
+    memory.add_argument("--device", help="device to read when no --device-memory "
                                          "(default: cuda if available, else cpu)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, metavar="FRACTION",
                         help="fraction of the device's total memory this model may use, "
@@ -149,9 +150,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Check the port and the model's config here, so that a bad one is one line and exit 2
-    rather than a failure inside the server; then serve."""
+    """Check the port, the shutdown timeout and the model's config here, so that a bad one is
+    one line and exit 2 rather than a failure inside the server; then serve."""
     check_int64("--port", args.port, 0, MAX_PORT)
+    if not args.shutdown_timeout >= 0:  # NaN too
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, "
+                         f"got {args.shutdown_timeout}")
     load_config(args.model)
     return serve.run(args)
 
@@ -191,13 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     except (KVPoolError, ValueError, OSError) as e:
         print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-def _byte_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _plan_rows(

@@ -23,8 +23,8 @@ import sys
 
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
-from kvpool.cli.tier_flags import add_tier_arguments, tier_options
-from kvpool.formats import DTYPES, parse_bytes
+from kvpool.cli.tier_flags import add_tier_arguments, byte_size, tier_options
+from kvpool.formats import DTYPES
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.server import INSTALL_HINT, missing_modules
 
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per page (default: 16)")
     parser.add_argument("--num-pages", type=int, metavar="PAGES",
                         help="pool size (default: planned from the memory)")
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, metavar="SIZE",
+    parser.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
                         help="KV cache budget on the CPU, e.g. 4GiB (default: the engine's)")
     parser.add_argument("--max-num-seqs", type=int, metavar="N",
                         help="running sequences at most (default: the engine's)")
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="on SIGTERM/SIGINT, how long requests in flight may finish "
                              "before they are ended with an error (default: 5)")
-    parser.add_argument("--max-body-size", type=parse_bytes, default=DEFAULT_MAX_BODY,
+    parser.add_argument("--max-body-size", type=byte_size, default=DEFAULT_MAX_BODY,
                         metavar="SIZE", help=f"largest request body; beyond, 413 "
                                              f"(default: {DEFAULT_MAX_BODY})")
     parser.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
