@@ -10,7 +10,7 @@ import pytest
 
 from kvpool.cli.main import main
 from kvpool.engine import LLM
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, OutOfMemory
 from kvpool.models import config as config_module
 from kvpool.models.config import PRESETS, SIZE_LIMITS, ModelConfig
 from kvpool.models.hybrid_config import SIZE_LIMITS as MAMBA_SIZE_LIMITS
@@ -109,3 +109,18 @@ def test_plan_of_10_to_the_19_layers_is_one_line_with_exit_2(capsys, tmp_path):
 def test_a_config_number_float32_cannot_hold_is_refused(field, value, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**PRESETS["tiny"], field: value})
+
+
+@pytest.mark.parametrize("option", ["page_size", "max_num_seqs", "max_num_batched_tokens",
+                                    "num_pages", "max_model_len", "kv_cache_memory"])
+def test_an_engine_option_past_int64_is_refused_naming_it(option):
+    with pytest.raises(ValueError, match=f"{option} must be in \\[1, {2**63 - 1}\\], "
+                                         f"got {10**20}"):
+        LLM("tiny", device="cpu", **{option: 10**20})
+
+
+@pytest.mark.parametrize("option", ["max_num_seqs", "max_num_batched_tokens"])
+def test_a_step_no_memory_can_hold_is_out_of_memory_naming_the_workspace(option):
+    with pytest.raises(OutOfMemory, match="a workspace of [0-9,]+ bytes on cpu cannot be "
+                                          "allocated"):
+        LLM("tiny", device="cpu", num_pages=64, **{option: 2**62})

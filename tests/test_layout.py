@@ -29,10 +29,10 @@ def test_layout_is_frozen():
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "page_size"])
-@pytest.mark.parametrize("value", [0, -1])
-def test_layout_rejects_sizes_below_one(field, value):
+@pytest.mark.parametrize("value", [0, -1, 2**63])
+def test_layout_rejects_sizes_below_one_or_past_int64(field, value):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16) | {field: value}
-    with pytest.raises(ValueError, match=f"{field} must be >= 1, got {value}"):
+    with pytest.raises(ValueError, match=rf"{field} must be in \[1, {2**63 - 1}\], got {value}"):
         KVLayout(**args)
 
 

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool.errors import OutOfMemory
 from kvpool.memory.workspace import ALIGNMENT, Workspace, WorkspaceFull
 
 
@@ -64,6 +65,12 @@ def test_peak_remembers_the_largest_step(device):
                                                (True, ValueError)])
 def test_bad_sizes_are_refused(nbytes, error, device):
     with pytest.raises(error, match="workspace size"):
+        Workspace(nbytes, device=device)
+
+
+@pytest.mark.parametrize("nbytes", [2**63, 10**30])
+def test_a_workspace_no_memory_can_hold_is_out_of_memory_naming_the_bytes(nbytes, device):
+    with pytest.raises(OutOfMemory, match=f"a workspace of {nbytes:,} bytes"):
         Workspace(nbytes, device=device)
 
 

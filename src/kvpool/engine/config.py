@@ -10,7 +10,7 @@ import torch
 
 from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
-from kvpool.errors import OutOfPages, check_int
+from kvpool.errors import OutOfPages
 from kvpool.formats import format_bytes
 from kvpool.kernels import MAX_DECODE_SPLITS
 from kvpool.memory.fp8 import KV_CACHE_DTYPES, check_scale
@@ -18,6 +18,7 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.workspace import ALIGNMENT
 from kvpool.models.config import ModelConfig
+from kvpool.numeric import check_int64
 from kvpool.planning.planner import MemoryPlan, plan_memory
 
 GiB = 2**30
@@ -95,7 +96,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size"):
-            check_int(name, getattr(self, name), 1)
+            check_int64(name, getattr(self, name), 1)
         timeout = self.tensor_parallel_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
                 timeout > 0):
@@ -103,7 +104,7 @@ class EngineConfig:
                              f"got {timeout!r}")
         for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
+                check_int64(name, getattr(self, name), 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
                 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
@@ -153,8 +154,8 @@ class EngineConfig:
             raise ValueError(f"{given[0]}: a tier holds evicted prefix pages; it needs "
                              f"prefix_caching=True")
         if self.host_tier_memory is not None:
-            check_int("host_tier_memory", self.host_tier_memory, 1)
-        check_int("disk_tier_memory", self.disk_tier_memory, 1)
+            check_int64("host_tier_memory", self.host_tier_memory, 1)
+        check_int64("disk_tier_memory", self.disk_tier_memory, 1)
         for name in ("disk_tier", "redis_tier"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

@@ -9,6 +9,7 @@ import torch
 
 from kvpool.errors import check_int
 from kvpool.memory.fp8 import FP8_DTYPE
+from kvpool.numeric import check_int64
 
 KINDS = ("mha", "mla")
 
@@ -43,7 +44,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            check_int(name, getattr(self, name), 1)
+            check_int64(name, getattr(self, name), 1)  # tensor shapes are int64
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
         if self.dtype.itemsize == 1 and self.dtype != FP8_DTYPE:

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import torch
 
 from kvpool.devices import check_device
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, OutOfMemory
+from kvpool.numeric import INT64_MAX
 
 ALIGNMENT = 256  # bytes; what CUDA's own allocator aligns to, enough for any dtype and vector load
 
@@ -27,7 +28,13 @@ class Workspace:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"workspace size must be an int >= 0 bytes, got {nbytes!r}")
         self.device = check_device(device)
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            if nbytes > INT64_MAX:
+                raise MemoryError("more bytes than int64 counts")
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
+            raise OutOfMemory(f"a workspace of {nbytes:,} bytes on {self.device} cannot be "
+                              f"allocated: {e}") from None
         self.used = 0  # bytes handed out since the last reset, alignment padding included
         self.peak = 0  # the most bytes ever in use at once
         self.num_allocs = 0  # allocations since the last reset

@@ -145,6 +145,7 @@ def plan_memory(
     if activation_bytes is not None:
         check_int("activation_bytes", activation_bytes, 0)
     check_int("reserved_bytes", reserved_bytes, 0)
+    check_int("max_num_seqs", max_num_seqs, 1)
     _check_share("memory_fraction", memory_fraction, "(0, 1]")
     _check_share("mamba_memory_ratio", mamba_memory_ratio, "(0, 1)")
     layout = model.kv_layout(dtype=dtype, page_size=page_size,
