@@ -56,6 +56,21 @@ def test_serve_without_the_server_extra_names_the_install_command(capsys, monkey
                                        "pip install 'kvpool[server]'\n")
 
 
+def test_serve_on_a_host_or_port_it_cannot_bind_is_one_line_with_exit_2_before_the_engine(
+        capsys, monkeypatch):
+    monkeypatch.setattr("kvpool.server.app.build_app", None)  # the engine must not start
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvpool serve: cannot listen on 127.0.0.1:{port}: ")
+        assert "in use" in err and err.count("\n") == 1
+    assert main(["serve", "--model", "tiny", "--host", "999.1.1.1"]) == 2
+    assert capsys.readouterr().err.startswith("kvpool serve: cannot listen on 999.1.1.1:8000: ")
+
+
 def test_serve_with_prefix_isolation_per_key_but_no_key_is_one_line_with_exit_2(
         capsys, monkeypatch):
     monkeypatch.delenv("KVPOOL_API_KEY", raising=False)

@@ -19,6 +19,7 @@ import argparse
 import functools
 import os
 import signal
+import socket
 import sys
 
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
@@ -146,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         make_llm = functools.partial(LLM, args.model, **options, **tier_options(args))
     try:
+        sock = bound_socket(args.host, args.port)
+    except OSError as e:
+        print(f"kvpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
                               args.header_timeout, args.body_timeout)
         app = build_app(make_llm, model_name=args.model, max_waiting=args.max_waiting,
@@ -153,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
                         open_paths=frozenset() if args.auth_all_routes else OPEN_PATHS,
                         prefix_isolation=args.prefix_isolation)
     except ValueError as e:
+        sock.close()
         print(f"kvpool serve: {e}", file=sys.stderr)
         return 2
     # uvicorn raises the signal that stopped it again once it has shut down; by then it is
@@ -164,5 +171,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{args.port} "
               f"can use the server (--api-key)", file=sys.stderr)
     DrainingServer(app, host=args.host, port=args.port,
-                   shutdown_timeout=args.shutdown_timeout).run()
+                   shutdown_timeout=args.shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port`, not yet listening (uvicorn listens once the engine
+    is up): a host that does not resolve or a port in use fails here, before the engine
+    starts. OSError naming the cause."""
+    family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
