@@ -95,8 +95,8 @@ class PrefixCache:
         self._node_of_page: list[PrefixNode | None] = [None] * allocator.num_pages
         # Called as hook(pages, keys) with the evicted pages, coldest first, before they leave
         # the tree and are written again; keys() returns their tier keys (computed once, for
-        # the hooks that ask). A hook must not raise, nor change the tree: eviction runs
-        # inside allocations that have passed their checks.
+        # the hooks that ask, and only while the hooks run). A hook must not raise, nor change
+        # the tree: eviction runs inside allocations that have passed their checks.
         self.evict_hooks: list[Callable[[list[int], Callable[[], list[PageKey]]], None]] = []
         allocator.on_evict = self._evicted
 
