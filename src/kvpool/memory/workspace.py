@@ -28,9 +28,10 @@ class Workspace:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"workspace size must be an int >= 0 bytes, got {nbytes!r}")
         self.device = check_device(device)
+        if nbytes > INT64_MAX:
+            raise OutOfMemory(f"a workspace of {nbytes:,} bytes on {self.device} cannot be "
+                              f"allocated: more bytes than int64 counts")
         try:
-            if nbytes > INT64_MAX:
-                raise MemoryError("more bytes than int64 counts")
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
             raise OutOfMemory(f"a workspace of {nbytes:,} bytes on {self.device} cannot be "
