@@ -280,16 +280,19 @@ def test_plan_rejects_a_memory_fraction_outside_zero_to_one(fraction):
 
 
 @pytest.mark.parametrize(("device_memory", "error"), [
-    (0, ValueError), (-1, ValueError), (2.5e9, TypeError), ("24GiB", TypeError), (True, TypeError),
+    (0, ValueError), (-1, ValueError), (2**63, ValueError), (2.5e9, TypeError),
+    ("24GiB", TypeError), (True, TypeError),
 ])
-def test_plan_rejects_device_memory_that_is_not_a_positive_int(device_memory, error):
+def test_plan_rejects_device_memory_that_is_not_a_positive_int64(device_memory, error):
     with pytest.raises(error, match="device_memory must be"):
         plan_memory(TINY, device_memory)
 
 
-def test_plan_rejects_negative_activation_bytes():
-    with pytest.raises(ValueError, match="activation_bytes must be >= 0, got -1"):
-        plan_memory(TINY, GiB, activation_bytes=-1)
+@pytest.mark.parametrize("name", ["activation_bytes", "reserved_bytes"])
+@pytest.mark.parametrize("value", [-1, 2**63])
+def test_plan_rejects_bytes_set_aside_below_0_or_past_int64(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be in \[0, {2**63 - 1}\], got {value}"):
+        plan_memory(TINY, GiB, **{name: value})
 
 
 def test_plan_rejects_a_page_size_below_one():
@@ -297,9 +300,11 @@ def test_plan_rejects_a_page_size_below_one():
         plan_memory(TINY, GiB, page_size=0)
 
 
-def test_max_sequences_rejects_a_context_len_below_one():
-    with pytest.raises(ValueError, match="context_len must be >= 1, got 0"):
-        plan_memory(TINY, GiB).max_sequences(0)
+@pytest.mark.parametrize("context_len", [0, 2**63])
+def test_max_sequences_rejects_a_context_len_below_one_or_past_int64(context_len):
+    with pytest.raises(ValueError, match=rf"context_len must be in \[1, {2**63 - 1}\], "
+                                         rf"got {context_len}"):
+        plan_memory(TINY, GiB).max_sequences(context_len)
 
 
 def test_plan_reads_the_share_of_cuda_memory_torch_allows_this_process(monkeypatch):

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from kvpool.devices import check_device
-from kvpool.errors import check_int
 from kvpool.formats import format_bytes
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
+from kvpool.numeric import check_int64
 from kvpool.planning.geometry import ModelGeometry
 from kvpool.planning.group_plan import GroupPlan, pages_held, split_budget
 
@@ -104,7 +104,7 @@ class MemoryPlan:
     def pages_per_sequence(self, context_len: int) -> int:
         """Pages of the one pool a decoding sequence of `context_len` tokens holds: all of
         them, or a window and a page when every layer is windowed and pages go back."""
-        check_int("context_len", context_len, 1)
+        check_int64("context_len", context_len, 1)  # positions are int64 on the device
         return pages_held(context_len, self.window, self.layout.page_size)
 
     def max_checkpoints(self, context_len: int) -> int:
@@ -141,11 +141,11 @@ def plan_memory(
     heads and Mamba state, in `device_memory` of its own."""
     _check_geometry(model)
     if device_memory is not None:
-        check_int("device_memory", device_memory, 1)
+        check_int64("device_memory", device_memory, 1)
     if activation_bytes is not None:
-        check_int("activation_bytes", activation_bytes, 0)
-    check_int("reserved_bytes", reserved_bytes, 0)
-    check_int("max_num_seqs", max_num_seqs, 1)
+        check_int64("activation_bytes", activation_bytes, 0)
+    check_int64("reserved_bytes", reserved_bytes, 0)
+    check_int64("max_num_seqs", max_num_seqs, 1)
     _check_share("memory_fraction", memory_fraction, "(0, 1]")
     _check_share("mamba_memory_ratio", mamba_memory_ratio, "(0, 1)")
     layout = model.kv_layout(dtype=dtype, page_size=page_size,
