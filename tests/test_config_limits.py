@@ -7,10 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from kvpool.cache import KVCache
+from kvpool.cache.state import StateSpec
 from kvpool.cli.main import main
 from kvpool.engine import LLM
 from kvpool.errors import ConfigError, OutOfMemory
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import MambaLayout
 from kvpool.models import config as config_module
 from kvpool.models.config import PRESETS, SIZE_LIMITS, ModelConfig
 from kvpool.models.hybrid_config import SIZE_LIMITS as MAMBA_SIZE_LIMITS
@@ -124,3 +129,16 @@ def test_a_step_no_memory_can_hold_is_out_of_memory_naming_the_workspace(option)
     with pytest.raises(OutOfMemory, match="a workspace of [0-9,]+ bytes on cpu cannot be "
                                           "allocated"):
         LLM("tiny", device="cpu", num_pages=64, **{option: 2**62})
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: StateSpec(MambaLayout(1, 4, 4, 1, 1, 1), num_slots=n),
+    lambda n: StateSpec(MambaLayout(1, 4, 4, 1, 1, 1), num_slots=4, track_interval=n),
+    lambda n: KVCache(KVLayout(1, 1, 8, torch.float32, 4), 8, device="cpu",
+                      max_tokens_per_seq=n),
+    lambda n: ModelConfig.from_hf(PRESETS["tiny"]).estimate_activation_bytes(
+        torch.float32, max_num_batched_tokens=n, max_num_seqs=1),
+], ids=["state-slots", "track-interval", "max-tokens-per-seq", "batched-tokens"])
+def test_cache_and_activation_sizes_past_int64_are_refused_by_name(make):
+    with pytest.raises(ValueError, match=f"must be in \\[1, {2**63 - 1}\\], got {2**63}"):
+        make(2**63)

@@ -104,9 +104,11 @@ def test_copy_into_a_free_slot_is_refused(device):
         p.copy(p.allocate(), 3)
 
 
-def test_layout_rejects_a_conv_kernel_below_two():
-    with pytest.raises(ValueError, match="conv_kernel must be >= 2"):
+def test_layout_rejects_a_conv_kernel_below_two_and_a_shape_past_int64():
+    with pytest.raises(ValueError, match="conv_kernel must be in \\[2, "):
         MambaLayout(1, 4, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match=f"conv_dim must be in \\[1, {2**63 - 1}\\], got {2**63}"):
+        MambaLayout(1, 2**63, 4, 1, 1, 1)
 
 
 class MambaPoolMachine(RuleBasedStateMachine):

@@ -288,13 +288,14 @@ def test_clear_empties_the_tier():
 
 
 @pytest.mark.parametrize(("capacity", "error", "message"), [
-    (0, ValueError, "capacity_pages must be >= 1, got 0"),
-    (-3, ValueError, "capacity_pages must be >= 1, got -3"),
+    (0, ValueError, rf"capacity_pages must be in \[1, {2**63 - 1}\], got 0"),
+    (-3, ValueError, rf"capacity_pages must be in \[1, {2**63 - 1}\], got -3"),
+    (2**63, ValueError, rf"capacity_pages must be in \[1, {2**63 - 1}\], got {2**63}"),
     (2.5, TypeError, "capacity_pages must be an int, got float 2.5"),
     (True, TypeError, "capacity_pages must be an int, got bool True"),
     (None, TypeError, "capacity_pages must be an int, got NoneType None"),
 ])
-def test_capacity_must_be_a_positive_int(capacity, error, message, tmp_path):
+def test_capacity_must_be_a_positive_int64(capacity, error, message, tmp_path):
     with pytest.raises(error, match=message):
         HostTier(capacity)
     with pytest.raises(error, match=message):

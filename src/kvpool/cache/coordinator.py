@@ -30,6 +30,7 @@ from kvpool.memory.fp8 import is_fp8
 from kvpool.memory.grouped_pool import GroupedPool
 from kvpool.memory.layout import KVLayout, LayerGroup
 from kvpool.memory.state_pool import MambaPool, StateBatch
+from kvpool.numeric import check_int64
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class KVCache:
                  model_fingerprint: str = "", kv_scales=None, free_out_of_window: bool = True,
                  states: StateSpec | None = None):
         if max_tokens_per_seq is not None:
-            check_int("max_tokens_per_seq", max_tokens_per_seq, 1)
+            check_int64("max_tokens_per_seq", max_tokens_per_seq, 1)
         if tier is not None and not prefix_caching:
             raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
         if not isinstance(model_fingerprint, str):

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvpool.cache.tiers import PageKey, Tier, namespace_tag, page_record
-from kvpool.errors import check_int
+from kvpool.numeric import check_int64
 
 KEY_PREFIX = "kvpool:page"
 UNBOUNDED = 2**62  # capacity_pages when Redis's own maxmemory is the only bound
@@ -41,7 +41,7 @@ class RedisTier(Tier):
             raise ImportError("RedisTier needs the redis client: pip install 'kvpool[redis]'") \
                 from None
         if capacity_bytes is not None:
-            check_int("capacity_bytes", capacity_bytes, 1)
+            check_int64("capacity_bytes", capacity_bytes, 1)
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
         for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):

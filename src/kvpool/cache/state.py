@@ -19,8 +19,9 @@ import torch
 from kvpool.cache.group import GroupManager, Plan
 from kvpool.cache.pages import FullAttention
 from kvpool.cache.tokens import TOKEN_BYTES
-from kvpool.errors import OutOfStateSlots, check_int
+from kvpool.errors import OutOfStateSlots
 from kvpool.memory.state_pool import CheckpointRequest, MambaLayout, MambaPool, StateBatch
+from kvpool.numeric import check_int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,10 @@ class StateSpec:
     track_interval: int = 256
 
     def __post_init__(self) -> None:
-        check_int("num_state_slots", self.num_slots, 1)
-        check_int("num_checkpoint_slots", self.num_checkpoint_slots, 0)
-        check_int("checkpoint_interval", self.checkpoint_interval, 1)
-        check_int("track_interval", self.track_interval, 1)
+        check_int64("num_state_slots", self.num_slots, 1)
+        check_int64("num_checkpoint_slots", self.num_checkpoint_slots, 0)
+        check_int64("checkpoint_interval", self.checkpoint_interval, 1)
+        check_int64("track_interval", self.track_interval, 1)
 
 
 class StateCheckpoints:
@@ -160,7 +161,7 @@ class MambaState(GroupManager):
 
     def __init__(self, spec: StateSpec, kv: FullAttention, *, device: str | torch.device):
         caching = kv.prefix_cache is not None
-        check_int("num_checkpoint_slots", spec.num_checkpoint_slots, int(caching))
+        check_int64("num_checkpoint_slots", spec.num_checkpoint_slots, int(caching))
         if spec.checkpoint_interval % kv.page_size or \
                 spec.track_interval % spec.checkpoint_interval:
             raise ValueError(f"checkpoint_interval {spec.checkpoint_interval} must be a "

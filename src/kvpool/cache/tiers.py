@@ -23,7 +23,8 @@ from typing import BinaryIO
 
 import torch
 
-from kvpool.errors import OutOfMemory, check_int
+from kvpool.errors import OutOfMemory
+from kvpool.numeric import check_int64
 
 ROOT_KEY = 0  # chain key of the empty prefix
 
@@ -72,7 +73,7 @@ class Tier(ABC):
     recency order and the counters."""
 
     def __init__(self, capacity_pages: int):
-        self.capacity_pages = check_int("capacity_pages", capacity_pages, 1)
+        self.capacity_pages = check_int64("capacity_pages", capacity_pages, 1)
         self.namespace: str | None = None
         self.page_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None

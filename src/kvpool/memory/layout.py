@@ -61,7 +61,7 @@ class KVLayout:
                              f"layout has {self.num_layers}")
         for window in self.layer_windows:
             if window is not None:
-                check_int("layer_windows[i]", window, 1)
+                check_int64("layer_windows[i]", window, 1)
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:

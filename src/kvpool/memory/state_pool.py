@@ -14,6 +14,7 @@ import torch
 from kvpool.devices import check_device
 from kvpool.errors import InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
 from kvpool.memory.allocator import PageAllocator
+from kvpool.numeric import check_int64
 
 RESERVED_SLOTS = 1  # the padding slot, which padded rows of a CUDA-graph step use
 
@@ -34,8 +35,8 @@ class MambaLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "conv_dim", "num_heads", "head_dim", "state_size"):
-            check_int(name, getattr(self, name), 1)
-        check_int("conv_kernel", self.conv_kernel, 2)
+            check_int64(name, getattr(self, name), 1)  # tensor shapes are int64
+        check_int64("conv_kernel", self.conv_kernel, 2)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
 

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError, check_int
+from kvpool.errors import ConfigError
 from kvpool.formats import DTYPES
 from kvpool.memory import fp8
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
 from kvpool.models.layers import ACTIVATIONS
-from kvpool.numeric import INT64_MAX, check_float32
+from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -429,8 +429,8 @@ class ModelConfig:
         their product, 3 x intermediate) and a Mamba mixer, in `dtype`; plus float32 logits of
         the last token of up to `max_num_seqs` sequences. Not covered: attention scores of
         unfused kernels, CUDA graphs, fragmentation."""
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        check_int("max_num_seqs", max_num_seqs, 1)
+        check_int64("max_num_batched_tokens", max_num_batched_tokens, 1)
+        check_int64("max_num_seqs", max_num_seqs, 1)
         attention = 2 * (self.num_heads + self.num_kv_heads) * self.head_dim
         mlp = 3 * self.intermediate_size
         mamba = self.mamba.activation_size if self.mamba else 0

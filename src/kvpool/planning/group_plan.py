@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.errors import check_int
 from kvpool.memory.layout import KVLayout, LayerGroup
 from kvpool.memory.pool import RESERVED_PAGES
+from kvpool.numeric import check_int64
 
 
 def pages_held(context_len: int, window: int | None, page_size: int) -> int:
@@ -55,8 +55,8 @@ def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
     without one, the widest window) gets what the others leave. The pools' reserved pages
     take one page of every layer, as one pool's would: a budget of `num_pages` pages and a
     reserved one holds these."""
-    check_int("max_num_seqs", max_num_seqs, 1)
-    check_int("prefill_tokens", prefill_tokens, 0)
+    check_int64("max_num_seqs", max_num_seqs, 1)
+    check_int64("prefill_tokens", prefill_tokens, 0)
     ps, groups = layout.page_size, layout.groups
     budget = max(budget_bytes, 0)
     one_pool = budget // layout.bytes_per_page  # pages if every layer shared one pool
