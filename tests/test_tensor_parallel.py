@@ -291,6 +291,15 @@ def test_every_engine_command_takes_the_flag(command, capsys):
     assert "--tensor-parallel-size: expected an int >= 1, got 0" in capsys.readouterr().err
 
 
+def test_processes_start_from_the_forkserver_or_by_spawn_where_there_is_none(monkeypatch):
+    """The workers and the server's engine processes: forked by a forkserver that imported
+    the engine once; spawned on a platform without one (Windows)."""
+    context = parallel.process_context()
+    assert context.get_start_method() == "forkserver"
+    monkeypatch.setattr(parallel.mp, "get_all_start_methods", lambda: ["spawn"])
+    assert parallel.process_context().get_start_method() == "spawn"
+
+
 # last in the file: the module's engine of each config is closed by it (then by its fixture)
 def test_close_stops_every_worker_and_a_closed_engine_runs_no_step(engine):
     case, llm = engine

@@ -3,7 +3,7 @@ one scheduler.
 
 Rank 0 is the LLM's process: the scheduler, the allocator and the prefix cache run there only.
 It starts N-1 worker processes (torch.multiprocessing, forked by a forkserver that imported
-the engine once: `worker_context`), one per device (rank r on cuda:r, or all on the CPU),
+the engine once: `process_context`), one per device (rank r on cuda:r, or all on the CPU),
 joined in one torch.distributed process group: NCCL on CUDA, gloo on the CPU. Every rank
 holds its part of the weights and a pool of its share of the KV heads with the same number
 of pages, so a page id means the same page everywhere.
@@ -212,7 +212,7 @@ class TensorParallelGroup:
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
-        context = worker_context()
+        context = process_context()
         self.specs = context.Queue()  # what to build, one WorkerSpec per worker
         self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
         self.workers = [context.Process(target=run_worker,
@@ -419,15 +419,18 @@ def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
                              f"machine has {torch.cuda.device_count()}")
 
 
-def worker_context() -> multiprocessing.context.BaseContext:
-    """The context the workers start in: forkserver. Its server process, started at the first
-    engine of several ranks, imports WORKER_MODULES once and forks every worker from itself,
-    so a worker starts with them imported and exits without tearing an interpreter down
-    (spawn paid seconds for each). The server runs no torch op, so it has no OpenMP threads
-    for a fork to break; it serves every later engine and exits with this process, and its
-    workers see the environment of the moment it started. Its preload list is set here: a
-    program that started the forkserver before gets workers that import what they need
-    themselves."""
+def process_context() -> multiprocessing.context.BaseContext:
+    """The context kvpool starts its processes in (the workers of an engine of several ranks,
+    the server's engine processes): forkserver, or spawn where the platform has none. The
+    forkserver's process, started at the first process kvpool starts, imports WORKER_MODULES
+    once and forks every later process from itself, so each starts with them imported and
+    exits without tearing an interpreter down (spawn paid seconds for each). It runs no torch
+    op and never touches CUDA, so it has no OpenMP threads or CUDA context for a fork to
+    break; it serves every later start and exits with this process, and what it forks sees
+    the environment of the moment it started. Its preload list is set here: a program that
+    started the forkserver before gets processes that import what they need themselves."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(WORKER_MODULES)
     return context

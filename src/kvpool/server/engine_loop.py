@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvpool.engine import LLM, RequestOutput, SamplingParams, TokenLogprobs
+from kvpool.engine.parallel import process_context
 from kvpool.errors import OutOfPages
 from kvpool.models.tokenizer import Tokenizer
 
@@ -193,7 +194,7 @@ class EngineLoop:
     def start(self) -> EngineInfo:
         """Start the engine process and wait until it has built its LLM; raises what
         building it raised (then no process is left)."""
-        context = multiprocessing.get_context("spawn")  # a fork could not use CUDA
+        context = process_context()
         commands_in, commands_out = context.Pipe(duplex=False)
         events_in, events_out = context.Pipe(duplex=False)
         self._process = context.Process(
