@@ -17,8 +17,11 @@ from kvpool.cli.main import main
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-@pytest.mark.parametrize("flags", [[], ["--disaggregated"]], ids=["one-engine", "disaggregated"])
-def test_serve_answers_then_exits_0_on_sigterm(flags):
+@pytest.mark.parametrize("flags", [[], ["--disaggregated"], ["--tensor-parallel-size", "2"]],
+                         ids=["one-engine", "disaggregated", "two-ranks"])
+def test_serve_answers_then_exits_0_on_sigterm_leaving_no_process(flags):
+    """The server, its engine processes, a tensor-parallel engine's worker and the
+    forkservers that started them: all gone once `kvpool serve` exits."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -26,7 +29,8 @@ def test_serve_answers_then_exits_0_on_sigterm(flags):
         filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
-         "--num-pages", "64", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+         "--num-pages", "64", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True)  # a process group of its own: every process it starts
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180  # a loaded 2-core machine starts 3 processes slowly
@@ -42,11 +46,24 @@ def test_serve_answers_then_exits_0_on_sigterm(flags):
                               json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
         assert response.json()["usage"]["completion_tokens"] <= 3
         process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
+        assert process.wait(30) == 0, process.communicate()[1].decode()
+        assert _group_ends(process.pid, 30), "processes of kvpool serve outlived it"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _group_ends(group: int, seconds: float) -> bool:
+    """Whether process group `group` has no process left within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_serve_without_the_server_extra_names_the_install_command(capsys, monkeypatch):

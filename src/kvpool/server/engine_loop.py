@@ -362,6 +362,9 @@ def _engine_main(make_llm: abc.Callable[[], LLM], max_waiting: int, num_threads:
     on the server's number of threads, as the engine did inside the server."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C: the server stops us
     torch.set_num_threads(num_threads)
+    # An LLM of several ranks starts worker processes, which multiprocessing refuses a
+    # daemonic process lest they outlive it; they exit with their rank 0 (this process).
+    multiprocessing.current_process().daemon = False
     try:
         llm = make_llm()
     except Exception as e:
@@ -370,8 +373,11 @@ def _engine_main(make_llm: abc.Callable[[], LLM], max_waiting: int, num_threads:
     events.send((True, EngineInfo(llm.tokenizer, llm.max_model_len,
                                   llm.model_config.vocab_size, llm.config.max_num_seqs,
                                   _max_sequence_tokens(llm))))
-    with contextlib.suppress(EOFError):  # the server is gone
-        _Engine(llm, max_waiting, events).run(commands)
+    try:
+        with contextlib.suppress(EOFError):  # the server is gone
+            _Engine(llm, max_waiting, events).run(commands)
+    finally:
+        llm.close()  # its workers, if any
 
 
 def _max_sequence_tokens(llm: LLM) -> int:
