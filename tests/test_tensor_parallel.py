@@ -9,7 +9,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,6 +301,34 @@ def test_processes_start_from_the_forkserver_or_by_spawn_where_there_is_none(mon
     assert context.get_start_method() == "forkserver"
     monkeypatch.setattr(parallel.mp, "get_all_start_methods", lambda: ["spawn"])
     assert parallel.process_context().get_start_method() == "spawn"
+
+
+def test_what_the_forkserver_imports_reaches_no_cuda_driver():
+    """Every process the forkserver forks inherits what it imported: had an import reached
+    the CUDA driver there, no engine or worker forked from it could use CUDA. In a fresh
+    process, each way torch reaches the driver is trapped while WORKER_MODULES import."""
+    code = ("import importlib, torch\n"
+            "calls = []\n"
+            "def trap(owner, name):\n"
+            "    def called(*args, **kwargs):\n"
+            "        calls.append(name)\n"
+            "        return 0\n"
+            "    if hasattr(owner, name):\n"
+            "        setattr(owner, name, called)\n"
+            "for name in ('is_available', 'device_count', 'init', '_lazy_init', "
+            "'mem_get_info', 'get_device_properties', 'current_device'):\n"
+            "    trap(torch.cuda, name)\n"
+            "trap(torch._C, '_cuda_getDeviceCount')\n"
+            "from kvpool.engine.parallel import WORKER_MODULES\n"
+            "for module in WORKER_MODULES:\n"
+            "    importlib.import_module(module)\n"
+            "print(calls)\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 # last in the file: the module's engine of each config is closed by it (then by its fixture)
