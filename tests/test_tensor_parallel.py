@@ -303,11 +303,14 @@ def test_processes_start_from_the_forkserver_or_by_spawn_where_there_is_none(mon
     assert parallel.process_context().get_start_method() == "spawn"
 
 
-def test_what_the_forkserver_imports_reaches_no_cuda_driver():
+def test_what_the_forkserver_imports_reaches_no_cuda_driver_and_starts_no_threads():
     """Every process the forkserver forks inherits what it imported: had an import reached
-    the CUDA driver there, no engine or worker forked from it could use CUDA. In a fresh
-    process, each way torch reaches the driver is trapped while WORKER_MODULES import."""
-    code = ("import importlib, torch\n"
+    the CUDA driver there, no engine or worker forked from it could use CUDA; had it run a
+    torch op, OpenMP's threads would be lost in the fork, and a forked process could hang
+    in its first parallel op. In a fresh process, each way torch reaches the driver is
+    trapped, and the threads counted, while WORKER_MODULES import."""
+    code = ("import importlib, os, torch\n"
+            "threads = len(os.listdir('/proc/self/task'))\n"
             "calls = []\n"
             "def trap(owner, name):\n"
             "    def called(*args, **kwargs):\n"
@@ -322,13 +325,13 @@ def test_what_the_forkserver_imports_reaches_no_cuda_driver():
             "from kvpool.engine.parallel import WORKER_MODULES\n"
             "for module in WORKER_MODULES:\n"
             "    importlib.import_module(module)\n"
-            "print(calls)\n")
+            "print(calls, len(os.listdir('/proc/self/task')) - threads)\n")
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [src, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=True)
-    assert result.stdout.strip() == "[]"
+    assert result.stdout.strip() == "[] 0"
 
 
 # last in the file: the module's engine of each config is closed by it (then by its fixture)
