@@ -201,6 +201,15 @@ def _decodes(llm, n, first=0):
                         for i in range(first, first + n)])
 
 
+def _written_decodes(llm, n):
+    """`_decodes` whose earlier tokens' K/V a prefill wrote: their decode reads it, and a
+    pool nothing wrote may hold NaN bits (whatever memory the pool was given)."""
+    batch = _decodes(llm, n)
+    llm.runner.run(_batch(llm, [(s.seq_id, s.token_ids, 0, a, False)
+                                for s, a in zip(batch.seqs, batch.starts, strict=True)]))
+    return batch
+
+
 @pytest.mark.parametrize(("size", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 12),
                                               (12, 12)])
 def test_a_decode_batch_runs_at_the_smallest_bucket_that_holds_it(llm, size, bucket):
@@ -250,7 +259,8 @@ def test_after_a_padded_run_the_cache_holds_no_sequence_and_no_used_page(llm):
 def test_two_graph_runners_share_one_cache_and_its_padding_page(llm):
     first, second = CUDAGraphRunner(llm.runner, 12, 64), CUDAGraphRunner(llm.runner, 4, 64)
     assert first.pad_page == second.pad_page
-    batch = _decodes(llm, 3)
+    llm.cache.pool.kv.fill_(float("nan"))  # as a pool given recycled memory may start
+    batch = _written_decodes(llm, 3)
     torch.testing.assert_close(_run_padded(first, batch, 8)[:3],
                                _run_padded(second, batch, 4)[:3], rtol=1e-5, atol=1e-5)
     assert llm.cache.stats().num_sequences == 3
@@ -271,7 +281,7 @@ def test_graph_runners_capture_and_replay_on_one_cache_as_often_as_wanted(llm, d
     for graphs in runners:
         graphs.capture(progress=False)
     runners[0].capture(progress=False)  # again: the padding page takes any number
-    batch = _decodes(llm, 3)
+    batch = _written_decodes(llm, 3)
     with torch.inference_mode():
         eager = llm.runner.run(batch).clone()
         replays = [graphs.run(batch, 4).clone() for graphs in runners]
@@ -318,9 +328,7 @@ def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
 
 def test_a_padded_forward_changes_no_real_page_but_the_batchs_own_slots(llm):
     graphs = CUDAGraphRunner(llm.runner, 12, 64)
-    batch = _decodes(llm, 3)
-    llm.runner.run(_batch(llm, [(s.seq_id, s.token_ids, 0, a, False)
-                                for s, a in zip(batch.seqs, batch.starts, strict=True)]))
+    batch = _written_decodes(llm, 3)
     before = llm.cache.pool.kv.clone()
     eager = llm.runner.run(batch)
     written = llm.cache.slot_mapping([s.seq_id for s in batch.seqs], batch.starts, batch.ends)
@@ -350,9 +358,7 @@ def test_padded_hybrid_rows_use_the_padding_page_and_the_padding_state_slot(
     cache, states = llm.cache, llm.cache.states
     cache.pool.kv.zero_()  # the pool starts unwritten: NaN bits in it would never compare equal
     graphs = CUDAGraphRunner(llm.runner, 4, 64)
-    batch = _decodes(llm, 2)
-    llm.runner.run(_batch(llm, [(s.seq_id, s.token_ids, 0, a, False)
-                                for s, a in zip(batch.seqs, batch.starts, strict=True)]))
+    batch = _written_decodes(llm, 2)
     kv, conv, ssm = cache.pool.kv.clone(), states.conv.clone(), states.ssm.clone()
     eager = llm.runner.run(batch)
     cache.pool.kv.copy_(kv)
