@@ -4,7 +4,10 @@ a kvpool model over a KVCache in packed steps (prefill, chunked prefill, batched
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -259,3 +262,13 @@ def streamed(tokenizer, ids: list[int], cuts: list[int]) -> str:
             assert decoded[end].startswith(text) and text.startswith(previous), (
                 ids[:end], previous, text, decoded[end])
     return text
+
+
+def fresh_process_output(code: str) -> str:
+    """What `code` prints, run by this Python in a fresh process that imports this
+    checkout's kvpool (what a process imports when it starts is the question)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, check=True).stdout.strip()

@@ -4,10 +4,6 @@ errors, and the built-in "tiny" preset and its byte tokenizer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +23,7 @@ from models_util import (
     CONFIGS,
     PagedRunner,
     assert_logits_match,
+    fresh_process_output,
     hf_greedy,
     make_hf_model,
     packed_context,
@@ -252,12 +249,7 @@ def test_loading_a_model_leaves_torch_dynamo_unimported():
             "from kvpool.models.loader import load_model\n"
             "load_model('tiny', device='cpu')\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, check=True)
-    assert result.stdout.strip() == "[]"
+    assert fresh_process_output(code) == "[]"
 
 
 def test_planning_presets_have_no_weights_to_load(device):

@@ -9,10 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +26,15 @@ from kvpool.models import load_model
 from kvpool.models.config import ModelConfig
 from kvpool.models.parallel import TensorParallel
 from kvpool.planning.planner import plan_memory
-from models_util import CONFIGS, SMALL, EngineCase, engine_case, make_hf_model, save_hf_model
+from models_util import (
+    CONFIGS,
+    SMALL,
+    EngineCase,
+    engine_case,
+    fresh_process_output,
+    make_hf_model,
+    save_hf_model,
+)
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
 from test_qwen3_moe import MIXTRAL
@@ -326,12 +331,7 @@ def test_what_the_forkserver_imports_reaches_no_cuda_driver_and_starts_no_thread
             "for module in WORKER_MODULES:\n"
             "    importlib.import_module(module)\n"
             "print(calls, len(os.listdir('/proc/self/task')) - threads)\n")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [src, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, check=True)
-    assert result.stdout.strip() == "[] 0"
+    assert fresh_process_output(code) == "[] 0"
 
 
 # last in the file: the module's engine of each config is closed by it (then by its fixture)
