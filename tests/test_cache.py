@@ -135,6 +135,41 @@ def test_append_batch_with_token_ids_keeps_the_sequences_cacheable(device):
     cache.check()
 
 
+def test_append_batch_of_no_tokens_leaves_a_sequence_cacheable(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", list(range(2 * PS)))
+    assert cache.append_batch(["a"], [0]) == []
+    cache.commit("a")
+    assert cache.prefix_hit(list(range(2 * PS + 1))) == 2 * PS
+    cache.check()
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.tokens_to_admit([1, "x"], 4),
+    lambda c: c.tokens_to_admit("abc", 4),
+    lambda c: c.can_add(None),
+    lambda c: c.prefix_hit(None),
+    lambda c: c.add_sequence("b", [1, 2], num_tokens="2"),
+    lambda c: c.add_sequence("b", [1, 2], num_tokens=2.0),
+], ids=["id-not-int", "str", "can_add-None", "prefix_hit-None", "count-str", "count-float"])
+def test_prompt_queries_refuse_what_is_not_a_list_of_int_ids_by_type(call, device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", [1, 2, 3])
+    with pytest.raises(TypeError, match="token"):
+        call(cache)
+    assert cache.sequences() == ["a"]
+    cache.check()
+
+
+def test_state_queries_on_a_cache_without_a_state_group_name_what_is_missing(device):
+    cache = make_cache(device=device)
+    cache.add_sequence("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="no state group"):
+        cache.state_slot("a")
+    with pytest.raises(ValueError, match="no state group"):
+        cache.state_batch(["a"])
+
+
 def test_append_batch_copies_a_shared_partial_page_only_while_it_is_still_shared(device):
     cache = make_cache(device=device)
     cache.add_sequence("a", num_tokens=6)

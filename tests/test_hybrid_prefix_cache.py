@@ -80,6 +80,18 @@ def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192(device):
     c.check()
 
 
+def test_an_append_batch_of_no_tokens_keeps_the_checkpoints_for_the_commit(device):
+    c = cache(device=device)
+    c.add_sequence("a", list(range(130)))
+    batch = c.state_batch(["a"], [0], [130])
+    assert [r.num_tokens for r in batch.checkpoints] == [128]
+    c.append_batch(["a"], [0])
+    c.commit("a")
+    c.free_sequence("a")
+    assert c.add_sequence("b", list(range(131))) == 128
+    c.check()
+
+
 def test_prefill_saves_a_checkpoint_at_the_last_interval_multiple_each_chunk_reaches(device):
     c = cache(device=device)
     c.add_sequence("a", list(range(300)))

@@ -386,6 +386,18 @@ def test_damaged_disk_page_is_a_miss_and_forgotten(tmp_path):
     assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
 
 
+def test_disk_tier_binds_past_a_page_file_gone_while_it_lists_them(tmp_path):
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(2)
+    for i in range(2):
+        tier.put(k[i], page(i))
+    gone = tier.path(PageKey.of(ROOT_KEY, [9] * PS))
+    gone.symlink_to(tmp_path / "nothing")  # listed, but stat() finds no file
+    again = bound(DiskTier(tmp_path, 4))
+    assert list(again) == k
+    again.check()
+
+
 def test_disk_tier_directory_must_be_usable(tmp_path):
     file = tmp_path / "file"
     file.write_text("x")
@@ -551,6 +563,31 @@ def test_a_disk_tier_whose_directory_is_deleted_misses_then_stores_again(tmp_pat
     assert len(page_files(tier.directory)) == 2
     cache.free_sequence("x")
     assert cache.add_sequence("c", prompt(9)) == 8
+    cache.check()
+
+
+def test_evicting_from_a_path_thousands_of_nodes_deep_stores_every_page(device):
+    # A fork at every token, parent and child going on differently, makes a path of one-page
+    # nodes; a tier names their pages by chain keys no add_sequence computed on the way.
+    n = 1_200
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                      page_size=1)
+    cache = KVCache(layout, 2 * n + 8, device=device, prefix_caching=True,
+                    tier=HostTier(4 * n))
+    cache.add_sequence("x", [0])
+    cache.commit("x")
+    for i in range(1, n):
+        cache.fork("x", i)
+        cache.append("x", token_ids=[i])
+        cache.commit("x")
+        cache.append(i, token_ids=[-i])
+        cache.commit(i)
+    cache.free_sequence("x")
+    for i in range(n - 1, 0, -1):
+        cache.free_sequence(i)
+    cached = cache.num_cached_pages
+    assert cache.evict(cached) == cached
+    assert cache.tier.stats().num_stored == cached
     cache.check()
 
 

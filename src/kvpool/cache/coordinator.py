@@ -214,19 +214,19 @@ class KVCache:
     def prefix_hit(self, token_ids: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Tokens of `token_ids` the prefix cache would serve to `add_sequence` (pages a tier
         would load are not counted). Changes nothing."""
-        n, ids = _tokens(token_ids, None)
-        return min([plan.hit for _, plan in self._plan_add(ids, n, salt_key(cache_salt))])
+        n, ids = _prompt(token_ids)
+        return self._hit(ids, n, salt_key(cache_salt))
 
     def tokens_to_admit(self, token_ids: Sequence[int], budget: int, *,
                         cache_salt: str | None = None) -> int:
         """How many leading tokens of a prompt a new sequence enters with when `budget` tokens
         can be computed now: all of them, unless a group gives pages back as the sequence
         grows; then its prefix hit and `budget` more, the rest taken chunk by chunk."""
+        n, ids = _prompt(token_ids)
         check_int("budget", budget, 0)
-        n = len(token_ids)
         if min(group.admitted(n, 0) for group in self.groups) == n:
             return n
-        hit = self.prefix_hit(token_ids, cache_salt=cache_salt)
+        hit = self._hit(ids, n, salt_key(cache_salt))
         return hit + min(n - hit, budget)
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
@@ -253,7 +253,7 @@ class KVCache:
         pages available in every page group. With `entering`, the sequence enters with its
         first `entering` tokens and takes the rest chunk by chunk: each group asks room for
         the tokens it holds at once (`GroupManager.admitted`). Changes nothing."""
-        n, ids = _tokens(token_ids, None)
+        n, ids = _prompt(token_ids)
         check_int("spare_pages", spare_pages, 0)
         if entering is not None:
             check_int("entering", entering, 0, n)
@@ -327,7 +327,7 @@ class KVCache:
     def state_slot(self, seq_id: Hashable) -> int:
         """The sequence's state slot."""
         self._get(seq_id)
-        return self.state.slot(seq_id)
+        return self._state_group().slot(seq_id)
 
     def state_batch(self, seq_ids: Sequence[Hashable], starts: Sequence[int] | None = None,
                     ends: Sequence[int] | None = None) -> StateBatch:
@@ -336,9 +336,10 @@ class KVCache:
         (a reserved slot each, added to the prefix cache at the sequence's next commit).
         ValueError, changing nothing, for ranges that are not one per sequence within the
         tokens it holds."""
+        state = self._state_group()
         seqs = [self._get(seq_id) for seq_id in seq_ids]
         _check_ranges(seq_ids, [seq.num_tokens for seq in seqs], starts, ends)
-        return self.state.state_batch(seq_ids, [seq.token_ids for seq in seqs], starts, ends)
+        return state.state_batch(seq_ids, [seq.token_ids for seq in seqs], starts, ends)
 
     @property
     def num_pages(self) -> int:
@@ -400,6 +401,16 @@ class KVCache:
         """Page group `group`; TypeError or ValueError naming the groups there are."""
         return self.page_groups[check_int("group", group, 0, len(self.page_groups) - 1)]
 
+    def _state_group(self) -> MambaState:
+        """The state group; ValueError for a cache without one."""
+        if self.state is None:
+            raise ValueError("this cache has no state group: build it with states=StateSpec(...)")
+        return self.state
+
+    def _hit(self, ids: bytes, n: int, salt: bytes) -> int:
+        """Tokens of a prompt of `n` tokens, packed `ids`, every group can serve."""
+        return min([plan.hit for _, plan in self._plan_add(ids, n, salt)])
+
     def _plan_add(self, ids: bytes | None, n: int, salt: bytes
                   ) -> list[tuple[GroupManager, Plan]]:
         """Every group with its plan for a new sequence, each served at most what the groups
@@ -440,7 +451,7 @@ class KVCache:
                 slots = grown
         for seq, n, ids in zip(seqs, counts, packed, strict=True):
             seq.num_tokens += n
-            if seq.token_ids is not None:
+            if seq.token_ids is not None and n:
                 if ids is None:
                     seq.token_ids = None  # content unknown from here on
                 else:
@@ -500,9 +511,16 @@ def _tokens(token_ids: Sequence[int] | None, num_tokens: int | None,
                             f"got {type(token_ids).__name__}")
         if hasattr(token_ids, "tolist"):  # numpy, torch
             token_ids = token_ids.tolist()
-    if num_tokens is not None and num_tokens != len(token_ids):
+    if num_tokens is not None and check_int("num_tokens", num_tokens, 0) != len(token_ids):
         raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
     return len(token_ids), pack_tokens(token_ids)
+
+
+def _prompt(token_ids: Sequence[int]) -> tuple[int, bytes]:
+    """`_tokens` of a prompt, whose ids must be given."""
+    if token_ids is None:
+        raise TypeError("token_ids must be a sequence of ints, got None")
+    return _tokens(token_ids, None)
 
 
 def _batch_counts(batch: int, num_tokens: Sequence[int] | None,

@@ -172,8 +172,17 @@ class PrefixCache:
 
     def chain_key(self, node: PrefixNode, depth: int) -> int:
         """The chain key naming the prefix through the first `depth` pages of `node`."""
-        if node.base_key is None:  # computed once, when a tier first asks
-            node.base_key = self.chain_key(node.parent, len(node.parent.pages))
+        unknown = []  # it and the nodes above it whose base keys are not known yet
+        while node.base_key is None:  # a loop, as a path may be thousands of nodes deep
+            unknown.append(node)
+            node = node.parent
+        for child in reversed(unknown):  # each computed once, from the root down
+            child.base_key = self._key(node, len(node.pages))
+            node = child
+        return self._key(node, depth)
+
+    def _key(self, node: PrefixNode, depth: int) -> int:
+        """`chain_key` of a node whose base key is known."""
         if depth == 0:
             return node.base_key
         if len(node.keys) < depth:

@@ -287,8 +287,7 @@ class DiskTier(Tier):
         self._tag = namespace_tag(namespace)
         for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
             _remove(f)
-        files = self.directory.glob(f"{self._tag}-*.kvpage")
-        stamped = sorted((f.stat().st_mtime_ns, f) for f in files)
+        stamped = sorted(_stamped(self.directory.glob(f"{self._tag}-*.kvpage")))
         self._last_use_ns = stamped[-1][0] if stamped else 0
         for _, path in stamped:
             header = None
@@ -337,6 +336,14 @@ class DiskTier(Tier):
         self._last_use_ns = max(time.time_ns(), self._last_use_ns + 1)
         with contextlib.suppress(OSError):
             os.utime(path, ns=(self._last_use_ns, self._last_use_ns))
+
+
+def _stamped(paths: Iterator[Path]) -> Iterator[tuple[int, Path]]:
+    """Each of `paths` with its modification time, skipping those gone meanwhile (another
+    process sharing the directory) or that cannot be read."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            yield path.stat().st_mtime_ns, path
 
 
 def _remove(path: Path) -> None:
