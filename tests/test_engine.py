@@ -280,6 +280,11 @@ def test_bad_prompts_raise_before_anything_runs(checkpoint, device):
         llm.generate([[1, 128]], use_tqdm=False)
     with pytest.raises(InvalidPrompt, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
+    for bad in (-1, True, 2.0):  # one prompt of ids with a bad one, not a batch of prompts
+        with pytest.raises(InvalidPrompt, match=rf"\[0, 128\), got {bad!r}"):
+            llm.generate([5, bad], use_tqdm=False)
+    with pytest.raises(InvalidPrompt, match="a str or a list of token ids, got int 5"):
+        llm.generate([[1, 2], 5], use_tqdm=False)
     assert not llm.has_unfinished()
 
 
@@ -411,11 +416,11 @@ def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, pro
 
 # ---- reliability: bad params, aborts during generate, generate's contract ------------------
 
-def test_seed_too_large_for_the_samples_generators_is_refused_when_params_are_made():
-    with pytest.raises(ValueError, match=r"seed must be at most 2\*\*64 - n = "
-                                         r"18446744073709551614 \(sample i of n=2"):
-        SamplingParams(seed=2**64 - 1, n=2)
-    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
+def test_a_seed_past_64_bits_is_refused_when_params_are_made():
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 18446744073709551615\], "
+                                         r"got 18446744073709551616"):
+        SamplingParams(seed=2**64, n=2)
+    assert SamplingParams(seed=2**64 - 1, n=2).seed == 2**64 - 1
 
 
 def test_ignore_eos_must_be_a_bool():
@@ -425,9 +430,9 @@ def test_ignore_eos_must_be_a_bool():
 
 def test_largest_seeds_generate_with_n_samples(checkpoint, prompts, device):
     llm = _llm(checkpoint, device=device)
-    params = SamplingParams(max_tokens=3, seed=2**64 - 2, n=2, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, seed=2**64 - 1, n=3, ignore_eos=True)
     (output,) = llm.generate([prompts[0]], params, use_tqdm=False)
-    assert [len(c.token_ids) for c in output.outputs] == [3, 3]
+    assert [len(c.token_ids) for c in output.outputs] == [3, 3, 3]
     _assert_drained(llm)
 
 

@@ -189,7 +189,7 @@ class LLM:
         and `add_request` is refused while it runs. A request aborted meanwhile (from
         `on_step` or another thread) finishes with "abort"; if generate itself raises (or
         is interrupted), its unfinished requests are aborted first."""
-        if isinstance(prompts, str) or (prompts and all(_is_token(t) for t in prompts)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
         with self._lock:
@@ -643,8 +643,11 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidPrompt("this model has no tokenizer.json: pass prompts as token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, abc.Iterable):
             text, token_ids = None, list(prompt)
+        else:
+            raise InvalidPrompt(f"a prompt must be a str or a list of token ids, "
+                                f"got {type(prompt).__name__} {prompt!r}")
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise InvalidPrompt("a prompt must hold at least one token")
@@ -689,6 +692,14 @@ def _on_device(rows: list[int], device: torch.device) -> torch.Tensor:
     """Row indices on `device`, copied without waiting for the device's queued work (a
     step's forward may still run there)."""
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _is_one_prompt(prompts: object) -> bool:
+    """Whether `generate` was given one prompt: a text, or a list of token ids (items that
+    are neither texts nor lists: a bad id is that prompt's error, not a batch)."""
+    return isinstance(prompts, str) or (
+        isinstance(prompts, abc.Sequence) and len(prompts) > 0
+        and not any(isinstance(p, (str, abc.Iterable)) for p in prompts))
 
 
 def _is_token(value: object) -> bool:

@@ -41,11 +41,7 @@ class SamplingParams:
         check_int64("top_k", self.top_k, 0)
         check_int64("n", self.n, 1)
         if self.seed is not None:
-            check_int("seed", self.seed, 0)  # a 64-bit unsigned int, checked below
-            # sample i draws from a generator seeded with seed + i, a 64-bit unsigned int
-            if self.seed + self.n > SEED_LIMIT:
-                raise ValueError(f"seed must be at most 2**64 - n = {SEED_LIMIT - self.n} (sample "
-                                 f"i of n={self.n} is seeded with seed + i), got {self.seed}")
+            check_int("seed", self.seed, 0, SEED_LIMIT - 1)  # the sampler keys 64-bit seeds
         check_float32("temperature", self.temperature, low=0.0)
         # A top_p that is 0 in float32 still keeps the most likely token (see sampling).
         check_float32("top_p", self.top_p, low=0.0, high=1.0, open_low=True)

@@ -164,8 +164,7 @@ def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages
         top_p=_number(fields, "top_p", 1.0, 0.0, 1.0, open_low=True),
         top_k=max(top_k, 0),  # -1 means off, as in vLLM
         n=n,
-        # sample i of n is seeded with seed + i, which must stay below 2**64
-        seed=_int(fields, "seed", None, minimum=0, maximum=SEED_LIMIT - n),
+        seed=_int(fields, "seed", None, minimum=0, maximum=SEED_LIMIT - 1),
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
