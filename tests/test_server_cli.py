@@ -93,3 +93,9 @@ def test_serve_with_prefix_isolation_per_key_but_no_key_is_one_line_with_exit_2(
     monkeypatch.delenv("KVPOOL_API_KEY", raising=False)
     assert main(["serve", "--model", "tiny", "--prefix-isolation", "per-key"]) == 2
     assert capsys.readouterr().err == "kvpool serve: prefix isolation per key needs API keys\n"
+
+
+def test_serve_with_an_empty_api_key_is_one_line_with_exit_2(capsys):
+    assert main(["serve", "--model", "tiny", "--api-key", "a-key", "--api-key", ""]) == 2
+    assert capsys.readouterr().err == ("kvpool serve: api keys must be non-empty strings; "
+                                       "key 2 of 2 is empty\n")

@@ -162,6 +162,15 @@ def test_chat_without_max_tokens_gets_the_room_the_pool_leaves(server):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 257
 
 
+def test_chat_max_completion_tokens_wins_over_max_tokens_unless_null(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "ignore_eos": True, "max_tokens": 2}
+    for extra, expected in (({"max_completion_tokens": 3}, 3),
+                            ({"max_completion_tokens": None}, 2)):
+        response = post(server, {**body, **extra}, path="/v1/chat/completions")
+        assert response.json()["usage"]["completion_tokens"] == expected
+
+
 def test_sigterm_ends_streams_with_an_error_and_done_and_whole_requests_with_503(
         errors_logged):
     long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}

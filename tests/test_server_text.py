@@ -14,6 +14,7 @@ from kvpool.engine import TokenLogprobs
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import RequestStream
+from kvpool.server.generation import Generation
 from kvpool.server.protocol import ChatMessage, RequestError
 
 
@@ -52,6 +53,37 @@ def test_a_reader_that_fell_behind_gets_the_log_probabilities_of_every_update_it
     update = asyncio.run(stream.get())
     assert update.samples[0].text == "ab"
     assert update.samples[0].new_logprobs == [first, second]
+
+
+def _served(texts, stop, read_each):
+    """The whole response of a request whose sample's text is `texts[i]` after step i (a
+    token a step, with its log-probability), the reader taking every update or only the
+    last one (a client reading slowly)."""
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=stop, chat=False,
+                            include_usage=True, logprobs=0, token_text=str)
+    stream, sent = RequestStream("r", n=1), 0
+    for step, text in enumerate(texts, 1):
+        last = step == len(texts)
+        stream.receive(last, 0, None, [(0, sent, text[sent:], step, "length" if last else None,
+                                        [TokenLogprobs(step, -1.0, ())])])
+        sent = len(text.rstrip("\ufffd"))
+        if read_each or last:
+            generation.update(asyncio.run(stream.get()))
+    return generation.response()
+
+
+@pytest.mark.parametrize("texts", [
+    ["a", "aX", "aXY", "aXYb", "aXYbc", "aXYbcd"],  # the stop string ends with step 3
+    ["a", "a\ufffd", "aXY", "aXYb\ufffd", "aXYb\u00e9"],  # ... its text once unfinished
+    ["a", "a", "aXY", "aXY", "aXYb"],  # ... after a step that decoded to no character
+])
+def test_a_reader_that_fell_behind_counts_the_tokens_up_to_a_stop_string_as_one_that_did_not(
+        texts):
+    slow, fast = _served(texts, ("XY",), False), _served(texts, ("XY",), True)
+    assert slow == fast
+    assert slow["usage"]["completion_tokens"] == 3
+    assert slow["choices"][0]["text"] == "a"
+    assert slow["choices"][0]["logprobs"]["tokens"] == ["1", "2", "3"]
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():

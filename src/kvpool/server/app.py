@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from kvpool.engine import LLM
 from kvpool.errors import InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLong
-from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, key_salt
+from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, check_keys, key_salt
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.engine_loop import (
     EngineFailure,
@@ -243,6 +243,8 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
                          f"got {prefix_isolation!r}")
     if prefix_isolation == "per-key" and not api_keys:
         raise ValueError("prefix isolation per key needs API keys")
+    if api_keys:  # checked now: Starlette builds its middleware at the first request
+        check_keys(tuple(api_keys))
     middleware = [Middleware(ApiKeyMiddleware, keys=tuple(api_keys), open_paths=open_paths)] \
         if api_keys else []
     server = Server(make_llm, model_name=model_name,

@@ -17,13 +17,24 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
+def check_keys(keys: tuple[str, ...]) -> None:
+    """ValueError unless `keys` are one or more non-empty strings (naming the bad one by
+    its position: a key itself is a secret)."""
+    if not keys:
+        raise ValueError("api keys: none given")
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or not key:
+            shown = "empty" if key == "" else f"a {type(key).__name__}"
+            raise ValueError(f"api keys must be non-empty strings; key {i + 1} of "
+                             f"{len(keys)} is {shown}")
+
+
 class ApiKeyMiddleware:
     """ASGI middleware refusing HTTP requests that carry none of `keys` (401)."""
 
     def __init__(self, app: ASGIApp, *, keys: tuple[str, ...],
                  open_paths: frozenset[str] = OPEN_PATHS):
-        if not keys or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("api keys must be non-empty strings")
+        check_keys(keys)
         self.app = app
         self.keys = tuple(k.encode() for k in keys)
         self.open_paths = open_paths

@@ -91,9 +91,13 @@ class ChoiceText:
         """True once the choice has ended (its text is complete)."""
         return self.finish_reason is not None
 
-    def update(self, text: str, num_tokens: int, finish_reason: str | None) -> str:
+    def update(self, text: str, num_tokens: int, finish_reason: str | None,
+               earlier: list[tuple[int, int]] | None = None) -> str:
         """Take the sample's decoded text so far (`num_tokens` generated tokens), and the
-        engine's finish reason; return the new text to send (maybe "")."""
+        engine's finish reason; return the new text to send (maybe ""). `earlier`: the
+        (characters, tokens) of updates skipped since the last call (`Sample.earlier`); a
+        stop string counts the tokens of the first update whose text held all of it, as if
+        each had been taken."""
         if self.finished:
             return ""
         self.num_tokens = num_tokens
@@ -107,6 +111,9 @@ class ChoiceText:
             self._scanned = end
             if cut is not None:
                 end, finish_reason = cut, "stop"
+                stop_end = cut + self.matcher.ends[self._state]
+                self.num_tokens = next((tokens for chars, tokens in earlier or ()
+                                        if chars >= stop_end), num_tokens)
             elif finish_reason is None:  # hold back the tail that may begin a stop string
                 end -= self.matcher.depth[self._state]
         delta = text[len(self.text):max(end, len(self.text))]

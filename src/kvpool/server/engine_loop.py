@@ -80,13 +80,16 @@ class Sample(NamedTuple):
     its finish reason (None while it runs) and the log-probabilities of the tokens it got
     since the previous update (None when the request did not ask for them). The engine
     sends it as the tuple (index, start, text[start:], num_tokens, finish_reason,
-    new_logprobs)."""
+    new_logprobs). `earlier`: for the updates a reader that fell behind skipped, in order,
+    (characters, tokens): the length of the text less its trailing U+FFFD, and the token
+    count (where a stop string ends decides the tokens a choice counts)."""
 
     index: int
     text: str
     num_tokens: int
     finish_reason: str | None
     new_logprobs: list[TokenLogprobs] | None
+    earlier: list[tuple[int, int]] | None = None
 
 
 class Update(NamedTuple):
@@ -104,9 +107,10 @@ class Update(NamedTuple):
 
 class RequestStream:
     """The updates of one request as the engine sends them. Each Update holds the request's
-    whole text so far, so a reader that falls behind gets the latest one; the
-    log-probabilities of the updates it skipped come with it. (A list and one future, not an
-    asyncio.Queue: a queue's bookkeeping cost more than the rest of a token's trip.)"""
+    whole text so far, so a reader that falls behind gets the latest one, merged as it comes
+    (one text held, however far behind): the log-probabilities of the updates it skipped
+    come with it, and where their texts ended (`Sample.earlier`). (A list and one future,
+    not an asyncio.Queue: a queue's bookkeeping cost more than the rest of a token's trip.)"""
 
     def __init__(self, request_id: str, n: int):
         self.request_id = request_id
@@ -126,8 +130,13 @@ class RequestStream:
         self.put(Update(self.request_id, finished, num_cached_tokens, scheduled_time, updated))
 
     def put(self, item: Update | EngineFailure) -> None:
-        """Queue an update, or the failure that ends the stream."""
-        self._items.append(item)
+        """Queue an update (merged into one not read yet), or the failure that ends the
+        stream."""
+        items = self._items
+        if items and isinstance(item, Update) and isinstance(items[-1], Update):
+            items[-1] = _merge(items[-1], item)
+        else:
+            items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -142,20 +151,36 @@ class RequestStream:
         items, self._items = self._items, []
         if isinstance(items[-1], EngineFailure):
             raise items[-1]
-        return _merge(items) if len(items) > 1 else items[0]
+        return items[-1]  # the one update queued: put merges
 
 
-def _merge(updates: list[Update]) -> Update:
-    """The last of consecutive updates, with the new log-probabilities of them all."""
-    last = updates[-1]
-    if all(s.new_logprobs is None for s in last.samples):
-        return last
-    new: dict[int, list[TokenLogprobs]] = {}
-    for update in updates:
-        for sample in update.samples:
-            new.setdefault(sample.index, []).extend(sample.new_logprobs or ())
-    return last._replace(samples=[s._replace(new_logprobs=new.get(s.index, []))
-                                  for s in last.samples])
+def _merge(skipped: Update, update: Update) -> Update:
+    """`update`, with what a reader that skips `skipped` needs of it: each sample's earlier
+    log-probabilities and where its text ended. The lists of `skipped`, dropped after this,
+    are extended in place, so that a reader far behind costs a step per update."""
+    before = {sample.index: sample for sample in skipped.samples}
+    samples = []
+    for sample in update.samples:
+        old = before.get(sample.index)
+        if old is not None:
+            earlier = [] if old.earlier is None else old.earlier
+            earlier.append((_stable_length(old.text), old.num_tokens))
+            logprobs = sample.new_logprobs
+            if old.new_logprobs is not None:
+                logprobs = old.new_logprobs
+                logprobs.extend(sample.new_logprobs or ())
+            sample = sample._replace(new_logprobs=logprobs, earlier=earlier)
+        samples.append(sample)
+    return update._replace(samples=samples)
+
+
+def _stable_length(text: str) -> int:
+    """The length of `text` less its trailing U+FFFD (characters whose bytes may not all
+    have come), without copying it."""
+    end = len(text)
+    while end and text[end - 1] == REPLACEMENT:
+        end -= 1
+    return end
 
 
 class EngineLoop:

@@ -76,7 +76,8 @@ class Generation:
             choice = self.choices[sample.index]
             if choice.finished:
                 continue
-            delta = choice.update(sample.text, sample.num_tokens, sample.finish_reason)
+            delta = choice.update(sample.text, sample.num_tokens, sample.finish_reason,
+                                  sample.earlier)
             if sample.new_logprobs is not None:
                 self._logprobs[sample.index] += sample.new_logprobs
             if delta or choice.finished:

@@ -119,7 +119,8 @@ def parse_chat(body: object, model: str, limits: ServerLimits) -> GenerationRequ
         raise RequestError(f"messages must be a non-empty list, got {_show(raw)}",
                            param="messages")
     messages = [_message(m, i) for i, m in enumerate(raw)]
-    key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    # the newer name wins unless it is absent or null (clients send unset fields as null)
+    key = "max_tokens" if fields.get("max_completion_tokens") is None else "max_completion_tokens"
     top = _int(fields, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
     logprobs = _bool(fields, "logprobs", False)
     if top is not None and not logprobs:
