@@ -4,6 +4,7 @@ errors, and the built-in "tiny" preset and its byte tokenizer."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -163,6 +164,23 @@ def test_misshapen_weight_names_both_shapes(broken, device):
     tensors["model.norm.weight"] = torch.ones(65)
     save_file(tensors, broken / WEIGHTS)
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight has shape \(65,\) .*\(64,\)"):
+        load_model(broken, device=device)
+
+
+@pytest.mark.parametrize("name, tensor", [
+    ("model.layers.0.self_attn.q_proj.weight", torch.zeros(80, 64)),  # rows past the config's
+    ("model.layers.0.self_attn.o_proj.weight", torch.zeros(64, 80)),  # ... columns
+    ("model.embed_tokens.weight", torch.zeros(200, 64)),  # ... vocabulary rows
+    ("model.layers.0.self_attn.o_proj.weight", torch.zeros(64)),  # a dimension too few
+    ("model.norm.weight", torch.tensor(1.0)),
+])
+def test_a_weight_larger_or_of_fewer_dimensions_than_the_config_needs_is_named(
+        broken, name, tensor, device):
+    tensors = load_file(broken / WEIGHTS)
+    assert tensors[name].shape != tensor.shape
+    tensors[name] = tensor
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=re.escape(f"{name} has shape {tuple(tensor.shape)}")):
         load_model(broken, device=device)
 
 

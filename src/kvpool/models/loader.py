@@ -373,15 +373,23 @@ def _layer_index(name: str) -> int:
 
 def _check_weights(model: torch.nn.Module, found: dict, folder: Path) -> None:
     """CheckpointError unless the checkpoint holds every weight of `model`, no other, and
-    each of the shape whose part (the model's tensor-parallel part) the model holds."""
+    each of the shape the model's parameter has (one rank) or whose part it holds (the
+    model's tensor-parallel part)."""
     params = model.state_dict()
     missing = sorted(params.keys() - found.keys())
     unexpected = sorted(found.keys() - params.keys())
+
+    def held(name: str) -> tuple[int, ...]:
+        """The shape of what the model holds of checkpoint tensor `name`."""
+        shape = found[name][0]
+        if model.tp.size == 1 or len(shape) != params[name].dim():  # held whole
+            return shape
+        return part_shape(shape, checkpoint_index(model, name))
+
     misshapen = [f"{name} has shape {found[name][0]} in the checkpoint, the config needs "
                  f"{tuple(params[name].shape)}{_part_of(model, name)}"
                  for name in sorted(params.keys() & found.keys())
-                 if tuple(params[name].shape) != part_shape(found[name][0],
-                                                            checkpoint_index(model, name))]
+                 if tuple(params[name].shape) != held(name)]
     problems = []
     if missing:
         problems.append(f"missing weights: {_first(missing)}")
