@@ -2,6 +2,7 @@
 extra it says what to install and exits 2."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,18 +22,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
                          ids=["one-engine", "disaggregated", "two-ranks"])
 def test_serve_answers_then_exits_0_on_sigterm_leaving_no_process(flags):
     """The server, its engine processes, a tensor-parallel engine's worker and the
-    forkservers that started them: all gone once `kvpool serve` exits."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    forkservers that started them: all gone once `kvpool serve` exits. It serves on the port
+    the system picks for port 0, and says which."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
+        [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", "0",
          "--num-pages", "64", *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True)  # a process group of its own: every process it starts
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = _announced_url(process)
         deadline = time.monotonic() + 180  # a loaded 2-core machine starts 3 processes slowly
         while True:
             assert process.poll() is None, process.communicate()[1].decode()
@@ -52,6 +51,14 @@ def test_serve_answers_then_exits_0_on_sigterm_leaving_no_process(flags):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _announced_url(process: subprocess.Popen) -> str:
+    """The address `kvpool serve` says it serves on, read from its stderr."""
+    for line in process.stderr:
+        if match := re.search(rb"on (http://127\.0\.0\.1:[1-9][0-9]*)/v1$", line.strip()):
+            return match.group(1).decode()
+    raise AssertionError(f"kvpool serve exited {process.wait()} without saying where it serves")
 
 
 def _group_ends(group: int, seconds: float) -> bool:

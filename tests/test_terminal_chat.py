@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvpool.cli.main import build_parser, main
 
 pytest.importorskip("jinja2")
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _chat(lines: str, *extra: str) -> str:
@@ -60,3 +67,32 @@ def test_generate_chat_sends_the_prompt_in_the_chat_template(capsys):
     plain, chat = capsys.readouterr().out.splitlines()
     # The tiny model has no template of its own: the fallback's "user: hello\nassistant:".
     assert plain != chat
+
+
+def test_chat_with_a_model_without_a_tokenizer_is_one_line_with_exit_2(tmp_path, capsys):
+    from models_util import make_hf_model, save_hf_model
+
+    folder = save_hf_model(make_hf_model("llama"), tmp_path)
+    assert not (folder / "tokenizer.json").exists()
+    for command in (["chat"], ["generate", "hi", "--chat"]):
+        assert main([*command, "--model", str(folder)]) == 2
+        assert capsys.readouterr().err.endswith(
+            "error: this model has no tokenizer.json: a chat needs one\n")
+
+
+def test_ctrl_c_ends_a_chat_with_exit_130_and_no_traceback():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "kvpool.cli.main", "chat"], env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        assert process.stdout.read(2) == b"> "  # waiting for a turn
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        assert process.returncode == 130
+        assert err.decode().endswith("kvpool chat: interrupted\n") and b"Traceback" not in err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

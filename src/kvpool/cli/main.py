@@ -188,13 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run `kvpool COMMAND ...`. Exit codes: 0 done, 1 the command failed (e.g. does not fit),
-    2 bad usage or input (argparse's convention), reported on stderr without a traceback."""
+    2 bad usage or input (argparse's convention), reported on stderr without a traceback;
+    130 interrupted (Ctrl-C), as a shell reports SIGINT."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (KVPoolError, ValueError, OSError) as e:
         print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nkvpool {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _plan_rows(

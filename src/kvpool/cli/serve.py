@@ -166,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
     # handled, so these handlers let the command return 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    print(f"kvpool serve: {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    port = sock.getsockname()[1]  # the one the system picked for --port 0
+    print(f"kvpool serve: {args.model} on http://{args.host}:{port}/v1", file=sys.stderr)
     if not api_keys(args.api_key) and args.host not in LOOPBACK_HOSTS:
-        print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{args.port} "
+        print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{port} "
               f"can use the server (--api-key)", file=sys.stderr)
     DrainingServer(app, host=args.host, port=args.port,
                    shutdown_timeout=args.shutdown_timeout).run(sockets=[sock])

@@ -13,6 +13,7 @@ from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
+from kvpool.errors import InvalidPrompt
 from kvpool.formats import CONTROL_PICTURES
 from kvpool.server import INSTALL_HINT, missing_modules
 
@@ -48,8 +49,15 @@ def chat_prompt(llm: LLM, model: str, text: str) -> list[int]:
     from kvpool.server.protocol import ChatMessage
 
     template = chat_template(model)
-    return llm.tokenizer.encode(template.render([ChatMessage("user", text)]),
-                                add_special_tokens=template.add_special_tokens)
+    return tokenizer(llm).encode(template.render([ChatMessage("user", text)]),
+                                 add_special_tokens=template.add_special_tokens)
+
+
+def tokenizer(llm: LLM):
+    """The model's tokenizer; InvalidPrompt for a model without one (a chat is text)."""
+    if llm.tokenizer is None:
+        raise InvalidPrompt("this model has no tokenizer.json: a chat needs one")
+    return llm.tokenizer
 
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
@@ -61,6 +69,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               **tier_options(args), **step_options(args))
+    text = tokenizer(llm)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)
@@ -70,8 +79,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
             stdout.write("(history cleared)\n")
             continue
         history.append(ChatMessage("user", line))
-        prompt = llm.tokenizer.encode(template.render(history),
-                                      add_special_tokens=template.add_special_tokens)
+        prompt = text.encode(template.render(history),
+                             add_special_tokens=template.add_special_tokens)
         before = llm.cache.stats()
         reply = _stream(llm, prompt, params, stdout)
         history.append(ChatMessage("assistant", reply))
