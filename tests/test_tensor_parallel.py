@@ -218,6 +218,28 @@ def test_a_stuck_worker_fails_the_step_within_the_timeout(device):
     assert not multiprocessing.active_children()
 
 
+def test_a_step_interrupted_by_ctrl_c_stops_the_group_and_later_steps_fail_at_once(
+        monkeypatch, device):
+    cpu_only(device)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as llm:
+        forward = llm.runner.model.forward
+
+        def interrupted(*args):  # Ctrl-C inside a step: where, rank 0 cannot tell
+            forward(*args)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(llm.runner.model, "forward", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        monkeypatch.undo()
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="interrupted .KeyboardInterrupt.: the "
+                                             "tensor-parallel ranks may be out of step"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert time.monotonic() - start < 5
+    assert not multiprocessing.active_children()
+
+
 # --- what does not split: refused before any process starts ----------------------------------
 
 def test_kv_heads_that_do_not_split_are_refused(device):

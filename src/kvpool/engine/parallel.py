@@ -301,7 +301,9 @@ class TensorParallelGroup:
     def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
              checkpoints: list[CheckpointRequest]) -> Iterator[None]:
         """Send the step (copies first) to the workers, then run rank 0's forward in the
-        block. A failure in either stops the group and raises RankFailed naming the rank."""
+        block. A failure in either stops the group and raises RankFailed naming the rank; an
+        interruption (Ctrl-C) stops it too, since the ranks may be out of step from then on (a
+        collective half done), and every later step raises RankFailed at once."""
         if self.failure is not None:
             raise self.failure
         if self.closed:
@@ -318,6 +320,11 @@ class TensorParallelGroup:
             self.failure = self._blame(e, time.monotonic() - start)
             self.close()
             raise self.failure from e
+        except BaseException as e:
+            self.failure = RankFailed(f"a step was interrupted ({type(e).__name__}): the "
+                                      f"tensor-parallel ranks may be out of step")
+            self.close()
+            raise
 
     def _check_alive(self, when: str) -> None:
         for rank, worker in enumerate(self.workers, start=1):
