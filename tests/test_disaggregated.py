@@ -173,3 +173,18 @@ def test_a_model_whose_cache_gives_pages_back_is_refused_before_any_process(tmp_
     folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
     with pytest.raises(ValueError, match="one KV pool that keeps every page"):
         DisaggregatedLLM(folder, prefill={"device": "cpu"}, decode={"device": "cpu"})
+
+
+def test_a_prefill_side_of_other_pages_is_refused_and_ends_without_a_word(capfd):
+    with pytest.raises(ValueError, match=r"the prefill engine's pages are \(4, 2, 8, 2, 32\) "
+                                         r"torch\.float32, the decode engine's \(4, 2, 16,"):
+        DisaggregatedLLM("tiny", prefill={"device": "cpu", "page_size": 8},
+                         decode={"device": "cpu"})
+    assert capfd.readouterr().err == ""  # the prefill process did not fail joining the group
+
+
+def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_process():
+    with pytest.raises(ValueError, match="the prefill engine runs on one rank; got "
+                                         "tensor_parallel_size=2"):
+        DisaggregatedLLM("tiny", prefill={"device": "cpu", "tensor_parallel_size": 2},
+                         decode={"device": "cpu"})

@@ -69,6 +69,10 @@ class DisaggregatedLLM:
         # with it the step after the prompt would already be running (and, for a hybrid,
         # advancing the state that is read).
         prefill, decode = {**_options(prefill), "overlap": False}, _options(decode)
+        if prefill.get("tensor_parallel_size", 1) != 1:
+            raise ValueError(f"the prefill engine runs on one rank; got tensor_parallel_size="
+                             f"{prefill['tensor_parallel_size']} (a pair with tensor "
+                             f"parallelism on either side is not supported yet)")
         self.timeout = timeout
         self.decode = LLM(model, **decode)
         if not self.decode.takes_prefilled:
@@ -258,6 +262,7 @@ class DisaggregatedLLM:
             raise ValueError(f"the prefill engine's pages are {tuple(page_shape)} {dtype}, the "
                              f"decode engine's {mine[0]} {mine[1]}: give both sides the same "
                              f"page_size and kv_cache_dtype")
+        self._conn.send(("join",))
         self._group = _process_group(self._store, DECODE_RANK, self.timeout)
         self._last_heard = time.monotonic()
 
@@ -407,6 +412,8 @@ def _prefill_main(model: str, options: dict, port: int, timeout: float,
         store = dist.TCPStore("127.0.0.1", port, 2, False,
                               timeout=datetime.timedelta(seconds=timeout))
         conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype)))
+        if conn.recv() != ("join",):
+            return  # the decode side refused these pages, and closed this side
         group = _process_group(store, PREFILL_RANK, timeout)
         _serve_prefills(llm, group, conn)
     except (EOFError, OSError, KeyboardInterrupt):
