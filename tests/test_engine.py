@@ -7,6 +7,7 @@ import copy
 import itertools
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -488,6 +489,42 @@ def test_request_aborted_from_another_thread_finishes_generate(checkpoint, promp
     assert _tokens(outputs[:1]) == expected[:1]
     assert outputs[1].outputs[0].finish_reason == "abort"
     _assert_drained(llm)
+
+
+def test_stats_from_another_thread_waits_for_the_step_in_progress(checkpoint, prompts, device):
+    in_step, events = threading.Event(), []
+
+    def on_step(record):
+        in_step.set()
+        time.sleep(0.2)  # the other thread asks for stats meanwhile
+        events.append("step")
+
+    llm = _llm(checkpoint, on_step=on_step, device=device)
+    asker = threading.Thread(target=lambda: in_step.wait() and events.append(llm.stats()))
+    asker.start()
+    llm.add_request(prompts[0], GREEDY)
+    llm.step()
+    asker.join()
+    assert events[0] == "step" and events[1].num_steps == 1
+
+
+def test_a_sleep_from_another_thread_waits_for_the_step_that_checked_it_was_awake(
+        checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
+    llm.add_request(prompts[0], GREEDY)
+    check_awake, sleepers = llm._check_awake, []
+
+    def checked_then_asked_to_sleep():
+        check_awake()
+        if not sleepers:  # the step's check: now another thread asks the engine to sleep
+            sleepers.append(threading.Thread(target=lambda: llm.abort("0") and llm.sleep()))
+            sleepers[0].start()
+            sleepers[0].join(0.5)
+
+    llm._check_awake = checked_then_asked_to_sleep
+    assert [output.request_id for output in llm.step()] == ["0"]
+    sleepers[0].join()
+    assert llm.sleeping
 
 
 def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, prompts,

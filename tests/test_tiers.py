@@ -596,3 +596,34 @@ def test_token_ids_in_a_tensor_hit_the_tier(device):
     evict_prompt_to_tier(cache, prompt(9))
     assert cache.add_sequence("b", torch.tensor(prompt(9))) == 8
     assert cache.stats().num_tier_loads == 2
+
+
+# ---- the engine's model fingerprint: pages are shared only by the same model ---------------
+
+def test_the_fingerprint_tells_apart_any_weight_and_the_config_but_not_a_reload():
+    import dataclasses
+
+    from kvpool.engine.tiers import weights_fingerprint
+    from kvpool.models.loader import load_model
+
+    def fingerprint(change=None):
+        model = load_model("tiny", device="cpu").model
+        if change is not None:
+            with torch.no_grad():
+                change(model)
+        return weights_fingerprint(model)
+
+    def rope(model):
+        model.config = dataclasses.replace(model.config, rope_theta=model.config.rope_theta / 2)
+
+    def last_row(model):  # a row no sample of a few thousand values would reach
+        model.model.embed_tokens.weight[-1, 0] += 1.0
+
+    def two_weights_swapped(model):
+        w = model.model.layers[0].mlp.down_proj.weight
+        w[0, 0], w[1, 1] = w[1, 1].clone(), w[0, 0].clone()
+
+    base = fingerprint()
+    assert fingerprint() == base
+    changed = [fingerprint(change) for change in (rope, last_row, two_weights_swapped)]
+    assert base not in changed and len(set(changed)) == 3

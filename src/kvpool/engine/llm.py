@@ -259,7 +259,6 @@ class LLM:
         in it (finish reason "error": only they; the others go on)."""
         if self._generating:
             raise RuntimeError("step() while generate() runs: generate steps the engine itself")
-        self._check_awake()
         return [self._output(r) for r in self._step()]
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -306,8 +305,12 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """The engine's counters and the pool's pages now (EngineStateError while asleep:
-        there is no pool)."""
-        self._check_awake()
+        there is no pool). Safe from another thread (it waits for the step in progress)."""
+        with self._cut_in():
+            self._check_awake()
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         cs = self.cache.stats()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -467,6 +470,7 @@ class LLM:
         # One inference mode for the whole step; buffers a step writes in place were
         # allocated at setup, outside it.
         with self._lock, torch.inference_mode():
+            self._check_awake()  # here, under the lock: another thread may sleep() meanwhile
             return self._step_locked()
 
     @contextmanager

@@ -1,6 +1,6 @@
 """The tier an engine's evicted prefix pages move to (`host_tier_memory`, `disk_tier` or
-`redis_tier` of `LLM`), and the fingerprint of the model's weights that, with the layout,
-names what its stored pages are valid for."""
+`redis_tier` of `LLM`), and the fingerprint of the model (its config and weights) that, with
+the layout, names what its stored pages are valid for."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from kvpool.cache.tiers import DiskTier, HostTier, Tier
 
-FINGERPRINT_SAMPLES = 4096  # values hashed per weight tensor, evenly spaced
+SUM_CHUNK = 1 << 22  # weights summed at once (a float64 copy of 32 MiB on their device)
 
 
 def make_tier(config, bytes_per_page: int) -> Tier | None:
@@ -35,17 +35,34 @@ def _pages(name: str, nbytes: int, bytes_per_page: int) -> int:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """A string naming `model`'s architecture and weights: a hash of every
-    parameter's name, shape, dtype and up to FINGERPRINT_SAMPLES of its values, so that two
-    engines share stored pages only when they run the same weights."""
+    """A string naming `model`'s architecture, config and weights, so that two engines share
+    stored pages only when they run the same model: a hash of its config (`model.config`:
+    RoPE, norms and activation shape the K it stores as much as the weights) and of every
+    parameter's name, shape, dtype and sums along each row and each column (of the
+    parameter as a matrix of its first dimension's rows), in float64 on its device. Any
+    changed weight moves two sums, short of changes made to cancel out; a model's weights
+    are read once, a chunk at a time."""
     digest = hashlib.blake2b(digest_size=16)
-    for pname, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-        sample = flat[::step][:FINGERPRINT_SAMPLES].cpu().contiguous()
-        digest.update(f"{pname} {tuple(p.shape)} {p.dtype}".encode())
-        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    digest.update(repr(model.config).encode())
+    for name, p in model.named_parameters():
+        digest.update(f"{name} {tuple(p.shape)} {p.dtype}".encode())
+        for sums in _row_and_column_sums(p.detach()):
+            digest.update(sums.cpu().numpy().tobytes())
     return f"{type(model).__name__}@{digest.hexdigest()}"
+
+
+def _row_and_column_sums(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 sums of each row and each column of `weight` as a matrix (one column
+    for a vector: its values), reading SUM_CHUNK weights at a time."""
+    matrix = weight.reshape(weight.shape[0], -1) if weight.dim() > 1 else weight.reshape(-1, 1)
+    rows = max(1, SUM_CHUNK // max(matrix.shape[1], 1))
+    row_sums = []
+    column_sums = torch.zeros(matrix.shape[1], dtype=torch.float64, device=weight.device)
+    for start in range(0, matrix.shape[0], rows):
+        block = matrix[start:start + rows].to(torch.float64)
+        row_sums.append(block.sum(dim=1))
+        column_sums += block.sum(dim=0)
+    return torch.cat(row_sums) if row_sums else column_sums[:0], column_sums
 
 
 def tier_counters(cache) -> dict[str, int]:
