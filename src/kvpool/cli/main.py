@@ -64,7 +64,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16, metavar="TOKENS",
                         help="tokens per page (default: 16)")
     parser.add_argument("--dtype", choices=list(DTYPES),
-                        help="weights and KV dtype (default: the config's, else float16)")
+                        help="weights and KV dtype (default: the config's, else float32)")
     parser.add_argument("--mamba-memory-ratio", type=float, default=0.5, metavar="RATIO",
                         help="hybrid models: share of the cache budget for Mamba state slots "
                              "(default: 0.5)")
