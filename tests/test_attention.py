@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 
 import pytest
@@ -482,6 +483,31 @@ def test_float_page_table_is_rejected():
     with pytest.raises(TypeError, match="page_tables must be an integer tensor, got torch.float32"):
         paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.page_tables.float(),
                         batch.seq_lens, batch.cu_seqlens_q)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("index", ["page_tables", "seq_lens", "cu_seqlens_q"])
+def test_narrow_integer_index_tensors_are_refused_by_name(backend, index):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    args = dict(page_tables=batch.page_tables, seq_lens=batch.seq_lens,
+                cu_seqlens_q=batch.cu_seqlens_q)
+    args[index] = args[index].to(torch.int16)
+    with pytest.raises(TypeError, match=f"{index} must be int32 or int64, got torch.int16"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, backend=backend, **args)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+                    reason="the bounded triton path checks page ids on CPU tensors only")
+def test_bounded_triton_path_on_cpu_tensors_names_an_out_of_range_page_id():
+    pytest.importorskip("triton")
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    batch.page_tables[1, 0] = 10**6
+    with pytest.raises(IndexError, match=r"entry \[1, 0\] is page id 1000000, outside"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.page_tables,
+                        batch.seq_lens, batch.cu_seqlens_q, backend="triton",
+                        max_seq_len=int(batch.seq_lens.max()), max_query_len=1)
 
 
 def test_torch_path_names_an_out_of_range_page_id():

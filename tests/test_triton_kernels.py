@@ -369,3 +369,27 @@ def test_triton_backend_with_bounds_does_not_synchronise():
         batch.attend(backend="triton", max_seq_len=capacity, max_query_len=1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("bounded", [False, True], ids=["", "bounded"])
+def test_index_tensors_that_are_strided_views_give_the_dense_ones_result(specs, bounded):
+    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=64, page_size=4,
+                       dtype=torch.float32)
+    limits = dict(max_seq_len=int(batch.seq_lens.max()), max_query_len=max(batch.q_lens)) \
+        if bounded else {}
+
+    def strided(t):  # the same values, every other element of a wider tensor
+        return torch.stack([t, t], dim=-1)[..., 0]
+
+    def attend(page_tables, seq_lens, cu_seqlens_q):
+        return paged_attention(batch.q, batch.k_cache, batch.v_cache, page_tables, seq_lens,
+                               cu_seqlens_q, backend="triton", **limits)
+
+    dense = attend(batch.page_tables, batch.seq_lens, batch.cu_seqlens_q)
+    assert relative_error(dense, batch.reference()) < 1e-5
+    for i in range(3):
+        args = [batch.page_tables, batch.seq_lens, batch.cu_seqlens_q]
+        args[i] = args[i].t().contiguous().t() if i == 0 else strided(args[i])
+        assert not args[i].is_contiguous()
+        assert torch.equal(attend(*args), dense)

@@ -166,7 +166,7 @@ def paged_attention(
     `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
     batch gives an empty result. `backend` is one of BACKENDS, None for the fastest here.
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
-    trusts them and reads nothing back from the device. `workspace`
+    on CUDA trusts them and reads nothing back from the device. `workspace`
     (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
     `scope()`) provides the triton decode's scratch, taken back when the call returns. fp8
     caches need `k_scale` and `v_scale`.
@@ -177,11 +177,13 @@ def paged_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
-    if backend == "triton" and max_seq_len is not None and max_query_len is not None:
+    bounded = backend == "triton" and max_seq_len is not None and max_query_len is not None
+    if bounded:
         _check_bounds(k_cache, page_tables, max_seq_len, max_query_len)
-        return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, max_seq_len, max_query_len, workspace,
-                              k_scale, v_scale)
+        if q.device.type != "cpu":  # trusted: reading the lengths back would synchronise
+            return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
+                                  scale, sliding_window, max_seq_len, max_query_len, workspace,
+                                  k_scale, v_scale)
     lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens)
@@ -191,7 +193,8 @@ def paged_attention(
             raise ValueError(f"paged_attention: {name} {bound} is below the batch's {actual}")
     if backend == "triton":
         return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, max(lens), max(q_lens), workspace,
+                              sliding_window, max_seq_len if bounded else max(lens),
+                              max_query_len if bounded else max(q_lens), workspace,
                               k_scale, v_scale)
     layer = _Layer(k_cache, v_cache, scale, sliding_window, backend, k_scale, v_scale)
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
@@ -241,6 +244,9 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
     from kvpool.kernels import triton_decode, triton_prefill
 
     q = q if q.stride(2) == 1 else q.contiguous()
+    # the kernels step through the index tensors densely (a no-op for dense ones)
+    page_tables, seq_lens, cu_seqlens_q = (
+        t.contiguous() for t in (page_tables, seq_lens, cu_seqlens_q))
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)
@@ -300,6 +306,8 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
     for name, tensor in (("page_tables", page_tables), ("seq_lens", seq_lens),
                          ("cu_seqlens_q", cu_seqlens_q)):
         check_index_dtype(name, tensor)
+        if tensor.dtype not in (torch.int32, torch.int64):  # what every backend indexes with
+            raise TypeError(f"paged_attention: {name} must be int32 or int64, got {tensor.dtype}")
 
 
 def _check_bounds(k_cache, page_tables, max_seq_len: int, max_query_len: int) -> None:
