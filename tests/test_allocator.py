@@ -435,6 +435,21 @@ def test_stats_count_a_shared_page_as_freed_only_when_its_last_reference_goes():
     assert allocator.stats().num_freed == 1
 
 
+def test_cached_pages_held_again_count_in_the_peak_and_as_freed_when_let_go_again():
+    allocator = PageAllocator(16)
+    pages = allocator.allocate(4)
+    allocator.mark_cached(pages)
+    allocator.free(pages)
+    allocator.allocate(4)
+    allocator.share(pages)  # a prefix hit: the cached pages are used again
+    stats = allocator.stats()
+    assert (stats.num_used, stats.peak_used, stats.num_freed) == (8, 8, 4)
+    allocator.check()
+    allocator.free(pages)
+    assert allocator.stats().num_freed == 8
+    allocator.check()
+
+
 def test_stats_utilization_is_the_used_fraction():
     allocator = PageAllocator(8)
     allocator.allocate(2)

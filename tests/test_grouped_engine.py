@@ -49,6 +49,21 @@ def test_a_mixed_model_gets_a_full_pool_and_a_window_pool(checkpoint, device):
     assert [g.allocator.num_pages for g in llm.cache.groups] == [22, 2 * WINDOW_PAGES + 16]
 
 
+def test_bench_shows_the_pages_of_each_pool_and_the_bytes_of_both(checkpoint, device):
+    from kvpool.cli.bench import BenchRequest, run_workload, summary_rows
+    from kvpool.formats import format_bytes
+
+    _, folder = checkpoint
+    llm = LLM(folder, **ENGINE, device=device)
+    requests = [BenchRequest(prompt, 4, 0.0, None) for prompt in batch()[:2]]
+    result = run_workload(llm, requests, show_progress=False)
+    rows = dict(summary_rows(llm, requests, result))
+    assert rows["pool pages"] == (
+        f"22 full attention + {2 * WINDOW_PAGES + 16} window {WINDOW:,} x {PAGE_SIZE} tokens "
+        f"= {22 * PAGE_SIZE} tokens ({format_bytes(llm.cache.kv_pools.nbytes)})")
+    assert llm.cache.kv_pools.nbytes > llm.cache.pool.nbytes
+
+
 def test_a_tier_is_refused_with_a_clear_error(checkpoint, device):
     _, folder = checkpoint
     with pytest.raises(ValueError, match="host_tier_memory: .* grouped .* takes none yet"):

@@ -219,7 +219,7 @@ def summary_rows(llm: LLM, requests: list[BenchRequest],
     cache = llm.cache.stats()
     num_prompt = sum(len(r.prompt_token_ids) for r in requests)
     num_generated = sum(t.num_output_tokens for t in result.timings)
-    num_pages, page_size = cache.num_pages, cache.page_size
+    num_pages = cache.num_pages
     peak = max(s.num_used_pages for s in result.steps)
     wall = result.wall_time
     tpots = [t.tpot for t in result.timings if t.tpot is not None]
@@ -236,14 +236,24 @@ def summary_rows(llm: LLM, requests: list[BenchRequest],
         ("TTFT p50 / p99", _percentiles_ms([t.ttft for t in result.timings])),
         ("TPOT p50 / p99", _percentiles_ms(tpots)),
         ("peak pages used", f"{peak:,} ({peak / num_pages:.0%} of the pool)"),
-        ("pool pages", f"{num_pages:,} x {page_size} tokens = {num_pages * page_size:,} "
-                       f"tokens ({format_bytes(llm.cache.pool.nbytes)})"),
+        ("pool pages", _pool_summary(llm)),
         ("KV utilization", f"{np.mean([s.kv_utilization for s in result.steps]):.1%} "
                            f"(filled slots of used pages, mean over steps)"),
         ("prefix hit rate", hit_rate),
         ("tier pages", _tier_summary(llm)),
         ("preemptions", f"{final.num_preemptions:,}"),
     ]
+
+
+def _pool_summary(llm: LLM) -> str:
+    """The pool's pages and tokens, and the bytes of all its layer groups' pools; with
+    several groups, the pages of each and the tokens of the first (full attention)."""
+    groups, page_size = llm.cache.page_groups, llm.cache.page_size
+    pages = " + ".join(f"{group.allocator.num_pages:,} {group.name}" for group in groups) \
+        if len(groups) > 1 else f"{groups[0].allocator.num_pages:,}"
+    tokens = groups[0].allocator.num_pages * page_size
+    return (f"{pages} x {page_size} tokens = {tokens:,} tokens "
+            f"({format_bytes(llm.cache.kv_pools.nbytes)})")
 
 
 def _tier_summary(llm: LLM) -> str:

@@ -61,7 +61,7 @@ class PageAllocator:
 
     __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_refcounts", "_is_cached",
                  "_next", "_prev", "_num_cached", "_lock", "_num_allocated",
-                 "_num_failed", "_num_evicted", "_fewest_unused", "on_evict")
+                 "_num_failed", "_num_evicted", "_num_revived", "_fewest_unused", "on_evict")
 
     def __init__(self, num_pages: int, *, policy: str = "lifo", reserve: int = 0,
                  thread_safe: bool = True) -> None:
@@ -85,6 +85,7 @@ class PageAllocator:
         self._num_allocated = 0
         self._num_failed = 0
         self._num_evicted = 0
+        self._num_revived = 0  # cached pages held again (by a prefix hit): used again
         self._fewest_unused = num_pages  # low-water mark of free + cached: num_pages - peak
         # The prefix index's: called with the evicted pages, coldest first, once they have
         # left the queue and lost their marks, before anyone can write them.
@@ -210,7 +211,12 @@ class PageAllocator:
             last = page
         if first >= 0:
             self._unlink(first, last)
-        self._num_cached -= len(pages) - held
+        revived = len(pages) - held
+        self._num_cached -= revived
+        self._num_revived += revived
+        unused = len(self._free) + self._num_cached
+        if unused < self._fewest_unused:
+            self._fewest_unused = unused
 
     def drop(self, pages: list[int]) -> list[int]:
         """`free` for the owner of the page tables, calling from one thread, whose pages are
@@ -290,12 +296,13 @@ class PageAllocator:
         """The counters as of now; `num_freed` counts pages whose holders all let go."""
         with self._lock or nullcontext():
             num_used = self._num_pages - len(self._free) - self._num_cached
-            # Pages become used only by allocate and unused only by free, so the cumulative
-            # counts differ by exactly the pages in use.
+            # Pages become used by allocate or by a hit that holds cached ones again, and
+            # unused only by free, so the cumulative counts differ by exactly the pages in use.
             return AllocatorStats(
                 num_pages=self._num_pages, num_free=len(self._free), num_used=num_used,
                 peak_used=self._num_pages - self._fewest_unused,
-                num_allocated=self._num_allocated, num_freed=self._num_allocated - num_used,
+                num_allocated=self._num_allocated,
+                num_freed=self._num_allocated + self._num_revived - num_used,
                 num_failed=self._num_failed, num_cached=self._num_cached,
                 num_evicted=self._num_evicted)
 
