@@ -288,6 +288,11 @@ def test_plan_rejects_device_memory_that_is_not_a_positive_int64(device_memory, 
         plan_memory(TINY, device_memory)
 
 
+def test_all_of_the_largest_device_memory_stays_within_int64():
+    plan = plan_memory(TINY, 2**63 - 1, memory_fraction=1.0)
+    assert plan.usable_bytes == 2**63 - 1  # the float product rounds to 2**63
+
+
 @pytest.mark.parametrize("name", ["activation_bytes", "reserved_bytes"])
 @pytest.mark.parametrize("value", [-1, 2**63])
 def test_plan_rejects_bytes_set_aside_below_0_or_past_int64(name, value):

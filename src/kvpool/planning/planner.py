@@ -72,7 +72,7 @@ class MemoryPlan:
     @property
     def usable_bytes(self) -> int:
         """The share of the device memory this model may use: memory_fraction of it."""
-        return int(self.device_memory * self.memory_fraction)
+        return usable_bytes(self.device_memory, self.memory_fraction)
 
     @property
     def kv_bytes(self) -> int:
@@ -110,6 +110,12 @@ class MemoryPlan:
     def max_checkpoints(self, context_len: int) -> int:
         """State slots left for the prefix cache's checkpoints while `max_sequences` run."""
         return self.num_state_slots - self.max_sequences(context_len) if self.mamba_layout else 0
+
+
+def usable_bytes(device_memory: int, memory_fraction: float) -> int:
+    """`memory_fraction` of `device_memory`, never more than all of it (a float product of
+    a number past 2**53 may round up)."""
+    return min(device_memory, int(device_memory * memory_fraction))
 
 
 def plan_memory(
@@ -158,7 +164,7 @@ def plan_memory(
             weights_dtype, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=DEFAULT_MAX_NUM_SEQS)
     device_name, device_memory, in_use_bytes = _memory(device_memory, device)
-    usable = int(device_memory * memory_fraction)
+    usable = usable_bytes(device_memory, memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
     mamba = model.mamba_layout(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     ratio = mamba_memory_ratio if mamba else 0.0
