@@ -110,3 +110,16 @@ def test_every_package_states_its_rules():
     for init in SRC.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and "import" in doc, f"{init.parent.name}/__init__.py: say what it may import"
+
+
+def test_kvpool_re_exports_every_error_the_library_defines():
+    import kvpool
+    from kvpool import errors
+    from kvpool.memory.workspace import WorkspaceFull
+
+    defined = {name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, Exception)
+               and value.__module__ == errors.__name__} | {WorkspaceFull.__name__}
+    assert defined - set(kvpool.__all__) == set()
+    for name in defined:
+        assert issubclass(getattr(kvpool, name), Exception)
