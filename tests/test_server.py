@@ -3,6 +3,7 @@ n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, lo
 both OpenAI forms, the models, health and metrics endpoints, and every bad request refused
 with an OpenAI error body."""
 
+import codecs
 import json
 import re
 from functools import partial
@@ -141,16 +142,32 @@ def _text(token_id):
     return bytes([token_id]).decode(errors="replace") if token_id < 256 else ""
 
 
+def _name(token_id):
+    """How completions name a token: its text, unless that is no whole character."""
+    text = _text(token_id)
+    return text if text and "\ufffd" not in text else f"token_id:{token_id}"
+
+
+def _offsets(token_ids):
+    """Where each token starts in the text: the characters its earlier bytes decode to."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, length = [], 0
+    for token_id in token_ids:
+        offsets.append(length)
+        length += len(decoder.decode(bytes([token_id]) if token_id < 256 else b""))
+    return offsets
+
+
 def test_completion_logprobs_are_the_engines_in_openai_form(client, expected_logprobs):
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=3,
                                     **GREEDY)
     logprobs, entries = out.choices[0].logprobs, expected_logprobs.logprobs
-    tokens = [_text(e.token_id) for e in entries]
-    assert logprobs.tokens == tokens
+    assert logprobs.tokens == [_name(e.token_id) for e in entries]
     assert logprobs.token_logprobs == [e.logprob for e in entries]
-    # each position's top 3 by text, and the sampled token (here the most likely one)
-    assert logprobs.top_logprobs == [{_text(t): v for t, v in e.top} for e in entries]
-    assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(8)]
+    # each position's top 3 by name, and the sampled token (here the most likely one)
+    assert logprobs.top_logprobs == [{_name(t): v for t, v in e.top} for e in entries]
+    assert logprobs.text_offset == _offsets([e.token_id for e in entries])
+    assert max(logprobs.text_offset) <= len(out.choices[0].text)
 
 
 def test_streamed_completion_logprobs_add_up_to_the_whole(client):
@@ -169,12 +186,14 @@ def test_chat_logprobs_name_each_token_its_bytes_and_the_top_ones(client):
     same = client.completions.create(model="tiny", prompt=[256, *b"user: hi\nassistant:"],
                                      max_tokens=12, logprobs=2, **GREEDY).choices[0].logprobs
     content = out.choices[0].logprobs.content
-    assert [c.token for c in content] == same.tokens
+    texts = [_text(int(t.removeprefix("token_id:"))) if t.startswith("token_id:") else t
+             for t in same.tokens]  # chat names every token by its text
+    assert [c.token for c in content] == texts
     # the second request hits the first's prompt pages and computes its last prompt token
     # alone: another shape for the matrix products, so the logprobs may differ in the 6th digit
     assert [c.logprob for c in content] == pytest.approx(same.token_logprobs, abs=1e-4)
     assert [c.bytes for c in content] == [None if t == "\ufffd" else list(t.encode())
-                                          for t in same.tokens]
+                                          for t in texts]
     for c in content:
         assert len(c.top_logprobs) == 2
         assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob

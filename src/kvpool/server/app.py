@@ -129,7 +129,8 @@ class Server:
         generation = Generation(request_id, self.model_name, num_prompt_tokens=len(prompt),
                                 n=parsed.n, stop=parsed.stop, chat=chat,
                                 include_usage=parsed.include_usage, logprobs=parsed.logprobs,
-                                token_text=self._token_text)
+                                token_text=self._token_text, text_stream=None
+                                if self.info.tokenizer is None else self.info.tokenizer.stream)
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),

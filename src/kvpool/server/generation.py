@@ -15,6 +15,7 @@ from collections import abc
 from typing import NamedTuple
 
 from kvpool.engine import TokenLogprobs
+from kvpool.models.tokenizer import TextStream
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import Update
 
@@ -38,14 +39,17 @@ class Generation:
     `num_prompt_tokens`: the prompt's length, for `usage`. `chat` selects the chat
     completion objects; `stop` are the request's stop strings.
     `logprobs`: the request's count of most likely tokens (None: no log-probabilities), shown
-    with `token_text(token_id)` as each token's text. `done` is True once every choice has
-    ended (the engine may still be running the request when stop strings ended them: the
-    caller aborts it).
+    with `token_text(token_id)` as each token's text; `text_stream()` makes an incremental
+    decoder of a choice's ids (the tokenizer's `stream`; None: no tokenizer), which places
+    each token in the choice's text (completions' `text_offset`). `done` is True once every
+    choice has ended (the engine may still be running the request when stop strings ended
+    them: the caller aborts it).
     """
 
     def __init__(self, request_id: str, model: str, *, num_prompt_tokens: int, n: int,
                  stop: tuple[str, ...], chat: bool, include_usage: bool, logprobs: int | None,
-                 token_text: abc.Callable[[int], str]):
+                 token_text: abc.Callable[[int], str],
+                 text_stream: abc.Callable[[], TextStream] | None = None):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
@@ -54,7 +58,9 @@ class Generation:
         self.choices = [ChoiceText(matcher) for _ in range(n)]
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # all received
         self._num_logprobs_sent = [0] * n
-        self._text_offsets = [0] * n  # completions: where the next chunk's tokens start
+        # completions: where each choice's tokens start in its text
+        self._offsets = [_Offsets(None if text_stream is None else text_stream())
+                         for _ in range(n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
@@ -116,7 +122,7 @@ class Generation:
                        for i, c in enumerate(self.choices)]
         else:
             choices = [{"index": i, "text": c.text,
-                        "logprobs": self._completion_logprobs(entries[i], 0)[0],
+                        "logprobs": self._completion_logprobs(entries[i], i),
                         "finish_reason": c.finish_reason} for i, c in enumerate(self.choices)]
         return {"id": self.request_id, "object": "chat.completion" if self.chat
                 else "text_completion", "created": self.created, "model": self.model,
@@ -148,8 +154,7 @@ class Generation:
                                                 "logprobs": None if delta else logprobs,
                                                 "finish_reason": finish_reason}]))
             else:
-                logprobs, self._text_offsets[index] = self._completion_logprobs(
-                    entries, self._text_offsets[index])
+                logprobs = self._completion_logprobs(entries, index)
                 events.append(self._event([{"index": index, "text": delta,
                                             "logprobs": logprobs,
                                             "finish_reason": finish_reason}]))
@@ -165,24 +170,28 @@ class Generation:
     # ---- log-probabilities ----------------------------------------------------------------
 
     def _completion_logprobs(self, entries: list[TokenLogprobs] | None,
-                             text_offset: int) -> tuple[dict | None, int]:
-        """The completions `logprobs` object of `entries`, whose first token's text starts
-        at `text_offset` (characters) in the choice's text; and where the next would start.
-        As OpenAI's, `top_logprobs` holds the sampled token too (up to logprobs + 1)."""
+                             index: int) -> dict | None:
+        """The completions `logprobs` object of choice `index`'s next `entries`. As
+        OpenAI's, `top_logprobs` holds the sampled token too (up to logprobs + 1), each token
+        named by `_token_name`."""
         if entries is None:
-            return None, text_offset
-        tokens = [self.token_text(e.token_id) for e in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(text_offset)
-            text_offset += len(token)
+            return None
+        tokens = [self._token_name(e.token_id) for e in entries]
         tops = []
         for entry, token in zip(entries, tokens, strict=True):
-            top = {self.token_text(t): v for t, v in entry.top}
+            top = {self._token_name(t): v for t, v in entry.top}
             top.setdefault(token, entry.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}, text_offset
+                "top_logprobs": tops,
+                "text_offset": self._offsets[index].of([e.token_id for e in entries])}
+
+    def _token_name(self, token_id: int) -> str:
+        """A token's text, or "token_id:N" where that is no whole character (a byte of a
+        longer one: such tokens would all read U+FFFD) or empty: completions key the top
+        tokens by name, so two tokens never share one."""
+        text = self.token_text(token_id)
+        return text if text and REPLACEMENT not in text else f"token_id:{token_id}"
 
     def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
         """The chat `logprobs` object of `entries`: each token's text, bytes and
@@ -215,6 +224,25 @@ def sse(body: dict) -> bytes:
 
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps would build one per call
+
+
+class _Offsets:
+    """Where each token of a choice starts in its text, in characters: the length of what
+    the tokens before it decode to, so the tokens holding the bytes of one character all
+    start where it does. 0 without a tokenizer (the text is empty)."""
+
+    def __init__(self, stream: TextStream | None):
+        self._stream, self._ids, self._length = stream, [], 0
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        """The offsets of the choice's next tokens, `token_ids`."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._length)
+            if self._stream is not None:
+                self._ids.append(token_id)
+                self._length = len(self._stream.text(self._ids))
+        return offsets
 
 
 def _json(value: object) -> bytes:
