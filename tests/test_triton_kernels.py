@@ -393,3 +393,16 @@ def test_index_tensors_that_are_strided_views_give_the_dense_ones_result(specs, 
         args[i] = args[i].t().contiguous().t() if i == 0 else strided(args[i])
         assert not args[i].is_contiguous()
         assert torch.equal(attend(*args), dense)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72], ids=["d64", "d72-padded-to-128"])
+def test_the_decode_scratch_is_what_the_engine_sizes_its_workspace_for(head_dim):
+    from kvpool.kernels import decode_scratch_bytes
+
+    batch = make_batch(DECODES, heads=4, kv_heads=1, head_dim=head_dim, page_size=16,
+                       dtype=torch.float32)
+    workspace = Workspace()
+    decode(batch, num_splits=3, workspace=workspace)
+    taken = sum(torch.Size(shape).numel() * dtype.itemsize
+                for shape, dtype in workspace.requests)
+    assert taken == decode_scratch_bytes(len(DECODES), 4, head_dim, 3)

@@ -12,7 +12,7 @@ from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
 from kvpool.formats import format_bytes
-from kvpool.kernels import MAX_DECODE_SPLITS
+from kvpool.kernels import MAX_DECODE_SPLITS, decode_scratch_bytes
 from kvpool.memory.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
@@ -193,15 +193,14 @@ class EngineConfig:
         """Bytes of the engine's workspace: a step's int64 metadata at its largest (tokens,
         sequences, a slot mapping and page tables of `max_model_len` tokens per layer group,
         state slots: pass the longest sequence the cache can hold, see `longest_sequence`)
-        plus the split-context decode's scratch (float32
-        partial outputs and a log-sum-exp per sequence, query head and split, at most
+        plus the split-context decode's scratch (`decode_scratch_bytes` at
         MAX_DECODE_SPLITS splits; one layer's worth, which every layer reuses) and alignment
         slack."""
         seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
         width = -(-max_model_len // layout.page_size)
         groups = len(layout.groups)
         metadata = ((2 + groups) * tokens + 4 * seqs + 1 + groups * seqs * width) * 8
-        scratch = seqs * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
+        scratch = decode_scratch_bytes(seqs, model.num_heads, model.head_dim, MAX_DECODE_SPLITS)
         return metadata + scratch + 8 * ALIGNMENT
 
     @staticmethod

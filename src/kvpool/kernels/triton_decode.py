@@ -203,9 +203,12 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
     `split_tokens` tokens. A split takes its tokens in blocks of the power of two that covers
     it, from 16 to BLOCK_N (on an H200, 128 tokens a step with 8 warps or 4 were no faster:
-    benchmarks/tiles.py). Heads over 256 wide step WIDE_BLOCK_N tokens."""
+    benchmarks/tiles.py). Heads over 256 wide step WIDE_BLOCK_N tokens, and float32 ones load
+    a block at a time (one stage: two would need 193 KiB of shared memory at MLA's 576, past
+    sm_80's 163)."""
     fp8 = is_fp8(cache_dtype)
     block_d = triton.next_power_of_2(head_dim)
+    wide_fp32 = block_d > 256 and cache_dtype.itemsize == 4
     if block_d > 256:
         block_n = WIDE_BLOCK_N
     else:
@@ -213,7 +216,7 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
     return Launch(dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=_block_g(group), BLOCK_N=block_n,
         SPLIT=num_splits > 1, PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
-    ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=2)
+    ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=1 if wide_fp32 else 2)
 
 
 def merge_launch(head_dim: int) -> Launch:

@@ -87,11 +87,12 @@ class Variant:
 
     def branches(self) -> tuple:
         """What picks the kernel's code paths, shapes aside: the arch, the kernel, its
-        constexprs other than tile sizes and head shape (fp8, precision, split, residual), and
-        whether it rotates."""
+        constexprs other than tile sizes and head shape (fp8, precision, split, residual),
+        whether it rotates, and its pipeline stages (which set its shared memory)."""
         flags = {k: v for k, v in self.launch.constexprs.items() if k not in _SHAPES}
         rotates = self.launch.constexprs.get("ROTARY_DIM", 0) > 0
-        return self.arch, self.kernel_name, tuple(sorted(flags.items())), rotates
+        return (self.arch, self.kernel_name, tuple(sorted(flags.items())), rotates,
+                self.launch.num_stages)
 
     def source(self) -> ASTSource:
         """The kernel with this variant's argument types, 16-byte alignments and constexprs:
