@@ -87,3 +87,21 @@ def test_the_engine_picks_cuda_when_present_else_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert engine_device(None) == torch.device("cuda")
     assert engine_device("cpu") == torch.device("cpu")
+
+
+def test_decode_steps_replay_graphs_only_where_attention_runs_on_triton(monkeypatch):
+    # The torch path reads a batch's lengths back on the host, which a capture forbids.
+    from kvpool.engine.graphs import replays_graphs
+    from kvpool.kernels import triton_support
+    from kvpool.memory.fp8 import FP8_DTYPE
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_support, "triton_installed", lambda: True)
+    monkeypatch.setattr(triton_support, "interpreted", lambda: False)
+    for arch, fp8 in ((80, False), (89, True), (90, True)):  # fp8 pages from sm_89 on
+        monkeypatch.setattr(triton_support, "_cuda_arch", lambda device, arch=arch: arch)
+        assert replays_graphs(cuda, torch.bfloat16)
+        assert replays_graphs(cuda, FP8_DTYPE) == fp8
+    monkeypatch.setattr(triton_support, "triton_installed", lambda: False)
+    assert not replays_graphs(cuda, torch.bfloat16)
+    assert not replays_graphs(torch.device("cpu"), torch.bfloat16)

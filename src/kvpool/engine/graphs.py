@@ -23,6 +23,15 @@ from tqdm.auto import tqdm
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import ForwardContext, HostLengths
+from kvpool.kernels import triton_support
+
+
+def replays_graphs(device: torch.device, cache_dtype: torch.dtype) -> bool:
+    """Whether decode steps on `device` over pages of `cache_dtype` can replay CUDA graphs:
+    on CUDA, where attention runs on the Triton kernels. The torch path (triton not installed,
+    or fp8 pages before sm_89) reads the batch's lengths back on the host, which a capture
+    forbids: those steps run eagerly."""
+    return device.type == "cuda" and triton_support.runs_on(device, cache_dtype)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

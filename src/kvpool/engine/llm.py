@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from kvpool.cache import KVCache, StateSpec
 from kvpool.engine.config import EngineConfig, engine_device
-from kvpool.engine.graphs import CUDAGraphRunner
+from kvpool.engine.graphs import CUDAGraphRunner, replays_graphs
 from kvpool.engine.handoff import PrefilledKV, read_prefilled
 from kvpool.engine.overlap import LaunchedStep
 from kvpool.engine.parallel import WorkerSpec, check_tensor_parallel, make_peers
@@ -61,7 +61,8 @@ class LLM:
     the bytes of `num_pages` pages of every layer (planned or given) split between their
     pools (kvpool.planning.group_plan); `free_out_of_window=False` keeps one pool and every page.
     On CUDA every model's decode steps replay CUDA graphs unless `enforce_eager` (or
-    `tensor_parallel_size` > 1, which runs eagerly for now), and the host schedules each step
+    `tensor_parallel_size` > 1, which runs eagerly for now, or attention on the torch path:
+    triton not installed, fp8 pages before sm_89), and the host schedules each step
     while the device runs the one before (overlap scheduling, kvpool.engine.overlap) unless
     `overlap=False` (or `tensor_parallel_size` > 1); the outputs are the same either way.
     One tier (`host_tier_memory`, `disk_tier`, or `redis_tier`: see EngineConfig) keeps the
@@ -392,7 +393,8 @@ class LLM:
         if one_gpu:  # the shortest prefill and the longest chunk a step holds
             longest = min(self.config.max_num_batched_tokens, self._longest)
             self.runner.warm_up(sorted({min(2, longest), longest}))
-        if one_gpu and not self.config.enforce_eager:
+        if one_gpu and not self.config.enforce_eager and replays_graphs(self._device,
+                                                                      self.cache.layout.dtype):
             self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, self._longest)
             self.graphs.capture()
 
