@@ -107,9 +107,12 @@ def through_peer(name: str, case: str, requests: int) -> None:
     import random
 
     from cache import random_prompts, shared_prefix_prompts, tokenizer_output
-    from peers import KVPoolPeer, VLLMPeer
+    from peers import KVPoolPeer, VLLMPeer, why_not
 
-    peer = {"kvpool": KVPoolPeer, "vllm": VLLMPeer}[name]()
+    try:
+        peer = {"kvpool": KVPoolPeer, "vllm": VLLMPeer}[name]()
+    except Exception as e:  # a peer that does not load here: say why, as peers.py does
+        raise SystemExit(f"instructions.py: {name} {why_not(e)}") from None
     if case == "shared":
         warm = 4_000
         serve, _ = peer.server(16_384, True)

@@ -60,10 +60,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child_pids(pid: int) -> list[int]:
-    """The live child processes of process `pid` (those of every thread)."""
+def descendant_pids(pid: int) -> list[int]:
+    """The live descendants of process `pid` (children of every thread, theirs, and so on):
+    the server's engine is a child of the forkserver the server started."""
     tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
+    children = [int(c) for task in tasks.iterdir()
+                for c in (task / "children").read_text().split()]
+    return children + [d for child in children for d in descendant_pids(child)]
 
 
 def in_process(workload: Workload) -> tuple[BenchResult, Cpu]:
@@ -102,7 +105,7 @@ async def _client(url: str, workload: Workload, server_pid: int) -> tuple[BenchR
                     raise RuntimeError("kvpool serve did not answer in 120 s") from None
                 await asyncio.sleep(0.2)
         requests = make_workload(workload, info["vocab_size"])
-        engines = child_pids(server_pid)
+        engines = descendant_pids(server_pid)
         before = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server_pid),
                      time.process_time())
         result = await run_requests(client, info["id"], requests, show_progress=False)

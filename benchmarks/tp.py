@@ -82,12 +82,12 @@ def start_times(repeats: int) -> str:
     """The table of start and close times: workers spawned, then forked by the forkserver
     (its first engine, then later ones)."""
     LLM("tiny", device="cpu", num_pages=32).close()  # rank 0's imports and first model
-    forkserver = parallel.worker_context
-    parallel.worker_context = lambda: multiprocessing.get_context("spawn")
+    forkserver = parallel.process_context  # looked up by the group at each start
+    parallel.process_context = lambda: multiprocessing.get_context("spawn")
     try:
         spawned = start_close(repeats)
     finally:
-        parallel.worker_context = forkserver
+        parallel.process_context = forkserver
     first = start_close(1)
     later = start_close(repeats)
     rows = [("2 ranks, tiny: workers", "start (s)", "close (s)", "start vs spawn")]
