@@ -188,3 +188,14 @@ def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_pr
                                          "tensor_parallel_size=2"):
         DisaggregatedLLM("tiny", prefill={"device": "cpu", "tensor_parallel_size": 2},
                          decode={"device": "cpu"})
+
+
+def test_fp8_pages_need_the_same_kv_scales_given_to_both_sides():
+    fp8 = {"device": "cpu", "kv_cache_dtype": "fp8_e4m3", "num_pages": 64}
+    with pytest.raises(ValueError, match="same kv_scales given to both sides"):
+        DisaggregatedLLM("tiny", prefill=fp8, decode=fp8)
+    given = {**fp8, "kv_scales": (0.05, 0.04)}
+    prompt = [random.Random(3).randrange(258) for _ in range(40)]
+    expected = _tokens(LLM("tiny", **given).generate([prompt], GREEDY, use_tqdm=False))
+    with DisaggregatedLLM("tiny", prefill=given, decode=given) as llm:
+        assert _tokens(llm.generate([prompt], GREEDY, use_tqdm=False)) == expected

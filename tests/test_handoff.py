@@ -80,6 +80,24 @@ def test_handed_kv_gives_one_engines_greedy_tokens(checkpoint, prefill, prompts,
     assert (decode.stats().num_preemptions > 0) == (num_pages == 16)
 
 
+def test_fp8_pages_are_handed_only_between_engines_of_the_same_scales(checkpoint, prompts,
+                                                                      device):
+    fp8 = dict(device=device, page_size=4, num_pages=128, kv_cache_dtype="fp8_e4m3",
+               overlap=False)
+    prompt = prompts[3]
+    calibrated = _prefilled(LLM(checkpoint, **fp8), prompt)  # scales from its first prefill
+    decode = LLM(checkpoint, **fp8)
+    request_id, _ = decode.hold_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match="give both engines the same kv_scales"):
+        decode.resume_request(request_id, calibrated)
+    given = {**fp8, "kv_scales": (0.05, 0.04)}
+    expected = LLM(checkpoint, **given).generate([prompt], GREEDY, use_tqdm=False)
+    decode = LLM(checkpoint, **given)
+    request_id, _ = decode.hold_request(prompt, GREEDY)
+    decode.resume_request(request_id, _prefilled(LLM(checkpoint, **given), prompt))
+    assert _run(decode)[request_id].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
 def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint, prefill,
                                                                      prompts, device):
     decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)

@@ -75,6 +75,11 @@ class DisaggregatedLLM:
                              f"parallelism on either side is not supported yet)")
         self.timeout = timeout
         self.decode = LLM(model, **decode)
+        if self.decode.cache.pool.quantized and (
+                decode.get("kv_scales") is None or prefill.get("kv_scales") != decode["kv_scales"]):
+            raise ValueError("fp8 pages handed from the prefill engine need the same kv_scales "
+                             "given to both sides: scales each calibrates from its first "
+                             "prefill differ")
         if not self.decode.takes_prefilled:
             raise ValueError("disaggregation serves models of one KV pool that keeps every "
                              "page (and hybrids), on one rank; this decode engine's cache "
@@ -297,7 +302,7 @@ class DisaggregatedLLM:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "kv":
-            _, request_id, num_tokens, described = message
+            _, request_id, num_tokens, described, scales = message
             try:
                 pages, *state = [self._receive_tensor(*d) for d in described]
             except RuntimeError as e:  # gloo: the peer closed, or the timeout passed
@@ -305,8 +310,9 @@ class DisaggregatedLLM:
                 return
             if request_id in self._pending:  # else aborted meanwhile: dropped
                 self._pending.remove(request_id)
-                self.decode.resume_request(request_id,
-                                           PrefilledKV(num_tokens, pages, tuple(state)))
+                self.decode.resume_request(request_id, PrefilledKV(
+                    num_tokens, pages, tuple(state),
+                    None if scales is None else torch.tensor(scales, dtype=torch.float32)))
         elif kind == "failed":
             _, request_id, reason = message
             if request_id in self._pending:
@@ -469,8 +475,8 @@ def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
     kv = llm.read_prefilled(request_id)
     llm.abort(request_id)
     tensors = [x.cpu().contiguous() for x in kv.tensors]  # gloo moves host tensors
-    conn.send(("kv", request_id, kv.num_tokens,
-               [(tuple(x.shape), str(x.dtype)) for x in tensors]))
+    conn.send(("kv", request_id, kv.num_tokens, [(tuple(x.shape), str(x.dtype)) for x in tensors],
+               None if kv.scales is None else kv.scales.tolist()))
     buffers = [x.view(-1).view(torch.uint8) for x in tensors]
     return [(group.send([buffer], DECODE_RANK, 0), buffer) for buffer in buffers]
 

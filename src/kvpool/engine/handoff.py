@@ -23,6 +23,8 @@ class PrefilledKV:
     # A hybrid's Mamba state after those tokens, as MambaPool.read gives it (conv, SSM);
     # empty for a model without state.
     state: tuple[torch.Tensor, ...] = ()
+    # fp8 pages: the scales they were written under (KVPool.scales, on the CPU); None else
+    scales: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -42,7 +44,21 @@ def read_prefilled(cache: KVCache, seq_id: Hashable, num_tokens: int, *,
     num_pages = -(-num_tokens // cache.page_size)
     pages = cache.pool.read_pages(cache.pages(seq_id)[:num_pages])
     state = cache.states.read(cache.state_slot(seq_id)) if with_state else ()
-    return PrefilledKV(num_tokens, pages, state)
+    scales = None if cache.pool.scales is None else cache.pool.scales.cpu()
+    return PrefilledKV(num_tokens, pages, state, scales)
+
+
+def check_scales(cache: KVCache, kv: PrefilledKV) -> None:
+    """ValueError unless `kv`'s pages read right in `cache`'s pool: fp8 pages only under the
+    scales they were written with, which the pool must hold already."""
+    pool = cache.pool
+    if pool.scales is None:
+        return
+    if kv.scales is None or not pool.scales_ready or not torch.equal(kv.scales,
+                                                                     pool.scales.cpu()):
+        raise ValueError("fp8 pages computed by another engine read right only under the "
+                         "scales they were written with: give both engines the same kv_scales "
+                         "(scales each calibrates from its first prefill differ)")
 
 
 def write_prefilled(cache: KVCache, seq_id: Hashable, kv: PrefilledKV,
