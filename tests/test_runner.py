@@ -15,7 +15,7 @@ from kvpool.engine.params import SamplingParams
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.forward_context import HostLengths
-from kvpool.kernels import MAX_DECODE_SPLITS
+from kvpool.kernels import MAX_DECODE_SPLITS, decode_scratch_bytes
 from kvpool.memory.workspace import ALIGNMENT
 from models_util import packed_context, save_hf_model
 
@@ -389,7 +389,7 @@ def test_the_workspace_holds_the_largest_steps_metadata_and_the_attention_scratc
     mc, config = llm.model_config, llm.config
     width = 64 // PAGE
     metadata = StepLayout(12, config.max_num_batched_tokens, width, 12, states=True).size * 8
-    scratch = 12 * mc.num_heads * MAX_DECODE_SPLITS * (mc.head_dim + 2) * 4
+    scratch = decode_scratch_bytes(12, mc.num_heads, mc.head_dim, MAX_DECODE_SPLITS)
     assert llm.workspace.nbytes == metadata + scratch + 8 * ALIGNMENT
 
 
