@@ -86,6 +86,17 @@ def test_a_reader_that_fell_behind_counts_the_tokens_up_to_a_stop_string_as_one_
     assert slow["choices"][0]["logprobs"]["tokens"] == ["1", "2", "3"]
 
 
+def test_completion_logprobs_name_apart_tokens_that_read_alike():
+    texts = {1: "the", 2: "the", 3: "\ufffd", 4: "\ufffd", 5: "a"}  # "▁the" and "the" alone
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
+                            include_usage=False, logprobs=4, token_text=texts.get)
+    entry = TokenLogprobs(1, -0.1, ((1, -0.1), (2, -2.0), (3, -3.0), (5, -5.0)))
+    logprobs = generation._completion_logprobs([entry], 0)
+    assert logprobs["tokens"] == ["token_id:1"]
+    assert logprobs["top_logprobs"] == [
+        {"token_id:1": -0.1, "token_id:2": -2.0, "token_id:3": -3.0, "a": -5.0}]
+
+
 def test_text_that_may_begin_a_stop_string_is_held_back():
     choice = ChoiceText(StopMatcher(("STOP",)))
     assert choice.update("hello ST", 8, None) == "hello "

@@ -69,7 +69,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
               **tier_options(args), **step_options(args))
-    text = tokenizer(llm)
+    text_tokenizer = tokenizer(llm)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
     history = list(opening)
@@ -79,8 +79,8 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
             stdout.write("(history cleared)\n")
             continue
         history.append(ChatMessage("user", line))
-        prompt = text.encode(template.render(history),
-                             add_special_tokens=template.add_special_tokens)
+        prompt = text_tokenizer.encode(template.render(history),
+                                       add_special_tokens=template.add_special_tokens)
         before = llm.cache.stats()
         reply = _stream(llm, prompt, params, stdout)
         history.append(ChatMessage("assistant", reply))

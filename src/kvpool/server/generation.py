@@ -173,25 +173,30 @@ class Generation:
                              index: int) -> dict | None:
         """The completions `logprobs` object of choice `index`'s next `entries`. As
         OpenAI's, `top_logprobs` holds the sampled token too (up to logprobs + 1), each token
-        named by `_token_name`."""
+        named by `_token_names`."""
         if entries is None:
             return None
-        tokens = [self._token_name(e.token_id) for e in entries]
-        tops = []
-        for entry, token in zip(entries, tokens, strict=True):
-            top = {self._token_name(t): v for t, v in entry.top}
-            top.setdefault(token, entry.logprob)
+        tokens, tops = [], []
+        for entry in entries:
+            ids = [entry.token_id, *(t for t, _ in entry.top if t != entry.token_id)]
+            names = dict(zip(ids, self._token_names(ids), strict=True))
+            tokens.append(names[entry.token_id])
+            top = {names[t]: v for t, v in entry.top}
+            top.setdefault(names[entry.token_id], entry.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": tops,
                 "text_offset": self._offsets[index].of([e.token_id for e in entries])}
 
-    def _token_name(self, token_id: int) -> str:
-        """A token's text, or "token_id:N" where that is no whole character (a byte of a
-        longer one: such tokens would all read U+FFFD) or empty: completions key the top
-        tokens by name, so two tokens never share one."""
-        text = self.token_text(token_id)
-        return text if text and REPLACEMENT not in text else f"token_id:{token_id}"
+    def _token_names(self, token_ids: list[int]) -> list[str]:
+        """The names of one position's distinct tokens: each one's text, or "token_id:N"
+        where that is no whole character (a byte of a longer one: such tokens all read
+        U+FFFD), empty, or another's text too ("▁the" and "the" both read "the" alone):
+        completions key the top tokens by name, so no two may share one."""
+        texts = [self.token_text(t) for t in token_ids]
+        return [text if text and REPLACEMENT not in text and texts.count(text) == 1
+                else f"token_id:{token_id}" for token_id, text in zip(token_ids, texts,
+                                                                      strict=True)]
 
     def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
         """The chat `logprobs` object of `entries`: each token's text, bytes and
