@@ -316,6 +316,41 @@ def test_chain_keys_are_the_same_in_every_process():
     assert int(out) == chain_key(7, (1, 2, 3, 4))
 
 
+def test_a_salted_roots_key_is_the_same_in_every_process():
+    from kvpool.cache.prefix_cache import _salted_root, salt_key
+
+    code = ("from kvpool.cache.prefix_cache import _salted_root, salt_key; "
+            "print(_salted_root(salt_key('alice')).base_key)")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONHASHSEED": "random",
+           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env).stdout
+    assert int(out) == _salted_root(salt_key("alice")).base_key
+
+
+def test_an_unsalted_page_spelling_a_salt_never_loads_that_salts_pages_from_the_tier(device):
+    import hashlib
+
+    ps = 33  # a page of 33 ids holds -2 (which hashes as -1 does) and a salt's 32 bytes
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                      page_size=ps)
+    cache = KVCache(layout, 4, device=device, prefix_caching=True, tier=HostTier(16))
+    victim = list(range(100, 100 + ps))
+    cache.add_sequence("v", victim + [1], cache_salt="alice")
+    cache.commit("v")
+    cache.free_sequence("v")
+    cache.add_sequence("fill", num_tokens=4 * ps)  # alice's page goes to the tier
+    cache.free_sequence("fill")
+    crafted = [-2, *hashlib.sha256(b"alice").digest()]
+    cache.add_sequence("a0", crafted + [7])
+    cache.commit("a0")
+    cache.free_sequence("a0")
+    assert cache.add_sequence("a", crafted + victim + [1]) == ps  # its own page, not alice's
+    assert cache.stats().num_tier_loads == 0
+    cache.check()
+
+
 # ---- DiskTier ----------------------------------------------------------------------------
 
 def page_files(directory):

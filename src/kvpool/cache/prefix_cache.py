@@ -376,9 +376,11 @@ def salt_key(cache_salt: str | None) -> bytes:
 
 
 def _salted_root(salt: bytes) -> PrefixNode:
-    """A root for `salt` (not the unsalted b""); its chain key holds -1, which no page of
-    token ids holds, so no key below it equals an unsalted one."""
-    return PrefixNode(salt, b"", [], None, base_key=chain_key(ROOT_KEY, (-1, *salt)))
+    """A root for `salt` (not the unsalted b""); its chain key hashes the salt's bytes
+    inside a tuple of their own, a shape no page's flat tuple of ids has (a page may hold any
+    int32, -1 included), so no key below it equals an unsalted one but by chance. Hash
+    randomization spares nested tuples of ints too: every process derives the same key."""
+    return PrefixNode(salt, b"", [], None, base_key=hash((ROOT_KEY, (tuple(salt),))))
 
 
 # The match of a prompt whose content is unknown, or of any prompt when caching is off
