@@ -69,12 +69,16 @@ def _quantize(values: np.ndarray, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
-               rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None) -> dict:
+               rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None,
+               more=None, endianess=gguf.GGUFEndian.LITTLE) -> dict:
     """A one-layer Llama GGUF file whose matrices are `qtype`, with a `rope_freqs` tensor
-    and a rope scaling type (factor 2) if given; returns its tensors as written (GGUF names ->
-    (raw data, type)), q/k in llama.cpp's row order."""
+    and a rope scaling type (factor 2) if given, and the metadata `more(writer)` adds;
+    returns its tensors as written (GGUF names -> (raw data, type)), q/k in llama.cpp's row
+    order."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, endianess=endianess)
+    if more is not None:
+        more(writer)
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -160,6 +164,27 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
                                             TOKENS.index("c"), 0]
     template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
     assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+def test_a_rope_scaling_factor_without_a_type_is_linear_as_llama_cpp_reads_it(tmp_path):
+    for key, add in (("factor", lambda w: w.add_rope_scaling_factor(4.0)),
+                     ("scale_linear", lambda w: w.add_float32("llama.rope.scale_linear", 4.0))):
+        write_gguf(tmp_path / f"{key}.gguf", more=add)
+        assert load_config(tmp_path / f"{key}.gguf").rope_scaling == {"rope_type": "linear",
+                                                                      "factor": 4.0}
+
+
+def test_add_eos_token_appends_eos_to_every_text(tmp_path):
+    write_gguf(tmp_path / "eos.gguf", more=lambda w: w.add_add_eos_token(True))
+    tokenizer = load_model(tmp_path / "eos.gguf", device="cpu").tokenizer
+    assert tokenizer.encode("ab") == [TOKENS.index("ab"), 1]
+    assert tokenizer.encode("ab", add_special_tokens=False) == [TOKENS.index("ab")]
+
+
+def test_a_big_endian_file_is_refused_rather_than_read_byte_swapped(tmp_path):
+    write_gguf(tmp_path / "big.gguf", endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(CheckpointError, match="big-endian GGUF file"):
+        load_model(tmp_path / "big.gguf", device="cpu")
 
 
 SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),

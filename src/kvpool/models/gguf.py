@@ -147,8 +147,8 @@ class GGUFCheckpoint:
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
             "rope_theta": key("rope.freq_base", 10000.0),
-            "rope_scaling": self._rope_scaling(key("rope.scaling.type"),
-                                               key("rope.scaling.factor")),
+            "rope_scaling": self._rope_scaling(
+                key("rope.scaling.type"), key("rope.scaling.factor", key("rope.scale_linear"))),
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
@@ -212,8 +212,11 @@ class GGUFCheckpoint:
 
     def _rope_scaling(self, kind: str | None, factor: float | None) -> dict | None:
         """The config's rope_scaling: linear from the metadata, or a divisor per frequency
-        from the `rope_freqs` tensor (Llama 3.1's scaling as llama.cpp's converter writes it)."""
+        from the `rope_freqs` tensor (Llama 3.1's scaling as llama.cpp's converter writes it).
+        A factor other than 1 with no type is linear, as llama.cpp reads it."""
         freqs = self._tensor(ROPE_FREQS)
+        if kind is None and factor not in (None, 1.0):
+            kind = "linear"
         if kind in (None, "none"):
             if freqs is None:
                 return None
@@ -326,11 +329,14 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def _read(path: Path, mtime_ns: int, size: int):
     try:
-        from gguf import GGUFReader
+        from gguf import GGUFEndian, GGUFReader
     except ImportError:
         raise ConfigError("reading .gguf checkpoints needs the gguf package: "
                           "pip install 'kvpool[gguf]'") from None
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
+    if reader.endianess == GGUFEndian.BIG:  # numpy's dequantization reads host-order values
+        raise CheckpointError(f"{path} is a big-endian GGUF file, which kvpool does not read")
+    return reader

@@ -79,12 +79,19 @@ def build_tokenizer(meta: dict) -> Tokenizer:
                                   for t, kind in typed if kind == CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, kind in typed if kind == USER_DEFINED])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says not to.
-    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+    bos, eos = (meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("bos", "eos"))
+    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says not to, and EOS
+    # where the file says so.
+    first = [bos] if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") \
+        and bos is not None else []
+    last = [eos] if meta.get("tokenizer.ggml.add_eos_token", False) and eos is not None else []
+    if first or last:
+        def around(text: str) -> str:
+            return " ".join([*(tokens[i] for i in first), text, *(tokens[i] for i in last)])
+
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)])
+            single=around("$A"), pair=f"{around('$A')} {around('$B')}",
+            special_tokens=sorted({(tokens[i], i) for i in first + last}))
     return tokenizer
 
 
