@@ -520,7 +520,7 @@ class _Engine:
                 num_logprobs = len(sample.logprobs)
             samples.append((sample.index, start, text[start:], len(sample.token_ids),
                             sample.finish_reason, new_logprobs))
-            sent[sample.index] = len(text.rstrip(REPLACEMENT)), num_logprobs
+            sent[sample.index] = _stable_length(text), num_logprobs
         return (output.request_id, output.finished, output.num_cached_tokens,
                 output.scheduled_time, samples)
 
