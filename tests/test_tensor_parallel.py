@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from kvpool.cache import HOLE
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams, parallel
 from kvpool.engine.handoff import PrefilledKV
-from kvpool.errors import ConfigError, RankFailed
+from kvpool.errors import CheckpointError, ConfigError, RankFailed
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import pages_within
 from kvpool.models import load_model
@@ -269,6 +271,26 @@ def test_a_rank_loads_only_its_part_of_each_weight(tmp_path, device):
     assert torch.equal(part[down].cpu(), whole[down][:, 48:])
     assert torch.equal(part["model.embed_tokens.weight"].cpu(),
                        whole["model.embed_tokens.weight"][80:])
+
+
+@pytest.mark.parametrize("rank", range(RANKS))
+@pytest.mark.parametrize("name, grow", [
+    ("model.embed_tokens.weight", (8, 0)),  # more vocabulary rows than the config's
+    ("model.layers.0.self_attn.q_proj.weight", (16, 0)),  # split by rows
+    ("model.layers.0.self_attn.o_proj.weight", (0, 16)),  # split by columns
+])
+def test_a_weight_larger_than_the_config_is_refused_on_every_rank(tmp_path, device, rank,
+                                                                  name, grow):
+    """Each rank's part of a larger tensor has the shape the rank holds: the whole is checked."""
+    folder = save_hf_model(make_hf_model("llama"), tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    rows, cols = tensors[name].shape
+    tensors[name] = torch.zeros(rows + grow[0], cols + grow[1], dtype=tensors[name].dtype)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{name} has shape {(rows + grow[0], cols + grow[1])} in the checkpoint, the "
+            f"config needs {(rows, cols)}")):
+        load_model(folder, device=device, tp=TensorParallel(rank, RANKS))
 
 
 def test_a_dimension_that_does_not_split_names_itself(tmp_path, device):

@@ -30,7 +30,6 @@ from kvpool.models.parallel import (
     Index,
     TensorParallel,
     checkpoint_index,
-    part_shape,
     take,
 )
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -373,23 +372,15 @@ def _layer_index(name: str) -> int:
 
 def _check_weights(model: torch.nn.Module, found: dict, folder: Path) -> None:
     """CheckpointError unless the checkpoint holds every weight of `model`, no other, and
-    each of the shape the model's parameter has (one rank) or whose part it holds (the
-    model's tensor-parallel part)."""
-    params = model.state_dict()
-    missing = sorted(params.keys() - found.keys())
-    unexpected = sorted(found.keys() - params.keys())
-
-    def held(name: str) -> tuple[int, ...]:
-        """The shape of what the model holds of checkpoint tensor `name`."""
-        shape = found[name][0]
-        if model.tp.size == 1 or len(shape) != params[name].dim():  # held whole
-            return shape
-        return part_shape(shape, checkpoint_index(model, name))
-
+    each of the shape the config gives it (the whole tensor's: a tensor-parallel rank checks
+    the whole shape, not only that of the part it holds)."""
+    expected = _whole_shapes(model)
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
     misshapen = [f"{name} has shape {found[name][0]} in the checkpoint, the config needs "
-                 f"{tuple(params[name].shape)}{_part_of(model, name)}"
-                 for name in sorted(params.keys() & found.keys())
-                 if tuple(params[name].shape) != held(name)]
+                 f"{expected[name]}"
+                 for name in sorted(expected.keys() & found.keys())
+                 if tuple(found[name][0]) != expected[name]]
     problems = []
     if missing:
         problems.append(f"missing weights: {_first(missing)}")
@@ -402,11 +393,12 @@ def _check_weights(model: torch.nn.Module, found: dict, folder: Path) -> None:
                               + "; ".join(problems))
 
 
-def _part_of(model: torch.nn.Module, name: str) -> str:
-    """", this rank's part of ..." for a tensor-parallel model, else nothing."""
-    if model.tp.size == 1:
-        return ""
-    return f" as rank {model.tp.rank}'s part of {model.tp.size}"
+def _whole_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape in the whole model: a tensor-parallel rank's model is built
+    again whole on the meta device (which holds no memory) to read them."""
+    if model.tp.size > 1:
+        model = type(model)(model.config, dtype=torch.float32, device="meta")
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def _first(items: list[str]) -> str:

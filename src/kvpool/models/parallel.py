@@ -182,8 +182,3 @@ def take(tensor, index: Index) -> torch.Tensor:
     bytes are read): its pieces stacked along the first dimension."""
     pieces = [tensor[piece] for piece in index]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def part_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
-    """The shape of the part `index` of a tensor of `shape`."""
-    return tuple(take(torch.empty(shape, device="meta"), index).shape)

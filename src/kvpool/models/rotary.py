@@ -109,7 +109,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device):
         super().__init__()
-        self.register_buffer("inv_freq", inv_frequencies(config, device=device), persistent=False)
+        # computed on the CPU: on the meta device (a tensor-parallel rank's whole-model shapes)
+        # torch's arange would import torch._dynamo, a second of start-up
+        self.register_buffer("inv_freq", inv_frequencies(config, device="cpu").to(device),
+                             persistent=False)
         self.attention_factor = attention_factor(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
