@@ -118,6 +118,41 @@ def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint,
     assert len(_run(decode)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
 
 
+def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, str]]:
+    """KV that does not fit the prompt or the pool, each with the error it gets."""
+    n, pages = kv.num_tokens, kv.pages
+    state = [x[..., :1] for x in kv.state] or [torch.zeros(1)]
+    return {
+        "whole prompt": (PrefilledKV(prompt_len, pages, kv.state),
+                         f"of {prompt_len} tokens for a prompt of {prompt_len}"),
+        "negative": (PrefilledKV(-1, pages, kv.state), "of -1 tokens"),
+        "too few pages": (PrefilledKV(n, pages[:, :, :-1], kv.state),
+                          rf"of {n} tokens must be .* pages of shape"),
+        "another page size": (PrefilledKV(n, pages[:, :, :, :2], kv.state),
+                              "pages of shape"),
+        "another dtype": (PrefilledKV(n, pages.double(), kv.state), "torch.float64"),
+        "another state": (PrefilledKV(n, pages, tuple(state)), "prefilled state must have"),
+        "not KV": ([n, pages], "must be a PrefilledKV"),
+    }
+
+
+@pytest.mark.parametrize("case", ["whole prompt", "negative", "too few pages",
+                                  "another page size", "another dtype", "another state",
+                                  "not KV"])
+def test_handed_kv_that_does_not_fit_is_refused_and_the_request_stays_held(
+        checkpoint, prefill, prompts, device, case):
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
+    prompt = prompts[3]
+    kv = _prefilled(prefill, prompt)
+    request_id, _ = decode.hold_request(prompt, GREEDY)
+    broken, message = _broken(kv, len(prompt))[case]
+    with pytest.raises((ValueError, TypeError), match=message):
+        decode.resume_request(request_id, broken)
+    decode.check()
+    decode.resume_request(request_id, kv)  # still held: the right KV is taken
+    assert len(_run(decode)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
+
+
 def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, device):
     folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
     windowed = LLM(folder, device=device, page_size=4, num_pages=64)

@@ -48,10 +48,28 @@ def read_prefilled(cache: KVCache, seq_id: Hashable, num_tokens: int, *,
     return PrefilledKV(num_tokens, pages, state, scales)
 
 
-def check_scales(cache: KVCache, kv: PrefilledKV) -> None:
-    """ValueError unless `kv`'s pages read right in `cache`'s pool: fp8 pages only under the
-    scales they were written with, which the pool must hold already."""
-    pool = cache.pool
+def check_prefilled(cache: KVCache, kv: PrefilledKV, prompt_len: int) -> None:
+    """ValueError (TypeError for another object), naming the numbers, unless `kv` fits a
+    prompt of `prompt_len` tokens in `cache`: fewer tokens than the prompt (its last token is
+    computed where it is sampled), their pages shaped and typed as the pool's, a state only
+    for a cache with state slots and shaped as theirs, and fp8 pages only under the scales
+    they were written with, which the pool must hold already."""
+    if not isinstance(kv, PrefilledKV):
+        raise TypeError(f"prefilled KV must be a PrefilledKV, got {type(kv).__name__}")
+    n = kv.num_tokens
+    if type(n) is not int or not 0 <= n < prompt_len:
+        raise ValueError(f"prefilled KV of {n!r} tokens for a prompt of {prompt_len}: it "
+                         f"must cover 0 to {prompt_len - 1} of them (the last is computed here)")
+    pool, states = cache.pool, cache.states
+    expected = (*pool.kv.shape[:2], -(-n // cache.page_size), *pool.kv.shape[3:])
+    if tuple(kv.pages.shape) != expected or kv.pages.dtype != pool.kv.dtype:
+        raise ValueError(f"prefilled KV of {n} tokens must be {pool.kv.dtype} pages of shape "
+                         f"{expected}, got {kv.pages.dtype} of shape {tuple(kv.pages.shape)}")
+    shapes = () if states is None else (states.conv.shape, states.ssm.shape)
+    expected_state = tuple((s[0], *s[2:]) for s in shapes)
+    if tuple(tuple(x.shape) for x in kv.state) != expected_state:
+        raise ValueError(f"prefilled state must have shapes {list(expected_state)}, "
+                         f"got {[tuple(x.shape) for x in kv.state]}")
     if pool.scales is None:
         return
     if kv.scales is None or not pool.scales_ready or not torch.equal(kv.scales,

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kvpool.cache import KVCache, StateSpec
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner, replays_graphs
-from kvpool.engine.handoff import PrefilledKV, check_scales, read_prefilled
+from kvpool.engine.handoff import PrefilledKV, check_prefilled, read_prefilled
 from kvpool.engine.overlap import LaunchedStep
 from kvpool.engine.parallel import WorkerSpec, check_tensor_parallel, make_peers
 from kvpool.engine.params import SamplingParams
@@ -427,13 +427,13 @@ class LLM:
                              "page, on one rank; this engine's (a full and a window pool, "
                              "pages given back out of the window, or tensor_parallel_size "
                              f"{self.config.tensor_parallel_size}) takes none")
-        if prefilled is not None:
-            check_scales(self.cache, prefilled)
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or request.seqs:
                 raise ValueError(f"request {request_id!r} is not held (unknown, finished, or "
                                  f"queued already)")
+            if prefilled is not None:
+                check_prefilled(self.cache, prefilled, len(request.prompt_token_ids))
             request.prefilled = prefilled
             self.scheduler.add_request(request)
 
