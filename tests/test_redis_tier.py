@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,43 @@ def test_capacity_bytes_keeps_this_tiers_most_recent_pages(server, device):
     assert tier.capacity_pages == 2
     assert [tier.get(k) is not None for k in keys] == [False, True, True]
     assert tier.stats().num_evictions == 1
+
+
+def test_pages_redis_did_not_answer_for_stay_counted_and_are_deleted_later(device):
+    """While Redis stalls, a load is a miss and an eviction's delete fails: the pages stay in
+    the tier's share, to be deleted by later evictions, never left behind uncounted."""
+    s = RedisServer("--enable-debug-command", "local")
+    try:
+        tier = bound(RedisTier(s.url, capacity_bytes=2 * 32 * 4, timeout=0.2,
+                               retry_interval=0.3))
+        keys = [PageKey.of(ROOT_KEY, [i] * PS) for i in range(6)]
+        tier.put(keys[0], page(0, device))
+        tier.put(keys[1], page(1, device))
+        stall = threading.Thread(target=redis.Redis.from_url(s.url).execute_command,
+                                 args=("DEBUG", "SLEEP", "0.6"))
+        stall.start()
+        time.sleep(0.05)
+        assert not tier.store(keys[2], page(2, device))  # the coldest page's delete fails
+        assert tier.get(keys[1]) is None  # unanswered: a miss, still counted
+        assert list(tier) == keys[:2]
+        stall.join()
+        time.sleep(0.35)  # past the back-off
+        for i in (3, 4, 5):
+            assert tier.store(keys[i], page(i, device))
+        tier.check()
+        held = [k for k in keys if s.client.exists(tier.redis_key(k))]
+        assert held == list(tier) == keys[4:]
+    finally:
+        s.stop()
+
+
+def test_a_tier_without_capacity_keeps_no_index_of_what_redis_evicts(server, device):
+    tier = bound(RedisTier(server.url))
+    keys = [PageKey.of(ROOT_KEY, [i] * PS) for i in range(3)]
+    for i, key in enumerate(keys):
+        tier.put(key, page(i, device))
+    assert len(tier) == tier.stats().num_pages == 0 and tier.stats().num_stored == 3
+    assert all(torch.equal(tier.get(k), page(i, "cpu")) for i, k in enumerate(keys))
 
 
 def test_redis_maxmemory_eviction_shows_as_misses(device):

@@ -6,13 +6,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.cache.tiers import ROOT_KEY, DiskTier, HostTier, PageKey, chain_key
+from kvpool.cache.tiers import (
+    ROOT_KEY,
+    STALE_WRITE_SECONDS,
+    DiskTier,
+    HostTier,
+    PageKey,
+    chain_key,
+    namespace_tag,
+)
 from kvpool.errors import OutOfMemory, OutOfPages
 from kvpool.memory.layout import KVLayout
 
@@ -552,11 +561,30 @@ def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_
     k = keys(2)
     for i in range(2):
         tier.put(k[i], page(i))
-    (tmp_path / ".kvpage-interrupted.tmp").write_bytes(b"half a page")
+    interrupted = stale_temporary(tmp_path, "test")
     monkeypatch.setattr(Path, "unlink", read_only_file_system)
     again = bound(DiskTier(tmp_path, 4))
     assert list(again) == k and torch.equal(again.get(k[1]), page(1))
-    assert (tmp_path / ".kvpage-interrupted.tmp").exists()
+    assert interrupted.exists()
+
+
+def stale_temporary(directory, namespace, age=STALE_WRITE_SECONDS + 1):
+    """A temporary page file of `namespace`, as a write `age` seconds ago left it."""
+    path = directory / f".kvpage-{namespace_tag(namespace)}-{age}.tmp"
+    path.write_bytes(b"half a page")
+    then = time.time() - age
+    os.utime(path, (then, then))
+    return path
+
+
+def test_binding_removes_only_its_namespaces_stale_temporaries(tmp_path):
+    """An interrupted write's temporary goes; a live replica's (young) and another
+    namespace's stay."""
+    stale = stale_temporary(tmp_path, "test")
+    young = stale_temporary(tmp_path, "test", age=1)
+    other = stale_temporary(tmp_path, "other model")
+    bound(DiskTier(tmp_path, 4))
+    assert (stale.exists(), young.exists(), other.exists()) == (False, True, True)
 
 
 def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_read(tmp_path,

@@ -26,9 +26,11 @@ class RedisUnavailable(ConnectionError):
 class RedisTier(Tier):
     """Pages in the Redis server at `url` (redis://host:port/db). `capacity_bytes`: this
     tier's share of the server, beyond which it deletes the least recently used pages it
-    stored (None: the server's `maxmemory` bounds it). `namespace` prefixes the keys, to
-    separate deployments on one server. `timeout`: seconds per call. `len` and iteration count
-    the pages this tier stored and has not seen go; `get` finds any engine's. `put` raises
+    stored; `len` and iteration count the pages it stored and has not seen go (a page whose
+    deletion failed stays counted, deleted at a later eviction). None: the server's
+    `maxmemory` policy bounds the pages, unseen by the tier, which then keeps no index of them
+    (`len` 0). `namespace` prefixes the keys, to separate deployments on one server.
+    `timeout`: seconds per call. `get` finds any engine's pages. `put` raises
     redis.RedisError (or RedisUnavailable) when Redis fails."""
 
     def __init__(self, url: str, capacity_bytes: int | None = None, namespace: str | None = None,
@@ -67,12 +69,25 @@ class RedisTier(Tier):
         """The Redis key of the page stored under `key`."""
         return f"{self.prefix}:{self._tag}:{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
+    def put(self, key: PageKey, data: torch.Tensor) -> None:
+        if self.capacity_bytes is not None:
+            super().put(key, data)
+            return
+        self._check_page(data)
+        self._write(key, data)
+        self._counts.num_stored += 1
+
     def get(self, key: PageKey) -> torch.Tensor | None:
         """A copy of the page another engine or this one stored under `key`, or None (a miss:
         never stored, evicted by Redis, unreadable, or Redis unavailable). Never raises."""
-        data = self._read(key)
+        try:
+            data = self._read(key)
+        except (self._redis_error, ConnectionError):
+            data = None  # unanswered: the page may still be there, and stays indexed
+        else:
+            if data is None:
+                self._keys.pop(key.chain_key, None)  # gone, or damaged and deleted
         if data is None:
-            self._keys.pop(key.chain_key, None)
             self._counts.num_misses += 1
             return None
         if key.chain_key in self._keys:
@@ -83,7 +98,10 @@ class RedisTier(Tier):
     def __contains__(self, key: PageKey) -> bool:
         """Whether the server holds a readable page for exactly this prefix (a value that
         fails its checks is deleted and counted, as on load)."""
-        return self._read(key) is not None
+        try:
+            return self._read(key) is not None
+        except (self._redis_error, ConnectionError):
+            return False
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._tag = namespace_tag(namespace)
@@ -98,21 +116,19 @@ class RedisTier(Tier):
         self._call("set", self.redis_key(key), page_record(self.namespace, key, data))
 
     def _read(self, key: PageKey) -> torch.Tensor | None:
-        try:
-            record = self._call("get", self.redis_key(key))
-        except (self._redis_error, ConnectionError):
-            return None
+        """The page stored under `key`; None if Redis holds none or a damaged one (deleted if
+        Redis answers: one left behind Redis evicts in time). Raises when Redis fails."""
+        record = self._call("get", self.redis_key(key))
         if record is None:
             return None
         data = self._page_of(record, key)
         if data is None:
-            self._discard(key)
+            with contextlib.suppress(self._redis_error, ConnectionError):
+                self._discard(key)
         return data
 
     def _discard(self, key: PageKey) -> None:
-        """Delete the value of `key` if Redis answers; one left behind Redis evicts in time."""
-        with contextlib.suppress(self._redis_error, ConnectionError):
-            self._call("delete", self.redis_key(key))
+        self._call("delete", self.redis_key(key))
 
     def _call(self, command: str, *args):
         """One Redis command; raises RedisUnavailable without calling while Redis is backing

@@ -97,19 +97,27 @@ class Tier(ABC):
         """Store one page's data under `key` (replacing what its chain key held), dropping
         the least recently used page if the tier is full. ValueError for data of another
         shape or dtype, OSError if the storage fails; the index stays consistent."""
+        self._check_page(data)
+        victim = self._keys.get(key.chain_key)  # the page it replaces, or the coldest
+        full = victim is None and len(self._keys) >= self.capacity_pages
+        if full:
+            victim = next(iter(self._keys.values()))
+        if victim is not None:
+            self._discard(victim)  # raising, it stays indexed: its storage is still held
+            del self._keys[victim.chain_key]
+            if full:
+                self._counts.num_evictions += 1
+        self._write(key, data)
+        self._keys[key.chain_key] = key
+        self._counts.num_stored += 1
+
+    def _check_page(self, data: torch.Tensor) -> None:
+        """ValueError unless the tier is bound and `data` is one of its pages."""
         if self.namespace is None:
             raise ValueError("bind the tier to a namespace before storing pages")
         if tuple(data.shape) != self.page_shape or data.dtype != self.dtype:
             raise ValueError(f"tier pages are shaped {self.page_shape} ({self.dtype}), "
                              f"got {tuple(data.shape)} ({data.dtype})")
-        if key.chain_key in self._keys:
-            self._discard(self._keys.pop(key.chain_key))
-        elif len(self._keys) == self.capacity_pages:
-            self._discard(self._keys.popitem(last=False)[1])
-            self._counts.num_evictions += 1
-        self._write(key, data)
-        self._keys[key.chain_key] = key
-        self._counts.num_stored += 1
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
         """`put` that never raises, for eviction, which must not fail: a page the tier cannot
@@ -152,10 +160,10 @@ class Tier(ABC):
                        num_pages=len(self._keys))
 
     def clear(self) -> None:
-        """Drop every page (counters stay)."""
-        for key in self._keys.values():
+        """Drop every page (counters stay); raising, the pages not dropped stay indexed."""
+        for key in list(self._keys.values()):
             self._discard(key)
-        self._keys.clear()
+            del self._keys[key.chain_key]
 
     def check(self) -> None:
         """Index invariants: within capacity, every key filed under its own chain key."""
@@ -190,7 +198,8 @@ class Tier(ABC):
 
     @abstractmethod
     def _discard(self, key: PageKey) -> None:
-        """Release the storage of `key`, which has left the index."""
+        """Release the storage of `key`, which leaves the index (raising from `put`'s
+        eviction, it stays indexed)."""
 
 
 class HostTier(Tier):
@@ -257,6 +266,7 @@ _MAGIC = b"KVPOOLPG"
 _PREFIX = struct.Struct("<8sII")
 _FORMAT_VERSION = 1
 _TMP_PREFIX = ".kvpage-"
+STALE_WRITE_SECONDS = 60  # a temporary page file this old is an interrupted write's
 
 
 class DiskTier(Tier):
@@ -264,8 +274,9 @@ class DiskTier(Tier):
     and chain key, written atomically (a temporary renamed) and checked on every load: one
     that fails is a miss, removed and counted. Binding indexes the namespace's files already
     there in recency order (modification times), removing those that fail their header,
-    those beyond capacity and temporaries of interrupted writes; other namespaces' files
-    are left alone."""
+    those beyond capacity and its temporaries of interrupted writes (older than
+    STALE_WRITE_SECONDS: a younger one may be a live replica's write); other namespaces'
+    files are left alone."""
 
     def __init__(self, directory: str | os.PathLike, capacity_pages: int):
         super().__init__(capacity_pages)
@@ -285,8 +296,11 @@ class DiskTier(Tier):
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._tag = namespace_tag(namespace)
-        for f in self.directory.glob(f"{_TMP_PREFIX}*.tmp"):
-            _remove(f)
+        now = time.time()
+        for f in self.directory.glob(f"{_TMP_PREFIX}{self._tag}-*.tmp"):
+            with contextlib.suppress(OSError):  # gone meanwhile: written by a live tier
+                if now - f.stat().st_mtime > STALE_WRITE_SECONDS:
+                    _remove(f)
         stamped = sorted(_stamped(self.directory.glob(f"{self._tag}-*.kvpage")))
         self._last_use_ns = stamped[-1][0] if stamped else 0
         for _, path in stamped:
@@ -305,7 +319,8 @@ class DiskTier(Tier):
         record = page_record(self.namespace, key, data)
         path = self.path(key)
         self.directory.mkdir(parents=True, exist_ok=True)  # it may have been removed
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=_TMP_PREFIX, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{_TMP_PREFIX}{self._tag}-",
+                                   suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(record)
