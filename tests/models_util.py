@@ -44,10 +44,14 @@ CONFIGS = {
         **SMALL, head_dim=32,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     "mistral-window-8": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
-    # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader
-    "phi3-window-8": lambda: transformers.Phi3Config(**SMALL, sliding_window=8),
-    # no RoPE on every second layer (NoPE), q/k left as projected
-    "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2),
+    # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader; Phi-3 has no
+    # biases, whatever attention_bias says
+    "phi3-window-8": lambda: transformers.Phi3Config(**SMALL, sliding_window=8,
+                                                     attention_bias=True),
+    # no RoPE on every second layer (NoPE), q/k left as projected; biases on q, k, v, o and
+    # the MLP
+    "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2,
+                                                  attention_bias=True, mlp_bias=True),
 }
 
 

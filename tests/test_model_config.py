@@ -227,3 +227,50 @@ def test_mistral_sliding_window_must_be_a_positive_int_or_null():
     assert ModelConfig.from_hf(dict(mistral, sliding_window=None)).sliding_window is None
     with pytest.raises(ConfigError, match="'sliding_window' must be an integer >= 1 or null"):
         ModelConfig.from_hf(dict(mistral, sliding_window="4096"))
+
+
+GEMMA_ROPES = {"full_attention": {"rope_type": "linear", "factor": 8.0},
+               "sliding_attention": {"rope_type": "default"}}
+
+
+@pytest.mark.parametrize(("model_type", "architecture", "keys"), [
+    # keys left out: each architecture's own defaults
+    ("mixtral", "MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 1}),
+    ("smollm3", "SmolLM3ForCausalLM", {}),
+    ("mistral", "MistralForCausalLM", {}),
+    ("phi3", "Phi3ForCausalLM", {}),
+    ("llama", "LlamaForCausalLM", {}),
+    ("qwen3", "Qwen3ForCausalLM", {"use_sliding_window": True}),
+    # rope_scaling wins over rope_parameters
+    ("qwen3", "Qwen3ForCausalLM", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 64}}),
+    # Gemma 3's per-layer ropes take their thetas from the top-level keys, else 1e6 and 1e4
+    ("gemma3_text", "Gemma3ForCausalLM", {"rope_parameters": GEMMA_ROPES}),
+    ("gemma3_text", "Gemma3ForCausalLM", {"rope_parameters": GEMMA_ROPES,
+                                          "rope_theta": 5e5, "rope_local_base_freq": 100.0}),
+], ids=["mixtral", "smollm3", "mistral", "phi3", "llama", "qwen3-window", "rope-scaling-wins",
+        "gemma3-default-thetas", "gemma3-top-level-thetas"])
+def test_a_config_reads_as_transformers_reads_it(transformers, tmp_path, model_type,
+                                                 architecture, keys):
+    config = {"model_type": model_type, "architectures": [architecture], **SMALL, **keys}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf, ours = transformers.AutoConfig.from_pretrained(tmp_path), ModelConfig.from_hf(tmp_path)
+    ropes = hf.rope_parameters
+    full, sliding = ((ropes["full_attention"], ropes["sliding_attention"])
+                     if "full_attention" in ropes else (ropes, None))
+    assert ours.rope_theta == full["rope_theta"]
+    assert (ours.rope_scaling or {"rope_type": "default"})["rope_type"] == full["rope_type"]
+    if sliding is not None:
+        assert ours.gemma.local_rope_theta == sliding["rope_theta"]
+    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) \
+        else None
+    assert (ours.rms_norm_eps, ours.sliding_window, ours.max_position_embeddings) == (
+        hf.rms_norm_eps, window, hf.max_position_embeddings)
+
+
+def test_phi3_scaled_ropes_are_longrope_which_is_refused():
+    phi3 = dict(PRESETS["Phi-4"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ConfigError, match="unsupported rope_type 'yarn'"):
+        ModelConfig.from_hf(phi3)

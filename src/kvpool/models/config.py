@@ -56,7 +56,28 @@ QWEN3_MOE = "Qwen3MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
+# transformers' defaults for the keys a config may leave out, where an architecture's differ
+# from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (Gemma 3's
+# ropes and window: _gemma_ropes, _windows; DeepSeek's: _deepseek)
+ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
+                           "rms_norm_eps": 1e-5},
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
+    "Gemma3ForCausalLM": {"max_position_embeddings": 131072},
+    "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
+}
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
+ROPE_TYPES = ("linear", "llama3", "yarn", "frequency_factors")  # scaled ropes kvpool runs
+# Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
+# have one; Mistral, Mixtral and Phi-3 have none)
+ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM")
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -288,6 +309,7 @@ class ModelConfig:
         arch = _architecture(cfg)
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek(cfg, arch)
+        cfg = {**ARCHITECTURE_DEFAULTS.get(arch, {}), **cfg}
         is_gemma = arch == "Gemma3ForCausalLM"
         if is_gemma:
             _check_gemma(cfg)
@@ -307,9 +329,10 @@ class ModelConfig:
         num_layers = _int(cfg, "num_hidden_layers")
         gemma = None
         if is_gemma:
-            (rope_theta, rope_scaling), gemma = _gemma_ropes(cfg), _gemma(cfg)
-        else:
-            rope_theta, rope_scaling = _rope(cfg)
+            (rope_theta, rope_scaling), local_rope = _gemma_ropes(cfg)
+            gemma = _gemma(cfg, local_rope)
+        else:  # Phi-3's scaled ropes are longrope, which kvpool does not run
+            rope_theta, rope_scaling = _rope(cfg, () if arch == "Phi3ForCausalLM" else ROPE_TYPES)
         is_bamba = arch == "BambaForCausalLM"
         if not is_bamba:
             _check_no_partial_rotary(cfg)
@@ -332,11 +355,10 @@ class ModelConfig:
             # Gemma 3 ties its head to the embedding unless its config says otherwise
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
-            qkv_bias=is_qwen2 or (attention_bias and arch != "MistralForCausalLM"),
-            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM",
-                                               QWEN3_MOE, "BambaForCausalLM",
-                                               "Gemma3ForCausalLM"),
-            mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", "BambaForCausalLM"),
+            qkv_bias=is_qwen2 or (attention_bias and arch in ATTENTION_BIAS),
+            o_bias=attention_bias and arch in ATTENTION_BIAS,
+            mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
+                                                         "BambaForCausalLM"),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
@@ -558,10 +580,11 @@ def _architecture(cfg: dict) -> str:
     return archs
 
 
-def _rope(cfg: dict, rope_types=("linear", "llama3", "yarn", "frequency_factors")
-          ) -> tuple[float, dict | None]:
-    # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
-    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) as transformers reads them: transformers 5 writes
+    rope_parameters (theta inside), older configs rope_theta and rope_scaling, which wins
+    where both are given."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     params = cfg.get(key) or {}
     if not isinstance(params, dict):
         raise ConfigError(f"config {key!r} must be an object, got {params!r}")
@@ -666,29 +689,35 @@ def _check_gemma(cfg: dict) -> None:
                           f"kvpool supports gelu_pytorch_tanh for Gemma 3")
 
 
-def _gemma_ropes(cfg: dict) -> tuple[float, dict | None]:
-    """The full layers' (rope_theta, rope_scaling) of a Gemma 3 config: transformers 5 writes
-    rope_parameters per layer type; older configs rope_theta and rope_scaling (default base
-    1e6)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and FULL in params:
-        return _rope({"rope_parameters": params[FULL]})
-    return _rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0),
-                  "rope_parameters": None})
+def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
+    """(rope_theta, rope_scaling) of Gemma 3's full and sliding layers as transformers reads
+    them: transformers 5 writes rope_parameters per layer type (default rope for a type left
+    out); rope_scaling updates the full layers'; a theta left out is rope_theta (full) or
+    rope_local_base_freq (sliding), by default 1e6 and 1e4."""
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not params.keys() & {FULL, SLIDING}:
+        params = {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config 'rope_scaling' must be an object, got {scaling!r}")
+    ropes = []
+    for layer_type, theta_key, theta in ((FULL, "rope_theta", 1e6),
+                                         (SLIDING, "rope_local_base_freq", 1e4)):
+        rope = params.get(layer_type) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config 'rope_parameters.{layer_type}' must be an object, "
+                              f"got {rope!r}")
+        rope = {**rope, **scaling} if layer_type == FULL else rope
+        ropes.append(_rope({"rope_parameters": {"rope_theta": cfg.get(theta_key, theta),
+                                                **rope}}))
+    return ropes[0], ropes[1]
 
 
-def _gemma(cfg: dict) -> GemmaConfig:
-    """Gemma 3's own settings; the sliding layers' rope comes from rope_parameters or, in
-    older configs, rope_local_base_freq (default 1e4) without scaling."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and SLIDING in params:
-        local_theta, local_scaling = _rope({"rope_parameters": params[SLIDING]})
-    else:
-        local_theta, local_scaling = _float(cfg, "rope_local_base_freq", 10_000.0), None
+def _gemma(cfg: dict, local_rope: tuple[float, dict | None]) -> GemmaConfig:
+    """Gemma 3's own settings, its sliding layers' rope given."""
     return GemmaConfig(
         query_pre_attn_scalar=_float(cfg, "query_pre_attn_scalar", 256.0),
-        local_rope_theta=local_theta,
-        local_rope_scaling=local_scaling,
+        local_rope_theta=local_rope[0],
+        local_rope_scaling=local_rope[1],
     )
 
 
