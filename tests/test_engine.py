@@ -6,6 +6,7 @@ import collections
 import copy
 import itertools
 import random
+import re
 import threading
 import time
 
@@ -217,6 +218,21 @@ def test_stop_token_ends_a_sample(checkpoint, prompts, expected, device):
 
 
 # ---- step API, abort, refusals -----------------------------------------------------------
+
+@pytest.mark.parametrize(("request_id", "error", "message"), [
+    (5, TypeError, "request_id must be a str or None, got int"),
+    (["a"], TypeError, "request_id must be a str or None, got list"),
+    ("a", ValueError, "request id 'a' is already in use"),
+])
+def test_a_request_id_that_is_not_a_str_or_in_use_is_refused(checkpoint, prompts, device,
+                                                             request_id, error, message):
+    llm = _llm(checkpoint, device=device)
+    llm.add_request(prompts[0], request_id="a")
+    with pytest.raises(error, match=re.escape(message)):
+        llm.add_request(prompts[1], request_id=request_id)
+    assert llm.stats().num_waiting == 1
+    llm.check()
+
 
 def test_abort_frees_the_pages_at_once(checkpoint, prompts, device):
     llm = _llm(checkpoint, device=device)

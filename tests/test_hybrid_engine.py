@@ -190,3 +190,29 @@ def test_checkpoints_saved_after_decode_steps_serve_a_later_prompt(checkpoint, h
     assert llm.cache.stats().prefix_hit_tokens >= 16
     assert out == hf_greedy(hf_model, prompt, 20)
     _assert_drained(llm)
+
+
+def test_an_on_step_that_raises_under_overlap_leaves_the_states_right(checkpoint, prompts,
+                                                                      expected, device):
+    """The step launched before on_step raised is recorded: the next step does not run its
+    tokens through the Mamba states again, nor checkpoint such states for later prompts."""
+    llm = _llm(checkpoint, device=device, overlap=True, max_num_batched_tokens=16)
+    raised = []
+
+    def on_step(record):
+        if record.step in (1, 3):
+            raised.append(record.step)
+            raise RuntimeError("a callback failed")
+    llm.on_step = on_step
+    ids = [llm.add_request(p, GREEDY) for p in prompts[3:6]]
+    done = {}
+    while llm.has_unfinished():
+        try:
+            done.update((o.request_id, o) for o in llm.step() if o.finished)
+        except RuntimeError:
+            llm.check()
+    assert raised == [1, 3]
+    assert [done[i].outputs[0].token_ids for i in ids] == expected[3:6]
+    llm.on_step = None
+    assert _tokens(llm.generate(prompts[3:6], GREEDY, use_tqdm=False)) == expected[3:6]
+    _assert_drained(llm)

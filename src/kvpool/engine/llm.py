@@ -163,6 +163,7 @@ class LLM:
             self.overlap = device.type == "cuda" and self.config.tensor_parallel_size == 1
         self._in_flight: LaunchedStep | None = None  # launched, not finished (overlap)
         self.on_step = on_step
+        self._step_record: StepRecord | None = None  # for on_step, at the end of the step
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
         self._lock = threading.RLock()
@@ -244,7 +245,8 @@ class LLM:
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, cache_salt: str | None = None) -> str:
         """Queue a prompt; returns its request id. Raises SequenceTooLong or OutOfPages
-        (with the numbers) if it could never fit, ValueError for a bad prompt or id. With a
+        (with the numbers) if it could never fit, ValueError for a bad prompt or an id in use
+        (TypeError for an id that is not a str). With a
         `cache_salt`, the prompt shares cached prefix pages only with prompts of the same
         salt (neither reads nor reveals those of others)."""
         with self._cut_in():
@@ -507,8 +509,9 @@ class LLM:
         launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
         self._forget(failed)
         if launched is not None and not self.overlap:
-            return failed + self._finish(launched, start)
+            requests, launched = self._finish(launched, start), None
         self._in_flight = launched
+        self._report()  # last: an on_step that raises finds every step recorded
         return requests + failed
 
     def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
@@ -612,13 +615,19 @@ class LLM:
         if self.on_step is None:
             return
         free, cached = self.cache.num_free_pages, self.cache.num_cached_pages
-        self.on_step(StepRecord(
+        self._step_record = StepRecord(
             step=self._num_steps - 1, time=end - self._first_step_time, duration=end - start,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_batched_tokens=batch.num_tokens, num_decode_tokens=batch.num_decode_tokens,
             num_used_pages=self.cache.num_pages - free - cached,
             num_cached_pages=cached, num_free_pages=free,
-            num_preemptions=self.scheduler.num_preemptions))
+            num_preemptions=self.scheduler.num_preemptions)
+
+    def _report(self) -> None:
+        """Give on_step the record of the step finished last, if any."""
+        record, self._step_record = self._step_record, None
+        if record is not None:
+            self.on_step(record)
 
     def _checked_request(self, prompt: Prompt, params: SamplingParams | None,
                          request_id: str | None, cache_salt: str | None) -> Request:
@@ -642,6 +651,8 @@ class LLM:
                 self._next_request_id += 1
             request_id = str(self._next_request_id)
             self._next_request_id += 1
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(request_id).__name__}")
         elif request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         return Request(request_id, *self._tokenize(prompt), params)
