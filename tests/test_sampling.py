@@ -6,9 +6,8 @@ import math
 import pytest
 import torch
 
-from kvpool.engine.params import SamplingParams
+from kvpool.engine.params import MIN_TEMPERATURE, SamplingParams
 from kvpool.engine.sampling import (
-    MIN_TEMPERATURE,
     Sampler,
     apply_top_k_top_p,
     exponential_noise,
@@ -141,6 +140,7 @@ def test_tiny_temperatures_are_greedy_not_nan(temperature):
     logits = torch.tensor([[0.1, 2.0, 0.3, -1.0], [-3.0, -1.0, -2.0, -0.5]])
     params = [SamplingParams(temperature=temperature)] * 2
     assert _sample(logits, params) == [1, 3]
+    assert params[0].greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
 
 
 def test_a_temperature_at_the_bound_samples():
@@ -191,6 +191,15 @@ def test_row_keys_differ_in_each_component():
     keys = row_keys([1, 2, 1, 1, 2**64 - 1], [0, 0, 1, 0, 0], [0, 0, 0, 1, 0]).tolist()
     assert len(set(keys)) == 5
     assert all(0 <= k < 2**32 for k in keys)
+
+
+def test_two_seeds_never_share_a_whole_stream():
+    """Seeds 1 and hash32(1) << 32 met in one 32-bit state when the seed was hashed first,
+    and then drew the same tokens at every position."""
+    pair = [1, hash32(torch.tensor(1)).item() << 32]
+    positions = list(range(200))
+    keys = [row_keys([seed] * 200, [0] * 200, positions) for seed in pair]
+    assert (keys[0] == keys[1]).sum() <= 1
 
 
 def test_seeded_row_draws_the_same_whatever_the_batch():

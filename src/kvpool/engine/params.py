@@ -9,13 +9,17 @@ from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
 SEED_LIMIT = 2**64  # torch generators take seeds in [0, 2**64)
 MAX_LOGPROBS = 20  # alternatives per token at most, as the OpenAI API allows
+# Temperatures below this are greedy: dividing logits by ~1e-38 overflows to inf and the
+# softmax to NaN. vLLM uses the same bound.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM's names).
 
-    temperature 0 is greedy (argmax); otherwise logits are divided by it, filtered by
+    temperature 0 (or below MIN_TEMPERATURE) is greedy (argmax); otherwise logits are
+    divided by it, filtered by
     `top_k` (0: off) then `top_p` (1.0: off), and a token is drawn. `seed` gives the request
     its own random generator, so its samples do not depend on the rest of the batch.
     Generation stops after `max_tokens` tokens, at a token of `stop_token_ids`, or at the
@@ -59,8 +63,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when tokens are chosen by argmax (temperature 0)."""
-        return self.temperature == 0
+        """True when tokens are chosen by argmax (temperature below MIN_TEMPERATURE)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _is_int(value: object) -> bool:

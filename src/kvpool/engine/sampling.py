@@ -16,10 +16,6 @@ import torch
 from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import TokenLogprobs
 
-# Temperatures below this are greedy: dividing logits by ~1e-38 overflows to inf and the
-# softmax to NaN. vLLM uses the same bound.
-MIN_TEMPERATURE = 1e-5
-
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1  # odd constant (2**32 / golden ratio) that spreads token ids apart
 
@@ -105,11 +101,6 @@ def token_logprobs(
     return SampledLogprobs(rows, list(counts), torch.cat([sampled, top_values], dim=1), top_ids)
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    """True when a row takes the argmax: temperature 0 or below MIN_TEMPERATURE."""
-    return params.temperature < MIN_TEMPERATURE
-
-
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """An avalanching hash of int64 values in [0, 2**32) to int64 values in [0, 2**32).
 
@@ -125,21 +116,25 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     [0, 2**32)) and the token id; strictly positive (no 0 / 0 for a masked token)."""
     tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     bits = hash32((keys.unsqueeze(1) + tokens * _GOLDEN) & _MASK32)
-    # 24 bits and a half step: uniform on (0, 1) exactly representable in float32.
-    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(uniform)
+    # 32 bits and a half step: uniform on (0, 1), exact in float64, whose log1p keeps draws
+    # near 0 apart down to 1e-10 (in float32, 1 - u would stop at 3e-8, so that a token less
+    # likely than 3e-8 times the likeliest could never win)
+    uniform = (bits.double() + 0.5) * 2.0**-32
+    return (-torch.log1p(-uniform)).float()
 
 
 def row_keys(
     seeds: Sequence[int], streams: Sequence[int], positions: Sequence[int]
 ) -> torch.Tensor:
     """`[n]` int64 keys in [0, 2**32) on the CPU, row i hashing (seeds[i], streams[i],
-    positions[i]), each any int >= 0 (seeds up to 2**64)."""
+    positions[i]), each any int >= 0 (seeds up to 2**64). The position is hashed first: two
+    (seed, stream) pairs then share a key only at scattered positions, never a whole stream
+    (hashing the seed first would fold it to 32 bits for every position at once)."""
     seed = torch.tensor([[s & _MASK32, (s >> 32) & _MASK32] for s in seeds], dtype=torch.int64)
-    key = hash32(seed[:, 0]) ^ seed[:, 1].reshape(-1)
-    key = hash32(key) ^ (torch.tensor(streams, dtype=torch.int64) & _MASK32)
-    key = hash32(key) ^ (torch.tensor(positions, dtype=torch.int64) & _MASK32)
-    return hash32(key)
+    key = hash32(torch.tensor(positions, dtype=torch.int64) & _MASK32)
+    key = hash32(key ^ seed[:, 0].reshape(-1))
+    key = hash32(key ^ seed[:, 1].reshape(-1))
+    return hash32(key ^ (torch.tensor(streams, dtype=torch.int64) & _MASK32))
 
 
 class Sampler:
@@ -162,7 +157,7 @@ class Sampler:
         """Token ids `[n]` int64 on the logits' device for `logits` [n, vocab] (float32), row i
         by `params[i]`. `streams[i]`: the sample index of a seeded request, else a sequence id
         unique in this engine; `positions[i]`: the position of the token being sampled."""
-        greedy = [is_greedy(p) for p in params]
+        greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)
         if all(greedy):
             return tokens
