@@ -292,6 +292,11 @@ BAD_REQUESTS = [
                                           "max_tokens": 300}, 400, "max_tokens", None,
      "prompt of 100 tokens + max_tokens 300: 399 tokens need 25 pages of 16 tokens; "
      "the pool has 24"),
+    ("a prompt the pool can never hold", {"model": "tiny", "prompt": [1] * 400,
+                                          "max_tokens": 1}, 400, "prompt",
+     "context_length_exceeded",
+     "prompt of 400 tokens + max_tokens 1: 400 tokens need 25 pages of 16 tokens; "
+     "the pool has 24"),
     ("n beyond max_num_seqs", {"model": "tiny", "prompt": "x", "n": 9}, 400, "n", None,
      "n=9 samples exceed max_num_seqs 8"),
     # a 400, not a 503 with Retry-After: however long a client waits, it can never run
@@ -325,6 +330,16 @@ BAD_REQUESTS = [
                          "response_format": {"type": "json_object"}}, 400, "response_format",
      "unsupported",
      "response_format is not supported by this server, got {'type': 'json_object'}"),
+    ("prompt_logprobs 0", {"model": "tiny", "prompt": "x", "prompt_logprobs": 0}, 400,
+     "prompt_logprobs", "unsupported", "prompt_logprobs is not supported by this server, got 0"),
+    ("include_stop_str_in_output", {"model": "tiny", "prompt": "x", "stop": "a",
+                                    "include_stop_str_in_output": True}, 400,
+     "include_stop_str_in_output", "unsupported",
+     "include_stop_str_in_output is not supported by this server, got True"),
+    ("chat_template_kwargs", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs", "unsupported",
+     "chat_template_kwargs is not supported by this server, got {'enable_thinking': False}"),
     ("a lone surrogate in a prompt", {"model": "tiny", "prompt": "a\ud800"}, 400, "prompt",
      None, "prompt is not valid Unicode: it holds a lone surrogate (U+D800) at character 1"),
     ("a lone surrogate in a message", {"model": "tiny", "messages": [
@@ -354,6 +369,17 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
     assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
                                          "param": param, "code": code}}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+def test_unsupported_fields_holding_their_neutral_values_are_accepted(server):
+    neutral = {"echo": False, "best_of": 1, "frequency_penalty": 0, "skip_special_tokens": True,
+               "include_stop_str_in_output": False, "chat_template_kwargs": {},
+               "prompt_logprobs": None, "max_tokens": 1}
+    for path, body in (("completions", {"prompt": "x"}), ("chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True})):
+        response = httpx.post(f"{server.url}/v1/{path}",
+                              json={"model": "tiny", **body, **neutral})
+        assert response.status_code == 200, response.text
 
 
 def test_a_wrong_method_gets_405_with_the_allowed_methods(server):

@@ -3,10 +3,13 @@ an exception inside a step fails the requests in flight with 500 and the server 
 an engine process that dies fails its requests, and later ones get 503; a call into the
 engine that does not pickle fails its caller alone."""
 
+import concurrent.futures
 import json
 import os
 import pickle
 import signal
+import threading
+import time
 from functools import partial
 
 import httpx
@@ -112,8 +115,32 @@ def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503(d
         os.kill(server.engine.pid, signal.SIGKILL)
         rest = [line for line in lines if line]
         refused = httpx.post(f"{server.url}/v1/completions", json={**LONG, "stream": False})
+        health, metrics = (httpx.get(f"{server.url}/{path}") for path in ("health", "metrics"))
     assert json.loads(rest[-2].removeprefix("data: ")) == {"error": {
         **INTERNAL, "message": "the engine process exited"}}
     assert rest[-1] == "data: [DONE]"
-    assert refused.status_code == 503
-    assert refused.json()["error"]["message"] == "the engine process has exited"
+    # no retry will help, and a supervisor probing /health should restart the server
+    for response in (refused, health, metrics):
+        assert response.status_code == 503 and "retry-after" not in response.headers
+        assert response.json()["error"] == {
+            "message": "the engine process has exited", "type": "server_error",
+            "param": None, "code": "engine_exited"}
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
+    """A long text takes seconds to tokenize: meanwhile the server answers other clients."""
+    tokenizer = server.app.state.server.info.tokenizer
+    encode, release = type(tokenizer).encode, threading.Event()
+
+    def slow_encode(self, text, **options):
+        release.wait(10)
+        return encode(self, text, **options)
+    monkeypatch.setattr(type(tokenizer), "encode", slow_encode)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30)
+        time.sleep(0.2)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        assert not pending.done()
+        release.set()
+        assert pending.result().status_code == 200

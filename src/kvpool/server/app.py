@@ -5,7 +5,8 @@ GET /v1/models, /health and /metrics. Every refusal is an OpenAI error body (JSO
 a bad request (naming the field and the numbers), 401 without a valid API key (when the
 server has keys), 404/405 for an unknown route, 408 and 413 for a body too slow or too
 large (see limits.py), 503 with Retry-After when the waiting queue is full or the server is
-stopping, 500 when the engine failed while running the request.
+stopping, 503 without it once the engine process has exited (/health then answers 503 too),
+500 when the engine failed while running the request.
 
 With `prefix_isolation="per-key"`, each API key is a cache salt of its own (combined with
 a request's `cache_salt`), so clients of different keys never share cached prefix pages.
@@ -32,6 +33,7 @@ from kvpool.errors import InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLon
 from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, check_keys, key_salt
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.engine_loop import (
+    EngineExited,
     EngineFailure,
     EngineLoop,
     EngineStopped,
@@ -73,7 +75,8 @@ class Server:
             if self.info.tokenizer is None:
                 raise RequestError("this model has no tokenizer: send the prompt as token ids",
                                    param="prompt")
-            prompt = self.info.tokenizer.encode(prompt)
+            # off the event loop: a long text takes seconds, and every client would wait
+            prompt = await asyncio.to_thread(self.info.tokenizer.encode, prompt)
         return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -83,10 +86,13 @@ class Server:
         if self.info.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot chat",
                                param="messages")
-        text = self.chat_template.render(parsed.messages)
-        prompt = self.info.tokenizer.encode(
-            text, add_special_tokens=self.chat_template.add_special_tokens)
+        prompt = await asyncio.to_thread(self._chat_prompt, parsed.messages)  # as above
         return await self._generate(request, parsed, prompt, chat=True)
+
+    def _chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of `messages` rendered by the chat template."""
+        return self.info.tokenizer.encode(self.chat_template.render(messages),
+                                          add_special_tokens=self.chat_template.add_special_tokens)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""
@@ -96,12 +102,18 @@ class Server:
             "vocab_size": self.info.vocab_size}]})
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 while the server runs."""
+        """GET /health: 200 while the server and its engine run, 503 once the engine process
+        has exited (a supervisor should restart the server)."""
+        if not self.engine.alive:
+            return _error(_exited(EngineExited("the engine process has exited")))
         return Response(status_code=200)
 
     async def metrics_text(self, request: Request) -> Response:
         """GET /metrics: Prometheus text, the engine read between two steps."""
-        snapshot = await self.engine.call(_snapshot)
+        try:
+            snapshot = await self.engine.call(_snapshot)
+        except EngineExited as e:
+            return _error(_exited(e))
         return Response(self.metrics.render(snapshot),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -170,15 +182,18 @@ class Server:
         except asyncio.CancelledError:  # the client left while the engine took it
             self.engine.abort(request_id)
             raise
+        except EngineExited as e:
+            raise _exited(e) from None
         except (ServerBusy, EngineStopped) as e:
             raise RequestError(str(e), status=503, type="server_busy",
                                code="server_busy") from None
         except InvalidPrompt as e:
             raise RequestError(str(e), param="prompt") from None
         except SequenceTooLong as e:
-            raise RequestError(str(e), param="messages" if parsed.messages else "prompt",
-                               code="context_length_exceeded") from None
+            raise _too_long(e, parsed) from None
         except OutOfPages as e:
+            if len(prompt) >= self.info.max_sequence_tokens:  # the pool never holds the prompt
+                raise _too_long(e, parsed) from None
             raise RequestError(str(e), param="n" if parsed.n > 1 else "max_tokens") from None
         except (KVPoolError, ValueError, TypeError) as e:
             raise RequestError(str(e)) from None
@@ -289,6 +304,17 @@ def _failure(e: EngineFailure) -> RequestError:
     return RequestError(str(e), status=500, type="internal_error")
 
 
+def _too_long(e: Exception, parsed: GenerationRequest) -> RequestError:
+    """The error of a prompt longer than the server's context (max_model_len or the pool)."""
+    return RequestError(str(e), param="messages" if parsed.messages else "prompt",
+                        code="context_length_exceeded")
+
+
+def _exited(e: EngineExited) -> RequestError:
+    """The error of a request to a server whose engine has exited: no retry will help."""
+    return RequestError(str(e), status=503, type="server_error", code="engine_exited")
+
+
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> Response:
     """A JSON response; non-ASCII characters escaped, so that any text, even a lone
     surrogate that a client sent, encodes."""
@@ -297,6 +323,6 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> Respons
 
 
 def _error(error: RequestError, headers: dict | None = None) -> Response:
-    if error.status == 503:
+    if error.status == 503 and error.code != "engine_exited":
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
     return _json(error.body(), error.status, headers)

@@ -53,6 +53,11 @@ class EngineStopped(Exception):
     """The server is shutting down and takes no new request (HTTP 503)."""
 
 
+class EngineExited(EngineStopped):
+    """The engine process has exited: the server will serve nothing again (HTTP 503, with no
+    Retry-After, and /health answers 503 too)."""
+
+
 class EngineFailure(Exception):
     """A step raised, or the server stops: the requests in flight fail with this (HTTP
     `status`: 500, or 503 when the server is shutting down)."""
@@ -212,6 +217,11 @@ class EngineLoop:
         return self._process.pid
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine process still runs (as far as its pipe tells)."""
+        return self._closed is None or not self._closed.done()
+
+    @property
     def num_requests(self) -> int:
         """Requests the engine holds (waiting or running) as the server last heard."""
         return len(self._streams)
@@ -253,10 +263,10 @@ class EngineLoop:
                   cache_salt: str | None = None) -> RequestStream:
         """Queue a request (sharing cached prefix pages only with requests of its
         `cache_salt`); returns its stream once the engine took it. Raises what
-        `LLM.add_request` raises (SequenceTooLong, OutOfPages, ValueError), ServerBusy or
-        EngineStopped, and then the engine holds nothing of it."""
-        if self._closed.done():
-            raise EngineStopped("the engine process has exited")
+        `LLM.add_request` raises (SequenceTooLong, OutOfPages, ValueError), ServerBusy,
+        EngineStopped or EngineExited, and then the engine holds nothing of it."""
+        if not self.alive:
+            raise EngineExited("the engine process has exited")
         if self._stopping or self._draining:
             raise EngineStopped("the server is shutting down")
         stream = RequestStream(request_id, params.n)
@@ -304,7 +314,7 @@ class EngineLoop:
     async def _submit(self, kind: str, *args: Any) -> Any:
         """Send a command that the engine answers; its result or exception comes back."""
         if self._closed.done():
-            raise EngineStopped("the engine process has exited")
+            raise EngineExited("the engine process has exited")
         call_id, self._next_call = self._next_call, self._next_call + 1
         self._command(kind, call_id, *args)  # a call that does not pickle raises here
         future = self._loop.create_future()
@@ -364,7 +374,7 @@ class EngineLoop:
         self._streams.clear()
         for future in self._calls.values():
             if not future.done():
-                future.set_exception(EngineStopped("the engine process has exited"))
+                future.set_exception(EngineExited("the engine process has exited"))
         self._closed.set_result(None)
 
 

@@ -82,9 +82,14 @@ _UNSUPPORTED = {
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
     "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
     "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
-    "prompt_logprobs": (0,), "use_beam_search": (False,), "guided_json": (),
+    "prompt_logprobs": (), "use_beam_search": (False,), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "prediction": (), "audio": (), "modalities": (["text"],),
+    # vLLM's extensions: "prompt_logprobs": 0 asks for each prompt token's own logprob
+    "include_stop_str_in_output": (False,), "truncate_prompt_tokens": (),
+    "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template_kwargs": ({},), "skip_special_tokens": (True,), "length_penalty": (1,),
+    "spaces_between_special_tokens": (True,),
 }
 
 
