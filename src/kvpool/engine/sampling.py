@@ -116,11 +116,11 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     [0, 2**32)) and the token id; strictly positive (no 0 / 0 for a masked token)."""
     tokens = torch.arange(vocab, dtype=torch.int64, device=keys.device)
     bits = hash32((keys.unsqueeze(1) + tokens * _GOLDEN) & _MASK32)
-    # 32 bits and a half step: uniform on (0, 1), exact in float64, whose log1p keeps draws
-    # near 0 apart down to 1e-10 (in float32, 1 - u would stop at 3e-8, so that a token less
-    # likely than 3e-8 times the likeliest could never win)
-    uniform = (bits.double() + 0.5) * 2.0**-32
-    return (-torch.log1p(-uniform)).float()
+    # 32 bits and a half step: uniform on (0, 1), exact near 0 in float32, where log1p keeps
+    # the draws apart down to 1e-10 (-log(1 - u) would stop at 3e-8, so that a token less
+    # likely than 3e-8 times the likeliest could never win); below 1, so never infinite
+    uniform = ((bits.float() + 0.5) * 2.0**-32).clamp(max=1 - 2.0**-24)
+    return -torch.log1p(-uniform)
 
 
 def row_keys(
