@@ -340,6 +340,11 @@ BAD_REQUESTS = [
                               "chat_template_kwargs": {"enable_thinking": False}}, 400,
      "chat_template_kwargs", "unsupported",
      "chat_template_kwargs is not supported by this server, got {'enable_thinking': False}"),
+    ("a message's tool_calls", {"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 400,
+     "messages[1].tool_calls", "unsupported",
+     "messages[1].tool_calls is not supported by this server, got [{'id': '1'}]"),
     ("a lone surrogate in a prompt", {"model": "tiny", "prompt": "a\ud800"}, 400, "prompt",
      None, "prompt is not valid Unicode: it holds a lone surrogate (U+D800) at character 1"),
     ("a lone surrogate in a message", {"model": "tiny", "messages": [

@@ -11,6 +11,7 @@ import tokenizers
 import transformers
 
 from kvpool.engine import TokenLogprobs
+from kvpool.errors import CheckpointError
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import RequestStream
@@ -216,3 +217,33 @@ def test_a_template_that_raises_refuses_the_request(checkpoint):
     with pytest.raises(RequestError, match="refused the messages: unknown role tool") as info:
         ChatTemplate.for_model(checkpoint).render([ChatMessage("tool", "x")])
     assert info.value.status == 400 and info.value.param == "messages"
+
+
+def test_special_tokens_come_from_their_own_file_unless_the_config_names_them(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
+        "eos_token": "<config eos>"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == \
+        "<s>x<config eos>"
+
+
+def test_a_generation_block_renders_its_body_as_transformers_does(tmp_path):
+    source = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+              "[{{ m.content }}]{% endgeneration %}{% else %}{{ m.content }}{% endif %}"
+              "{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(source)
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, "[UNK]")),
+        chat_template=source)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert ChatTemplate.for_model(tmp_path).render([ChatMessage(**m) for m in messages]) == \
+        hf.apply_chat_template(messages, tokenize=False) == "hi[hello]"
+
+
+def test_a_template_that_does_not_compile_names_the_checkpoint(tmp_path):
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(CheckpointError, match=f"the chat template of {tmp_path} does not "
+                                              f"compile: .*endfor"):
+        ChatTemplate.for_model(tmp_path)

@@ -53,6 +53,13 @@ def test_the_system_message_opens_every_history():
     assert with_system == plain + len("system: Be brief.\n")
 
 
+def test_a_turn_too_long_is_refused_alone_and_the_chat_goes_on():
+    out = _chat("hello there, model\n" + "x" * 5000 + "\nand a second question\n")
+    assert "(not sent: prompt of 5" in out and "over max_model_len 4096)" in out
+    (first, _), (second, second_hits) = _hits(out)
+    assert second > first and second_hits >= first // 16 * 16  # the history before it
+
+
 def test_kvpool_chat_reads_stdin_until_it_ends(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--max-tokens", "4"]) == 0

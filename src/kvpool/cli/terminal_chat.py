@@ -13,7 +13,7 @@ from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
-from kvpool.errors import InvalidPrompt
+from kvpool.errors import InvalidPrompt, KVPoolError
 from kvpool.formats import CONTROL_PICTURES
 from kvpool.server import INSTALL_HINT, missing_modules
 
@@ -64,7 +64,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
              stdout: TextIO | None = None) -> int:
     """Read user turns from stdin (one line each) and stream the replies to stdout."""
     template = chat_template(args.model)
-    from kvpool.server.protocol import ChatMessage
+    from kvpool.server.protocol import ChatMessage, RequestError
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
@@ -78,12 +78,16 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
             history = list(opening)
             stdout.write("(history cleared)\n")
             continue
-        history.append(ChatMessage("user", line))
-        prompt = text_tokenizer.encode(template.render(history),
-                                       add_special_tokens=template.add_special_tokens)
+        turn = [*history, ChatMessage("user", line)]
         before = llm.cache.stats()
-        reply = _stream(llm, prompt, params, stdout)
-        history.append(ChatMessage("assistant", reply))
+        try:
+            prompt = text_tokenizer.encode(template.render(turn),
+                                           add_special_tokens=template.add_special_tokens)
+            reply = _stream(llm, prompt, params, stdout)
+        except (RequestError, KVPoolError, ValueError) as e:  # this turn only: chat on
+            stdout.write(f"(not sent: {e})\n")
+            continue
+        history = [*turn, ChatMessage("assistant", reply)]
         after = llm.cache.stats()
         hits = after.prefix_hit_tokens - before.prefix_hit_tokens
         stdout.write(f"[{len(prompt)} prompt tokens, {hits} from the prefix cache "

@@ -21,6 +21,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from kvpool.errors import CheckpointError
 from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.server.protocol import ChatMessage, RequestError
 
@@ -50,10 +51,14 @@ class ChatTemplate:
             gguf_template = source.chat_template()
             if gguf_template.source is None:
                 return cls(_compile(FALLBACK_TEMPLATE), {}, add_special_tokens=True)
-            return cls(_compile(gguf_template.source), gguf_template.special_tokens,
-                       add_special_tokens=False)
+            return cls(_compile(gguf_template.source, source.path),
+                       gguf_template.special_tokens, add_special_tokens=False)
         folder = Path(source or model)
         config = _read_json(folder / "tokenizer_config.json") if folder.is_dir() else {}
+        # older checkpoints keep the special tokens in their own file, which
+        # tokenizer_config's own values override (as transformers reads them)
+        tokens = _read_json(folder / "special_tokens_map.json") if folder.is_dir() else {}
+        tokens.update((k, v) for k, v in config.items() if v is not None)
         # where transformers keeps it: its own file, or a multimodal processor's JSON
         processor = _read_json(folder / "chat_template.json") if folder.is_dir() else {}
         source = None
@@ -65,9 +70,9 @@ class ChatTemplate:
             source = _default_template(processor["chat_template"])
         if source is None:
             return cls(_compile(FALLBACK_TEMPLATE), {}, add_special_tokens=True)
-        special = {name: _token_text(config[name]) for name in _SPECIAL_TOKENS
-                   if config.get(name) is not None}
-        return cls(_compile(source), special, add_special_tokens=False)
+        special = {name: _token_text(tokens[name]) for name in _SPECIAL_TOKENS
+                   if tokens.get(name) is not None}
+        return cls(_compile(source, folder), special, add_special_tokens=False)
 
     def render(self, messages: list[ChatMessage]) -> str:
         """The prompt text of a chat, ending with the assistant's turn. A template that
@@ -82,13 +87,31 @@ class ChatTemplate:
                                param="messages") from None
 
 
-def _compile(source: str) -> jinja2.Template:
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`, which marks an assistant's
+    text for training: rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _compile(source: str, origin: Path | None = None) -> jinja2.Template:
+    """The template `source` (of the checkpoint at `origin`); CheckpointError naming it
+    for one that does not compile."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"the chat template of {origin} does not compile: {e} "
+                              f"(line {e.lineno})") from None
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

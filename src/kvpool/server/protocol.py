@@ -93,6 +93,12 @@ _UNSUPPORTED = {
 }
 
 
+# Message fields this server does not pass to the chat template (a message is a role and
+# its text)
+_MESSAGE_FIELDS_UNSUPPORTED = ("tool_calls", "tool_call_id", "name", "function_call",
+                               "reasoning_content")
+
+
 def parse_completion(body: object, model: str, limits: ServerLimits) -> GenerationRequest:
     """Parse a POST /v1/completions body for the served `model`."""
     fields = _fields(body, model)
@@ -221,6 +227,11 @@ def _message(raw: object, index: int) -> ChatMessage:
     if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
         raise RequestError(f"{param} must be an object with a string role, got {_show(raw)}",
                            param=param)
+    for name in _MESSAGE_FIELDS_UNSUPPORTED:
+        if raw.get(name):  # the template would get a message without it: refused, not dropped
+            raise RequestError(f"{param}.{name} is not supported by this server, got "
+                               f"{_show(raw[name])}", param=f"{param}.{name}",
+                               code="unsupported")
     content = raw.get("content")
     if isinstance(content, list):  # content parts: only text ones are understood
         if not all(isinstance(p, dict) and p.get("type") == "text"
