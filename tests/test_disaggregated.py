@@ -125,6 +125,23 @@ def test_aborts_in_flight_free_everything_and_the_others_finish(llm, prompts, ex
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
+@pytest.mark.parametrize("first", [0, 1], ids=["as-long", "longer"])
+def test_an_id_reused_after_an_abort_never_gets_the_aborted_prompts_kv(llm, prompts,
+                                                                       expected, first):
+    """The prefill side's KV for an aborted request may be on its way when the id is used
+    again: it is dropped, never given to the new request."""
+    longer = prompts[1] + prompts[2]
+    llm.add_request([prompts[2], longer][first], GREEDY, request_id="a")
+    assert llm._conn.poll(30)  # the prefill side's answer is on its way
+    llm.abort("a")
+    llm.add_request(prompts[0], GREEDY, request_id="a")
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert done["a"].outputs[0].token_ids == expected[0]
+    _assert_drained(llm)
+
+
 def test_a_prompt_the_prefill_side_refuses_fails_alone(llm, prompts, expected):
     too_long = list(range(120))  # over the prefill side's max_model_len of 100
     outputs = llm.generate([too_long, *prompts[:3]], GREEDY, use_tqdm=False)

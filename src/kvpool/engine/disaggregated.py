@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import os
 import subprocess
 import sys
@@ -92,7 +93,11 @@ class DisaggregatedLLM:
         self._conn.send((str(model), prefill, self._store.port, timeout))
         self._group = None
         self._dead: str | None = None  # why the prefill side is gone
-        self._pending: set[str] = set()  # ids of the requests the prefill side has
+        # handoff key -> id of each request the prefill side has: a key of its own per
+        # submission, so that KV sent for an aborted request never reaches a later one of
+        # the same id
+        self._pending: dict[str, str] = {}
+        self._handoffs = itertools.count()
         self._failed: list[RequestOutput] = []  # to report at the next step
         self._prefill_stats: EngineStats | None = None  # the prefill side's last answer
         self._last_heard = time.monotonic()  # when the prefill side last sent a message
@@ -177,13 +182,14 @@ class DisaggregatedLLM:
         if len(token_ids) == 1:  # nothing to prefill but the last token: computed here
             self.decode.resume_request(request_id, None)
             return request_id
+        key = str(next(self._handoffs))
         try:
-            self._conn.send(("add", request_id, token_ids[:-1], cache_salt))
+            self._conn.send(("add", key, token_ids[:-1], cache_salt))
         except OSError as e:
             self.decode.abort(request_id)
             self._died(f"its pipe broke: {e}")
             raise EngineDied(f"the prefill engine is gone ({self._dead})") from None
-        self._pending.add(request_id)
+        self._pending[key] = request_id
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -199,11 +205,12 @@ class DisaggregatedLLM:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel an unfinished request, on either side; returns its final output (None for
         an unknown or finished id)."""
-        if request_id in self._pending:
-            self._pending.remove(request_id)
+        key = next((k for k, r in self._pending.items() if r == request_id), None)
+        if key is not None:
+            del self._pending[key]
             if self._dead is None:
                 try:
-                    self._conn.send(("abort", request_id))
+                    self._conn.send(("abort", key))
                 except OSError as e:
                     self._died(f"its pipe broke: {e}")
         return self.decode.abort(request_id)
@@ -302,21 +309,25 @@ class DisaggregatedLLM:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "kv":
-            _, request_id, num_tokens, described, scales = message
+            _, key, num_tokens, described, scales = message
+            request_id = self._pending.pop(key, None)  # None: aborted meanwhile, dropped
             try:
                 pages, *state = [self._receive_tensor(*d) for d in described]
             except RuntimeError as e:  # gloo: the peer closed, or the timeout passed
                 self._died(f"receiving the KV of request {request_id!r} failed: {e}")
                 return
-            if request_id in self._pending:  # else aborted meanwhile: dropped
-                self._pending.remove(request_id)
-                self.decode.resume_request(request_id, PrefilledKV(
-                    num_tokens, pages, tuple(state),
-                    None if scales is None else torch.tensor(scales, dtype=torch.float32)))
+            if request_id is not None:
+                try:
+                    self.decode.resume_request(request_id, PrefilledKV(
+                        num_tokens, pages, tuple(state),
+                        None if scales is None else torch.tensor(scales, dtype=torch.float32)))
+                except (ValueError, TypeError) as e:  # KV that does not fit: this one fails
+                    self._fail(request_id, StepFailed(
+                        f"request {request_id!r}: the prefill engine's KV was refused: {e}"))
         elif kind == "failed":
-            _, request_id, reason = message
-            if request_id in self._pending:
-                self._pending.remove(request_id)
+            _, key, reason = message
+            request_id = self._pending.pop(key, None)
+            if request_id is not None:
                 self._fail(request_id, StepFailed(
                     f"request {request_id!r} failed on the prefill engine: {reason}"))
         elif kind == "stats":
@@ -348,8 +359,8 @@ class DisaggregatedLLM:
         if self._dead is not None:
             return
         self._dead = reason
-        pending, self._pending = self._pending, set()
-        for request_id in pending:
+        pending, self._pending = self._pending, {}
+        for request_id in pending.values():
             self._fail(request_id, EngineDied(
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
         if kill:
