@@ -6,6 +6,7 @@ per-rank planning; a dead or stuck worker fails the engine with an error naming 
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import re
@@ -240,6 +241,54 @@ def test_a_step_interrupted_by_ctrl_c_stops_the_group_and_later_steps_fail_at_on
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert time.monotonic() - start < 5
     assert not multiprocessing.active_children()
+
+
+def test_one_engine_of_several_ranks_per_process_and_a_failed_build_stops_its_workers(
+        tmp_path, device):
+    """A second engine would take the first one's process group: it is refused, and the
+    first serves on. A build failing after the workers started stops them at once, even while
+    its error is held (as a REPL holds the last one), so that a retry starts."""
+    cpu_only(device)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as first:
+        with pytest.raises(ValueError, match="torch.distributed is initialized already"):
+            LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS)
+        assert len(first.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
+                   .outputs[0].token_ids) == 4
+    odd = save_hf_model(make_hf_model("odd", configs={"odd": lambda: transformers.LlamaConfig(
+        **{**SMALL, "vocab_size": 161})}), tmp_path)
+    with pytest.raises(ConfigError, match="vocab_size 161 does not split") as held:
+        LLM(odd, num_pages=32, device=device, tensor_parallel_size=RANKS)
+    assert held.value is not None and not multiprocessing.active_children()
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as retry:
+        os.kill(retry.peers.workers[0].pid, signal.SIGINT)  # Ctrl-C at an idle prompt
+        time.sleep(0.5)
+        assert len(retry.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
+                   .outputs[0].token_ids) == 4
+
+
+def test_pages_wider_than_a_step_message_reach_the_workers_tier(device):
+    """A tier entry (a page's id and key: page_size + 3 ints) may be wider than the largest
+    step: the step channel holds one all the same."""
+    cpu_only(device)
+    options = dict(num_pages=8, page_size=128, max_num_seqs=1, max_num_batched_tokens=16,
+                   host_tier_memory=2**26, device=device)
+    prompts = [[i + 1] * 130 for i in range(10)] + [[1] * 130]  # the first back from the tier
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    expected = LLM("tiny", **options).generate(prompts, greedy, use_tqdm=False)
+    with LLM("tiny", tensor_parallel_size=RANKS, **options) as llm:
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.stats().num_tier_stores > 0 and llm.stats().num_tier_loads > 0
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_timeout_past_a_year_is_refused(device):
+    for timeout in (math.inf, 1e15):
+        with pytest.raises(ValueError, match=r"tensor_parallel_timeout must be a number of "
+                                             r"seconds in \(0, 31536000\]"):
+            LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+                tensor_parallel_timeout=timeout)
 
 
 # --- what does not split: refused before any process starts ----------------------------------

@@ -18,7 +18,7 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.workspace import ALIGNMENT
 from kvpool.models.config import ModelConfig
-from kvpool.numeric import check_int64
+from kvpool.numeric import check_int64, check_seconds
 from kvpool.planning.planner import MemoryPlan, plan_memory
 
 GiB = 2**30
@@ -97,11 +97,7 @@ class EngineConfig:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size"):
             check_int64(name, getattr(self, name), 1)
-        timeout = self.tensor_parallel_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-                timeout > 0):
-            raise ValueError(f"tensor_parallel_timeout must be a number of seconds > 0, "
-                             f"got {timeout!r}")
+        check_seconds("tensor_parallel_timeout", self.tensor_parallel_timeout)
         for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
                 check_int64(name, getattr(self, name), 1)

@@ -40,6 +40,7 @@ from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import CompletionOutput, RequestOutput
 from kvpool.engine.stats import EngineStats
 from kvpool.errors import EngineDied, KVPoolError, OutOfPages, SequenceTooLong, StepFailed
+from kvpool.numeric import check_seconds
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 HEARTBEAT = 1.0  # seconds: the prefill side says it is alive at least this often
@@ -64,8 +65,7 @@ class DisaggregatedLLM:
                  decode: dict | EngineConfig | None = None, timeout: float = 60.0,
                  start_timeout: float = 600.0):
         for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            check_seconds(name, value)
         # The prefill side reads each prompt's KV between two steps: without overlap, since
         # with it the step after the prompt would already be running (and, for a hybrid,
         # advancing the state that is read).

@@ -31,6 +31,7 @@ import datetime
 import functools
 import multiprocessing
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -104,13 +105,15 @@ class GroupAddress:
 
 class StepChannel:
     """Rank 0's step messages to the workers: one broadcast per message of a fixed-size int64
-    buffer on `group`, room for the largest step (`max_step`) and `max_checkpoints` state
+    buffer on `group`, room for the largest step of `spec` (`max_step`) and its most state
     checkpoints (a hybrid's checkpoint slots: a step saves at most that many)."""
 
-    def __init__(self, group: dist.ProcessGroup, max_step: StepLayout, max_checkpoints: int):
+    def __init__(self, group: dist.ProcessGroup, spec: WorkerSpec):
         self.group = group
-        self.buffer = torch.zeros(HEADER + 2 * max_step.num_seqs + 1 + max_step.size
-                                  + 3 * max_checkpoints, dtype=torch.int64)
+        step = 2 * spec.max_step.num_seqs + 1 + spec.max_step.size + 3 * max_checkpoints(spec)
+        # and room for one tier entry at least: a stored page's id and key (page_size + 3)
+        self.buffer = torch.zeros(HEADER + max(step, spec.layout.page_size + 3),
+                                  dtype=torch.int64)
 
     def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
                   checkpoints: list[CheckpointRequest]) -> None:
@@ -209,6 +212,10 @@ class TensorParallelGroup:
         self.channel: StepChannel | None = None
         self.closed = False
         self._pending: list[tuple[int, int, list[list[int]]]] = []  # (command, pool, entries)
+        if dist.is_initialized():  # the one default group is another's, this engine's or not
+            raise ValueError("torch.distributed is initialized already (another tensor-"
+                             "parallel engine in this process?): an engine of several ranks "
+                             "needs a process of its own, or close() the other first")
         store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=startup_timeout(timeout))
         address = GroupAddress(store.port, size, timeout, device.type)
@@ -251,7 +258,7 @@ class TensorParallelGroup:
         copies its pools make are sent to the workers before the next step."""
         for _ in self.workers:
             self.specs.put(spec)
-        self.channel = StepChannel(self.steps, spec.max_step, max_checkpoints(spec))
+        self.channel = StepChannel(self.steps, spec)
         try:
             self._wait_ready()
         except BaseException:
@@ -475,6 +482,9 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
     """A worker process: join the group, build what rank 0 sends (`specs`), report ready,
     then run rank 0's steps until STOP. An error is reported (with where it was raised) and
     ends the process with code 1."""
+    # Ctrl-C at a terminal reaches every process of its group: rank 0 stops the workers on
+    # its own interrupt, and a worker exits when rank 0 is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         limit_threads()
         device = torch.device("cpu")
@@ -488,7 +498,7 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
         spec = receive_spec(specs)
         runner = build_runner(TensorParallel(rank, address.size, collectives), spec, device)
         reports.put((rank, None))
-        serve(runner, StepChannel(steps, spec.max_step, max_checkpoints(spec)))
+        serve(runner, StepChannel(steps, spec))
     except BaseException as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         reports.put((rank, f"{type(e).__name__}: {e} ({where.filename}:{where.lineno})"))
