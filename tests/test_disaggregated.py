@@ -177,6 +177,17 @@ def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
     _assert_drained(lone_llm)
 
 
+def test_closing_with_prompts_on_the_prefill_side_ends_it_quietly(lone_llm, prompts, capfd):
+    """The decode side drops its group before it says close: a send failing then is the
+    end, not an error of the prefill side."""
+    for i in range(6):
+        lone_llm.add_request([(i * 7 + j) % 150 + 1 for j in range(60)], GREEDY)
+    lone_llm.step()
+    lone_llm.close()
+    assert lone_llm._process.poll() == 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device):
     folder = save_hf_model(make_bamba("bamba"), tmp_path)
     options = dict(page_size=PAGE_SIZE, num_pages=128, device=device)

@@ -432,7 +432,11 @@ def _prefill_main(model: str, options: dict, port: int, timeout: float,
         if conn.recv() != ("join",):
             return  # the decode side refused these pages, and closed this side
         group = _process_group(store, PREFILL_RANK, timeout)
-        _serve_prefills(llm, group, conn)
+        try:
+            _serve_prefills(llm, group, conn)
+        except RuntimeError:  # gloo: a send failed; a closing decode side drops its group first
+            if not _told_to_close(conn, timeout=5.0):
+                raise
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # the decode side went away
     except BaseException as e:
@@ -462,6 +466,19 @@ def _serve_prefills(llm: LLM, group, conn: _Channel) -> None:
         if time.monotonic() - last_sent > HEARTBEAT:
             conn.send(("alive",))
             last_sent = time.monotonic()
+
+
+def _told_to_close(conn: _Channel, timeout: float) -> bool:
+    """Whether the decode side says "close" (or goes away) within `timeout` seconds, the
+    commands before it skipped."""
+    deadline = time.monotonic() + timeout
+    try:
+        while conn.poll(max(deadline - time.monotonic(), 0.0)):
+            if conn.recv() == ("close",):
+                return True
+    except (EOFError, OSError):
+        return True
+    return False
 
 
 def _command(llm: LLM, conn: _Channel, message: tuple) -> None:
