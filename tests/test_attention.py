@@ -15,6 +15,7 @@ from kvpool.attention import AttentionMetadata, paged_attention, write_kv
 from kvpool.kernels import cpu as cpu_kernel
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
+from kvpool.rope import Rotation
 
 # (seq_len, q_len) per sequence: decode, full prefill, prefill on a cached prefix, a chunk of a
 # chunked prefill (tokens 21..32 of a longer prompt: the rest of its page is unwritten), and
@@ -257,11 +258,44 @@ def test_metadata_keeps_its_field_names(device):
     ]
 
 
-def test_paged_attention_rejects_empty_sliding_window(device):
+@pytest.mark.parametrize("window", [0, 2.5, True])
+def test_paged_attention_rejects_a_window_that_is_not_a_positive_int(device, window):
     batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
                   dtype=torch.float32, device=device)
-    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
-        batch.attend(sliding_window=0)
+    with pytest.raises(ValueError, match=f"sliding_window must be an int of at least 1 token, "
+                                         f"got {window!r}"):
+        batch.attend(sliding_window=window)
+
+
+def test_paged_attention_refuses_q_of_another_dtype_than_the_caches(device):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    batch.q = batch.q.double()
+    with pytest.raises(ValueError, match="q must be in the caches' torch.float32, got "
+                                         "torch.float64"):
+        batch.attend()
+
+
+def test_write_kv_refuses_a_v_cache_unlike_the_k_cache_before_writing(device):
+    k_cache = torch.zeros(4, 2, 2, 8, device=device)
+    q = torch.randn(1, 2, 8, device=device)
+    kv = torch.randn(1, 2, 8, device=device)
+    cos, sin = torch.ones(1, 1, 4, device=device), torch.zeros(1, 1, 4, device=device)
+    slot = torch.tensor([7], device=device)
+    for v_cache in (torch.zeros(1, 2, 2, 8, device=device),
+                    torch.zeros(4, 2, 2, 8, dtype=torch.float64, device=device)):
+        with pytest.raises(ValueError, match="caches .* of one shape and dtype"):
+            write_kv(k_cache, v_cache, slot, kv, kv, rotation=Rotation(q.clone(), cos, sin))
+        assert not k_cache.any()
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, torch.ones(2)])
+def test_write_kv_refuses_fp8_scales_the_pool_would_not_hold(device, scale):
+    cache = torch.zeros(4, 2, 2, 8, device=device).to(torch.float8_e4m3fn)
+    kv = torch.randn(1, 2, 8, device=device)
+    with pytest.raises((ValueError, TypeError), match="k_scale"):
+        write_kv(cache, cache.clone(), torch.tensor([1], device=device), kv, kv,
+                 k_scale=scale, v_scale=1.0)
 
 
 # The fused CPU decode kernel (kvpool/kernels): against the torch path, its dispatch and build.

@@ -133,6 +133,22 @@ def test_write_with_rotation_stores_what_torch_stores(heads, kv_heads, head_dim,
         assert torch.equal(fused.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_write_with_rotation_reads_strided_cos_and_sin():
+    q, k, v, cos, sin = rotation_inputs(5, 4, 2, 32, 32, torch.float32, seed=2)
+    wide = torch.zeros(5, 1, 48, device=DEVICE)
+    wide[..., 1:33:2] = sin  # sin at another row stride than cos, and strided in its last dim
+    sin = wide[..., 1:33:2]
+    slots = torch.tensor([0, 3, 5, 6, 1], device=DEVICE)
+    fused_caches, fused_q = caches(2, 4, 2, 32, torch.float32), q.clone()
+    triton_write.write_kv(*fused_caches, slots, k, v, rotation=Rotation(fused_q, cos, sin))
+    torch_caches = tuple(c.cpu() for c in caches(2, 4, 2, 32, torch.float32))
+    torch_q = q.cpu().clone()
+    write_kv(*torch_caches, slots.cpu(), k.cpu(), v.cpu(),
+             rotation=Rotation(torch_q, cos.cpu(), sin.cpu().contiguous()))
+    assert torch.equal(fused_q.cpu(), torch_q)
+    assert torch.equal(fused_caches[0].cpu().nan_to_num(), torch_caches[0].nan_to_num())
+
+
 def test_write_with_rotation_rotates_q_even_where_the_slot_is_skipped():
     q, k, v, cos, sin = rotation_inputs(2, 4, 2, 32, 32, torch.float32, seed=3)
     k_cache, v_cache = caches(2, 4, 2, 32, torch.float32)

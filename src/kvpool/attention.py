@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvpool.kernels import cpu as cpu_kernel
 from kvpool.kernels import triton_support
 from kvpool.kernels.checks import check_index_dtype, check_page_tables
-from kvpool.memory.fp8 import dequantize, is_fp8, quantize
+from kvpool.memory.fp8 import check_scale, dequantize, is_fp8, quantize
 from kvpool.rope import Rotation, apply_rotary
 
 BACKENDS = ("torch", "cpu", "triton")
@@ -70,6 +70,10 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
     Triton) stops on its device-side assertion. A `rotation` (kvpool.rope.Rotation) stores K
     rotated by RoPE and rotates its q in place: in the Triton write kernel, else by torch.
     """
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"write_kv expects caches [pages, page_size, kv_heads, head_dim] of one "
+                         f"shape and dtype; got k_cache {tuple(k_cache.shape)} {k_cache.dtype}, "
+                         f"v_cache {tuple(v_cache.shape)} {v_cache.dtype}")
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slots.shape != k.shape[:1]:
         raise ValueError(
             f"write_kv expects k, v [n, {k_cache.shape[2]}, {k_cache.shape[3]}] and slots [n]; "
@@ -145,13 +149,20 @@ def _check_slots(caller: str, cache, slots) -> None:
 
 
 def _check_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
-    """Whether the caches are fp8; ValueError unless fp8 caches have both scales and others
-    none."""
+    """Whether the caches are fp8; ValueError unless fp8 caches have both scales, each a
+    positive normal float32 number or a one-element float32 tensor (its value unread: on
+    CUDA that would synchronise), and others none."""
     fp8 = is_fp8(k_cache.dtype)
     if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
         need = "need k_scale and v_scale" if fp8 else "take no k_scale or v_scale"
         raise ValueError(f"{name}: {k_cache.dtype} caches {need}; got k_scale {k_scale!r}, "
                          f"v_scale {v_scale!r}")
+    for scale_name, scale in (("k_scale", k_scale), ("v_scale", v_scale)) if fp8 else ():
+        if not isinstance(scale, torch.Tensor):
+            check_scale(f"{name} {scale_name}", scale)
+        elif scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{name}: {scale_name} must be a number or a one-element float32 "
+                             f"tensor, got {scale.dtype} of shape {tuple(scale.shape)}")
     return fp8
 
 
@@ -299,8 +310,11 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
         )
     elif seq_lens.shape[0] == 0 and q.shape[0] != 0:
         problem = f"an empty batch has no query tokens, got {q.shape[0]}"
-    elif window is not None and window < 1:
-        problem = f"sliding_window must be at least 1 token, got {window}"
+    elif not is_fp8(k_cache.dtype) and q.dtype != k_cache.dtype:
+        problem = f"q must be in the caches' {k_cache.dtype}, got {q.dtype}"
+    elif window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                 or window < 1):
+        problem = f"sliding_window must be an int of at least 1 token, got {window!r}"
     if problem:
         _fail(q, k_cache, v_cache, page_tables, problem)
     for name, tensor in (("page_tables", page_tables), ("seq_lens", seq_lens),

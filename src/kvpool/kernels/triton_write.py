@@ -115,8 +115,10 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
-    # Without a rotation, k stands in for q, cos and sin, which the kernel does not read.
+    # Without a rotation, k stands in for q, cos and sin, which the kernel does not read;
+    # with one, cos and sin are read dense, at one stride
     q, cos, sin = rotation if rotation is not None else (k, k, k)
+    cos, sin = cos.contiguous(), sin.contiguous()
     _write_kv[(slots.shape[0],)](
         k_cache, v_cache, slots, k, v, k_scale, v_scale, q, cos, sin, num_pages * page_size,
         page_size, *k_cache.stride()[:3], *v_cache.stride()[:3],
