@@ -230,3 +230,13 @@ def test_no_overlap_turns_overlap_scheduling_off(command, capsys, monkeypatch):
     assert main(command) == 0
     capsys.readouterr()
     assert overlaps == [False, None]
+
+
+def test_a_workload_is_cut_to_the_models_context():
+    """Medians that fit, tails that would not: every request is cut to max_model_len."""
+    workload = Workload(300, PROMPT_LEN.with_median(400), OUTPUT_LEN.with_median(200))
+    uncut = make_workload(workload, TINY_VOCAB)
+    assert max(len(r.prompt_token_ids) + r.max_tokens for r in uncut) > 1024
+    cut = make_workload(workload, TINY_VOCAB, 1024)
+    assert max(len(r.prompt_token_ids) + r.max_tokens for r in cut) <= 1024
+    assert all(r.max_tokens >= 1 and r.prompt_token_ids for r in cut)

@@ -408,3 +408,17 @@ def test_split_budget_never_gives_a_window_pool_more_tokens_than_one_pool_holds(
     full, window = split_budget(layout, 10 * layout.bytes_per_page, max_num_seqs=8,
                                 prefill_tokens=8)
     assert (full.num_pages, window.num_pages) == (10, 10)
+
+
+def test_a_hybrid_whose_state_slots_leave_no_page_says_so():
+    from kvpool.formats import format_bytes
+    from kvpool.models.config import ModelConfig
+    bamba = ModelConfig.from_hf("Bamba-9B")
+    slot = bamba.mamba_layout().bytes_per_slot
+    first = plan_memory(bamba, 40 * 2**30, memory_fraction=1.0)
+    # memory for 50 slots and 1,000 bytes more once the weights and activations are in
+    memory = 40 * 2**30 - first.budget_bytes + 50 * slot + 1000
+    plan = plan_memory(bamba, memory, memory_fraction=1.0, mamba_memory_ratio=1 - 1e-9)
+    assert plan.num_pages == 0 and plan.num_state_slots == 49
+    assert plan.reason.startswith(f"the {format_bytes(plan.budget_bytes - plan.state_bytes)} "
+                                  f"left for the KV cache after 49 state slots")

@@ -394,6 +394,13 @@ def test_a_wrong_method_gets_405_with_the_allowed_methods(server):
     assert response.json()["error"]["message"] == "Method Not Allowed"
 
 
+def test_bench_url_reports_a_refusal_on_one_line(server, capsys):
+    assert main(["bench", "--url", f"{server.url}/nowhere", "--num-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpool bench: error: GET /nowhere/v1/models: the server answered "
+                          "404") and err.count("\n") == 1
+
+
 def test_bench_url_sends_the_bench_workload_through_the_server(server, capsys):
     argv = ["bench", "--url", server.url, "--num-requests", "8", "--prompt-len", "16",
             "--output-len", "8"]

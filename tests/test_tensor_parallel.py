@@ -255,10 +255,12 @@ def test_one_engine_of_several_ranks_per_process_and_a_failed_build_stops_its_wo
             LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS)
         assert len(first.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
                    .outputs[0].token_ids) == 4
-    odd = save_hf_model(make_hf_model("odd", configs={"odd": lambda: transformers.LlamaConfig(
-        **{**SMALL, "vocab_size": 161})}), tmp_path)
-    with pytest.raises(ConfigError, match="vocab_size 161 does not split") as held:
-        LLM(odd, num_pages=32, device=device, tensor_parallel_size=RANKS)
+    broken = save_hf_model(make_hf_model("llama"), tmp_path)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(65)  # found wrong once the workers started
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.norm.weight has shape") as held:
+        LLM(broken, num_pages=32, device=device, tensor_parallel_size=RANKS)
     assert held.value is not None and not multiprocessing.active_children()
     with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as retry:
         os.kill(retry.peers.workers[0].pid, signal.SIGINT)  # Ctrl-C at an idle prompt
@@ -340,6 +342,23 @@ def test_a_weight_larger_than_the_config_is_refused_on_every_rank(tmp_path, devi
             f"{name} has shape {(rows + grow[0], cols + grow[1])} in the checkpoint, the "
             f"config needs {(rows, cols)}")):
         load_model(folder, device=device, tp=TensorParallel(rank, RANKS))
+
+
+def test_a_model_that_does_not_split_is_refused_by_plan_and_engine_before_any_process(
+        capsys, device):
+    assert main(["plan", "Qwen2.5-7B", "--device-memory", "80GiB",
+                 "--tensor-parallel-size", "8"]) == 2
+    assert "num_attention_heads 28 does not split across 8" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="vocab_size 258 does not split across 4"):
+        LLM("tiny", num_pages=32, device=device, tensor_parallel_size=4)
+    assert not multiprocessing.active_children()
+
+
+def test_ranks_on_the_cpu_share_the_hosts_memory_in_the_plan():
+    one = plan_memory(ModelConfig.from_hf("Llama-3-8B"), None, device="cpu")
+    two = plan_memory(ModelConfig.from_hf("Llama-3-8B"), None, device="cpu",
+                      tensor_parallel_size=2)
+    assert two.device_memory == one.device_memory // 2
 
 
 def test_a_dimension_that_does_not_split_names_itself(tmp_path, device):

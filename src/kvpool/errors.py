@@ -87,3 +87,8 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> in
         expected = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be {expected}, got {value}")
     return int(value)
+
+
+class ServerFailed(KVPoolError, RuntimeError):
+    """An HTTP server refused or failed a request sent to it (`kvpool bench --url`): its
+    status and message."""

@@ -100,9 +100,12 @@ class BenchRequest:
     system_prompt: int | None
 
 
-def make_workload(workload: Workload, vocab_size: int) -> list[BenchRequest]:
+def make_workload(workload: Workload, vocab_size: int,
+                  max_model_len: int | None = None) -> list[BenchRequest]:
     """The requests of `workload`, in arrival order, with token ids in [0, vocab_size).
-    Lengths, system prompts and arrivals depend on the seed only, not on the vocabulary."""
+    Lengths, system prompts and arrivals depend on the seed only, not on the vocabulary.
+    With `max_model_len`, a request whose drawn lengths pass it is cut to fit (its user
+    prompt first, then its output), so that the tail never fails a run."""
     rng = random.Random(workload.seed)
     lo, hi = workload.system_prompt_len
     system_lens = [rng.randint(lo, hi) for _ in range(workload.num_system_prompts)]
@@ -116,9 +119,23 @@ def make_workload(workload: Workload, vocab_size: int) -> list[BenchRequest]:
             arrival += rng.expovariate(workload.request_rate)
     tokens = random.Random(workload.seed + 1)
     systems = [_random_tokens(tokens, n, vocab_size) for n in system_lens]
+    if max_model_len is not None:
+        shapes = [_fit(s, system_lens[s] if s is not None else 0, user_len, output_len, t,
+                       max_model_len) for s, user_len, output_len, t in shapes]
     return [BenchRequest((systems[s] if s is not None else []) +
                          _random_tokens(tokens, user_len, vocab_size), output_len, t, s)
             for s, user_len, output_len, t in shapes]
+
+
+def _fit(system: int | None, system_len: int, user_len: int, output_len: int, arrival: float,
+         max_model_len: int) -> tuple[int | None, int, int, float]:
+    """A request's shape cut to `max_model_len` tokens: its user prompt, then its output
+    (at least one token each), without its system prompt if that leaves no room for them."""
+    if system_len + 2 > max_model_len:
+        system, system_len = None, 0
+    room = max_model_len - system_len
+    user_len = max(1, min(user_len, room - output_len))
+    return system, user_len, max(1, min(output_len, room - user_len)), arrival
 
 
 def check_lengths(workload: Workload, max_model_len: int) -> None:
@@ -378,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
               **{name: value for name, value in options.items() if value is not None})
     with llm:
         check_lengths(workload, llm.max_model_len)
-        requests = make_workload(workload, llm.model_config.vocab_size)
+        requests = make_workload(workload, llm.model_config.vocab_size, llm.max_model_len)
         result = run_workload(llm, requests)
     rows = [("model", args.model), *summary_rows(llm, requests, result)]
     plot = args.plot is not None and plot_available()
@@ -403,7 +420,7 @@ def run_url(args: argparse.Namespace) -> int:
 
     def requests_for(vocab_size: int, max_model_len: int) -> list[BenchRequest]:
         check_lengths(workload, max_model_len)
-        return make_workload(workload, vocab_size)
+        return make_workload(workload, vocab_size, max_model_len)
 
     model, rows = run_client(bench_url(args.url.rstrip("/"), requests_for))
     print(format_table([("model", model), ("url", args.url), *rows]))

@@ -26,6 +26,7 @@ import aiohttp
 from tqdm import tqdm
 
 from kvpool.cli.bench import BenchRequest, BenchResult, RequestTiming, _percentiles_ms
+from kvpool.errors import ServerFailed
 
 
 def run_client(coroutine):
@@ -39,20 +40,23 @@ def run_client(coroutine):
 
 
 def session(url: str) -> aiohttp.ClientSession:
-    """A client session for the server at `url`: no limit on connections, no timeout."""
-    return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0),
+    """A client session for the server at `url` (under a path too, as behind a proxy): no
+    limit on connections, no timeout."""
+    return aiohttp.ClientSession(url.rstrip("/") + "/", connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 
 async def model_info(client: aiohttp.ClientSession) -> dict:
     """The served model's /v1/models entry (id, max_model_len, vocab_size)."""
-    async with client.get("/v1/models", raise_for_status=True) as response:
+    async with client.get("v1/models") as response:
+        await _check(response)
         return (await response.json())["data"][0]
 
 
 async def scrape(client: aiohttp.ClientSession) -> dict[str, float]:
     """The unlabelled samples of /metrics, by name."""
-    async with client.get("/metrics", raise_for_status=True) as response:
+    async with client.get("metrics") as response:
+        await _check(response)
         text = await response.text()
     samples = {}
     for line in text.splitlines():
@@ -86,10 +90,8 @@ async def _stream(client: aiohttp.ClientSession, model: str, request: BenchReque
     body = {"model": model, "prompt": request.prompt_token_ids,
             "max_tokens": request.max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with client.post("/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"the server answered {response.status}: "
-                               f"{await response.text()}")
+    async with client.post("v1/completions", json=body) as response:
+        await _check(response)
         pending, last = b"", None  # bytes of an event not complete yet; the last data event
         async for data in response.content.iter_any():
             *events, pending = (pending + data).split(b"\n\n")
@@ -102,14 +104,21 @@ async def _stream(client: aiohttp.ClientSession, model: str, request: BenchReque
                     timing.first_token = time.perf_counter() - start
     # After the first text only the last event counts: the usage, or the server's error.
     if last is None:
-        raise RuntimeError("the server's stream ended without an event")
+        raise ServerFailed("the server's stream ended without an event")
     chunk = json.loads(last[6:])
     if "error" in chunk:
-        raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
+        raise ServerFailed(f"the server failed a request: {chunk['error']['message']}")
     timing.num_output_tokens = chunk["usage"]["completion_tokens"]
     timing.finish = time.perf_counter() - start
     if timing.first_token is None:  # every token was held back until the end
         timing.first_token = timing.finish
+
+
+async def _check(response: aiohttp.ClientResponse) -> None:
+    """ServerFailed naming the status and the body unless the server answered 200."""
+    if response.status != 200:
+        raise ServerFailed(f"{response.method} {response.url.path}: the server answered "
+                           f"{response.status}: {await response.text()}")
 
 
 def summary_rows(requests: list[BenchRequest], result: BenchResult,

@@ -25,7 +25,7 @@ from kvpool.formats import (
 )
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.memory.layout import KVLayout, LayerGroup
-from kvpool.models import load_config
+from kvpool.models import check_splits, load_config
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.numeric import check_int64
 from kvpool.planning.group_plan import GroupPlan
@@ -93,6 +93,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"give a MODEL: a config.json, a checkpoint folder or a preset "
                          f"({', '.join(PRESETS)})")
     model = ModelConfig.from_hf(args.model) if args.model in PRESETS else load_config(args.model)
+    check_splits(model, args.tensor_parallel_size)  # as the engine would refuse it
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     device = None if args.device_memory is not None else engine_device(args.device)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,

@@ -40,7 +40,7 @@ from kvpool.errors import (
 )
 from kvpool.memory.state_pool import RESERVED_SLOTS
 from kvpool.memory.workspace import Workspace
-from kvpool.models import load_config, load_model
+from kvpool.models import check_splits, load_config, load_model
 from kvpool.planning.group_plan import split_budget
 from kvpool.threads import limit_threads
 
@@ -103,6 +103,7 @@ class LLM:
             raise ValueError(f"{self.config.tier_option}: tiers serve models of one full or "
                              f"windowed pool; this {kind} cache takes none yet")
         check_tensor_parallel(self.config, device)
+        check_splits(mc, self.config.tensor_parallel_size)
         num_pages = self.config.plan_num_pages(mc, device, self.max_model_len,
                                                state_bytes=state_bytes)
         self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait

@@ -7,6 +7,7 @@ modules; not the cache or the engine: a model sees only its ForwardContext."""
 
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
-from kvpool.models.loader import LoadedModel, load_config, load_model
+from kvpool.models.loader import LoadedModel, check_splits, load_config, load_model
 
-__all__ = ["DeepseekForCausalLM", "LlamaForCausalLM", "LoadedModel", "load_config", "load_model"]
+__all__ = ["DeepseekForCausalLM", "LlamaForCausalLM", "LoadedModel", "check_splits",
+           "load_config", "load_model"]

@@ -130,6 +130,15 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
     return LoadedModel(net.eval(), config, checkpoint.tokenizer())
 
 
+def check_splits(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """ConfigError unless a model of `config` splits across `tensor_parallel_size` ranks as
+    the loader splits it (heads, vocabulary, MLP and Mamba widths): a rank's part is built on
+    the meta device, which holds no memory, before any process starts."""
+    if tensor_parallel_size > 1:
+        model_class(config)(config, dtype=torch.float32, device="meta",
+                            tp=TensorParallel(0, tensor_parallel_size))
+
+
 def model_class(config: ModelConfig) -> type[torch.nn.Module]:
     """The module class that runs a config's architecture."""
     return MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)

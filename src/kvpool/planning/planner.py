@@ -144,7 +144,8 @@ def plan_memory(
     mixing full and windowed layers gets window pools unless not `free_out_of_window`, sized
     for `max_num_seqs` windows and `prefill_tokens` of prompt (None: max_position_embeddings).
     `tensor_parallel_size` N plans one rank of N: 1/N of the parameters, its share of the KV
-    heads and Mamba state, in `device_memory` of its own."""
+    heads and Mamba state, in `device_memory` of its own (read from `device`: a GPU of its
+    own, or on the CPU 1/N of the host's memory, which the N rank processes share)."""
     _check_geometry(model)
     if device_memory is not None:
         check_int64("device_memory", device_memory, 1)
@@ -163,7 +164,8 @@ def plan_memory(
         activation_bytes = model.estimate_activation_bytes(
             weights_dtype, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs=DEFAULT_MAX_NUM_SEQS)
-    device_name, device_memory, in_use_bytes = _memory(device_memory, device)
+    device_name, device_memory, in_use_bytes = _memory(device_memory, device,
+                                                       tensor_parallel_size)
     usable = usable_bytes(device_memory, memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
     mamba = model.mamba_layout(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
@@ -197,9 +199,11 @@ def _reason(plan: MemoryPlan) -> str:
                 f"left for the cache is less than one state slot "
                 f"({format_bytes(plan.mamba_layout.bytes_per_slot)})")
     if plan.budget_bytes >= 0:
-        return (f"the {format_bytes(plan.budget_bytes)} left for the KV cache is less than "
-                f"one page ({format_bytes(plan.layout.bytes_per_page)}) and the pool's "
-                f"reserved one")
+        slots = (f" after {plan.num_state_slots} state slots "
+                 f"({format_bytes(plan.state_bytes)})" if plan.state_bytes else "")
+        return (f"the {format_bytes(plan.budget_bytes - plan.state_bytes)} left for the KV "
+                f"cache{slots} is less than one page "
+                f"({format_bytes(plan.layout.bytes_per_page)}) and the pool's reserved one")
     parts = [f"weights {format_bytes(plan.weight_bytes)}",
              f"activations {format_bytes(plan.activation_bytes)}"]
     if plan.reserved_bytes:
@@ -210,10 +214,11 @@ def _reason(plan: MemoryPlan) -> str:
             f"{format_bytes(plan.device_memory)} ({format_bytes(plan.usable_bytes)})")
 
 
-def _memory(device_memory: int | None, device: str | torch.device | None
+def _memory(device_memory: int | None, device: str | torch.device | None, ranks: int = 1
             ) -> tuple[str | None, int, int]:
     """(device name, memory, bytes already in use): the given memory on no device, else the
-    device's total memory and what is not free on it (a CUDA device, or the host's RAM)."""
+    device's total memory and what is not free on it (a CUDA device, or the host's RAM, of
+    which each of `ranks` processes sharing it gets an equal share)."""
     if device_memory is not None:
         return None, device_memory, 0
     if device is None:
@@ -233,7 +238,7 @@ def _memory(device_memory: int | None, device: str | torch.device | None
             total = int(total * share)
             free = max(min(free, total - allocated), 0)
     elif device.type == "cpu":
-        total, free = host_memory()
+        total, free = (size // ranks for size in host_memory())
     else:
         raise ValueError(f"cannot read the memory of device {str(device)!r}; "
                          f"pass device_memory")
