@@ -351,7 +351,6 @@ def test_a_model_that_does_not_split_is_refused_by_plan_and_engine_before_any_pr
     assert "num_attention_heads 28 does not split across 8" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="vocab_size 258 does not split across 4"):
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=4)
-    assert not multiprocessing.active_children()
 
 
 def test_ranks_on_the_cpu_share_the_hosts_memory_in_the_plan():
