@@ -41,6 +41,7 @@ _MODULE_OF = {
     "OutOfStateSlots": "kvpool.errors",
     "RankFailed": "kvpool.errors",
     "SequenceTooLong": "kvpool.errors",
+    "ServerFailed": "kvpool.errors",
     "StepFailed": "kvpool.errors",
     "UnknownSequence": "kvpool.errors",
     "WorkspaceFull": "kvpool.memory.workspace",
