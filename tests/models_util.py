@@ -250,16 +250,16 @@ def check_engine_with_preemption(case: EngineCase, device, greedy: SamplingParam
     llm.check()
 
 
-def streamed(tokenizer, ids: list[int], cuts: list[int]) -> str:
+def streamed(tokenizer, ids: list[int], cuts: list[int], context: int | None = None) -> str:
     """The text a tokenizer's stream gives for `ids` arriving in pieces (cut at the positions
-    `cuts`), checking after every piece that, as long as the full decodes of the ids one more
-    at a time never took text back (byte pieces can turn invalid together), each text is a
-    prefix of the full decode and of the next text."""
-    decoded = [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    `cuts`) after token `context`, checking after every piece that, as long as the full
+    decodes of the ids one more at a time never took text back (byte pieces can turn invalid
+    together), each text is a prefix of the full decode and of the next text."""
+    decoded = [tokenizer.decode(ids[:n], context=context) for n in range(len(ids) + 1)]
     grows = [True]  # grows[n]: the decodes of ids[:1], ..., ids[:n] never took text back
     for before, after in itertools.pairwise(decoded):
         grows.append(grows[-1] and after.startswith(before.rstrip("\ufffd")))
-    stream, text = tokenizer.stream(), ""
+    stream, text = tokenizer.stream(context=context), ""
     for end in [*sorted(c for c in cuts if c < len(ids)), len(ids)]:
         previous, text = text, stream.text(ids[:end])
         if grows[end]:

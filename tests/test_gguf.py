@@ -241,9 +241,22 @@ def test_a_sentencepiece_vocabulary_marks_every_text_piece_as_llama_cpp_does(tmp
 
 
 @given(ids=st.lists(st.integers(0, len(SPM_TOKENS) - 1), max_size=24),
-       cuts=st.lists(st.integers(0, 24), max_size=5))
-def test_a_sentencepiece_stream_grows_as_its_decode_does(spm_tokenizer, ids, cuts):
-    streamed(spm_tokenizer, ids, cuts)  # byte pieces, word marks, specials at random
+       cuts=st.lists(st.integers(0, 24), max_size=5),
+       context=st.none() | st.integers(0, len(SPM_TOKENS) - 1))
+def test_a_sentencepiece_stream_grows_as_its_decode_does(spm_tokenizer, ids, cuts, context):
+    streamed(spm_tokenizer, ids, cuts, context)  # byte pieces, word marks, specials at random
+
+
+def test_a_sample_keeps_the_space_that_opens_it_after_its_prompt(spm_tokenizer):
+    """A SentencePiece decoder strips the space that opens a text: a sample reads on from
+    its prompt's last token instead, so that prompt and sample join as their ids do."""
+    prompt = spm_tokenizer.encode("ab c", add_special_tokens=False)
+    sample = spm_tokenizer.encode("abc", add_special_tokens=False)
+    assert spm_tokenizer.decode(sample) == "abc"
+    assert spm_tokenizer.decode(sample, context=prompt[-1]) == " abc"
+    assert streamed(spm_tokenizer, sample, [1], prompt[-1]) == " abc"
+    assert spm_tokenizer.decode(prompt) + spm_tokenizer.decode(sample, context=prompt[-1]) == \
+        spm_tokenizer.decode(prompt + sample)
 
 
 @pytest.fixture(scope="module")

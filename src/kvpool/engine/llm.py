@@ -699,14 +699,15 @@ class LLM:
         decoded (new tokens only: a step costs time linear in them); once finished, the full
         decode of its tokens, less a stop token."""
         token_ids = seq.output_token_ids
+        context = seq.request.prompt_token_ids[-1]  # the text reads on from the prompt's
         if self.tokenizer is None:
             text = ""
         elif seq.finished:
             text = self.tokenizer.decode(token_ids[:-1] if seq.finish_reason == "stop"
-                                         else token_ids)
+                                         else token_ids, context=context)
         else:
             if seq.text_stream is None:
-                seq.text_stream = self.tokenizer.stream()
+                seq.text_stream = self.tokenizer.stream(context=context)
             text = seq.text_stream.text(token_ids)
         logprobs = list(seq.logprobs) if seq.params.logprobs is not None else None
         return CompletionOutput(seq.index, token_ids, text, seq.finish_reason, logprobs)

@@ -26,10 +26,13 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], *, context: int | None = None) -> str:
+        """Token ids -> text, as it reads after token `context` (a sample's: its prompt's
+        last): a SentencePiece vocabulary then keeps the space that opens the text, which
+        it strips at the start of a text."""
 
-    def stream(self) -> TextStream:
-        """A decoder for one growing sequence of token ids."""
+    def stream(self, *, context: int | None = None) -> TextStream:
+        """A decoder for one growing sequence of token ids (after `context`, as `decode`)."""
 
 
 class TextStream(Protocol):
@@ -70,14 +73,24 @@ class HFTokenizer:
         (for text that spells them already, such as a rendered chat template)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text, special tokens dropped."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], *, context: int | None = None) -> str:
+        """Token ids -> text, special tokens dropped; after `context`, the text that
+        decoding `[context, *ids]` adds to `context`'s (the ids alone where `context` is
+        part of a character they end)."""
+        text = self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        if context is None:
+            return text
+        before = self.decode([context])
+        after = self._tokenizer.decode([context, *ids], skip_special_tokens=True)
+        if before.endswith("\ufffd") or not after.startswith(before):
+            return text
+        return after[len(before):]
 
-    def stream(self) -> TextStream:
+    def stream(self, *, context: int | None = None) -> TextStream:
         """The `tokenizers` library's DecodeStream over this tokenizer, special tokens
-        dropped: about 1 us a token, where `decode` of 150 tokens takes 27 (SmolLM2)."""
-        return _HFTextStream(self)
+        dropped, primed with `context`: about 1 us a token, where `decode` of 150 tokens
+        takes 27 (SmolLM2)."""
+        return _HFTextStream(self, context)
 
 
 class _HFTextStream:
@@ -85,10 +98,17 @@ class _HFTextStream:
     text of a piece would change what it returned before: byte pieces that turn invalid
     together) is decoded whole from then on."""
 
-    def __init__(self, tokenizer: HFTokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: HFTokenizer, context: int | None):
+        self._tokenizer, self._context = tokenizer, context
         self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
         self._text, self._fed = "", 0
+        if context is not None and tokenizer.decode([context]).endswith("\ufffd"):
+            self._context = None  # part of a character: the ids read alone, as in decode
+        elif context is not None:
+            try:
+                self._stream.step(tokenizer._tokenizer, context)
+            except Exception:  # noqa: BLE001 - as in text(): decoded whole from then on
+                self._stream = None
 
     def text(self, ids: list[int]) -> str:
         if self._stream is not None:
@@ -99,7 +119,7 @@ class _HFTextStream:
                 return self._text
             except Exception:  # the tokenizers library raises bare Exception for every fault
                 self._stream = None
-        return self._tokenizer.decode(ids)
+        return self._tokenizer.decode(ids, context=self._context)
 
 
 class ByteTokenizer:
@@ -112,11 +132,12 @@ class ByteTokenizer:
         """Text -> [BOS] + its UTF-8 bytes (no BOS when `add_special_tokens` is False)."""
         return [BYTE_BOS] * add_special_tokens + list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD."""
+    def decode(self, ids: list[int], *, context: int | None = None) -> str:
+        """Token ids -> text; special ids are dropped, invalid UTF-8 becomes U+FFFD. Bytes
+        read the same after any `context`."""
         return bytes([i for i in ids if i < BYTE_BOS]).decode("utf-8", errors="replace")
 
-    def stream(self) -> TextStream:
+    def stream(self, *, context: int | None = None) -> TextStream:
         """An incremental UTF-8 decoder over the byte ids (special ids dropped)."""
         return _ByteTextStream()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -142,7 +143,8 @@ class Server:
                                 n=parsed.n, stop=parsed.stop, chat=chat,
                                 include_usage=parsed.include_usage, logprobs=parsed.logprobs,
                                 token_text=self._token_text, text_stream=None
-                                if self.info.tokenizer is None else self.info.tokenizer.stream)
+                                if self.info.tokenizer is None else functools.partial(
+                                    self.info.tokenizer.stream, context=prompt[-1]))
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),
