@@ -449,6 +449,11 @@ def _visible_pages(page_tables, lens: list[int], firsts: list[int], page_size: i
 def _gather(cache, ids, buf, visible) -> torch.Tensor:
     """Copy pages `ids [batch, pages]` into `buf`; return `[batch, kv_heads, tokens, head_dim]`."""
     batch, num_pages = ids.shape
+    if cache.requires_grad and torch.is_grad_enabled():  # out= and in place record no grad
+        tokens = cache[ids.flatten()].view(batch, num_pages * cache.shape[1], *cache.shape[2:])
+        if visible is not None:
+            tokens = tokens.masked_fill(~visible[..., None, None], 0)
+        return tokens.transpose(1, 2)
     pages = torch.index_select(cache, 0, ids.flatten(), out=buf[: batch * num_pages])
     tokens = pages.view(batch, num_pages * cache.shape[1], *cache.shape[2:])
     if visible is not None:
