@@ -602,3 +602,37 @@ def test_smollm2_chunked_prefill_and_preemption_leave_the_tokens_unchanged(smoll
     outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
     assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
     assert llm.stats().num_preemptions > 0
+
+
+def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
+    write_gguf(tmp_path / "whole.gguf")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="cut.gguf is not a readable GGUF file"):
+        load_config(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize(("more", "error", "message"), [
+    (lambda w: w.add_uint32("llama.rope.dimension_count", 2), ConfigError,
+     "llama.rope.dimension_count 2 rotates part of each head"),
+    (lambda w: w.add_unk_token_id(999), CheckpointError,
+     rf"tokenizer.ggml.unknown_token_id must be a token id in \[0, {len(TOKENS)}\), got 999"),
+    (lambda w: w.add_array("tokenizer.ggml.scores", [0.0]), CheckpointError, None),
+], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored"])
+def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
+    write_gguf(tmp_path / "m.gguf", more=more)
+    if message is None:  # a byte-level vocabulary has no scores to check
+        load_model(tmp_path / "m.gguf", device="cpu")
+        return
+    with pytest.raises(error, match=message):
+        load_model(tmp_path / "m.gguf", device="cpu")
+
+
+@pytest.mark.parametrize("more", [
+    lambda w: w.add_uint32("llama.expert_count", 0),  # dense, as llama.cpp reads it
+    lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),  # no factor: no scaling
+], ids=["no-experts", "linear-without-factor"])
+def test_metadata_llama_cpp_reads_as_a_plain_model_loads_as_one(tmp_path, more):
+    write_gguf(tmp_path / "plain.gguf")
+    write_gguf(tmp_path / "m.gguf", more=more)
+    plain, ours = (load_config(tmp_path / name) for name in ("plain.gguf", "m.gguf"))
+    assert (ours.architecture, ours.rope_scaling) == (plain.architecture, None)

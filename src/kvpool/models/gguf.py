@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -129,8 +130,18 @@ class GGUFCheckpoint:
 
         heads = key("attention.head_count")
         eos = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
-        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised
-        experts = {} if key("expert_count") is None else {
+        if not all(i is None or isinstance(i, int) for i in eos):
+            raise ConfigError(f"{self.path.name}: GGUF tokenizer.ggml.eos_token_id and "
+                              f"eot_token_id must be token ids, got {eos}")
+        rotary = key("rope.dimension_count")
+        head_dim = key("attention.key_length")
+        if rotary is not None and heads and rotary != (head_dim or key("embedding_length", 0)
+                                                       // heads):
+            raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
+                              f"rotates part of each head; kvpool rotates whole heads")
+        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
+        # expert count of 0 is a dense model, as llama.cpp reads it)
+        experts = {} if not key("expert_count") else {
             "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
             "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
@@ -142,8 +153,10 @@ class GGUFCheckpoint:
             "intermediate_size": key("feed_forward_length"),
             "num_hidden_layers": key("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": key("attention.head_count_kv", heads),
-            "head_dim": key("attention.key_length"),
+            "num_key_value_heads": _one_per_model(key("attention.head_count_kv", heads),
+                                                  f"{self.path.name}: GGUF {arch}.attention."
+                                                  f"head_count_kv"),
+            "head_dim": head_dim,
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
             "rope_theta": key("rope.freq_base", 10000.0),
@@ -213,9 +226,12 @@ class GGUFCheckpoint:
     def _rope_scaling(self, kind: str | None, factor: float | None) -> dict | None:
         """The config's rope_scaling: linear from the metadata, or a divisor per frequency
         from the `rope_freqs` tensor (Llama 3.1's scaling as llama.cpp's converter writes it).
-        A factor other than 1 with no type is linear, as llama.cpp reads it."""
+        A factor other than 1 with no type is linear, and a factor of 0 (or none) no scaling,
+        as llama.cpp reads them."""
         freqs = self._tensor(ROPE_FREQS)
-        if kind is None and factor not in (None, 1.0):
+        if not factor or factor == 1.0:
+            kind = None if kind == "linear" else kind
+        elif kind is None:
             kind = "linear"
         if kind in (None, "none"):
             if freqs is None:
@@ -224,7 +240,7 @@ class GGUFCheckpoint:
 
             factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
             return {"rope_type": "frequency_factors", "factors": factors.tolist()}
-        if kind == "linear" and factor and freqs is None:
+        if kind == "linear" and freqs is None:
             return {"rope_type": "linear", "factor": float(factor)}
         raise ConfigError(f"{self.path.name}: GGUF rope scaling {kind!r}"
                           f"{' with rope_freqs' if freqs is not None else ''} is not supported "
@@ -324,6 +340,17 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
+def _one_per_model(value, name: str):
+    """A per-layer array of one value as that value (llama.cpp writes either); ConfigError
+    naming the key for layers that differ."""
+    if not isinstance(value, list):
+        return value
+    if len(set(value)) != 1:
+        raise ConfigError(f"{name} differs across layers ({value}); kvpool takes one value "
+                          f"for every layer")
+    return value[0]
+
+
 # LLM reads the config, then the weights: one parse of the file (its metadata takes seconds to
 # parse) serves both. The reader maps the file; it holds no tensor data in memory.
 @functools.lru_cache(maxsize=1)
@@ -335,8 +362,10 @@ def _read(path: Path, mtime_ns: int, size: int):
                           "pip install 'kvpool[gguf]'") from None
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable GGUF file: {e}") from None
+    # the reader raises what numpy and struct raise on a file cut short in its metadata
+    except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {type(e).__name__}: "
+                              f"{e}") from None
     if reader.endianess == GGUFEndian.BIG:  # numpy's dequantization reads host-order values
         raise CheckpointError(f"{path} is a big-endian GGUF file, which kvpool does not read")
     return reader

@@ -63,15 +63,20 @@ _NFC = ("qwen2",)
 
 def build_tokenizer(meta: dict) -> Tokenizer:
     """The tokenizer of a GGUF file's `tokenizer.*` metadata (key -> value). A tokenizer model
-    or pre-tokenizer llama.cpp names but this module does not know raises CheckpointError."""
+    or pre-tokenizer llama.cpp names but this module does not know, and metadata that does not
+    describe a vocabulary, raise CheckpointError."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind == "gpt2":
-        tokenizer = _byte_level_bpe(meta)
-    elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(meta)
-    else:
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(f"GGUF tokenizer model {kind!r} is not supported (supported: "
                               f"'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+    _check_vocabulary(meta, kind)
+    try:
+        tokenizer = _byte_level_bpe(meta) if kind == "gpt2" else _sentencepiece_bpe(meta)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exception
+        raise CheckpointError(f"GGUF vocabulary the tokenizers library refuses: "
+                              f"{type(e).__name__}: {e}") from None
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     typed = list(zip(tokens, types, strict=True))
@@ -93,6 +98,33 @@ def build_tokenizer(meta: dict) -> Tokenizer:
             single=around("$A"), pair=f"{around('$A')} {around('$B')}",
             special_tokens=sorted({(tokens[i], i) for i in first + last}))
     return tokenizer
+
+
+def _check_vocabulary(meta: dict, kind: str) -> None:
+    """CheckpointError naming the key unless the `tokenizer.*` metadata describes one
+    vocabulary: a list of token texts, types and scores (SentencePiece) one per token, token
+    ids within it, and merges of two texts each."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not (isinstance(tokens, list) and tokens and all(isinstance(t, str) for t in tokens)):
+        raise CheckpointError("GGUF tokenizer.ggml.tokens must be a non-empty list of texts")
+    lists = ["token_type"] + (["scores"] if kind == "llama" else [])
+    for name in lists:
+        values = meta.get(f"tokenizer.ggml.{name}")
+        if (values is not None or name == "scores") and (
+                not isinstance(values, list) or len(values) != len(tokens)):
+            found = len(values) if isinstance(values, list) else repr(values)
+            raise CheckpointError(f"GGUF tokenizer.ggml.{name} must list one value for each "
+                                  f"of the {len(tokens)} tokens, got {found}")
+    for name in ("bos", "eos", "eot", "unknown", "padding"):
+        i = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise CheckpointError(f"GGUF tokenizer.ggml.{name}_token_id must be a token id in "
+                                  f"[0, {len(tokens)}), got {i!r}")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    bad = next((m for m in merges if not (isinstance(m, str) and " " in m)), None)
+    if not isinstance(merges, list) or bad is not None:
+        raise CheckpointError(f"GGUF tokenizer.ggml.merges must be texts of two tokens "
+                              f"separated by a space, got {bad!r}")
 
 
 def _byte_level_bpe(meta: dict) -> Tokenizer:

@@ -120,6 +120,7 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
     describes (this rank's part of each), in `dtype` (None: float32), with the tokenizer its
     vocabulary describes."""
     config, path = checkpoint.config(), checkpoint.path
+    tokenizer = checkpoint.tokenizer()  # before the weights: a bad vocabulary fails at once
     net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
     params = net.state_dict()
     _check_weights(net, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
@@ -127,7 +128,7 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
     with torch.no_grad():
         for name, tensor in checkpoint.tensors():
             _copy_finite(params[name], take(tensor, checkpoint_index(net, name)), name, path)
-    return LoadedModel(net.eval(), config, checkpoint.tokenizer())
+    return LoadedModel(net.eval(), config, tokenizer)
 
 
 def check_splits(config: ModelConfig, tensor_parallel_size: int) -> None:
