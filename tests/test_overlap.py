@@ -239,3 +239,19 @@ def test_the_profile_merges_overlapping_device_intervals():
     bench = _gpu_engine_benchmark()
     assert bench.merged_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert bench.merged_us([]) == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_token_an_abort_drops_is_not_counted(overlap):
+    """With overlap an aborted request's token is in flight: dropped, and not counted."""
+    llm = engine(overlap, num_pages=64)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ids = [llm.add_request([5 + i, 6, 7], params) for i in range(2)]
+    outputs = {}
+    for _ in range(4):
+        outputs.update((o.request_id, o) for o in llm.step())
+    outputs[ids[0]] = llm.abort(ids[0])
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert llm.stats().num_generated_tokens == sum(
+        len(o.outputs[0].token_ids) for o in outputs.values())

@@ -110,7 +110,7 @@ def test_calls_in_the_wrong_state_are_typed_errors(checkpoint, prompts, device):
         llm.sleep()
     for call in (lambda: llm.add_request(prompts[0], GREEDY),
                  lambda: llm.generate(prompts, GREEDY, use_tqdm=False),
-                 llm.step, llm.stats):
+                 llm.step, llm.stats, lambda: llm.takes_prefilled):
         with pytest.raises(EngineStateError, match="asleep.*wake"):
             call()
     assert llm.abort("0") is None and not llm.has_unfinished()

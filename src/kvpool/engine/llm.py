@@ -422,7 +422,9 @@ class LLM:
     def takes_prefilled(self) -> bool:
         """Whether `resume_request` takes KV computed elsewhere: the cache has one pool (a
         hybrid's state slots beside it), keeps every page of a sequence, and is on one rank
-        (the workers of a tensor-parallel engine would not get their share of it)."""
+        (the workers of a tensor-parallel engine would not get their share of it).
+        EngineStateError while asleep."""
+        self._check_awake()
         return [group.window for group in self.cache.page_groups] == [None] \
             and self.config.tensor_parallel_size == 1
 
@@ -553,9 +555,11 @@ class LLM:
             for seq, entry in zip(step.seqs, entries, strict=True):
                 if entry is not None and not seq.finished:
                     seq.logprobs.append(entry)
+        # a sequence aborted or failed while the step ran drops its token
+        num_kept = sum(not seq.finished for seq in step.seqs)
         requests = self.scheduler.postprocess(step.seqs, token_ids)
         self._forget([request for request in requests if request.finished])
-        self._count(step.batch, len(step.seqs), start)
+        self._count(step.batch, num_kept, start)
         return requests
 
     def _forget(self, finished: list[Request]) -> None:

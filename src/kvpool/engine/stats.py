@@ -18,9 +18,9 @@ class EngineStats:
     kv_utilization: float  # filled fraction of the slots in used pages
     prefix_hit_rate: float  # prompt tokens served by the prefix cache / tokens looked up
     num_preemptions: int
-    num_steps: int
+    num_steps: int  # steps whose tokens were read
     num_prompt_tokens: int  # tokens computed by prefill (recompute included, prefix hits not)
-    num_generated_tokens: int  # tokens sampled
+    num_generated_tokens: int  # tokens sampled and kept (not a token an abort dropped)
     elapsed: float  # seconds spent in steps
     workspace_bytes: int = 0  # the step scratch allocated once at start-up
     workspace_peak_bytes: int = 0  # the most of it one step has used

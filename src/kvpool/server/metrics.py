@@ -110,7 +110,8 @@ class ServerMetrics:
                  c.prefix_query_tokens),
                 ("kvpool_prefix_cache_hits", "Prompt tokens the prefix cache served",
                  c.prefix_hit_tokens),
-                ("kvpool_engine_steps", "Engine steps (forwards)", e.num_steps),
+                ("kvpool_engine_steps", "Engine steps whose tokens were read (a forward whose "
+                 "requests all ended while it ran is not counted)", e.num_steps),
                 ("kvpool_tier_stored_pages", "Evicted prefix pages the tier took",
                  e.num_tier_stores),
                 ("kvpool_tier_loaded_pages", "Prefix pages loaded back from the tier "
