@@ -980,3 +980,28 @@ def test_can_add_entering_by_chunks_asks_a_windowed_cache_for_the_entering_token
     prompt = list(range(40))  # 10 pages; the pools hold 4
     assert windowed.can_add(prompt, entering=16) and not windowed.can_add(prompt)
     assert not whole.can_add(prompt, entering=16)
+
+
+def test_room_checks_say_no_past_the_length_limit(device):
+    cache = make_cache(16, device=device, max_tokens_per_seq=10)
+    assert not cache.can_add(list(range(20))) and cache.can_add(list(range(10)))
+    cache.add_sequence("b", list(range(10)))
+    assert not cache.can_append("b", 1) and cache.can_append("b", 0)
+    with pytest.raises(SequenceTooLong):
+        cache.append("b")
+
+
+def test_arguments_that_are_no_page_range_or_sequence_are_typed_errors(device):
+    cache = make_cache(16, device=device)
+    cache.add_sequence("a", list(range(9)))
+    for page in (-1, 16):
+        with pytest.raises(ValueError, match=rf"page must be in \[0, 15\], got {page}"):
+            cache.owners(page)
+    with pytest.raises(ValueError, match="1 sequences, 2 starts, 1 ends"):
+        cache.slot_mapping(["a"], [0, 1], [2])
+    with pytest.raises(TypeError, match="token_ids must be a sequence of ints, got the number"):
+        cache.add_sequence("b", torch.tensor(5))
+    for option in ({"tier": 5}, {"states": 3}):
+        with pytest.raises(TypeError, match=f"{next(iter(option))} must be a"):
+            make_cache(device=device, **option)
+    cache.check()

@@ -73,6 +73,10 @@ class KVCache:
                  states: StateSpec | None = None):
         if max_tokens_per_seq is not None:
             check_int64("max_tokens_per_seq", max_tokens_per_seq, 1)
+        for name, value, kind in (("tier", tier, Tier), ("states", states, StateSpec)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name} must be a {kind.__name__} or None, got "
+                                f"{type(value).__name__}")
         if tier is not None and not prefix_caching:
             raise ValueError("a tier holds evicted prefix pages: it needs prefix_caching=True")
         if not isinstance(model_fingerprint, str):
@@ -257,6 +261,8 @@ class KVCache:
         check_int("spare_pages", spare_pages, 0)
         if entering is not None:
             check_int("entering", entering, 0, n)
+        if not self._within_limit(n):
+            return False
         salt, limit = salt_key(cache_salt), n
         for group in self.groups:
             m = group.admitted(n, n if entering is None else entering)
@@ -268,9 +274,10 @@ class KVCache:
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether `append(seq_id, num_tokens)` would succeed. Changes nothing."""
-        self._get(seq_id)
+        seq = self._get(seq_id)
         n = check_int("num_tokens", num_tokens, 0)
-        return all(group.room(group.plan_append(seq_id, n, {})) for group in self.groups)
+        return self._within_limit(seq.num_tokens + n) and all(
+            group.room(group.plan_append(seq_id, n, {})) for group in self.groups)
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits alone in every
@@ -467,9 +474,12 @@ class KVCache:
             return error
         return type(error)(f"{group.name} pool: {error}")
 
+    def _within_limit(self, n: int) -> bool:
+        return self.max_tokens_per_seq is None or n <= self.max_tokens_per_seq
+
     def _check_length(self, seq_id: Hashable, n: int) -> None:
         limit = self.max_tokens_per_seq
-        if limit is not None and n > limit:
+        if not self._within_limit(n):
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
                                   f"over the limit of {limit}")
 
@@ -511,6 +521,9 @@ def _tokens(token_ids: Sequence[int] | None, num_tokens: int | None,
                             f"got {type(token_ids).__name__}")
         if hasattr(token_ids, "tolist"):  # numpy, torch
             token_ids = token_ids.tolist()
+            if not isinstance(token_ids, list):  # a 0-d array: one number, no sequence
+                raise TypeError(f"token_ids must be a sequence of ints, got the number "
+                                f"{token_ids!r}")
     if num_tokens is not None and check_int("num_tokens", num_tokens, 0) != len(token_ids):
         raise ValueError(f"num_tokens={num_tokens} disagrees with {len(token_ids)} token_ids")
     return len(token_ids), pack_tokens(token_ids)

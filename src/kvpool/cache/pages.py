@@ -20,7 +20,7 @@ from kvpool.cache.group import CacheStats, GroupManager, Plan
 from kvpool.cache.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
 from kvpool.cache.tiers import PageKey, Tier, page_namespace
 from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
-from kvpool.errors import OutOfPages, UnknownSequence
+from kvpool.errors import OutOfPages, UnknownSequence, check_int
 from kvpool.memory.allocator import PageAllocator
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
@@ -199,7 +199,8 @@ class FullAttention(GroupManager):
         return [HOLE] * dropped + self._slots(seq, dropped, seq.num_tokens)
 
     def owners(self, page: int) -> list[Hashable]:
-        """Live sequences whose page table holds `page`."""
+        """Live sequences whose page table holds `page` (an id in [0, num_pages))."""
+        check_int("page", page, 0, self.allocator.num_pages - 1)
         return [sid for sid, seq in self._seqs.items() if page in seq.pages]
 
     def drop_point(self, position: int) -> int:
@@ -221,6 +222,9 @@ class FullAttention(GroupManager):
                      ends: Sequence[int]) -> torch.Tensor:
         """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence,
         concatenated; tokens of a sequence's prefix match go to the padding slot."""
+        if not len(seq_ids) == len(starts) == len(ends):
+            raise ValueError(f"slot_mapping takes one start and end per sequence: "
+                             f"{len(seq_ids)} sequences, {len(starts)} starts, {len(ends)} ends")
         out: list[int] = []
         for sid, start, end in zip(seq_ids, starts, ends, strict=True):
             seq = self._get(sid)
