@@ -38,9 +38,11 @@ from kvpool.errors import (
     SequenceTooLong,
     StepFailed,
 )
-from kvpool.memory.state_pool import RESERVED_SLOTS
+from kvpool.memory.layout import KVLayout
+from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout
 from kvpool.memory.workspace import Workspace
 from kvpool.models import check_splits, load_config, load_model
+from kvpool.models.config import ModelConfig
 from kvpool.planning.group_plan import split_budget
 from kvpool.threads import limit_threads
 
@@ -109,57 +111,11 @@ class LLM:
         self.peers = make_peers(self.config, device)  # spawns the workers: they join and wait
         weakref.finalize(self, self.peers.close)  # at the latest when the interpreter exits
         try:  # a failure from here on stops the workers at once, whoever holds the error
-            loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
-            self.model, self.tokenizer = loaded.model, loaded.tokenizer
-            self.model_config = mc
-            device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
-            self._device = device
-            pages: int | tuple[int, ...] = num_pages
-            if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
-                pages = tuple(pool.num_pages for pool in split_budget(
-                    layout, num_pages * layout.bytes_per_page,
-                    max_num_seqs=self.config.max_num_seqs, prefill_tokens=self.max_model_len))
-            states = None
-            if mamba:
-                # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
-                # so tokens of output.
-                interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
-                states = StateSpec(mamba, num_slots, num_checkpoints, interval,
-                                   interval * -(-256 // interval))
-            tier = make_tier(self.config, layout.bytes_per_page)
-            fingerprint = weights_fingerprint(self.model) if tier is not None else ""
-            # Kept to build the cache anew on wake(): a fresh pool, an empty prefix cache.
-            self._make_cache = functools.partial(
-                KVCache, layout, pages, device=device, prefix_caching=self.config.prefix_caching,
-                max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales,
-                free_out_of_window=self.config.free_out_of_window, tier=tier,
-                model_fingerprint=fingerprint, states=states)
-            self.cache = self._make_cache()
-            smallest_pool = min(pool.num_pages for pool in self.cache.kv_pools.pools)
-            eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
-            self.scheduler = Scheduler(
-                self.cache, max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
-                eos_token_ids=eos)
-            # Page tables are sized by the longest sequence the pool can hold, not by a context
-            # of max_position_embeddings tokens that it never could.
-            longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
-            workspace_bytes = self.config.workspace_bytes(mc, layout, longest)
-            self.workspace = Workspace(workspace_bytes, device=device)
-            seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
-            # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
-            max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
-            self._max_step, self._longest = max_step, longest
-            self._build_runner()
-            self.peers.start(WorkerSpec(str(model), self.config.dtype, layout,
-                                        pages,
-                                        self.config.kv_scales, workspace_bytes,
-                                        self.runner.max_step, states,
-                                        tier.capacity_pages if tier is not None else 0), self.cache)
+            self._build(model, mc, layout, device, num_pages, mamba, num_slots, num_checkpoints)
         except BaseException:
             self.peers.close()
             raise
+        device = self._device
         self.sampler = Sampler(self.config.seed)
         # Overlap scheduling (kvpool.engine.overlap) pays where the device runs apart from
         # the host; on the CPU the forward runs in this thread, so there is nothing to hide.
@@ -183,6 +139,60 @@ class LLM:
         self._sleep_level = 0  # 0 awake; else the level of sleep()
 
     # ---- batch API ---------------------------------------------------------------------
+
+    def _build(self, model: str | Path, mc: ModelConfig, layout: KVLayout,
+               device: torch.device, num_pages: int, mamba: MambaLayout | None, num_slots: int,
+               num_checkpoints: int) -> None:
+        """Load this rank's part of the model and build the cache, scheduler, workspace and
+        runner; then have the workers build theirs."""
+        loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model_config = mc
+        device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
+        self._device = device
+        pages: int | tuple[int, ...] = num_pages
+        if len(layout.groups) > 1 and self.config.free_out_of_window and not mamba:
+            pages = tuple(pool.num_pages for pool in split_budget(
+                layout, num_pages * layout.bytes_per_page,
+                max_num_seqs=self.config.max_num_seqs, prefill_tokens=self.max_model_len))
+        states = None
+        if mamba:
+            # Checkpoints at the mixer's chunk boundaries that end a page, and every 256 or
+            # so tokens of output.
+            interval = math.lcm(mc.mamba.chunk_size, layout.page_size)
+            states = StateSpec(mamba, num_slots, num_checkpoints, interval,
+                               interval * -(-256 // interval))
+        tier = make_tier(self.config, layout.bytes_per_page)
+        fingerprint = weights_fingerprint(self.model) if tier is not None else ""
+        # Kept to build the cache anew on wake(): a fresh pool, an empty prefix cache.
+        self._make_cache = functools.partial(
+            KVCache, layout, pages, device=device, prefix_caching=self.config.prefix_caching,
+            max_tokens_per_seq=self.max_model_len, kv_scales=self.config.kv_scales,
+            free_out_of_window=self.config.free_out_of_window, tier=tier,
+            model_fingerprint=fingerprint, states=states)
+        self.cache = self._make_cache()
+        smallest_pool = min(pool.num_pages for pool in self.cache.kv_pools.pools)
+        eos = {*mc.eos_token_ids, *(self.tokenizer.eos_token_ids if self.tokenizer else ())}
+        self.scheduler = Scheduler(
+            self.cache, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, watermark_pages=max(1, smallest_pool // 100),
+            eos_token_ids=eos)
+        # Page tables are sized by the longest sequence the pool can hold, not by a context
+        # of max_position_embeddings tokens that it never could.
+        longest = self.config.longest_sequence(layout, self.max_model_len, self.cache.num_pages)
+        workspace_bytes = self.config.workspace_bytes(mc, layout, longest)
+        self.workspace = Workspace(workspace_bytes, device=device)
+        seqs, width = self.config.max_num_seqs, -(-longest // layout.page_size)
+        # a graph bucket of max_num_seqs rows is that many tokens, whatever the token budget
+        max_step = StepLayout(seqs, max(self.config.max_num_batched_tokens, seqs), width, seqs)
+        self._max_step, self._longest = max_step, longest
+        self._build_runner()
+        self.peers.start(WorkerSpec(str(model), self.config.dtype, layout,
+                                    pages,
+                                    self.config.kv_scales, workspace_bytes,
+                                    self.runner.max_step, states,
+                                    tier.capacity_pages if tier is not None else 0), self.cache)
 
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
