@@ -70,6 +70,7 @@ class RedisTier(Tier):
         return f"{self.prefix}:{self._tag}:{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}"
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
+        """`Tier.put`; without `capacity_bytes`, the page is written and nothing indexed."""
         if self.capacity_bytes is not None:
             super().put(key, data)
             return
