@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from kvpool.cli.main import main
 from kvpool.cli.serve import API_KEY_ENV, add_arguments, api_keys
 from kvpool.engine import LLM
 from kvpool.server.auth import ApiKeyMiddleware
@@ -208,3 +209,12 @@ def test_the_serve_flags_default_to_the_server_limits_defaults():
     args = parser.parse_args([])
     assert ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
                         args.header_timeout, args.body_timeout) == ServerLimits()
+
+
+def test_bench_url_sends_the_api_key(server, capsys):
+    argv = ["bench", "--url", server.url, "--num-requests", "2", "--prompt-len", "8",
+            "--output-len", "4"]
+    assert main(argv) == 2
+    assert "the server answered 401" in capsys.readouterr().err
+    assert main([*argv, "--api-key", KEY_A]) == 0
+    assert "requests" in capsys.readouterr().out

@@ -369,6 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
                              "http://127.0.0.1:8000) through HTTP streaming instead; the "
                              "engine options are the server's then")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVPOOL_API_KEY"),
+                        help="with --url: the server's API key (default: $KVPOOL_API_KEY)")
     plot = parser.add_mutually_exclusive_group()
     plot.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
                       help=f"PNG of the pool over the steps (default: {DEFAULT_PLOT}; "
@@ -422,6 +424,7 @@ def run_url(args: argparse.Namespace) -> int:
         check_lengths(workload, max_model_len)
         return make_workload(workload, vocab_size, max_model_len)
 
-    model, rows = run_client(bench_url(args.url.rstrip("/"), requests_for))
+    model, rows = run_client(bench_url(args.url.rstrip("/"), requests_for,
+                                       api_key=args.api_key))
     print(format_table([("model", model), ("url", args.url), *rows]))
     return 0

@@ -39,11 +39,12 @@ def run_client(coroutine):
     return uvloop.run(coroutine)
 
 
-def session(url: str) -> aiohttp.ClientSession:
-    """A client session for the server at `url` (under a path too, as behind a proxy): no
-    limit on connections, no timeout."""
+def session(url: str, api_key: str | None = None) -> aiohttp.ClientSession:
+    """A client session for the server at `url` (under a path too, as behind a proxy), with
+    `api_key` as its bearer token: no limit on connections, no timeout."""
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     return aiohttp.ClientSession(url.rstrip("/") + "/", connector=aiohttp.TCPConnector(limit=0),
-                                 timeout=aiohttp.ClientTimeout(total=None))
+                                 timeout=aiohttp.ClientTimeout(total=None), headers=headers)
 
 
 async def model_info(client: aiohttp.ClientSession) -> dict:
@@ -149,11 +150,12 @@ def summary_rows(requests: list[BenchRequest], result: BenchResult,
     ]
 
 
-async def bench_url(url: str, requests_for_model, *,
+async def bench_url(url: str, requests_for_model, *, api_key: str | None = None,
                     show_progress: bool = True) -> tuple[str, list[tuple[str, str]]]:
     """Run the workload `requests_for_model(vocab_size, max_model_len)` against the server
-    at `url`; returns the model's name and the summary rows."""
-    async with session(url) as client:
+    at `url` (with `api_key`, for a server that asks one); returns the model's name and the
+    summary rows."""
+    async with session(url, api_key) as client:
         info = await model_info(client)
         requests = requests_for_model(info["vocab_size"], info["max_model_len"])
         before = await scrape(client)
