@@ -161,6 +161,9 @@ def test_critical_allocation_may_take_the_reserved_pages():
     allocator.allocate(8)
     assert allocator.can_allocate(2, critical=True)
     assert allocator.allocate(2, critical=True) == [8, 9]
+    # the reserve taken: nothing is available, and taking nothing still succeeds
+    assert allocator.num_available == 0 and allocator.can_allocate(0)
+    assert allocator.allocate(0) == []
 
 
 def test_critical_allocation_cannot_take_more_than_the_free_pages():

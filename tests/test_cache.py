@@ -466,7 +466,7 @@ def test_appending_zero_tokens_changes_nothing_and_keeps_caching(device):
 
 
 def test_a_pool_past_int32_page_ids_is_refused_naming_the_limit(device):
-    with pytest.raises(ValueError, match=r"num_pages must be in \[1, 2147483647\], "
+    with pytest.raises(ValueError, match=r"num_pages must be in \[1, 2147483646\], "
                                          r"got 10000000000000"):
         make_cache(10**13, device=device)
 

@@ -76,7 +76,7 @@ def _group_ends(group: int, seconds: float) -> bool:
 def test_serve_without_the_server_extra_names_the_install_command(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import fails as if not installed
     assert main(["serve", "--model", "tiny"]) == 2
-    assert capsys.readouterr().err == ("kvpool serve: needs uvicorn: "
+    assert capsys.readouterr().err == ("kvpool serve: error: needs uvicorn: "
                                        "pip install 'kvpool[server]'\n")
 
 
@@ -89,20 +89,22 @@ def test_serve_on_a_host_or_port_it_cannot_bind_is_one_line_with_exit_2_before_t
         port = taken.getsockname()[1]
         assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"kvpool serve: cannot listen on 127.0.0.1:{port}: ")
+        assert err.startswith(f"kvpool serve: error: cannot listen on 127.0.0.1:{port}: ")
         assert "in use" in err and err.count("\n") == 1
     assert main(["serve", "--model", "tiny", "--host", "999.1.1.1"]) == 2
-    assert capsys.readouterr().err.startswith("kvpool serve: cannot listen on 999.1.1.1:8000: ")
+    assert capsys.readouterr().err.startswith(
+        "kvpool serve: error: cannot listen on 999.1.1.1:8000: ")
 
 
 def test_serve_with_prefix_isolation_per_key_but_no_key_is_one_line_with_exit_2(
         capsys, monkeypatch):
     monkeypatch.delenv("KVPOOL_API_KEY", raising=False)
     assert main(["serve", "--model", "tiny", "--prefix-isolation", "per-key"]) == 2
-    assert capsys.readouterr().err == "kvpool serve: prefix isolation per key needs API keys\n"
+    assert capsys.readouterr().err == \
+        "kvpool serve: error: prefix isolation per key needs API keys\n"
 
 
 def test_serve_with_an_empty_api_key_is_one_line_with_exit_2(capsys):
     assert main(["serve", "--model", "tiny", "--api-key", "a-key", "--api-key", ""]) == 2
-    assert capsys.readouterr().err == ("kvpool serve: api keys must be non-empty strings; "
+    assert capsys.readouterr().err == ("kvpool serve: error: api keys must be non-empty strings; "
                                        "key 2 of 2 is empty\n")

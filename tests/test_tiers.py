@@ -515,6 +515,10 @@ def test_a_host_tier_larger_than_memory_is_refused_when_the_cache_is_built(devic
                                           r"52,428,800,000,000 bytes"):
         KVCache(big, 4, device=device, prefix_caching=True, tier=tier)
     assert tier.namespace is None and tier.nbytes == 0
+    huge = HostTier(2**62)  # its bytes pass int64: counted exactly all the same
+    with pytest.raises(OutOfMemory, match=r"HostTier of 4,611,686,018,427,387,904 pages needs "
+                                          r"24,178,516,392,292,583,494,123,520 bytes"):
+        KVCache(big, 4, device=device, prefix_caching=True, tier=huge)
 
 
 def test_a_store_failing_with_any_error_drops_the_page_and_eviction_succeeds(monkeypatch, device):

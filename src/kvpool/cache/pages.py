@@ -53,9 +53,11 @@ class FullAttention(GroupManager):
         self.name = name
         self.layout = layout
         self.page_size = layout.page_size
+        # the pool first: it checks num_pages and its bytes before the allocator builds its
+        # lists of every page (2**31 pages of lists would exhaust the host)
+        self.pool = KVPool(layout, num_pages, device=device, kv_scales=kv_scales)
         self.allocator = PageAllocator(num_pages, policy=policy, reserve=reserve,
                                        thread_safe=False)
-        self.pool = KVPool(layout, num_pages, device=device, kv_scales=kv_scales)
         scales = None if self.pool.scales is None else self.pool.scales.tolist()
         self.namespace = page_namespace(layout, model_fingerprint, scales)
         if tier is not None:

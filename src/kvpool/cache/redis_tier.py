@@ -8,6 +8,7 @@ for `retry_interval` seconds (a dead server costs one timeout, not one per page)
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -107,7 +108,7 @@ class RedisTier(Tier):
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._tag = namespace_tag(namespace)
         if self.capacity_bytes is not None:
-            page_bytes = torch.Size(page_shape).numel() * dtype.itemsize
+            page_bytes = math.prod(page_shape) * dtype.itemsize
             if self.capacity_bytes < page_bytes:
                 raise ValueError(f"capacity_bytes {self.capacity_bytes:,} holds no page of "
                                  f"{page_bytes:,} bytes")

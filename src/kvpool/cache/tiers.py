@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import struct
 import tempfile
@@ -234,7 +235,7 @@ class HostTier(Tier):
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         shape = (self.capacity_pages, *page_shape)
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: no int64 wrap
         ram = None  # where the platform does not say
         with contextlib.suppress(AttributeError, ValueError, OSError):
             ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

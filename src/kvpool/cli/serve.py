@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; 2 when the server extra is not installed."""
     missing = missing_modules()
     if missing:
-        print(f"kvpool serve: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
+        print(f"kvpool serve: error: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
     from kvpool.engine import LLM, DisaggregatedLLM
     from kvpool.server.app import build_app
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                "tensor_parallel_size": args.tensor_parallel_size,
                **{k: v for k, v in options.items() if v is not None}}
     if args.disaggregated and args.tensor_parallel_size > 1:
-        print("kvpool serve: --disaggregated runs each engine on one device; "
+        print("kvpool serve: error: --disaggregated runs each engine on one device; "
               f"--tensor-parallel-size {args.tensor_parallel_size} is not supported with it",
               file=sys.stderr)
         return 2
@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bound_socket(args.host, args.port)
     except OSError as e:
-        print(f"kvpool serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"kvpool serve: error: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
         return 2
     try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                         prefix_isolation=args.prefix_isolation)
     except ValueError as e:
         sock.close()
-        print(f"kvpool serve: {e}", file=sys.stderr)
+        print(f"kvpool serve: error: {e}", file=sys.stderr)
         return 2
     # uvicorn raises the signal that stopped it again once it has shut down; by then it is
     # handled, so these handlers let the command return 0.

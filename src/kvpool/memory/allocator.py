@@ -114,8 +114,9 @@ class PageAllocator:
 
     @property
     def num_available(self) -> int:
-        """The most pages an allocation that is not critical may take: free + cached - reserve."""
-        return len(self._free) + self._num_cached - self._reserve
+        """The most pages an allocation that is not critical may take: free + cached - reserve
+        (0 once critical allocations took the reserve)."""
+        return max(0, len(self._free) + self._num_cached - self._reserve)
 
     @property
     def reserve(self) -> int:
@@ -136,7 +137,8 @@ class PageAllocator:
     def can_allocate(self, n: int, *, critical: bool = False) -> bool:
         """Whether `allocate(n, critical=critical)` would succeed now."""
         n = check_int("page count", n, 0)
-        return n <= len(self._free) + self._num_cached - (0 if critical else self._reserve)
+        return n == 0 or n <= len(self._free) + self._num_cached - (0 if critical else
+                                                                      self._reserve)
 
     def allocate(self, n: int, *, critical: bool = False) -> list[int]:
         """Take `n` pages, each with reference count 1, and return their ids: free pages
