@@ -115,8 +115,8 @@ class PageAllocator:
     @property
     def num_available(self) -> int:
         """The most pages an allocation that is not critical may take: free + cached - reserve
-        (0 once critical allocations took the reserve)."""
-        return max(0, len(self._free) + self._num_cached - self._reserve)
+        (below 0 once critical allocations took part of the reserve: the pages short)."""
+        return len(self._free) + self._num_cached - self._reserve
 
     @property
     def reserve(self) -> int:
