@@ -57,8 +57,8 @@ MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
-# from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (Gemma 3's
-# ropes and window: _gemma_ropes, _windows; DeepSeek's: _deepseek)
+# from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
+# _deepseek)
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
@@ -69,11 +69,14 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
                            "rms_norm_eps": 1e-5},
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
-    "Gemma3ForCausalLM": {"max_position_embeddings": 131072},
+    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4},
     "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
 }
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 ROPE_TYPES = ("linear", "llama3", "yarn", "frequency_factors")  # scaled ropes kvpool runs
+# ... except for these architectures: Phi-3's scaled ropes are longrope in transformers
+ARCHITECTURE_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ()}
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -331,8 +334,8 @@ class ModelConfig:
         if is_gemma:
             (rope_theta, rope_scaling), local_rope = _gemma_ropes(cfg)
             gemma = _gemma(cfg, local_rope)
-        else:  # Phi-3's scaled ropes are longrope, which kvpool does not run
-            rope_theta, rope_scaling = _rope(cfg, () if arch == "Phi3ForCausalLM" else ROPE_TYPES)
+        else:
+            rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES))
         is_bamba = arch == "BambaForCausalLM"
         if not is_bamba:
             _check_no_partial_rotary(cfg)
@@ -631,7 +634,6 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
         return None, ()
     window = _optional_int(cfg, "sliding_window")
     if is_gemma:
-        window = 4096 if "sliding_window" not in cfg else window
         pattern = _int(cfg, "sliding_window_pattern", 6)
         default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
     else:
@@ -693,22 +695,20 @@ def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dic
     """(rope_theta, rope_scaling) of Gemma 3's full and sliding layers as transformers reads
     them: transformers 5 writes rope_parameters per layer type (default rope for a type left
     out); rope_scaling updates the full layers'; a theta left out is rope_theta (full) or
-    rope_local_base_freq (sliding), by default 1e6 and 1e4."""
+    rope_local_base_freq (sliding)."""
     params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not params.keys() & {FULL, SLIDING}:
         params = {}
     if not isinstance(scaling, dict):
         raise ConfigError(f"config 'rope_scaling' must be an object, got {scaling!r}")
     ropes = []
-    for layer_type, theta_key, theta in ((FULL, "rope_theta", 1e6),
-                                         (SLIDING, "rope_local_base_freq", 1e4)):
+    for layer_type, theta_key in ((FULL, "rope_theta"), (SLIDING, "rope_local_base_freq")):
         rope = params.get(layer_type) or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"config 'rope_parameters.{layer_type}' must be an object, "
                               f"got {rope!r}")
         rope = {**rope, **scaling} if layer_type == FULL else rope
-        ropes.append(_rope({"rope_parameters": {"rope_theta": cfg.get(theta_key, theta),
-                                                **rope}}))
+        ropes.append(_rope({"rope_parameters": {"rope_theta": cfg[theta_key], **rope}}))
     return ropes[0], ropes[1]
 
 
