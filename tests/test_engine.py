@@ -473,6 +473,37 @@ def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, e
     assert _tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == expected[:2]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("where", ["sampler", "postprocess"])
+def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
+        checkpoint, prompts, expected, device, where, overlap):
+    # A Ctrl-C while a step samples, or hands out its tokens: its requests end with "error"
+    # and give their pages back; a request added later runs as if nothing happened.
+    llm = _llm(checkpoint, device=device, overlap=overlap)
+    first = llm.add_request(prompts[0], GREEDY)
+    llm.step()
+    owner = llm if where == "sampler" else llm.scheduler
+    real = getattr(owner, where)
+
+    def interrupted(*args, **kwargs):
+        setattr(owner, where, real)
+        raise KeyboardInterrupt
+
+    setattr(owner, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        while llm.has_unfinished():
+            llm.step()
+    llm.check()
+    assert llm.cache.sequences() == [] and not llm.has_unfinished()
+    assert first not in llm._requests
+    second = llm.add_request(prompts[1], GREEDY)
+    outputs = {}
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert _tokens([outputs[second]]) == expected[1:2]
+    _assert_drained(llm)
+
+
 def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint, prompts,
                                                                       expected, device):
     llm = _llm(checkpoint, max_num_seqs=1, device=device)  # the second prompt waits for the first

@@ -550,27 +550,46 @@ class LLM:
         seqs, logit_rows = self.scheduler.update(batch)
         if all(seq.finished for seq in batch.seqs):
             return None, []
-        # forked samples read their parent's row; a sequence that finished reads none
-        if logit_rows != list(range(len(logits))):
-            logits = logits[_on_device(logit_rows, logits.device)]
-        seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
-        self.scheduler.add_placeholders(seqs)
+        with self._failing_if_interrupted(batch.seqs):
+            # forked samples read their parent's row; a sequence that finished reads none
+            if logit_rows != list(range(len(logits))):
+                logits = logits[_on_device(logit_rows, logits.device)]
+            seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
+            self.scheduler.add_placeholders(seqs)
         return LaunchedStep.sampled(batch, seqs, tokens, logprobs), failed
 
     def _finish(self, step: LaunchedStep, start: float) -> list[Request]:
         """Read the step's tokens on the host, give each sequence its token (and logprobs)
         and finish those that stop; returns the requests that advanced."""
-        token_ids, entries = step.host.wait()
-        if entries is not None:
-            for seq, entry in zip(step.seqs, entries, strict=True):
-                if entry is not None and not seq.finished:
-                    seq.logprobs.append(entry)
-        # a sequence aborted or failed while the step ran drops its token
-        num_kept = sum(not seq.finished for seq in step.seqs)
-        requests = self.scheduler.postprocess(step.seqs, token_ids)
+        with self._failing_if_interrupted(step.seqs):
+            token_ids, entries = step.host.wait()
+            if entries is not None:
+                for seq, entry in zip(step.seqs, entries, strict=True):
+                    if entry is not None and not seq.finished:
+                        seq.logprobs.append(entry)
+            # a sequence aborted or failed while the step ran drops its token
+            num_kept = sum(not seq.finished for seq in step.seqs)
+            requests = self.scheduler.postprocess(step.seqs, token_ids)
         self._forget([request for request in requests if request.finished])
         self._count(step.batch, num_kept, start)
         return requests
+
+    @contextmanager
+    def _failing_if_interrupted(self, seqs: list[Sequence]) -> abc.Iterator[None]:
+        """Fail the unfinished requests of `seqs` if the block raises anyway (a Ctrl-C, or a
+        fault past the per-request handling) and re-raise: their step is half recorded, a
+        state no later step could continue from, so they end with "error" and give their
+        pages back, and the engine goes on with the others."""
+        try:
+            yield
+        except BaseException as e:
+            requests = list(dict.fromkeys(s.request for s in seqs if not s.request.finished))
+            for request in requests:
+                self.scheduler.fail(request, StepFailed(
+                    f"request {request.request_id!r} failed: its step was interrupted by "
+                    f"{type(e).__name__}: {e}"))
+            self._forget(requests)
+            raise
 
     def _forget(self, finished: list[Request]) -> None:
         """Drop finished requests from the unfinished ones."""
