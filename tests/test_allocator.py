@@ -145,12 +145,10 @@ def test_marked_pages_lists_the_cached_marks_until_eviction():
     allocator.check()
 
 
-@pytest.mark.parametrize("method", ["mark_cached", "mark"])
-def test_mark_and_mark_cached_have_one_effect(method):
-    """`mark` is the owner's `mark_cached` without the check: the same marks, the same queue."""
+def test_marked_held_pages_wait_on_the_queue_once_dropped():
     allocator = PageAllocator(10, thread_safe=False)
     pages = allocator.allocate(4)
-    getattr(allocator, method)(pages[1:3])
+    allocator.mark_cached(pages[1:3])
     assert allocator.drop(pages) == [0, 3]
     assert (allocator.marked_pages(), allocator.cached_pages()) == ([1, 2], [2, 1])
     allocator.check()
@@ -578,6 +576,28 @@ def test_allocation_takes_free_pages_first_then_the_coldest_cached_ones():
     assert not allocator.is_cached(2) and allocator.cached_pages() == [1, 0]
     assert allocator.stats().num_evicted == 1
     allocator.check()
+
+
+@pytest.mark.parametrize("policy", ["lifo", "first_fit"])
+def test_an_on_evict_that_raises_leaves_the_evicted_pages_free(policy):
+    allocator = PageAllocator(6, policy=policy)
+    pages = allocator.allocate(3)
+    allocator.mark_cached(pages)
+    allocator.free(pages)
+
+    def broken(evicted):
+        raise RuntimeError("listener failed")
+
+    allocator.on_evict = broken
+    with pytest.raises(RuntimeError, match="listener failed"):
+        allocator.allocate(5)  # 3 free pages, then 2 evictions
+    allocator.check()
+    assert (allocator.num_free, allocator.num_cached, allocator.num_used) == (5, 1, 0)
+    with pytest.raises(RuntimeError, match="listener failed"):
+        allocator.evict(1)
+    allocator.check()
+    allocator.on_evict = None
+    assert sorted(allocator.allocate(6)) == list(range(6))
 
 
 def test_sharing_a_cached_page_takes_it_off_the_queue():

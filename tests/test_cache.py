@@ -5,15 +5,18 @@ import pytest
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.cache.prefix_cache import PrefixCache
 from kvpool.cache.tiers import ROOT_KEY, PageKey
 from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import (
     DuplicateSequence,
+    InvalidPage,
     KVPoolError,
     OutOfPages,
     SequenceTooLong,
     UnknownSequence,
 )
+from kvpool.memory.allocator import PageAllocator
 from kvpool.memory.layout import KVLayout
 
 PS = 4
@@ -251,6 +254,14 @@ def test_slot_mapping_rejects_a_range_past_the_end(device):
     cache.add_sequence("a", num_tokens=3)
     with pytest.raises(ValueError, match=r"\[0, 4\).*3 tokens"):
         cache.slot_mapping(["a"], [0], [4])
+
+
+@pytest.mark.parametrize(("start", "end"), [(1.5, 4), (0, 2.0), (True, 4), (0, True)])
+def test_slot_mapping_refuses_a_range_that_is_not_ints(device, start, end):
+    cache = make_cache(device=device)
+    cache.add_sequence("a", num_tokens=6)
+    with pytest.raises(TypeError, match="sequence 'a': start and end must be ints"):
+        cache.slot_mapping(["a"], [start], [end])
 
 
 def test_free_sequence_returns_its_pages(device):
@@ -1005,3 +1016,24 @@ def test_arguments_that_are_no_page_range_or_sequence_are_typed_errors(device):
         with pytest.raises(TypeError, match=f"{next(iter(option))} must be a"):
             make_cache(device=device, **option)
     cache.check()
+
+
+def test_the_prefix_index_refuses_bad_page_sizes_and_pages_and_changes_nothing():
+    allocator = PageAllocator(8)
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), ("3", TypeError)):
+        with pytest.raises(error, match="page_size"):
+            PrefixCache(allocator, bad)
+    index = PrefixCache(allocator, 2)
+    held = allocator.allocate(2)
+    tokens = pack_tokens([1, 2, 3, 4])
+    assert index.insert(tokens, held) == 2
+    for pages, num_cached, error in (([held[0], -1], 1, InvalidPage),  # -1 must not wrap
+                                     ([held[0], 100], 1, InvalidPage),
+                                     ([held[0], 5], 1, InvalidPage),  # free: nobody holds it
+                                     ([held[0], "x"], 1, TypeError),
+                                     ([-1, held[1]], 1, ValueError),
+                                     (held, -1, ValueError), (held, 3, ValueError)):
+        with pytest.raises(error):
+            index.insert(pack_tokens([1, 2, 9, 9]), pages, num_cached)
+        allocator.check()
+        assert index.num_pages == 2 and index.num_nodes == 1

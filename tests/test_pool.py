@@ -107,6 +107,33 @@ def test_out_of_range_page_ids_are_invalid_pages(device):
         pool.read_pages([-1])
 
 
+@pytest.mark.parametrize(("layer", "error"), [(None, TypeError), (True, TypeError),
+                                             ([1], TypeError), (1.0, TypeError),
+                                             (-1, ValueError), (3, ValueError),
+                                             (2**70, ValueError)])
+def test_layer_calls_refuse_what_is_not_a_layer(device, layer, error):
+    # A tensor index would take None (a new axis), a bool or a list (a copy), and wrap -1.
+    pool = make_pool(device=device)
+    k = torch.ones(1, 2, 4, device=device)
+    for call in (lambda: pool.write(layer, torch.tensor([5]), k, k),
+                 lambda: pool.k_cache(layer), lambda: pool.v_cache(layer),
+                 lambda: pool.kv_scales(layer), lambda: pool.calibrate(layer, k, k)):
+        with pytest.raises(error, match="layer"):
+            call()
+    assert not pool.kv.any()
+
+
+@pytest.mark.parametrize("pages", [[1.9], [True], [float("nan")], [0, 2.5]])
+def test_page_calls_refuse_ids_that_are_not_ints(device, pages):
+    pool = make_pool(device=device)
+    pool.kv.fill_(1.0)
+    for call in (lambda: pool.scrub_pages(pages), lambda: pool.copy_pages(pages, [0] * len(pages)),
+                 lambda: pool.read_pages(pages)):
+        with pytest.raises(TypeError, match="page ids must be ints"):
+            call()
+    assert pool.kv.eq(1.0).all()
+
+
 def test_copy_pages_needs_matching_lengths(device):
     with pytest.raises(ValueError, match="got 2 and 1"):
         make_pool(device=device).copy_pages([0, 1], [2])

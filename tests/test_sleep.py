@@ -103,8 +103,11 @@ def test_calls_in_the_wrong_state_are_typed_errors(checkpoint, prompts, device):
     llm = _llm(checkpoint, device)
     with pytest.raises(EngineStateError, match="while awake"):
         llm.wake()
-    with pytest.raises(ValueError, match="sleep level must be 1.*or 2"):
+    with pytest.raises(ValueError, match=r"sleep level \(1: .*must be in \[1, 2\], got 3"):
         llm.sleep(3)
+    for level in (True, 2.0):  # equal to 1 and 2, yet not levels
+        with pytest.raises(TypeError, match="sleep level"):
+            llm.sleep(level)
     llm.sleep()
     with pytest.raises(EngineStateError, match="asleep already"):
         llm.sleep()

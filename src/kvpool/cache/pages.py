@@ -230,6 +230,9 @@ class FullAttention(GroupManager):
         out: list[int] = []
         for sid, start, end in zip(seq_ids, starts, ends, strict=True):
             seq = self._get(sid)
+            if type(start) is not int or type(end) is not int:
+                raise TypeError(f"token range [{start!r}, {end!r}) of sequence {sid!r}: "
+                                f"start and end must be ints")
             if not 0 <= start <= end <= seq.num_tokens:
                 raise ValueError(f"token range [{start}, {end}) is outside sequence {sid!r} "
                                  f"of {seq.num_tokens} tokens")

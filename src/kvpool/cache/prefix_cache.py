@@ -41,7 +41,9 @@ from typing import NamedTuple
 
 from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
 from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.errors import check_int
 from kvpool.memory.allocator import PageAllocator
+from kvpool.numeric import check_int64
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +89,7 @@ class PrefixCache:
 
     def __init__(self, allocator: PageAllocator, page_size: int):
         self.allocator = allocator
-        self.page_size = page_size
+        self.page_size = check_int64("page_size", page_size, 1)
         self._page_bytes = page_size * TOKEN_BYTES
         self.root = PrefixNode(b"", b"", [], None, base_key=ROOT_KEY)
         self._roots: dict[bytes, PrefixNode] = {b"": self.root}  # salt -> its root
@@ -132,7 +134,7 @@ class PrefixCache:
         there on uncached."""
         page_bytes = self._page_bytes
         if num_cached:
-            node = self._node_of_page[pages[num_cached - 1]]
+            node = self._cached_node(pages, num_cached)
             depth = node.pages.index(pages[num_cached - 1]) + 1
         else:
             node, depth = self._roots.get(salt), 0
@@ -149,7 +151,7 @@ class PrefixCache:
         new_pages = pages[num_held:]
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
-        self.allocator.mark(new_pages)
+        self.allocator.mark_cached(new_pages)  # InvalidPage, before any change, if not held
         if depth < len(node.pages):
             node = self._split(node, depth)
         if node.parent is not None and not node.children:
@@ -161,6 +163,19 @@ class PrefixCache:
         for page in new_pages:
             node_of_page[page] = node
         return len(pages)
+
+    def _cached_node(self, pages: list[int], num_cached: int) -> PrefixNode:
+        """The node listing the last of the first `num_cached` of `pages`, which `insert`'s
+        caller says the tree holds; ValueError (TypeError for a non-int) if it does not."""
+        if type(num_cached) is not int or not 0 < num_cached <= len(pages):
+            check_int("num_cached", num_cached, 0, len(pages))
+        page = pages[num_cached - 1]
+        node = (self._node_of_page[page] if type(page) is int
+                and 0 <= page < len(self._node_of_page) else None)
+        if node is None:
+            raise ValueError(f"insert: page {page!r}, the last of the first {num_cached} "
+                             f"(num_cached), is not in the tree")
+        return node
 
     def evict(self, num_pages: int) -> list[int]:
         """Evict up to `num_pages` cached pages, coldest first; returns their ids, now free."""

@@ -37,6 +37,7 @@ from kvpool.errors import (
     OutOfPages,
     SequenceTooLong,
     StepFailed,
+    check_int,
 )
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout
@@ -357,9 +358,7 @@ class LLM:
         Level 2 also moves the weights to the host. CUDA graphs go too (they replay the old
         pool's addresses). Refused with EngineStateError while requests are unfinished (abort
         or finish them first) or when asleep already; nothing changes then."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (the KV cache) or 2 (and the weights), "
-                             f"got {level!r}")
+        check_int("sleep level (1: the KV cache, 2: and the weights)", level, 1, 2)
         if self.config.tensor_parallel_size > 1:
             raise EngineStateError("sleep() frees rank 0's cache only: not supported with "
                                    f"tensor_parallel_size {self.config.tensor_parallel_size}")

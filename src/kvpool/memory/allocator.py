@@ -89,7 +89,9 @@ class PageAllocator:
         self._num_revived = 0  # cached pages held again (by a prefix hit): used again
         self._fewest_unused = num_pages  # low-water mark of free + cached: num_pages - peak
         # The prefix index's: called with the evicted pages, coldest first, once they have
-        # left the queue and lost their marks, before anyone can write them.
+        # left the queue and lost their marks, before anyone can write them. It runs under
+        # the lock, so it must not call the allocator (a thread-safe one would wait forever);
+        # if it raises, the evicted pages go to the free list and the allocation fails.
         self.on_evict: Callable[[list[int]], None] | None = None
 
     @property
@@ -256,14 +258,9 @@ class PageAllocator:
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
             self._check_held(pages, "cache", "nobody holds it")
-            self.mark(pages)
-
-    def mark(self, pages: list[int]) -> None:
-        """`mark_cached` for the owner of the page tables, calling from one thread, whose pages
-        are known held (a page table's): the same effect, unchecked."""
-        is_cached = self._is_cached
-        for page in pages:
-            is_cached[page] = True
+            is_cached = self._is_cached
+            for page in pages:
+                is_cached[page] = True
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
@@ -348,7 +345,11 @@ class PageAllocator:
             del free[len(free) - fresh:]
             ids.reverse()  # top of the stack first
         if fresh < n:
-            ids += self._evict(n - fresh)
+            try:
+                ids += self._evict(n - fresh)
+            except BaseException:  # on_evict raised: the fresh pages go back as they were
+                free.extend(ids if isinstance(free, FirstFitFreeList) else reversed(ids))
+                raise
         refcounts = self._refcounts
         for page in ids:
             refcounts[page] = 1
@@ -372,7 +373,11 @@ class PageAllocator:
         self._num_cached -= n
         self._num_evicted += n
         if pages and self.on_evict is not None:
-            self.on_evict(pages)
+            try:
+                self.on_evict(pages)
+            except BaseException:  # unmarked and unheld: they are free
+                self._free.extend(pages)
+                raise
         return pages
 
     def _queued(self) -> list[int]:

@@ -93,6 +93,7 @@ class KVPool:
     def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The layer's K and V scale, float32 views `[]` on the device (for "mla" both the
         latent's), or (None, None) when pages are not fp8."""
+        layer = self._layer(layer)
         if self.scales is None:
             return None, None
         return self.scales[layer, 0], self.scales[layer, -1]
@@ -118,6 +119,7 @@ class KVPool:
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Take the layer's scales from the K and V (for "mla" the latent `k`) about to be
         written, if it has none yet and calibration is not paused (fp8 pages only)."""
+        layer = self._layer(layer)
         if self.quantized and self._calibrating and not self._has_scales[layer]:
             for plane, x in enumerate((k, v)[: self.layout.num_planes]):
                 self.scales[layer, plane] = scale_of(x)
@@ -140,11 +142,11 @@ class KVPool:
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer's K pages, a view `[num_pages + 1, page_size, num_kv_heads, head_dim]`."""
-        return self.kv[layer, 0]
+        return self.kv[self._layer(layer), 0]
 
     def v_cache(self, layer: int) -> torch.Tensor:
         """Layer's V pages, shaped as `k_cache`'s (for "mla" the same latent plane)."""
-        return self.kv[layer, self.layout.num_planes - 1]
+        return self.kv[self._layer(layer), self.layout.num_planes - 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
@@ -153,6 +155,7 @@ class KVPool:
         if (v is None) != (self.layout.kind == "mla"):
             raise ValueError(f"a {self.layout.kind} pool writes "
                              f"{'the latent alone' if v is not None else 'both K and V'}")
+        layer = self._layer(layer)
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
                                    self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
@@ -206,8 +209,20 @@ class KVPool:
             assert not self._has_scales[layer] or bool((row > 0).all() and row.isfinite().all()), (
                 f"layer {layer} has scales {row.tolist()}, not positive finite numbers")
 
+    def _layer(self, layer: int) -> int:
+        """`layer` if it is an int in [0, num_layers); else TypeError or ValueError naming
+        it (a tensor index would take None, a bool or a list, and -1 wraps)."""
+        if type(layer) is int and 0 <= layer < self.layout.num_layers:
+            return layer
+        return check_int("layer", layer, 0, self.layout.num_layers - 1)
+
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
-        index = torch.as_tensor(pages, dtype=torch.long)
+        index = torch.as_tensor(pages)
+        if index.numel() and (index.dtype == torch.bool or index.dtype.is_floating_point
+                              or index.dtype.is_complex):
+            raise TypeError(f"page ids must be ints, got {index.dtype} ids: "
+                            f"{index.flatten()[:8].tolist()}")
+        index = index.long()
         if index.ndim != 1:
             raise ValueError(f"expected a flat list of page ids, got shape {tuple(index.shape)}")
         _check_within(index, self.num_pages, "page ids", InvalidPage)
