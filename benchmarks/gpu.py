@@ -115,7 +115,8 @@ def decode_tile(batch: int, context: int) -> str:
     splits = triton_decode.choose_num_splits(batch, KV_HEADS, context,
                                              triton_support.num_sms(torch.device("cuda")))
     launch = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS, splits,
-                                         -(-context // splits))
+                                         -(-context // splits),
+                                         triton_support.shared_memory(torch.device("cuda")))
     return f"{splits}/{launch.constexprs['BLOCK_N']}/{launch.num_warps}"
 
 
@@ -124,7 +125,8 @@ def prefill_tile(length: int) -> str:
     step, warps."""
     from kvpool.kernels import triton_prefill
 
-    launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
+    launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length,
+                                           triton_support.shared_memory(torch.device("cuda")))
     return (f"{launch.constexprs['BLOCK_M']}/{launch.constexprs['BLOCK_N']}/"
             f"{launch.num_warps}")
 

@@ -70,11 +70,13 @@ def shape_variants(sms: int, arch: int = 90) -> list[tuple[str, str]]:
     for batch, context in DECODE_CASES:
         splits = triton_decode.choose_num_splits(batch, KV_HEADS, context, sms)
         launch = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS, splits,
-                                             -(-context // splits))
+                                             -(-context // splits),
+                                             triton_variants.MAX_SHARED[arch])
         found.append((f"decode {batch} x {context}, {splits} split(s)",
                       named[("_decode_split", repr(launch))]))
     for prompts, length in PREFILL_CASES:
-        launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
+        launch = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length,
+                                               triton_variants.MAX_SHARED[arch])
         found.append((f"prefill {prompts} x {length}", named[("_prefill", repr(launch))]))
     return found
 

@@ -51,7 +51,8 @@ def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
     chosen_splits = triton_decode.choose_num_splits(
         batch, KV_HEADS, context, triton_support.num_sms(inputs[0].device))
     chosen = triton_decode.decode_launch(DTYPE, DTYPE, HEAD_DIM, HEADS // KV_HEADS,
-                                         chosen_splits, -(-context // chosen_splits))
+                                         chosen_splits, -(-context // chosen_splits),
+                                         triton_support.shared_memory(inputs[0].device))
     candidates = {"SDPA": decode_sdpa(inputs, context)}
     tile = (chosen_splits, chosen.constexprs["BLOCK_N"], chosen.num_warps, chosen.num_stages)
     for splits, block_n, warps, stages in {tile, *itertools.product(*DECODE_TILES.values())}:
@@ -71,10 +72,11 @@ def decode_candidates(batch: int, context: int) -> tuple[dict, str]:
 def prefill_candidates(prompts: int, length: int) -> tuple[dict, str]:
     """Every prefill tile of PREFILL_TILES (and the chosen one) on `prompts` whole prompts of
     `length` tokens, as `decode_candidates` gives them."""
-    from kvpool.kernels import triton_prefill
+    from kvpool.kernels import triton_prefill, triton_support
 
     inputs = paged_inputs([length] * prompts, [length] * prompts)
-    chosen = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length)
+    chosen = triton_prefill.prefill_launch(DTYPE, DTYPE, HEAD_DIM, length,
+                                           triton_support.shared_memory(inputs[0].device))
     candidates = {"SDPA": prefill_sdpa(inputs, length)}
     tile = (chosen.constexprs["BLOCK_M"], chosen.constexprs["BLOCK_N"], chosen.num_warps,
             chosen.num_stages)

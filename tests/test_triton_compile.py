@@ -1,8 +1,10 @@
-"""The Triton kernels compile for real GPUs (sm_80 and sm_90) on a machine without one.
+"""The Triton kernels compile for real GPUs (sm_80, sm_89, sm_90) on a machine without one,
+within each one's shared memory.
 
 Every variant comes from kvpool.kernels.triton_variants, which takes each kernel's constexprs
 and options from the same function its launcher calls. CI compiles the variants that cover
-every code path (each kernel and constexpr switch on each arch, at the smallest head shape);
+every code path (each kernel and constexpr switch on each arch, at the smallest head shape)
+and each arch's tile closest to its shared memory;
 KVPOOL_COMPILE_ALL=1 compiles every variant, every head shape and dtype too (minutes: see
 benchmarks/kernel_resources.py, which prints their registers, spills and shared memory).
 Sliding windows and page sizes are runtime arguments: no variant of their own.
@@ -74,6 +76,10 @@ def test_kernel_compiles_to_cubin_and_fits_shared_memory(variant, compiled):
     assert result["shared_bytes"] <= limit, (
         f"{variant.name} needs {result['shared_bytes']} bytes of shared memory, "
         f"sm_{variant.arch} gives a program at most {limit}")
+    # The launchers size attention tiles by triton_support.tile_bytes: it must bound them.
+    assert result["shared_bytes"] <= variant.tile_bytes() or not variant.tile_bytes(), (
+        f"{variant.name} takes {result['shared_bytes']} bytes of shared memory, more than "
+        f"the {variant.tile_bytes()} its tile was sized for")
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
@@ -83,7 +89,7 @@ def test_launch_gives_every_constexpr_of_its_kernel(variant):
     assert set(variant.launch.constexprs) == constexprs
 
 
-def test_variants_cover_each_kernel_switch_on_both_archs():
+def test_variants_cover_each_kernel_switch_on_each_arch():
     kernels = {"_write_kv", "_prefill", "_decode_split", "_merge_splits", "_rms_norm",
                "_silu_mul"}
     for arch in triton_variants.ARCHS:
@@ -95,7 +101,7 @@ def test_variants_cover_each_kernel_switch_on_both_archs():
         sixteen_bit = triton_support.dot_precision(torch.bfloat16)
         assert {dict(flags)["PRECISION"] for flags in decode} == {sixteen_bit, "ieee"}
     fp8 = {v.arch for v in VARIANTS if v.launch.constexprs.get("FP8")}
-    assert fp8 == {90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
+    assert fp8 == {89, 90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
     assert any(v.launch.constexprs.get("HEAD_DIM") == 576 for v in VARIANTS)  # MLA latent
     assert any(v.launch.constexprs.get("ROTARY_DIM") for v in VARIANTS)  # RoPE in the write
     assert {v.launch.constexprs["RESIDUAL"] for v in VARIANTS

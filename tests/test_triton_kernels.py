@@ -160,9 +160,13 @@ def test_num_splits_fill_the_gpu_without_short_splits():
     assert triton_decode.choose_num_splits(2, 1, 10_000, sm) == 1
 
 
+SM90 = 227 * 1024  # bytes of shared memory a program may take on an H100
+SM89 = 99 * 1024  # on an L4, L40S or RTX 4090 (an A10's, sm_86, too)
+
+
 def test_decode_tile_follows_the_tokens_of_a_split():
     def tile(split_tokens, dtype=torch.bfloat16, head_dim=128):
-        launch = triton_decode.decode_launch(dtype, dtype, head_dim, 4, 1, split_tokens)
+        launch = triton_decode.decode_launch(dtype, dtype, head_dim, 4, 1, split_tokens, SM90)
         return launch.constexprs["BLOCK_N"], launch.num_warps
 
     assert tile(20) == (32, 4)  # a short context: a block no longer than it
@@ -175,12 +179,64 @@ def test_decode_tile_follows_the_tokens_of_a_split():
 def test_prefill_tile_follows_the_query_length():
     def tile(query_len, head_dim=128):
         launch = triton_prefill.prefill_launch(torch.bfloat16, torch.bfloat16, head_dim,
-                                               query_len)
+                                               query_len, SM90)
         return launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"], launch.num_warps
 
     assert tile(100) == (64, 64, 4)
     assert tile(2048) == (64, 32, 4)  # long queries: fewer keys a step
     assert tile(100, head_dim=256) == (64, 32, 8)  # wide heads: fewer keys, more warps
+
+
+def _tile(launch):
+    c = launch.constexprs
+    return c.get("BLOCK_M", c.get("BLOCK_G")), c["BLOCK_N"], launch.num_stages
+
+
+def test_tiles_shrink_to_the_shared_memory_of_the_gpu():
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def prefill_tile(dtype, head_dim, shared, cache=None):
+        return _tile(triton_prefill.prefill_launch(dtype, cache or dtype, head_dim, 100, shared))
+
+    def decode_tile(dtype, head_dim, group, shared, cache=None):
+        return _tile(triton_decode.decode_launch(dtype, cache or dtype, head_dim, group, 1,
+                                                 4096, shared))
+
+    # float32 on sm_89: one stage, then fewer keys a step; float32 queries over fp8 pages too
+    assert prefill_tile(f32, 128, SM90) == (64, 64, 2)
+    assert prefill_tile(f32, 128, SM89) == (64, 64, 1)
+    assert prefill_tile(f32, 256, SM89) == (64, 16, 1)
+    assert prefill_tile(f32, 256, SM89, cache=FP8_DTYPE) == (64, 16, 1)
+    assert decode_tile(f32, 256, 2, SM89) == (16, 64, 1)
+    # 16-bit tiles are the same on every GPU kvpool compiles for
+    for head_dim, group in ((128, 4), (256, 2), (576, 16)):
+        assert prefill_tile(bf16, min(head_dim, 256), SM89) == \
+            prefill_tile(bf16, min(head_dim, 256), SM90)
+        assert decode_tile(bf16, head_dim, group, SM89) == decode_tile(bf16, head_dim, group,
+                                                                       SM90)
+    # MLA's float32 latents: two stages on sm_90, one on sm_80, none on sm_89
+    assert decode_tile(f32, 576, 16, SM90) == (16, 16, 2)
+    assert decode_tile(f32, 576, 16, 163 * 1024) == (16, 16, 1)
+    with pytest.raises(ValueError, match=r"needs 132160 bytes .* gives 101376: run the model"):
+        decode_tile(f32, 576, 16, SM89)
+    # past every smaller key block, fewer query rows
+    assert prefill_tile(f32, 512, SM89) == (32, 16, 1)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_the_smallest_tiles_match_reference(kind, monkeypatch):
+    # What a GPU with little shared memory runs: 16 rows, 16 keys a step, one stage.
+    module = triton_prefill if kind == "prefill" else triton_decode
+    monkeypatch.setattr(module, "shared_memory", lambda device: 6_000)
+    specs = [(70, 40), (33, 1), (16, 16)] if kind == "prefill" else DECODES
+    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=32, page_size=16,
+                       dtype=torch.float32)
+    launch = (triton_prefill.prefill_launch(torch.float32, torch.float32, 32, 40, 6_000)
+              if kind == "prefill" else
+              triton_decode.decode_launch(torch.float32, torch.float32, 32, 2, 1, 150, 6_000))
+    assert _tile(launch) == (16, 16, 1)
+    out = prefill(batch) if kind == "prefill" else decode(batch)
+    assert relative_error(out, batch.reference()) < 1e-5
 
 
 @pytest.mark.parametrize("max_query_len", [40, 600])

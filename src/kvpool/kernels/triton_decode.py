@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 from kvpool.kernels import MAX_DECODE_SPLITS
-from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
+from kvpool.kernels.triton_support import (
+    Launch,
+    dot_precision,
+    fitting_tile,
+    scale_args,
+    shared_memory,
+)
 from kvpool.memory.fp8 import is_fp8
 
 BLOCK_N = 64  # tokens per step: 16 KiB of bf16 K at head_dim 128
@@ -198,25 +204,29 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, sms: int) ->
 
 
 def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
-                  num_splits: int, split_tokens: int) -> Launch:
+                  num_splits: int, split_tokens: int, shared: int) -> Launch:
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
-    `split_tokens` tokens. A split takes its tokens in blocks of the power of two that covers
-    it, from 16 to BLOCK_N (on an H200, 128 tokens a step with 8 warps or 4 were no faster:
-    benchmarks/tiles.py). Heads over 256 wide step WIDE_BLOCK_N tokens, and float32 ones load
-    a block at a time (one stage: two would need 193 KiB of shared memory at MLA's 576, past
-    sm_80's 163)."""
+    `split_tokens` tokens, on a GPU giving a program `shared` bytes of shared memory. A split
+    takes its tokens in blocks of the power of two that covers it, from 16 to BLOCK_N (on an
+    H200, 128 tokens a step with 8 warps or 4 were no faster: benchmarks/tiles.py); heads over
+    256 wide step WIDE_BLOCK_N tokens. Where two pipeline stages or that block do not fit
+    (MLA's float32 decode, float32 on sm_86 and sm_89), one stage or a smaller block
+    (`triton_support.fitting_tile`)."""
     fp8 = is_fp8(cache_dtype)
+    compute = dtype if fp8 else cache_dtype
     block_d = triton.next_power_of_2(head_dim)
-    wide_fp32 = block_d > 256 and cache_dtype.itemsize == 4
     if block_d > 256:
         block_n = WIDE_BLOCK_N
     else:
         block_n = min(BLOCK_N, max(16, triton.next_power_of_2(split_tokens)))
+    block_g = _block_g(group)
+    _, block_n, stages = fitting_tile(block_g, block_n, block_d, compute, shared,
+                                      min_rows=block_g)
     return Launch(dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=_block_g(group), BLOCK_N=block_n,
-        SPLIT=num_splits > 1, PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
-    ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=1 if wide_fp32 else 2)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
+        SPLIT=num_splits > 1, PRECISION=dot_precision(compute), FP8=fp8,
+    ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=stages)
 
 
 def merge_launch(head_dim: int) -> Launch:
@@ -258,7 +268,7 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
     else:
         part_out = part_lse = out  # not touched
     launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits,
-                           -(-max_span // num_splits))
+                           -(-max_span // num_splits), shared_memory(q.device))
     head_blocks = triton.cdiv(group, launch.constexprs["BLOCK_G"])
     _decode_split[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,

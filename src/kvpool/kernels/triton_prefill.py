@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
-from kvpool.kernels.triton_support import Launch, dot_precision, scale_args
+from kvpool.kernels.triton_support import (
+    MIN_TILE,
+    Launch,
+    dot_precision,
+    fitting_tile,
+    scale_args,
+    shared_memory,
+)
 from kvpool.memory.fp8 import is_fp8
 
 BLOCK_M = 64  # query rows per program
@@ -140,7 +147,8 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len)
+    launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len,
+                            shared_memory(q.device))
     grid = (triton.cdiv(max_query_len, launch.constexprs["BLOCK_M"]), num_heads, batch)
     _prefill[grid](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
@@ -153,17 +161,21 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
 
 
 def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
-                   max_query_len: int) -> Launch:
+                   max_query_len: int, shared: int) -> Launch:
     """How `paged_prefill` compiles `_prefill` for queries of `dtype` (at most `max_query_len`
-    tokens a sequence) over pages of `cache_dtype`. Long queries step SMALL_BLOCK_N keys (on an
-    H200, 21% faster than 128 rows, 64 keys and 8 warps on 16 prompts of 512 tokens, as fast on
-    4 of 2,048: benchmarks/tiles.py); so do heads over 128 wide (Gemma 3's 256), with 8 warps,
-    which spill with 64."""
+    tokens a sequence) over pages of `cache_dtype`, on a GPU giving a program `shared` bytes of
+    shared memory. Long queries step SMALL_BLOCK_N keys (on an H200, 21% faster than 128 rows,
+    64 keys and 8 warps on 16 prompts of 512 tokens, as fast on 4 of 2,048:
+    benchmarks/tiles.py); so do heads over 128 wide (Gemma 3's 256), with 8 warps, which spill
+    with 64. Where that tile does not fit (float32 on sm_86 and sm_89), a smaller one
+    (`triton_support.fitting_tile`)."""
     fp8 = is_fp8(cache_dtype)
+    compute = dtype if fp8 else cache_dtype
     block_d = triton.next_power_of_2(head_dim)
     small = max_query_len >= LONG_QUERY or block_d > 128
+    block_m, block_n, stages = fitting_tile(BLOCK_M, SMALL_BLOCK_N if small else BLOCK_N,
+                                            block_d, compute, shared, min_rows=MIN_TILE)
     return Launch(dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
-        BLOCK_N=SMALL_BLOCK_N if small else BLOCK_N,
-        PRECISION=dot_precision(dtype if fp8 else cache_dtype), FP8=fp8,
-    ), num_warps=8 if block_d > 128 else 4, num_stages=2)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=dot_precision(compute), FP8=fp8,
+    ), num_warps=8 if block_d > 128 else 4, num_stages=stages)

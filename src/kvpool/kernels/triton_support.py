@@ -1,5 +1,6 @@
-"""What the Triton kernels share: whether Triton can run here, the GPU's size, dot precision,
-and the `Launch` each launcher compiles its kernel with."""
+"""What the Triton kernels share: whether Triton can run here, the GPU's size and shared
+memory, dot precision, the attention tiles that fit, and the `Launch` each launcher compiles
+its kernel with."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from kvpool.memory.fp8 import is_fp8
 
 # Triton compiles float8_e4m3fn (its fp8e4nv) for sm_89 and later only (Ada, Hopper, ...).
 FP8_MIN_ARCH = 89
+# Shared memory one program may take (bytes) under the interpreter: sm_90's, so that the tiles
+# interpreted are the ones an H100 runs.
+INTERPRETED_SHARED = 227 * 1024
+MIN_TILE = 16  # tl.dot's smallest tile side
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,54 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return _cuda_sms(_index(device))
+
+
+@functools.cache
+def _cuda_shared(index: int) -> int:
+    import triton  # optional: only where a CUDA device runs the kernels
+
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may take on `device`, the limit Triton launches
+    against: the opt-in maximum per block on CUDA (99 KiB on sm_86 and sm_89, 163 on sm_80,
+    227 on sm_90); INTERPRETED_SHARED elsewhere."""
+    if device.type != "cuda":
+        return INTERPRETED_SHARED
+    return _cuda_shared(_index(device))
+
+
+def tile_bytes(rows: int, block_n: int, block_d: int, stages: int, dtype: torch.dtype) -> int:
+    """Shared memory an attention program takes, at most (bytes): its `rows x block_d` query
+    tile, `stages` buffered `block_n x block_d` key tiles and its `rows x block_n` scores, in
+    `dtype`, the dtype its dots multiply, and a float32 a row for the softmax's reductions. An
+    upper bound of what Triton's compiler allocates, equal to it in float32
+    (tests/test_triton_compile.py checks the variants it compiles)."""
+    tiles = rows * block_d + stages * block_n * block_d + rows * block_n
+    return dtype.itemsize * tiles + 4 * rows
+
+
+def fitting_tile(rows: int, block_n: int, block_d: int, dtype: torch.dtype, shared: int, *,
+                 min_rows: int) -> tuple[int, int, int]:
+    """The largest tile within `shared` bytes (`tile_bytes`), as (rows, block_n, stages):
+    the tile asked for with two pipeline stages, else one, then half the keys a step down to
+    MIN_TILE, then half the rows down to `min_rows`. Raises ValueError naming the bytes when
+    even the smallest does not fit."""
+    while True:
+        for stages in (2, 1):
+            if tile_bytes(rows, block_n, block_d, stages, dtype) <= shared:
+                return rows, block_n, stages
+        if block_n > MIN_TILE:
+            block_n //= 2
+        elif rows > min_rows:
+            rows //= 2
+        else:
+            need = tile_bytes(rows, block_n, block_d, 1, dtype)
+            raise ValueError(
+                f"attention over {block_d}-wide {dtype} tiles needs {need} bytes of shared "
+                f"memory a program at its smallest tile, and this GPU gives {shared}: run the "
+                f"model in bfloat16 or float16")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

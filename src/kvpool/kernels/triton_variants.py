@@ -3,7 +3,8 @@
 A variant is one kernel with the constexprs and options its launcher picks (the launcher's own
 `*_launch` function gives them) and the argument types and 16-byte alignments a launch passes.
 `variants()` walks what the launchers choose from: the query dtypes, fp8 pages or not, every
-split count, and the head geometries of the model families kvpool runs, for sm_80 and sm_90;
+split count, and the head geometries of the model families kvpool runs, for sm_80, sm_89 and
+sm_90, each at its shared memory (sm_86 gives sm_89's and compiles sm_80's code);
 `compile_variant` runs Triton's compiler (to cubin, with the ptxas of the triton wheel). Used by
 tests/test_triton_compile.py and benchmarks/kernels.py.
 """
@@ -33,13 +34,14 @@ from kvpool.kernels import (
     triton_prefill,
     triton_write,
 )
-from kvpool.kernels.triton_support import Launch, compiles_fp8
+from kvpool.kernels.triton_support import Launch, compiles_fp8, tile_bytes
 from kvpool.memory.fp8 import FP8_DTYPE
 
-ARCHS = (80, 90)  # A100, H100/H200
+ARCHS = (80, 89, 90)  # A100; L4, L40S, RTX 4090; H100/H200
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # bf16 first: what models run in
-# Most shared memory one program may take (bytes): the opt-in maximum per block.
-MAX_SHARED = {80: 163 * 1024, 90: 227 * 1024}
+# Most shared memory one program may take (bytes): the opt-in maximum per block, which the
+# launchers size their tiles to (triton_support.shared_memory).
+MAX_SHARED = {80: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 
 class Geometry(NamedTuple):
@@ -93,6 +95,16 @@ class Variant:
         rotates = self.launch.constexprs.get("ROTARY_DIM", 0) > 0
         return (self.arch, self.kernel_name, tuple(sorted(flags.items())), rotates,
                 self.launch.num_stages)
+
+    def tile_bytes(self) -> int:
+        """The shared memory its launcher sized the tile for (`triton_support.tile_bytes`):
+        an attention kernel's; 0 for the others, which hold no tiles."""
+        c = self.launch.constexprs
+        rows = c.get("BLOCK_M", c.get("BLOCK_G"))
+        if rows is None or "BLOCK_N" not in c:
+            return 0
+        compute = self.pointers["q"] if c["FP8"] else self.pointers["k_cache"]
+        return tile_bytes(rows, c["BLOCK_N"], c["BLOCK_D"], self.launch.num_stages, compute)
 
     def source(self) -> ASTSource:
         """The kernel with this variant's argument types, 16-byte alignments and constexprs:
@@ -157,7 +169,8 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                                                 geometry.num_heads, geometry.head_dim),
                       writes)
         for query_len in (1, triton_prefill.LONG_QUERY):
-            launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len)
+            launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len,
+                                                   MAX_SHARED[arch])
             yield Variant(f"{name}-prefill-n{launch.constexprs['BLOCK_N']}", arch,
                           triton_prefill._prefill, launch,
                           {**pages, **tables, "q": dtype, "out": dtype})
@@ -166,8 +179,11 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
         for num_splits in (1, MAX_DECODE_SPLITS):
             split = num_splits > 1
             parts = torch.float32 if split else dtype  # unsplit: `out` stands in
-            launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
-                                                 num_splits, split_tokens)
+            try:
+                launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
+                                                     num_splits, split_tokens, MAX_SHARED[arch])
+            except ValueError:  # no tile fits this arch (float32 MLA on sm_89): refused
+                continue
             yield Variant(f"{name}-decode{'-split' if split else ''}"
                           f"-n{launch.constexprs['BLOCK_N']}", arch,
                           triton_decode._decode_split, launch,
@@ -222,11 +238,16 @@ def compile_report(variant: Variant, *, resources: bool = False) -> Compiled:
 
 def covering(found: list[Variant]) -> list[Variant]:
     """The first variant of each code path (`Variant.branches`): every kernel and constexpr
-    switch on each arch once, at the smallest head shape that takes it."""
+    switch on each arch once, at the smallest head shape that takes it; and on each arch the
+    attention variant whose tile comes closest to the shared memory limit, where the sizing
+    of tiles is tight."""
     first: dict[tuple, Variant] = {}
     for variant in sorted(found, key=lambda v: v.launch.constexprs.get("BLOCK_D", 0)):
         first.setdefault(variant.branches(), variant)
-    return [v for v in found if first[v.branches()] is v]
+    tightest = {arch: max((v for v in found if v.arch == arch), key=Variant.tile_bytes)
+                for arch in {v.arch for v in found}}
+    chosen = {id(v) for v in (*first.values(), *tightest.values())}
+    return [v for v in found if id(v) in chosen]
 
 
 def compile_all(names: list[str] | None = None, *, workers: int = 1,
