@@ -43,11 +43,14 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def pack_portable(token_ids: Sequence[int]) -> bytes:
-    """`pack_tokens` without the compiled loop: any sequence of objects with `__index__`."""
+    """`pack_tokens` without the compiled loop: any sequence of objects with `__index__`,
+    bools excepted (True is not token 1)."""
     try:
-        return _codec(len(token_ids)).pack(*token_ids)
+        if bool not in map(type, token_ids):
+            return _codec(len(token_ids)).pack(*token_ids)
     except struct.error:
-        raise _bad_token(token_ids) from None
+        pass
+    raise _bad_token(token_ids)
 
 
 def unpack_tokens(data: bytes | bytearray) -> tuple[int, ...]:
@@ -59,6 +62,8 @@ def _bad_token(token_ids: Sequence[int]) -> Exception:
     """The error for the first id of `token_ids` that cannot be packed."""
     for i, token in enumerate(token_ids):
         try:
+            if type(token) is bool:
+                raise TypeError
             value = operator.index(token)
         except TypeError:
             return TypeError(f"token id {i} is {type(token).__name__} {token!r}, expected an int")
