@@ -3,6 +3,7 @@ transformers' whatever the pool size, prefix caching or chunking; seeded samplin
 samples sharing pages; abort; refused requests; stats."""
 
 import collections
+import contextlib
 import copy
 import itertools
 import random
@@ -502,6 +503,26 @@ def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
         outputs.update((o.request_id, o) for o in llm.step())
     assert _tokens([outputs[second]]) == expected[1:2]
     _assert_drained(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_outputs_of_a_step_whose_on_step_raised_come_with_the_next_step(
+        checkpoint, prompts, expected, device, overlap):
+    llm = _llm(checkpoint, device=device, overlap=overlap, on_step=_raise_keyboard_interrupt)
+    request_id = llm.add_request(prompts[0], GREEDY)
+    while llm.has_unfinished():
+        # with overlap, the first step finishes none and calls no on_step
+        with contextlib.suppress(KeyboardInterrupt):
+            assert llm.step() == []
+    llm.on_step = None
+    outputs = {o.request_id: o for o in llm.step()}  # the last step's, held back
+    assert outputs[request_id].finished
+    assert _tokens([outputs[request_id]]) == expected[:1]
+    _assert_drained(llm)
+
+
+def _raise_keyboard_interrupt(record):
+    raise KeyboardInterrupt
 
 
 def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint, prompts,

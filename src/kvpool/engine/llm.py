@@ -126,6 +126,8 @@ class LLM:
         self._in_flight: LaunchedStep | None = None  # launched, not finished (overlap)
         self.on_step = on_step
         self._step_record: StepRecord | None = None  # for on_step, at the end of the step
+        # Requests a step advanced whose on_step raised: the next step returns them too.
+        self._undelivered: list[Request] = []
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
         self._lock = threading.RLock()
@@ -231,6 +233,7 @@ class LLM:
             raise
         finally:
             self._generating = False
+            self._undelivered = []  # generate's own requests: its return gives them
         return [self._output(r) for r in requests]
 
     def _run_to_completion(self, pending: list[Request], total: int, use_tqdm: bool) -> None:
@@ -275,7 +278,8 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one step (one forward); returns the requests that got new tokens, or failed
-        in it (finish reason "error": only they; the others go on)."""
+        in it (finish reason "error": only they; the others go on). If `on_step` raised
+        in the step before, its requests come back from this one too."""
         if self._generating:
             raise RuntimeError("step() while generate() runs: generate steps the engine itself")
         return [self._output(r) for r in self._step()]
@@ -527,8 +531,11 @@ class LLM:
         if launched is not None and not self.overlap:
             requests, launched = self._finish(launched, start), None
         self._in_flight = launched
+        advanced = self._undelivered + requests + failed
+        self._undelivered = advanced
         self._report()  # last: an on_step that raises finds every step recorded
-        return requests + failed
+        self._undelivered = []
+        return list(dict.fromkeys(advanced))
 
     def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
         """Queue the batch's forward; returns its logits. Placeholder input ids take the
