@@ -7,10 +7,12 @@ placeholder."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -255,3 +257,40 @@ def test_a_token_an_abort_drops_is_not_counted(overlap):
         outputs.update((o.request_id, o) for o in llm.step())
     assert llm.stats().num_generated_tokens == sum(
         len(o.outputs[0].token_ids) for o in outputs.values())
+
+
+def test_a_step_s_tokens_are_waited_for_on_their_own_device_s_stream(monkeypatch):
+    # An engine on cuda:1 while cuda:0 is current: the event behind the copy of its tokens
+    # must pass on cuda:1's stream, or the host reads the tokens before they land.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvpool.engine.overlap import HostCopy
+
+    recorded = []
+
+    class Event:
+        def record(self, stream=None):
+            recorded.append(None if stream is None else stream.device)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(
+        device=torch.device("cuda", 0 if device is None else torch.device(device).index)))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tokens = torch.empty(4, dtype=torch.int64, device="cuda:1")
+        HostCopy(tokens, None)
+    assert recorded == [torch.device("cuda", 1)]
+
+
+def test_an_engine_makes_its_device_current_while_it_steps(monkeypatch):
+    from kvpool.engine import llm as llm_module
+
+    devices = []
+
+    def made_current(device):
+        devices.append(device)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(llm_module, "made_current", made_current)
+    llm = LLM("tiny", num_pages=32, overlap=True)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert devices and set(devices) == {llm._device}

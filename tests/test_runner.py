@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybrid_util import make_bamba
+from kvpool.engine import runner as runner_module
 from kvpool.engine.graphs import CUDAGraphRunner, graph_batch_sizes, is_decode_only
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
@@ -134,6 +135,39 @@ def test_consecutive_steps_pack_into_the_two_staging_buffers_in_turn(llm):
         used.append([bool(buffer.any()) for buffer in llm.runner.staging])
     assert used in ([[True, False], [False, True], [True, False]],
                     [[False, True], [True, False], [False, True]])
+
+
+class _Event:
+    """Stands in for a CUDA event of staging buffer `index`, logging what is done with it."""
+
+    def __init__(self, index, log):
+        self.index, self.log = index, log
+
+    def synchronize(self):
+        self.log.append(("wait", self.index))
+
+    def record(self, stream):
+        self.log.append(("record", self.index))
+
+
+def test_a_staging_buffer_is_packed_again_only_once_its_last_copy_has_left(llm, monkeypatch):
+    # With overlap, a step that samples nothing is never waited for: its buffer's copy to the
+    # device may still be queued when the buffer comes round again. On CUDA each copy records
+    # an event that the next packing of the same buffer waits on.
+    log = []
+    monkeypatch.setattr(llm.runner, "_copied", (_Event(0, log), _Event(1, log)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    packed = []
+    pack = runner_module.pack_step
+    monkeypatch.setattr(runner_module, "pack_step", lambda batch, cache, host, *rest: (
+        packed.append(len(log)), pack(batch, cache, host, *rest)))
+    batch = _mixed_batch(llm)
+    for _ in range(3):
+        llm.runner.stage(batch, llm.runner.layout(batch))
+    first = log[0][1]  # the buffers are used in turn, from whichever is next
+    buffers = [first, 1 - first, first]
+    assert log == [entry for b in buffers for entry in (("wait", b), ("record", b))]
+    assert packed == [1, 3, 5]  # each packing after its buffer's wait, before its record
 
 
 def test_a_step_in_inference_mode_leaves_buffers_a_later_step_writes_outside_it(llm):

@@ -180,7 +180,9 @@ def paged_attention(
     on CUDA trusts them and reads nothing back from the device. `workspace`
     (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
     `scope()`) provides the triton decode's scratch, taken back when the call returns. fp8
-    caches need `k_scale` and `v_scale`.
+    caches need `k_scale` and `v_scale`. Triton launches on the current CUDA device: for
+    tensors on another, call it under `kvpool.devices.made_current(q.device)`, as the engine
+    runs its steps.
     """
     backend = _choose_backend(backend, q, k_cache.dtype)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)

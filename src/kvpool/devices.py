@@ -4,6 +4,8 @@ caller names. Only the user-facing entry points (`LLM`, the CLI) choose one for 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -30,3 +32,10 @@ def check_device(device: object) -> torch.device:
             raise ValueError(f"device {str(device)!r} does not exist: this machine has "
                              f"{count} CUDA device(s)")
     return device
+
+
+def made_current(device: torch.device) -> contextlib.AbstractContextManager:
+    """Within the block, `device` is the current CUDA device: streams, events, graph captures
+    and Triton launches follow the current device, not their tensors', so an engine on
+    cuda:1 runs its steps under this. Nothing for another device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

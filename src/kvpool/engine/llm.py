@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpool.cache import KVCache, StateSpec
+from kvpool.devices import made_current
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner, replays_graphs
 from kvpool.engine.handoff import PrefilledKV, check_prefilled, read_prefilled
@@ -410,13 +411,15 @@ class LLM:
                                   max_step=self._max_step, peers=self.peers)
         self.graphs = None  # decode steps replay CUDA graphs on CUDA unless enforce_eager
         one_gpu = self._device.type == "cuda" and self.config.tensor_parallel_size == 1
-        if one_gpu:  # the shortest prefill and the longest chunk a step holds
-            longest = min(self.config.max_num_batched_tokens, self._longest)
-            self.runner.warm_up(sorted({min(2, longest), longest}))
-        if one_gpu and not self.config.enforce_eager and replays_graphs(self._device,
-                                                                      self.cache.layout.dtype):
-            self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs, self._longest)
-            self.graphs.capture()
+        with made_current(self._device):
+            if one_gpu:  # the shortest prefill and the longest chunk a step holds
+                longest = min(self.config.max_num_batched_tokens, self._longest)
+                self.runner.warm_up(sorted({min(2, longest), longest}))
+            if one_gpu and not self.config.enforce_eager and replays_graphs(
+                    self._device, self.cache.layout.dtype):
+                self.graphs = CUDAGraphRunner(self.runner, self.config.max_num_seqs,
+                                              self._longest)
+                self.graphs.capture()
 
     # ---- prefill elsewhere (kvpool.engine.disaggregated) -------------------------------
 
@@ -495,7 +498,7 @@ class LLM:
             self._turns.wait_for(lambda: self._num_waiting == 0)
         # One inference mode for the whole step; buffers a step writes in place were
         # allocated at setup, outside it.
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), made_current(self._device):
             self._check_awake()  # here, under the lock: another thread may sleep() meanwhile
             return self._step_locked()
 

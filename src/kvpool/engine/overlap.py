@@ -30,8 +30,8 @@ class HostCopy:
         # A copy from a CUDA device is done when its stream passes this event; a copy
         # from the CPU is done already.
         self.event = torch.cuda.Event() if tokens.is_cuda else None
-        if self.event is not None:
-            self.event.record()
+        if self.event is not None:  # on the tokens' stream, whichever device is current
+            self.event.record(torch.cuda.current_stream(tokens.device))
 
     def wait(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """The sampled token ids, and each row's TokenLogprobs (None: no row asked)."""

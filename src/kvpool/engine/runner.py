@@ -163,13 +163,16 @@ class ModelRunner:
         # Allocated now, outside inference mode, since every step writes them in place; the
         # same path on every device, pinned where pinning exists. Two, used in turn: with
         # overlap scheduling, step N+1 is packed while step N's copy may still wait in the
-        # device's queue, but step N-1's copy is done, since its sampled tokens reached the
-        # host before step N+1 is scheduled.
+        # device's queue. Step N-1's copy is done once its sampled tokens reached the host,
+        # but a step that samples nothing is never waited for: on CUDA each buffer's copy
+        # records an event, which `stage` waits on before packing the buffer again.
         self.max_step = max_step._replace(num_groups=len(self.kv.pools),
                                           states=self.has_states)
         self.staging = tuple(torch.empty(self.max_step.size, dtype=torch.int64,
                                          pin_memory=self.device.type == "cuda")
                              for _ in range(2))
+        self._copied = tuple(torch.cuda.Event() if self.device.type == "cuda" else None
+                             for _ in self.staging)
         self._num_staged = 0
         # Padded rows use each pool's reserved page (one per layer group) and a hybrid's
         # reserved state slot, which the allocators never hand out and stats never count.
@@ -189,7 +192,7 @@ class ModelRunner:
         host) in it as its first allocation, so the same layout always lands at the same
         address; returns it. Placeholder input ids take their token from `last_tokens`, the
         previous step's sampled tokens on the device."""
-        staging = self.staging[self._num_staged % 2]
+        staging, copied = self.staging[self._num_staged % 2], self._copied[self._num_staged % 2]
         if layout.size > staging.numel():
             raise ValueError(f"a step of {layout.num_seqs} sequences, {layout.num_tokens} tokens "
                              f"and {layout.width} page-table columns needs {layout.size} "
@@ -197,8 +200,12 @@ class ModelRunner:
                              f"{staging.numel()} (max_step)")
         self._num_staged += 1
         host = staging[: layout.size]
+        if copied is not None:
+            copied.synchronize()  # the buffer's last copy to the device has left it
         pack_step(batch, self.cache, host, layout, padding)
         flat = self.load(host, layout)
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
         if last_tokens is not None and len(last_tokens):
             fill_placeholders(layout.split(flat).input_ids, last_tokens)
         return flat
