@@ -96,6 +96,11 @@ class Variant:
         return (self.arch, self.kernel_name, tuple(sorted(flags.items())), rotates,
                 self.launch.num_stages)
 
+    def key(self) -> tuple:
+        """What it compiles, but the arch: its kernel, launch and pointer dtypes."""
+        return (self.kernel_name, repr(self.launch),
+                tuple(sorted((k, str(v)) for k, v in self.pointers.items())))
+
     def tile_bytes(self) -> int:
         """The shared memory its launcher sized the tile for (`triton_support.tile_bytes`):
         an attention kernel's; 0 for the others, which hold no tiles."""
@@ -141,9 +146,7 @@ def variants() -> list[Variant]:
                 tag = f"sm{arch}-{_TYPES[dtype]}{'-fp8' if fp8 else ''}"
                 for geometry in GEOMETRIES:
                     for variant in _launches(arch, dtype, cache, geometry, tag):
-                        key = (arch, variant.kernel_name, repr(variant.launch),
-                               tuple(sorted((k, str(v)) for k, v in variant.pointers.items())))
-                        found.setdefault(key, variant)
+                        found.setdefault((arch, *variant.key()), variant)
     return list(found.values())
 
 
@@ -238,12 +241,15 @@ def compile_report(variant: Variant, *, resources: bool = False) -> Compiled:
 
 def covering(found: list[Variant]) -> list[Variant]:
     """The first variant of each code path (`Variant.branches`): every kernel and constexpr
-    switch on each arch once, at the smallest head shape that takes it; and on each arch the
-    attention variant whose tile comes closest to the shared memory limit, where the sizing
-    of tiles is tight."""
+    switch on each arch once, at the smallest head shape that takes it, but on sm_89 only
+    where its launch differs from every sm_80 launch (fp8 pages, smaller tiles; sm_89
+    compiles sm_80's code otherwise); and on each arch the attention variant whose tile
+    comes closest to the shared memory limit, where the sizing of tiles is tight."""
+    on_sm80 = {v.key() for v in found if v.arch == 80}
     first: dict[tuple, Variant] = {}
     for variant in sorted(found, key=lambda v: v.launch.constexprs.get("BLOCK_D", 0)):
-        first.setdefault(variant.branches(), variant)
+        if variant.arch != 89 or variant.key() not in on_sm80:
+            first.setdefault(variant.branches(), variant)
     tightest = {arch: max((v for v in found if v.arch == arch), key=Variant.tile_bytes)
                 for arch in {v.arch for v in found}}
     chosen = {id(v) for v in (*first.values(), *tightest.values())}
