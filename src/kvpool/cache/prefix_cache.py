@@ -55,6 +55,7 @@ class PrefixNode:
     tokens: bytes  # immutable: the ids live in the object itself (one allocation, not two)
     pages: list[int]
     parent: PrefixNode | None
+    start: int = 0  # pages on the path above it: the index of pages[0] in its prefix
     # A leaf's children: the shared empty LEAF (most nodes are leaves; a dict each would
     # cost 64 bytes), replaced by a dict of its own when it gains a child (`adopt`).
     children: Mapping[bytes, PrefixNode] = field(default_factory=lambda: LEAF)
@@ -120,7 +121,7 @@ class PrefixCache:
         if root is None:  # nothing cached under this salt: match at a root not in the tree
             return PrefixMatch([], _salted_root(salt), 0)
         pages: list[int] = []
-        node, depth = self._walk(token_ids, pages, max_pages, root, 0)
+        node, depth = self._walk(token_ids, pages, 0, max_pages, root, 0)
         return PrefixMatch(pages, node, depth)
 
     def insert(self, token_ids: bytes, pages: list[int], num_cached: int = 0,
@@ -134,18 +135,17 @@ class PrefixCache:
         there on uncached."""
         page_bytes = self._page_bytes
         if num_cached:
-            node = self._cached_node(pages, num_cached)
-            depth = node.pages.index(pages[num_cached - 1]) + 1
+            node, depth = self._cached_node(pages, num_cached)
         else:
             node, depth = self._roots.get(salt), 0
             if node is None:
                 node = self._roots[salt] = _salted_root(salt)
-        path = pages[:num_cached]
-        node, depth = self._walk(token_ids, path, len(pages), node, depth)
-        for i in range(num_cached, len(path)):
-            if path[i] != pages[i]:
+        path: list[int] = []  # the tree's pages spelling its content past them
+        node, depth = self._walk(token_ids, path, num_cached, len(pages), node, depth)
+        for i, page in enumerate(path, num_cached):
+            if page != pages[i]:
                 return i
-        num_held = len(path)
+        num_held = num_cached + len(path)
         if num_held == len(pages):
             return num_held
         new_pages = pages[num_held:]
@@ -158,24 +158,27 @@ class PrefixCache:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
-            node = PrefixNode(new_tokens[:page_bytes], new_tokens, new_pages, node)
+            node = PrefixNode(new_tokens[:page_bytes], new_tokens, new_pages, node, num_held)
             node.parent.adopt(node)
         for page in new_pages:
             node_of_page[page] = node
         return len(pages)
 
-    def _cached_node(self, pages: list[int], num_cached: int) -> PrefixNode:
+    def _cached_node(self, pages: list[int], num_cached: int) -> tuple[PrefixNode, int]:
         """The node listing the last of the first `num_cached` of `pages`, which `insert`'s
-        caller says the tree holds; ValueError (TypeError for a non-int) if it does not."""
+        caller says are a path of the tree, and that page's depth in it; ValueError
+        (TypeError for a non-int) if the tree does not list it there."""
         if type(num_cached) is not int or not 0 < num_cached <= len(pages):
             check_int("num_cached", num_cached, 0, len(pages))
         page = pages[num_cached - 1]
         node = (self._node_of_page[page] if type(page) is int
                 and 0 <= page < len(self._node_of_page) else None)
-        if node is None:
+        depth = num_cached - node.start if node is not None else 0
+        if not 0 < depth <= len(node.pages) or node.pages[depth - 1] != page:
             raise ValueError(f"insert: page {page!r}, the last of the first {num_cached} "
-                             f"(num_cached), is not in the tree")
-        return node
+                             f"(num_cached), is not page {num_cached - 1} of a path in the "
+                             f"tree")
+        return node, depth
 
     def evict(self, num_pages: int) -> list[int]:
         """Evict up to `num_pages` cached pages, coldest first; returns their ids, now free."""
@@ -224,13 +227,13 @@ class PrefixCache:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _walk(self, token_ids: bytes, pages: list[int], max_pages: int, node: PrefixNode,
-              depth: int) -> tuple[PrefixNode, int]:
-        """Continue a match of `token_ids` that has spelled `pages` so far (a new list, which
-        the walk extends), the last `depth` of them the first pages of `node`, up to
-        `max_pages` pages in all; returns where it stopped: a node and a depth in it."""
+    def _walk(self, token_ids: bytes, pages: list[int], done: int, max_pages: int,
+              node: PrefixNode, depth: int) -> tuple[PrefixNode, int]:
+        """Continue a match of `token_ids` past its first `done` pages, the last `depth` of
+        them the first pages of `node`, up to `max_pages` pages in all, adding the pages it
+        spells to `pages`; returns where it stopped: a node and a depth in it."""
         page_bytes = self._page_bytes
-        start, limit = len(pages) * page_bytes, max_pages * page_bytes
+        start, limit = done * page_bytes, max_pages * page_bytes
         while start < limit:
             if depth == len(node.pages):  # past this node's run: enter a child
                 child = node.children.get(token_ids[start:start + page_bytes])
@@ -306,12 +309,13 @@ class PrefixCache:
         `node` holding the rest. Returns the new parent."""
         cut = depth * self._page_bytes
         head = PrefixNode(node.key, node.tokens[:cut], node.pages[:depth], node.parent,
-                          base_key=node.base_key, keys=node.keys[:depth])
+                          node.start, base_key=node.base_key, keys=node.keys[:depth])
         node.parent.children[head.key] = head
         node.tokens = node.tokens[cut:]
         del node.pages[:depth]
         node.key = node.tokens[:self._page_bytes]
         node.parent = head
+        node.start += depth
         node.base_key = None
         node.keys = node.keys[depth:]
         head.adopt(node)
@@ -356,6 +360,9 @@ class PrefixCache:
                 f"{where} has a stale key")
             assert len(node.tokens) == page_bytes * len(node.pages), (
                 f"{where} has {len(node.tokens)} token bytes for {len(node.pages)} pages")
+            assert node.start == node.parent.start + len(node.parent.pages), (
+                f"{where} starts at page {node.start} of its prefix, after "
+                f"{node.parent.start + len(node.parent.pages)} pages")
             for earlier, later in pairwise(node.parent.pages[-1:] + node.pages):
                 assert not (earlier in rank and later not in rank), (
                     f"page {later} is held but the page before it, {earlier}, is not")
