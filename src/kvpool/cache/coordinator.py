@@ -36,7 +36,9 @@ from kvpool.numeric import check_int64
 @dataclass(slots=True)
 class _Sequence:
     num_tokens: int
-    token_ids: bytearray | None  # every token's id, packed; None: unknown, or not cached
+    # every token's id, packed: the prompt's bytes, a bytearray once they change; None:
+    # unknown, or not cached
+    token_ids: bytes | bytearray | None
     salt: bytes  # the prefix cache's root of its cache salt (salt_key)
 
 
@@ -137,7 +139,7 @@ class KVCache:
         else:
             self._query_tokens += n
             self._hit_tokens += hit
-            self._seqs[seq_id] = _Sequence(n, bytearray(ids), salt)
+            self._seqs[seq_id] = _Sequence(n, ids, salt)
         return hit
 
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
@@ -197,6 +199,8 @@ class KVCache:
         packed = pack_tokens([token_id])
         if seq.num_tokens == 0:
             raise ValueError(f"sequence {seq_id!r} holds no token")
+        if type(seq.token_ids) is bytes:
+            seq.token_ids = bytearray(seq.token_ids)
         if seq.token_ids is not None:
             seq.token_ids[-TOKEN_BYTES:] = packed
 
@@ -461,6 +465,8 @@ class KVCache:
             if seq.token_ids is not None and n:
                 if ids is None:
                     seq.token_ids = None  # content unknown from here on
+                elif type(seq.token_ids) is bytes:  # the prompt's: grown in a copy, once
+                    seq.token_ids = bytearray(seq.token_ids) + ids
                 else:
                     seq.token_ids += ids
         return slots

@@ -104,7 +104,7 @@ class GroupManager(ABC):
         """Create `child_id` sharing (or copying) what the parent holds."""
 
     @abstractmethod
-    def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
+    def commit(self, seq_id: Hashable, token_ids: bytes | bytearray | None, salt: bytes) -> None:
         """The sequence's tokens (ids `token_ids`, None: unknown) are computed."""
 
     @abstractmethod

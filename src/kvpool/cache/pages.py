@@ -163,7 +163,7 @@ class FullAttention(GroupManager):
         self.allocator.hold(parent.pages[parent.num_dropped:])
         self._seqs[child_id] = replace(parent, pages=list(parent.pages))
 
-    def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
+    def commit(self, seq_id: Hashable, token_ids: bytes | bytearray | None, salt: bytes) -> None:
         """Its full pages join the prefix cache; where the cache already holds the content
         of its next page in another page (an identical prompt prefilled at the same time),
         the sequence keeps its own pages uncached."""

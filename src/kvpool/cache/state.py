@@ -227,7 +227,7 @@ class MambaState(GroupManager):
         self.states.copy(parent.slot, child)
         self._seqs[child_id] = _StateSlot(child, parent.num_prompt_tokens, parent.checkpointing)
 
-    def commit(self, seq_id: Hashable, token_ids: bytearray | None, salt: bytes) -> None:
+    def commit(self, seq_id: Hashable, token_ids: bytes | bytearray | None, salt: bytes) -> None:
         """The checkpoints computed for the sequence whose pages are now in the prefix cache
         become matchable; the others are released."""
         seq = self._seqs[seq_id]
@@ -250,8 +250,9 @@ class MambaState(GroupManager):
         """The sequence's state slot."""
         return self._seqs[seq_id].slot
 
-    def state_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[bytearray | None],
-                    starts: Sequence[int] | None, ends: Sequence[int] | None) -> StateBatch:
+    def state_batch(self, seq_ids: Sequence[Hashable],
+                    token_ids: Sequence[bytes | bytearray | None], starts: Sequence[int] | None,
+                    ends: Sequence[int] | None) -> StateBatch:
         """The slots of a step's sequences and the checkpoints to save during the step."""
         slots = torch.tensor([self._seqs[s].slot for s in seq_ids], dtype=torch.int64,
                              device=self.states.device)
@@ -284,8 +285,9 @@ class MambaState(GroupManager):
                 f"state slot {slot} has reference count {self.states.refcount(slot)}, "
                 f"expected {want}")
 
-    def _checkpoint_requests(self, index: int, seq_id: Hashable, token_ids: bytearray | None,
-                             start: int, end: int) -> list[CheckpointRequest]:
+    def _checkpoint_requests(self, index: int, seq_id: Hashable,
+                             token_ids: bytes | bytearray | None, start: int,
+                             end: int) -> list[CheckpointRequest]:
         """Checkpoints not saved yet to save while computing tokens [start, end), while slots
         last: the last checkpoint_interval multiple of the prompt the chunk reaches, and
         every track_interval multiple after the prompt."""
