@@ -235,11 +235,12 @@ class PageAllocator:
         warmest, after = prv[sentinel], sentinel
         released, kept = [], 0  # kept: listings after which the page is still held
         for page in pages:
-            count = refcounts[page] - 1
-            refcounts[page] = count
-            if count:
+            if refcounts[page] > 1:
+                refcounts[page] -= 1
                 kept += 1
-            elif is_cached[page]:
+                continue
+            refcounts[page] = 0
+            if is_cached[page]:
                 prv[after] = page
                 nxt[page] = after
                 after = page
