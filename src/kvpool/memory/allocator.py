@@ -339,7 +339,7 @@ class PageAllocator:
         fresh = n if n <= len(free) else len(free)
         if not fresh:
             ids = []
-        elif isinstance(free, FirstFitFreeList):
+        elif self._policy == "first_fit":
             ids = free.take(fresh)
         else:
             ids = free[len(free) - fresh:]
