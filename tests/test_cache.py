@@ -1032,6 +1032,7 @@ def test_the_prefix_index_refuses_bad_page_sizes_and_pages_and_changes_nothing()
                                      ([held[0], 5], 1, InvalidPage),  # free: nobody holds it
                                      ([held[0], "x"], 1, TypeError),
                                      ([-1, held[1]], 1, ValueError),
+                                     ([held[1], held[0]], 1, ValueError),  # not at depth 1
                                      (held, -1, ValueError), (held, 3, ValueError)):
         with pytest.raises(error):
             index.insert(pack_tokens([1, 2, 9, 9]), pages, num_cached)

@@ -349,7 +349,7 @@ class PageAllocator:
             try:
                 ids += self._evict(n - fresh)
             except BaseException:  # on_evict raised: the fresh pages go back as they were
-                free.extend(ids if isinstance(free, FirstFitFreeList) else reversed(ids))
+                free.extend(ids if self._policy == "first_fit" else reversed(ids))
                 raise
         refcounts = self._refcounts
         for page in ids:
