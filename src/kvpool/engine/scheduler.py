@@ -282,8 +282,7 @@ class Scheduler:
         """The queues, their sequences and the cache agree: a waiting sequence is WAITING with
         nothing computed and no cache sequence; a running one RUNNING, its cache sequence
         holding its computed tokens and at most its tokens; the running ones take at most
-        `max_num_seqs` seats; a running one has a token to compute; only a last token may be a
-        placeholder. AssertionError naming
+        `max_num_seqs` seats; only a last token may be a placeholder. AssertionError naming
         the first sequence that breaks one. O(tokens): for tests and debugging."""
         queued = [*self.waiting, *self.running]
         ids = [seq.seq_id for seq in queued]
@@ -302,8 +301,6 @@ class Scheduler:
                 f"sequence {sid} has a placeholder before its last token")
             status = SequenceStatus.RUNNING if sid in running else SequenceStatus.WAITING
             assert seq.status is status, f"sequence {sid} is queued {status}, marked {seq.status}"
-            assert sid not in running or seq.num_computed_tokens < seq.num_tokens, (
-                f"running sequence {sid} has no token left to compute (a step half recorded)")
             held = self.cache.num_tokens(sid) if sid in running else 0
             assert seq.num_computed_tokens <= held <= seq.num_tokens, (
                 f"{seq.status.value} sequence {sid}: {seq.num_computed_tokens} tokens computed, "
