@@ -257,11 +257,16 @@ class PageAllocator:
         wait on the cached queue instead of the free list (a page marked already stays so).
         Raises InvalidPage, changing nothing, for a page nobody holds."""
         pages = pages if type(pages) is list else list(pages)
-        with self._lock or nullcontext():
-            self._check_held(pages, "cache", "nobody holds it")
-            is_cached = self._is_cached
-            for page in pages:
-                is_cached[page] = True
+        if self._lock is None:  # the prefix index's call on every commit: no `with`
+            return self._mark(pages)
+        with self._lock:
+            return self._mark(pages)
+
+    def _mark(self, pages: list[int]) -> None:
+        self._check_held(pages, "cache", "nobody holds it")
+        is_cached = self._is_cached
+        for page in pages:
+            is_cached[page] = True
 
     def evict(self, n: int) -> list[int]:
         """Move the `n` least recently used cached pages (or all, if fewer) to the free list,
