@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -155,4 +156,24 @@ def test_a_step_whose_forward_fails_is_run_again_with_nothing_marked_computed(ov
     finally:
         del llm.runner.run
     assert [final[i].outputs[0].token_ids for i in ids] == expected
+    assert_nothing_leaks(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_logits_are_not_finite_fails_alone(overlap):
+    # A NaN embedding row stands in for an overflow in the model's dtype: the request that
+    # reads it fails by name instead of drawing token 0 with NaN logprobs to max_tokens.
+    llm = LLM("tiny", num_pages=32, page_size=4, device="cpu", overlap=overlap)
+    prompts, bad = [[5, 6, 7, 8, 9], [20, 99, 22]], 99
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    expected = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+    (embedding,) = [m for m in llm.model.modules() if isinstance(m, torch.nn.Embedding)]
+    embedding.weight.data[bad] = float("nan")
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    good, poisoned = outputs[0].outputs[0], outputs[1]
+    assert good.token_ids == expected.token_ids and good.finish_reason == "length"
+    assert isinstance(poisoned.error, StepFailed)
+    assert "logits for its token at position 3 hold NaN or infinity" in str(poisoned.error)
+    assert poisoned.outputs[0].finish_reason == "error"
+    assert poisoned.outputs[0].token_ids == []
     assert_nothing_leaks(llm)

@@ -277,7 +277,7 @@ def test_a_step_s_tokens_are_waited_for_on_their_own_device_s_stream(monkeypatch
         device=torch.device("cuda", 0 if device is None else torch.device(device).index)))
     with FakeTensorMode(allow_non_fake_inputs=True):
         tokens = torch.empty(4, dtype=torch.int64, device="cuda:1")
-        HostCopy(tokens, None)
+        HostCopy(tokens, torch.ones(4, dtype=torch.bool, device="cuda:1"), None)
     assert recorded == [torch.device("cuda", 1)]
 
 

@@ -563,22 +563,23 @@ class LLM:
             # forked samples read their parent's row; a sequence that finished reads none
             if logit_rows != list(range(len(logits))):
                 logits = logits[_on_device(logit_rows, logits.device)]
-            seqs, tokens, logprobs, failed = self._sample_each_request(logits, seqs)
+            seqs, tokens, finite, logprobs, failed = self._sample_each_request(logits, seqs)
             self.scheduler.add_placeholders(seqs)
-        return LaunchedStep.sampled(batch, seqs, tokens, logprobs), failed
+        return LaunchedStep.sampled(batch, seqs, tokens, finite, logprobs), failed
 
     def _finish(self, step: LaunchedStep, start: float) -> list[Request]:
         """Read the step's tokens on the host, give each sequence its token (and logprobs)
         and finish those that stop; returns the requests that advanced."""
         with self._failing_if_interrupted(step.seqs):
-            token_ids, entries = step.host.wait()
+            token_ids, finite, entries = step.host.wait()
+            failed = self._fail_non_finite(step.seqs, finite)
             if entries is not None:
                 for seq, entry in zip(step.seqs, entries, strict=True):
                     if entry is not None and not seq.finished:
                         seq.logprobs.append(entry)
             # a sequence aborted or failed while the step ran drops its token
             num_kept = sum(not seq.finished for seq in step.seqs)
-            requests = self.scheduler.postprocess(step.seqs, token_ids)
+            requests = failed + self.scheduler.postprocess(step.seqs, token_ids)
         self._forget([request for request in requests if request.finished])
         self._count(step.batch, num_kept, start)
         return requests
@@ -600,6 +601,19 @@ class LLM:
             self._forget(requests)
             raise
 
+    def _fail_non_finite(self, seqs: list[Sequence], finite: list[bool]) -> list[Request]:
+        """Fail the requests of `seqs` whose row of logits held NaN or infinity (an overflow
+        of the model's dtype, bad weights): their token is noise. Returns them."""
+        failed = []
+        for seq, ok in zip(seqs, finite, strict=True):
+            if not ok and not seq.finished:
+                self.scheduler.fail(seq.request, StepFailed(
+                    f"request {seq.request.request_id!r} failed: the model's logits for its "
+                    f"token at position {seq.num_tokens - 1} hold NaN or infinity (an "
+                    f"overflow of the model's dtype, or weights gone bad)"))
+                failed.append(seq.request)
+        return failed
+
     def _forget(self, finished: list[Request]) -> None:
         """Drop finished requests from the unfinished ones."""
         for request in finished:
@@ -618,7 +632,7 @@ class LLM:
             seqs = [seqs[row] for row in rows]
             logits = logits[_on_device(rows, logits.device)]
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
-        return Sampled(seqs, tokens, logprobs, failed)
+        return Sampled(seqs, tokens, logits.isfinite().all(dim=-1), logprobs, failed)
 
     def _sample_requests_alone(self, logits: torch.Tensor, seqs: list[Sequence]
                                ) -> tuple[list[int], torch.Tensor, list[Request]]:
@@ -785,10 +799,12 @@ def _per_prompt(params: SamplingParams | abc.Sequence[SamplingParams] | None,
 
 
 class Sampled(NamedTuple):
-    """What a step's sampling gave: `tokens[i]` (on the device) for `seqs[i]`, the logprobs
-    asked for, and the requests whose sampling raised."""
+    """What a step's sampling gave: `tokens[i]` (on the device) for `seqs[i]`, whether row
+    i's logits were finite (on the device), the logprobs asked for, and the requests whose
+    sampling raised."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor
+    finite: torch.Tensor
     logprobs: SampledLogprobs | None
     failed: list[Request]

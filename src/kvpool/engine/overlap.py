@@ -21,11 +21,14 @@ from kvpool.engine.scheduler import ScheduledBatch
 
 
 class HostCopy:
-    """A step's sampled tokens (and the logprobs asked for) on their way to the host:
-    copies queued on the device's stream without waiting; `wait` returns them once there."""
+    """A step's sampled tokens, whether each row's logits were finite, and the logprobs
+    asked for, on their way to the host: copies queued on the device's stream without
+    waiting; `wait` returns them once there."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None):
+    def __init__(self, tokens: torch.Tensor, finite: torch.Tensor,
+                 logprobs: SampledLogprobs | None):
         self.tokens = tokens.to("cpu", non_blocking=True)
+        self.finite = finite.to("cpu", non_blocking=True)
         self.logprobs = None if logprobs is None else logprobs.to("cpu", non_blocking=True)
         # A copy from a CUDA device is done when its stream passes this event; a copy
         # from the CPU is done already.
@@ -33,12 +36,14 @@ class HostCopy:
         if self.event is not None:  # on the tokens' stream, whichever device is current
             self.event.record(torch.cuda.current_stream(tokens.device))
 
-    def wait(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """The sampled token ids, and each row's TokenLogprobs (None: no row asked)."""
+    def wait(self) -> tuple[list[int], list[bool], list[TokenLogprobs | None] | None]:
+        """The sampled token ids, whether each row's logits were finite, and each row's
+        TokenLogprobs (None: no row asked)."""
         if self.event is not None:
             self.event.synchronize()
         token_ids = self.tokens.tolist()
-        return token_ids, None if self.logprobs is None else self.logprobs.entries(token_ids)
+        entries = None if self.logprobs is None else self.logprobs.entries(token_ids)
+        return token_ids, self.finite.tolist(), entries
 
 
 @dataclass(slots=True)
@@ -53,6 +58,6 @@ class LaunchedStep:
 
     @classmethod
     def sampled(cls, batch: ScheduledBatch, seqs: list[Sequence], tokens: torch.Tensor,
-                logprobs: SampledLogprobs | None) -> LaunchedStep:
+                finite: torch.Tensor, logprobs: SampledLogprobs | None) -> LaunchedStep:
         """The launched step, its tokens' copy to the host queued now."""
-        return cls(batch, seqs, tokens, HostCopy(tokens, logprobs))
+        return cls(batch, seqs, tokens, HostCopy(tokens, finite, logprobs))
