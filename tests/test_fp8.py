@@ -186,6 +186,24 @@ def test_cpu_kernel_reads_every_fp8_byte_exactly():
                                equal_nan=True)
 
 
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("scale", [1e30, 1e38, 3.4e38])
+def test_cpu_kernel_stays_finite_at_the_largest_scales(scale):
+    # K's scale goes on the scores: folded into q, q times a scale near float32's top
+    # overflowed, and infinity times a zero byte gave NaN where the torch path gives zeros.
+    pages = torch.zeros(3, 4, 1, 16, dtype=FP8_DTYPE)
+    k_cache, v_cache = pages, pages.clone()
+    write_kv(k_cache, v_cache, torch.arange(10), torch.randn(10, 1, 16) * 1e-30,
+             torch.randn(10, 1, 16) * 1e-30, k_scale=scale, v_scale=scale)
+    q = torch.randn(1, 2, 16) * 4
+    args = (torch.tensor([[0, 1, 2]], dtype=torch.int32), torch.tensor([10], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32))
+    outs = [paged_attention(q, k_cache, v_cache, *args, backend=backend, k_scale=scale,
+                            v_scale=scale) for backend in ("cpu", "torch")]
+    assert outs[0].isfinite().all()
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):
     monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1")
     batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,

@@ -364,6 +364,12 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
                        s + r * stride + t, stride, bf16, fp8);
         }
     }
+    /* fp8 K's scale on the scores, not folded into q: q times a scale near float32's top
+       overflows, and infinity times a zero byte is NaN. */
+    if (fp8)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < n; t++)
+                s[r * stride + t] *= (float)p->k_scale;
     softmax_page(s, stride, rows, d, m, l, acc, p->bf16);
     for (int64_t h = h0; h < h1; h++) {
         const int64_t r = (h - h0) * g_rows;
@@ -394,8 +400,8 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
     float *restrict qs = scratch, *restrict acc = qs + rows * d;
     float *restrict m = acc + rows * d, *restrict l = m + rows, *restrict s = l + rows;
     const int64_t q_offset = (b * p->num_heads + h0 * g_rows) * d;
-    /* Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)); fp8 K's scale too. */
-    const float q_scale = (float)(p->scale * (fp8 ? p->k_scale : 1.0)) * LOG2E;
+    /* Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)). */
+    const float q_scale = (float)p->scale * LOG2E;
     for (int64_t i = 0; i < rows * d; i++) {
         qs[i] = load_one(p->q, q_offset + i, bf16) * q_scale;
         acc[i] = 0.0f;
