@@ -340,6 +340,15 @@ BAD_REQUESTS = [
                               "chat_template_kwargs": {"enable_thinking": False}}, 400,
      "chat_template_kwargs", "unsupported",
      "chat_template_kwargs is not supported by this server, got {'enable_thinking': False}"),
+    ("allowed_token_ids", {"model": "tiny", "prompt": "x", "allowed_token_ids": [65]}, 400,
+     "allowed_token_ids", "unsupported",
+     "allowed_token_ids is not supported by this server, got [65]"),
+    ("bad_words", {"model": "tiny", "prompt": "x", "bad_words": ["a"]}, 400, "bad_words",
+     "unsupported", "bad_words is not supported by this server, got ['a']"),
+    ("a chat prompt that leaves no room, without max_tokens", {
+        "model": "tiny", "messages": [{"role": "user", "content": "a" * 500}]}, 400,
+     "messages", "context_length_exceeded",
+     "prompt of 518 tokens leaves no room for a completion: a sequence holds at most 385 tokens"),
     ("a message's tool_calls", {"model": "tiny", "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, 400,

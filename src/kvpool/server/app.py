@@ -134,8 +134,12 @@ class Server:
             raise RequestError(f"n={parsed.n} samples exceed max_num_seqs "
                                f"{self.info.max_num_seqs}", param="n")
         max_tokens = parsed.max_tokens
-        if max_tokens is None:  # the room one sequence has left (at least 1, or too long)
-            max_tokens = max(1, self.info.max_sequence_tokens - len(prompt))
+        if max_tokens is None:  # the room one sequence has left
+            max_tokens = self.info.max_sequence_tokens - len(prompt)
+            if max_tokens < 1:
+                raise _too_long(f"prompt of {len(prompt)} tokens leaves no room for a "
+                                f"completion: a sequence holds at most "
+                                f"{self.info.max_sequence_tokens} tokens", parsed)
         arrival = time.perf_counter()
         stream = await self._add(request_id, prompt, parsed, max_tokens,
                                  self._cache_salt(request, parsed))
@@ -306,9 +310,9 @@ def _failure(e: EngineFailure) -> RequestError:
     return RequestError(str(e), status=500, type="internal_error")
 
 
-def _too_long(e: Exception, parsed: GenerationRequest) -> RequestError:
+def _too_long(why: Exception | str, parsed: GenerationRequest) -> RequestError:
     """The error of a prompt longer than the server's context (max_model_len or the pool)."""
-    return RequestError(str(e), param="messages" if parsed.messages else "prompt",
+    return RequestError(str(why), param="messages" if parsed.messages else "prompt",
                         code="context_length_exceeded")
 
 

@@ -89,7 +89,9 @@ _UNSUPPORTED = {
     "include_stop_str_in_output": (False,), "truncate_prompt_tokens": (),
     "add_generation_prompt": (True,), "continue_final_message": (False,),
     "chat_template_kwargs": ({},), "skip_special_tokens": (True,), "length_penalty": (1,),
-    "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "allowed_token_ids": (None, []),
+    "bad_words": (None, []), "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (False,),
 }
 
 
