@@ -525,6 +525,29 @@ def _raise_keyboard_interrupt(record):
     raise KeyboardInterrupt
 
 
+def test_a_prompt_whose_admission_raises_stays_queued(checkpoint, prompts, expected, device):
+    # A tier load that raises inside add_sequence (or a Ctrl-C there) must not lose the
+    # request: it waits, and runs once admission succeeds.
+    llm = _llm(checkpoint, device=device, overlap=False)
+    request_id = llm.add_request(prompts[0], GREEDY)
+    real = llm.cache.add_sequence
+
+    def failing(*args, **kwargs):
+        llm.cache.add_sequence = real
+        raise KeyboardInterrupt
+
+    llm.cache.add_sequence = failing
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    llm.check()
+    assert llm.has_unfinished() and llm.cache.sequences() == []
+    outputs = {}
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert _tokens([outputs[request_id]]) == expected[:1]
+    _assert_drained(llm)
+
+
 def test_request_aborted_from_on_step_while_waiting_finishes_generate(checkpoint, prompts,
                                                                       expected, device):
     llm = _llm(checkpoint, max_num_seqs=1, device=device)  # the second prompt waits for the first

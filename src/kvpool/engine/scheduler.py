@@ -161,10 +161,12 @@ class Scheduler:
                                                        spare_pages=self.watermark_pages,
                                                        cache_salt=seq.request.cache_salt):
                 break
-            self.waiting.popleft()
-            seats += self._seats(seq)
+            # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C)
+            # leaves it waiting, not lost
             seq.num_computed_tokens = self.cache.add_sequence(
                 seq.seq_id, held, cache_salt=seq.request.cache_salt)
+            self.waiting.popleft()
+            seats += self._seats(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.request.scheduled_time is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
