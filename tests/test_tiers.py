@@ -7,12 +7,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvpool.cache import KVCache
+from kvpool.cache import KVCache, tiers
 from kvpool.cache.tiers import (
     ROOT_KEY,
     STALE_WRITE_SECONDS,
@@ -428,6 +429,23 @@ def test_damaged_disk_page_is_a_miss_and_forgotten(tmp_path):
     assert tier.get(k) is None
     assert k not in tier and page_files(tmp_path) == []
     assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
+
+
+def test_a_record_whose_checked_header_nests_too_deep_is_a_miss(tmp_path):
+    # A header with a valid CRC-32 (easy to forge) that json cannot parse without
+    # recursing past Python's limit: a miss counted corrupt, and a folder that still binds.
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(1)[0]
+    tier.put(k, page(1))
+    header = b"[" * 100_000 + b"]" * 100_000
+    tier.path(k).write_bytes(tiers._PREFIX.pack(tiers._MAGIC, len(header), zlib.crc32(header))
+                             + header)
+    assert tier.get(k) is None
+    assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
+    tier.path(k).write_bytes(tiers._PREFIX.pack(tiers._MAGIC, len(header), zlib.crc32(header))
+                             + header)
+    again = bound(DiskTier(tmp_path, 4))
+    assert list(again) == [] and page_files(tmp_path) == []
 
 
 def test_disk_tier_binds_past_a_page_file_gone_while_it_lists_them(tmp_path):

@@ -399,7 +399,7 @@ def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
             return None
         header = json.loads(raw)
         key = PageKey.of(header["parent_key"], header["token_ids"])
-    except (struct.error, ValueError, KeyError, TypeError):
+    except (struct.error, ValueError, KeyError, TypeError, RecursionError):  # nested JSON
         return None
     if (header.get("version") != _FORMAT_VERSION or header.get("namespace") != namespace
             or header.get("shape") != list(page_shape) or header.get("dtype") != str(dtype)):
