@@ -45,12 +45,12 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
 def pack_portable(token_ids: Sequence[int]) -> bytes:
     """`pack_tokens` without the compiled loop: any sequence of objects with `__index__`,
     bools excepted (True is not token 1)."""
+    if bool in map(type, token_ids):
+        raise _bad_token(token_ids)
     try:
-        if bool not in map(type, token_ids):
-            return _codec(len(token_ids)).pack(*token_ids)
+        return _codec(len(token_ids)).pack(*token_ids)
     except struct.error:
-        pass
-    raise _bad_token(token_ids)
+        raise _bad_token(token_ids) from None
 
 
 def unpack_tokens(data: bytes | bytearray) -> tuple[int, ...]:
