@@ -573,7 +573,11 @@ def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeyp
     cache.commit("b")
     cache.free_sequence("b")
     cache.add_sequence("x", num_tokens=16)  # evicts b's pages: the tier cannot take them
-    assert (tier.stats().num_dropped, len(tier)) == (2, 0)
+    assert (tier.stats().num_dropped, len(tier)) == (2, 2)  # but keeps serving its files
+    cache.free_sequence("x")
+    assert cache.add_sequence("c", prompt(9)) == 8
+    assert torch.equal(cache.pool.read_pages(cache.pages("c")[:2]), original)
+    tier.check()
     cache.check()
 
 
@@ -588,6 +592,20 @@ def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_
     again = bound(DiskTier(tmp_path, 4))
     assert list(again) == k and torch.equal(again.get(k[1]), page(1))
     assert interrupted.exists()
+
+
+def test_a_disk_tier_that_cannot_remove_files_misses_a_damaged_page_and_binds_within_capacity(
+        tmp_path, monkeypatch):
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(3)
+    for i in range(3):
+        tier.put(k[i], page(i))
+    tier.path(k[0]).write_bytes(b"damaged")
+    monkeypatch.setattr(Path, "unlink", read_only_file_system)
+    assert tier.get(k[0]) is None and list(tier) == k[1:]
+    tier.check()
+    again = bound(DiskTier(tmp_path, 1))  # two readable pages, room for one
+    assert list(again) == k[2:] and torch.equal(again.get(k[2]), page(2))
 
 
 def stale_temporary(directory, namespace, age=STALE_WRITE_SECONDS + 1):
@@ -628,7 +646,9 @@ def test_a_disk_tier_on_a_directory_without_write_permission_serves_what_it_can_
         cache.commit("b")
         cache.free_sequence("b")
         cache.add_sequence("x", num_tokens=16)
-        assert tier.stats().num_dropped == 2
+        assert (tier.stats().num_dropped, len(tier)) == (2, 2)
+        cache.free_sequence("x")
+        assert cache.add_sequence("c", prompt(9)) == 8
         cache.check()
     finally:
         tier.directory.chmod(0o755)

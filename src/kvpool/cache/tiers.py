@@ -139,7 +139,8 @@ class Tier(ABC):
                 self._keys.move_to_end(key.chain_key)
                 self._counts.num_hits += 1
                 return data
-            self._discard(self._keys.pop(key.chain_key))
+            with contextlib.suppress(OSError):  # one left behind is served no more
+                self._discard(self._keys.pop(key.chain_key))
         self._counts.num_misses += 1
         return None
 
@@ -314,7 +315,7 @@ class DiskTier(Tier):
             else:
                 self._keys[header[0].chain_key] = header[0]
         while len(self._keys) > self.capacity_pages:
-            self._discard(self._keys.popitem(last=False)[1])
+            _remove(self.path(self._keys.popitem(last=False)[1]))
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
         record = page_record(self.namespace, key, data)
@@ -343,7 +344,7 @@ class DiskTier(Tier):
         return data
 
     def _discard(self, key: PageKey) -> None:
-        _remove(self.path(key))
+        self.path(key).unlink(missing_ok=True)  # raising (read-only), the page stays indexed
 
     def _touch(self, path: Path) -> None:
         """Stamp `path` used now, strictly after every other page file (the clock may tick
