@@ -398,11 +398,19 @@ def test_the_pool_gets_the_share_left_after_others_weights_activations_and_works
     assert llm.cache.stats().num_pages == budget // (16 * 512) - 1  # and the reserved page
 
 
+def test_a_budget_a_byte_short_of_a_page_and_the_reserved_one_names_the_exact_bytes(checkpoint):
+    page = 16 * 512
+    with pytest.raises(OutOfPages, match=rf"budget of {2 * page - 1:,} B \(16.00 KiB\) on cpu "
+                                         rf"holds no page of {page:,} B \(8.00 KiB\) beside "
+                                         rf"the pool's 1 reserved one, which need {2 * page:,} B"):
+        LLM(checkpoint, device="cpu", kv_cache_memory=2 * page - 1)
+
+
 def test_a_share_too_small_for_the_model_fails_before_loading(monkeypatch, checkpoint):
     host_with(monkeypatch, 2**20, 2**20, loading_takes_ram=True)
     monkeypatch.setattr(llm_module, "load_model", None)  # reaching it would be a TypeError
-    with pytest.raises(OutOfPages, match=r"holds no page of 8.00 KiB \(weights .* exceed 90% "
-                                         r"of 1.00 MiB"):
+    with pytest.raises(OutOfPages, match=r"holds no page of 8,192 B \(8.00 KiB\) .*\(weights "
+                                         r".* exceed 90% of 1.00 MiB"):
         LLM(checkpoint, device="cpu")
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kvpool.engine.config import EngineConfig
 from kvpool.memory.layout import KVLayout
+from kvpool.memory.pool import MOST_PAGES
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planning import planner
 from kvpool.planning.geometry import ModelGeometry
@@ -220,8 +221,8 @@ def test_a_budget_below_one_page_gets_no_pages_and_a_reason():
     weights = 2_952_448 * 4
     plan = plan_memory(TINY, weights + 1000, memory_fraction=1.0, activation_bytes=0)
     assert (plan.num_pages, plan.budget_bytes) == (0, 1000)
-    assert plan.reason == ("the 1000 B left for the KV cache is less than one page (32.00 KiB) "
-                           "and the pool's reserved one")
+    assert plan.reason == ("the 1,000 B left for the KV cache is less than one page of 32,768 B "
+                           "(32.00 KiB) and the pool's reserved one: 65,536 B (64.00 KiB)")
 
 
 # The model's geometry
@@ -410,8 +411,17 @@ def test_split_budget_never_gives_a_window_pool_more_tokens_than_one_pool_holds(
     assert (full.num_pages, window.num_pages) == (10, 10)
 
 
+def test_no_pool_is_planned_past_the_page_ids_of_int32_page_tables():
+    plan = plan_memory(TINY, 2**44, page_size=1, kv_cache_dtype="fp8_e4m3", activation_bytes=0)
+    assert plan.layout.bytes_per_page * MOST_PAGES < plan.budget_bytes
+    assert (plan.num_pages, plan.reason) == (MOST_PAGES, None)
+    layout = KVLayout(4, 1, 1, torch.float8_e4m3fn, 1, layer_windows=(None, 8, 8, None))
+    full, window = split_budget(layout, 2**40, max_num_seqs=2**40, prefill_tokens=0)
+    assert (full.num_pages, window.num_pages) == (MOST_PAGES, MOST_PAGES)
+
+
 def test_a_hybrid_whose_state_slots_leave_no_page_says_so():
-    from kvpool.formats import format_bytes
+    from kvpool.formats import exact_bytes
     from kvpool.models.config import ModelConfig
     bamba = ModelConfig.from_hf("Bamba-9B")
     slot = bamba.mamba_layout().bytes_per_slot
@@ -420,5 +430,5 @@ def test_a_hybrid_whose_state_slots_leave_no_page_says_so():
     memory = 40 * 2**30 - first.budget_bytes + 50 * slot + 1000
     plan = plan_memory(bamba, memory, memory_fraction=1.0, mamba_memory_ratio=1 - 1e-9)
     assert plan.num_pages == 0 and plan.num_state_slots == 49
-    assert plan.reason.startswith(f"the {format_bytes(plan.budget_bytes - plan.state_bytes)} "
+    assert plan.reason.startswith(f"the {exact_bytes(plan.budget_bytes - plan.state_bytes)} "
                                   f"left for the KV cache after 49 state slots")

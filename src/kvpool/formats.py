@@ -39,6 +39,13 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
+def exact_bytes(num_bytes: int) -> str:
+    """`num_bytes` counted, then rounded as `format_bytes` rounds, e.g. "4,095 B (4.00 KiB)"
+    (for messages that compare sizes, which rounding can make look equal)."""
+    rounded = format_bytes(num_bytes)
+    return f"{num_bytes:,} B" if rounded == f"{num_bytes} B" else f"{num_bytes:,} B ({rounded})"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The name of `dtype` as DTYPES spells it, e.g. "bfloat16"."""
     return str(dtype).removeprefix("torch.")

@@ -11,7 +11,7 @@ import torch
 from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
-from kvpool.formats import format_bytes
+from kvpool.formats import exact_bytes
 from kvpool.kernels import MAX_DECODE_SPLITS, decode_scratch_bytes
 from kvpool.memory.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.memory.layout import KVLayout
@@ -243,12 +243,13 @@ class EngineConfig:
         budget -= state_bytes
         num_pages = pages_within(layout, budget)
         if num_pages == 0:
-            states = f" (after {format_bytes(state_bytes)} of state slots)" if state_bytes else ""
-            raise OutOfPages(f"the KV cache budget of {format_bytes(budget)} on {device}"
-                             f"{states} holds no page of {format_bytes(layout.bytes_per_page)} "
-                             f"({plan.reason or 'kv_cache_memory is too small'}; a pool holds "
-                             f"{RESERVED_PAGES} reserved page beside its own); pass num_pages "
-                             f"or a larger kv_cache_memory / memory_fraction")
+            states = f", after state slots of {exact_bytes(state_bytes)}," if state_bytes else ""
+            need = (1 + RESERVED_PAGES) * layout.bytes_per_page
+            raise OutOfPages(f"the KV cache budget of {exact_bytes(budget)} on {device}"
+                             f"{states} holds no page of {exact_bytes(layout.bytes_per_page)} "
+                             f"beside the pool's {RESERVED_PAGES} reserved one, which need "
+                             f"{exact_bytes(need)} ({plan.reason or 'kv_cache_memory is too small'}"
+                             f"); pass num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages
 
     def _budget(self, plan: MemoryPlan, device: torch.device) -> int:

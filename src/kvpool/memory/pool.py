@@ -17,12 +17,13 @@ SCALE_NAMES = {"mha": ("k_scale", "v_scale"), "mla": ("latent_scale",)}
 ROW_FORMS = {"mha": "kv_scales must be one (k_scale, v_scale) pair",
              "mla": "an mla layout's kv_scales must be one latent scale (a number)"}
 RESERVED_PAGES = 1  # the padding page: padded rows of a CUDA-graph step and unread writes
+MOST_PAGES = MAX_PAGES - RESERVED_PAGES  # the largest pool: its page ids fit in int32
 
 
 def pages_within(layout: KVLayout, nbytes: int) -> int:
     """The num_pages of the largest pool of `layout` that fits in `nbytes`, its reserved
-    pages included (0 when not even one page fits beside them)."""
-    return max(nbytes // layout.bytes_per_page - RESERVED_PAGES, 0)
+    pages included (0 when not even one page fits beside them, at most MOST_PAGES)."""
+    return min(max(nbytes // layout.bytes_per_page - RESERVED_PAGES, 0), MOST_PAGES)
 
 
 class KVPool:
@@ -42,7 +43,7 @@ class KVPool:
                  kv_scales=None):
         self.layout = layout
         # the padding page's id, num_pages, travels in int32 page tables too
-        self.num_pages = check_int("num_pages", num_pages, 1, MAX_PAGES - RESERVED_PAGES)
+        self.num_pages = check_int("num_pages", num_pages, 1, MOST_PAGES)
         per_layer = _layer_scales(layout, kv_scales)
         self.device = check_device(device)
         shape = (layout.num_layers, layout.num_planes, num_pages + RESERVED_PAGES,

@@ -12,11 +12,12 @@ from typing import NamedTuple
 import torch
 
 from kvpool.devices import check_device
-from kvpool.errors import InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
+from kvpool.errors import MAX_PAGES, InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
 from kvpool.memory.allocator import PageAllocator
 from kvpool.numeric import check_int64
 
 RESERVED_SLOTS = 1  # the padding slot, which padded rows of a CUDA-graph step use
+MOST_SLOTS = MAX_PAGES - RESERVED_SLOTS  # slot ids, the padding slot's too, fit in int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +60,8 @@ class MambaLayout:
 
 def slots_within(layout: MambaLayout, nbytes: int) -> int:
     """The num_slots of the largest MambaPool of `layout` that fits in `nbytes`, its reserved
-    slots included (0 when not even one slot fits beside them)."""
-    return max(nbytes // layout.bytes_per_slot - RESERVED_SLOTS, 0)
+    slots included (0 when not even one slot fits beside them, at most MOST_SLOTS)."""
+    return min(max(nbytes // layout.bytes_per_slot - RESERVED_SLOTS, 0), MOST_SLOTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,8 @@ class MambaPool:
     first step starts from a zero state without reading it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
-        self.allocator = PageAllocator(check_int("num_slots", num_slots, 1), thread_safe=False)
+        num_slots = check_int("num_slots", num_slots, 1, MOST_SLOTS)
+        self.allocator = PageAllocator(num_slots, thread_safe=False)
         self.layout = layout
         self.device = check_device(device)
         layers, rows = layout.num_layers, num_slots + RESERVED_SLOTS

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.memory.layout import KVLayout, LayerGroup
-from kvpool.memory.pool import RESERVED_PAGES
+from kvpool.memory.pool import MOST_PAGES, RESERVED_PAGES
 from kvpool.numeric import check_int64
 
 
@@ -59,7 +59,7 @@ def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
     check_int64("prefill_tokens", prefill_tokens, 0)
     ps, groups = layout.page_size, layout.groups
     budget = max(budget_bytes, 0)
-    one_pool = budget // layout.bytes_per_page  # pages if every layer shared one pool
+    one_pool = min(budget // layout.bytes_per_page, MOST_PAGES)  # if every layer shared one
     rest = 0 if groups[0].window is None else len(groups) - 1
     pages = {}
     for g, group in enumerate(groups):
@@ -67,5 +67,5 @@ def split_budget(layout: KVLayout, budget_bytes: int, *, max_num_seqs: int,
             window_pages = -(-group.window // ps) + 1
             pages[g] = min(max_num_seqs * window_pages + -(-prefill_tokens // ps), one_pool)
     spent = sum(pages[g] * groups[g].bytes_per_token * ps for g in pages)
-    pages[rest] = (budget - spent) // (groups[rest].bytes_per_token * ps)
+    pages[rest] = min((budget - spent) // (groups[rest].bytes_per_token * ps), MOST_PAGES)
     return tuple(GroupPlan(group, pages[g], ps) for g, group in enumerate(groups))

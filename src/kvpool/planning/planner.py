@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvpool.devices import check_device
-from kvpool.formats import format_bytes
+from kvpool.formats import exact_bytes, format_bytes
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
@@ -195,15 +195,16 @@ def plan_memory(
 def _reason(plan: MemoryPlan) -> str:
     """Why a plan has no pages (or, for a hybrid, no state slot), naming the sizes."""
     if plan.budget_bytes >= 0 and plan.mamba_layout and not plan.num_state_slots:
-        return (f"{plan.mamba_memory_ratio * 100:g}% of the {format_bytes(plan.budget_bytes)} "
-                f"left for the cache is less than one state slot "
-                f"({format_bytes(plan.mamba_layout.bytes_per_slot)})")
+        return (f"{plan.mamba_memory_ratio * 100:g}% of the {exact_bytes(plan.budget_bytes)} "
+                f"left for the cache is less than one state slot of "
+                f"{exact_bytes(plan.mamba_layout.bytes_per_slot)} and the reserved one")
     if plan.budget_bytes >= 0:
-        slots = (f" after {plan.num_state_slots} state slots "
-                 f"({format_bytes(plan.state_bytes)})" if plan.state_bytes else "")
-        return (f"the {format_bytes(plan.budget_bytes - plan.state_bytes)} left for the KV "
-                f"cache{slots} is less than one page "
-                f"({format_bytes(plan.layout.bytes_per_page)}) and the pool's reserved one")
+        slots = (f" after {plan.num_state_slots} state slots of "
+                 f"{exact_bytes(plan.state_bytes)}" if plan.state_bytes else "")
+        page = plan.layout.bytes_per_page
+        return (f"the {exact_bytes(plan.budget_bytes - plan.state_bytes)} left for the KV "
+                f"cache{slots} is less than one page of {exact_bytes(page)} and the pool's "
+                f"reserved one: {exact_bytes((1 + RESERVED_PAGES) * page)}")
     parts = [f"weights {format_bytes(plan.weight_bytes)}",
              f"activations {format_bytes(plan.activation_bytes)}"]
     if plan.reserved_bytes:
