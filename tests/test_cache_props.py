@@ -136,13 +136,13 @@ class CacheMachine(RuleBasedStateMachine):
             [g.pool.kv.view(torch.uint8).clone() for g in self.groups],
         )
 
-    def attempt(self, call):
-        """Run `call`; if it raises (any error kvpool raises on purpose, or a bad argument's
-        TypeError or ValueError), assert that nothing changed."""
+    def attempt(self, call, errors=(KVPoolError, TypeError, ValueError)):
+        """Run `call`; if it raises one of `errors` (by default any error kvpool raises on
+        purpose, or a bad argument's TypeError or ValueError), assert that nothing changed."""
         before = self.snapshot()
         try:
             return call(), True
-        except (KVPoolError, TypeError, ValueError):
+        except errors:
             self.assert_unchanged(before)
             return None, False
 
@@ -170,18 +170,27 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules ---------------------------------------------------------------------------
 
-    @rule(target=seqs, tokens=prompts, known=st.booleans())
-    def add(self, tokens, known):
+    @rule(target=seqs, tokens=prompts, known=st.booleans(), data=st.data())
+    def add(self, tokens, known, data):
+        """A sequence of a prompt, or of its first `entering` tokens (the rest to come chunk
+        by chunk), the whole prompt counted as looked up."""
         seq_id = self.next_seq
         self.next_seq += 1
-        call = (lambda: self.cache.add_sequence(seq_id, tokens)) if known else (
-            lambda: self.cache.add_sequence(seq_id, num_tokens=len(tokens)))
-        hit, ok = self.attempt(call)
-        if not ok:
+        entering = data.draw(st.none() | st.integers(-1, len(tokens) + 1), label="entering")
+        given = {"token_ids": tokens} if known else {"num_tokens": len(tokens)}
+        before = self.cache.stats().prefix_query_tokens
+        valid = entering in (None, *range(len(tokens) + 1))
+        hit, ok = self.attempt(lambda: self.cache.add_sequence(seq_id, **given, entering=entering),
+                               KVPoolError if valid else (KVPoolError, ValueError))
+        if not ok or not valid:
+            assert not ok, f"entering={entering} accepted for a prompt of {len(tokens)}"
             return None
-        assert hit % self.page_size == 0 and hit < max(len(tokens), 1)
+        held = tokens if entering is None else tokens[:entering]
+        assert hit % self.page_size == 0 and hit < max(len(held), 1)
+        looked_up = len(tokens) if known and self.cache.prefix_cache is not None else 0
+        assert self.cache.stats().prefix_query_tokens == before + looked_up
         # unknown content gets values no other sequence can share
-        self.tokens[seq_id] = tokens if known else [("u", seq_id, i) for i in range(len(tokens))]
+        self.tokens[seq_id] = held if known else [("u", seq_id, i) for i in range(len(held))]
         self.write(seq_id, hit)
         return seq_id
 

@@ -268,7 +268,12 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
                                                           for p in batch]
     assert llm.cache.groups[0].window == WINDOW
-    assert (llm.cache.stats().prefix_hit_tokens > 0) == prefix_caching
+    stats = llm.cache.stats()
+    assert (stats.prefix_hit_tokens > 0) == prefix_caching
+    if prefix_caching:  # prompts entering chunk by chunk are looked up whole, once
+        assert llm.stats().num_preemptions == 0
+        assert stats.prefix_query_tokens == sum(map(len, batch))
+        assert stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in outputs)
     llm.check()
 
 

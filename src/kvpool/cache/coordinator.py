@@ -112,19 +112,26 @@ class KVCache:
     # ---- sequences ---------------------------------------------------------------------
 
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None, cache_salt: str | None = None) -> int:
+                     num_tokens: int | None = None, entering: int | None = None,
+                     cache_salt: str | None = None) -> int:
         """Create a sequence holding `token_ids` (or `num_tokens` unknown tokens) in every
         group. Returns how many leading tokens the prefix cache served (whole pages, never
         the last token, as far as every group can serve); their KV is already in the pools
         (loaded from the tier for pages past the device's match), and a state group's slot
-        holds the state after them. A `cache_salt` shares pages only with sequences of the
-        same salt (in the pool and in the tier)."""
+        holds the state after them. With `entering` (see `tokens_to_admit`), it holds only
+        the first `entering` tokens, the rest to be appended chunk by chunk; the whole
+        prompt counts as looked up in the prefix cache's statistics. A `cache_salt` shares
+        pages only with sequences of the same salt (in the pool and in the tier)."""
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists")
         n, ids = _tokens(token_ids, num_tokens)
-        salt = b"" if cache_salt is None else salt_key(cache_salt)
         if self.max_tokens_per_seq is not None:
             self._check_length(seq_id, n)
+        looked_up = n
+        if entering is not None:
+            n = check_int("entering", entering, 0, n)
+            ids = None if ids is None else ids[:n * TOKEN_BYTES]
+        salt = b"" if cache_salt is None else salt_key(cache_salt)
         plans = self._plan_add(ids, n, salt)
         for group, plan in plans:
             if not group.room(plan):
@@ -137,7 +144,7 @@ class KVCache:
         if ids is None or self.prefix_cache is None:  # nothing shares by content
             self._seqs[seq_id] = _Sequence(n, None, salt)
         else:
-            self._query_tokens += n
+            self._query_tokens += looked_up
             self._hit_tokens += hit
             self._seqs[seq_id] = _Sequence(n, ids, salt)
         return hit
@@ -379,7 +386,8 @@ class KVCache:
 
     def group_stats(self) -> tuple[CacheStats, ...]:
         """Each page group's counters, in group order."""
-        return tuple(group.stats(len(self._seqs)) for group in self.page_groups)
+        return tuple(group.stats(len(self._seqs), self._query_tokens)
+                     for group in self.page_groups)
 
     def stats(self) -> CacheStats:
         """The page groups' counters summed (pages of every pool; tokens and copies counted

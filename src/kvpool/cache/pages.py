@@ -76,7 +76,7 @@ class FullAttention(GroupManager):
         self.fetch_listeners: list[Callable[[list[PageKey]], None]] = []
         self.load_listeners: list[Callable[[list[int]], None]] = []
         self._seqs: dict[Hashable, _PageTable] = {}
-        self._query_tokens = self._hit_tokens = 0
+        self._hit_tokens = 0
         self._num_cow_copies = self._num_tier_loads = self._num_tier_stores = 0
 
     # ---- the group interface -----------------------------------------------------------
@@ -99,7 +99,6 @@ class FullAttention(GroupManager):
             self._load_from_tier(ids, pages, len(match.pages), loaded, salt)
         hit = hit_pages * self.page_size
         if ids is not None and self.prefix_cache is not None:
-            self._query_tokens += n
             self._hit_tokens += hit
         self._seqs[seq_id] = _PageTable(pages, n, hit_pages, hit, 0, ids is not None)
         return hit
@@ -245,8 +244,9 @@ class FullAttention(GroupManager):
             out += self._slots(seq, start + rewritten, end)
         return int_tensor(out)
 
-    def stats(self, num_sequences: int) -> CacheStats:
-        """Page counts, filled slots, prefix-cache and copy-on-write counters."""
+    def stats(self, num_sequences: int, query_tokens: int) -> CacheStats:
+        """Page counts, filled slots, prefix-cache and copy-on-write counters (the tokens
+        looked up, `query_tokens`, are the cache's: every group looks up every prompt)."""
         full: set[int] = set()
         partial: dict[int, int] = {}
         ps = self.page_size
@@ -260,7 +260,7 @@ class FullAttention(GroupManager):
             num_pages=alloc.num_pages, num_free_pages=alloc.num_free,
             num_cached_pages=alloc.num_cached, num_used_pages=alloc.num_used,
             num_sequences=num_sequences, num_tokens=len(full) * ps + sum(partial.values()),
-            prefix_query_tokens=self._query_tokens, prefix_hit_tokens=self._hit_tokens,
+            prefix_query_tokens=query_tokens, prefix_hit_tokens=self._hit_tokens,
             num_evicted_pages=alloc.stats().num_evicted,
             num_cow_copies=self._num_cow_copies, page_size=ps,
             num_tier_loads=self._num_tier_loads, num_tier_stores=self._num_tier_stores,

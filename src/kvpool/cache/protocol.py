@@ -34,7 +34,8 @@ class SequenceCache(Protocol):
 
     # sequences
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None, *,
-                     num_tokens: int | None = None, cache_salt: str | None = None) -> int: ...
+                     num_tokens: int | None = None, entering: int | None = None,
+                     cache_salt: str | None = None) -> int: ...
     def append(self, seq_id: Hashable, num_tokens: int | None = None, *,
                token_ids: Sequence[int] | None = None) -> list[int]: ...
     def append_batch(self, seq_ids: Sequence[Hashable], num_tokens: Sequence[int] | None = None,

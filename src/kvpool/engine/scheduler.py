@@ -156,15 +156,16 @@ class Scheduler:
             seq = self.waiting[0]
             if self._reached_max_tokens(seq):  # preempted just now; it finishes on its token
                 break
-            held = self._tokens_to_admit(seq, budget)
-            if self.running and not self.cache.can_add(seq.token_ids, entering=len(held),
+            salt = seq.request.cache_salt
+            entering = self.cache.tokens_to_admit(seq.token_ids, budget, cache_salt=salt)
+            if self.running and not self.cache.can_add(seq.token_ids, entering=entering,
                                                        spare_pages=self.watermark_pages,
-                                                       cache_salt=seq.request.cache_salt):
+                                                       cache_salt=salt):
                 break
             # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C)
             # leaves it waiting, not lost
             seq.num_computed_tokens = self.cache.add_sequence(
-                seq.seq_id, held, cache_salt=seq.request.cache_salt)
+                seq.seq_id, seq.token_ids, entering=entering, cache_salt=salt)
             self.waiting.popleft()
             seats += self._seats(seq)
             seq.status = SequenceStatus.RUNNING
@@ -173,7 +174,7 @@ class Scheduler:
                 seq.request.scheduled_time = time.perf_counter()
             if seq.request.prefilled is not None:
                 self._load_prefilled(seq)
-            num_new = min(len(held) - seq.num_computed_tokens, budget)
+            num_new = min(entering - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
             self.running.append(seq)
             budget -= num_new
@@ -328,12 +329,6 @@ class Scheduler:
         missing = self._missing(seq, end)
         if missing:
             self.cache.append(seq.seq_id, token_ids=missing)
-
-    def _tokens_to_admit(self, seq: Sequence, budget: int) -> list[int]:
-        """The tokens a waiting sequence enters the cache with: all of them, or, when pages
-        are taken chunk by chunk, its prefix hit and the first chunk the budget allows."""
-        n = self.cache.tokens_to_admit(seq.token_ids, budget, cache_salt=seq.request.cache_salt)
-        return seq.token_ids[:n]
 
     def _load_prefilled(self, seq: Sequence) -> None:
         """Write the KV another engine computed for the first prompt tokens of a sequence
