@@ -152,6 +152,17 @@ def test_a_prompt_the_prefill_side_refuses_fails_alone(llm, prompts, expected):
     _assert_drained(llm)
 
 
+def test_a_refusal_read_while_asking_for_stats_comes_out_of_the_step_loop(llm):
+    request_id = llm.add_request(list(range(120)), GREEDY)  # over the prefill side's 100
+    llm.prefill_stats()  # reads the refusal, which was sent before the answer
+    outputs = []
+    while llm.has_unfinished():
+        outputs += llm.step()
+    assert [o.request_id for o in outputs] == [request_id]
+    assert isinstance(outputs[0].error, StepFailed)
+    _assert_drained(llm)
+
+
 @pytest.fixture
 def lone_llm(checkpoint):
     """A pair of its own, to kill or stop; a short timeout."""

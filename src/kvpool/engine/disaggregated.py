@@ -158,7 +158,7 @@ class DisaggregatedLLM:
                     outputs.append(_refused(prompt, sp, e))
             ids = {o: i for i, o in enumerate(outputs) if isinstance(o, str)}
             with tqdm(total=len(ids), unit="req", desc="generate", disable=not use_tqdm) as bar:
-                while self.has_unfinished() or self._failed:
+                while self.has_unfinished():
                     for out in self.step():
                         if out.finished and out.request_id in ids:
                             outputs[ids[out.request_id]] = out
@@ -216,8 +216,9 @@ class DisaggregatedLLM:
         return self.decode.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        """True while a request waits on either side or runs."""
-        return bool(self._pending) or self.decode.has_unfinished()
+        """True while a request waits on either side or runs, or its failure is still to be
+        returned by step()."""
+        return bool(self._pending or self._failed) or self.decode.has_unfinished()
 
     def check(self) -> None:
         """The decode engine's invariants (`LLM.check`): its requests held for the prefill
