@@ -67,10 +67,12 @@ def _tokens(outputs):
 
 
 def _assert_drained(llm):
-    """Every request finished on both sides: no page of the decode pool held."""
+    """Every request finished on both sides: no page of the decode pool held, no request
+    held there for KV that will never come."""
     llm.check()
     assert llm.cache.stats().num_used_pages == 0
     assert not llm.has_unfinished()
+    assert not llm.decode._requests
 
 
 def test_greedy_tokens_equal_one_engine_with_chunks_and_decode_preemption(llm, reference):
@@ -186,6 +188,36 @@ def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
         with pytest.raises(EngineDied, match="prefill engine is gone"):
             call()
     _assert_drained(lone_llm)
+
+
+# Loaded first by the prefill process when its path holds it: the header of a prompt's KV is
+# sent, then the process dies before sending the pages.
+DIE_AFTER_A_HEADER = """
+import os
+import kvpool.engine.disaggregated as disaggregated
+
+def _send_kv(llm, group, conn, request_id):
+    kv = llm.read_prefilled(request_id)
+    conn.send(("kv", request_id, kv.num_tokens,
+               [(tuple(x.shape), str(x.dtype)) for x in kv.tensors], None))
+    os._exit(3)
+
+disaggregated._send_kv = _send_kv
+"""
+
+
+def test_a_prefill_side_dying_mid_transfer_fails_the_request_being_received(
+        checkpoint, prompts, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(DIE_AFTER_A_HEADER)
+    monkeypatch.syspath_prepend(tmp_path)  # the prefill process's path is this one
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": "cpu"},
+                          decode={**DECODE, "device": "cpu"}, timeout=3.0) as llm:
+        outputs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+        for output in outputs:
+            if len(output.prompt_token_ids) > 1:
+                assert isinstance(output.error, EngineDied)
+                assert "prefill engine is gone" in str(output.error)
+        _assert_drained(llm)
 
 
 def test_closing_with_prompts_on_the_prefill_side_ends_it_quietly(lone_llm, prompts, capfd):

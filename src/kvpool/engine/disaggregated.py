@@ -311,12 +311,13 @@ class DisaggregatedLLM:
         kind = message[0]
         if kind == "kv":
             _, key, num_tokens, described, scales = message
-            request_id = self._pending.pop(key, None)  # None: aborted meanwhile, dropped
             try:
                 pages, *state = [self._receive_tensor(*d) for d in described]
             except RuntimeError as e:  # gloo: the peer closed, or the timeout passed
-                self._died(f"receiving the KV of request {request_id!r} failed: {e}")
+                # the request stays pending until here, so that it fails with the others
+                self._died(f"receiving the KV of request {self._pending.get(key)!r} failed: {e}")
                 return
+            request_id = self._pending.pop(key, None)  # None: aborted meanwhile, dropped
             if request_id is not None:
                 try:
                     self.decode.resume_request(request_id, PrefilledKV(
