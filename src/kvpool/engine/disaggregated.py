@@ -10,7 +10,10 @@ host). The decode side admits the request with those pages written past its own 
 tokens are one engine's.
 
 Control messages (requests, aborts, errors, heartbeats) travel over a pair of pipes; page
-data over the process group. A prefill side that dies, raises out of its loop or stays silent past
+data over the process group. Commands to the prefill side are written by a thread of their
+own from an unbounded queue, so that adding or aborting a request never waits on the pipe
+(the prefill side's messages are read only in step(), and it stops reading commands while
+its own pipe is full). A prefill side that dies, raises out of its loop or stays silent past
 `timeout` seconds fails every request waiting on it with EngineDied; a request it refuses
 (too long for its pool) fails alone with StepFailed.
 """
@@ -22,8 +25,11 @@ import dataclasses
 import datetime
 import itertools
 import os
+import pickle
+import queue
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import abc
@@ -89,8 +95,13 @@ class DisaggregatedLLM:
         self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
         self._process, self._conn = _start_prefill_process()
-        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
-        self._conn.send((str(model), prefill, self._store.port, timeout))
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # its commands
+        writer = threading.Thread(target=_write, args=(self._outbox, self._conn),
+                                  name="kvpool-prefill-commands", daemon=True)
+        writer.start()
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn,
+                                           self._outbox, writer)
+        self._send(str(model), prefill, self._store.port, timeout)
         self._group = None
         self._dead: str | None = None  # why the prefill side is gone
         # handoff key -> id of each request the prefill side has: a key of its own per
@@ -183,12 +194,7 @@ class DisaggregatedLLM:
             self.decode.resume_request(request_id, None)
             return request_id
         key = str(next(self._handoffs))
-        try:
-            self._conn.send(("add", key, token_ids[:-1], cache_salt))
-        except OSError as e:
-            self.decode.abort(request_id)
-            self._died(f"its pipe broke: {e}")
-            raise EngineDied(f"the prefill engine is gone ({self._dead})") from None
+        self._send("add", key, token_ids[:-1], cache_salt)
         self._pending[key] = request_id
         return request_id
 
@@ -208,11 +214,7 @@ class DisaggregatedLLM:
         key = next((k for k, r in self._pending.items() if r == request_id), None)
         if key is not None:
             del self._pending[key]
-            if self._dead is None:
-                try:
-                    self._conn.send(("abort", key))
-                except OSError as e:
-                    self._died(f"its pipe broke: {e}")
+            self._send("abort", key)
         return self.decode.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -234,7 +236,7 @@ class DisaggregatedLLM:
         """The prefill engine's counters (its prefix cache's hits among them), asked for now:
         waits `timeout` seconds at most for the answer; EngineDied once that side is gone."""
         self._check_alive()
-        self._conn.send(("stats",))
+        self._send("stats")
         self._prefill_stats = None
         deadline = time.monotonic() + self.timeout
         while self._prefill_stats is None and self._dead is None:
@@ -275,7 +277,7 @@ class DisaggregatedLLM:
             raise ValueError(f"the prefill engine's pages are {tuple(page_shape)} {dtype}, the "
                              f"decode engine's {mine[0]} {mine[1]}: give both sides the same "
                              f"page_size and kv_cache_dtype")
-        self._conn.send(("join",))
+        self._send("join")
         self._group = _process_group(self._store, DECODE_RANK, self.timeout)
         self._last_heard = time.monotonic()
 
@@ -293,6 +295,12 @@ class DisaggregatedLLM:
         silent = time.monotonic() - self._last_heard
         if self._dead is None and self._pending and silent > self.timeout:
             self._died(f"silent for {silent:.0f} s, over the timeout of {self.timeout} s")
+
+    def _send(self, *message) -> None:
+        """Queue a message for the prefill side, pickled here (what does not pickle raises
+        to the caller); the writer thread sends it. A side that is gone never reads it: its
+        death is seen where its messages are read."""
+        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _next_message(self, wait: float) -> tuple | None:
         """The prefill side's next message, waiting up to `wait` seconds; None when there is
@@ -383,14 +391,19 @@ class _Channel:
     def send(self, message: tuple) -> None:
         self._out.send(message)
 
+    def send_bytes(self, message: bytes) -> None:
+        self._out.send_bytes(message)
+
     def poll(self, timeout: float) -> bool:
         return self._in.poll(timeout)
 
     def recv(self) -> tuple:
         return self._in.recv()
 
-    def close(self) -> None:
+    def close_reader(self) -> None:
         self._in.close()
+
+    def close_writer(self) -> None:
         self._out.close()
 
 
@@ -517,16 +530,29 @@ def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.Process
     return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
 
 
-def _stop(process: subprocess.Popen, conn: _Channel) -> None:
-    """Ask the prefill process to close, then kill it if it lingers."""
+def _write(outbox: queue.SimpleQueue, conn: _Channel) -> None:
+    """The writer thread: send the queued messages (pickled) to the prefill side until None
+    or until that side is gone (OSError; its death is seen where its messages are read)."""
     with contextlib.suppress(OSError):
-        conn.send(("close",))
+        while (message := outbox.get()) is not None:
+            conn.send_bytes(message)
+
+
+def _stop(process: subprocess.Popen, conn: _Channel, outbox: queue.SimpleQueue,
+          writer: threading.Thread) -> None:
+    """Ask the prefill process to close (after the commands queued before), then kill it if
+    it lingers. Its messages are read no more: a send of its fails, which ends it too (it may
+    be waiting to send while its pipe is full)."""
+    outbox.put(pickle.dumps(("close",)))
+    outbox.put(None)
+    conn.close_reader()
     try:
         process.wait(5.0)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    conn.close()
+    writer.join()  # its last send is done, or failed once the process was gone
+    conn.close_writer()
 
 
 def _options(side: dict | EngineConfig | None) -> dict:
