@@ -271,10 +271,23 @@ def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device)
         _assert_drained(llm)
 
 
-def test_a_model_whose_cache_gives_pages_back_is_refused_before_any_process(tmp_path):
-    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A model of one pool of sliding-window layers, whose pages go back by default."""
+    return save_hf_model(make_hf_model("mistral-window-8"), tmp_path_factory.mktemp("window"))
+
+
+def test_a_model_whose_cache_gives_pages_back_is_refused_before_any_process(windowed):
     with pytest.raises(ValueError, match="one KV pool that keeps every page"):
-        DisaggregatedLLM(folder, prefill={"device": "cpu"}, decode={"device": "cpu"})
+        DisaggregatedLLM(windowed, prefill={"device": "cpu"}, decode={"device": "cpu"})
+
+
+def test_a_prefill_side_whose_cache_gives_pages_back_is_refused_at_start_up(windowed, capfd):
+    keeps = {"device": "cpu", "free_out_of_window": False}
+    with pytest.raises(ValueError, match="the prefill engine's cache gives pages back out of "
+                                         "the sliding window.*free_out_of_window=False"):
+        DisaggregatedLLM(windowed, prefill={"device": "cpu"}, decode=keeps)
+    assert capfd.readouterr().err == ""
 
 
 def test_a_prefill_side_of_other_pages_is_refused_and_ends_without_a_word(capfd):

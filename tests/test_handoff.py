@@ -165,6 +165,25 @@ def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, dev
     assert len(_run(windowed)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
 
 
+def test_reading_a_prefill_whose_pages_went_out_of_the_window_is_refused(tmp_path, device):
+    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+    for keeps in (False, True):
+        llm = LLM(folder, device=device, page_size=4, num_pages=64, overlap=False,
+                  max_num_batched_tokens=8, free_out_of_window=not keeps)
+        request_id = llm.add_request(list(range(1, 41)), PREFILL_PARAMS)
+        while not llm.step():  # chunks of 8 tokens: the first pages go back meanwhile
+            pass
+        if keeps:
+            assert llm.read_prefilled(request_id).num_tokens == 40
+        else:
+            with pytest.raises(EngineStateError, match=r"request '0': its first \d+ pages went "
+                                                       r"back out of the sliding window.* 40 "
+                                                       r"tokens.*free_out_of_window=False"):
+                llm.read_prefilled(request_id)
+        llm.abort(request_id)
+        llm.check()
+
+
 def test_reading_a_prefill_needs_an_engine_without_overlap(checkpoint, device):
     llm = LLM(checkpoint, device=device, page_size=4, num_pages=32, overlap=True)
     request_id = llm.add_request([5, 6, 7], PREFILL_PARAMS)

@@ -59,8 +59,9 @@ class DisaggregatedLLM:
     """LLM's `generate` and step API (add_request, step, abort, has_unfinished, stats, check)
     over a prefill engine and a decode engine. `prefill` and `decode` are each side's LLM
     options (a dict or an EngineConfig); the two must lay pages out alike (page size, KV
-    dtype). The decode side serves models of one KV pool, hybrids (Mamba) included; not a
-    full and a window pool together, nor a pool giving pages back out of the window.
+    dtype). Both sides serve models of one KV pool, hybrids (Mamba) included; not a full
+    and a window pool together, nor a pool giving pages back out of the window (a side
+    built with free_out_of_window=False keeps them).
     `timeout`: the seconds the prefill side may stay silent while requests wait on it (it
     says it is alive between two steps once a second has passed without a message: make it
     longer than its longest step), or a page transfer may take; `start_timeout`: the
@@ -264,13 +265,17 @@ class DisaggregatedLLM:
 
     def _start(self, start_timeout: float) -> None:
         """Wait for the prefill side to load its model and join the process group; check
-        that its pages are laid out as the decode side's."""
+        that it keeps every page of a prompt and lays them out as the decode side does."""
         message = self._next_message(start_timeout)
         if message is None:
             raise EngineDied(f"the prefill engine did not start within {start_timeout} s")
         if message[0] == "died":
             raise EngineDied(f"the prefill engine failed to start: {message[1]}")
-        _, page_shape, dtype = message
+        _, page_shape, dtype, whole = message
+        if not whole:
+            raise ValueError("the prefill engine's cache gives pages back out of the sliding "
+                             "window (or has a full and a window pool): it cannot hand a long "
+                             "prompt's KV over whole; give it free_out_of_window=False")
         pool = self.decode.runner.kv.pools[0]
         mine = (tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype))
         if (tuple(page_shape), dtype) != mine:
@@ -443,7 +448,8 @@ def _prefill_main(model: str, options: dict, port: int, timeout: float,
         pool = llm.runner.kv.pools[0]
         store = dist.TCPStore("127.0.0.1", port, 2, False,
                               timeout=datetime.timedelta(seconds=timeout))
-        conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype)))
+        conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype),
+                   llm.takes_prefilled))  # its KV is read whole
         if conn.recv() != ("join",):
             return  # the decode side refused these pages, and closed this side
         group = _process_group(store, PREFILL_RANK, timeout)
