@@ -15,6 +15,7 @@ from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import EngineDied, StepFailed
+from kvpool.server.engine_loop import ServerBusy, _Engine
 from models_util import make_hf_model, save_hf_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -163,6 +164,22 @@ def test_a_refusal_read_while_asking_for_stats_comes_out_of_the_step_loop(llm):
         outputs += llm.step()
     assert [o.request_id for o in outputs] == [request_id]
     assert isinstance(outputs[0].error, StepFailed)
+    _assert_drained(llm)
+
+
+def test_requests_waiting_on_the_prefill_side_count_as_waiting_for_the_servers_limit(
+        llm, prompts):
+    """The server admits a request unless more than max_waiting sequences would wait for a
+    seat: those on the prefill side wait too."""
+    engine = _Engine(llm, max_waiting=1, events=None)
+    longer = [prompt for prompt in prompts if len(prompt) > 1]
+    for i in range(9):  # 8 seats (max_num_seqs) and 1 more waiting
+        engine._add(f"w{i}", longer[i], GREEDY, None)
+    assert llm.stats().num_waiting == 9  # no step yet: all on the prefill side
+    with pytest.raises(ServerBusy, match="9 sequences wait already"):
+        engine._add("w9", longer[9], GREEDY, None)
+    while llm.has_unfinished():
+        llm.step()
     _assert_drained(llm)
 
 
