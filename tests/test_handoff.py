@@ -133,12 +133,16 @@ def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, st
         "another dtype": (PrefilledKV(n, pages.double(), kv.state), "torch.float64"),
         "another state": (PrefilledKV(n, pages, tuple(state)), "prefilled state must have"),
         "not KV": ([n, pages], "must be a PrefilledKV"),
+        "pages not a tensor": (PrefilledKV(n, pages.tolist(), kv.state),
+                               "pages must be a torch.Tensor, got list"),
+        "state not tensors": (PrefilledKV(n, pages, (None,)),
+                              r"state must hold torch.Tensors, got \['NoneType'\]"),
     }
 
 
 @pytest.mark.parametrize("case", ["whole prompt", "negative", "too few pages",
                                   "another page size", "another dtype", "another state",
-                                  "not KV"])
+                                  "not KV", "pages not a tensor", "state not tensors"])
 def test_handed_kv_that_does_not_fit_is_refused_and_the_request_stays_held(
         checkpoint, prefill, prompts, device, case):
     decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
@@ -146,7 +150,8 @@ def test_handed_kv_that_does_not_fit_is_refused_and_the_request_stays_held(
     kv = _prefilled(prefill, prompt)
     request_id, _ = decode.hold_request(prompt, GREEDY)
     broken, message = _broken(kv, len(prompt))[case]
-    with pytest.raises((ValueError, TypeError), match=message):
+    error = TypeError if "not" in case.split() else ValueError
+    with pytest.raises(error, match=message):
         decode.resume_request(request_id, broken)
     decode.check()
     decode.resume_request(request_id, kv)  # still held: the right KV is taken

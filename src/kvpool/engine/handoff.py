@@ -56,6 +56,12 @@ def check_prefilled(cache: KVCache, kv: PrefilledKV, prompt_len: int) -> None:
     they were written with, which the pool must hold already."""
     if not isinstance(kv, PrefilledKV):
         raise TypeError(f"prefilled KV must be a PrefilledKV, got {type(kv).__name__}")
+    if not isinstance(kv.pages, torch.Tensor):
+        raise TypeError(f"prefilled KV's pages must be a torch.Tensor, got "
+                        f"{type(kv.pages).__name__}")
+    if not all(isinstance(x, torch.Tensor) for x in kv.state):
+        raise TypeError(f"prefilled KV's state must hold torch.Tensors, got "
+                        f"{[type(x).__name__ for x in kv.state]}")
     n = kv.num_tokens
     if type(n) is not int or not 0 <= n < prompt_len:
         raise ValueError(f"prefilled KV of {n!r} tokens for a prompt of {prompt_len}: it "
