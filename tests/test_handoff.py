@@ -80,6 +80,25 @@ def test_handed_kv_gives_one_engines_greedy_tokens(checkpoint, prefill, prompts,
     assert (decode.stats().num_preemptions > 0) == (num_pages == 16)
 
 
+def test_handed_kv_shorter_than_the_receivers_prefix_hit_is_set_aside(checkpoint, prefill,
+                                                                      prompts, device):
+    """The receiving side's own hit (a hybrid's: a checkpoint, state included) covers more
+    than the KV handed: it starts past its hit, keeping its pages and state."""
+    expected = [o.outputs[0].token_ids for o in LLM(
+        checkpoint, device=device, page_size=4, num_pages=128).generate(prompts[:2], GREEDY,
+                                                                        use_tqdm=False)]
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=128)
+    decode.generate(prompts[:1], GREEDY, use_tqdm=False)  # caches the shared 24 tokens
+    short = _prefilled(prefill, prompts[1][:6])  # 5 tokens
+    hit = decode.cache.prefix_hit(prompts[1])
+    assert hit > short.num_tokens
+    request_id, _ = decode.hold_request(prompts[1], GREEDY)
+    decode.resume_request(request_id, short)
+    done = _run(decode)
+    assert done[request_id].num_cached_tokens == hit
+    assert done[request_id].outputs[0].token_ids == expected[1]
+
+
 def test_fp8_pages_are_handed_only_between_engines_of_the_same_scales(checkpoint, prompts,
                                                                       device):
     fp8 = dict(device=device, page_size=4, num_pages=128, kv_cache_dtype="fp8_e4m3",

@@ -216,3 +216,29 @@ def test_an_on_step_that_raises_under_overlap_leaves_the_states_right(checkpoint
     llm.on_step = None
     assert _tokens(llm.generate(prompts[3:6], GREEDY, use_tqdm=False)) == expected[3:6]
     _assert_drained(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_forward_interrupted_half_way_fails_its_requests_and_keeps_no_checkpoint_of_them(
+        checkpoint, prompts, expected, device, overlap):
+    """A Ctrl-C in the last Mamba layer: the layers before it have run the step's tokens
+    through their state slots, so those tokens cannot be computed again. The step's requests
+    fail; the same prompts later (hitting the checkpoints kept) come out right."""
+    llm = _llm(checkpoint, device=device, overlap=overlap, max_num_batched_tokens=16,
+               mamba_checkpoint_slots=8)
+    mixer = [layer.mamba for layer in llm.model.model.layers if hasattr(layer, "mamba")][-1]
+    real = mixer.forward
+
+    def interrupted(*args, **kwargs):
+        mixer.forward = real
+        raise KeyboardInterrupt
+
+    ids = [llm.add_request(p, GREEDY) for p in prompts[4:6]]  # 20 and 27 tokens: chunked
+    llm.step()
+    mixer.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    llm.check()
+    assert not llm.has_unfinished() and not set(ids) & set(llm._requests)
+    assert _tokens(llm.generate(prompts[4:6], GREEDY, use_tqdm=False)) == expected[4:6]
+    _assert_drained(llm)

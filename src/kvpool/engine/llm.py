@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections import abc
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -446,7 +446,8 @@ class LLM:
 
     def resume_request(self, request_id: str, prefilled: PrefilledKV | None) -> None:
         """Queue a held request; `prefilled` is the KV of its first prompt tokens (None:
-        computed here). Admitted, it starts past them; preempted, it recomputes them."""
+        computed here). Admitted, it starts past them (or past its own prefix hit, pages and
+        state kept, where that covers more); preempted, it recomputes them."""
         if prefilled is not None and not self.takes_prefilled:
             raise ValueError("KV computed elsewhere needs a cache of one pool that keeps every "
                              "page, on one rank; this engine's (a full and a window pool, "
@@ -533,7 +534,12 @@ class LLM:
             self._first_step_time = start
         batch = self.scheduler.schedule()
         previous = self._in_flight
-        logits = self._forward(batch, previous) if batch.seqs else None
+        # A hybrid's forward that raises half way has run part of the batch through some
+        # Mamba layers, whose state slots it updated in place: no step could compute those
+        # tokens again. Its requests fail; a plain model's rewrite the same K/V next step.
+        with self._failing_if_interrupted(batch.seqs) if self.runner.has_states \
+                else nullcontext():
+            logits = self._forward(batch, previous) if batch.seqs else None
         self._in_flight = None
         requests = self._finish(previous, start) if previous else []
         launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])

@@ -335,9 +335,10 @@ class Scheduler:
         just admitted into its pages past its prefix hit, and start it past them. Used once:
         a preempted sequence recomputes."""
         kv, seq.request.prefilled = seq.request.prefilled, None
-        hit_pages = seq.num_computed_tokens // self.cache.page_size
-        write_prefilled(self.cache, seq.seq_id, kv, hit_pages)
-        seq.num_computed_tokens = max(seq.num_computed_tokens, kv.num_tokens)
+        if kv.num_tokens > seq.num_computed_tokens:  # else its hit holds as much, state too
+            hit_pages = seq.num_computed_tokens // self.cache.page_size
+            write_prefilled(self.cache, seq.seq_id, kv, hit_pages)
+            seq.num_computed_tokens = kv.num_tokens
 
     @staticmethod
     def _reached_max_tokens(seq: Sequence) -> bool:
