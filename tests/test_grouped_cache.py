@@ -54,6 +54,13 @@ def test_pool_sizes_must_name_every_group(device):
         KVCache(layout(), (8,), device=device)
 
 
+def test_pools_that_give_pages_back_are_refused_with_free_out_of_window_false(device):
+    for windows, sizes in (((None, WINDOW, WINDOW, None), (16, 8)), ((WINDOW, WINDOW), (8,))):
+        with pytest.raises(ValueError, match=r"free_out_of_window=False keeps every page in "
+                                             r"one pool: give num_pages as one int"):
+            KVCache(layout(windows), sizes, device=device, free_out_of_window=False)
+
+
 def test_a_decoding_sequence_holds_every_page_in_the_full_pool_and_a_window_in_the_other(device):
     c = cache(device=device)
     c.add_sequence("a", num_tokens=5)

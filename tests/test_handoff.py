@@ -14,6 +14,7 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import EngineStateError, StepFailed
 from models_util import make_hf_model, save_hf_model
+from test_windows import CONFIGS as WINDOWED
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -189,20 +190,26 @@ def test_a_cache_that_gives_pages_back_takes_no_handed_kv(tmp_path, prompts, dev
     assert len(_run(windowed)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
 
 
-def test_reading_a_prefill_whose_pages_went_out_of_the_window_is_refused(tmp_path, device):
-    folder = save_hf_model(make_hf_model("mistral-window-8"), tmp_path)
+@pytest.mark.parametrize("name", ["mistral-window-8", "gemma3"])
+def test_reading_a_prefill_of_a_cache_that_may_give_pages_back_or_has_two_pools_is_refused(
+        tmp_path, device, name):
+    """Only a cache of one pool that keeps every page holds a prompt's KV whole: a windowed
+    one gives its first pages back as the prompt goes by, Gemma 3's keeps half the layers in
+    a second pool."""
+    hf = make_hf_model(name, configs=WINDOWED) if name in WINDOWED else make_hf_model(name)
+    folder = save_hf_model(hf, tmp_path)
     for keeps in (False, True):
         llm = LLM(folder, device=device, page_size=4, num_pages=64, overlap=False,
                   max_num_batched_tokens=8, free_out_of_window=not keeps)
+        assert llm.takes_prefilled == keeps
         request_id = llm.add_request(list(range(1, 41)), PREFILL_PARAMS)
         while not llm.step():  # chunks of 8 tokens: the first pages go back meanwhile
             pass
         if keeps:
             assert llm.read_prefilled(request_id).num_tokens == 40
         else:
-            with pytest.raises(EngineStateError, match=r"request '0': its first \d+ pages went "
-                                                       r"back out of the sliding window.* 40 "
-                                                       r"tokens.*free_out_of_window=False"):
+            with pytest.raises(EngineStateError, match=r"one pool that keeps every page.*"
+                                                       r"free_out_of_window=False"):
                 llm.read_prefilled(request_id)
         llm.abort(request_id)
         llm.check()

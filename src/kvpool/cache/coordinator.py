@@ -57,7 +57,8 @@ class KVCache:
     `num_pages` an int: one pool holds every layer; its group keeps every page (full
     attention), or, when every layer of `layout` is windowed and `free_out_of_window`, gives
     back the pages that leave the largest window. `num_pages` a sequence: one pool per layer
-    group of `layout` (`layout.groups`, full attention first), `num_pages[g]` pages each.
+    group of `layout` (`layout.groups`, full attention first), `num_pages[g]` pages each, its
+    window groups giving pages back (so `free_out_of_window` must stay True).
     `states` (a StateSpec) adds a hybrid model's state slots and checkpoints beside the first
     page group.
 
@@ -513,6 +514,10 @@ def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_w
     if len(num_pages) != len(groups):
         raise ValueError(f"num_pages gives {len(num_pages)} pool sizes for "
                          f"{len(groups)} layer groups")
+    if not free_out_of_window:
+        raise ValueError(f"free_out_of_window=False keeps every page in one pool: give "
+                         f"num_pages as one int, not the {len(num_pages)} sizes {num_pages!r} "
+                         f"of pools that give pages back")
     return tuple(
         FullAttention(group_layout(layout, group), n, **options) if group.window is None
         else SlidingWindow(group_layout(layout, group), n, window=group.window, **options)

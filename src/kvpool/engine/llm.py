@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from kvpool.cache import HOLE, KVCache, StateSpec
+from kvpool.cache import KVCache, StateSpec
 from kvpool.devices import made_current
 from kvpool.engine.config import EngineConfig, engine_device
 from kvpool.engine.graphs import CUDAGraphRunner, replays_graphs
@@ -478,22 +478,23 @@ class LLM:
         step that prefilled its prompt: every prompt token), and a hybrid's state after them:
         what another engine continues from. KeyError for an id that is not running;
         EngineStateError with overlap scheduling, where the next step may already be running
-        (build the engine with overlap=False), or once pages of those tokens went back out of
-        a sliding window (build it with free_out_of_window=False)."""
+        (build the engine with overlap=False), and unless the engine `takes_prefilled`: a
+        cache of several pools, or one giving pages back out of a sliding window, would hand
+        over part of the KV (build it with free_out_of_window=False)."""
         if self.overlap:
             raise EngineStateError("read_prefilled needs an engine built with overlap=False: "
                                    "with overlap the step after the prompt may be running")
+        if not self.takes_prefilled:
+            raise EngineStateError(
+                "read_prefilled needs a cache of one pool that keeps every page, on one rank: "
+                "this engine's (a full and a window pool, pages given back out of the window, "
+                "or several ranks) would hand over part of the KV; build it with "
+                "free_out_of_window=False (and tensor_parallel_size=1)")
         with self._cut_in():
             request = self._requests.get(request_id)
             if request is None or not request.seqs:
                 raise KeyError(f"request {request_id!r} is not running")
             seq = request.seqs[0]
-            dropped = self.cache.pages(seq.seq_id).count(HOLE)
-            if dropped:
-                raise EngineStateError(
-                    f"request {request_id!r}: its first {dropped} pages went back out of the "
-                    f"sliding window, so the KV of its {seq.num_computed_tokens} tokens cannot "
-                    f"be read whole (build the engine with free_out_of_window=False)")
             return read_prefilled(self.cache, seq.seq_id, seq.num_computed_tokens,
                                   with_state=self.runner.has_states)
 
