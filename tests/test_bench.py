@@ -149,6 +149,14 @@ def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
     assert len(err) == 2
 
 
+def test_bench_refuses_a_plot_of_a_server_it_cannot_see(capsys, tmp_path):
+    plot = tmp_path / "pool.png"
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--plot", str(plot)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvpool bench: error: --plot '{plot}': the plot "
+                                              f"shows the pool over the engine's steps")
+    assert not plot.exists()
+
+
 @pytest.mark.parametrize(("name", "message"), [
     ("missing/pool.png", "--plot '{path}': no folder '{folder}/missing'"),
     ("pool", "--plot '{path}' is not the path of a .png file"),

@@ -372,22 +372,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVPOOL_API_KEY"),
                         help="with --url: the server's API key (default: $KVPOOL_API_KEY)")
     plot = parser.add_mutually_exclusive_group()
-    plot.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
-                      help=f"PNG of the pool over the steps (default: {DEFAULT_PLOT}; "
-                           f"needs matplotlib)")
-    plot.add_argument("--no-plot", dest="plot", action="store_const", const=None,
-                      help="write no plot")
+    plot.add_argument("--plot", metavar="PATH",
+                      help=f"PNG of the pool over the engine's steps (default: {DEFAULT_PLOT}; "
+                           f"needs matplotlib; not with --url)")
+    plot.add_argument("--no-plot", action="store_true", help="write no plot")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the workload, print the summary table and write the plot."""
     if args.url:
         return run_url(args)
+    path = None if args.no_plot else args.plot or DEFAULT_PLOT
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
-    if args.plot is not None:
-        check_plot_path(args.plot)
+    if path is not None:
+        check_plot_path(path)
     options = {"max_num_seqs": args.max_num_seqs,
                "max_num_batched_tokens": args.max_num_batched_tokens, **step_options(args)}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
@@ -400,13 +400,13 @@ def run(args: argparse.Namespace) -> int:
         requests = make_workload(workload, llm.model_config.vocab_size, llm.max_model_len)
         result = run_workload(llm, requests)
     rows = [("model", args.model), *summary_rows(llm, requests, result)]
-    plot = args.plot is not None and plot_available()
-    if args.plot is not None:
-        rows.append(("plot", args.plot if plot else "pip install 'kvpool[plot]' (matplotlib) "
-                                                    "for a PNG of the pool over the steps"))
+    plot = path is not None and plot_available()
+    if path is not None:
+        rows.append(("plot", path if plot else "pip install 'kvpool[plot]' (matplotlib) "
+                                               "for a PNG of the pool over the steps"))
     print(format_table(rows))
     if plot:
-        write_plot(result, args.plot, f"kvpool bench: {args.model}, {len(requests)} requests, "
+        write_plot(result, path, f"kvpool bench: {args.model}, {len(requests)} requests, "
                                       f"{args.num_pages} pages of {args.page_size} tokens")
     return 0
 
@@ -416,6 +416,9 @@ def run_url(args: argparse.Namespace) -> int:
     HTTP streaming; prints the table's client-side rows and the server's counters."""
     from kvpool.cli.http_bench import bench_url, run_client
 
+    if args.plot is not None:
+        raise ValueError(f"--plot {args.plot!r}: the plot shows the pool over the engine's "
+                         f"steps, which a run against --url cannot see")
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
