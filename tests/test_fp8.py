@@ -370,3 +370,41 @@ def test_a_write_to_a_slot_outside_the_pool_sets_no_scales():
     with pytest.raises(IndexError, match=r"\[0, 12\)"):  # the padding page's slots included
         pool.write(0, torch.tensor([12]), k, k)
     assert not pool.scales_ready
+
+
+def test_a_write_of_no_token_or_of_misshapen_kv_sets_no_scales_and_writes_nothing():
+    pool = KVPool(FP8_LAYOUT, 2, device="cpu")
+    before = pool.kv.clone()
+    none = torch.empty(0, 2, 16)
+    pool.write(0, torch.tensor([], dtype=torch.long), none, none)
+    pool.calibrate(0, none, none)
+    ones = torch.ones(2, 2, 16)
+    for k, v, message in ((ones, ones[:1], r"v must be \[2, 2, 16\], got \[1, 2, 16\]"),
+                          (ones[..., :8], ones, r"k must be \[2, 2, 16\], got \[2, 2, 8\]"),
+                          (ones, None, "a mha pool writes both K and V")):
+        with pytest.raises(ValueError, match=message):
+            pool.write(0, torch.tensor([0, 1]), k, v)
+    with pytest.raises(ValueError, match="a mha pool writes both K and V"):
+        pool.calibrate(0, ones)
+    assert not any(pool._has_scales) and torch.equal(pool.kv.view(torch.uint8),
+                                                     before.view(torch.uint8))
+    pool.write(0, torch.tensor([0]), ones[:1] * 3, ones[:1])  # the first real K/V calibrate
+    assert pool.scales[0].tolist() == pytest.approx([3 * HEADROOM / 448, HEADROOM / 448])
+
+
+def test_fp8_pages_take_fp8_data_only():
+    pool = KVPool(FP8_LAYOUT, 2, device="cpu", kv_scales=(0.01, 0.01))
+    with pytest.raises(TypeError, match="float8_e4m3fn pages takes data of that dtype"):
+        pool.write_pages([0], torch.ones(2, 2, 1, 4, 2, 16))
+    pool.write_pages([0], pool.read_pages([1]))
+
+
+def test_per_layer_scales_reach_each_layer_in_a_cache_of_a_full_and_a_window_pool():
+    layout = KVLayout(4, 2, 16, FP8_DTYPE, page_size=4, layer_windows=(None, 8, None, 8))
+    scales = [(0.1 * (i + 1), 0.2 * (i + 1)) for i in range(4)]
+    cache = KVCache(layout, [8, 8], device="cpu", kv_scales=scales)
+    for layer in range(4):
+        pool, pool_layer, _ = cache.kv_pools.locate(layer, (None, None))
+        assert [x.item() for x in pool.kv_scales(pool_layer)] == pytest.approx(scales[layer])
+    with pytest.raises(ValueError, match=r"one per layer \(4\)"):
+        KVCache(layout, [8, 8], device="cpu", kv_scales=scales[:2])

@@ -8,6 +8,7 @@ each program in numpy. The tests at real sizes need CUDA.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -390,6 +391,16 @@ def test_write_kv_kernel_quantizes_as_torch_does():
     flat = caches.view(torch.uint8).view(2, 32, 2, 32)
     assert torch.equal(flat[0, slots], quantize(k, 0.05).view(torch.uint8))
     assert torch.equal(flat[1, slots], quantize(-k, 0.1).view(torch.uint8))
+
+
+def test_write_kv_kernel_keeps_nan_as_torch_does():
+    # a NaN K/V must not become a large finite value; a GPU may drop a NaN's sign
+    k = torch.tensor([[[math.nan, -math.nan, 1.0, math.inf]]], device=DEVICE)
+    caches = torch.zeros(2, 1, 4, 1, 4, dtype=FP8_DTYPE, device=DEVICE)
+    triton_write.write_kv(caches[0], caches[1], torch.tensor([0], device=DEVICE), k, k,
+                          k_scale=0.5, v_scale=0.5)
+    stored = caches[0, 0, 0, 0].float()
+    assert stored[:2].isnan().all() and stored[2:].tolist() == [2.0, 448.0]
 
 
 @cuda_only

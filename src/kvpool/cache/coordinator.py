@@ -29,6 +29,7 @@ from kvpool.errors import (
 from kvpool.memory.fp8 import is_fp8
 from kvpool.memory.grouped_pool import GroupedPool
 from kvpool.memory.layout import KVLayout, LayerGroup
+from kvpool.memory.pool import layer_scales
 from kvpool.memory.state_pool import MambaPool, StateBatch
 from kvpool.numeric import check_int64
 
@@ -518,10 +519,15 @@ def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_w
         raise ValueError(f"free_out_of_window=False keeps every page in one pool: give "
                          f"num_pages as one int, not the {len(num_pages)} sizes {num_pages!r} "
                          f"of pools that give pages back")
-    return tuple(
-        FullAttention(group_layout(layout, group), n, **options) if group.window is None
-        else SlidingWindow(group_layout(layout, group), n, window=group.window, **options)
-        for group, n in zip(groups, num_pages, strict=True))
+    per_layer = layer_scales(layout, options["kv_scales"])  # every layer's, checked
+    made = []
+    for group, n in zip(groups, num_pages, strict=True):
+        scales = None if per_layer is None else [  # the group's layers', in its pool's form
+            row if len(row) > 1 else row[0] for row in (per_layer[i] for i in group.layers)]
+        own = {**options, "kv_scales": scales}
+        made.append(FullAttention(group_layout(layout, group), n, **own) if group.window is None
+                    else SlidingWindow(group_layout(layout, group), n, window=group.window, **own))
+    return tuple(made)
 
 
 def _tokens(token_ids: Sequence[int] | None, num_tokens: int | None,

@@ -28,10 +28,11 @@ SUBNORMAL_E4M3 = tl.constexpr(2.0**-6)  # the smallest normal e4m3; below it the
 
 @triton.jit
 def _to_e4m3(x, scale):
-    """float32 `x / scale`, saturated at +-E4M3_MAX and rounded to the e4m3 grid (ties to even)
+    """float32 `x / scale` (NaN stays NaN, as in kvpool.memory.fp8.quantize), saturated at
+    +-E4M3_MAX and rounded to the e4m3 grid (ties to even)
     in float32, then converted: the conversion of a value on the grid is exact everywhere,
     while the rounding of the conversion itself differs between GPUs and the interpreter."""
-    y = tl.minimum(tl.maximum(x / scale, -E4M3_MAX), E4M3_MAX)
+    y = tl.clamp(x / scale, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     bits = y.to(tl.uint32, bitcast=True)
     sign = bits & 0x80000000  # rounded apart and put back, so that -0.0 stays -0.0
     magnitude = bits ^ sign
@@ -40,7 +41,10 @@ def _to_e4m3(x, scale):
     # Subnormal range: adding 1.5 * 2^14, whose float32 step is 2^-9, rounds to that step.
     small = magnitude.to(tl.float32, bitcast=True)
     subnormal = ((small + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
-    rounded = tl.where(small < SUBNORMAL_E4M3, subnormal, normal) | sign
+    rounded = tl.where(small < SUBNORMAL_E4M3, subnormal, normal)
+    # NaN: one whose top mantissa bits are set, which converts to e4m3's NaN byte (0x7F, as
+    # torch's) on a GPU and in the interpreter alike
+    rounded = tl.where(y != y, 0x7FF00000, rounded) | sign
     return rounded.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 

@@ -44,7 +44,7 @@ class KVPool:
         self.layout = layout
         # the padding page's id, num_pages, travels in int32 page tables too
         self.num_pages = check_int("num_pages", num_pages, 1, MOST_PAGES)
-        per_layer = _layer_scales(layout, kv_scales)
+        per_layer = layer_scales(layout, kv_scales)
         self.device = check_device(device)
         shape = (layout.num_layers, layout.num_planes, num_pages + RESERVED_PAGES,
                  layout.page_size, layout.num_kv_heads, layout.head_dim)
@@ -119,12 +119,15 @@ class KVPool:
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Take the layer's scales from the K and V (for "mla" the latent `k`) about to be
-        written, if it has none yet and calibration is not paused (fp8 pages only)."""
+        written, if it has none yet and calibration is not paused (fp8 pages only). K/V of
+        no token set none: they hold no value to size a scale by."""
         layer = self._layer(layer)
         if self.quantized and self._calibrating and not self._has_scales[layer]:
-            for plane, x in enumerate((k, v)[: self.layout.num_planes]):
-                self.scales[layer, plane] = scale_of(x)
-            self._has_scales[layer] = True
+            planes = self._check_planes(k, v)
+            if k.numel():
+                for plane, x in enumerate(planes):
+                    self.scales[layer, plane] = scale_of(x)
+                self._has_scales[layer] = True
 
     @contextmanager
     def calibration_paused(self) -> Iterator[None]:
@@ -152,17 +155,15 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
         """Write one layer's K/V `[n, num_kv_heads, head_dim]` at `slots` [n]; for "mla" `k` is
-        the latent `[n, 1, latent_dim]` and `v` None. fp8 pages are written quantized."""
-        if (v is None) != (self.layout.kind == "mla"):
-            raise ValueError(f"a {self.layout.kind} pool writes "
-                             f"{'the latent alone' if v is not None else 'both K and V'}")
+        the latent `[n, 1, latent_dim]` and `v` None. fp8 pages are written quantized.
+        ValueError, before anything changes, for K/V of another shape."""
+        planes = self._check_planes(k, v, len(slots))
         layer = self._layer(layer)
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
                                    self.layout.head_dim)
         slots = slots.to(device=self.device, dtype=torch.long)
         if slots.device.type == "cpu":  # before scales are set; on a GPU the check would sync
             _check_within(slots, flat.shape[1], "slots", IndexError)
-        planes = (k, v)[: self.layout.num_planes]
         if self.quantized:
             self.calibrate(layer, k, v)
             # index_copy_ has no fp8 kernel: copy the bytes.
@@ -187,12 +188,31 @@ class KVPool:
         return self.kv[:, :, self._index(pages)]
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
-        """Store `data` (shaped as `read_pages` returns it) into `pages`."""
+        """Store `data` (shaped as `read_pages` returns it) into `pages`. fp8 pages take
+        fp8 data only: other values would be stored without their scales."""
         expected = (*self.kv.shape[:2], len(pages), *self.kv.shape[3:])
         if tuple(data.shape) != expected:
             raise ValueError(f"write_pages expected data of shape {expected}, "
                              f"got {tuple(data.shape)}")
+        if self.quantized and data.dtype != self.kv.dtype:
+            raise TypeError(f"write_pages on {self.kv.dtype} pages takes data of that dtype "
+                            f"(as read_pages returns it), got {data.dtype}")
         self.kv[:, :, self._index(pages)] = data.to(self.kv.device, self.kv.dtype)
+
+    def _check_planes(self, k: torch.Tensor, v: torch.Tensor | None,
+                      n: int | None = None) -> list[torch.Tensor]:
+        """The planes `(k, v)` a write takes, checked: both for "mha", the latent `k` alone
+        for "mla", each `[n, num_kv_heads, head_dim]` (any `n` when None). ValueError if not."""
+        if (v is None) != (self.layout.kind == "mla"):
+            raise ValueError(f"a {self.layout.kind} pool writes "
+                             f"{'the latent alone' if v is not None else 'both K and V'}")
+        planes = [k] if v is None else [k, v]
+        shape = (self.layout.num_kv_heads, self.layout.head_dim)
+        for name, x in zip("kv", planes, strict=False):
+            if x.dim() != 3 or tuple(x.shape[1:]) != shape or n not in (None, x.shape[0]):
+                raise ValueError(f"{name} must be [{'n' if n is None else n}, {shape[0]}, "
+                                 f"{shape[1]}], got {list(x.shape)}")
+        return planes
 
     def scrub_pages(self, pages: Sequence[int]) -> None:
         """Zero the pages in every layer, so freed KV cannot be read by the next owner."""
@@ -238,7 +258,7 @@ def _check_within(index: torch.Tensor, bound: int, what: str, error: type[Except
             raise error(f"{what} must lie in [0, {bound}), got min {lo}, max {hi}")
 
 
-def _layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
+def layer_scales(layout: KVLayout, kv_scales) -> list[tuple[float, ...]] | None:
     """`kv_scales` (see KVPool) as one checked tuple of scales per layer; None stays None."""
     if kv_scales is None:
         return None
