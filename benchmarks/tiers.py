@@ -26,6 +26,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -162,14 +163,37 @@ def redis_url(given: str | None):
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     try:
-        time.sleep(0.5)
-        yield f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(url, server)
+        yield url
     finally:
         server.terminate()
         server.wait()
 
 
+def wait_for_redis(url: str, server: subprocess.Popen, seconds: float = 10.0) -> None:
+    """Return once the redis-server just started answers PING at `url`; exit if it quits
+    or stays silent for `seconds`."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.RedisError:
+            if server.poll() is not None:
+                sys.exit(f"redis-server exited with code {server.returncode} before answering")
+            if time.monotonic() > deadline:
+                sys.exit(f"redis-server did not answer at {url} in {seconds:.0f} s")
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
 def main_replicas(prompts: list[list[int]], url: str | None) -> None:
+    redis_tiers: list = []  # the RedisTiers made, whose failed calls are counted
     cases: list[tuple[str, Callable[[], Tier | None]]] = [
         ("no tier", lambda: None),
         (f"HostTier({TIER_PAGES}) each", lambda: HostTier(TIER_PAGES)),
@@ -177,12 +201,19 @@ def main_replicas(prompts: list[list[int]], url: str | None) -> None:
     if url is not None:
         from kvpool.cache.redis_tier import RedisTier
 
-        cases.append(("one shared RedisTier", lambda: RedisTier(url)))
+        def shared_redis() -> RedisTier:
+            redis_tiers.append(RedisTier(url))
+            return redis_tiers[-1]
+
+        cases.append(("one shared RedisTier", shared_redis))
     print(f"\ntwo replicas, each prompt to one at random; {NUM_PAGES} pages each")
     print(f"{'case':<24} {'recomputed':>11} {'ratio':>6} {'wall s':>7}")
     baseline = None
     for name, make in cases:
         recomputed, seconds = serve_replicas(prompts, make)
+        errors = sum(tier.num_errors for tier in redis_tiers)
+        if errors:
+            sys.exit(f"{name}: {errors} Redis calls to {url} failed; no result for this case")
         baseline = baseline or recomputed
         print(f"{name:<24} {recomputed:>11} {recomputed / baseline:>6.2f} {seconds:>7.2f}")
     if url is None:
