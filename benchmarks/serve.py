@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -77,23 +78,36 @@ def in_process(workload: Workload) -> tuple[BenchResult, Cpu]:
     return result, Cpu(time.process_time() - start, 0.0, 0.0)
 
 
+class ServerFailed(RuntimeError):
+    """`kvpool serve` exited, or did not answer in time, before the workload ran."""
+
+
 def over_http(workload: Workload) -> tuple[BenchResult, Cpu]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny", "--port", str(port),
-         "--num-pages", str(DEFAULT_NUM_PAGES), "--seed", str(workload.seed)],
-        env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())},
-        stderr=subprocess.DEVNULL)
-    try:
-        return run_client(_client(f"http://127.0.0.1:{port}", workload, server.pid))
-    finally:
-        server.terminate()
-        server.wait(60)
+    pythonpath = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+    with tempfile.TemporaryFile() as stderr:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.cli.main", "serve", "--model", "tiny",
+             "--port", str(port), "--num-pages", str(DEFAULT_NUM_PAGES),
+             "--seed", str(workload.seed)],
+            env={**os.environ, "PYTHONPATH": pythonpath,
+                 "OMP_NUM_THREADS": str(torch.get_num_threads())},
+            stderr=stderr)
+        try:
+            return run_client(_client(f"http://127.0.0.1:{port}", workload, server))
+        except ServerFailed as e:
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace").splitlines()[-20:]
+            sys.exit("\n".join([f"error: {e}; its stderr ends:", *tail]))
+        finally:
+            server.terminate()
+            server.wait(60)
 
 
-async def _client(url: str, workload: Workload, server_pid: int) -> tuple[BenchResult, Cpu]:
+async def _client(url: str, workload: Workload,
+                  server: subprocess.Popen) -> tuple[BenchResult, Cpu]:
     async with session(url) as client:
         deadline = time.monotonic() + 120
         while True:
@@ -101,15 +115,18 @@ async def _client(url: str, workload: Workload, server_pid: int) -> tuple[BenchR
                 info = await model_info(client)
                 break
             except aiohttp.ClientConnectionError:
+                if server.poll() is not None:
+                    raise ServerFailed(f"kvpool serve exited with code {server.returncode} "
+                                       f"before answering") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError("kvpool serve did not answer in 120 s") from None
+                    raise ServerFailed("kvpool serve did not answer in 120 s") from None
                 await asyncio.sleep(0.2)
         requests = make_workload(workload, info["vocab_size"])
-        engines = descendant_pids(server_pid)
-        before = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server_pid),
+        engines = descendant_pids(server.pid)
+        before = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server.pid),
                      time.process_time())
         result = await run_requests(client, info["id"], requests, show_progress=False)
-        after = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server_pid),
+        after = Cpu(sum(map(cpu_seconds, engines)), cpu_seconds(server.pid),
                     time.process_time())
     return result, Cpu(*(a - b for a, b in zip(after, before, strict=True)))
 
