@@ -31,9 +31,13 @@ import torch
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.graphs import CUDAGraphRunner
 from kvpool.engine.scheduler import ScheduledBatch
+from options import int_at_least, positive_int
 
 PAGE_SIZE = 16
 BASELINE_SEQS = 8
+MAX_BATCHED_TOKENS = 4096
+PROMPT_SPREAD = 10  # prompts are context +- this many tokens
+WARMUP_STEPS = 4
 EXCLUDED = ("model forward", "sampling")  # the device's work on a GPU
 
 
@@ -68,18 +72,29 @@ class PhaseClock:
         return timed
 
 
+def max_tokens(num_seqs: int, context: int, steps: int) -> int:
+    """Output tokens per request that none reaches before the last measured step: a
+    sequence decodes in every step after its own prefill, those of the others (each step's
+    budget less a decode token per sequence), the warm-up and the measured steps."""
+    prompt_tokens = num_seqs * (context + PROMPT_SPREAD)
+    prefill_steps = -(-prompt_tokens // (MAX_BATCHED_TOKENS - num_seqs))
+    return max(2 * steps, prefill_steps + WARMUP_STEPS + steps + 2)
+
+
 def engine(num_seqs: int, context: int, steps: int, seed: int) -> tuple[LLM, PhaseClock]:
     """A tiny engine decoding `num_seqs` sequences of ~`context` tokens, its phases timed."""
+    output_tokens = max_tokens(num_seqs, context, steps)
     llm = LLM("tiny", device="cpu", page_size=PAGE_SIZE, max_num_seqs=num_seqs,
-              max_num_batched_tokens=4096, max_model_len=context + 16 + 2 * steps,
-              overlap=True, seed=seed)
+              max_num_batched_tokens=MAX_BATCHED_TOKENS,
+              max_model_len=context + 16 + output_tokens, overlap=True, seed=seed)
     torch.set_num_threads(1)
     llm.graphs = EagerGraphs(llm.runner, num_seqs, llm._longest)
     llm.graphs.capture()
     rng = random.Random(seed)
     for _ in range(num_seqs):
-        prompt = [rng.randrange(256) for _ in range(context + rng.randint(-10, 10))]
-        llm.add_request(prompt, SamplingParams(max_tokens=2 * steps, temperature=0,
+        prompt = [rng.randrange(256)
+                  for _ in range(context + rng.randint(-PROMPT_SPREAD, PROMPT_SPREAD))]
+        llm.add_request(prompt, SamplingParams(max_tokens=output_tokens, temperature=0,
                                                ignore_eos=True))
     clock = PhaseClock()
     s = llm.scheduler
@@ -106,7 +121,7 @@ def measure(num_seqs: int, context: int, steps: int, seed: int) -> dict[str, flo
             seq.num_computed_tokens < len(seq.request.prompt_token_ids)
             for seq in llm.scheduler.running):
         llm.step()
-    for _ in range(4):  # the last prefill leaves the pipeline; graphs take over
+    for _ in range(WARMUP_STEPS):  # the last prefill leaves the pipeline; graphs take over
         llm.step()
     clock.seconds.clear()
     replays = llm.graphs.num_replays
@@ -126,11 +141,14 @@ def measure(num_seqs: int, context: int, steps: int, seed: int) -> dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--context", type=int, default=700)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seqs", type=positive_int, default=64)
+    parser.add_argument("--context", type=int_at_least(PROMPT_SPREAD + 1), default=700)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args()
+    if args.seqs >= MAX_BATCHED_TOKENS:
+        parser.error(f"argument --seqs: expected an int < {MAX_BATCHED_TOKENS}, the tokens "
+                     f"of a step, which also prefill; got {args.seqs}")
     runs: dict[int, list[dict[str, float]]] = {BASELINE_SEQS: [], args.seqs: []}
     for repeat in range(args.repeats):
         for num_seqs in runs:
