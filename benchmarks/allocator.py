@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from kvpool.memory.allocator import PageAllocator
+from options import positive_int
 
 SIZES = (1_000, 100_000, 1_000_000)
 BATCH = 16  # pages per cycle: one allocate and one free of this many
@@ -110,8 +111,10 @@ def measure(num_pages: int, cycles: int, repeats: int) -> dict[str, tuple[float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=2_000, help="cycles per measurement")
-    parser.add_argument("--repeats", type=int, default=25, help="measurements per candidate")
+    parser.add_argument("--cycles", type=positive_int, default=2_000,
+                        help="cycles per measurement")
+    parser.add_argument("--repeats", type=positive_int, default=25,
+                        help="measurements per candidate")
     args = parser.parse_args()
     names = list(CANDIDATES)
     print(f"allocate({BATCH}) + free({BATCH}): microseconds per cycle (ratio to deque)")

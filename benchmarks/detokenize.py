@@ -20,6 +20,7 @@ import time
 from kvpool.errors import ConfigError
 from kvpool.models.gguf import GGUFCheckpoint, gguf_path
 from kvpool.models.tokenizer import ByteTokenizer
+from options import positive_int
 
 PROSE = ("The pool is allocated once, at start-up, and every sequence takes its pages from "
          "it; a page that no sequence holds stays cached until the allocator needs it. ")
@@ -60,8 +61,8 @@ def per_step_us(tokenizer, ids: list[int], seqs: int, streaming: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[50, 150, 500, 2000])
+    parser.add_argument("--seqs", type=positive_int, default=64)
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[50, 150, 500, 2000])
     args = parser.parse_args()
     print(f"text of {args.seqs} running samples, per decode step (us, median of {ROUNDS} "
           f"rounds of {STEPS} steps)")

@@ -27,6 +27,7 @@ import statistics
 import time
 
 from kvpool.engine import LLM, DisaggregatedLLM, SamplingParams
+from options import non_negative_float, positive_int
 
 OPTIONS = dict(num_pages=1024, page_size=16, max_num_seqs=32, max_num_batched_tokens=256)
 
@@ -70,15 +71,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--long", type=int, default=8, help="long requests (default: 8)")
-    parser.add_argument("--long-tokens", type=int, default=1024,
+    parser.add_argument("--long", type=positive_int, default=8,
+                        help="long requests (default: 8)")
+    parser.add_argument("--long-tokens", type=positive_int, default=1024,
                         help="tokens of a long prompt (default: 1024)")
-    parser.add_argument("--short", type=int, default=8, help="short requests (default: 8)")
-    parser.add_argument("--short-max-tokens", type=int, default=128,
-                        help="tokens each short request generates (default: 128)")
-    parser.add_argument("--interval", type=float, default=0.5,
+    parser.add_argument("--short", type=positive_int, default=8,
+                        help="short requests (default: 8)")
+    parser.add_argument("--short-max-tokens", type=positive_int, default=128,
+                        help="tokens each short request generates, at least 2 (default: 128)")
+    parser.add_argument("--interval", type=non_negative_float, default=0.5,
                         help="seconds between long arrivals (default: 0.5)")
     args = parser.parse_args()
+    if args.short_max_tokens < 2:
+        parser.error(f"argument --short-max-tokens: expected an int >= 2 (TPOT is the time "
+                     f"between a request's tokens), got {args.short_max_tokens}")
     options = {**OPTIONS, "device": args.device}
     one = LLM(args.model, **options)
     run(one, args)  # warm-up: first-call costs stay out of the table

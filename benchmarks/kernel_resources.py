@@ -24,15 +24,16 @@ import time
 os.environ["TRITON_INTERPRET"] = "0"  # compile for the GPU, never the CPU interpreter
 
 from kvpool.kernels import triton_variants  # noqa: E402
+from options import positive_int  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=2, help="compiling processes")
+    parser.add_argument("--workers", type=positive_int, default=2, help="compiling processes")
     parser.add_argument("--only", default="", help="the variants whose name has this text")
     parser.add_argument("--shapes", action="store_true",
                         help="the variants benchmarks/gpu.py's attention shapes choose")
-    parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (--shapes)")
+    parser.add_argument("--sms", type=positive_int, default=132, help="SMs of the GPU (--shapes)")
     args = parser.parse_args()
     if args.shapes:
         print_shapes(args.sms, args.workers)

@@ -26,6 +26,7 @@ from kvpool.engine.params import SamplingParams
 from kvpool.engine.request import Request
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.memory.layout import KVLayout
+from options import positive_int
 
 
 class OneByOneScheduler(Scheduler):
@@ -60,9 +61,9 @@ def step_time(cls: type[Scheduler], num_seqs: int, page_size: int, steps: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seqs", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args()
     print(f"decode step over {args.seqs} sequences, CPU us per step (median of "
           f"{args.repeats} repeats)")

@@ -43,6 +43,7 @@ import torch
 from kvpool.cli.bench import DEFAULT_NUM_PAGES, BenchResult, Workload, make_workload, run_workload
 from kvpool.cli.http_bench import model_info, run_client, run_requests, session
 from kvpool.engine import LLM
+from options import positive_int
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -141,9 +142,10 @@ def summary(result: BenchResult) -> tuple[float, float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
+    parser.add_argument("--num-requests", type=positive_int, default=200)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads of each engine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     workload = Workload(args.num_requests)

@@ -34,6 +34,7 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from kvpool.engine import LLM, SamplingParams
+from options import positive_int
 
 PAGE_SIZE = 16
 HF_PAGE_SIZE = 256  # transformers' continuous batching default
@@ -182,8 +183,8 @@ def print_table(runs: list[Run], requests: list[Request], baseline: Run) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=STATIC_BATCH_SIZE,
+    parser.add_argument("--num-requests", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=STATIC_BATCH_SIZE,
                         help=f"static batch size for transformers generate "
                              f"(default: {STATIC_BATCH_SIZE})")
     parser.add_argument("--seed", type=int, default=0)

@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvpool import LLM, SamplingParams
 from kvpool.engine import parallel
+from options import positive_int
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
@@ -111,10 +112,10 @@ def collective_seconds(prof) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--starts", type=int, default=3, help="engines per start time")
+    parser.add_argument("--prompts", type=positive_int, default=16)
+    parser.add_argument("--prompt-len", type=positive_int, default=128)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
+    parser.add_argument("--starts", type=positive_int, default=3, help="engines per start time")
     parser.add_argument("--start-only", action="store_true", help="the start times alone")
     args = parser.parse_args()
     print(start_times(args.starts))

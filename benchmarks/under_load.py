@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 
+from options import positive_int
+
 MODES = ("torch defaults", "kvpool")
 # Run in a fresh interpreter: the import order decides OpenMP's settings.
 CHILD = """
@@ -59,7 +61,7 @@ def measure(mode: str, num_requests: int, busy: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--num-requests", type=int, default=60)
     args = parser.parse_args()
     times: dict[tuple[str, bool], list[float]] = {}
