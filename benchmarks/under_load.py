@@ -50,13 +50,17 @@ def measure(mode: str, num_requests: int, busy: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     neighbour = subprocess.Popen([sys.executable, "-c", BUSY]) if busy else None
     try:
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(num_requests)], env=env,
-                             capture_output=True, text=True, check=True).stdout
+        child = subprocess.run([sys.executable, "-c", CHILD, mode, str(num_requests)], env=env,
+                               capture_output=True, text=True)
     finally:
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
-    return json.loads(out.splitlines()[-1])
+    if child.returncode:
+        tail = child.stderr.splitlines()[-10:]
+        sys.exit("\n".join([f"error: the {mode} run{', busy' if busy else ''} exited with code "
+                            f"{child.returncode}; its stderr ends:", *tail]))
+    return json.loads(child.stdout.splitlines()[-1])
 
 
 def main() -> None:
