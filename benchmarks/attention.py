@@ -17,6 +17,7 @@ shows less of other processes.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -100,6 +101,7 @@ def row(dtype: torch.dtype, context: int, ms: dict, fastest: dict) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     kernel = "fused kernel" if cpu_kernel.library() is not None else "NO KERNEL: torch path twice"
     print(
         f"decode attention, batch {BATCH}, heads {HEADS}/{KV_HEADS} kv, head_dim {HEAD_DIM}, "

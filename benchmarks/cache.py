@@ -40,6 +40,7 @@ timer's own cost (an empty request, measured in the same run).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import statistics
@@ -347,6 +348,7 @@ def verdict(us: float, target: float | None) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows, overhead = bench_add_free()
     floor = rows[0][1]
     targets = [None, 3.0, 8.0, None]

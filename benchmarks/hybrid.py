@@ -21,6 +21,7 @@ prefix caching, which recomputes every prompt token.
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import torch
@@ -87,6 +88,7 @@ def hybrid_cache(ratio: float, track: int | None) -> KVCache:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     requests = workload()
     rows = [("none", 0.5, None)] + [(f"track {t}, 50% states", 0.5, t)
                                    for t in (64, 256, 1024)] + [

@@ -25,6 +25,7 @@ give the same tokens.
 
 from __future__ import annotations
 
+import argparse
 import random
 import tempfile
 import time
@@ -99,6 +100,7 @@ def sequences_held(model, kv_cache_dtype: str, free: bool) -> tuple[int, int, in
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = [("model", "KV dtype", "every page kept", "tokens", "pages given back", "tokens",
              "ratio")]
     for name, model in MODELS.items():

@@ -12,6 +12,7 @@ and pages (the projections before them are common to both, so left out). Times a
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -79,6 +80,7 @@ def make_case(layer: MLAttention, batch: int, q_len: int, context: int) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     config = ModelConfig.from_hf(V2_LITE_ATTENTION)
     with torch.device("meta"):
         layer = MLAttention(config, torch.float32, 0)

@@ -21,6 +21,7 @@ sha256) is built inside it. Times are medians of interleaved rounds, net of the 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import random
 import traceback
@@ -182,6 +183,7 @@ def bench_heap(peers: list, num_prompts: int = 6_250) -> list[float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     peers, missing = load_peers()
     for name, why in missing:
         print(f"{name}: {why}")
