@@ -100,6 +100,25 @@ def test_handed_kv_shorter_than_the_receivers_prefix_hit_is_set_aside(checkpoint
     assert done[request_id].outputs[0].token_ids == expected[1]
 
 
+def test_handed_kv_never_rewrites_the_pages_the_prefix_cache_shares(checkpoint, prefill,
+                                                                    prompts, device):
+    """A salted hybrid request resumes from no checkpoint (salted ones keep none) while its
+    KV pages match 24 cached tokens: the handed KV goes only into the pages past them."""
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=128)
+    first, _ = decode.hold_request(prompts[0], GREEDY, cache_salt="s")
+    decode.resume_request(first, None)
+    _run(decode)
+    kv = _prefilled(prefill, prompts[1])
+    kv.pages[:, :, :6] = 7.0  # the 24 shared tokens' pages, as another engine rounded them
+    request_id, _ = decode.hold_request(prompts[1], GREEDY, cache_salt="s")
+    before = decode.cache.pool.kv.clone()
+    decode.resume_request(request_id, kv)
+    decode.step()  # admitted: its handed KV written
+    shared = decode.cache.pages(decode._requests[request_id].seqs[0].seq_id)[:6]
+    assert torch.equal(decode.cache.pool.kv[:, :, shared], before[:, :, shared])
+    _run(decode)
+
+
 def test_fp8_pages_are_handed_only_between_engines_of_the_same_scales(checkpoint, prompts,
                                                                       device):
     fp8 = dict(device=device, page_size=4, num_pages=128, kv_cache_dtype="fp8_e4m3",

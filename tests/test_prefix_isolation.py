@@ -1,6 +1,7 @@
 """Cache salts: sequences share cached prefix pages only with sequences of the same salt, on
 the device and through a tier, and a salt's part of the prefix tree leaves with its pages."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,6 +43,18 @@ def test_a_prefix_is_served_only_to_sequences_of_the_same_salt(device):
     assert run(cache, "b2", "bob") == 8
     assert run(cache, "u2") == 8
     assert cache.pages_to_add(PROMPT, cache_salt="carol") == 3
+
+
+def test_every_salted_query_refuses_a_salt_that_is_not_a_str(device):
+    cache = make_cache(device, max_tokens_per_seq=4)  # PROMPT is over it: can_add says no
+    queries = [lambda salt: cache.prefix_hit(PROMPT, cache_salt=salt),
+               lambda salt: cache.tokens_to_admit(PROMPT, 8, cache_salt=salt),
+               lambda salt: cache.can_add(PROMPT, cache_salt=salt),
+               lambda salt: cache.pages_to_add(PROMPT, cache_salt=salt)]
+    for query in queries:
+        for salt in (123, b"tenant", ["a"]):
+            with pytest.raises(TypeError, match="cache_salt must be a str or None"):
+                query(salt)
 
 
 def test_a_fork_keeps_its_parents_salt(device):

@@ -241,9 +241,10 @@ class KVCache:
         grows; then its prefix hit and `budget` more, the rest taken chunk by chunk."""
         n, ids = _prompt(token_ids)
         check_int("budget", budget, 0)
+        salt = salt_key(cache_salt)
         if min(group.admitted(n, 0) for group in self.groups) == n:
             return n
-        hit = self._hit(ids, n, salt_key(cache_salt))
+        hit = self._hit(ids, n, salt)
         return hit + min(n - hit, budget)
 
     def pages_to_add(self, token_ids: Sequence[int] | None = None, *,
@@ -274,9 +275,9 @@ class KVCache:
         check_int("spare_pages", spare_pages, 0)
         if entering is not None:
             check_int("entering", entering, 0, n)
+        salt, limit = salt_key(cache_salt), n
         if not self._within_limit(n):
             return False
-        salt, limit = salt_key(cache_salt), n
         for group in self.groups:
             m = group.admitted(n, n if entering is None else entering)
             plan = group.plan_add(ids[:m * TOKEN_BYTES], m, salt, limit)

@@ -85,12 +85,15 @@ def check_prefilled(cache: KVCache, kv: PrefilledKV, prompt_len: int) -> None:
                          "(scales each calibrates from its first prefill differ)")
 
 
-def write_prefilled(cache: KVCache, seq_id: Hashable, kv: PrefilledKV,
-                    first_page: int) -> None:
-    """Write `kv`'s pages from `first_page` on into the same pages of sequence `seq_id`
-    (which holds at least kv.num_tokens tokens; the pages before are its prefix hit, whose KV
-    is the same), and its state, if any, into the sequence's state slot."""
-    pages = cache.pages(seq_id)[first_page:kv.num_pages]
-    cache.pool.write_pages(pages, kv.pages[:, :, first_page:])
+def write_prefilled(cache: KVCache, seq_id: Hashable, kv: PrefilledKV) -> None:
+    """Write `kv`'s pages into the same pages of sequence `seq_id` (which holds at least
+    kv.num_tokens tokens) past those the prefix cache indexes: its prefix match, which holds
+    the same KV and may be shared, so is never rewritten (a hybrid's match may run past the
+    checkpoint it resumes from). Its state, if any, goes into the sequence's state slot."""
+    pages = cache.pages(seq_id)[:kv.num_pages]
+    first = 0
+    while first < len(pages) and cache.allocator.is_cached(pages[first]):
+        first += 1
+    cache.pool.write_pages(pages[first:], kv.pages[:, :, first:])
     if kv.state:
         cache.states.write(cache.state_slot(seq_id), *kv.state)

@@ -336,8 +336,7 @@ class Scheduler:
         a preempted sequence recomputes."""
         kv, seq.request.prefilled = seq.request.prefilled, None
         if kv.num_tokens > seq.num_computed_tokens:  # else its hit holds as much, state too
-            hit_pages = seq.num_computed_tokens // self.cache.page_size
-            write_prefilled(self.cache, seq.seq_id, kv, hit_pages)
+            write_prefilled(self.cache, seq.seq_id, kv)
             seq.num_computed_tokens = kv.num_tokens
 
     @staticmethod
