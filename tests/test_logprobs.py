@@ -131,6 +131,13 @@ def test_the_step_api_returns_logprobs_as_tokens_come(llm, prompts):
     assert isinstance(out.outputs[0].logprobs[0], TokenLogprobs)
 
 
+def test_samples_aborted_before_they_fork_carry_empty_logprobs_not_none(llm, prompts):
+    request_id = llm.add_request(prompts[0], SamplingParams(n=2, max_tokens=2, logprobs=1))
+    out = llm.abort(request_id)  # still waiting: no sample has forked
+    assert [(o.token_ids, o.logprobs) for o in out.outputs] == [([], []), ([], [])]
+    llm.check()
+
+
 @pytest.mark.parametrize("value, error, message", [
     (21, ValueError, "logprobs must be in [0, 20], got 21"),
     (-1, ValueError, "logprobs must be in [0, 20], got -1"),

@@ -239,9 +239,13 @@ def test_more_samples_than_max_num_seqs_are_refused(device):
 @pytest.mark.parametrize("seed", range(10))
 def test_random_workloads_finish_without_leaking_pages(seed, device):
     rng = random.Random(seed)
-    s = _scheduler(num_pages=rng.choice([6, 10, 24]), max_num_seqs=rng.choice([2, 5, 8]),
-                   max_num_batched_tokens=rng.choice([4, 9, 64]), watermark_pages=rng.randint(0, 2),
-                   prefix_caching=rng.random() < 0.5, window=rng.choice([None, 5, 8]),
+    num_pages, max_num_seqs = rng.choice([6, 10, 24]), rng.choice([2, 5, 8])
+    budget, watermark = rng.choice([4, 9, 64]), rng.randint(0, 2)
+    caching, window = rng.random() < 0.5, rng.choice([None, 5, 8])
+    if caching and window:  # room for the copies of a first drop (check_fits): 2 pages
+        num_pages += 2
+    s = _scheduler(num_pages=num_pages, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                   watermark_pages=watermark, prefix_caching=caching, window=window,
                    device=device)
     requests = []
     for i in range(12):

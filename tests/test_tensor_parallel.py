@@ -59,8 +59,8 @@ PARITY = {
                                                    sliding_window_pattern=2),
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-# 14 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
-ENGINE = dict(num_pages=14, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+# 16 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
+ENGINE = dict(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
               tensor_parallel_size=RANKS)
 
 
@@ -85,7 +85,7 @@ def cases(tmp_path_factory, device):
 
 @pytest.fixture(scope="module", params=list(PARITY))
 def engine(request, cases, device):
-    """(case, LLM of 2 ranks) for one config: 14 pages of 4 tokens, 16-token chunks; closed
+    """(case, LLM of 2 ranks) for one config: 16 pages of 4 tokens, 16-token chunks; closed
     after the module's tests of that config."""
     cpu_only(device)
     case = cases(request.param)
@@ -158,7 +158,7 @@ def test_kv_computed_elsewhere_is_refused_since_the_workers_would_not_get_it(eng
 
 
 def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(cases, device):
-    """The batch twice through 14 pages: the first run's prefix pages are evicted to the
+    """The batch twice through 16 pages: the first run's prefix pages are evicted to the
     tiers (rank 0's share to its tier, the worker's to its own), the second run loads them
     back into the same pages on both ranks; a worker that missed either would compute with
     other K/V for its heads."""

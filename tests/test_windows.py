@@ -11,7 +11,7 @@ import transformers
 from kvpool.cache import HOLE
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import EngineConfig
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, OutOfPages
 from kvpool.models.config import FULL, SLIDING, ModelConfig
 from kvpool.models.loader import load_model
 from models_util import (
@@ -293,6 +293,30 @@ def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mist
                 assert sum(page != HOLE for page in llm.cache.pages(seq_id)) <= 3
         llm.check()
     assert decoded_far > 0
+
+
+def test_a_windowed_request_gets_room_for_the_copies_of_its_first_drop_or_is_refused(
+        mistral, tmp_path, device):
+    """With prefix caching, a windowed sequence's first drop out of the window copies the
+    pages of its window that the prefix tree indexes. A pool without room for them was taken,
+    and the sequence preempted itself and came back on the same hit for ever: a chunk smaller
+    than a page never filled one to commit."""
+    hf, _ = mistral
+    folder = save_hf_model(hf, tmp_path)
+    prompt = prompts(160, lengths=(18,), seed=5)["seq0"]  # 5 pages of 4 tokens
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    tight = LLM(folder, num_pages=5, page_size=4, max_num_batched_tokens=3, device=device)
+    with pytest.raises(OutOfPages, match="18 tokens need 7 pages of 4 tokens; the pool has 5"):
+        tight.add_request(prompt, params)
+    assert not tight.has_unfinished()
+    roomy = LLM(folder, num_pages=7, page_size=4, max_num_batched_tokens=3, device=device)
+    roomy.add_request(prompt, params)
+    for _ in range(100):
+        roomy.step()
+        if not roomy.has_unfinished():
+            break
+    assert not roomy.has_unfinished()
+    roomy.check()
 
 
 def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path, device):

@@ -295,9 +295,9 @@ class KVCache:
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits alone in every
-        page group's pool."""
+        page group's pool (a window group's: with the copies of its first drop)."""
         for group in self.page_groups:
-            need, have = group.layout.num_pages_for(num_tokens), group.allocator.num_pages
+            need, have = group.pages_alone(num_tokens), group.allocator.num_pages
             if need > have:
                 raise self._named(group, OutOfPages(
                     f"{num_tokens} tokens need {need} pages of {self.page_size} tokens; "

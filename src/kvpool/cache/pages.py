@@ -208,6 +208,10 @@ class FullAttention(GroupManager):
         """Pages wholly before the window of a token at `position` (none: full attention)."""
         return 0
 
+    def pages_alone(self, num_tokens: int) -> int:
+        """The most pages one sequence of `num_tokens` tokens holds at once, alone."""
+        return self.layout.num_pages_for(num_tokens)
+
     def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """Page tables `[batch, max_pages]` int32 on the host, rows padded with page id 0,
         which also stands for the pages given back out of the window."""
@@ -423,6 +427,13 @@ class SlidingWindow(FullAttention):
 
     def drop_point(self, position: int) -> int:
         return max(position - self.window + 1, 0) // self.page_size
+
+    def pages_alone(self, num_tokens: int) -> int:
+        """With prefix caching, its first drop out of the window also copies the pages of
+        its window that the prefix tree indexes (`_to_copy`): without room for them alone,
+        it would preempt itself and come back on the same hit, for ever."""
+        copies = -(-self.window // self.page_size) if self.prefix_cache is not None else 0
+        return super().pages_alone(num_tokens) + copies
 
     def admitted(self, n: int, entering: int) -> int:
         """The entering tokens alone: the rest come chunk by chunk, as pages go back."""

@@ -758,8 +758,9 @@ class LLM:
         """The request's state as a RequestOutput (text decoded when there is a tokenizer)."""
         outputs = [self._completion(seq) for seq in request.seqs]
         reason = "error" if request.error else "abort" if request.aborted else None
-        outputs += [CompletionOutput(i, [], "", reason)
-                    for i in range(len(outputs), request.params.n)]
+        asked = request.params.logprobs is not None
+        outputs += [CompletionOutput(i, [], "", reason, [] if asked else None)
+                    for i in range(len(outputs), request.params.n)]  # samples not forked yet
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids),
                              outputs, request.finished, request.error,
                              request.num_cached_tokens or 0, request.scheduled_time)
