@@ -581,12 +581,18 @@ def test_a_disk_tier_that_cannot_write_serves_what_it_can_read(tmp_path, monkeyp
     cache.check()
 
 
+def filled_disk_tier(directory, n):
+    """A DiskTier of 4 pages in `directory` holding pages 0..n-1, and their keys."""
+    tier = bound(DiskTier(directory, 4))
+    k = keys(n)
+    for i in range(n):
+        tier.put(k[i], page(i))
+    return tier, k
+
+
 def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_pages(
         tmp_path, monkeypatch):
-    tier = bound(DiskTier(tmp_path, 4))
-    k = keys(2)
-    for i in range(2):
-        tier.put(k[i], page(i))
+    _, k = filled_disk_tier(tmp_path, 2)
     interrupted = stale_temporary(tmp_path, "test")
     monkeypatch.setattr(Path, "unlink", read_only_file_system)
     again = bound(DiskTier(tmp_path, 4))
@@ -596,10 +602,7 @@ def test_a_disk_tier_reopened_where_it_cannot_write_keeps_the_temporary_and_its_
 
 def test_a_disk_tier_that_cannot_remove_files_misses_a_damaged_page_and_binds_within_capacity(
         tmp_path, monkeypatch):
-    tier = bound(DiskTier(tmp_path, 4))
-    k = keys(3)
-    for i in range(3):
-        tier.put(k[i], page(i))
+    tier, k = filled_disk_tier(tmp_path, 3)
     tier.path(k[0]).write_bytes(b"damaged")
     monkeypatch.setattr(Path, "unlink", read_only_file_system)
     assert tier.get(k[0]) is None and list(tier) == k[1:]
