@@ -258,13 +258,24 @@ def test_metadata_keeps_its_field_names(device):
     ]
 
 
-@pytest.mark.parametrize("window", [0, 2.5, True])
+@pytest.mark.parametrize("window", [0, 2.5, True, 2**70])
 def test_paged_attention_rejects_a_window_that_is_not_a_positive_int(device, window):
     batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
                   dtype=torch.float32, device=device)
-    with pytest.raises(ValueError, match=f"sliding_window must be an int of at least 1 token, "
-                                         f"got {window!r}"):
+    with pytest.raises(ValueError, match=f"sliding_window must be an int64 of at least 1 "
+                                         f"token, got {window!r}"):
         batch.attend(sliding_window=window)
+
+
+@pytest.mark.parametrize(("scale", "error"), [(float("nan"), ValueError), (0.0, ValueError),
+                                              (-1.0, ValueError), (1e39, ValueError),
+                                              ("x", TypeError), (True, TypeError)])
+def test_paged_attention_rejects_a_scale_that_is_not_a_positive_finite_float32(device, scale,
+                                                                            error):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    with pytest.raises(error, match="scale must be"):
+        batch.attend(scale=scale)
 
 
 def test_paged_attention_refuses_q_of_another_dtype_than_the_caches(device):

@@ -1037,4 +1037,15 @@ def test_the_prefix_index_refuses_bad_page_sizes_and_pages_and_changes_nothing()
         with pytest.raises(error):
             index.insert(pack_tokens([1, 2, 9, 9]), pages, num_cached)
         allocator.check()
+        index.check()
         assert index.num_pages == 2 and index.num_nodes == 1
+    fresh = allocator.allocate(2)
+    for tokens, pages, error, message in (
+            ([7, 8, 9], fresh, ValueError, "token_ids hold 3 tokens, fewer than 2 full pages"),
+            ([7, 8, 7, 8], [fresh[0]] * 2, InvalidPage, "list one twice"),
+            ([7, 8], held[1:], InvalidPage, r"pages \[1\] are indexed already")):
+        with pytest.raises(error, match=message):
+            index.insert(pack_tokens(tokens), pages)
+        allocator.check()
+        index.check()
+        assert index.num_pages == 2

@@ -147,6 +147,9 @@ def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint,
     output = decode.fail_request(failed, StepFailed("the other side refused it"))
     assert output.error.args == ("the other side refused it",) and output.finished
     assert decode.fail_request(failed, StepFailed("twice")) is None
+    for error in (None, "boom", ValueError("not kvpool's")):
+        with pytest.raises(TypeError, match="error must be a KVPoolError"):
+            decode.fail_request(aborted, error)
     with pytest.raises(ValueError, match="is not held"):
         decode.resume_request(aborted, None)
     request_id, _ = decode.hold_request(prompts[2], GREEDY)

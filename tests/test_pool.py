@@ -67,6 +67,16 @@ def test_write_puts_each_token_at_its_slot(device):
     assert torch.count_nonzero(pool.kv[0]) == 0 and torch.count_nonzero(pool.kv[2]) == 0
 
 
+@pytest.mark.parametrize("slots", [[1.7], [True], [1]], ids=["float", "bool", "list"])
+def test_write_refuses_slots_that_are_not_an_integer_tensor(device, slots):
+    pool = make_pool(device=device)
+    k = torch.ones(1, 2, 4, device=device)
+    index = slots if slots == [1] else torch.tensor(slots, device=device)
+    with pytest.raises(TypeError, match="slots must be an integer tensor"):
+        pool.write(0, index, k, k)
+    assert torch.count_nonzero(pool.kv) == 0
+
+
 def test_copy_pages_copies_every_layer(device):
     pool = make_pool(device=device)
     pool.kv[:, :, 1] = torch.randn(3, 2, 4, 2, 4, device=device)

@@ -23,6 +23,7 @@ from kvpool.kernels import cpu as cpu_kernel
 from kvpool.kernels import triton_support
 from kvpool.kernels.checks import check_index_dtype, check_page_tables
 from kvpool.memory.fp8 import check_scale, dequantize, is_fp8, quantize
+from kvpool.numeric import FLOAT32_MAX, INT64_MAX, check_float32
 from kvpool.rope import Rotation, apply_rotary
 
 BACKENDS = ("torch", "cpu", "triton")
@@ -187,7 +188,10 @@ def paged_attention(
     backend = _choose_backend(backend, q, k_cache.dtype)
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
     _check_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif type(scale) is not float or not 0.0 < scale <= FLOAT32_MAX:  # NaN fails it too
+        scale = check_float32("scale", scale, low=0.0, open_low=True)
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     bounded = backend == "triton" and max_seq_len is not None and max_query_len is not None
@@ -315,8 +319,8 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
     elif not is_fp8(k_cache.dtype) and q.dtype != k_cache.dtype:
         problem = f"q must be in the caches' {k_cache.dtype}, got {q.dtype}"
     elif window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                 or window < 1):
-        problem = f"sliding_window must be an int of at least 1 token, got {window!r}"
+                                 or not 1 <= window <= INT64_MAX):
+        problem = f"sliding_window must be an int64 of at least 1 token, got {window!r}"
     if problem:
         _fail(q, k_cache, v_cache, page_tables, problem)
     for name, tensor in (("page_tables", page_tables), ("seq_lens", seq_lens),

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
 from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
-from kvpool.errors import check_int
+from kvpool.errors import InvalidPage, check_int
 from kvpool.memory.allocator import PageAllocator
 from kvpool.numeric import check_int64
 
@@ -151,6 +151,15 @@ class PrefixCache:
         new_pages = pages[num_held:]
         new_tokens = token_ids[num_held * page_bytes:len(pages) * page_bytes]
         node_of_page = self._node_of_page
+        if len(new_tokens) < len(new_pages) * page_bytes:
+            raise ValueError(f"token_ids hold {len(token_ids) // TOKEN_BYTES} tokens, fewer "
+                             f"than {len(pages)} full pages of {self.page_size}")
+        if len(set(new_pages)) < len(new_pages):
+            raise InvalidPage(f"the pages to index, {new_pages}, list one twice")
+        indexed = [p for p in new_pages if type(p) is int and 0 <= p < len(node_of_page)
+                   and node_of_page[p] is not None]
+        if indexed:
+            raise InvalidPage(f"pages {indexed} are indexed already (for other tokens)")
         self.allocator.mark_cached(new_pages)  # InvalidPage, before any change, if not held
         if depth < len(node.pages):
             node = self._split(node, depth)

@@ -465,7 +465,11 @@ class LLM:
 
     def fail_request(self, request_id: str, error: KVPoolError) -> RequestOutput | None:
         """Finish an unfinished request with "error" (`error` says why); its pages come back.
-        Returns its final output; None for an unknown or finished id."""
+        Returns its final output; None for an unknown or finished id. TypeError, changing
+        nothing, for an `error` that is not a KVPoolError."""
+        if not isinstance(error, KVPoolError):
+            raise TypeError(f"error must be a KVPoolError saying why the request failed, got "
+                            f"{type(error).__name__} {error!r}")
         with self._cut_in():
             request = self._requests.pop(request_id, None)
             if request is None:

@@ -156,7 +156,12 @@ class KVPool:
               v: torch.Tensor | None = None) -> None:
         """Write one layer's K/V `[n, num_kv_heads, head_dim]` at `slots` [n]; for "mla" `k` is
         the latent `[n, 1, latent_dim]` and `v` None. fp8 pages are written quantized.
-        ValueError, before anything changes, for K/V of another shape."""
+        ValueError, before anything changes, for K/V of another shape; TypeError for slots
+        that are not an integer tensor."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype == torch.bool or (
+                slots.dtype.is_floating_point or slots.dtype.is_complex):
+            raise TypeError(f"slots must be an integer tensor, got "
+                            f"{slots.dtype if isinstance(slots, torch.Tensor) else type(slots)}")
         planes = self._check_planes(k, v, len(slots))
         layer = self._layer(layer)
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
