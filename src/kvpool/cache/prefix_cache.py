@@ -132,7 +132,9 @@ class PrefixCache:
         them; `salt` is the sequence's (its root). Returns how many of its first pages are in
         the tree now: all, unless the tree holds the content of one of them in another page
         (an identical prompt computed at the same time); the sequence keeps its copies from
-        there on uncached."""
+        there on uncached. ValueError for ids shorter than the pages, InvalidPage for a page
+        nobody holds or the tree indexes already, nothing changed; the pages of one sequence
+        are distinct (a page table lists a page once), which is not checked."""
         page_bytes = self._page_bytes
         if num_cached:
             node, depth = self._cached_node(pages, num_cached)
@@ -154,12 +156,13 @@ class PrefixCache:
         if len(new_tokens) < len(new_pages) * page_bytes:
             raise ValueError(f"token_ids hold {len(token_ids) // TOKEN_BYTES} tokens, fewer "
                              f"than {len(pages)} full pages of {self.page_size}")
-        if len(set(new_pages)) < len(new_pages):
-            raise InvalidPage(f"the pages to index, {new_pages}, list one twice")
-        indexed = [p for p in new_pages if type(p) is int and 0 <= p < len(node_of_page)
-                   and node_of_page[p] is not None]
+        try:  # at C speed: an id that is no page is refused by name in mark_cached
+            indexed = any(map(node_of_page.__getitem__, new_pages))
+        except (IndexError, TypeError):
+            indexed = False
         if indexed:
-            raise InvalidPage(f"pages {indexed} are indexed already (for other tokens)")
+            raise InvalidPage(f"the pages to index, {new_pages}, hold one the tree indexes "
+                              f"already (for other tokens)")
         self.allocator.mark_cached(new_pages)  # InvalidPage, before any change, if not held
         if depth < len(node.pages):
             node = self._split(node, depth)
