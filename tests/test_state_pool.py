@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from depth import examples
-from kvpool.errors import InvalidStateSlot, OutOfStateSlots
+from kvpool.errors import InvalidStateSlot, OutOfMemory, OutOfStateSlots
 from kvpool.memory.state_pool import MambaLayout, MambaPool, slots_within
 
 LAYOUT = MambaLayout(num_layers=3, conv_dim=10, conv_kernel=4, num_heads=2, head_dim=3,
@@ -109,6 +109,47 @@ def test_layout_rejects_a_conv_kernel_below_two_and_a_shape_past_int64():
         MambaLayout(1, 4, 1, 1, 1, 1)
     with pytest.raises(ValueError, match=f"conv_dim must be in \\[1, {2**63 - 1}\\], got {2**63}"):
         MambaLayout(1, 2**63, 4, 1, 1, 1)
+
+
+@pytest.mark.parametrize("layout, num_slots, nbytes", [
+    (MambaLayout(2**20, 2**20, 4, 2, 4, 8), 2**20, "6,917,676,362,333,421,568"),  # too big
+    (MambaLayout(2**40, 2**40, 4, 2, 4, 8), 4, "36,267,774,589,142,562,682,961,920"),  # past int64
+])
+def test_a_pool_that_cannot_be_allocated_is_out_of_memory_naming_the_bytes(layout, num_slots,
+                                                                           nbytes):
+    with pytest.raises(OutOfMemory, match=f"needs {nbytes} bytes on cpu"):
+        MambaPool(layout, num_slots, device="cpu")
+
+
+def test_a_layout_that_is_not_a_mamba_layout_is_a_type_error():
+    with pytest.raises(TypeError, match="layout must be a MambaLayout, got str"):
+        MambaPool("x", 4, device="cpu")
+
+
+@pytest.mark.parametrize("src, dst, bad", [
+    ([0.5], [1], "float 0.5"),
+    ([False, True], [0, 1], "bool False"),  # not a mask
+    ([0], [True], "bool True"),
+    (["a"], [1], "str 'a'"),
+])
+def test_copy_slots_refuses_slot_ids_that_are_not_ints_copying_nothing(device, src, dst, bad):
+    p = pool(device=device)
+    p.conv[:, 0], p.conv[:, 1] = 10.0, 11.0
+    before = p.conv.clone()
+    with pytest.raises(TypeError, match=f"state slots must be ints, got {bad}"):
+        p.copy_slots(src, dst)
+    assert torch.equal(p.conv, before)
+
+
+def test_write_refuses_state_data_that_is_not_tensors(device):
+    p = pool(device=device)
+    slot = p.allocate()
+    conv, ssm = p.read(slot)
+    with pytest.raises(TypeError, match="state data must be tensors, got a list conv state"):
+        p.write(slot, conv.tolist(), ssm)
+    with pytest.raises(TypeError, match="state data must be tensors, got a list ssm state"):
+        p.write(slot, conv + 1, ssm.tolist())
+    assert torch.equal(p.conv[:, slot], conv)
 
 
 class MambaPoolMachine(RuleBasedStateMachine):

@@ -12,7 +12,14 @@ from typing import NamedTuple
 import torch
 
 from kvpool.devices import check_device
-from kvpool.errors import MAX_PAGES, InvalidStateSlot, OutOfPages, OutOfStateSlots, check_int
+from kvpool.errors import (
+    MAX_PAGES,
+    InvalidStateSlot,
+    OutOfMemory,
+    OutOfPages,
+    OutOfStateSlots,
+    check_int,
+)
 from kvpool.memory.allocator import PageAllocator
 from kvpool.numeric import check_int64
 
@@ -88,15 +95,23 @@ class MambaPool:
     first step starts from a zero state without reading it."""
 
     def __init__(self, layout: MambaLayout, num_slots: int, *, device: str | torch.device):
+        if not isinstance(layout, MambaLayout):
+            raise TypeError(f"layout must be a MambaLayout, got {type(layout).__name__}")
         num_slots = check_int("num_slots", num_slots, 1, MOST_SLOTS)
-        self.allocator = PageAllocator(num_slots, thread_safe=False)
-        self.layout = layout
         self.device = check_device(device)
         layers, rows = layout.num_layers, num_slots + RESERVED_SLOTS
-        self.conv = torch.zeros((layers, rows, *layout.conv_shape), dtype=layout.dtype,
-                                device=self.device)
-        self.ssm = torch.zeros((layers, rows, *layout.ssm_shape), dtype=layout.dtype,
-                               device=self.device)
+        nbytes = rows * layout.bytes_per_slot
+        try:
+            self.conv = torch.zeros((layers, rows, *layout.conv_shape), dtype=layout.dtype,
+                                    device=self.device)
+            self.ssm = torch.zeros((layers, rows, *layout.ssm_shape), dtype=layout.dtype,
+                                   device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch reports a failed allocation either way
+            raise OutOfMemory(f"a state pool of {num_slots:,} slots and {RESERVED_SLOTS} "
+                              f"reserved needs {nbytes:,} bytes on {self.device}, which cannot "
+                              f"be allocated: {e}") from None
+        self.allocator = PageAllocator(num_slots, thread_safe=False)
+        self.layout = layout
         # Called with (src, dst) after every copy: the tensor-parallel ranks' pools repeat this
         # pool's copies (kvpool.engine.parallel).
         self.copy_listeners: list[Callable[[Sequence[int], Sequence[int]], None]] = []
@@ -149,11 +164,14 @@ class MambaPool:
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the states of slots src[i] -> dst[i], every layer, whoever holds them: a
         tensor-parallel worker repeats rank 0's copies, whose reference counts only rank 0
-        keeps. IndexError for a slot outside [0, num_slots), nothing copied."""
+        keeps. TypeError for a slot id that is not an int (bools included), IndexError for
+        one outside [0, num_slots); nothing copied."""
         if len(src) != len(dst):
             raise ValueError(f"copy_slots needs as many sources as destinations, "
                              f"got {len(src)} and {len(dst)}")
         for slot in (*src, *dst):
+            if isinstance(slot, bool) or not isinstance(slot, int):
+                raise TypeError(f"state slots must be ints, got {type(slot).__name__} {slot!r}")
             if not 0 <= slot < self.num_slots:
                 raise IndexError(f"state slots must lie in [0, {self.num_slots}), got {slot}")
         if src:
@@ -171,9 +189,13 @@ class MambaPool:
         return self.conv[:, slot].clone(), self.ssm[:, slot].clone()
 
     def write(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Store a state shaped as `read` returns it into `slot` (held)."""
+        """Store a state shaped as `read` returns it into `slot` (held): TypeError for data
+        that is not tensors, ValueError for another shape, nothing changed."""
         self._check_held(slot)
         for name, x, rows in (("conv", conv, self.conv), ("ssm", ssm, self.ssm)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"state data must be tensors, got a {type(x).__name__} {name} "
+                                f"state")
             if x.shape != rows[:, slot].shape:
                 raise ValueError(f"a {name} state of shape {tuple(rows[:, slot].shape)} was "
                                  f"expected, got {tuple(x.shape)}")
