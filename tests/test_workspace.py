@@ -79,6 +79,22 @@ def test_bad_shapes_are_refused(device):
         Workspace(64, device=device).alloc((2, -1), torch.float32)
 
 
+@pytest.mark.parametrize(("shape", "dtype", "message"), [
+    ((4,), "float32", "dtype must be a torch.dtype, got str 'float32'"),
+    ((4,), None, "dtype must be a torch.dtype, got NoneType None"),
+    (4, torch.float32, "shape must be a tuple of ints, got int 4"),
+    (None, torch.float32, "shape must be a tuple of ints, got NoneType None"),
+    ((2.0,), torch.float32, r"shape must be a tuple of ints, got tuple \(2.0,\)"),
+    ((True,), torch.float32, r"shape must be a tuple of ints, got tuple \(True,\)"),
+])
+def test_alloc_names_a_shape_or_dtype_of_another_type_and_changes_nothing(shape, dtype, message,
+                                                                          device):
+    ws = Workspace(64, device=device)
+    with pytest.raises(TypeError, match=message):
+        ws.alloc(shape, dtype)
+    assert (ws.used, ws.peak, ws.num_allocs) == (0, 0, 0)
+
+
 def _overlap(a, b):
     return a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes
 

@@ -47,9 +47,16 @@ class Workspace:
 
     def alloc(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` and `dtype` in the workspace, valid
-        until the next `reset`. Raises WorkspaceFull (nothing changed) if it does not fit."""
-        shape = tuple(shape)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        until the next `reset`. Raises WorkspaceFull (nothing changed) if it does not fit;
+        TypeError for a shape that is not a tuple (or torch.Size) of ints or a dtype that is
+        not a torch.dtype, ValueError for a negative size."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        if not isinstance(shape, tuple) or any(isinstance(n, bool) or not isinstance(n, int)
+                                               for n in shape):
+            raise TypeError(f"shape must be a tuple of ints, got {type(shape).__name__} "
+                            f"{shape!r}")
+        if any(n < 0 for n in shape):
             raise ValueError(f"shape must be ints >= 0, got {shape!r}")
         size = math.prod(shape) * dtype.itemsize
         start = -(-self.used // ALIGNMENT) * ALIGNMENT
