@@ -312,6 +312,62 @@ def test_capacity_must_be_a_positive_int64(capacity, error, message, tmp_path):
         DiskTier(tmp_path, capacity)
 
 
+@pytest.mark.parametrize("kind", TIERS)
+@pytest.mark.parametrize("key", [None, "x", (1, 2), ROOT_KEY])
+def test_a_key_that_is_not_a_page_key_is_a_miss(kind, key, tmp_path):
+    tier = bound(TIERS[kind](tmp_path))
+    tier.put(keys(1)[0], page(1))
+    assert key not in tier
+    assert tier.get(key) is None
+    assert (tier.stats().num_hits, tier.stats().num_misses) == (0, 1)
+
+
+@pytest.mark.parametrize("kind", TIERS)
+@pytest.mark.parametrize(("key", "data", "error", "message"), [
+    ((1, 2), page(2), TypeError, r"tier keys must be PageKeys, got tuple \(1, 2\)"),
+    (None, page(2), TypeError, "tier keys must be PageKeys, got NoneType None"),
+    (PageKey(5, ROOT_KEY, (1, 2, 3, 4)), page(2), ValueError,
+     "does not hold the chain key of its parent key and token ids"),
+    (PageKey.of(ROOT_KEY, [1, 2, 3, 4]), page(2).tolist(), TypeError,
+     "tier pages must be tensors, got list"),
+])
+def test_put_refuses_a_bad_key_or_data_and_changes_nothing(kind, key, data, error, message,
+                                                          tmp_path):
+    tier = bound(TIERS[kind](tmp_path))
+    k = keys(1)[0]
+    tier.put(k, page(1))
+    with pytest.raises(error, match=message):
+        tier.put(key, data)
+    assert not tier.store(key, data)  # dropped and counted, as any page put refuses
+    assert list(tier) == [k] and torch.equal(tier.get(k), page(1))
+    assert (tier.stats().num_stored, tier.stats().num_dropped) == (1, 1)
+    tier.check()
+
+
+@pytest.mark.parametrize("kind", TIERS)
+@pytest.mark.parametrize(("namespace", "shape", "dtype", "error", "message"), [
+    ("ns", (2, 2, PS, 1, 2), "float32", TypeError,
+     "dtype must be a torch.dtype, got str 'float32'"),
+    ("ns", (2, 2, PS, 1, 2), None, TypeError, "dtype must be a torch.dtype, got NoneType"),
+    ("ns", (2, -2, PS, 1, 2), torch.float32, ValueError,
+     r"page_shape sizes must be in \[1, \d+\], got -2"),
+    ("ns", (2, 0, PS, 1, 2), torch.float32, ValueError,
+     r"page_shape sizes must be in \[1, \d+\], got 0"),
+    ("ns", (2, 2.0, PS, 1, 2), torch.float32, TypeError,
+     "page_shape sizes must be an int, got float 2.0"),
+    ("ns", 8, torch.float32, TypeError, "page_shape must be a sequence of ints, got int 8"),
+    (123, (2, 2, PS, 1, 2), torch.float32, TypeError, "namespace must be a str, got int 123"),
+])
+def test_bind_refuses_a_bad_namespace_shape_or_dtype_and_stays_unbound(
+        kind, namespace, shape, dtype, error, message, tmp_path):
+    tier = TIERS[kind](tmp_path)
+    with pytest.raises(error, match=message):
+        tier.bind(namespace, shape, dtype)
+    assert tier.namespace is None
+    bound(tier).put(keys(1)[0], page(1))  # still binds, then stores
+    assert torch.equal(tier.get(keys(1)[0]), page(1))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works with CUDA")
 def test_pin_memory_needs_cuda():
     with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):

@@ -83,7 +83,19 @@ class Tier(ABC):
 
     def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
         """Fix what this tier stores: pages of `namespace`, shaped `page_shape`, of `dtype`.
-        Binding again to the same is allowed; to anything else raises ValueError."""
+        Binding again to the same is allowed; to anything else raises ValueError. TypeError
+        for a namespace that is not a str, a dtype that is not a torch.dtype or a page_shape
+        that is not a sequence of ints, ValueError for a size below 1: nothing changed."""
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, got {type(namespace).__name__} "
+                            f"{namespace!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        if not isinstance(page_shape, Sequence):
+            raise TypeError(f"page_shape must be a sequence of ints, got "
+                            f"{type(page_shape).__name__} {page_shape!r}")
+        for size in page_shape:
+            check_int64("page_shape sizes", size, 1)
         wanted = (namespace, tuple(page_shape), dtype)
         if self.namespace is None:
             self._open(*wanted)
@@ -97,7 +109,10 @@ class Tier(ABC):
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """Store one page's data under `key` (replacing what its chain key held), dropping
         the least recently used page if the tier is full. ValueError for data of another
-        shape or dtype, OSError if the storage fails; the index stays consistent."""
+        shape or dtype, OSError if the storage fails; the index stays consistent. TypeError
+        for a key that is not a PageKey or data that is not a tensor, ValueError for a key
+        whose chain key is not that of its parent key and token ids: nothing changed."""
+        self._check_key(key)
         self._check_page(data)
         victim = self._keys.get(key.chain_key)  # the page it replaces, or the coldest
         full = victim is None and len(self._keys) >= self.capacity_pages
@@ -112,17 +127,30 @@ class Tier(ABC):
         self._keys[key.chain_key] = key
         self._counts.num_stored += 1
 
+    def _check_key(self, key: PageKey) -> None:
+        """TypeError unless `key` is a PageKey, ValueError unless its chain key is that of its
+        parent key and token ids (filed under another, the index would be inconsistent)."""
+        if type(key) is not PageKey:
+            raise TypeError(f"tier keys must be PageKeys, got {type(key).__name__} {key!r}")
+        if key.chain_key != chain_key(key.parent_key, key.token_ids):
+            raise ValueError(f"{key} does not hold the chain key of its parent key and token "
+                             f"ids")
+
     def _check_page(self, data: torch.Tensor) -> None:
-        """ValueError unless the tier is bound and `data` is one of its pages."""
+        """ValueError unless the tier is bound and `data` is one of its pages (TypeError for
+        data that is not a tensor)."""
         if self.namespace is None:
             raise ValueError("bind the tier to a namespace before storing pages")
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"tier pages must be tensors, got {type(data).__name__}")
         if tuple(data.shape) != self.page_shape or data.dtype != self.dtype:
             raise ValueError(f"tier pages are shaped {self.page_shape} ({self.dtype}), "
                              f"got {tuple(data.shape)} ({data.dtype})")
 
     def store(self, key: PageKey, data: torch.Tensor) -> bool:
         """`put` that never raises, for eviction, which must not fail: a page the tier cannot
-        keep is dropped and counted. Returns whether it was stored."""
+        keep, or one `put` refuses (a bad key included), is dropped and counted. Returns
+        whether it was stored."""
         try:
             self.put(key, data)
         except Exception:  # noqa: BLE001 - any failure of a store is a dropped page
@@ -132,7 +160,8 @@ class Tier(ABC):
 
     def get(self, key: PageKey) -> torch.Tensor | None:
         """A copy of the page stored under `key`, now the most recently used; None (a miss)
-        if the tier holds none for this exact prefix or cannot read it. Never raises."""
+        if the tier holds none for this exact prefix or cannot read it, or `key` is not a
+        PageKey. Never raises."""
         if key in self:
             data = self._read(key)
             if data is not None:
@@ -145,8 +174,9 @@ class Tier(ABC):
         return None
 
     def __contains__(self, key: PageKey) -> bool:
-        """Whether the tier holds a page for exactly this prefix."""
-        return self._keys.get(key.chain_key) == key
+        """Whether the tier holds a page for exactly this prefix (False for a key that is
+        not a PageKey)."""
+        return type(key) is PageKey and self._keys.get(key.chain_key) == key
 
     def __len__(self) -> int:
         """Pages held."""
