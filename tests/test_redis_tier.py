@@ -24,8 +24,10 @@ if shutil.which("redis-server") is None:
 import redis  # noqa: E402
 
 from kvpool import LLM, RedisTier, SamplingParams  # noqa: E402
+from kvpool.cache.redis_tier import RedisUnavailable  # noqa: E402
 from kvpool.cache.tiers import ROOT_KEY, PageKey, page_record  # noqa: E402
 from kvpool.engine.config import EngineConfig  # noqa: E402
+from kvpool.errors import KVPoolError  # noqa: E402
 
 PS = 4
 SHAPE = (2, 2, PS, 1, 2)  # one page: [num_layers, 2, page_size, kv_heads, head_dim]
@@ -213,6 +215,37 @@ def test_unreachable_address_times_out():
 def test_bad_redis_url_is_refused():
     with pytest.raises(ValueError, match="Redis URL"):
         RedisTier("http://localhost")
+    with pytest.raises(TypeError, match="url must be a str, got NoneType None"):
+        RedisTier(None)
+
+
+@pytest.mark.parametrize("name", ["timeout", "retry_interval"])
+@pytest.mark.parametrize(("value", "error"), [
+    (float("nan"), ValueError), (float("inf"), ValueError), (1e300, ValueError),
+    (0, ValueError), (-1.0, ValueError), ("1", TypeError), (True, TypeError),
+])
+def test_a_timeout_or_retry_interval_that_is_not_seconds_up_to_a_year_is_refused(name, value,
+                                                                                error):
+    with pytest.raises(error, match=f"{name} must be a number of seconds"):
+        RedisTier("redis://127.0.0.1:1/0", **{name: value})
+
+
+def test_redis_unavailable_is_a_kvpool_error_and_a_connection_error():
+    assert issubclass(RedisUnavailable, KVPoolError)
+    assert issubclass(RedisUnavailable, ConnectionError)
+
+
+@pytest.mark.parametrize("capacity_bytes", [None, 1 << 20])
+def test_a_key_that_is_not_a_page_key_is_a_miss_and_put_refuses_it(server, capacity_bytes,
+                                                                    device):
+    tier = bound(RedisTier(server.url, capacity_bytes=capacity_bytes))
+    assert tier.get(None) is None and (1, 2) not in tier
+    assert tier.stats().num_misses == 1
+    with pytest.raises(TypeError, match=r"tier keys must be PageKeys, got tuple \(1, 2\)"):
+        tier.put((1, 2), page(1, device))
+    with pytest.raises(ValueError, match="does not hold the chain key"):
+        tier.put(PageKey(5, ROOT_KEY, KEY.token_ids), page(1, device))
+    assert server.client.dbsize() == 0 and tier.stats().num_stored == 0
 
 
 # ---- tiers in the engine -----------------------------------------------------------------

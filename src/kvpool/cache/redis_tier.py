@@ -14,13 +14,14 @@ import time
 import torch
 
 from kvpool.cache.tiers import PageKey, Tier, namespace_tag, page_record
-from kvpool.numeric import check_int64
+from kvpool.errors import KVPoolError
+from kvpool.numeric import check_int64, check_seconds
 
 KEY_PREFIX = "kvpool:page"
 UNBOUNDED = 2**62  # capacity_pages when Redis's own maxmemory is the only bound
 
 
-class RedisUnavailable(ConnectionError):
+class RedisUnavailable(KVPoolError, ConnectionError):
     """Redis failed recently; the tier does not try again before its retry interval."""
 
 
@@ -31,8 +32,8 @@ class RedisTier(Tier):
     deletion failed stays counted, deleted at a later eviction). None: the server's
     `maxmemory` policy bounds the pages, unseen by the tier, which then keeps no index of them
     (`len` 0). `namespace` prefixes the keys, to separate deployments on one server.
-    `timeout`: seconds per call. `get` finds any engine's pages. `put` raises
-    redis.RedisError (or RedisUnavailable) when Redis fails."""
+    `timeout`: seconds per call; it and `retry_interval` lie in (0, a year]. `get` finds any
+    engine's pages. `put` raises redis.RedisError (or RedisUnavailable) when Redis fails."""
 
     def __init__(self, url: str, capacity_bytes: int | None = None, namespace: str | None = None,
                  *, timeout: float = 0.25, retry_interval: float = 1.0):
@@ -43,13 +44,14 @@ class RedisTier(Tier):
         except ImportError:
             raise ImportError("RedisTier needs the redis client: pip install 'kvpool[redis]'") \
                 from None
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a str, got {type(url).__name__} {url!r}")
         if capacity_bytes is not None:
             check_int64("capacity_bytes", capacity_bytes, 1)
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str or None, got {type(namespace).__name__}")
-        for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        timeout = check_seconds("timeout", timeout)
+        retry_interval = check_seconds("retry_interval", retry_interval)
         super().__init__(UNBOUNDED)
         try:
             self.client = redis.Redis.from_url(
@@ -75,13 +77,18 @@ class RedisTier(Tier):
         if self.capacity_bytes is not None:
             super().put(key, data)
             return
+        self._check_key(key)
         self._check_page(data)
         self._write(key, data)
         self._counts.num_stored += 1
 
     def get(self, key: PageKey) -> torch.Tensor | None:
         """A copy of the page another engine or this one stored under `key`, or None (a miss:
-        never stored, evicted by Redis, unreadable, or Redis unavailable). Never raises."""
+        never stored, evicted by Redis, unreadable, Redis unavailable, or `key` not a
+        PageKey). Never raises."""
+        if type(key) is not PageKey:
+            self._counts.num_misses += 1
+            return None
         try:
             data = self._read(key)
         except (self._redis_error, ConnectionError):
@@ -99,7 +106,10 @@ class RedisTier(Tier):
 
     def __contains__(self, key: PageKey) -> bool:
         """Whether the server holds a readable page for exactly this prefix (a value that
-        fails its checks is deleted and counted, as on load)."""
+        fails its checks is deleted and counted, as on load); False for a key that is not a
+        PageKey."""
+        if type(key) is not PageKey:
+            return False
         try:
             return self._read(key) is not None
         except (self._redis_error, ConnectionError):
