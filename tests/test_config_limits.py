@@ -142,3 +142,8 @@ def test_a_step_no_memory_can_hold_is_out_of_memory_naming_the_workspace(option)
 def test_cache_and_activation_sizes_past_int64_are_refused_by_name(make):
     with pytest.raises(ValueError, match=f"must be in \\[1, {2**63 - 1}\\], got {2**63}"):
         make(2**63)
+
+
+def test_a_state_spec_needs_a_mamba_layout():
+    with pytest.raises(TypeError, match="layout must be a MambaLayout, got str"):
+        StateSpec("x", 4)

@@ -38,6 +38,8 @@ class StateSpec:
     track_interval: int = 256
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layout, MambaLayout):
+            raise TypeError(f"layout must be a MambaLayout, got {type(self.layout).__name__}")
         check_int64("num_state_slots", self.num_slots, 1)
         check_int64("num_checkpoint_slots", self.num_checkpoint_slots, 0)
         check_int64("checkpoint_interval", self.checkpoint_interval, 1)
