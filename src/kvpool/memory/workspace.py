@@ -52,12 +52,8 @@ class Workspace:
         not a torch.dtype, ValueError for a negative size."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
-        if not isinstance(shape, tuple) or any(isinstance(n, bool) or not isinstance(n, int)
-                                               for n in shape):
-            raise TypeError(f"shape must be a tuple of ints, got {type(shape).__name__} "
-                            f"{shape!r}")
-        if any(n < 0 for n in shape):
-            raise ValueError(f"shape must be ints >= 0, got {shape!r}")
+        if not isinstance(shape, tuple) or any(type(n) is not int or n < 0 for n in shape):
+            _check_shape(shape)
         size = math.prod(shape) * dtype.itemsize
         start = -(-self.used // ALIGNMENT) * ALIGNMENT
         if start + size > self.nbytes:
@@ -93,3 +89,13 @@ class Workspace:
             f"peak {self.peak} below used {self.used} or above {self.nbytes}")
         assert self.num_allocs > 0 or self.used == 0, (
             f"no allocation but {self.used} bytes used")
+
+
+def _check_shape(shape: object) -> None:
+    """TypeError unless `shape` is a tuple (or torch.Size) of ints, ValueError for a negative
+    one (what `alloc`'s one-pass test of plain ints did not let through)."""
+    if not isinstance(shape, tuple) or any(isinstance(n, bool) or not isinstance(n, int)
+                                           for n in shape):
+        raise TypeError(f"shape must be a tuple of ints, got {type(shape).__name__} {shape!r}")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"shape must be ints >= 0, got {shape!r}")
