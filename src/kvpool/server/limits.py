@@ -52,14 +52,18 @@ async def read_json(request: Request, limits: ServerLimits) -> object:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(limits.body_timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise _too_large(size, limit)
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), limits.body_timeout)
+    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
         raise RequestError(f"the request body did not arrive within {limits.body_timeout:g} s",
                            status=408, code="request_timeout") from None
     except ClientDisconnect:
