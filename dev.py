@@ -23,7 +23,8 @@ VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / ".kvpool-installed"
-# A CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
+# The torch the tests are run with: the CPU build where an index configured for pip offers
+# one (`2.13.0+cpu` satisfies it), else the index's build (on PyPI for Linux, the CUDA one).
 TORCH = "torch==2.13.0"
 # kvpool's extras in .venv: the tests', and matplotlib so that `bench` writes its plot.
 EXTRAS = "test,plot"
