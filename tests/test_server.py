@@ -411,7 +411,8 @@ def test_bench_url_reports_a_refusal_on_one_line(server, capsys):
 
 
 def test_bench_url_sends_the_bench_workload_through_the_server(server, capsys):
-    argv = ["bench", "--url", server.url, "--num-requests", "8", "--prompt-len", "16",
+    # the API root, as `kvpool serve` prints it (test_server_limits.py passes the server's)
+    argv = ["bench", "--url", f"{server.url}/v1/", "--num-requests", "8", "--prompt-len", "16",
             "--output-len", "8"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()

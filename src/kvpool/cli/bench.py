@@ -367,8 +367,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tensor_parallel_argument(parser)
     parser.add_argument("--url", metavar="URL",
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
-                             "http://127.0.0.1:8000) through HTTP streaming instead; the "
-                             "engine options are the server's then")
+                             "http://127.0.0.1:8000, or its API root .../v1) through HTTP "
+                             "streaming instead; the engine options are the server's then")
     parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVPOOL_API_KEY"),
                         help="with --url: the server's API key (default: $KVPOOL_API_KEY)")
     plot = parser.add_mutually_exclusive_group()

@@ -41,9 +41,11 @@ def run_client(coroutine):
 
 def session(url: str, api_key: str | None = None) -> aiohttp.ClientSession:
     """A client session for the server at `url` (under a path too, as behind a proxy), with
-    `api_key` as its bearer token: no limit on connections, no timeout."""
+    `api_key` as its bearer token: no limit on connections, no timeout. A URL of the API's
+    root (`.../v1`, as `kvpool serve` prints it and OpenAI clients take it) names its server."""
     headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-    return aiohttp.ClientSession(url.rstrip("/") + "/", connector=aiohttp.TCPConnector(limit=0),
+    base = url.rstrip("/").removesuffix("/v1")
+    return aiohttp.ClientSession(base + "/", connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=None), headers=headers)
 
 
