@@ -138,6 +138,24 @@ def test_bench_with_a_host_tier_counts_its_pages(capsys):
     assert table["prefix hit rate"].endswith("looked-up prompt tokens)")
 
 
+def test_bench_with_fp8_pages_in_a_tier_takes_the_scales_given(capsys):
+    """fp8 pages in a tier need scales given (a cache's first prefill would calibrate others
+    than its peers'): --kv-scales gives them, one pair for every layer."""
+    fp8_tier = [*SMALL, "--num-pages", "20", "--host-tier-memory", "4MiB", "--no-plot",
+                "--kv-cache-dtype", "fp8_e4m3"]
+    assert main(["bench", *fp8_tier]) == 2
+    assert "fp8 pages in a tier need kv_scales given" in capsys.readouterr().err
+    table = bench_table(capsys, *fp8_tier, "--kv-scales", "0.02,0.03")
+    assert number(table["tier pages"]) > 0  # stored
+    assert main(["bench", *fp8_tier, "--kv-scales", "0.02"]) == 2  # one number: MLA only
+    assert "must be a (k_scale, v_scale) pair, got 0.02" in capsys.readouterr().err
+    for bad in ("0.02,0.03,1", "k,v"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", *fp8_tier, "--kv-scales", bad])
+        assert exit_.value.code == 2
+        assert f"expected K,V (two numbers) or one number, got '{bad}'" in capsys.readouterr().err
+
+
 def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
     assert main(["bench", "--model", "no/such/folder", "--no-plot"]) == 2
     # eager: on CUDA the graph capture would draw its progress bar on stderr first

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.errors import check_int
 from kvpool.formats import format_bytes, format_table
-from kvpool.memory.fp8 import KV_CACHE_DTYPES
 
 DEFAULT_NUM_REQUESTS = 200
 # Small enough that the default workload's peak demand exceeds it (and preempts).
@@ -353,9 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"workload's peak demand, so it preempts)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn the prefix cache off")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages with "
-                             "per-layer scales from the first prefill; default: auto)")
+    add_kv_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, metavar="N",
                         help="running sequences at most (default: the engine's)")
     parser.add_argument("--max-num-batched-tokens", type=int, metavar="TOKENS",
@@ -392,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
                "max_num_batched_tokens": args.max_num_batched_tokens, **step_options(args)}
     llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages,
               prefix_caching=not args.no_prefix_caching, seed=args.seed,
-              kv_cache_dtype=args.kv_cache_dtype, **tier_options(args),
+              **kv_options(args), **tier_options(args),
               tensor_parallel_size=args.tensor_parallel_size,
               **{name: value for name, value in options.items() if value is not None})
     with llm:

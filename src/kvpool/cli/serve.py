@@ -22,11 +22,11 @@ import signal
 import socket
 import sys
 
+from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, byte_size, tier_options
 from kvpool.formats import DTYPES
-from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.server import INSTALL_HINT, missing_modules
 
 DEFAULT_MAX_WAITING = 1024
@@ -63,9 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tensor_parallel_argument(parser)
     parser.add_argument("--dtype", choices=list(DTYPES), help="weights and KV dtype "
                                                         "(default: the checkpoint's)")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages with "
-                             "per-layer scales from the first prefill; default: auto)")
+    add_kv_arguments(parser)
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds requests that bring no seed (default: 0)")
@@ -133,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                "dtype": DTYPES.get(args.dtype),
                "device": args.device, **step_options(args)}
     options = {"page_size": args.page_size, "prefix_caching": not args.no_prefix_caching,
-               "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
+               "seed": args.seed, **kv_options(args),
                "tensor_parallel_size": args.tensor_parallel_size,
                **{k: v for k, v in options.items() if v is not None}}
     if args.disaggregated and args.tensor_parallel_size > 1:
