@@ -1,5 +1,5 @@
-"""The flags of `kvpool bench` and `serve` that choose the KV pages' dtype: --kv-cache-dtype
-and --kv-scales (LLM's kv_cache_dtype and kv_scales)."""
+"""The flags of `kvpool bench`, `generate`, `chat` and `serve` that choose the KV pages'
+dtype: --kv-cache-dtype and --kv-scales (LLM's kv_cache_dtype and kv_scales)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvpool.cli import bench, serve
+from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
@@ -125,6 +126,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user turn in the model's chat template")
+    add_kv_arguments(parser)
     add_step_arguments(parser)
     add_tensor_parallel_argument(parser)
 
@@ -134,7 +136,7 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     with LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-             **step_options(args)) as llm:
+             **kv_options(args), **step_options(args)) as llm:
         llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
                         params)
         shown = ""

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import TextIO
 
+from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
@@ -30,6 +31,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 is greedy (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    add_kv_arguments(parser)
     add_tier_arguments(parser)
     add_step_arguments(parser)
     add_tensor_parallel_argument(parser)
@@ -68,7 +70,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     llm = LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-              **tier_options(args), **step_options(args))
+              **kv_options(args), **tier_options(args), **step_options(args))
     text_tokenizer = tokenizer(llm)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     opening = [ChatMessage("system", args.system)] if args.system else []
