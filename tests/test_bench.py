@@ -229,6 +229,18 @@ def test_generate_streams_the_same_text_as_the_engine(capsys):
     assert all(c.isprintable() for c in out[:-1])
 
 
+def test_generate_on_fp8_pages_streams_the_engines_text_under_the_scales_given(capsys):
+    fp8 = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": (0.02, 0.03)}
+    assert main(["generate", "--model", "tiny", "Hello", "--max-tokens", "12",
+                 "--temperature", "0", "--kv-cache-dtype", "fp8_e4m3",
+                 "--kv-scales", "0.02,0.03"]) == 0
+    params = SamplingParams(max_tokens=12, temperature=0)
+    with LLM("tiny", num_pages=8, **fp8) as llm:
+        text = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].text
+        assert llm.cache.pool.kv_scales(0) == pytest.approx((0.02, 0.03))
+    assert capsys.readouterr().out == text.translate(CONTROL_PICTURES) + "\n"
+
+
 def test_generate_bad_model_is_one_line_with_exit_2(capsys):
     assert main(["generate", "--model", "no/such/folder", "Hi"]) == 2
     assert capsys.readouterr().err.startswith("kvpool generate: error: no config at")
