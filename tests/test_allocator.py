@@ -536,6 +536,44 @@ def test_check_names_a_first_fit_bucket_out_of_order():
         allocator.check()
 
 
+def test_check_names_a_first_fit_id_in_another_bucket():
+    allocator = PageAllocator(200, policy="first_fit")
+    allocator._free._buckets[1].remove(70)
+    allocator._free._buckets[0].append(70)
+    with pytest.raises(AssertionError, match="bucket 0 holds ids of another bucket"):
+        allocator.check()
+
+
+def test_check_names_a_first_fit_bucket_heap_out_of_heap_order():
+    allocator = PageAllocator(200, policy="first_fit")
+    allocator._free._nonempty[:] = [3, 0, 1, 2]
+    with pytest.raises(AssertionError, match="the bucket heap is not a heap"):
+        allocator.check()
+
+
+def test_check_names_a_first_fit_size_that_does_not_match_the_buckets():
+    allocator = PageAllocator(200, policy="first_fit")
+    allocator._free._size += 1
+    with pytest.raises(AssertionError, match="size 201 does not match the buckets"):
+        allocator.check()
+
+
+def test_check_names_a_cached_page_whose_back_link_is_wrong():
+    allocator = cached_allocator()
+    allocator._prev[1] = allocator.num_pages
+    with pytest.raises(AssertionError, match="the cached queue's links break at page 1"):
+        allocator.check()
+
+
+def test_check_names_a_peak_above_the_pages_ever_allocated():
+    allocator = PageAllocator(4)
+    allocator.allocate(2)
+    allocator._fewest_unused = 1
+    with pytest.raises(AssertionError, match=r"peak_used 3 not between num_used 2 and "
+                                             r"min\(num_pages, num_allocated\) 2"):
+        allocator.check()
+
+
 # ---- thread_safe=False --------------------------------------------------------------------
 
 
@@ -598,6 +636,31 @@ def test_an_on_evict_that_raises_leaves_the_evicted_pages_free(policy):
     allocator.check()
     allocator.on_evict = None
     assert sorted(allocator.allocate(6)) == list(range(6))
+
+
+def test_lifo_after_an_allocation_that_on_evict_failed_hands_out_the_same_ids_next():
+    allocator = PageAllocator(8)
+    pages = allocator.allocate(6)
+    allocator.mark_cached(pages[:1])
+    allocator.free(pages)  # free, the top of the stack first: 5, 4, 3, 2, 1, 6, 7; 0 cached
+
+    def broken(evicted):
+        raise RuntimeError("listener failed")
+
+    allocator.on_evict = broken
+    with pytest.raises(RuntimeError, match="listener failed"):
+        allocator.allocate(8)  # the 7 free pages, then 1 eviction
+    allocator.on_evict = None
+    assert allocator.allocate(7) == [5, 4, 3, 2, 1, 6, 7]
+
+
+def test_evicting_nothing_does_not_call_on_evict():
+    allocator = cached_allocator()
+    calls = []
+    allocator.on_evict = calls.append
+    assert allocator.evict(0) == [] and calls == []
+    assert allocator.evict(3) == [2, 1, 0] and calls == [[2, 1, 0]]
+    assert allocator.evict(3) == [] and calls == [[2, 1, 0]]  # none cached
 
 
 def test_sharing_a_cached_page_takes_it_off_the_queue():

@@ -53,6 +53,11 @@ def test_num_pages_for_rounds_up_to_whole_pages(num_tokens, num_pages):
     assert KVLayout(2, 2, 64).num_pages_for(num_tokens) == num_pages
 
 
+def test_num_pages_for_refuses_a_negative_token_count():
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -5"):
+        KVLayout(2, 2, 64).num_pages_for(-5)
+
+
 # MLA: one latent plane
 
 
@@ -96,6 +101,11 @@ def test_groups_gather_layers_by_window_full_first_then_smallest_window():
 def test_layer_windows_must_name_every_layer():
     with pytest.raises(ValueError, match="layer_windows names 2 layers, the layout has 3"):
         KVLayout(3, 2, 64, layer_windows=(8, None))
+
+
+def test_layer_windows_must_be_a_tuple():
+    with pytest.raises(TypeError, match=r"layer_windows must be a tuple, got \[None, 8\]"):
+        KVLayout(2, 2, 64, layer_windows=[None, 8])
 
 
 def test_a_window_must_be_a_positive_token_count():

@@ -117,6 +117,15 @@ def test_out_of_range_page_ids_are_invalid_pages(device):
         pool.read_pages([-1])
 
 
+def test_page_calls_refuse_a_zero_dimensional_tensor_of_ids(device):
+    pool = make_pool(device=device)
+    pool.kv.fill_(1.0)
+    for call in (pool.read_pages, pool.scrub_pages):
+        with pytest.raises(ValueError, match=r"expected a flat list of page ids, got shape \(\)"):
+            call(torch.tensor(1))
+    assert pool.kv.eq(1.0).all()
+
+
 @pytest.mark.parametrize(("layer", "error"), [(None, TypeError), (True, TypeError),
                                              ([1], TypeError), (1.0, TypeError),
                                              (-1, ValueError), (3, ValueError),

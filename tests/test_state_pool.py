@@ -104,6 +104,24 @@ def test_copy_into_a_free_slot_is_refused(device):
         p.copy(p.allocate(), 3)
 
 
+def test_copy_slots_of_unequal_lengths_is_refused_copying_nothing(device):
+    p = pool(device=device)
+    p.conv[:, 0], p.ssm[:, 0] = 1.0, 2.0
+    conv, ssm = p.conv.clone(), p.ssm.clone()
+    with pytest.raises(ValueError, match="as many sources as destinations, got 1 and 2"):
+        p.copy_slots([0], [1, 2])
+    assert torch.equal(p.conv, conv) and torch.equal(p.ssm, ssm)
+
+
+def test_copy_slots_into_the_padding_slot_is_refused_naming_the_range(device):
+    p = pool(device=device)
+    p.conv[:, 0], p.ssm[:, 0] = 1.0, 2.0
+    conv, ssm = p.conv.clone(), p.ssm.clone()
+    with pytest.raises(IndexError, match=r"state slots must lie in \[0, 4\), got 4"):
+        p.copy_slots([0], [p.padding_slot])
+    assert torch.equal(p.conv, conv) and torch.equal(p.ssm, ssm)
+
+
 def test_layout_rejects_a_conv_kernel_below_two_and_a_shape_past_int64():
     with pytest.raises(ValueError, match="conv_kernel must be in \\[2, "):
         MambaLayout(1, 4, 1, 1, 1, 1)
@@ -152,8 +170,31 @@ def test_write_refuses_state_data_that_is_not_tensors(device):
     assert torch.equal(p.conv[:, slot], conv)
 
 
+def test_write_refuses_a_state_of_another_shape_even_one_that_broadcasts(device):
+    p = pool(device=device)
+    slot = p.allocate()
+    conv, ssm = p.read(slot)
+    with pytest.raises(ValueError, match=r"a conv state of shape \(3, 10, 3\) was expected, "
+                                         r"got \(3, 10, 1\)"):
+        p.write(slot, torch.ones(3, 10, 1, device=device), ssm)
+    with pytest.raises(ValueError, match=r"a ssm state of shape \(3, 2, 3, 5\) was expected, "
+                                         r"got \(3, 2, 1, 5\)"):
+        p.write(slot, conv, torch.ones(3, 2, 1, 5, device=device))
+    assert not p.conv.any() and not p.ssm.any()
+
+
+def test_read_returns_copies_that_leave_the_pool_unchanged(device):
+    p = pool(device=device)
+    slot = p.allocate()
+    conv, ssm = p.read(slot)
+    conv += 1
+    ssm += 1
+    assert not p.conv.any() and not p.ssm.any()
+
+
 class MambaPoolMachine(RuleBasedStateMachine):
-    """The model: the reference count of each held slot and the free slots as a stack."""
+    """The model: the reference count of each held slot, the free slots as a stack, and the
+    counters stats() reports."""
 
     def __init__(self):
         super().__init__()
@@ -161,6 +202,7 @@ class MambaPoolMachine(RuleBasedStateMachine):
         self.refs = {}
         self.free = list(range(5, -1, -1))
         self.failed = 0
+        self.allocated = self.freed = self.peak = 0
 
     @rule()
     def allocate(self):
@@ -172,6 +214,8 @@ class MambaPoolMachine(RuleBasedStateMachine):
         expected = self.free.pop()
         assert self.pool.allocate() == expected
         self.refs[expected] = 1
+        self.allocated += 1
+        self.peak = max(self.peak, len(self.refs))
 
     @precondition(lambda self: self.refs)
     @rule(data=st.data())
@@ -189,6 +233,7 @@ class MambaPoolMachine(RuleBasedStateMachine):
         if released:
             del self.refs[slot]
             self.free.append(slot)
+            self.freed += 1
         assert self.pool.free(slot) is released
 
     @rule(slot=st.integers(0, 5))
@@ -206,6 +251,8 @@ class MambaPoolMachine(RuleBasedStateMachine):
         stats = self.pool.stats()
         assert (stats.num_free, stats.num_used, stats.num_failed) == (
             len(self.free), len(self.refs), self.failed)
+        assert (stats.num_allocated, stats.num_freed, stats.peak_used) == (
+            self.allocated, self.freed, self.peak)
 
 
 TestMambaPoolMachine = MambaPoolMachine.TestCase

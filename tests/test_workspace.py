@@ -35,6 +35,15 @@ def test_reset_hands_the_same_memory_out_again(device):
     assert ws.used == 0 and ws.alloc((16,), torch.float16).data_ptr() == first
 
 
+def test_reset_zeroes_the_bytes_used_and_the_allocation_count(device):
+    ws = Workspace(1024, device=device)
+    ws.alloc((8,), torch.uint8)
+    ws.alloc((8,), torch.uint8)
+    ws.reset()
+    assert (ws.used, ws.num_allocs) == (0, 0)
+    ws.check()
+
+
 def test_the_buffer_is_allocated_once(device):
     ws = Workspace(1024, device=device)
     ptr = ws.buffer.data_ptr()
@@ -135,5 +144,15 @@ def test_scope_takes_back_what_was_allocated_inside_it(device):
     with workspace.scope():
         second = workspace.alloc((8,), torch.float32)
     assert first.data_ptr() == second.data_ptr() != kept.data_ptr()
+    assert workspace.used == 128 and workspace.num_allocs == 1
+    workspace.check()
+
+
+def test_scope_takes_back_what_was_allocated_inside_it_when_the_block_raises(device):
+    workspace = Workspace(4096, device=device)
+    workspace.alloc((16,), torch.int64)
+    with pytest.raises(RuntimeError, match="kernel failed"), workspace.scope():
+        workspace.alloc((512,), torch.uint8)
+        raise RuntimeError("kernel failed")
     assert workspace.used == 128 and workspace.num_allocs == 1
     workspace.check()
