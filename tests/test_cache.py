@@ -529,6 +529,18 @@ def test_a_last_token_appended_before_its_id_was_known_is_committed_with_its_id(
     cache.check()
 
 
+def test_set_last_token_of_a_sequence_holding_no_token_is_refused_and_changes_nothing(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", [])
+    with pytest.raises(ValueError, match="sequence 'a' holds no token"):
+        cache.set_last_token("a", 5)
+    assert cache.num_tokens("a") == 0
+    cache.check()  # its ids are still as long as its tokens: none
+    cache.append("a", token_ids=prompt(5))
+    cache.commit("a")
+    assert cache.prefix_hit(prompt(9)) == 4
+
+
 def test_prefix_match_never_covers_the_last_token(device):
     cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", prompt(8))
@@ -550,6 +562,19 @@ def test_a_different_token_ends_the_match(device):
     other = prompt(12)
     other[5] = 99
     assert cache.add_sequence("b", other) == 4
+
+
+def test_a_match_ends_at_the_first_different_page_of_a_run_though_later_pages_agree(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(12))  # one run of three pages
+    cache.commit("a")
+    cache.free_sequence("a")
+    other = prompt(13)
+    other[4:8] = [99] * 4  # the middle page differs, the third agrees again
+    assert cache.prefix_hit(other) == 4
+    assert cache.add_sequence("b", other) == 4
+    assert cache.pages("b")[:2] == [0, 3]  # page 1 holds the K/V of other tokens
+    cache.check()
 
 
 def test_appended_token_ids_extend_the_key(device):
@@ -606,6 +631,22 @@ def test_forked_child_holds_pages_its_parent_commits_later(device):
     assert cache.stats().num_cached_pages == 0  # b still holds them
     cache.free_sequence("b")
     assert cache.stats().num_cached_pages == 2
+    cache.check()
+
+
+def test_a_fork_grows_its_own_copy_of_its_parents_token_ids(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("p", prompt(4))
+    cache.append("p", token_ids=[100])  # the parent's ids are its own now, not the prompt's
+    cache.fork("p", "c")
+    cache.append("p", token_ids=[300, 301, 302])
+    cache.append("c", token_ids=[200, 201, 202])
+    cache.check()
+    cache.commit("c")
+    assert cache.prefix_hit([*prompt(4), 100, 200, 201, 202, 9]) == 8
+    assert cache.prefix_hit([*prompt(4), 100, 300, 301, 302, 9]) == 4
+    cache.commit("p")
+    assert cache.prefix_hit([*prompt(4), 100, 300, 301, 302, 9]) == 8
     cache.check()
 
 
@@ -938,6 +979,22 @@ def test_stats_count_shared_slots_once(device):
     assert s.kv_utilization == 6 / 8
 
 
+def test_kv_utilization_leaves_cached_pages_out(device):
+    cache = make_cache(prefix_caching=True, device=device)
+    cache.add_sequence("a", prompt(5))
+    cache.commit("a")
+    cache.free_sequence("a")  # page 0 stays cached
+    cache.add_sequence("b", [9] * 5)
+    s = cache.stats()
+    assert (s.num_used_pages, s.num_cached_pages, s.num_tokens) == (2, 1, 5)
+    assert s.kv_utilization == 5 / 8
+
+
+def test_a_fresh_cache_has_rates_of_0(device):
+    s = make_cache(prefix_caching=True, device=device).stats()
+    assert (s.prefix_query_tokens, s.prefix_hit_rate, s.kv_utilization) == (0, 0.0, 0.0)
+
+
 def test_page_counts_for_the_engine_agree_with_stats(device):
     cache = make_cache(prefix_caching=True, device=device)
     cache.add_sequence("a", token_ids=list(range(9)))
@@ -1032,10 +1089,18 @@ def test_the_prefix_index_refuses_bad_page_sizes_and_pages_and_changes_nothing()
                                      ([held[0], 5], 1, InvalidPage),  # free: nobody holds it
                                      ([held[0], "x"], 1, TypeError),
                                      ([-1, held[1]], 1, ValueError),
-                                     ([held[1], held[0]], 1, ValueError),  # not at depth 1
                                      (held, -1, ValueError), (held, 3, ValueError)):
         with pytest.raises(error):
             index.insert(pack_tokens([1, 2, 9, 9]), pages, num_cached)
+        allocator.check()
+        index.check()
+        assert index.num_pages == 2 and index.num_nodes == 1
+    spare = allocator.allocate(1)
+    for pages in ([held[1], held[0]], [held[1], *spare]):  # held[1] is at depth 2, not 1
+        with pytest.raises(ValueError, match=rf"page {held[1]}, the last of the first 1 "
+                                             r"\(num_cached\), is not page 0 of a path in "
+                                             r"the tree"):
+            index.insert(pack_tokens([1, 2, 9, 9]), pages, 1)
         allocator.check()
         index.check()
         assert index.num_pages == 2 and index.num_nodes == 1

@@ -58,6 +58,18 @@ def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_19
     c.check()
 
 
+def test_a_checkpoint_past_the_kv_match_is_not_restored(device):
+    """The same prompt again: its KV match stops short of the last token (112 of 128), so
+    the checkpoint after all 128 tokens is out of reach and the one at 64 serves."""
+    c = cache(device=device)
+    tokens = list(range(128))
+    made, _ = cached_then_freed(c, tokens)
+    assert made == [64, 128]
+    assert c.add_sequence("b", tokens) == 64
+    assert torch.all(c.states.ssm[:, c.state_slot("b")] == 64)
+    c.check()
+
+
 def test_tombstone_at_256_backs_off_to_the_checkpoint_at_192(device):
     c = cache(device=device)
     tokens = list(range(280))
@@ -89,6 +101,38 @@ def test_an_append_batch_of_no_tokens_keeps_the_checkpoints_for_the_commit(devic
     c.commit("a")
     c.free_sequence("a")
     assert c.add_sequence("b", list(range(131))) == 128
+    c.check()
+
+
+def test_an_append_of_unknown_ids_before_the_commit_releases_the_steps_checkpoints(device):
+    """Overlap scheduling appends a token before its id is known, between the step's
+    state_batch and its commit: the sequence's content is unknown from there on, so the
+    commit keeps none of the checkpoints reserved for it."""
+    c = cache(device=device)
+    c.add_sequence("a", list(range(130)))
+    batch = c.state_batch(["a"], [0], [130])
+    assert [r.num_tokens for r in batch.checkpoints] == [128]
+    c.append("a")
+    c.commit("a")
+    assert len(c.state.checkpoints) == 0 and c.state.checkpoints.held_slots() == []
+    c.check()
+    assert compute(c, "a", 130, 131) == []  # nor does it checkpoint again
+    c.check()
+
+
+def test_a_sequence_freed_between_state_batch_and_commit_releases_its_reservations(device):
+    c = cache(num_checkpoint_slots=2, device=device)
+    c.add_sequence("a", list(range(130)))
+    c.add_sequence("b", list(range(1000, 1070)))
+    batch = c.state_batch(["a", "b"], [0, 0], [130, 70])
+    assert [r.num_tokens for r in batch.checkpoints] == [128, 64]
+    c.free_sequence("a")  # its step aborted: the reservation for 128 goes back
+    assert sorted(c.state.checkpoints.held_slots()) == [batch.checkpoints[1].slot]
+    c.check()
+    c.commit("b")
+    c.free_sequence("b")
+    assert c.state.checkpoints.lengths() == [64]
+    assert c.states.num_free == c.states.num_slots - 1
     c.check()
 
 
@@ -161,6 +205,40 @@ def test_checkpoints_beyond_the_capacity_evict_the_least_recently_used(device):
     c.free_sequence("b")
     cached_then_freed(c, [1000 + t for t in range(70)], seq_id="c")  # its 64 evicts 192
     assert c.state.checkpoints.lengths() == [128, 64]
+    c.check()
+
+
+def test_one_prompt_prefilled_twice_in_one_step_keeps_one_checkpoint_slot(device):
+    c = cache(device=device)
+    tokens = list(range(130))
+    c.add_sequence("a", tokens)
+    c.add_sequence("b", tokens)
+    batch = c.state_batch(["a", "b"], [0, 0], [130, 130])
+    assert [r.num_tokens for r in batch.checkpoints] == [128, 128]
+    c.commit("a")
+    c.commit("b")  # the prefix has a checkpoint already: b's slot goes back
+    assert c.state.checkpoints.lengths() == [128]
+    assert c.state.checkpoints.held_slots() == [batch.checkpoints[0].slot]
+    c.check()
+
+
+def test_a_step_reserves_no_slot_for_a_checkpoint_another_sequence_committed(device):
+    c = cache(device=device)
+    tokens = list(range(130))
+    c.add_sequence("a", tokens)
+    c.add_sequence("b", tokens)  # before a's checkpoint: a hit of nothing
+    assert compute(c, "a", 0, 130) == [128]
+    assert compute(c, "b", 0, 130) == []
+    assert c.state.checkpoints.lengths() == [128]
+    c.check()
+
+
+def test_prefills_past_the_checkpoint_capacity_reserve_only_what_it_holds(device):
+    c = cache(num_checkpoint_slots=1, device=device)
+    c.add_sequence("a", list(range(130)))
+    c.add_sequence("b", list(range(1000, 1130)))
+    batch = c.state_batch(["a", "b"], [0, 0], [130, 130])
+    assert [(r.index, r.num_tokens) for r in batch.checkpoints] == [(0, 128)]
     c.check()
 
 

@@ -169,6 +169,9 @@ def test_plan_on_cpu_takes_the_fraction_of_total_ram_less_what_is_in_use(monkeyp
     plan = plan_memory(TINY, device="cpu", activation_bytes=0)
     assert (plan.device, plan.device_memory, plan.in_use_bytes) == ("cpu", 32 * GiB, 16 * GiB)
     assert plan.budget_bytes == int(32 * GiB * 0.9) - 16 * GiB - 2_952_448 * 4
+    # two tensor-parallel ranks on the CPU share the host: each plans in half of it
+    rank = plan_memory(TINY, device="cpu", activation_bytes=0, tensor_parallel_size=2)
+    assert (rank.device_memory, rank.in_use_bytes) == (16 * GiB, 8 * GiB)
 
 
 def test_host_memory_falls_back_to_the_os_page_counts_without_meminfo(monkeypatch, tmp_path):
@@ -192,8 +195,14 @@ def test_reserved_bytes_come_out_of_the_budget_and_are_named_when_it_is_short():
 
 
 def test_plan_reads_the_memory_of_the_device_it_is_given(device):
+    cpu = device.type == "cpu"
     plan = plan_memory(TINY, device=device)
     assert plan.device == str(device) and plan.device_memory > 0
+    if cpu:
+        assert plan.device_memory == planner.host_memory()[0]
+    # ranks on the CPU share the host's memory; on CUDA each rank has a device of its own
+    rank = plan_memory(TINY, device=device, tensor_parallel_size=2)
+    assert rank.device_memory == (plan.device_memory // 2 if cpu else plan.device_memory)
 
 
 def test_plan_needs_device_memory_or_a_device_to_read_it_from():
@@ -262,6 +271,12 @@ def test_plan_takes_any_model_geometry():
     assert (plan.weight_bytes, plan.activation_bytes) == (4000, 2048 * 4)
     assert plan.budget_bytes == 20_000 - 4000 - 8192 == 7808
     assert plan.num_pages == 7808 // 512 - 1 == 14  # and the reserved page
+
+
+def test_a_rank_plans_for_its_share_of_the_parameters_rounded_up():
+    layout = KVLayout(2, 1, 8, torch.float32, 4)
+    plan = plan_memory(Geometry(layout, 1001), 20_000, tensor_parallel_size=2)
+    assert plan.weight_bytes == 501 * 4
 
 
 @pytest.mark.parametrize("source", ["Llama-3-8B", Path("config.json"), dict(SMALL), None])
@@ -385,6 +400,13 @@ def test_an_all_windowed_model_plans_one_pool():
     assert plan_memory(MISTRAL, 24 * GiB).groups == ()
 
 
+def test_a_model_of_windows_of_different_widths_counts_the_widest_per_sequence():
+    layout = KVLayout(2, 1, 8, torch.float32, 16, layer_windows=(4, 64))
+    plan = plan_memory(Geometry(layout, 1000), 10**6, memory_fraction=1.0)
+    assert plan.window == 64
+    assert plan.pages_per_sequence(1000) == 64 // 16 + 1
+
+
 def test_an_all_windowed_model_counts_a_window_of_pages_per_sequence_unless_it_keeps_them():
     given_back = plan_memory(MISTRAL, 24 * GiB)
     kept = plan_memory(MISTRAL, 24 * GiB, free_out_of_window=False)
@@ -432,3 +454,12 @@ def test_a_hybrid_whose_state_slots_leave_no_page_says_so():
     assert plan.num_pages == 0 and plan.num_state_slots == 49
     assert plan.reason.startswith(f"the {exact_bytes(plan.budget_bytes - plan.state_bytes)} "
                                   f"left for the KV cache after 49 state slots")
+
+
+def test_a_hybrid_with_nothing_left_for_the_cache_says_no_state_slot_fits():
+    bamba = ModelConfig.from_hf("Bamba-9B")
+    first = plan_memory(bamba, 40 * GiB, memory_fraction=1.0)
+    plan = plan_memory(bamba, 40 * GiB - first.budget_bytes, memory_fraction=1.0)
+    assert (plan.budget_bytes, plan.num_state_slots, plan.num_pages) == (0, 0, 0)
+    assert plan.reason == ("50% of the 0 B left for the cache is less than one state slot of "
+                           "62,287,360 B (59.40 MiB) and the reserved one")

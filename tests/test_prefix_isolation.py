@@ -110,13 +110,29 @@ def test_a_grouped_cache_salts_every_group(device):
     cache.check()
 
 
-def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(device):
+def make_hybrid_cache(device) -> KVCache:
+    """A hybrid cache checkpointing every page (PROMPT: a checkpoint after 8 tokens)."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                       page_size=PS)
     states = MambaLayout(num_layers=1, conv_dim=2, conv_kernel=2, num_heads=1, head_dim=2,
                          state_size=2, dtype=torch.float32)
-    cache = hybrid_cache(layout, 16, states, 2, device=device, prefix_caching=True,
+    return hybrid_cache(layout, 16, states, 2, device=device, prefix_caching=True,
                         num_checkpoint_slots=2, checkpoint_interval=PS, track_interval=PS)
+
+
+def prefill(cache, seq_id, salt=None) -> int:
+    """Add PROMPT, compute it in one step (reserving its checkpoints), commit and free it;
+    returns the checkpoints the step reserved."""
+    cache.add_sequence(seq_id, PROMPT, cache_salt=salt)
+    batch = cache.state_batch([seq_id], [0], [len(PROMPT)])
+    cache.commit(seq_id)
+    cache.free_sequence(seq_id)
+    cache.check()
+    return len(batch.checkpoints)
+
+
+def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(device):
+    cache = make_hybrid_cache(device)
     assert cache.add_sequence("a", PROMPT, cache_salt="alice") == 0
     cache.commit("a")
     pages = cache.pages("a")
@@ -126,6 +142,26 @@ def test_a_salted_hybrid_sequence_shares_kv_of_its_salt_and_uses_no_checkpoint(d
     assert cache.pages("b")[:8 // PS] == pages[:8 // PS]  # but the salt's KV pages shared
     assert cache.add_sequence("c", PROMPT) == 0
     assert set(cache.pages("c")).isdisjoint(pages)
+    cache.check()
+
+
+def test_a_salted_hybrid_sequence_is_not_served_a_checkpoint_of_the_same_content(device):
+    cache = make_hybrid_cache(device)
+    assert prefill(cache, "u") == 1  # an unsalted checkpoint after 8 tokens
+    assert prefill(cache, "a1", "alice") == 0  # alice's own KV pages of the prompt
+    assert cache.prefix_hit(PROMPT, cache_salt="alice") == 0
+    assert cache.add_sequence("a2", PROMPT, cache_salt="alice") == 0
+    cache.check()
+
+
+def test_a_salted_hybrid_sequence_makes_no_checkpoint_over_unsalted_pages_of_its_prompt(device):
+    cache = make_hybrid_cache(device)
+    cache.add_sequence("u", PROMPT)  # unsalted KV pages of the prompt, no checkpoint
+    cache.commit("u")
+    cache.free_sequence("u")
+    assert prefill(cache, "a", "alice") == 0
+    assert len(cache.state.checkpoints) == 0
+    assert cache.add_sequence("u2", PROMPT) == 0
     cache.check()
 
 

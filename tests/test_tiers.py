@@ -477,6 +477,18 @@ def test_disk_tier_reopened_smaller_drops_the_least_recently_used(tmp_path):
     assert page_files(tmp_path) == sorted(tier.path(x).name for x in (k[0], k[2]))
 
 
+def test_disk_tier_reopened_removes_a_page_file_named_for_another_key(tmp_path):
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(2)
+    tier.put(k[0], page(0))
+    shutil.copy(tier.path(k[0]), tier.path(k[1]))  # k[0]'s record under k[1]'s name
+    again = bound(DiskTier(tmp_path, 4))
+    assert list(again) == [k[0]] and page_files(tmp_path) == [tier.path(k[0]).name]
+    assert again.stats().num_corrupt == 1
+    assert torch.equal(again.get(k[0]), page(0))
+    again.check()
+
+
 def test_damaged_disk_page_is_a_miss_and_forgotten(tmp_path):
     tier = bound(DiskTier(tmp_path, 4))
     k = keys(1)[0]

@@ -42,6 +42,38 @@ def test_an_append_gives_back_exactly_the_pages_before_its_first_tokens_window(d
     assert len(held(c, "a")) == 4
 
 
+def test_stats_count_only_the_tokens_of_pages_still_held(device):
+    c = cache(device=device)
+    c.add_sequence("a", num_tokens=20)
+    c.append("a", 6)  # pages 0-2 go back: 14 of the 26 tokens are in the 4 pages held
+    s = c.stats()
+    assert (s.num_used_pages, s.num_tokens) == (4, 14)
+    assert s.kv_utilization == 14 / 16
+
+
+def test_one_pool_of_layers_with_different_windows_keeps_the_widest(device):
+    c = cache(windows=(4, 16), device=device)
+    assert c.page_groups[0].window == 16
+    c.add_sequence("a", num_tokens=20)
+    c.append("a")  # token 20 attends to 5..20 in the 16-token layer: only page 0 goes
+    assert c.pages("a")[0] == HOLE and HOLE not in c.pages("a")[1:]
+    c.check()
+
+
+def test_scrub_on_free_zeroes_the_pages_given_back_out_of_the_window(device):
+    c = cache(scrub_on_free=True, device=device)
+    c.add_sequence("a", num_tokens=12)
+    slots = torch.tensor(c.slots("a"), device=c.device)
+    k = torch.full((len(slots), 1, 2), 7.0, device=c.device)
+    for layer in range(2):
+        c.pool.write(layer, slots, k, -k)
+    first, kept = c.pages("a")[:2]
+    c.append("a")  # token 12 attends to 5..12: page 0 goes back
+    assert c.pages("a")[0] == HOLE
+    assert torch.count_nonzero(c.pool.kv[:, :, first]) == 0
+    assert torch.count_nonzero(c.pool.kv[:, :, kept]) > 0
+
+
 def test_page_tables_show_given_back_pages_as_page_0(device):
     c = cache(device=device)
     c.add_sequence("a", num_tokens=12)
@@ -123,6 +155,31 @@ def test_a_prefix_hit_after_a_drop_is_served_whole(device):
     c.append("a", token_ids=[7] * 9)
     assert c.add_sequence("b", prompt + [1]) == 16
     c.check()
+
+
+def test_check_fits_counts_the_copies_of_a_window_that_is_not_a_page_multiple(device):
+    """A window of 7 tokens spans parts of 2 pages of 4: a lone 13-token sequence's first
+    drop copies its 2 tree pages in the window beside its 4 pages."""
+    small = cache(num_pages=5, windows=(7,), prefix_caching=True, device=device)
+    with pytest.raises(OutOfPages, match=r"^13 tokens need 6 pages of 4 tokens; the pool "
+                                         r"has 5$"):
+        small.check_fits(13)
+    c = cache(num_pages=6, windows=(7,), prefix_caching=True, device=device)
+    c.check_fits(13)
+    prefilled(c, "a", list(range(12)))
+    c.append("a", token_ids=[99])
+    c.check()
+
+
+def test_tokens_to_admit_are_the_prefix_hit_and_the_budget(device):
+    c = cache(num_pages=32, prefix_caching=True, device=device)
+    prompt = list(range(40))
+    prefilled(c, "a", prompt[:20])
+    c.free_sequence("a")
+    assert c.prefix_hit(prompt) == 20
+    assert c.tokens_to_admit(prompt, 4) == 24
+    assert c.tokens_to_admit(prompt, 100) == 40
+    assert c.tokens_to_admit(list(range(100, 140)), 4) == 4
 
 
 def test_a_first_drop_whose_copies_do_not_fit_changes_nothing(device):
