@@ -2,6 +2,8 @@
 the deepest checkpoint within the KV match, tombstones, two eviction orders; the design's two
 scenarios exactly, and a random operation sequence with check() after every step."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import settings
@@ -184,6 +186,17 @@ def test_check_names_a_checkpoint_that_outlived_the_page_it_ends_on(device):
     c.evict(c.num_cached_pages)
     with pytest.raises(AssertionError, match="checkpoint after 64 tokens: its KV ends on page "
                                              "None"):
+        c.check()
+
+
+def test_check_names_a_reservation_no_sequence_is_pending_on(device):
+    c = cache(device=device)
+    c.add_sequence("a", list(range(130)))
+    pending = c.state_batch(["a"], [0], [130]).checkpoints[0].slot
+    c.check()
+    reserved = sorted([pending, c.state.checkpoints.reserve()])
+    with pytest.raises(AssertionError, match=re.escape(
+            f"pending checkpoint slots [{pending}] differ from the reserved ones {reserved}")):
         c.check()
 
 

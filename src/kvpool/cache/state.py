@@ -268,7 +268,8 @@ class MambaState(GroupManager):
     def check(self, num_tokens: dict[Hashable, int]) -> None:
         """MambaPool's and the checkpoints' invariants, plus: the live sequences are the
         cache's, within num_sequence_slots; each slot has one holder (a sequence, checkpoint or
-        reservation); every checkpoint's prefix has its KV pages in the prefix cache."""
+        reservation); the reservations are the live sequences' pending checkpoints; every
+        checkpoint's prefix has its KV pages in the prefix cache."""
         self.states.check()
         self.checkpoints.check(self._kv_end_page)
         assert list(self._seqs) == list(num_tokens), (
@@ -278,9 +279,11 @@ class MambaState(GroupManager):
             f"{len(self._seqs)} sequences for {self.num_sequence_slots} state slots")
         held = [seq.slot for seq in self._seqs.values()] + self.checkpoints.held_slots()
         assert len(set(held)) == len(held), f"a state slot is counted twice: {sorted(held)}"
-        reserved = {slot for seq in self._seqs.values() for _, slot in seq.pending}
-        assert reserved <= set(self.checkpoints.held_slots()), (
-            f"pending checkpoint slots {reserved} are not reserved")
+        pending = sorted(slot for seq in self._seqs.values() for _, slot in seq.pending)
+        reserved = sorted(self.checkpoints._reserved)
+        assert pending == reserved, (
+            f"pending checkpoint slots {pending} differ from the reserved ones {reserved}: "
+            f"each reservation is one live sequence's pending checkpoint")
         for slot in range(self.states.num_slots):
             want = int(slot in held)
             assert self.states.refcount(slot) == want, (
