@@ -174,6 +174,20 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(checkpoint, prompts, d
     assert llm.generate([prompts[0]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+def test_each_token_is_sampled_with_its_own_position(checkpoint, prompts, device):
+    # a row's noise is keyed by the position of the token it samples: the same position at
+    # every step would draw the same noise every step
+    llm = _llm(checkpoint, device=device)
+    positions, sample = [], llm.sampler.__call__
+    def spy(logits, params, streams, at):
+        positions.append(list(at))
+        return sample(logits, params, streams, at)
+    llm.sampler = spy
+    params = SamplingParams(max_tokens=4, seed=3, ignore_eos=True)
+    llm.generate(prompts[0], params, use_tqdm=False)
+    assert positions == [[len(prompts[0]) + i] for i in range(4)]
+
+
 def test_n_samples_fork_after_prefill_and_share_the_prompt_pages(checkpoint, device):
     llm = _llm(checkpoint, device=device, overlap=False)  # each step returns its own tokens
     prompt = list(range(40))  # two full pages and a partial one
@@ -429,7 +443,7 @@ def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, pro
     llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.stats()
     assert stats.num_generated_tokens == MAX_TOKENS * len(prompts)
-    assert stats.num_steps == len(records) and stats.tokens_per_second > 0
+    assert stats.num_steps == len(records)
     assert stats.num_used_pages + stats.num_cached_pages + stats.num_free_pages == 24
     assert (stats.num_running, stats.num_waiting, stats.num_used_pages) == (0, 0, 0)
     assert all(r.num_used_pages + r.num_cached_pages + r.num_free_pages == 24 for r in records)
@@ -438,6 +452,19 @@ def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, pro
     assert prefill == stats.num_prompt_tokens
     assert [r.step for r in records] == list(range(len(records)))
     assert records[-1].num_preemptions == stats.num_preemptions
+    # the time spent in steps, and the time since the first began (the gaps between included)
+    durations = sum(r.duration for r in records)
+    assert stats.elapsed == pytest.approx(durations, rel=1e-9)
+    assert stats.tokens_per_second == stats.num_generated_tokens / stats.elapsed
+    times = [r.time for r in records]
+    assert times == sorted(times) and times[-1] >= durations * (1 - 1e-9)
+    # one seat: the first prompt runs, the other two wait
+    records.clear()
+    llm = LLM(checkpoint, num_pages=24, page_size=8, max_num_seqs=1, on_step=records.append,
+              device=device)
+    llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert (records[0].num_running, records[0].num_waiting) == (1, 2)
+    assert (records[-1].num_running, records[-1].num_waiting) == (0, 0)
 
 
 # ---- reliability: bad params, aborts during generate, generate's contract ------------------

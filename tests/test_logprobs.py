@@ -89,6 +89,16 @@ def test_logprobs_zero_gives_the_sampled_token_only(llm, prompts):
     assert all(math.isfinite(e.logprob) and e.logprob <= 0 for e in entries)
 
 
+def test_requests_of_one_batch_each_get_the_top_logprobs_they_asked_for(llm, prompts):
+    counts = [1, None, 5]
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=count)
+              for count in counts]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [None if o.outputs[0].logprobs is None else
+            [len(e.top) for e in o.outputs[0].logprobs] for o in outputs] == [
+        [1, 1, 1], None, [5, 5, 5]]
+
+
 def test_without_logprobs_the_outputs_carry_none(llm, prompts):
     out = llm.generate(prompts[0], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert out.outputs[0].logprobs is None

@@ -174,6 +174,15 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(freq, probs, atol=0.03)
 
 
+@pytest.mark.parametrize("temperature", [0.25, 4.0])
+def test_sampling_follows_the_distribution_of_the_logits_over_the_temperature(temperature):
+    logits = torch.tensor([0.0, -1.0]).expand(4000, 2)
+    tokens = torch.tensor(_sample(logits, [SamplingParams(temperature=temperature)] * 4000))
+    freq = torch.bincount(tokens, minlength=2) / 4000
+    # P(token 0) is 0.982 at 0.25 and 0.562 at 4 (0.731 at temperature 1)
+    assert torch.allclose(freq, (logits[0] / temperature).softmax(-1), atol=0.03)
+
+
 def test_one_row_over_many_positions_follows_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
     logits = probs.log().expand(4000, 4)
@@ -231,6 +240,14 @@ def test_unseeded_rows_draw_from_the_engine_seed():
     params = [SamplingParams()] * 4
     assert _sample(logits, params, seed=1) == _sample(logits, params, seed=1)
     assert _sample(logits, params, seed=1) != _sample(logits, params, seed=2)
+
+
+def test_a_row_seeded_with_the_engine_seed_draws_apart_from_the_unseeded_row_of_its_stream():
+    # stream 0: the seeded request's first sample, and the unseeded sequence with id 0
+    logits = torch.zeros(400, 1000)
+    params = [SamplingParams(seed=0)] * 200 + [SamplingParams()] * 200
+    tokens = _sample(logits, params, seed=0, streams=[0] * 400, positions=list(range(200)) * 2)
+    assert sum(a == b for a, b in zip(tokens[:200], tokens[200:], strict=True)) <= 2
 
 
 def test_temperature_mixes_greedy_and_sampled_rows():

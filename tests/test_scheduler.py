@@ -79,6 +79,25 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_remaining_budget(device):
     assert _step(s) == [("a", 0, 4, 5), ("b", 0, 12, 13)]
 
 
+def test_running_sequences_past_the_token_budget_wait_out_of_the_batch(device):
+    s = _scheduler(max_num_batched_tokens=2, device=device)
+    _add(s, 1, n=3, max_tokens=4)
+    _step(s)  # the prompt, then three samples
+    assert _step(s) == [("r", 0, 1, 2), ("r", 1, 1, 2)]
+
+
+def test_the_last_token_of_a_prompt_alone_in_its_chunk_is_not_a_decode(device):
+    s = _scheduler(max_num_batched_tokens=4, device=device)
+    _add(s, 5, max_tokens=2)
+    _step(s)
+    batch = s.schedule()
+    assert (batch.starts, batch.ends, batch.num_decode_tokens) == ([4], [5], 0)
+    seqs, _ = s.update(batch)
+    s.add_placeholders(seqs)
+    s.postprocess(seqs, [9])
+    assert s.schedule().num_decode_tokens == 1
+
+
 def test_chunk_in_progress_does_not_sample(device):
     s = _scheduler(max_num_batched_tokens=5, device=device)
     request = _add(s, 12, max_tokens=2)
@@ -146,6 +165,31 @@ def test_newest_sequence_is_preempted_to_the_front_of_the_queue(device):
     assert all(len(r.seqs[0].token_ids) == 12 for r in (a, b, c))
 
 
+def test_the_newest_of_several_running_sequences_is_preempted_first(device):
+    s = _scheduler(num_pages=4, watermark_pages=0, device=device)
+    for name in "abcd":
+        _add(s, 4, name, max_tokens=8)
+    _step(s)  # four prompts fill the pool
+    _step(s)  # a needs a page: d, the newest, goes; then b needs one: c goes
+    assert [q.request.request_id for q in s.running] == ["a", "b"]
+    assert [q.request.request_id for q in s.waiting] == ["c", "d"]
+
+
+def test_a_preempted_request_keeps_what_its_first_admission_recorded(device):
+    s = _scheduler(num_pages=4, watermark_pages=0, prefix_caching=True, device=device)
+    _add(s, 4, "a", max_tokens=8)
+    b = _add(s, 8, "b", max_tokens=8, start=100)
+    _step(s)
+    first = (b.num_cached_tokens, b.scheduled_time)
+    for _ in range(12):
+        _step(s)
+        if s.num_preemptions and b.seqs[0].status is SequenceStatus.RUNNING:
+            break
+    # readmitted: its own committed pages are a prefix hit now
+    assert s.num_preemptions == 1 and b.seqs[0].status is SequenceStatus.RUNNING
+    assert (b.num_cached_tokens, b.scheduled_time) == first
+
+
 def test_preempted_sequence_recomputes_its_prompt_and_outputs(device):
     s = _scheduler(num_pages=3, watermark_pages=0, device=device)
     _add(s, 4, "a", max_tokens=5)
@@ -158,6 +202,18 @@ def test_preempted_sequence_recomputes_its_prompt_and_outputs(device):
         work += [w for w in _step(s) if w[0] == "b"]
     assert work[0] == ("b", 0, 0, 5)  # prompt and its first output token, prefilled again
     assert b.seqs[0].token_ids == [10, 11, 12, 13, 9, 9, 9]
+
+
+def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again(device):
+    # the prompt fills the pool: one more token would need a page there is not
+    s = _scheduler(num_pages=4, watermark_pages=0, device=device)
+    request = _add(s, 16, max_tokens=1)
+    seqs, _ = s.update(s.schedule())
+    s.add_placeholders(seqs)
+    assert s.schedule().seqs == []  # scheduled before the token reaches the host
+    s.postprocess(seqs, [9])
+    assert s.num_preemptions == 0
+    assert request.finished and request.seqs[0].token_ids[16:] == [9]
 
 
 def test_admission_keeps_the_watermark_while_others_run(device):

@@ -9,7 +9,10 @@ import time
 import pytest
 import tokenizers
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from depth import examples
 from kvpool.engine import TokenLogprobs
 from kvpool.errors import CheckpointError
 from kvpool.server.chat import ChatTemplate
@@ -32,6 +35,14 @@ def test_a_replacement_character_is_sent_once_text_follows_it_or_the_choice_ends
     assert choice.update("a\ufffdb\ufffd", 4, None) == "\ufffdb"
     assert choice.update("a\ufffdb\ufffd", 4, "length") == "\ufffd"
     assert choice.finish_reason == "length"
+
+
+def test_a_trailing_run_of_replacement_characters_waits_whole():
+    # the first two bytes of a four-byte character decode as two U+FFFD
+    choice = ChoiceText()
+    assert choice.update("ab\ufffd\ufffd", 3, None) == "ab"
+    assert choice.update("ab\U0001F600", 4, "length") == "\U0001F600"
+    assert choice.text == "ab\U0001F600"
 
 
 def test_a_stream_rebuilds_each_samples_text_from_the_engines_deltas():
@@ -104,6 +115,13 @@ def test_text_that_may_begin_a_stop_string_is_held_back():
     assert choice.update("hello STX", 9, None) == "STX"
 
 
+def test_a_held_back_prefix_is_sent_when_the_choice_ends_without_the_stop_string():
+    choice = ChoiceText(StopMatcher(("STOP",)))
+    assert choice.update("hello ST", 8, None) == "hello "
+    assert choice.update("hello ST", 8, "length") == "ST"
+    assert (choice.text, choice.finish_reason) == ("hello ST", "length")
+
+
 def test_a_stop_string_completed_by_a_later_token_ends_the_choice_before_it():
     choice = ChoiceText(StopMatcher(("STOP",)))
     assert choice.update("hello ST", 8, None) == "hello "
@@ -132,6 +150,50 @@ def test_the_stop_string_that_ends_first_wins_wherever_the_tokens_split():
         choice = ChoiceText(StopMatcher(("abcdef", "bcd")))
         sent = "".join(choice.update(text, i + 1, None) for i, text in enumerate(steps))
         assert (sent, choice.finish_reason) == ("a", "stop")
+
+
+def test_a_tail_that_begins_a_stop_string_only_through_a_long_failure_chain_is_held_back():
+    # the tail "baaab" of the second text begins "baaaba", a state the automaton finds only
+    # by following more than one failure link: its "b" must not be sent
+    choice = ChoiceText(StopMatcher(("bbaabbb", "aaaba", "baaaba")))
+    sent = [choice.update(text, i + 1, None)
+            for i, text in enumerate(["abbbaab", "abbbaabaaab", "abbbaabaaaba"])]
+    assert "".join(sent) == choice.text == "abbbaa"
+    assert choice.finish_reason == "stop"
+
+
+def _reference_text(text, stop):
+    """What a choice whose sample's text is `text` has sent, found the slow way: cut at the
+    stop string that ends first (the longest of those ending there), else short of the
+    longest tail that begins a stop string; and whether a stop string ended."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stop if text[:end].endswith(s)]
+        if starts:
+            return text[:min(starts)], True
+    held = max((k for k in range(1, len(text) + 1) for s in stop
+                if s.startswith(text[len(text) - k:])), default=0)
+    return text[:len(text) - held], False
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(stop=st.lists(st.text("ab", min_size=1, max_size=8), min_size=1, max_size=4),
+       text=st.text("ab", max_size=24), data=st.data())
+def test_stop_strings_end_the_text_as_a_naive_matcher_ends_it(stop, text, data):
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(text)))) | {len(text)}) if text else []
+    choice = ChoiceText(StopMatcher(tuple(stop)))
+    sent = ""
+    for step, cut in enumerate(cuts, 1):
+        sent += choice.update(text[:cut], step, None)
+        expected, stopped = _reference_text(text[:cut], stop)
+        assert (sent, choice.text, choice.finished) == (expected, expected, stopped)
+        if stopped:
+            break
+    sent += choice.update(text, len(cuts) + 1, "length")
+    expected, stopped = _reference_text(text, stop)
+    if not stopped:
+        expected = text
+    assert (sent, choice.text) == (expected, expected)
+    assert choice.finish_reason == ("stop" if stopped else "length")
 
 
 def test_matching_many_long_stop_strings_takes_time_linear_in_the_text():
