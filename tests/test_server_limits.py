@@ -4,6 +4,7 @@ salts (never shared), `n` past max_num_seqs; and what a SIGTERM does to requests
 """
 
 import argparse
+import hashlib
 import json
 import logging
 import socket
@@ -22,7 +23,7 @@ from starlette.testclient import TestClient
 from kvpool.cli.main import main
 from kvpool.cli.serve import API_KEY_ENV, add_arguments, api_keys
 from kvpool.engine import LLM
-from kvpool.server.auth import ApiKeyMiddleware
+from kvpool.server.auth import ApiKeyMiddleware, key_salt
 from kvpool.server.limits import ServerLimits
 from server_util import running_server
 
@@ -116,6 +117,26 @@ def test_requests_without_a_valid_key_get_401_and_health_and_metrics_stay_open(s
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
+@pytest.mark.parametrize("header", [
+    f"Bearer {KEY_A[:-1]}", "Bearer k", f"Bearer {KEY_A}-extra", f"Basic {KEY_A}",
+    f"Token {KEY_A}"])
+def test_only_the_whole_key_under_the_bearer_scheme_is_taken(header):
+    app = Starlette(routes=[Route("/v1/models", lambda request: Response("ok"))])
+    app.add_middleware(ApiKeyMiddleware, keys=(KEY_A, KEY_B))
+    with TestClient(app) as client:
+        assert client.get("/v1/models", headers={"Authorization": header}).status_code == 401
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive
+            accepted = client.get("/v1/models", headers={"Authorization": f"{scheme} {KEY_A}"})
+            assert accepted.text == "ok"
+
+
+def test_a_key_salt_names_the_key_without_holding_it():
+    salt = key_salt("sk-very-secret")
+    assert salt == "key:" + hashlib.sha256(b"sk-very-secret").hexdigest()
+    assert "sk-very-secret" not in salt
+    assert key_salt(KEY_A) != key_salt(KEY_B)
+
+
 def test_a_closed_health_route_needs_the_key_too():
     app = Starlette(routes=[Route("/health", lambda request: Response("ok"))])
     app.add_middleware(ApiKeyMiddleware, keys=(KEY_A,), open_paths=frozenset())
@@ -139,6 +160,7 @@ def test_prefixes_are_isolated_per_key_and_per_salt(server):
     assert prompt_tokens_cached(server, prompt, B) == 0  # the other key sees no hit
     assert prompt_tokens_cached(server, prompt, A, cache_salt="s") == 0
     assert prompt_tokens_cached(server, prompt, A, cache_salt="s") == 32
+    assert prompt_tokens_cached(server, prompt, B, cache_salt="s") == 0  # one salt, two keys
 
 
 def test_unencodable_text_and_deep_json_are_400s_with_nothing_logged(server, errors_logged):
