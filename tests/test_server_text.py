@@ -281,10 +281,18 @@ def test_a_template_that_raises_refuses_the_request(checkpoint):
     assert info.value.status == 400 and info.value.param == "messages"
 
 
+def test_a_template_that_reaches_for_python_internals_is_refused(tmp_path):
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ ''.__class__.__mro__[1].__subclasses__() | length }}")
+    with pytest.raises(RequestError, match="refused the messages") as info:
+        ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")])
+    assert info.value.param == "messages"
+
+
 def test_special_tokens_come_from_their_own_file_unless_the_config_names_them(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}",
-        "eos_token": "<config eos>"}))
+        "eos_token": "<config eos>", "bos_token": None}))  # a null names no token
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({
         "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
     assert ChatTemplate.for_model(tmp_path).render([ChatMessage("user", "x")]) == \
