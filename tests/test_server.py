@@ -13,6 +13,8 @@ import pytest
 
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams
+from kvpool.server.limits import ServerLimits
+from kvpool.server.protocol import RequestError, parse_chat, parse_completion
 from server_util import metrics, running_server
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -368,7 +370,47 @@ BAD_REQUESTS = [
      "stop", None, "a stop string of 257 characters passes this server's limit of 256"),
     ("an empty cache_salt", {"model": "tiny", "prompt": "x", "cache_salt": ""}, 400,
      "cache_salt", None, "cache_salt must be a non-empty string, got ''"),
+    ("a batch of two prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt", None,
+     "prompt must be a non-empty string or a non-empty list of token ids, got ['a', 'b']"),
+    ("a batch of two token lists", {"model": "tiny", "prompt": [[1, 2], [3]]}, 400, "prompt",
+     None, "prompt must be a non-empty string or a non-empty list of token ids, got "
+           "[[1, 2], [3]]"),
+    ("booleans for token ids", {"model": "tiny", "prompt": [True, False]}, 400, "prompt", None,
+     "prompt must be a non-empty string or a non-empty list of token ids, got [True, False]"),
+    ("an empty prompt string", {"model": "tiny", "prompt": ""}, 400, "prompt", None,
+     "prompt must not be empty"),
+    ("a message's name", {"model": "tiny", "messages": [
+        {"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name",
+     "unsupported", "messages[0].name is not supported by this server, got 'bob'"),
+    ("a lone surrogate in a stop string", {"model": "tiny", "prompt": "x",
+                                           "stop": ["a", "\ud800"]}, 400, "stop", None,
+     "stop is not valid Unicode: it holds a lone surrogate (U+D800) at character 0"),
+    ("an empty stop string", {"model": "tiny", "prompt": "x", "stop": ["a", ""]}, 400, "stop",
+     None, "stop must be a non-empty string or a list of them, got ['a', '']"),
+    ("a negative stop token id", {"model": "tiny", "prompt": "x", "stop_token_ids": [-1]},
+     400, "stop_token_ids", None,
+     "stop_token_ids must be a list of token ids (ints in [0, 2**63)), got [-1]"),
+    ("top_k below -1", {"model": "tiny", "prompt": "x", "top_k": -2}, 400, "top_k", None,
+     "top_k must be >= -1, got -2"),
 ]
+
+# Each field the server cannot honour, with a value that asks for something.
+UNSUPPORTED = {
+    "echo": True, "suffix": "x", "best_of": 2, "logit_bias": {"65": 1},
+    "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.1,
+    "min_tokens": 2, "tools": [{"type": "function"}], "tool_choice": "required",
+    "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "response_format": {"type": "json_object"}, "prompt_logprobs": 0,
+    "use_beam_search": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
+    "structured_outputs": {"regex": "a"}, "prediction": {"type": "content"},
+    "audio": {"voice": "x"}, "modalities": ["audio"], "include_stop_str_in_output": True,
+    "truncate_prompt_tokens": 4, "add_generation_prompt": False,
+    "continue_final_message": True, "chat_template_kwargs": {"x": 1},
+    "skip_special_tokens": False, "length_penalty": 2, "spaces_between_special_tokens": False,
+    "allowed_token_ids": [65], "bad_words": ["a"], "logits_processors": ["f"],
+    "return_tokens_as_token_ids": True,
+}
 
 
 @pytest.mark.parametrize("body, status, param, code, message",
@@ -383,6 +425,24 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_still_answers(
     assert response.json() == {"error": {"message": message, "type": "invalid_request_error",
                                          "param": param, "code": code}}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED)
+def test_an_unsupported_field_asking_for_something_is_refused(name):
+    for parse, body in ((parse_completion, {"prompt": "x"}),
+                        (parse_chat, {"messages": [{"role": "user", "content": "hi"}]})):
+        with pytest.raises(RequestError) as info:
+            parse({"model": "tiny", **body, name: UNSUPPORTED[name]}, "tiny", ServerLimits())
+        assert (info.value.status, info.value.param, info.value.code) == (
+            400, name, "unsupported")
+
+
+def test_stop_strings_up_to_the_limits_are_taken(server):
+    limits = ServerLimits()
+    for stop in (["a"] * limits.max_stop_strings, "a" * limits.max_stop_length):
+        response = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 1, "stop": stop})
+        assert response.status_code == 200, response.text
 
 
 def test_unsupported_fields_holding_their_neutral_values_are_accepted(server):
