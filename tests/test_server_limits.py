@@ -85,13 +85,30 @@ def test_a_body_over_the_size_limit_gets_413_as_declared_or_as_read(server):
     assert post(server, {"model": "tiny", "prompt": "Hi", "max_tokens": 1}).status_code == 200
 
 
+def test_a_body_of_exactly_the_size_limit_is_taken_as_declared_or_as_read(server):
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1}).encode()
+    body = body.ljust(LIMITS.max_body_bytes)  # JSON may end in white space
+    assert post(server, body).status_code == 200
+    assert post(server, iter([body[:8192], body[8192:]])).status_code == 200  # chunked
+
+
+def test_a_declared_oversize_body_gets_413_before_it_is_sent(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a"
+                     b"\r\nContent-Length: 1000000000\r\n\r\n")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413 ")  # not a 408 once the body timeout passes
+
+
 def test_a_body_that_stalls_gets_408(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a"
                      b"\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        start = time.monotonic()
         reply = b""
         while chunk := sock.recv(4096):  # until the server closes the idle connection
             reply += chunk
+    assert time.monotonic() - start < 5  # body_timeout is 0.5 s
     assert reply.startswith(b"HTTP/1.1 408 ")
     assert b'"code": "request_timeout"' in reply
 
@@ -99,6 +116,16 @@ def test_a_body_that_stalls_gets_408(server):
 def test_a_connection_that_stalls_in_its_headers_is_closed(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.monotonic()
+        assert sock.recv(4096) == b""  # closed by the server
+    assert time.monotonic() - start < 5
+
+
+def test_a_kept_alive_connection_that_stalls_in_its_next_headers_is_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the headers never end
         start = time.monotonic()
         assert sock.recv(4096) == b""  # closed by the server
     assert time.monotonic() - start < 5
