@@ -117,6 +117,55 @@ def test_n_2_returns_two_choices_and_counts_both(client):
     assert out.usage.completion_tokens == 20
 
 
+def _events(server, path, body):
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json=body, timeout=30) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_a_stream_of_n_2_carries_each_choice_under_its_own_index(server):
+    chat = _events(server, "chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+        "max_tokens": 4, "stream": True, "seed": 1})
+    assert sorted(c["index"] for e in chat for c in e["choices"]
+                  if c["delta"].get("role") == "assistant") == [0, 1]
+    body = {"model": "tiny", "prompt": PROMPT, "n": 2, "max_tokens": 6, "seed": 3,
+            "ignore_eos": True}
+    texts, finish_reasons = {0: "", 1: ""}, {}
+    for event in _events(server, "completions", {**body, "stream": True}):
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+            if c["finish_reason"] is not None:
+                finish_reasons[c["index"]] = c["finish_reason"]
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert finish_reasons == {0: "length", 1: "length"}
+
+
+def test_n_2_runs_until_both_choices_end(server):
+    # stop tokens that one choice meets steps before the other
+    body = {"model": "tiny", "prompt": PROMPT, "n": 2, "max_tokens": 30, "seed": 5,
+            "stop_token_ids": list(range(0, 258, 9))}
+    out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    assert [c["finish_reason"] for c in out["choices"]] == ["stop", "stop"]
+
+
+def test_completion_logprobs_0_still_name_the_sampled_token_in_top_logprobs(client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=0,
+                                    **GREEDY).choices[0].logprobs
+    assert out.top_logprobs == [{t: v} for t, v in zip(out.tokens, out.token_logprobs,
+                                                       strict=True)]
+
+
+def test_chat_logprobs_without_top_logprobs_give_each_tokens_own(client):
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logprobs=True, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and all(c.top_logprobs == [] for c in content)
+
+
 def test_a_seed_makes_sampling_reproducible(client):
     def sample(seed):
         return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16,
