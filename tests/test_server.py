@@ -10,10 +10,13 @@ from functools import partial
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cache import CacheStats
 from kvpool.cli.main import main
-from kvpool.engine import LLM, SamplingParams
+from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.server.limits import ServerLimits
+from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import RequestError, parse_chat, parse_completion
 from server_util import metrics, running_server
 
@@ -307,6 +310,33 @@ def test_metrics_parse_and_counters_move_as_requests_complete(server, client):
     for name in ("kv_utilization", "sequences_running", "sequences_waiting",
                  "preemptions_total", "prefix_cache_hits_total"):
         assert (f"kvpool_{name}", ()) in after
+
+
+def test_metrics_record_each_value_where_it_belongs():
+    server_metrics = ServerMetrics()
+    # a request of n=2 whose first choice ended on a stop token after 5 tokens: 8 in all
+    server_metrics.record(RequestTimes(arrival=10.0, scheduled=10.5, first_token=11.0,
+                                       finish=13.0), "stop", 9, 5, 8)
+    engine = EngineStats(num_running=0, num_waiting=0, num_used_pages=1, num_cached_pages=3,
+                         num_free_pages=20, kv_utilization=0.5, prefix_hit_rate=0.25,
+                         num_preemptions=0, num_steps=7, num_prompt_tokens=9,
+                         num_generated_tokens=8, elapsed=1.0)
+    cache = CacheStats(num_pages=24, num_free_pages=20, num_cached_pages=3, num_used_pages=1,
+                       num_sequences=0, num_tokens=8, prefix_query_tokens=64,
+                       prefix_hit_tokens=16, num_evicted_pages=0, num_cow_copies=0,
+                       page_size=16)
+    text = server_metrics.render(EngineSnapshot(engine, cache)).decode()
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["kvpool_requests_total", (("finish_reason", "stop"),)] == 1
+    assert ("kvpool_requests_total", (("finish_reason", "length"),)) not in values
+    assert values["kvpool_generation_tokens_total", ()] == 8
+    assert values["kvpool_time_per_output_token_seconds_sum", ()] == 0.5  # 2 s / 4 tokens
+    assert values["kvpool_time_to_first_token_seconds_sum", ()] == 1.0
+    assert (values["kvpool_pages_used", ()], values["kvpool_pages_cached", ()],
+            values["kvpool_pages_free", ()]) == (1, 3, 20)
+    assert values["kvpool_prefix_cache_queries_total", ()] == 64
+    assert values["kvpool_prefix_cache_hits_total", ()] == 16
 
 
 BAD_REQUESTS = [

@@ -23,7 +23,7 @@ from engine_probes import (
     used_pages,
 )
 from kvpool.engine import LLM
-from server_util import running_server
+from server_util import metrics, running_server
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
         "stream": True}
@@ -57,11 +57,14 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
 
 
 def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
+    errors = "kvpool_requests_total", (("finish_reason", "error"),)
+    before = metrics(server).get(errors, 0)
     server.on_engine(fail_next_forward)
     response = httpx.post(f"{server.url}/v1/completions",
                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
     assert response.status_code == 500
     assert response.json() == {"error": INTERNAL}
+    assert metrics(server)[errors] - before == 1  # counted as an error, not an abort
     server.wait_idle(timeout=5)
     server.on_engine(check_cache)
     assert server.on_engine(used_pages) == 0
