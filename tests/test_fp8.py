@@ -70,6 +70,7 @@ def test_scale_is_the_largest_finite_magnitude_with_headroom(device):
 def test_scale_of_all_zeros_uses_the_amax_floor(device):
     floor = 2.0**-10 * 2 / 448
     assert scale_of(torch.zeros(8, device=device)).item() == pytest.approx(floor)
+    assert scale_of(torch.empty(0, 4, device=device)).item() == pytest.approx(floor)  # no value
 
 
 def test_kv_cache_dtype_names():

@@ -477,6 +477,18 @@ def test_disk_tier_reopened_smaller_drops_the_least_recently_used(tmp_path):
     assert page_files(tmp_path) == sorted(tier.path(x).name for x in (k[0], k[2]))
 
 
+def test_disk_tier_reopened_keeps_the_recency_order_of_a_clock_that_did_not_move(tmp_path,
+                                                                                 monkeypatch):
+    """A coarse clock stamps many uses alike: each use is stamped after the last one."""
+    monkeypatch.setattr(time, "time_ns", lambda: 1_700_000_000_000_000_000)
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(3)
+    for i in range(3):
+        tier.put(k[i], page(i))
+    tier.get(k[0])
+    assert list(bound(DiskTier(tmp_path, 4))) == [k[1], k[2], k[0]]
+
+
 def test_disk_tier_reopened_removes_a_page_file_named_for_another_key(tmp_path):
     tier = bound(DiskTier(tmp_path, 4))
     k = keys(2)
