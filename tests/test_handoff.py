@@ -2,6 +2,7 @@
 does across two): the receiving engine starts past the handed tokens, writes only the pages
 past its own prefix hit, and recomputes them if preempted; greedy tokens are one engine's."""
 
+import dataclasses
 import random
 
 import pytest
@@ -137,6 +138,45 @@ def test_fp8_pages_are_handed_only_between_engines_of_the_same_scales(checkpoint
     assert _run(decode)[request_id].outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
+def test_fp8_pages_are_refused_without_their_scales_or_by_an_engine_yet_to_calibrate(
+        checkpoint, prompts, device):
+    """Pages handed without the scales they were written with are refused like those of
+    other scales; so are pages written under scales of 1.0 by an engine whose own scales,
+    still 1.0, are not calibrated yet (its first prefill would set others)."""
+    fp8 = dict(device=device, page_size=4, num_pages=128, kv_cache_dtype="fp8_e4m3",
+               overlap=False)
+    prompt = prompts[3]
+    given = {**fp8, "kv_scales": (0.05, 0.04)}
+    handed = _prefilled(LLM(checkpoint, **given), prompt)
+    decode = LLM(checkpoint, **given)
+    request_id, _ = decode.hold_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match="give both engines the same kv_scales"):
+        decode.resume_request(request_id, dataclasses.replace(handed, scales=None))
+    ones = _prefilled(LLM(checkpoint, **fp8, kv_scales=(1.0, 1.0)), prompt)
+    uncalibrated = LLM(checkpoint, **fp8)
+    assert not uncalibrated.cache.pool.scales_ready
+    assert torch.equal(ones.scales, uncalibrated.cache.pool.scales.cpu())
+    request_id, _ = uncalibrated.hold_request(prompt, GREEDY)
+    with pytest.raises(ValueError, match="give both engines the same kv_scales"):
+        uncalibrated.resume_request(request_id, ones)
+    uncalibrated.resume_request(request_id, None)  # still held: computed here instead
+    assert len(_run(uncalibrated)[request_id].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_a_prefill_read_between_chunks_holds_the_pages_of_its_computed_tokens(checkpoint,
+                                                                              device):
+    """Read before its prompt is done (chunks of 8 tokens), a prefill holds the pages of the
+    tokens computed so far, not every page the prompt was given."""
+    llm = LLM(checkpoint, device=device, page_size=4, num_pages=64, overlap=False,
+              max_num_batched_tokens=8)
+    request_id = llm.add_request(list(range(1, 41)), PREFILL_PARAMS)
+    assert not llm.step()  # the first chunk: 8 of the 40 tokens
+    kv = llm.read_prefilled(request_id)
+    assert (kv.num_tokens, kv.num_pages) == (8, 2)
+    llm.abort(request_id)
+    llm.check()
+
+
 def test_a_held_request_can_be_aborted_or_failed_and_is_resumed_once(checkpoint, prefill,
                                                                      prompts, device):
     decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
@@ -168,6 +208,7 @@ def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, st
         "whole prompt": (PrefilledKV(prompt_len, pages, kv.state),
                          f"of {prompt_len} tokens for a prompt of {prompt_len}"),
         "negative": (PrefilledKV(-1, pages, kv.state), "of -1 tokens"),
+        "a float count": (PrefilledKV(float(n), pages, kv.state), rf"of {float(n)} tokens"),
         "too few pages": (PrefilledKV(n, pages[:, :, :-1], kv.state),
                           rf"of {n} tokens must be .* pages of shape"),
         "another page size": (PrefilledKV(n, pages[:, :, :, :2], kv.state),
@@ -182,7 +223,7 @@ def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, st
     }
 
 
-@pytest.mark.parametrize("case", ["whole prompt", "negative", "too few pages",
+@pytest.mark.parametrize("case", ["whole prompt", "negative", "a float count", "too few pages",
                                   "another page size", "another dtype", "another state",
                                   "not KV", "pages not a tensor", "state not tensors"])
 def test_handed_kv_that_does_not_fit_is_refused_and_the_request_stays_held(

@@ -815,3 +815,84 @@ def test_the_fingerprint_tells_apart_any_weight_and_the_config_but_not_a_reload(
     assert fingerprint() == base
     changed = [fingerprint(change) for change in (rope, last_row, two_weights_swapped)]
     assert base not in changed and len(set(changed)) == 3
+
+
+def test_the_fingerprint_tells_apart_weights_swapped_within_a_row_or_a_column_and_a_dtype():
+    """Swapping two weights of one row keeps its row sums, of one column its column sums:
+    each is told apart by the other sums. The same values in another dtype are another
+    model (it computes other KV)."""
+    from kvpool.engine.tiers import weights_fingerprint
+    from kvpool.models.loader import load_model
+
+    def fingerprint(change=None):
+        model = load_model("tiny", device="cpu").model
+        with torch.no_grad():
+            w = model.model.layers[0].mlp.down_proj.weight
+            w[0, 0], w[0, 1], w[1, 0] = 0.25, 0.5, 0.75  # three distinct weights
+            if change is not None:
+                change(model)
+        return weights_fingerprint(model)
+
+    def in_a_row(model):
+        w = model.model.layers[0].mlp.down_proj.weight
+        w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+
+    def in_a_column(model):
+        w = model.model.layers[0].mlp.down_proj.weight
+        w[0, 0], w[1, 0] = w[1, 0].clone(), w[0, 0].clone()
+
+    base = fingerprint()
+    changed = [fingerprint(in_a_row), fingerprint(in_a_column)]
+    assert base not in changed and len(set(changed)) == 2
+    half = load_model("tiny", device="cpu").model.half()
+    rounded = weights_fingerprint(half)
+    assert weights_fingerprint(half.float()) != rounded  # equal values, another dtype
+
+
+def test_the_fingerprint_is_the_same_whatever_the_chunk_the_weights_are_summed_in(monkeypatch):
+    from kvpool.engine import tiers as engine_tiers
+    from kvpool.models.loader import load_model
+
+    model = load_model("tiny", device="cpu").model
+    whole = engine_tiers.weights_fingerprint(model)
+    for chunk in (1, 7, 64):  # a row at a time, and chunks of several rows
+        monkeypatch.setattr(engine_tiers, "SUM_CHUNK", chunk)
+        assert engine_tiers.weights_fingerprint(model) == whole
+    with torch.no_grad():
+        model.model.embed_tokens.weight[-1, 0] += 1.0  # the last row, in the last chunk
+    assert engine_tiers.weights_fingerprint(model) != whole
+
+
+# ---- the engine's tier: sized in whole pages of its layout ---------------------------------
+
+@pytest.mark.parametrize("option", ["host_tier_memory", "disk_tier_memory"])
+def test_the_engines_tier_holds_the_whole_pages_its_memory_fits(option, tmp_path):
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.tiers import make_tier
+
+    page_bytes = 1000
+    disk = {"disk_tier": str(tmp_path / "tier")} if option == "disk_tier_memory" else {}
+    expected_type = DiskTier if disk else HostTier
+    for nbytes, pages in ((page_bytes, 1), (3 * page_bytes - 1, 2), (3 * page_bytes, 3)):
+        tier = make_tier(EngineConfig(**disk, **{option: nbytes}), page_bytes)
+        assert type(tier) is expected_type and tier.capacity_pages == pages
+    with pytest.raises(ValueError, match=rf"{option} of 999 bytes holds no page of 1,000 bytes"):
+        make_tier(EngineConfig(**disk, **{option: page_bytes - 1}), page_bytes)
+    assert make_tier(EngineConfig(), page_bytes) is None
+
+
+def test_the_engine_counts_tier_misses_and_loads_apart_from_stores_and_drops(device):
+    """A prompt seen first misses in the tier, pages evicted by others are stored, and the
+    prompt seen again loads them back; a host tier with room drops nothing."""
+    from kvpool import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    llm = LLM("tiny", num_pages=10, device=device, enforce_eager=True,
+              host_tier_memory=2**22)
+    prompt = list(range(1, 70))  # 4 full pages of 16 tokens and a partial one
+    fillers = [[(37 * i + 11 * j) % 250 + 5 for j in range(70)] for i in range(3)]
+    for p in [prompt, *fillers, prompt]:
+        llm.generate([p], greedy, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_tier_misses > 0 and stats.num_tier_dropped == 0
+    assert stats.num_tier_loads == 4 and stats.num_tier_stores > stats.num_tier_loads
