@@ -13,6 +13,7 @@ from kvpool.cache import KVCache
 from kvpool.cache.state import StateSpec
 from kvpool.cli.main import main
 from kvpool.engine import LLM
+from kvpool.engine.config import EngineConfig
 from kvpool.errors import ConfigError, OutOfMemory
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import MambaLayout
@@ -122,6 +123,40 @@ def test_an_engine_option_past_int64_is_refused_naming_it(option):
     with pytest.raises(ValueError, match=f"{option} must be in \\[1, {2**63 - 1}\\], "
                                          f"got {10**20}"):
         LLM("tiny", device="cpu", **{option: 10**20})
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"memory_fraction": 0}, r"memory_fraction must be in \(0, 1\], got 0"),
+    ({"overlap": True, "tensor_parallel_size": 2}, "overlap=True needs tensor_parallel_size 1"),
+])
+def test_an_engine_option_outside_what_it_allows_is_refused_naming_it(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_max_model_len_may_be_the_models_limit_but_not_past_it():
+    model = ModelConfig.from_hf("tiny")
+    limit = model.max_position_embeddings
+    assert EngineConfig(max_model_len=limit).resolve_max_model_len(model) == limit
+    with pytest.raises(ValueError, match=f"max_model_len {limit + 1} exceeds"):
+        EngineConfig(max_model_len=limit + 1).resolve_max_model_len(model)
+
+
+def test_a_part_page_of_context_takes_a_whole_page_table_column_of_the_workspace():
+    model, config = ModelConfig.from_hf("tiny"), EngineConfig(page_size=16)
+    layout = config.kv_layout(model)
+    column = len(layout.groups) * config.max_num_seqs * 8  # an int64 page id per sequence
+    assert config.workspace_bytes(model, layout, 17) == (
+        config.workspace_bytes(model, layout, 16) + column)
+    assert config.workspace_bytes(model, layout, 32) == config.workspace_bytes(model, layout, 17)
+
+
+def test_a_windowed_pool_sizes_its_workspace_by_max_model_len_not_by_its_pages():
+    # a windowed layer gives its pages back as a sequence grows: the pool's tokens bound nothing
+    full = KVLayout(2, 1, 8, torch.float32, 16)
+    windowed = KVLayout(2, 1, 8, torch.float32, 16, layer_windows=(64, 64))
+    assert EngineConfig.longest_sequence(full, 4096, 10) == 160
+    assert EngineConfig.longest_sequence(windowed, 4096, 10) == 4096
 
 
 @pytest.mark.parametrize("option", ["max_num_seqs", "max_num_batched_tokens"])

@@ -176,4 +176,5 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(overlap):
     assert "logits for its token at position 3 hold NaN or infinity" in str(poisoned.error)
     assert poisoned.outputs[0].finish_reason == "error"
     assert poisoned.outputs[0].token_ids == []
+    assert poisoned.outputs[0].logprobs == []  # no logprobs of the token it never got
     assert_nothing_leaks(llm)

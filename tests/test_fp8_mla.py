@@ -260,6 +260,8 @@ def test_engine_refuses_scales_of_the_other_layout(v3_folder, model, kv_scales, 
 @pytest.mark.parametrize(("kv_scales", "message"), [
     ((1.0,), "kv_scales must be a (k_scale, v_scale) pair, or one number for MLA latent pages; "
              "got (1.0,)"),
+    ((1.0, 1.0, 1.0), "kv_scales must be a (k_scale, v_scale) pair, or one number for MLA "
+                      "latent pages; got (1.0, 1.0, 1.0)"),
     (True, "kv_scales must be a (k_scale, v_scale) pair, or one number for MLA latent pages; "
            "got True"),
     (0.0, "latent_scale must be a positive finite number, got 0.0"),

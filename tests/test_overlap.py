@@ -216,6 +216,15 @@ def test_overlap_is_off_by_default_on_the_cpu_and_checked():
         LLM("tiny", num_pages=8, device="cpu", overlap="yes")
 
 
+def test_without_overlap_a_step_returns_the_token_it_sampled():
+    llm = engine(False, 64)
+    request_id = llm.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0,
+                                                           ignore_eos=True))
+    (output,) = llm.step()
+    assert output.request_id == request_id and len(output.outputs[0].token_ids) == 1
+    assert llm._in_flight is None  # nothing left running behind the call
+
+
 @functools.cache
 def _gpu_engine_benchmark():
     """benchmarks/gpu_engine.py as a module (benchmarks/ is no package), imported once."""

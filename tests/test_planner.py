@@ -378,6 +378,15 @@ def test_the_engine_on_cuda_plans_its_share_of_the_total_less_what_is_in_use(mon
     assert config.plan_num_pages(model, torch.device("cuda"), 8192) == budget // 2**21 - 1
 
 
+def test_the_cuda_graphs_hold_the_activations_of_max_num_seqs_tokens_and_none_when_eager():
+    # a decode graph runs one token per sequence: its bucket is max_num_seqs tokens
+    model = ModelConfig.from_hf("Llama-3-8B")
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=2048)
+    assert config.cuda_graph_bytes(model, torch.bfloat16) == model.estimate_activation_bytes(
+        torch.bfloat16, max_num_batched_tokens=8, max_num_seqs=8)
+    assert EngineConfig(enforce_eager=True).cuda_graph_bytes(model, torch.bfloat16) == 0
+
+
 def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
     plan = plan_memory(GEMMA, 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
     full, window = plan.groups
