@@ -1,5 +1,6 @@
-"""The flags of `kvpool bench`, `generate`, `chat` and `serve` that choose the KV pages'
-dtype: --kv-cache-dtype and --kv-scales (LLM's kv_cache_dtype and kv_scales)."""
+"""The flags that choose the KV pages' dtype: --kv-cache-dtype (`kvpool plan` too) and
+--kv-scales, of `kvpool bench`, `generate`, `chat` and `serve` (LLM's kv_cache_dtype and
+kv_scales)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ import argparse
 from kvpool.memory.fp8 import KV_CACHE_DTYPES
 
 
+def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype."""
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages, one "
+                             "byte a value, with per-layer scales from the first prefill unless "
+                             "given; default: auto)")
+
+
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     """--kv-cache-dtype and --kv-scales."""
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="KV page dtype: auto (the model's) or fp8_e4m3 (float8 pages with "
-                             "per-layer scales from the first prefill; default: auto)")
+    add_kv_dtype_argument(parser)
     parser.add_argument("--kv-scales", type=_scales, metavar="K,V",
                         help="fp8 pages: the K and V scale of every layer, or one number for "
                              "an MLA model's latent pages, instead of scales from the first "

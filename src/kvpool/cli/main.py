@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvpool.cli import bench, serve
-from kvpool.cli.kv_flags import add_kv_arguments, kv_options
+from kvpool.cli.kv_flags import add_kv_arguments, add_kv_dtype_argument, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
@@ -24,7 +24,6 @@ from kvpool.formats import (
     format_bytes,
     format_table,
 )
-from kvpool.memory.fp8 import KV_CACHE_DTYPES
 from kvpool.memory.layout import KVLayout, LayerGroup
 from kvpool.models import check_splits, load_config
 from kvpool.models.config import PRESETS, ModelConfig
@@ -69,9 +68,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mamba-memory-ratio", type=float, default=0.5, metavar="RATIO",
                         help="hybrid models: share of the cache budget for Mamba state slots "
                              "(default: 0.5)")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="KV page dtype: auto (the weights') or fp8_e4m3 (one byte per "
-                             "value; default: auto)")
+    add_kv_dtype_argument(parser)
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
                         help="tokens per sequence when counting sequences, and the prompt "
                              "pages a window pool holds beside its windows "
