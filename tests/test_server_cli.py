@@ -65,12 +65,42 @@ def _group_ends(group: int, seconds: float) -> bool:
     """Whether process group `group` has no process left within `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
+        live = _live_processes(group)
+        if live is None:  # no /proc: a zombie counts as a process
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return True
+        elif not live:
             return True
-        time.sleep(0.1)
+        time.sleep(0.05)
     return False
+
+
+def _live_processes(group: int) -> dict[int, str] | None:
+    """{pid: command line} of the processes of process group `group` that have not exited,
+    read from /proc (None without it). A zombie, a process that has exited and waits for its
+    parent to reap it (init, once its parent has exited, and that may take seconds), is
+    not one."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    live = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+            # after the command's name, in parentheses: state, parent, process group
+            state, _, pgrp = stat[stat.rindex(b")") + 2:].split()[:3]
+            if int(pgrp) != group or state == b"Z":
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # it ended while we read it
+            continue
+        live[int(entry.name)] = cmdline
+    return live
 
 
 def test_serve_without_the_server_extra_names_the_install_command(capsys, monkeypatch):
