@@ -44,8 +44,14 @@ def test_serve_answers_then_exits_0_on_sigterm_leaving_no_process(flags):
         response = httpx.post(f"{url}/v1/completions",
                               json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
         assert response.json()["usage"]["completion_tokens"] <= 3
+        trackers = {pid for pid, cmdline in (_live_processes(process.pid) or {}).items()
+                    if "multiprocessing.resource_tracker" in cmdline}
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, process.communicate()[1].decode()
+        # It ends the processes it started, forkservers included, before it exits; only
+        # multiprocessing's resource tracker ends on its own, once kvpool serve has exited.
+        left = _live_processes(process.pid)
+        assert left is None or set(left) <= trackers, left
         assert _group_ends(process.pid, 30), "processes of kvpool serve outlived it"
     finally:
         if process.poll() is None:

@@ -120,10 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool serve: error: needs {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
     from kvpool.engine import LLM, DisaggregatedLLM
-    from kvpool.server.app import build_app
-    from kvpool.server.auth import OPEN_PATHS
-    from kvpool.server.limits import ServerLimits
-    from kvpool.server.listener import DrainingServer
+    from kvpool.server.engine_loop import forkserver_ended
 
     options = {"num_pages": args.num_pages, "kv_cache_memory": args.kv_cache_memory,
                "max_num_seqs": args.max_num_seqs,
@@ -150,6 +147,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool serve: error: cannot listen on {args.host}:{args.port}: {e}",
               file=sys.stderr)
         return 2
+    with forkserver_ended():  # the one that starts the engine processes, once they end
+        return _serve(args, sock, make_llm)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, make_llm) -> int:
+    """Build the app on `sock` and serve until SIGTERM or SIGINT; 2 for an invalid option."""
+    from kvpool.server.app import build_app
+    from kvpool.server.auth import OPEN_PATHS
+    from kvpool.server.limits import ServerLimits
+    from kvpool.server.listener import DrainingServer
+
     try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
                               args.header_timeout, args.body_timeout)

@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import pickle
 import queue
 import signal
@@ -400,19 +402,41 @@ def _engine_main(make_llm: abc.Callable[[], LLM], max_waiting: int, num_threads:
     # An LLM of several ranks starts worker processes, which multiprocessing refuses a
     # daemonic process lest they outlive it; they exit with their rank 0 (this process).
     multiprocessing.current_process().daemon = False
+    with forkserver_ended():  # the one that starts the workers of an LLM of several ranks
+        try:
+            llm = make_llm()
+        except Exception as e:
+            events.send((False, e))
+            return
+        events.send((True, EngineInfo(llm.tokenizer, llm.max_model_len,
+                                      llm.model_config.vocab_size, llm.config.max_num_seqs,
+                                      _max_sequence_tokens(llm))))
+        try:
+            with contextlib.suppress(EOFError):  # the server is gone
+                _Engine(llm, max_waiting, events).run(commands)
+        finally:
+            llm.close()  # its workers, if any
+
+
+@contextlib.contextmanager
+def forkserver_ended():
+    """End, when the block ends, the forkserver that it started (multiprocessing's, which
+    starts with this process's first forkserver process: see kvpool.engine.parallel.
+    process_context), and wait for it; for a block after which this process starts no more
+    processes. Left to end when this process exits, the forkserver tears down an interpreter
+    that imported torch: seconds of a core, and it outlives this process as long. It holds
+    nothing that needs the teardown (it runs no torch op), so SIGTERM ends it at once; the
+    processes it forked go on. A forkserver started before the block is left running."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    started_before = getattr(server, "_forkserver_pid", None) is not None
     try:
-        llm = make_llm()
-    except Exception as e:
-        events.send((False, e))
-        return
-    events.send((True, EngineInfo(llm.tokenizer, llm.max_model_len,
-                                  llm.model_config.vocab_size, llm.config.max_num_seqs,
-                                  _max_sequence_tokens(llm))))
-    try:
-        with contextlib.suppress(EOFError):  # the server is gone
-            _Engine(llm, max_waiting, events).run(commands)
+        yield
     finally:
-        llm.close()  # its workers, if any
+        pid = getattr(server, "_forkserver_pid", None)
+        if not started_before and pid is not None and hasattr(server, "_stop"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            server._stop()  # reaps it and removes its socket's file
 
 
 def _max_sequence_tokens(llm: LLM) -> int:
