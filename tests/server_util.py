@@ -10,15 +10,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_probes import has_unfinished
 from kvpool.engine import LLM
 from kvpool.server.app import build_app
 from kvpool.server.listener import DrainingServer
+
+if TYPE_CHECKING:
+    import openai  # imported by the clients' methods: a second of every collection else
 
 
 class RunningServer:
@@ -54,10 +57,14 @@ class RunningServer:
         self._thread.join(30)
 
     def client(self, **options) -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
                              **options)
 
     def async_client(self, **options) -> openai.AsyncOpenAI:
+        import openai
+
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
                                   **options)
 
