@@ -210,34 +210,34 @@ def test_a_dead_or_silent_prefill_side_fails_its_requests_then_refuses_new_ones(
     _assert_drained(lone_llm)
 
 
-@pytest.mark.parametrize("then", ["step", "close"])
-def test_a_burst_of_requests_before_a_step_never_waits_on_the_pipes(lone_llm, capfd, then):
+def test_a_burst_of_requests_before_a_step_never_waits_on_the_pipes(lone_llm, capfd):
     """The prefill side's messages are read only in step(), and it reads no command while its
     own pipe is full: here of the refusals of 1000 prompts too long for it (some 740 filled
-    both pipes). Adding waits for neither; stepping then gets every refusal, and closing ends
-    the prefill side quietly, though it waits to send."""
+    both pipes). Adding waits for neither; stepping then gets every refusal, and after a
+    second burst, closing ends the prefill side quietly, though it waits to send."""
     too_long = list(range(120))
-    adding = threading.Thread(
-        target=lambda: [lone_llm.add_request(too_long, GREEDY) for _ in range(1000)],
-        daemon=True)
-    adding.start()
-    adding.join(10)
-    hung = adding.is_alive()
-    if hung:  # a send blocked on the pipe fails once the prefill process is gone
-        lone_llm._process.kill()
-        adding.join()
-    assert not hung, "add_request waited on a full pipe"
-    if then == "close":
-        lone_llm.close()
-        assert lone_llm._process.returncode == 0
-        assert "Traceback" not in capfd.readouterr().err
-    outputs = []
-    while lone_llm.has_unfinished():
-        outputs += lone_llm.step()
-    assert len(outputs) == 1000
-    assert all(isinstance(o.error, StepFailed if then == "step" else EngineDied)
-               for o in outputs)
-    _assert_drained(lone_llm)
+    for then in ("step", "close"):  # stepping leaves the pair as it was: one pair for both
+        adding = threading.Thread(
+            target=lambda: [lone_llm.add_request(too_long, GREEDY) for _ in range(1000)],
+            daemon=True)
+        adding.start()
+        adding.join(10)
+        hung = adding.is_alive()
+        if hung:  # a send blocked on the pipe fails once the prefill process is gone
+            lone_llm._process.kill()
+            adding.join()
+        assert not hung, f"add_request waited on a full pipe (then {then})"
+        if then == "close":
+            lone_llm.close()
+            assert lone_llm._process.returncode == 0
+            assert "Traceback" not in capfd.readouterr().err
+        outputs = []
+        while lone_llm.has_unfinished():
+            outputs += lone_llm.step()
+        assert len(outputs) == 1000
+        assert all(isinstance(o.error, StepFailed if then == "step" else EngineDied)
+                   for o in outputs)
+        _assert_drained(lone_llm)
 
 
 # Loaded first by the prefill process when its path holds it: the header of a prompt's KV is
