@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -120,6 +121,28 @@ def test_no_kernel_compiles_again_for_a_value_that_changes_every_step(child):
     for name, argument in PER_STEP.items():
         assert argument in plain[name], f"{name} specialises on {argument}"
         assert argument in triton_variants.UNALIGNED  # compiled here as any value
+
+
+def test_compile_workers_find_the_variants_once_each(monkeypatch):
+    # Each compile worker looks its variants up by name: finding every variant again for
+    # each one (605 under KVPOOL_COMPILE_ALL=1) took longer than the compiles from the cache.
+    found = multiprocessing.get_context("fork").Value("i", 0)
+    real = triton_variants.variants
+
+    def counted():
+        with found.get_lock():
+            found.value += 1
+        return real()
+
+    monkeypatch.setattr(triton_variants, "variants", counted)
+    monkeypatch.setattr(triton_variants, "compile_report",
+                        lambda variant, resources: triton_variants.Compiled(variant.name,
+                                                                           variant.arch))
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS)  # a name is one variant
+    names = [v.name for v in VARIANTS[:8]]
+    results = triton_variants.compile_all(names, workers=2)
+    assert [(r.name, r.arch) for r in results] == [(v.name, v.arch) for v in VARIANTS[:8]]
+    assert found.value <= 3  # the caller, then each of the 2 workers once
 
 
 @pytest.mark.parametrize(("arch", "fp8_runs"), [(80, False), (89, True), (90, True)])

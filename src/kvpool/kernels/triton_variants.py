@@ -259,19 +259,26 @@ def covering(found: list[Variant]) -> list[Variant]:
 def compile_all(names: list[str] | None = None, *, workers: int = 1,
                 resources: bool = False) -> list[Compiled]:
     """The variants named (every one by default) compiled, in `workers` processes."""
-    found = [v for v in variants() if names is None or v.name in names]
+    wanted = None if names is None else set(names)
+    found = [v for v in variants() if wanted is None or v.name in wanted]
     if workers == 1:
         return [compile_report(v, resources=resources) for v in found]
     context = multiprocessing.get_context("fork")  # no CUDA here: nothing to re-initialise
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_name_variants) as pool:
         # By name: a kernel does not pickle.
         return list(pool.map(functools.partial(_compile_named, resources=resources),
                              [v.name for v in found]))
 
 
+_NAMED: dict[str, Variant] = {}  # a compile worker's variants by name, found once
+
+
+def _name_variants() -> None:
+    _NAMED.update((v.name, v) for v in variants())
+
+
 def _compile_named(name: str, *, resources: bool) -> Compiled:
-    (variant,) = [v for v in variants() if v.name == name]
-    return compile_report(variant, resources=resources)
+    return compile_report(_NAMED[name], resources=resources)
 
 
 def _ptxas_resources(ptx: str, arch: int) -> tuple[int, int]:
