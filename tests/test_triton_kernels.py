@@ -112,7 +112,7 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, w
 
 
 def test_decode_split_over_the_context_matches_unsplit():
-    batch = make_batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+    batch = make_batch(DECODES, heads=4, kv_heads=2, head_dim=64, page_size=16,
                        dtype=torch.float32)
     whole = decode(batch)
     for num_splits in (2, 5):
@@ -141,7 +141,7 @@ def test_decode_of_a_zero_length_row_is_zero_not_nan():
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
-    kwargs = dict(heads=8, kv_heads=2, head_dim=64, page_size=5, dtype=torch.float32)
+    kwargs = dict(heads=4, kv_heads=2, head_dim=64, page_size=5, dtype=torch.float32)
     poisoned = make_batch(DECODES, **kwargs)  # unwritten slots hold NaN
     clean = make_batch(DECODES, **kwargs)
     clean.k_cache.nan_to_num_(0.0)
@@ -239,12 +239,19 @@ def test_the_smallest_tiles_match_reference(kind, monkeypatch):
     assert relative_error(out, batch.reference()) < 1e-5
 
 
-@pytest.mark.parametrize("max_query_len", [40, 600])
-def test_prefill_tiles_of_either_size_match_reference(max_query_len):
-    # Long prompts take the long-query tile and the unmasked key steps before the diagonal.
+@pytest.mark.parametrize(("max_query_len", "block_n"), [(40, 64), (520, 32)], ids=["40", "520"])
+def test_prefill_tiles_of_either_size_match_reference(max_query_len, block_n):
+    # Long prompts take the long-query tile (LONG_QUERY tokens or more: 32 keys a step) and the
+    # unmasked key steps before the diagonal. 520: past LONG_QUERY, its last block of 64 query
+    # rows partial (8 rows); the second sequence's query starts past a cached prefix that is
+    # not a whole number of key steps (330 or 90 tokens). One head: the heads' grouping is
+    # checked by the prefill cases below.
     specs = [(max_query_len, max_query_len), (max_query_len + 70, max_query_len // 2),
              (90, 1)]
-    batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16,
+    launch = triton_prefill.prefill_launch(torch.float32, torch.float32, 32, max_query_len,
+                                           triton_prefill.shared_memory(DEVICE))
+    assert launch.constexprs["BLOCK_N"] == block_n  # the tile these shapes are for
+    batch = make_batch(specs, heads=1, kv_heads=1, head_dim=32, page_size=16,
                        dtype=torch.float32)
     assert relative_error(prefill(batch), batch.reference()) < 1e-5
 
@@ -288,7 +295,7 @@ def test_chunked_prefill_over_a_cached_prefix_equals_one_prefill():
 
 
 def test_prefill_ignores_nan_in_unwritten_slots():
-    kwargs = dict(heads=4, kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32)
+    kwargs = dict(heads=2, kv_heads=1, head_dim=64, page_size=16, dtype=torch.float32)
     poisoned = make_batch(MIXED, **kwargs)
     clean = make_batch(MIXED, **kwargs)
     clean.k_cache.nan_to_num_(0.0)
@@ -383,7 +390,7 @@ def test_write_kv_kernel_skips_a_slot_outside_the_cache():
 @pytest.mark.parametrize(("specs", "num_splits"), [(DECODES, 1), (DECODES, 3), (MIXED, None)],
                          ids=["decode", "decode-split3", "mixed-prefill"])
 def test_fp8_pages_equal_the_dequantized_pages(specs, num_splits, dtype):
-    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=32, page_size=16, dtype=dtype)
+    batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16, dtype=dtype)
     k8, v8, k_scale, v_scale = fp8_pages(batch)  # unwritten slots stay NaN bytes
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
     if num_splits is None:
@@ -456,4 +463,3 @@ def test_triton_backend_with_bounds_does_not_synchronise():
         batch.attend(backend="triton", max_seq_len=capacity, max_query_len=1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
