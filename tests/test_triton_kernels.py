@@ -112,7 +112,7 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, w
 
 
 def test_decode_split_over_the_context_matches_unsplit():
-    batch = make_batch(DECODES, heads=4, kv_heads=2, head_dim=64, page_size=16,
+    batch = make_batch(DECODES, heads=2, kv_heads=1, head_dim=64, page_size=16,
                        dtype=torch.float32)
     whole = decode(batch)
     for num_splits in (2, 5):
@@ -141,7 +141,7 @@ def test_decode_of_a_zero_length_row_is_zero_not_nan():
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
-    kwargs = dict(heads=4, kv_heads=2, head_dim=64, page_size=5, dtype=torch.float32)
+    kwargs = dict(heads=2, kv_heads=1, head_dim=64, page_size=5, dtype=torch.float32)
     poisoned = make_batch(DECODES, **kwargs)  # unwritten slots hold NaN
     clean = make_batch(DECODES, **kwargs)
     clean.k_cache.nan_to_num_(0.0)
@@ -229,7 +229,7 @@ def test_the_smallest_tiles_match_reference(kind, monkeypatch):
     module = triton_prefill if kind == "prefill" else triton_decode
     monkeypatch.setattr(module, "shared_memory", lambda device: 6_000)
     specs = [(70, 40), (33, 1), (16, 16)] if kind == "prefill" else DECODES
-    batch = make_batch(specs, heads=4, kv_heads=2, head_dim=32, page_size=16,
+    batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16,
                        dtype=torch.float32)
     launch = (triton_prefill.prefill_launch(torch.float32, torch.float32, 32, 40, 6_000)
               if kind == "prefill" else
