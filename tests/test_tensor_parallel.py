@@ -273,16 +273,19 @@ def test_one_engine_of_several_ranks_per_process_and_a_failed_build_stops_its_wo
                    .outputs[0].token_ids) == 4
 
 
-def test_pages_wider_than_a_step_message_reach_the_workers_tier(device):
+def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
     """A tier entry (a page's id and key: page_size + 3 ints) may be wider than the largest
     step: the step channel holds one all the same."""
     cpu_only(device)
-    options = dict(num_pages=8, page_size=128, max_num_seqs=1, max_num_batched_tokens=16,
+    folder = cases("llama").folder
+    options = dict(num_pages=4, page_size=64, max_num_seqs=1, max_num_batched_tokens=16,
                    host_tier_memory=2**26, device=device)
-    prompts = [[i + 1] * 130 for i in range(10)] + [[1] * 130]  # the first back from the tier
+    prompts = [[i + 1] * 66 for i in range(4)] + [[1] * 66]  # the first back from the tier
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    expected = LLM("tiny", **options).generate(prompts, greedy, use_tqdm=False)
-    with LLM("tiny", tensor_parallel_size=RANKS, **options) as llm:
+    expected = LLM(folder, **options).generate(prompts, greedy, use_tqdm=False)
+    with LLM(folder, tensor_parallel_size=RANKS, **options) as llm:
+        step = llm.runner.max_step  # a step message: its lengths and its metadata
+        assert 2 * step.num_seqs + 1 + step.size < options["page_size"] + 3
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
         assert llm.stats().num_tier_stores > 0 and llm.stats().num_tier_loads > 0
     assert [o.outputs[0].token_ids for o in outputs] == \
