@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,16 +250,11 @@ def test_a_step_interrupted_by_ctrl_c_stops_the_group_and_later_steps_fail_at_on
 
 def test_one_engine_of_several_ranks_per_process_and_a_failed_build_stops_its_workers(
         tmp_path, device):
-    """A second engine would take the first one's process group: it is refused, and the
-    first serves on. A build failing after the workers started stops them at once, even while
-    its error is held (as a REPL holds the last one), so that a retry starts."""
+    """A build failing after the workers started stops them at once, even while its error is
+    held (as a REPL holds the last one), so that a retry starts. A second engine would take
+    the first one's process group: it is refused, and the first serves on."""
     cpu_only(device)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as first:
-        with pytest.raises(ValueError, match="torch.distributed is initialized already"):
-            LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS)
-        assert len(first.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
-                   .outputs[0].token_ids) == 4
     broken = save_hf_model(make_hf_model("llama"), tmp_path)
     tensors = load_file(broken / "model.safetensors")
     tensors["model.norm.weight"] = torch.ones(65)  # found wrong once the workers started
@@ -267,10 +263,29 @@ def test_one_engine_of_several_ranks_per_process_and_a_failed_build_stops_its_wo
         LLM(broken, num_pages=32, device=device, tensor_parallel_size=RANKS)
     assert held.value is not None and not multiprocessing.active_children()
     with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as retry:
-        os.kill(retry.peers.workers[0].pid, signal.SIGINT)  # Ctrl-C at an idle prompt
-        time.sleep(0.5)
+        with pytest.raises(ValueError, match="torch.distributed is initialized already"):
+            LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS)
         assert len(retry.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
                    .outputs[0].token_ids) == 4
+        worker = retry.peers.workers[0]
+        os.kill(worker.pid, signal.SIGINT)  # Ctrl-C at an idle prompt
+        wait_until_delivered(worker.pid, signal.SIGINT)
+        assert len(retry.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]
+                   .outputs[0].token_ids) == 4
+
+
+def wait_until_delivered(pid: int, signum: int, timeout: float = 10.0) -> None:
+    """Wait until process `pid` holds `signum` pending no more: it ran its handler, or it
+    ignores the signal (then the kernel discarded it at once)."""
+    bit = 1 << (signum - 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        status = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{pid}/status").read_text().splitlines())
+        if not (int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)) & bit:
+            return
+        assert time.monotonic() < deadline, f"signal {signum} still pending in {pid}"
+        time.sleep(0.01)
 
 
 def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
