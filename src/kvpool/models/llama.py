@@ -162,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
             self.model = self.decoder(config, dtype, tp)
             self.lm_head = None if config.tie_word_embeddings else ColumnLinear(
                 config.hidden_size, tp.part(config.vocab_size, "vocab_size"), 1, False, dtype)
-        self.to_empty(device=device)
+        # Module.to_empty's torch.empty_like on a meta tensor imports sympy, a quarter of a
+        # second of every fresh process's start; torch.empty by shape imports nothing.
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         self.rotary_emb = RotaryEmbedding(config, device=device)
 
     def rope(self, positions: torch.Tensor):
