@@ -3,14 +3,17 @@ decode engine, and greedy tokens are one engine's, with prefix hits, chunked pre
 prefill side, preemption on the decode side and aborts in flight; a prefill side that
 refuses, dies or goes silent fails its requests with a clear error, never a hang."""
 
+import datetime
 import os
 import random
 import signal
 import threading
 
 import pytest
+import torch.distributed as dist
 
 from hybrid_util import make_bamba
+from kvpool.engine import disaggregated
 from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
@@ -279,6 +282,37 @@ def test_closing_with_prompts_on_the_prefill_side_ends_it_quietly(lone_llm, prom
     lone_llm.close()
     assert lone_llm._process.poll() == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_decode_side_closing_before_the_group_connects_ends_the_prefill_side_quietly():
+    """Closed as soon as it started, the decode side may drop its group while the prefill
+    side still connects its own: the prefill side ends as told, without saying it died. Here
+    the decode side never joins, so the prefill side's connect fails (after 0.5 s) every
+    time; the prefill side runs in a thread of this process."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)
+    down, up = os.pipe(), os.pipe()
+    decode, prefill = disaggregated._Channel(up[0], down[1]), disaggregated._Channel(down[0], up[1])
+    raised = []
+
+    def prefill_side():
+        try:
+            disaggregated._prefill_main("tiny", {"device": "cpu", "num_pages": 16}, store.port,
+                                        0.5, prefill)
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=prefill_side)
+    thread.start()
+    assert decode.recv()[0] == "ready"
+    decode.send(("join",))
+    decode.send(("close",))
+    thread.join(30)
+    assert not thread.is_alive() and raised == []
+    assert not decode.poll(0)  # no "died"
+    for channel in (decode, prefill):
+        channel.close_reader()
+        channel.close_writer()
 
 
 def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device):

@@ -456,10 +456,10 @@ def _prefill_main(model: str, options: dict, port: int, timeout: float,
                    llm.takes_prefilled))  # its KV is read whole
         if conn.recv() != ("join",):
             return  # the decode side refused these pages, and closed this side
-        group = _process_group(store, PREFILL_RANK, timeout)
         try:
-            _serve_prefills(llm, group, conn)
-        except RuntimeError:  # gloo: a send failed; a closing decode side drops its group first
+            _serve_prefills(llm, _process_group(store, PREFILL_RANK, timeout), conn)
+        except RuntimeError:  # gloo: a connect or send failed; a closing decode side drops
+            # its group first (at once if it closes as soon as it started)
             if not _told_to_close(conn, timeout=5.0):
                 raise
     except (EOFError, OSError, KeyboardInterrupt):
