@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
-from kvpool.models.loader import load_model
+from kvpool.models.loader import _copy_finite, load_model
 from kvpool.models.tokenizer import ByteTokenizer
 from models_util import (
     CONFIGS,
@@ -319,6 +320,25 @@ def test_non_finite_weight_is_named(broken, value, device):
     with pytest.raises(CheckpointError, match=r"weight model\.layers\.1\.mlp\.up_proj\.weight "
                                               r"in model\.safetensors holds 1 NaN or infinite"):
         load_model(broken, device=device)
+
+
+def test_a_non_finite_value_anywhere_in_a_weight_of_any_float_dtype_is_named(device):
+    # The check reads a weight's least and greatest values (NaN if any value is); the
+    # largest finite values pass, an empty weight too.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        top = torch.finfo(dtype).max
+        for values in ([], [top, -top, 0.0], [1.0] * 37):
+            _copy_finite(torch.empty(len(values), dtype=dtype, device=device),
+                         torch.tensor(values), "w", Path("m.safetensors"))
+        for bad in ([float("nan")], [float("inf")], [-float("inf")],
+                    [float("inf"), -float("inf")], [float("nan"), float("inf")]):
+            for where in (0, 18, 37 - len(bad)):
+                values = torch.ones(37)
+                values[where:where + len(bad)] = torch.tensor(bad)
+                with pytest.raises(CheckpointError, match=rf"weight w in m\.safetensors holds "
+                                                          rf"{len(bad)} NaN or infinite"):
+                    _copy_finite(torch.empty(37, dtype=dtype, device=device), values, "w",
+                                 Path("m.safetensors"))
 
 
 def test_weight_that_overflows_the_requested_dtype_is_named(broken, device):
