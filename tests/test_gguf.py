@@ -576,28 +576,30 @@ def test_smollm2_streams_grow_as_the_decode_does_and_whole_words_are_the_decode(
 
 
 @NEEDS_SMOLLM2
-def test_smollm2_greedy_tokens_equal_transformers(llm, reference):
-    assert _tokens(llm.generate(_prompts(reference), GREEDY)) == reference["outputs"]
-
-
-@NEEDS_SMOLLM2
-def test_smollm2_prefix_hits_leave_the_tokens_unchanged(llm, reference):
-    # A one-token run caches the two prompts' full pages, whichever tests ran before on `llm`.
-    chats = [0, 3]
-    prompts = [reference["chat_ids"][i] for i in chats]
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+def test_smollm2_greedy_tokens_equal_transformers_with_and_without_prefix_hits(llm, reference):
+    # The seven prompts prefill in one step and commit their full pages to the prefix cache;
+    # two of them, queued again then, hit those pages and decode beside the others.
+    prompts, again = _prompts(reference), [0, 3]
     before = llm.cache.stats().prefix_hit_tokens
-    outputs = llm.generate(prompts, GREEDY)
-    assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    outputs = {o.request_id: o for o in llm.step()}
+    assert sorted(outputs) == sorted(ids)  # every prompt prefilled and sampled its first token
+    ids += [llm.add_request(reference["chat_ids"][i], GREEDY) for i in again]
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert _tokens(outputs[i] for i in ids) == reference["outputs"] + [
+        reference["outputs"][i] for i in again]
+    assert all(outputs[i].num_cached_tokens > 0 for i in ids[len(prompts):])
     assert llm.cache.stats().prefix_hit_tokens > before
 
 
 @NEEDS_SMOLLM2
 def test_smollm2_chunked_prefill_and_preemption_leave_the_tokens_unchanged(smollm2, reference):
-    # Three chats of 27-53 tokens in 16-token chunks, in 12 pages of 8 tokens: not all three
-    # fit to the end, so some are preempted and recomputed.
+    # Three chats of 27-54 tokens in 16-token chunks, in 22 pages of 8 tokens: all three do
+    # not fit to their ends (7, 8 and 9 pages), so the newest is preempted late in its decode
+    # and recomputed, prompt and output, in chunks.
     chats = [1, 2, 3]
-    llm = LLM("smollm2", device="cpu", dtype=torch.float32, page_size=8, num_pages=12,
+    llm = LLM("smollm2", device="cpu", dtype=torch.float32, page_size=8, num_pages=22,
               max_num_batched_tokens=16, prefix_caching=False)
     outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
     assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
