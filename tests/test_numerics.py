@@ -4,7 +4,13 @@ transformers run alone at least as long as transformers batched agrees with itse
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +49,48 @@ def _leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return total / len(a)
 
 
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpool" / "numerics"
+
+
+def _cpu() -> str:
+    """The CPU's model name, where the system says it: transformers' bfloat16 tokens depend on
+    the matrix kernels, which differ by CPU."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in
+             (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def _transformers_greedy(folder: Path, prompts: list[list[int]]) -> dict:
+    """transformers' greedy tokens in bfloat16 for each prompt alone and for all in one
+    left-padded batch: computed once per checkpoint, prompt set, transformers and torch
+    version and CPU, then read from the user's cache folder (the 48 prompts alone are most of
+    this module's time)."""
+    key = hashlib.sha256(json.dumps([
+        hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(), prompts,
+        MAX_TOKENS, transformers.__version__, torch.__version__, _cpu(),
+        torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]).encode())
+    path = CACHE_ROOT / f"bf16-greedy-{key.hexdigest()[:16]}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    gen = dict(do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+    with torch.no_grad():
+        alone = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)), **gen)
+                 [0, len(p):].tolist() for p in prompts]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        batched = hf.generate(ids, attention_mask=mask, **gen)[:, width:].tolist()
+    greedy = {"alone": alone, "batched": batched}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+        json.dump(greedy, f)
+    os.replace(f.name, path)  # whole or not at all, whoever reads it meanwhile
+    return greedy
+
+
 @pytest.fixture(scope="module")
 def bf16_agreement(tmp_path_factory):
     """(kvpool vs transformers alone, transformers batched vs alone): mean leading greedy
@@ -54,22 +102,15 @@ def bf16_agreement(tmp_path_factory):
         initializer_range=0.05, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     folder = tmp_path_factory.mktemp("bf16")
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 512) for _ in range(rng.randint(8, 60))]
                for _ in range(NUM_PROMPTS)]
-    gen = dict(do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
-    with torch.no_grad():
-        alone = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)), **gen)
-                 [0, len(p):].tolist() for p in prompts]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        batched = hf.generate(ids, attention_mask=mask, **gen)[:, width:].tolist()
+    reference = _transformers_greedy(folder, prompts)
     llm = LLM(folder, dtype=torch.bfloat16, num_pages=256, device="cpu")
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    return _leading_agreement(ours, alone), _leading_agreement(batched, alone)
+    return (_leading_agreement(ours, reference["alone"]),
+            _leading_agreement(reference["batched"], reference["alone"]))
 
 
 def test_bf16_greedy_agrees_with_transformers_about_as_long_as_its_own_batching(
