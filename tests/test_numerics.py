@@ -10,7 +10,9 @@ import os
 import platform
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +51,8 @@ def _leading_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return total / len(a)
 
 
-CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpool" / "numerics"
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpool" / \
+    "references"
 
 
 def _cpu() -> str:
@@ -62,33 +65,46 @@ def _cpu() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def _transformers_greedy(folder: Path, prompts: list[list[int]]) -> dict:
-    """transformers' greedy tokens in bfloat16 for each prompt alone and for all in one
-    left-padded batch: computed once per checkpoint, prompt set, transformers and torch
-    version and CPU, then read from the user's cache folder (the 48 prompts alone are most of
-    this module's time)."""
-    key = hashlib.sha256(json.dumps([
-        hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(), prompts,
-        MAX_TOKENS, transformers.__version__, torch.__version__, _cpu(),
-        torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]).encode())
-    path = CACHE_ROOT / f"bf16-greedy-{key.hexdigest()[:16]}.json"
+def cached_reference(name: str, key: list, compute: Callable[[], Any]) -> Any:
+    """compute()'s JSON value, a reference transformers computes on the CPU: computed once per
+    `key` (what it depends on; transformers' and torch's versions and the CPU are added), then
+    read from the user's cache folder."""
+    key = [*key, transformers.__version__, torch.__version__, _cpu(),
+           torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    path = CACHE_ROOT / f"{name}-{digest}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    gen = dict(do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
-    with torch.no_grad():
-        alone = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)), **gen)
-                 [0, len(p):].tolist() for p in prompts]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        batched = hf.generate(ids, attention_mask=mask, **gen)[:, width:].tolist()
-    greedy = {"alone": alone, "batched": batched}
+    value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-        json.dump(greedy, f)
+        json.dump(value, f)
     os.replace(f.name, path)  # whole or not at all, whoever reads it meanwhile
-    return greedy
+    return value
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _transformers_greedy(folder: Path, prompts: list[list[int]]) -> dict:
+    """transformers' greedy tokens in bfloat16 for each prompt alone and for all in one
+    left-padded batch (the 48 prompts alone are most of this module's time, once)."""
+    def compute():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                               dtype=torch.bfloat16).eval()
+        gen = dict(do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+        with torch.no_grad():
+            alone = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p)),
+                                 **gen)[0, len(p):].tolist() for p in prompts]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            batched = hf.generate(ids, attention_mask=mask, **gen)[:, width:].tolist()
+        return {"alone": alone, "batched": batched}
+
+    return cached_reference("bf16-greedy", [file_digest(folder / "model.safetensors"),
+                                            prompts, MAX_TOKENS], compute)
 
 
 @pytest.fixture(scope="module")
