@@ -19,6 +19,18 @@ from kvpool.memory.allocator import POLICIES, AllocatorStats, PageAllocator
 NUM_PAGES = 70  # more than one first_fit bucket
 RESERVE = 3
 NOT_INTS = (1.0, "2", None, True)
+# The argument strategies are built once: a strategy built afresh at every step costs more
+# than the step. Pages are drawn as indices into the model's lists (as sampled_from draws
+# them), with strategies shared by every list of the same length.
+BAD_IDS = (st.integers(NUM_PAGES, 2 * NUM_PAGES), st.integers(-NUM_PAGES, -1),
+           st.sampled_from(NOT_INTS))
+A_FREE_PAGE = "a free page"  # drawn as a bad id: then which free page
+BAD_ID = {False: st.one_of(BAD_IDS), True: st.one_of(*BAD_IDS, st.just(A_FREE_PAGE))}
+
+
+def draw_from(data, pages, **kwargs):
+    """A list of `pages`' elements, as st.lists(st.sampled_from(pages), **kwargs) draws it."""
+    return [pages[i] for i in data.draw(st.lists(st.integers(0, len(pages) - 1), **kwargs))]
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -40,7 +52,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def batch(self, data, max_size):
         """Held pages, possibly repeated."""
-        return data.draw(st.lists(st.sampled_from(sorted(self.refs)), max_size=max_size))
+        return draw_from(data, sorted(self.refs), max_size=max_size)
 
     @rule(n=st.integers(0, 20), critical=st.booleans())
     def allocate(self, n, critical):
@@ -85,13 +97,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), method=st.sampled_from(["free", "share"]))
     def call_with_a_bad_id(self, data, method):
-        bads = [st.integers(NUM_PAGES, 2 * NUM_PAGES), st.integers(-NUM_PAGES, -1),
-                st.sampled_from(NOT_INTS)]
-        if self.free:
-            bads.append(st.sampled_from(self.free))
-        bad = data.draw(st.one_of(bads))
-        pages = data.draw(st.lists(st.sampled_from(sorted(self.refs)), unique=True)
-                          if self.refs else st.just([]))
+        bad = data.draw(BAD_ID[bool(self.free)])
+        if bad == A_FREE_PAGE:
+            bad = self.free[data.draw(st.integers(0, len(self.free) - 1))]
+        pages = draw_from(data, sorted(self.refs), unique=True) if self.refs else []
         pages.insert(data.draw(st.integers(0, len(pages))), bad)
         with pytest.raises(TypeError if type(bad) is not int else InvalidPage):
             getattr(self.allocator, method)(pages)
