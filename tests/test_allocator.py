@@ -1,5 +1,6 @@
 """PageAllocator, one behaviour per test, with exact page ids."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -541,6 +542,40 @@ def test_check_names_a_first_fit_id_in_another_bucket():
     allocator._free._buckets[1].remove(70)
     allocator._free._buckets[0].append(70)
     with pytest.raises(AssertionError, match="bucket 0 holds ids of another bucket"):
+        allocator.check()
+
+
+@pytest.mark.parametrize("stray", [63, 128])  # below the bucket's ids, above them
+def test_check_names_a_first_fit_id_at_either_end_of_another_bucket(stray):
+    allocator = PageAllocator(200, policy="first_fit")
+    allocator._free._buckets[stray >> 6].remove(stray)
+    allocator._free._buckets[1].append(stray)
+    allocator._free._buckets[1].sort()
+    with pytest.raises(AssertionError, match="bucket 1 holds ids of another bucket"):
+        allocator.check()
+
+
+def test_check_names_a_first_fit_id_in_another_bucket_out_of_order():
+    allocator = PageAllocator(200, policy="first_fit")
+    allocator._free._buckets[1].remove(70)
+    allocator._free._buckets[0].insert(5, 70)
+    with pytest.raises(AssertionError, match="bucket 0 is not ascending and distinct; bucket 0 "
+                                             "holds ids of another bucket"):
+        allocator.check()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_check_names_a_marked_page_on_the_free_list_and_an_unmarked_one_on_the_queue(policy):
+    allocator = PageAllocator(8, policy=policy)
+    pages = allocator.allocate(2)
+    allocator.mark_cached(pages)
+    allocator.free(pages)
+    allocator.check()
+    allocator._is_cached[pages[0]] = False
+    allocator._is_cached[5] = True
+    with pytest.raises(AssertionError, match=re.escape(
+            f"cached pages on the free list [5] or uncached ones on the cached queue "
+            f"[{pages[0]}]")):
         allocator.check()
 
 

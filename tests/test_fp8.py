@@ -147,10 +147,12 @@ def test_scales_are_refused_for_pages_that_are_not_fp8():
         KVPool(KVLayout(2, 2, 16, torch.bfloat16), 8, device="cpu", kv_scales=(1.0, 1.0))
 
 
-def test_check_finds_a_broken_scale():
+@pytest.mark.parametrize("bad", [math.nan, 0.0, -1.0, math.inf, -math.inf])
+def test_check_finds_a_broken_scale(bad):
     pool = KVPool(FP8_LAYOUT, 8, device="cpu", kv_scales=(1.0, 1.0))
-    pool.scales[1, 0] = math.nan
-    with pytest.raises(AssertionError, match="layer 1"):
+    pool.check()
+    pool.scales[1, 0] = bad
+    with pytest.raises(AssertionError, match=re.escape(f"layer 1 has scales [{bad}, 1.0], not")):
         pool.check()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -231,9 +232,9 @@ class KVPool:
             f"{RESERVED_PAGES} reserved")
         if self.scales is None:
             return
-        for layer, row in enumerate(self.scales.cpu()):
-            assert not self._has_scales[layer] or bool((row > 0).all() and row.isfinite().all()), (
-                f"layer {layer} has scales {row.tolist()}, not positive finite numbers")
+        for layer, row in enumerate(self.scales.tolist()):  # one copy, no kernel a layer
+            assert not self._has_scales[layer] or all(x > 0 and math.isfinite(x) for x in row), (
+                f"layer {layer} has scales {row}, not positive finite numbers")
 
     def _layer(self, layer: int) -> int:
         """`layer` if it is an int in [0, num_layers); else TypeError or ValueError naming
