@@ -42,11 +42,13 @@ collect_ignore_glob = ["test_server*.py"] if MISSING_SERVER_MODULES else []
 
 # The modules that take longest (seconds of CPU on 2 cores), collected first: `dev.py test`
 # hands whole modules to its workers in collection order, so none of these is left running
-# alone at the end.
-LONGEST_FIRST = ("test_tensor_parallel", "test_triton_kernels", "test_tensor_parallel_hybrid",
-                 "test_server_cli", "test_cache_props", "test_gguf", "test_disaggregated",
-                 "test_numerics", "test_fake_trace", "test_redis_tier", "test_server_limits",
-                 "test_hybrid_engine", "test_models", "test_engine_props", "test_server")
+# alone at the end. test_triton_compile leads: with Triton's cache empty (a fresh machine)
+# its compiles take half a minute of both cores.
+LONGEST_FIRST = ("test_triton_compile", "test_tensor_parallel", "test_server_cli",
+                 "test_disaggregated", "test_cache_props", "test_triton_kernels", "test_gguf",
+                 "test_server", "test_tensor_parallel_hybrid", "test_redis_tier",
+                 "test_server_limits", "test_models", "test_windows", "test_deepseek",
+                 "test_fake_trace")
 
 
 def pytest_collection_modifyitems(items):
