@@ -90,9 +90,12 @@ def test_chat_with_a_model_without_a_tokenizer_is_one_line_with_exit_2(tmp_path,
 def test_ctrl_c_ends_a_chat_with_exit_130_and_no_traceback():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    # A chat at a terminal takes Ctrl-C; a suite started in the background by a shell without
+    # job control inherits SIGINT ignored, which the chat's process would inherit too.
     process = subprocess.Popen([sys.executable, "-m", "kvpool.cli.main", "chat"], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+                               stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout.read(2) == b"> "  # waiting for a turn
         process.send_signal(signal.SIGINT)
