@@ -308,12 +308,8 @@ class FullAttention(GroupManager):
                 f"sequence {sid!r}: first {seq.num_cached} pages {seq.pages[:seq.num_cached]} "
                 f"are not a path of the prefix cache")
         refcounts = self.allocator.refcounts
-        expected = [0] * len(refcounts)
-        for page, count in holders.items():
-            if 0 <= page < len(expected):
-                expected[page] = count
-        wrong = [page for page, count in enumerate(refcounts) if count != expected[page]] if (
-            refcounts != expected) else []
+        expected = [holders.get(page, 0) for page in range(len(refcounts))]
+        wrong = [page for page, count in enumerate(refcounts) if count != expected[page]]
         assert not wrong, "reference counts unlike the page tables: " + "; ".join(
             f"page {page} counts {refcounts[page]}, held by {expected[page]}" for page in wrong[:5])
         reserved = sorted(page for page in holders if page >= self.allocator.num_pages)
