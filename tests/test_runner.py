@@ -205,6 +205,34 @@ def test_a_step_larger_than_the_staging_buffer_is_refused_before_the_workspace_c
     assert llm.workspace.used == used
 
 
+def test_a_step_exactly_the_size_of_the_staging_buffer_is_staged(llm):
+    # one padded row of 4 tokens, its page table as wide as fills the buffer to the element
+    padding = llm.runner.padding._replace(num_tokens=4)
+    size = llm.runner.staging[0].numel()
+    layout = StepLayout(1, 4, size - StepLayout(1, 4, 0, 1).size, 1)
+    assert layout.size == size
+    inputs = llm.runner.context(llm.runner.stage(ScheduledBatch(), layout, padding), layout,
+                                HostLengths([0, 4], [4], 4, 4))
+    assert _as_lists(inputs)["slot_mapping"] == [padding.slots[0]] * 4
+
+
+def test_an_input_id_0_is_a_token_not_a_placeholder(llm):
+    # placeholders are negative; token 0 keeps its id whatever the previous step sampled
+    batch = _batch(llm, [("z", [0, 5, 0, 6, 0], 0, 5, True)])
+    layout = llm.runner.layout(batch)
+    flat = llm.runner.stage(batch, layout, last_tokens=torch.tensor([9], device=llm.cache.device))
+    assert layout.split(flat).input_ids.tolist() == [0, 5, 0, 6, 0]
+
+
+def test_a_step_after_one_that_sampled_nothing_runs_as_without_last_tokens(llm):
+    # with overlap, a step whose chunks sample nothing hands the next an empty token tensor
+    batch = _mixed_batch(llm)
+    layout = llm.runner.layout(batch)
+    flat = llm.runner.stage(batch, layout,
+                            last_tokens=torch.empty(0, dtype=torch.int64, device=llm.cache.device))
+    assert layout.split(flat).input_ids.tolist() == _reference_inputs(llm.cache, batch)["input_ids"]
+
+
 def test_runner_logits_equal_a_forward_on_the_reference_inputs(llm):
     llm.cache.pool.kv.zero_()  # the chunks' prefixes are never computed: no NaN bits to read
     batch = _mixed_batch(llm)
@@ -354,6 +382,15 @@ def test_padded_rows_write_the_padding_slot_and_read_only_the_padding_page(llm):
     assert inputs.host.seq_lens is None and inputs.host.decode_only
 
 
+def test_graph_page_tables_hold_a_longest_sequence_when_the_model_length_ends_mid_page(llm):
+    # 62 tokens take 16 pages of 4: the static page tables are 16 columns, not 15
+    graphs = CUDAGraphRunner(llm.runner, 4, 62)
+    assert graphs.layout(4).width == 16
+    batch = _batch(llm, [("long", [1] * 62, 61, 62, True)])
+    got = _as_lists(graphs.inputs(graphs.stage(batch, 1), 1))
+    assert got["page_tables"] == llm.cache.page_tables(["long"]).tolist()
+
+
 def test_graph_inputs_land_at_one_address_whatever_the_batch(llm):
     graphs = CUDAGraphRunner(llm.runner, 12, 64)
     addresses = {graphs.stage(_decodes(llm, n, first=n * 10), 8).data_ptr() for n in (5, 6, 8)}
@@ -475,3 +512,10 @@ def test_the_warm_up_is_a_prefill_row_of_each_length_on_the_padding_page(llm):
                            cu_seqlens_q=[0, n], logits_indices=[n - 1])
         assert (max_seq_len, max_query_len) == (n, n)
 
+
+def test_the_warm_up_of_whole_pages_takes_no_extra_page_table_column(llm):
+    steps = []
+    llm.runner.model = lambda context: steps.append(_as_lists(context)["page_tables"])
+    llm.runner.warm_up([PAGE, 2 * PAGE])
+    pad = llm.runner.padding.pages[0]
+    assert steps == [[[pad]], [[pad, pad]]]
