@@ -12,8 +12,11 @@ from kvpool.cli.bench import (
     OUTPUT_LEN,
     PROMPT_LEN,
     BenchResult,
+    RequestTiming,
     Workload,
+    check_lengths,
     make_workload,
+    summary_rows,
     write_plot,
 )
 from kvpool.cli.main import CONTROL_PICTURES, main
@@ -278,3 +281,99 @@ def test_a_workload_is_cut_to_the_models_context():
     cut = make_workload(workload, TINY_VOCAB, 1024)
     assert max(len(r.prompt_token_ids) + r.max_tokens for r in cut) <= 1024
     assert all(r.max_tokens >= 1 and r.prompt_token_ids for r in cut)
+
+
+def test_a_cut_request_loses_user_prompt_tokens_before_output_tokens():
+    """A request whose drawn lengths pass max_model_len keeps its output where the prompt
+    can give way: only the user prompt is cut then."""
+    workload = Workload(300, PROMPT_LEN.with_median(400), OUTPUT_LEN.with_median(200))
+    uncut = make_workload(workload, TINY_VOCAB)
+    cut = make_workload(workload, TINY_VOCAB, 1024)
+    # requests too long whose output leaves room for a system prompt (<= 256) and a user token
+    shortened = [(u, c) for u, c in zip(uncut, cut, strict=True)
+                 if len(u.prompt_token_ids) + u.max_tokens > 1024 and u.max_tokens <= 512]
+    assert shortened
+    for u, c in shortened:
+        assert c.max_tokens == u.max_tokens
+        assert len(c.prompt_token_ids) + c.max_tokens == 1024
+
+
+def test_a_system_prompt_is_dropped_only_when_it_leaves_no_room_for_two_tokens():
+    """A system prompt of 30 tokens leaves room for one user and one output token in 32, not
+    in 31: there the requests go without it, and every request still fits."""
+    workload = Workload(20, shared_fraction=1.0, num_system_prompts=1, system_prompt_len=(30, 30))
+    for max_model_len, system in ((32, 0), (31, None)):
+        requests = make_workload(workload, TINY_VOCAB, max_model_len)
+        assert {r.system_prompt for r in requests} == {system}
+        assert all(len(r.prompt_token_ids) + r.max_tokens <= max_model_len for r in requests)
+
+
+def test_check_lengths_accepts_medians_that_fill_max_model_len_exactly():
+    workload = Workload(1, PROMPT_LEN.with_median(96), OUTPUT_LEN.with_median(32))
+    check_lengths(workload, 128)
+    with pytest.raises(ValueError, match="--prompt-len 96 \\+ --output-len 32 = 128 tokens, "
+                                         "over the model's max_model_len 127"):
+        check_lengths(workload, 127)
+
+
+def test_tpot_is_the_time_per_output_token_after_the_first_and_none_for_one_token():
+    assert RequestTiming(0.0, 0.2, 0.6, 5).tpot == pytest.approx(0.1)
+    assert RequestTiming(0.0, 0.2, 0.2, 1).tpot is None
+
+
+def test_summary_times_ttft_from_arrival_and_tpot_over_the_later_tokens():
+    timings = [RequestTiming(0.0, 0.2, 0.6, 5), RequestTiming(0.1, 0.5, 0.5, 1)]
+    requests = make_workload(Workload(2, PROMPT_LEN.with_median(4), OUTPUT_LEN.with_median(2)),
+                             TINY_VOCAB)
+    with LLM("tiny", num_pages=32) as llm:
+        rows = dict(summary_rows(llm, requests, BenchResult(timings, [llm.stats()], 1.0)))
+    assert rows["TTFT p50 / p99"] == "300.0 / 398.0 ms"  # of 200 and 400 ms
+    assert rows["TPOT p50 / p99"] == "100.0 / 100.0 ms"  # the one-token request has none
+    assert rows["generated tokens"] == "6"
+
+
+def test_bench_passes_its_engine_flags_to_the_engine(capsys, monkeypatch, tmp_path):
+    import kvpool.cli.bench
+
+    configs = []
+
+    def recording_llm(*args, **kwargs):
+        llm = LLM(*args, **kwargs)
+        configs.append(llm.config)
+        return llm
+
+    monkeypatch.setattr(kvpool.cli.bench, "LLM", recording_llm)
+    table = bench_table(capsys, *SMALL, "--no-plot", "--page-size", "8", "--max-num-seqs", "3",
+                        "--enforce-eager", "--disk-tier", str(tmp_path),
+                        "--disk-tier-memory", "1MiB")
+    (config,) = configs
+    assert (config.page_size, config.max_num_seqs, config.enforce_eager) == (8, 3, True)
+    assert (config.disk_tier, config.disk_tier_memory) == (str(tmp_path), 2**20)
+    assert table["pool pages"].startswith("384 x 8 tokens = 3,072 tokens")
+    assert table["tier pages"].endswith("(disk_tier)")
+
+
+def test_generate_passes_its_sampling_flags_and_the_default_max_tokens_on(capsys, monkeypatch):
+    import kvpool.cli.main
+
+    seen = []
+
+    def recording_llm(*args, **kwargs):
+        llm = LLM(*args, **kwargs)
+        add_request = llm.add_request
+
+        def recording_add_request(prompt, params):
+            seen.append((llm.config.seed, params))
+            return add_request(prompt, params)
+
+        llm.add_request = recording_add_request
+        return llm
+
+    monkeypatch.setattr(kvpool.cli.main, "LLM", recording_llm)
+    assert main(["generate", "Hi", "--temperature", "0.5", "--top-p", "0.75", "--top-k", "5",
+                 "--seed", "7"]) == 0
+    capsys.readouterr()
+    ((seed, params),) = seen
+    assert seed == 7
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == \
+        (64, 0.5, 0.75, 5)

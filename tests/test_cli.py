@@ -68,6 +68,11 @@ def test_plan_without_device_memory_reads_this_machine(capsys):
     assert "total RAM on cpu" in table["memory"]
 
 
+def test_plan_names_memory_already_in_use_only_when_it_reads_the_device(capsys):
+    assert "already in use" not in plan_table(capsys, "tiny", "--device-memory", "1GiB")
+    assert plan_table(capsys, "tiny", "--device", "cpu")["already in use"].endswith("B")
+
+
 def test_plan_list_names_every_preset(capsys):
     assert main(["plan", "--list"]) == 0
     out = capsys.readouterr().out
@@ -221,6 +226,8 @@ def test_plan_of_a_config_with_a_null_rms_norm_eps_uses_the_default(checkpoint, 
      f"--prompt-len 100 + --output-len {10**20} = {10**20 + 100:,} tokens, over the "
      f"model's max_model_len 4,096"),
     (["bench", "--disk-tier-memory", "1MiB"], "--disk-tier-memory needs --disk-tier"),
+    (["bench", "--prompt-len", "0"], "a median length must be >= 1 token, got 0"),
+    (["bench", "--output-len", "-3"], "a median length must be >= 1 token, got -3"),
     (["chat", "--disk-tier-memory", "1MiB"], "--disk-tier-memory needs --disk-tier"),
     (["serve", "--shutdown-timeout", "-1"],
      "--shutdown-timeout must be a number of seconds >= 0, got -1.0"),
