@@ -171,9 +171,12 @@ def test_a_step_no_memory_can_hold_is_out_of_memory_naming_the_workspace(option)
     lambda n: StateSpec(MambaLayout(1, 4, 4, 1, 1, 1), num_slots=4, track_interval=n),
     lambda n: KVCache(KVLayout(1, 1, 8, torch.float32, 4), 8, device="cpu",
                       max_tokens_per_seq=n),
+    lambda n: KVCache(KVLayout(1, 1, 8, torch.float32, 4, layer_windows=(8,)), 8,
+                      device="cpu", max_tokens_per_step=n),
     lambda n: ModelConfig.from_hf(PRESETS["tiny"]).estimate_activation_bytes(
         torch.float32, max_num_batched_tokens=n, max_num_seqs=1),
-], ids=["state-slots", "track-interval", "max-tokens-per-seq", "batched-tokens"])
+], ids=["state-slots", "track-interval", "max-tokens-per-seq", "max-tokens-per-step",
+        "batched-tokens"])
 def test_cache_and_activation_sizes_past_int64_are_refused_by_name(make):
     with pytest.raises(ValueError, match=f"must be in \\[1, {2**63 - 1}\\], got {2**63}"):
         make(2**63)

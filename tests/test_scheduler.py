@@ -21,7 +21,8 @@ def _scheduler(num_pages=16, *, max_num_seqs=8, max_num_batched_tokens=64, water
                prefix_caching=False, max_model_len=64, window=None, device):
     layout = KVLayout(1, 1, 4, dtype=torch.float32, page_size=PAGE,
                       layer_windows=() if window is None else (window,))
-    cache = KVCache(layout, num_pages, device=device, prefix_caching=prefix_caching)
+    cache = KVCache(layout, num_pages, device=device, prefix_caching=prefix_caching,
+                    max_tokens_per_step=max_num_batched_tokens)  # as the engine builds it
     return Scheduler(cache, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      watermark_pages=watermark_pages, eos_token_ids={1})
@@ -52,6 +53,7 @@ def _step(scheduler, token=9):
 
 
 def _run(scheduler, max_steps=200):
+    """Step until every request finishes."""
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             return
@@ -320,6 +322,44 @@ def test_random_workloads_finish_without_leaking_pages(seed, device):
         assert r.finished
         if not r.aborted:
             assert [len(q.output_token_ids) for q in r.seqs] == [r.params.max_tokens] * r.params.n
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_windowed_requests_longer_than_the_pool_finish_in_the_smallest_pool_taking_any_length(
+        seed, device):
+    """A windowed sequence grown at most a step's budget a call holds its window, two steps'
+    tokens and the copies of its first drop, however long: check_fits takes requests longer
+    than the pool, and in the smallest pool that takes every length they finish, alone and
+    together, prefix hits (held whole until the first drop) capped to leave that room."""
+    rng = random.Random(seed)
+    window, budget = rng.choice([5, 8]), rng.choice([1, 4, 9])
+    caching, max_num_seqs = rng.random() < 0.5, rng.choice([2, 3])
+    options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, window=window,
+                   prefix_caching=caching, max_model_len=10_000, device=device)
+    num_pages = next(n for n in range(1, 64) if _fits(_scheduler(n, **options), 10_000))
+    assert not _fits(_scheduler(num_pages - 1, **options), 10_000)
+    s = _scheduler(num_pages, watermark_pages=rng.randint(0, 1), **options)
+    pool_tokens, requests = num_pages * PAGE, []
+    for i in range(6):
+        shared = rng.random() < 0.5  # prompts alike, to hit the prefix cache
+        requests.append(_add(s, rng.randint(1, 2 * pool_tokens), str(i),
+                             start=10 if shared else 1_000 * (i + 1),
+                             max_tokens=rng.randint(1, pool_tokens), n=rng.choice([1, 1, 2])))
+        if rng.random() < 0.3:
+            _step(s)
+    assert any(len(r.prompt_token_ids) + r.params.max_tokens > pool_tokens for r in requests)
+    _run(s, max_steps=5_000)
+    assert s.cache.stats().num_used_pages == 0
+    for r in requests:
+        assert [len(q.output_token_ids) for q in r.seqs] == [r.params.max_tokens] * r.params.n
+
+
+def _fits(scheduler, num_tokens):
+    try:
+        scheduler.cache.check_fits(num_tokens)
+    except OutOfPages:
+        return False
+    return True
 
 
 def test_windowed_prompt_takes_its_pages_chunk_by_chunk_and_gives_back_what_leaves_the_window(

@@ -171,6 +171,51 @@ def test_check_fits_counts_the_copies_of_a_window_that_is_not_a_page_multiple(de
     c.check()
 
 
+def test_with_steps_bounded_a_sequence_of_any_length_fits_once_its_window_and_two_steps_do(
+        device):
+    """Window 8, pages of 4, at most 4 tokens a step: an append holds the window, its own 4
+    tokens and the 4 before, (8 + 2 * 4 - 3) // 4 + 2 = 5 pages; a first drop under prefix
+    caching copies up to 2 more beside them."""
+    small = cache(num_pages=4, max_tokens_per_step=4, device=device)
+    small.check_fits(16)  # 4 pages: what fits without giving any back
+    with pytest.raises(OutOfPages, match=r"^17 tokens need 5 pages of 4 tokens; the pool has 4$"):
+        small.check_fits(17)
+    c = cache(num_pages=5, max_tokens_per_step=4, device=device)
+    c.check_fits(10**6)
+    c.add_sequence("a", num_tokens=4)
+    for _ in range(100):  # to 404 tokens, 20 times the pool's
+        c.append("a", 4)
+        assert len(held(c, "a")) <= 5
+        c.check()
+    cached = cache(num_pages=6, max_tokens_per_step=4, prefix_caching=True, device=device)
+    with pytest.raises(OutOfPages, match=r"^1000000 tokens need 7 pages of 4 tokens; the pool "
+                                         r"has 6$"):
+        cached.check_fits(10**6)
+    cache(num_pages=7, max_tokens_per_step=4, prefix_caching=True, device=device).check_fits(10**6)
+
+
+def test_with_steps_bounded_a_prefix_hit_leaves_room_for_the_first_drop(device):
+    """A hit is held whole until the sequence's first drop, which takes two steps' pages and
+    the copies of its window beside it: in 9 pages, hits stop at 9 - 2 - 2 = 5 pages. The
+    tree's path grows a page with each prompt entering on its hit and one step more."""
+    c = cache(num_pages=9, max_tokens_per_step=4, prefix_caching=True, device=device)
+    prompt = list(range(100))
+    for i in range(6):
+        c.add_sequence(i, prompt, entering=c.tokens_to_admit(prompt, 4))
+        c.commit(i)
+        c.free_sequence(i)
+        c.check()
+    assert c.prefix_cache.num_pages == 6
+    assert c.prefix_hit(prompt) == 5 * PAGE_SIZE
+    assert c.add_sequence("long", prompt, entering=c.tokens_to_admit(prompt, 4)) == 20
+    unbounded = cache(num_pages=9, prefix_caching=True, device=device)
+    for i in range(6):
+        unbounded.add_sequence(i, prompt, entering=unbounded.tokens_to_admit(prompt, 4))
+        unbounded.commit(i)
+        unbounded.free_sequence(i)
+    assert unbounded.prefix_hit(prompt) == 6 * PAGE_SIZE
+
+
 def test_tokens_to_admit_are_the_prefix_hit_and_the_budget(device):
     c = cache(num_pages=32, prefix_caching=True, device=device)
     prompt = list(range(40))

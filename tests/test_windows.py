@@ -295,6 +295,24 @@ def test_mistral_engine_sequences_decoding_past_their_prompts_hold_a_window(mist
     assert decoded_far > 0
 
 
+def test_mistral_engine_serves_requests_longer_than_its_pool_like_transformers(mistral,
+                                                                             tmp_path, device):
+    """Steps of at most 4 tokens: a sequence holds its window of 8, two steps and, under
+    prefix caching, the 2 copies of its first drop (7 pages of 4 tokens) however long it
+    grows, so requests of 62 and 69 tokens run in 8 pages (32 tokens), hits and all."""
+    hf, _ = mistral
+    llm = LLM(save_hf_model(hf, tmp_path), num_pages=8, page_size=4, max_num_seqs=2,
+              max_num_batched_tokens=4, device=device)
+    shared = prompts(160, lengths=(30,), seed=6)["seq0"]
+    batch = [shared, shared + [7] * 7, shared]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = llm.generate(batch, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
+                                                          for p in batch]
+    assert llm.cache.stats().prefix_hit_tokens > 0
+    llm.check()
+
+
 def test_a_windowed_request_gets_room_for_the_copies_of_its_first_drop_or_is_refused(
         mistral, tmp_path, device):
     """With prefix caching, a windowed sequence's first drop out of the window copies the
@@ -306,10 +324,11 @@ def test_a_windowed_request_gets_room_for_the_copies_of_its_first_drop_or_is_ref
     prompt = prompts(160, lengths=(18,), seed=5)["seq0"]  # 5 pages of 4 tokens
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     tight = LLM(folder, num_pages=5, page_size=4, max_num_batched_tokens=3, device=device)
-    with pytest.raises(OutOfPages, match="18 tokens need 7 pages of 4 tokens; the pool has 5"):
+    # steps of 3 tokens: (8 + 2 * 3 - 3) // 4 + 2 = 4 pages at once, and 2 copies
+    with pytest.raises(OutOfPages, match="18 tokens need 6 pages of 4 tokens; the pool has 5"):
         tight.add_request(prompt, params)
     assert not tight.has_unfinished()
-    roomy = LLM(folder, num_pages=7, page_size=4, max_num_batched_tokens=3, device=device)
+    roomy = LLM(folder, num_pages=6, page_size=4, max_num_batched_tokens=3, device=device)
     roomy.add_request(prompt, params)
     for _ in range(100):
         roomy.step()

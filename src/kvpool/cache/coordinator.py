@@ -59,7 +59,10 @@ class KVCache:
     attention), or, when every layer of `layout` is windowed and `free_out_of_window`, gives
     back the pages that leave the largest window. `num_pages` a sequence: one pool per layer
     group of `layout` (`layout.groups`, full attention first), `num_pages[g]` pages each, its
-    window groups giving pages back (so `free_out_of_window` must stay True).
+    window groups giving pages back (so `free_out_of_window` must stay True). A caller that
+    grows each sequence by at most `max_tokens_per_step` tokens a call past its prefix hit (as
+    the engine's chunked prefill does) says so, and a window group then fits sequences longer
+    than its pool (`check_fits`).
     `states` (a StateSpec) adds a hybrid model's state slots and checkpoints beside the first
     page group.
 
@@ -72,11 +75,14 @@ class KVCache:
     def __init__(self, layout: KVLayout, num_pages: int | Sequence[int], *,
                  device: str | torch.device, policy: str = "lifo", prefix_caching: bool = False,
                  reserve: int = 0, max_tokens_per_seq: int | None = None,
-                 scrub_on_free: bool = False, tier: Tier | None = None,
+                 max_tokens_per_step: int | None = None, scrub_on_free: bool = False,
+                 tier: Tier | None = None,
                  model_fingerprint: str = "", kv_scales=None, free_out_of_window: bool = True,
                  states: StateSpec | None = None):
-        if max_tokens_per_seq is not None:
-            check_int64("max_tokens_per_seq", max_tokens_per_seq, 1)
+        for name, value in (("max_tokens_per_seq", max_tokens_per_seq),
+                            ("max_tokens_per_step", max_tokens_per_step)):
+            if value is not None:
+                check_int64(name, value, 1)
         for name, value, kind in (("tier", tier, Tier), ("states", states, StateSpec)):
             if value is not None and not isinstance(value, kind):
                 raise TypeError(f"{name} must be a {kind.__name__} or None, got "
@@ -97,7 +103,8 @@ class KVCache:
                        model_fingerprint=model_fingerprint, kv_scales=kv_scales)
         self.layout = layout
         self.page_size = layout.page_size
-        self.page_groups = _page_groups(layout, num_pages, free_out_of_window, options)
+        self.page_groups = _page_groups(layout, num_pages, free_out_of_window,
+                                        max_tokens_per_step, options)
         self.state = None if states is None else MambaState(states, self.page_groups[0],
                                                              device=device)
         self.groups: tuple[GroupManager, ...] = self.page_groups if self.state is None \
@@ -295,7 +302,8 @@ class KVCache:
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits alone in every
-        page group's pool (a window group's: with the copies of its first drop)."""
+        page group's pool (a window group's: with the copies of its first drop; with
+        `max_tokens_per_step`, whatever its length once its window and two steps fit)."""
         for group in self.page_groups:
             need, have = group.pages_alone(num_tokens), group.allocator.num_pages
             if need > have:
@@ -502,12 +510,13 @@ class KVCache:
 
 
 def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_window: bool,
-                 options: dict) -> tuple[FullAttention, ...]:
+                 max_tokens_per_step: int | None, options: dict) -> tuple[FullAttention, ...]:
     """The page groups of a KVCache (see its docstring)."""
     if isinstance(num_pages, int):
         windows = layout.layer_windows
         if free_out_of_window and windows and None not in windows:
-            return (SlidingWindow(layout, num_pages, window=max(windows), **options),)
+            return (SlidingWindow(layout, num_pages, window=max(windows),
+                                  max_tokens_per_step=max_tokens_per_step, **options),)
         return (FullAttention(layout, num_pages, **options),)
     if isinstance(num_pages, (str, bytes)) or not isinstance(num_pages, Sequence):
         raise TypeError(f"num_pages must be an int or a sequence of ints, "
@@ -527,7 +536,8 @@ def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_w
             row if len(row) > 1 else row[0] for row in (per_layer[i] for i in group.layers)]
         own = {**options, "kv_scales": scales}
         made.append(FullAttention(group_layout(layout, group), n, **own) if group.window is None
-                    else SlidingWindow(group_layout(layout, group), n, window=group.window, **own))
+                    else SlidingWindow(group_layout(layout, group), n, window=group.window,
+                                       max_tokens_per_step=max_tokens_per_step, **own))
     return tuple(made)
 
 

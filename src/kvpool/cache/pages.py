@@ -84,7 +84,7 @@ class FullAttention(GroupManager):
     def plan_add(self, token_ids: bytes | None, n: int, salt: bytes, limit: int) -> Plan:
         """Its own prefix match, whatever `limit`: shared all the same (see the module)."""
         match = NO_MATCH if token_ids is None else self._index.match(
-            token_ids, (n - 1) // self.page_size if n else 0, salt)
+            token_ids, self.hit_pages(n), salt)
         return Plan(-(-n // self.page_size) - len(match.pages),
                     len(match.pages) * self.page_size, match.pages, (match, token_ids))
 
@@ -212,6 +212,11 @@ class FullAttention(GroupManager):
         """The most pages one sequence of `num_tokens` tokens holds at once, alone."""
         return self.layout.num_pages_for(num_tokens)
 
+    def hit_pages(self, n: int) -> int:
+        """The most pages a new sequence of `n` tokens takes from the prefix cache (and the
+        tier): never its last token's."""
+        return (n - 1) // self.page_size if n else 0
+
     def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
         """Page tables `[batch, max_pages]` int32 on the host, rows padded with page id 0,
         which also stands for the pages given back out of the window."""
@@ -331,7 +336,7 @@ class FullAttention(GroupManager):
         page_bytes = self.page_size * TOKEN_BYTES
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
-        for i in range(len(match.pages), (n - 1) // self.page_size):
+        for i in range(len(match.pages), self.hit_pages(n)):
             key = PageKey.of(parent_key, unpack_tokens(token_ids[i * page_bytes:
                                                                  (i + 1) * page_bytes]))
             data = self.tier.get(key)
@@ -419,21 +424,50 @@ class FullAttention(GroupManager):
 
 class SlidingWindow(FullAttention):
     """Full attention's pages, less those wholly before the last `window` tokens of the next
-    token: `append` gives them back (a HOLE stays in the page table)."""
+    token: `append` gives them back (a HOLE stays in the page table).
 
-    def __init__(self, layout: KVLayout, num_pages: int, *, window: int, **options):
+    With `max_tokens_per_step` (the most tokens a call grows a sequence by, past its prefix
+    hit: the engine's token budget of a step), a sequence holds a bounded number of pages
+    however long it grows, so that one longer than the pool can run: an append takes its
+    pages before it gives back those that left the window, so it holds the window, the
+    tokens of this append and of the one before, and a partial page at each end."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, *, window: int,
+                 max_tokens_per_step: int | None = None, **options):
         super().__init__(layout, num_pages, name=f"window {window:,}", **options)
         self.window = window
+        self.max_tokens_per_step = max_tokens_per_step
+        # With prefix caching, a first drop out of the window also copies the pages of the
+        # window that the prefix tree indexes (`_to_copy`): without room for them alone, a
+        # sequence would preempt itself and come back on the same hit, for ever.
+        self._copies = -(-window // self.page_size) if self.prefix_cache is not None else 0
+        # A prefix hit of h pages is held whole until the first drop, which then takes up to
+        # two steps' pages and the copies beside it: h is capped where a sequence longer than
+        # the pool would not fit (None: no such sequence fits at all).
+        self._most_hit_pages = None
+        if max_tokens_per_step is not None and self._steady_pages() + self._copies <= num_pages:
+            self._most_hit_pages = (num_pages - self._copies
+                                    - -(-2 * max_tokens_per_step // self.page_size))
 
     def drop_point(self, position: int) -> int:
         return max(position - self.window + 1, 0) // self.page_size
 
     def pages_alone(self, num_tokens: int) -> int:
-        """With prefix caching, its first drop out of the window also copies the pages of
-        its window that the prefix tree indexes (`_to_copy`): without room for them alone,
-        it would preempt itself and come back on the same hit, for ever."""
-        copies = -(-self.window // self.page_size) if self.prefix_cache is not None else 0
-        return super().pages_alone(num_tokens) + copies
+        pages = super().pages_alone(num_tokens)
+        if self.max_tokens_per_step is not None:
+            pages = min(pages, self._steady_pages())
+        return pages + self._copies
+
+    def hit_pages(self, n: int) -> int:
+        most = super().hit_pages(n)
+        return most if self._most_hit_pages is None else min(most, self._most_hit_pages)
+
+    def _steady_pages(self) -> int:
+        """The most pages a sequence holds at once past its first drop: at an append of k
+        tokens at position s, after one of k' tokens, ceil((s + k) / page_size) less the
+        floor((s - k' - window + 1) / page_size) given back before, with k, k' at most
+        `max_tokens_per_step`."""
+        return (self.window + 2 * self.max_tokens_per_step - 3) // self.page_size + 2
 
     def admitted(self, n: int, entering: int) -> int:
         """The entering tokens alone: the rest come chunk by chunk, as pages go back."""
