@@ -310,10 +310,12 @@ def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
         [o.outputs[0].token_ids for o in expected]
 
 
-def test_a_timeout_past_a_year_is_refused(device):
-    for timeout in (math.inf, 1e15):
+def test_a_timeout_past_a_year_or_under_a_second_is_refused(device):
+    """Under a second, the ranks' groups could fail to connect as they form (1 ms did)."""
+    for timeout in (math.inf, 1e15, 0.999, 0.001):
         with pytest.raises(ValueError, match=r"tensor_parallel_timeout must be a number of "
-                                             r"seconds in \(0, 31536000\]"):
+                                             r"seconds in \[1, 31536000\] \(a year\), got "
+                                             + re.escape(repr(timeout))):
             LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
                 tensor_parallel_timeout=timeout)
 

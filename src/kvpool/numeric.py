@@ -50,16 +50,17 @@ def check_float32(name: str, value: object, *, low: float = -FLOAT32_MAX,
 MAX_SECONDS = 365 * 24 * 3600.0  # the longest timeout the process groups' clocks take
 
 
-def check_seconds(name: str, value: object) -> float:
+def check_seconds(name: str, value: object, least: float | None = None) -> float:
     """`value` as a float if it is a number of seconds in (0, MAX_SECONDS] (a year: an
-    infinite or huge timeout overflows torch.distributed's); TypeError for another type,
-    ValueError otherwise, naming `name` and the value."""
+    infinite or huge timeout overflows torch.distributed's), or in [least, MAX_SECONDS];
+    TypeError for another type, ValueError otherwise, naming `name` and the value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} "
                         f"{value!r}")
-    if not 0 < value <= MAX_SECONDS:
-        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_SECONDS:.0f}] (a "
-                         f"year), got {value!r}")
+    if not (0 < value if least is None else least <= value) or not value <= MAX_SECONDS:
+        low = "(0" if least is None else f"[{least:g}"
+        raise ValueError(f"{name} must be a number of seconds in {low}, {MAX_SECONDS:.0f}] "
+                         f"(a year), got {value!r}")
     return float(value)
 
 

@@ -66,7 +66,7 @@ class EngineConfig:
     of the same model in other processes share (bounded by the server's maxmemory).
     `tensor_parallel_size` N splits the model across N ranks, one per device
     (kvpool.engine.parallel): the pool, its plan and kv_cache_memory are per rank; a
-    collective that waits over `tensor_parallel_timeout` seconds fails the engine.
+    collective that waits over `tensor_parallel_timeout` seconds (at least 1) fails the engine.
     """
 
     page_size: int = 16
@@ -97,7 +97,8 @@ class EngineConfig:
         for name in ("page_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size"):
             check_int64(name, getattr(self, name), 1)
-        check_seconds("tensor_parallel_timeout", self.tensor_parallel_timeout)
+        # at least a second: the ranks' groups connect within it as they form
+        check_seconds("tensor_parallel_timeout", self.tensor_parallel_timeout, least=1.0)
         for name in ("num_pages", "max_model_len", "mamba_checkpoint_slots"):
             if getattr(self, name) is not None:
                 check_int64(name, getattr(self, name), 1)
