@@ -249,6 +249,16 @@ V3 = {
 }
 
 
+@pytest.mark.parametrize(("config", "hf_class"), [(V2_LITE, transformers.DeepseekV2Config),
+                                                   (V3, transformers.DeepseekV3Config)],
+                         ids=["v2-lite", "v3"])
+def test_without_first_k_dense_replace_the_experts_start_where_transformers_starts_them(
+        config, hf_class):
+    dense = hf_class().first_k_dense_replace
+    ours = ModelConfig.from_hf({k: v for k, v in config.items() if k != "first_k_dense_replace"})
+    assert ours.moe.layers == tuple(range(dense, config["num_hidden_layers"]))
+
+
 def test_v2_lite_stores_one_latent_of_576_values_per_token_and_layer():
     layout = ModelConfig.from_hf(V2_LITE).kv_layout()
     assert (layout.kind, layout.num_kv_heads, layout.head_dim) == ("mla", 1, 512 + 64)

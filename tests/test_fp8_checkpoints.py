@@ -30,28 +30,29 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def spread(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def spread(scale: torch.Tensor, shape: torch.Size, block=BLOCK) -> torch.Tensor:
     """Each block's scale repeated over the block's elements of a weight of `shape`."""
     rows, cols = shape
-    return scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 weight, float32 scale per block) with weight ~ float8 * scale, each block's
     largest magnitude mapped to e4m3's largest value."""
     rows, cols = weight.shape
-    scale = torch.empty(-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
+    scale = torch.empty(-(-rows // block[0]), -(-cols // block[1]))
     for i in range(scale.shape[0]):
         for j in range(scale.shape[1]):
-            part = weight[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]]
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
             scale[i, j] = part.abs().max() / E4M3_MAX
-    return (weight / spread(scale, weight.shape)).to(torch.float8_e4m3fn), scale
+    return (weight / spread(scale, weight.shape, block)).to(torch.float8_e4m3fn), scale
 
 
-def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False) -> Path:
+def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False, block=BLOCK) -> Path:
     """Save `hf` into `folder` as an FP8 release is saved: every linear weight of the decoder
-    layers float8 with its scale (embeddings, norms and head as they are); and into
-    `folder / "dequantized"` the float32 checkpoint it stands for. Returns `folder`."""
+    layers float8 with its scale per `block` of (rows, columns) (embeddings, norms and head as
+    they are); and into `folder / "dequantized"` the float32 checkpoint it stands for.
+    Returns `folder`."""
     save_hf_model(hf, folder / "dequantized")
     for path in (folder / "dequantized").iterdir():
         (folder / path.name).write_bytes(path.read_bytes())
@@ -59,14 +60,15 @@ def fp8_checkpoint(hf, folder: Path, *, drop_first_scale=False) -> Path:
     dequantized = dict(weights)
     names = [n for n in weights if ".layers." in n and n.endswith("proj.weight")]
     for name in names:
-        weights[name], scale = quantize(weights[name])
-        dequantized[name] = weights[name].float() * spread(scale, weights[name].shape)
+        weights[name], scale = quantize(weights[name], block)
+        dequantized[name] = weights[name].float() * spread(scale, weights[name].shape, block)
         if not (drop_first_scale and name == names[0]):
             weights[name + "_scale_inv"] = scale
     save_file(weights, folder / "model.safetensors")
     save_file(dequantized, folder / "dequantized" / "model.safetensors")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        **FP8, "weight_block_size": block}}))
     return folder
 
 
@@ -86,6 +88,26 @@ def test_fp8_block_weights_load_dequantized_and_give_transformers_logits(name, c
     hf.eval()
     batch = prompts(hf.config.vocab_size)
     assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
+
+
+def test_blocks_of_other_rows_than_columns_scale_each_block_by_its_own_scale(tmp_path):
+    # down_proj [64, 96]: 4 x 3 blocks of 16 rows and 32 columns
+    folder = fp8_checkpoint(make_hf_model("qwen3"), tmp_path, block=[16, 32])
+    loaded = load_model(folder, device="cpu")
+    assert loaded.config.fp8_weight_block == (16, 32)
+    reference = load_model(folder / "dequantized", device="cpu").model.state_dict()
+    for param, value in loaded.model.state_dict().items():
+        assert torch.equal(value, reference[param]), param
+
+
+def test_a_scale_of_no_weight_is_a_checkpoint_error(tmp_path):
+    folder = fp8_checkpoint(make_hf_model("qwen3"), tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.extra_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"has scales of no weight: "
+                                              r"model\.layers\.0\.mlp\.extra_proj\.weight_scale_inv"):
+        load_model(folder, device="cpu")
 
 
 def test_a_float8_weight_without_its_scale_is_a_checkpoint_error(tmp_path):

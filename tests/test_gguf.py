@@ -72,13 +72,12 @@ def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
                rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None,
                more=None, endianess=gguf.GGUFEndian.LITTLE) -> dict:
     """A one-layer Llama GGUF file whose matrices are `qtype`, with a `rope_freqs` tensor
-    and a rope scaling type (factor 2) if given, and the metadata `more(writer)` adds;
+    and a rope scaling type (factor 2) if given, and the metadata `more(writer)` adds or
+    overrides;
     returns its tensors as written (GGUF names -> (raw data, type)), q/k in llama.cpp's row
     order."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, arch, endianess=endianess)
-    if more is not None:
-        more(writer)
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -100,6 +99,8 @@ def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_chat_template(TEMPLATE)
+    if more is not None:
+        more(writer)
     head_dim = HIDDEN // HEADS
     shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,),
               "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
@@ -172,6 +173,11 @@ def test_a_rope_scaling_factor_without_a_type_is_linear_as_llama_cpp_reads_it(tm
         write_gguf(tmp_path / f"{key}.gguf", more=add)
         assert load_config(tmp_path / f"{key}.gguf").rope_scaling == {"rope_type": "linear",
                                                                       "factor": 4.0}
+
+
+def test_the_end_of_turn_id_is_an_end_id_beside_eos(tmp_path):
+    write_gguf(tmp_path / "eot.gguf", more=lambda w: w.add_eot_token_id(2))
+    assert load_config(tmp_path / "eot.gguf").eos_token_ids == (1, 2)
 
 
 def test_add_eos_token_appends_eos_to_every_text(tmp_path):
@@ -473,6 +479,13 @@ def test_qwen2s_pre_tokenizer_splits_digits_one_at_a_time_where_llama_3s_takes_t
     assert words("llama-bpe") == ["in", "Ġ", "202", "6", ",", "Ġx"]
 
 
+def test_llama_3s_vocabulary_matches_whole_words_before_its_merges_as_llama_cpp_does():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "c", "abc", "ab"],
+            "tokenizer.ggml.merges": ["a b"]}  # no merge makes "abc"
+    for pre, ids in (("llama-bpe", [3]), ("default", [4, 2])):
+        assert build_tokenizer({**meta, "tokenizer.ggml.pre": pre}).encode("abc").ids == ids
+
+
 # SmolLM2-135M-Instruct against transformers.
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(
@@ -619,7 +632,10 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
     (lambda w: w.add_unk_token_id(999), CheckpointError,
      rf"tokenizer.ggml.unknown_token_id must be a token id in \[0, {len(TOKENS)}\), got 999"),
     (lambda w: w.add_array("tokenizer.ggml.scores", [0.0]), CheckpointError, None),
-], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored"])
+    (lambda w: w.add_head_count_kv([2, 4]), ConfigError,
+     r"llama.attention.head_count_kv differs across layers \(\[2, 4\]\)"),
+], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored",
+        "kv-heads-per-layer"])
 def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
     write_gguf(tmp_path / "m.gguf", more=more)
     if message is None:  # a byte-level vocabulary has no scores to check
@@ -632,7 +648,8 @@ def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, err
 @pytest.mark.parametrize("more", [
     lambda w: w.add_uint32("llama.expert_count", 0),  # dense, as llama.cpp reads it
     lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),  # no factor: no scaling
-], ids=["no-experts", "linear-without-factor"])
+    lambda w: w.add_rope_scaling_factor(1.0),  # a factor of 1: no scaling
+], ids=["no-experts", "linear-without-factor", "factor-one"])
 def test_metadata_llama_cpp_reads_as_a_plain_model_loads_as_one(tmp_path, more):
     write_gguf(tmp_path / "plain.gguf")
     write_gguf(tmp_path / "m.gguf", more=more)

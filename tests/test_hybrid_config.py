@@ -60,6 +60,16 @@ def test_mamba_heads_that_do_not_divide_the_channels_are_named():
         ModelConfig.from_hf(bamba(mamba_n_heads=100, mamba_d_head="auto"))
 
 
+def test_mamba_groups_that_do_not_divide_the_heads_are_named():
+    with pytest.raises(ConfigError, match="mamba_n_groups=3 does not divide mamba_n_heads=128"):
+        ModelConfig.from_hf(bamba(mamba_n_groups=3))
+
+
+def test_a_time_step_limit_may_clamp_dt_to_one_value():
+    config = ModelConfig.from_hf(bamba(time_step_limit=[0.5, 0.5]))
+    assert config.mamba.time_step_limit == (0.5, 0.5)
+
+
 def test_time_step_limit_as_transformers_writes_infinity():
     config = ModelConfig.from_hf(bamba(time_step_limit=[0.0, {"__float__": "Infinity"}]))
     assert config.mamba.time_step_limit == (0.0, float("inf"))

@@ -218,6 +218,17 @@ def test_config_fields_of_the_wrong_type_are_config_errors_naming_the_field(fiel
     assert message in str(error.value)
 
 
+def test_attention_heads_that_the_kv_heads_do_not_divide_are_a_config_error():
+    with pytest.raises(ConfigError, match="num_attention_heads=8 is not a multiple of "
+                                          "num_key_value_heads=3"):
+        ModelConfig.from_hf(dict(PRESETS["tiny"], num_attention_heads=8, num_key_value_heads=3))
+
+
+def test_token_id_zero_is_a_valid_bos_and_end_id():
+    config = ModelConfig.from_hf(dict(PRESETS["tiny"], bos_token_id=0, eos_token_id=[0, 2]))
+    assert (config.bos_token_id, config.eos_token_ids) == (0, (0, 2))
+
+
 def test_a_null_rms_norm_eps_takes_the_default():
     assert ModelConfig.from_hf(dict(PRESETS["tiny"], rms_norm_eps=None)).rms_norm_eps == 1e-6
 

@@ -203,6 +203,13 @@ def test_rotary_inv_freq_buffers_in_a_checkpoint_are_ignored(broken, device):
     load_model(broken, device=device)
 
 
+def test_a_tied_checkpoint_that_also_stores_lm_head_loads_with_the_head_tied(broken, device):
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert "lm_head.weight" in load_file(broken / WEIGHTS)
+    assert load_model(broken, device=device).model.lm_head is None
+
+
 def test_unknown_architecture_names_the_supported_ones(broken, device):
     config = json.loads((broken / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]

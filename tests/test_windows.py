@@ -154,6 +154,13 @@ def test_qwen_windows_the_layers_from_max_window_layers_on():
     assert [config.layer_window(i) for i in range(4)] == [None, 8, 8, 8]
 
 
+def test_qwen_windows_the_layers_from_28_on_when_max_window_layers_is_left_out():
+    assert transformers.Qwen3Config().max_window_layers == 28
+    config = ModelConfig.from_hf(qwen3(use_sliding_window=True, sliding_window=8,
+                                       num_hidden_layers=30))
+    assert [config.layer_window(i) for i in range(30)] == [None] * 28 + [8, 8]
+
+
 def test_qwen_layer_types_override_max_window_layers():
     config = ModelConfig.from_hf(qwen3(use_sliding_window=True, sliding_window=8,
                                        max_window_layers=1, layer_types=MIXED))
