@@ -183,6 +183,17 @@ def test_decode_split_into_several_groups_matches_reference(monkeypatch, window,
     assert relative_error(out, batch.reference(window=window)) < 1e-5
 
 
+@pytest.mark.usefixtures("decode_path")
+def test_windowed_decode_reads_page_tables_no_wider_than_the_longest_sequence():
+    # Window 7: the 64-token sequence sees its last page only (column 3), the 17-token one its
+    # two pages; a table of exactly 4 columns leaves no padding column to read past.
+    batch = Batch([(64, 1), (17, 1)], heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    batch.page_tables = batch.page_tables[:, :4]
+    out = batch.attend(sliding_window=7)
+    assert relative_error(out, batch.reference(window=7)) < 1e-5
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.usefixtures("decode_path")
 def test_nan_in_unused_slots_does_not_change_output(window):
@@ -243,6 +254,47 @@ def test_paged_attention_rejects_query_longer_than_sequence(device):
         )
 
 
+def test_paged_attention_refuses_caches_not_dense_in_head_dim(device):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    strided = torch.zeros(*batch.k_cache.shape[:3], 128, device=device)[..., ::2]
+    strided.copy_(batch.k_cache)
+    with pytest.raises(ValueError, match="k_cache and v_cache must share a dtype and be dense "
+                                         "in head_dim"):
+        paged_attention(batch.q, strided, batch.v_cache, batch.page_tables, batch.seq_lens,
+                        batch.cu_seqlens_q)
+
+
+def test_paged_attention_refuses_page_tables_of_another_batch_size(device):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    tables = torch.cat([batch.page_tables, batch.page_tables[:1]])
+    with pytest.raises(ValueError, match=r"expected page_tables \[batch, max_pages\]"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens,
+                        batch.cu_seqlens_q)
+
+
+def test_paged_attention_refuses_query_rows_past_the_end_of_cu_seqlens_q(device):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    q = torch.cat([batch.q, batch.q[:2]])
+    with pytest.raises(ValueError, match=f"cu_seqlens_q must run from 0 to {q.shape[0]}, not "
+                                         f"0..{batch.q.shape[0]}"):
+        paged_attention(q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
+                        batch.cu_seqlens_q)
+
+
+def test_paged_attention_refuses_a_sequence_without_query_tokens(device):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    cu_seqlens_q = batch.cu_seqlens_q.clone()
+    cu_seqlens_q[1:] -= 1  # the first sequence's one query row left out
+    with pytest.raises(ValueError, match="each sequence needs 1 <= q_len <= seq_len; q_lens "
+                                         r"\[0, 20,"):
+        paged_attention(batch.q[1:], batch.k_cache, batch.v_cache, batch.page_tables,
+                        batch.seq_lens, cu_seqlens_q)
+
+
 def test_metadata_keeps_its_field_names(device):
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
@@ -298,6 +350,46 @@ def test_write_kv_refuses_a_v_cache_unlike_the_k_cache_before_writing(device):
         with pytest.raises(ValueError, match="caches .* of one shape and dtype"):
             write_kv(k_cache, v_cache, slot, kv, kv, rotation=Rotation(q.clone(), cos, sin))
         assert not k_cache.any()
+
+
+def test_write_kv_refuses_slots_that_are_not_one_per_token_before_writing(device):
+    k_cache = torch.zeros(4, 16, 2, 8, device=device)
+    v_cache = torch.zeros(4, 16, 2, 8, device=device)
+    ones = torch.ones(2, 2, 8, device=device)
+    with pytest.raises(ValueError, match=r"and slots \[n\]; got k \(2, 2, 8\), v \(2, 2, 8\), "
+                                         r"slots \(3,\)"):
+        write_kv(k_cache, v_cache, torch.tensor([0, 1, 2], device=device), ones, ones)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_refuses_a_v_of_another_dtype_than_the_caches(device):
+    k_cache = torch.zeros(4, 16, 2, 8, device=device)
+    v_cache = torch.zeros(4, 16, 2, 8, device=device)
+    ones = torch.ones(2, 2, 8, device=device)
+    with pytest.raises(ValueError, match="in the caches' torch.float32, got torch.float32 and "
+                                         "torch.bfloat16"):
+        write_kv(k_cache, v_cache, torch.tensor([0, 1], device=device), ones, ones.bfloat16())
+    assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("unfit", ["q-float64", "cos-float64", "q-strided"])
+def test_write_kv_refuses_a_rotation_unlike_k_before_rotating_q_or_writing(device, unfit):
+    caches = torch.zeros(2, 4, 16, 2, 8, device=device)
+    kv = torch.randn(2, 2, 8, device=device)
+    q = torch.randn(2, 4, 8, device=device)
+    cos, sin = torch.rand(2, 1, 4, device=device), torch.rand(2, 1, 4, device=device)
+    if unfit == "q-float64":
+        q = q.double()
+    elif unfit == "cos-float64":
+        cos = cos.double()
+    else:  # every other channel of a wider tensor: it could not be rotated in place densely
+        q = torch.randn(2, 4, 16, device=device)[..., ::2]
+    before = q.clone()
+    with pytest.raises(ValueError, match="write_kv rotation: "):
+        write_kv(caches[0], caches[1], torch.tensor([0, 5], device=device), kv, kv,
+                 rotation=Rotation(q, cos, sin))
+    assert torch.equal(q, before)
+    assert not caches.any()
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, torch.ones(2)])
@@ -366,6 +458,18 @@ def test_kernel_is_used_for_decode_unless_env_var_is_0(kernel, monkeypatch):
     assert calls == [1]
 
 
+def test_kernel_is_on_when_the_environment_does_not_mention_it(kernel, monkeypatch):
+    monkeypatch.delenv("KVPOOL_CPU_KERNEL")
+    calls = []
+    torch_decode = attention._decode
+    monkeypatch.setattr(attention, "_decode", lambda *args: calls.append(1) or torch_decode(*args))
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    assert kernel.enabled()
+    assert relative_error(batch.attend(), batch.reference()) < 1e-5
+    assert calls == []
+
+
 def test_float16_and_odd_head_dims_take_the_torch_path(kernel):
     q = torch.zeros(2, 4, 64)
     assert kernel.supports(q, torch.zeros(3, 16, 2, 64), torch.zeros(3, 16, 2, 64))
@@ -373,6 +477,14 @@ def test_float16_and_odd_head_dims_take_the_torch_path(kernel):
     assert not kernel.supports(q.half(), half, half)
     odd = torch.zeros(3, 16, 2, 24)
     assert not kernel.supports(torch.zeros(2, 4, 24), odd, odd)
+
+
+def test_kernel_takes_no_caches_of_two_dtypes(kernel):
+    q = torch.zeros(2, 4, 64)
+    f32, bf16 = torch.zeros(3, 16, 2, 64), torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)
+    assert kernel.supports(q, f32, f32)
+    assert not kernel.supports(q, bf16, f32)
+    assert not kernel.supports(q, f32, f32.to(torch.float8_e4m3fn))
 
 
 def test_kernel_reads_layer_views_of_a_pool(kernel):
@@ -487,6 +599,24 @@ def test_write_kv_rejects_a_negative_slot():
     assert not k_cache.any() and not v_cache.any()
 
 
+def test_write_kv_names_the_first_of_several_slots_outside_the_caches():
+    k_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    v_cache = torch.zeros(4, 16, 2, 8, device="cpu")
+    ones = torch.ones(3, 2, 8, device="cpu")
+    with pytest.raises(IndexError, match=r"slot -1 \(token 1\) is outside"):
+        write_kv(k_cache, v_cache, torch.tensor([0, -1, 64], device="cpu"), ones, ones)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_refuses_bool_slots(device):
+    k_cache = torch.zeros(4, 16, 2, 8, device=device)
+    v_cache = torch.zeros(4, 16, 2, 8, device=device)
+    ones = torch.ones(2, 2, 8, device=device)
+    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.bool"):
+        write_kv(k_cache, v_cache, torch.tensor([True, False], device=device), ones, ones)
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_write_kv_rejects_float_slots_and_a_dtype_unlike_the_caches(device):
     k_cache = torch.zeros(4, 16, 2, 8, device=device)
     v_cache = torch.zeros(4, 16, 2, 8, device=device)
@@ -519,6 +649,34 @@ def test_cpu_kernel_rejects_page_id_past_int32_when_called_directly(kernel):
     with pytest.raises(IndexError, match="page id 4294967297"):
         kernel.paged_decode(batch.q, batch.k_cache, batch.v_cache, tables, batch.seq_lens,
                             batch.scale, None)
+
+
+@pytest.mark.usefixtures("decode_path")
+def test_negative_page_id_is_named():
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    batch.page_tables[2, 1] = -1
+    with pytest.raises(IndexError, match=r"entry \[2, 1\] is page id -1, outside the cache's "
+                                         r"\[0, "):
+        batch.attend()
+
+
+@pytest.mark.usefixtures("decode_path")
+def test_the_first_of_several_page_ids_outside_the_cache_is_named():
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    batch.page_tables[1, 0] = batch.k_cache.shape[0]
+    batch.page_tables[4, 2] = batch.k_cache.shape[0] + 1
+    with pytest.raises(IndexError, match=rf"entry \[1, 0\] is page id {batch.k_cache.shape[0]},"):
+        batch.attend()
+
+
+def test_cpu_kernel_refuses_float_seq_lens_when_called_directly(kernel):
+    batch = Batch(DECODES, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="seq_lens must be an integer tensor, got torch.float32"):
+        kernel.paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.page_tables,
+                            batch.seq_lens.float(), batch.scale, None)
 
 
 @pytest.mark.usefixtures("decode_path")
@@ -664,3 +822,40 @@ def test_decode_rows_differentiate_through_the_pages():
     for ours, theirs in zip(grads, torch.autograd.grad(expected, (k_cache, v_cache)),
                             strict=True):
         assert torch.allclose(ours, theirs)
+
+
+def test_decode_rows_differentiate_through_pages_with_nan_in_their_unused_slots():
+    """Slots past a sequence's length hold anything, NaN included, in the autograd path too."""
+    gen = torch.Generator().manual_seed(0)
+    caches = torch.randn(2, 4, 4, 2, 32, generator=gen)
+    q = torch.randn(2, 4, 32, generator=gen)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([7, 5], dtype=torch.int32)
+    poisoned = caches.clone()
+    poisoned[:, 1, 3] = poisoned[:, 3, 1:] = float("nan")  # slot 7 of the first, 5..7 of the second
+    outs, grads = [], []
+    for pages in (caches, poisoned):
+        k_cache, v_cache = (c.clone().requires_grad_() for c in pages)
+        out = paged_attention(q, k_cache, v_cache, tables, lens, torch.tensor([0, 1, 2]),
+                              backend="torch")
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.sum(), (k_cache, v_cache)))
+    assert outs[1].isfinite().all()
+    assert torch.equal(outs[0], outs[1])
+    for clean, dirty in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(clean, dirty)
+
+
+def test_the_default_backend_differentiates_through_caches_that_require_grad(kernel):
+    """The C kernel records no gradient: caches that need one take the torch path."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(4, 4, 2, 32, generator=gen).requires_grad_()
+                        for _ in range(2))
+    q = torch.randn(2, 4, 32, generator=gen)
+    args = (torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+            torch.tensor([7, 5], dtype=torch.int32), torch.tensor([0, 1, 2]))
+    assert kernel.supports(q, k_cache.detach(), v_cache.detach())
+    grads = [torch.autograd.grad(paged_attention(q, k_cache, v_cache, *args, backend=b).sum(),
+                                 (k_cache, v_cache)) for b in (None, "torch")]
+    for ours, theirs in zip(*grads, strict=True):
+        assert torch.equal(ours, theirs)

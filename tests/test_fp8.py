@@ -245,6 +245,23 @@ def test_fp8_caches_need_both_scales_and_other_caches_take_none(device):
                  batch.values[0][:1])
 
 
+def test_a_scale_tensor_not_of_float32_is_refused_naming_it(device):
+    batch = Batch([(5, 5)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                  device=device)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    wide = k_scale.double()
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    message = ("k_scale must be a number or a one-element float32 tensor, got torch.float64 of "
+               "shape ()")
+    with pytest.raises(ValueError, match=re.escape(f"paged_attention: {message}")):
+        paged_attention(batch.q, k8, v8, *args, k_scale=wide, v_scale=v_scale)
+    before = k8.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=re.escape(f"write_kv: {message}")):
+        write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
+                 batch.values[0][:1], k_scale=wide, v_scale=v_scale)
+    assert torch.equal(k8.view(torch.uint8), before)
+
+
 # ---- cache: pages are bytes ------------------------------------------------------------------
 
 def _write_tokens(cache, seq_id, start, end):

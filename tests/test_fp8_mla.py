@@ -135,6 +135,15 @@ def test_write_latent_refuses_a_missing_or_stray_scale_and_writes_nothing(dtype,
     assert torch.count_nonzero(cache.view(torch.uint8)) == 0
 
 
+def test_write_latent_refuses_a_latent_of_another_dtype_than_its_16_or_32_bit_cache(device):
+    cache = torch.zeros(2, 4, 1, 8, device=device)
+    ones = torch.ones(1, 1, 8, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match=exactly(
+            "write_latent expects latent in the cache's torch.float32, got torch.bfloat16")):
+        write_latent(cache, torch.tensor([1], device=device), ones)
+    assert not cache.any()
+
+
 def test_a_tier_keys_latent_pages_on_their_scale():
     tier = HostTier(4)
     KVCache(LAYOUT, 4, device="cpu", prefix_caching=True, tier=tier, kv_scales=0.125)

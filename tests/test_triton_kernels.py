@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -439,6 +440,21 @@ def test_decode_matches_torch_path_at_real_sizes(batch_size, context):
     fast = batch.attend(backend="triton")
     reference = batch.attend(backend="torch")
     assert relative_error(fast, reference.double()) < 2e-2
+
+
+def test_triton_backend_given_one_bound_reads_the_other_from_the_lengths():
+    batch = make_batch(DECODES[:3], heads=2, kv_heads=1, head_dim=64, page_size=4,
+                       dtype=torch.float32)
+    out = batch.attend(backend="triton", max_seq_len=int(batch.seq_lens.max()))
+    assert relative_error(out, batch.reference()) < 1e-5
+
+
+def test_triton_backend_refuses_a_max_query_len_above_max_seq_len():
+    batch = make_batch(DECODES[:3], heads=2, kv_heads=1, head_dim=64, page_size=4,
+                       dtype=torch.float32)
+    with pytest.raises(ValueError, match=re.escape(
+            "need 1 <= max_query_len (40) <= max_seq_len (39) <= 11 pages of 4 tokens")):
+        batch.attend(backend="triton", max_seq_len=39, max_query_len=40)
 
 
 @cuda_only
