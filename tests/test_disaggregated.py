@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from kvpool.engine import disaggregated
 from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.errors import EngineDied, StepFailed
+from kvpool.errors import EngineDied, InvalidPrompt, OutOfPages, SequenceTooLong, StepFailed
 from kvpool.server.engine_loop import ServerBusy, _Engine
 from models_util import make_hf_model, save_hf_model
 
@@ -186,6 +187,85 @@ def test_requests_waiting_on_the_prefill_side_count_as_waiting_for_the_servers_l
     _assert_drained(llm)
 
 
+def test_generate_takes_one_prompt_of_token_ids_as_one_request(llm, prompts, expected):
+    i = next(i for i, prompt in enumerate(prompts) if len(prompt) > 1)
+    assert _tokens(llm.generate(prompts[i], GREEDY, use_tqdm=False)) == [expected[i]]
+    _assert_drained(llm)
+
+
+def test_generate_refuses_to_run_beside_unfinished_step_api_requests(llm, prompts, expected):
+    request_id = llm.add_request(prompts[1], GREEDY)
+    with pytest.raises(RuntimeError, match=r"generate\(\) serves only its own requests"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert list(done) == [request_id]
+    assert done[request_id].outputs[0].token_ids == expected[1]
+    _assert_drained(llm)
+
+
+def test_generate_gives_a_prompt_the_decode_side_could_never_hold_its_error(llm, prompts,
+                                                                           expected):
+    too_long = [i % 150 + 1 for i in range(300)]  # over the decode side's max_model_len of 256
+    too_big = too_long[:200]  # within it, over its 40 pages
+    outputs = llm.generate([too_long, too_big, *prompts[:2]], GREEDY, use_tqdm=False)
+    assert isinstance(outputs[0].error, SequenceTooLong)
+    assert isinstance(outputs[1].error, OutOfPages)
+    assert [o.outputs[0].finish_reason for o in outputs[:2]] == ["error", "error"]
+    assert _tokens(outputs[2:]) == expected[:2]
+    _assert_drained(llm)
+
+
+def test_generate_that_raises_aborts_the_requests_it_added_first(llm, prompts):
+    """Its first two prompts went to the prefill side before the third raised."""
+    with pytest.raises(InvalidPrompt, match="at least one token"):
+        llm.generate([prompts[1], prompts[2], []], GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished() and llm.stats().num_waiting == 0
+    _assert_drained(llm)
+
+
+def test_an_abort_of_a_request_on_the_prefill_side_ends_it_there_at_once(llm, prompts,
+                                                                        expected):
+    i = next(i for i, prompt in enumerate(prompts) if len(prompt) > 1)
+    request_id = llm.add_request(prompts[i], GREEDY)
+    assert llm.stats().num_waiting == 1
+    assert llm.abort(request_id).outputs[0].finish_reason == "abort"
+    assert not llm.has_unfinished() and llm.stats().num_waiting == 0
+    # its KV, on its way, is dropped: the next run is whole
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    _assert_drained(llm)
+
+
+def _fresh_prompt(seed: int, length: int) -> list[int]:
+    """A prompt no other test sends: none of its pages is cached on either side."""
+    rng = random.Random(seed)
+    return [rng.randrange(160) for _ in range(length)]
+
+
+def test_prefill_stats_are_asked_for_anew_at_each_call(llm):
+    before = llm.prefill_stats()
+    llm.generate(_fresh_prompt(11, 21), GREEDY, use_tqdm=False)
+    after = llm.prefill_stats()
+    assert after.num_prompt_tokens == before.num_prompt_tokens + 20
+    assert after.num_steps > before.num_steps
+
+
+def test_the_prefill_side_shares_cached_pages_only_between_prompts_of_one_cache_salt(llm):
+    """The salt goes with the prompt to the prefill side: another salt's prompt computes
+    every token there again, the same salt's hits the pages the first one left."""
+    prompt = _fresh_prompt(12, 33)  # 32 tokens prefilled: 8 full pages
+    computed = []
+    for salt in ("a", "b", "a"):
+        before = llm.prefill_stats().num_prompt_tokens
+        llm.add_request(prompt, GREEDY, cache_salt=salt)
+        while llm.has_unfinished():
+            llm.step()
+        computed.append(llm.prefill_stats().num_prompt_tokens - before)
+    assert computed[:2] == [32, 32] and computed[2] < 32
+    _assert_drained(llm)
+
+
 @pytest.fixture
 def lone_llm(checkpoint):
     """A pair of its own, to kill or stop; a short timeout."""
@@ -243,6 +323,23 @@ def test_a_burst_of_requests_before_a_step_never_waits_on_the_pipes(lone_llm, ca
         _assert_drained(lone_llm)
 
 
+def test_an_abort_reaches_the_prefill_side_before_it_computes_the_prompt(lone_llm):
+    """A prompt aborted before the prefill side read it is never prefilled there: the side
+    computes only the prompt added after it."""
+    aborted, kept = _fresh_prompt(13, 61), _fresh_prompt(14, 9)
+    os.kill(lone_llm._process.pid, signal.SIGSTOP)
+    try:  # both commands wait in the pipe: the prefill side reads them before a step
+        lone_llm.abort(lone_llm.add_request(aborted, GREEDY))
+        while not lone_llm._outbox.empty():
+            time.sleep(0.01)
+        time.sleep(0.2)  # the writer thread's last send
+    finally:
+        os.kill(lone_llm._process.pid, signal.SIGCONT)
+    lone_llm.generate(kept, GREEDY, use_tqdm=False)  # prefilled after the aborted one would be
+    assert lone_llm.prefill_stats().num_prompt_tokens == len(kept) - 1
+    _assert_drained(lone_llm)
+
+
 # Loaded first by the prefill process when its path holds it: the header of a prompt's KV is
 # sent, then the process dies before sending the pages.
 DIE_AFTER_A_HEADER = """
@@ -271,6 +368,72 @@ def test_a_prefill_side_dying_mid_transfer_fails_the_request_being_received(
                 assert isinstance(output.error, EngineDied)
                 assert "prefill engine is gone" in str(output.error)
         _assert_drained(llm)
+
+
+# Loaded first by the prefill process when its path holds it: the pages it hands over are of
+# another dtype than the decode side's pool.
+HAND_OTHER_PAGES = """
+import kvpool.engine.llm
+
+read_prefilled = kvpool.engine.llm.LLM.read_prefilled
+
+def read_double(llm, request_id):
+    kv = read_prefilled(llm, request_id)
+    kv.pages = kv.pages.double()
+    return kv
+
+kvpool.engine.llm.LLM.read_prefilled = read_double
+"""
+
+# ... or sending a prompt's KV raises.
+RAISE_ON_A_SEND = """
+import kvpool.engine.disaggregated as disaggregated
+
+def _send_kv(llm, group, conn, request_id):
+    raise ZeroDivisionError("no KV today")
+
+disaggregated._send_kv = _send_kv
+"""
+
+
+def test_kv_the_decode_side_refuses_fails_its_request_alone(checkpoint, prompts, expected,
+                                                           device, tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(HAND_OTHER_PAGES)
+    monkeypatch.syspath_prepend(tmp_path)  # the prefill process's path is this one
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": device},
+                          decode={**DECODE, "device": device}) as llm:
+        outputs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+        for output, tokens in zip(outputs, expected[:4], strict=True):
+            if len(output.prompt_token_ids) > 1:
+                assert isinstance(output.error, StepFailed)
+                assert "the prefill engine's KV was refused" in str(output.error)
+                assert "torch.float64" in str(output.error)
+            else:
+                assert output.outputs[0].token_ids == tokens
+        _assert_drained(llm)
+        llm.prefill_stats()  # the prefill side goes on
+
+
+def test_a_prefill_side_raising_fails_its_requests_with_what_it_raised(checkpoint, prompts,
+                                                                      tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text(RAISE_ON_A_SEND)
+    monkeypatch.syspath_prepend(tmp_path)
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": "cpu"},
+                          decode={**DECODE, "device": "cpu"}) as llm:
+        outputs = llm.generate(prompts[:4], GREEDY, use_tqdm=False)
+        errors = [o.error for o in outputs if len(o.prompt_token_ids) > 1]
+        assert errors and all(isinstance(e, EngineDied) for e in errors)
+        assert all("it raised: ZeroDivisionError: no KV today" in str(e) for e in errors)
+        _assert_drained(llm)
+
+
+def test_a_prefill_side_asked_for_overlap_runs_without_it(checkpoint, prompts, expected,
+                                                          device):
+    """It reads each prompt's KV between two steps, which overlap scheduling would run into
+    each other."""
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": device, "overlap": True},
+                          decode={**DECODE, "device": device}) as llm:
+        assert _tokens(llm.generate(prompts[:4], GREEDY, use_tqdm=False)) == expected[:4]
 
 
 def test_closing_with_prompts_on_the_prefill_side_ends_it_quietly(lone_llm, prompts, capfd):
@@ -343,11 +506,25 @@ def test_a_prefill_side_whose_cache_gives_pages_back_is_refused_at_start_up(wind
     assert capfd.readouterr().err == ""
 
 
-def test_a_prefill_side_of_other_pages_is_refused_and_ends_without_a_word(capfd):
-    with pytest.raises(ValueError, match=r"the prefill engine's pages are \(4, 2, 8, 2, 32\) "
-                                         r"torch\.float32, the decode engine's \(4, 2, 16,"):
-        DisaggregatedLLM("tiny", prefill={"device": "cpu", "page_size": 8},
-                         decode={"device": "cpu"})
+@pytest.mark.parametrize("other, pages", [
+    ({"page_size": 8}, r"\(4, 2, 8, 2, 32\) torch\.float32"),
+    ({"kv_cache_dtype": "fp8_e4m3", "kv_scales": (0.05, 0.04)},
+     r"\(4, 2, 16, 2, 32\) torch\.float8_e4m3fn"),
+], ids=["page size", "dtype"])
+def test_a_prefill_side_of_other_pages_is_refused_and_ends_without_a_word(capfd, monkeypatch,
+                                                                          other, pages):
+    started = []
+    start = disaggregated._start_prefill_process
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: started.append(start()) or started[-1])
+    message = (rf"the prefill engine's pages are {pages}, the decode engine's "
+               rf"\(4, 2, 16, 2, 32\) torch\.float32")
+    with pytest.raises(ValueError, match=message) as refused:
+        DisaggregatedLLM("tiny", prefill={"device": "cpu", **other}, decode={"device": "cpu"})
+    assert "give both sides the same page_size and kv_cache_dtype" in str(refused.value)
+    # stopped as it was refused, not once the half-built pair is collected (the error held
+    # here holds it)
+    assert started[0][0].poll() == 0
     assert capfd.readouterr().err == ""  # the prefill process did not fail joining the group
 
 
@@ -356,6 +533,35 @@ def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_pr
                                          "tensor_parallel_size=2"):
         DisaggregatedLLM("tiny", prefill={"device": "cpu", "tensor_parallel_size": 2},
                          decode={"device": "cpu"})
+
+
+def test_a_prefill_side_failing_to_start_is_reported_with_its_error():
+    with pytest.raises(EngineDied, match="the prefill engine failed to start: TypeError: .*"
+                                         "no_such_option"):
+        DisaggregatedLLM("tiny", prefill={"device": "cpu", "no_such_option": 1},
+                         decode={"device": "cpu"})
+
+
+def test_fp8_pages_of_other_kv_scales_on_each_side_are_refused_before_any_process(
+        monkeypatch):
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: pytest.fail("a prefill process started"))
+    fp8 = {"device": "cpu", "kv_cache_dtype": "fp8_e4m3", "num_pages": 64}
+    with pytest.raises(ValueError, match="same kv_scales given to both sides"):
+        DisaggregatedLLM("tiny", prefill={**fp8, "kv_scales": (0.05, 0.04)},
+                         decode={**fp8, "kv_scales": (0.1, 0.1)})
+
+
+@pytest.mark.parametrize("name, value, error", [("timeout", 0, ValueError),
+                                                ("start_timeout", -1.0, ValueError),
+                                                ("timeout", "60", TypeError)])
+def test_timeouts_that_are_not_seconds_are_refused_by_name_before_any_process(
+        monkeypatch, name, value, error):
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: pytest.fail("a prefill process started"))
+    with pytest.raises(error, match=f"^{name} must be a number of seconds"):
+        DisaggregatedLLM("tiny", prefill={"device": "cpu"}, decode={"device": "cpu"},
+                         **{name: value})
 
 
 def test_fp8_pages_need_the_same_kv_scales_given_to_both_sides():

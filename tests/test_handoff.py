@@ -284,3 +284,18 @@ def test_reading_a_prefill_needs_an_engine_without_overlap(checkpoint, device):
     llm.step()
     with pytest.raises(EngineStateError, match="overlap=False"):
         llm.read_prefilled(request_id)
+
+
+def test_handed_kv_of_no_tokens_is_taken_and_the_prompt_is_computed_here(checkpoint, prefill,
+                                                                        prompts, device):
+    """The KV of 0 to all but the last prompt token fits: handed none (no pages, a hybrid's
+    state before any token), the receiving side computes the whole prompt."""
+    prompt = prompts[3]
+    expected = LLM(checkpoint, device=device, page_size=4, num_pages=64).generate(
+        [prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    kv = _prefilled(prefill, prompt)
+    none = PrefilledKV(0, kv.pages[:, :, :0], tuple(torch.zeros_like(x) for x in kv.state))
+    decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)
+    request_id, _ = decode.hold_request(prompt, GREEDY)
+    decode.resume_request(request_id, none)
+    assert _run(decode)[request_id].outputs[0].token_ids == expected
