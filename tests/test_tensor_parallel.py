@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import queue
 import re
 import signal
 import time
@@ -19,10 +20,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from kvpool.cache import HOLE
+from kvpool.cache import HOLE, KVCache
+from kvpool.cache.tiers import HostTier, PageKey
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams, parallel
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.handoff import PrefilledKV
+from kvpool.engine.runner import StepLayout
 from kvpool.errors import CheckpointError, ConfigError, RankFailed
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import pages_within
@@ -176,14 +180,19 @@ def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(cases, 
 
 # --- failures -------------------------------------------------------------------------------
 
-def test_a_killed_worker_fails_the_next_step_naming_its_rank(device):
+def test_a_killed_worker_fails_the_next_step_naming_its_rank(monkeypatch, device):
+    """Rank 0 finds the dead worker before the step: at once, without waiting for a report
+    that a killed worker never sends."""
     cpu_only(device)
+    monkeypatch.setattr(parallel, "REPORT_SECONDS", 30.0)
     with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as llm:
         worker = llm.peers.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join()
+        start = time.monotonic()
         with pytest.raises(RankFailed, match=rf"rank 1 \(pid {worker.pid}\) exited with code -9"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert time.monotonic() - start < 10
         with pytest.raises(RankFailed, match="rank 1"):  # and every step after it
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not multiprocessing.active_children()
@@ -239,6 +248,7 @@ def test_a_step_interrupted_by_ctrl_c_stops_the_group_and_later_steps_fail_at_on
         monkeypatch.setattr(llm.runner.model, "forward", interrupted)
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not multiprocessing.active_children()  # stopped then, not at close
         monkeypatch.undo()
         start = time.monotonic()
         with pytest.raises(RankFailed, match="interrupted .KeyboardInterrupt.: the "
@@ -320,6 +330,91 @@ def test_a_timeout_past_a_year_or_under_a_second_is_refused(device):
                 tensor_parallel_timeout=timeout)
 
 
+def test_a_worker_that_raises_in_a_step_fails_it_with_its_report_and_stops_the_group(device):
+    """The worker's error (here: a copy into a pool it does not have) comes out of rank 0's
+    step with the worker's own message and where it was raised; the group is stopped at once,
+    the engine still open."""
+    cpu_only(device)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+             tensor_parallel_timeout=10.0) as llm:
+        llm.peers._pending.append((parallel.COPY, 7, [[0, 1]]))  # sent before the next step
+        with pytest.raises(RankFailed, match=r"rank 1 failed: IndexError: list index out of "
+                                             r"range \(.*parallel\.py:\d+\)"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not multiprocessing.active_children()
+        assert not torch.distributed.is_initialized()
+
+
+def test_rank_0s_own_error_in_a_step_names_rank_0_and_kills_the_worker_at_once(monkeypatch,
+                                                                              device):
+    """An error of rank 0's own forward is named as rank 0's, and the worker it left in a
+    collective is killed at once (a STOP it would not read would wait out the timeout)."""
+    cpu_only(device)
+    monkeypatch.setattr(parallel, "REPORT_SECONDS", 0.1)  # the worker has nothing to report
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+             tensor_parallel_timeout=5.0) as llm:
+        def broken(*args):
+            raise ValueError("rank 0's forward broke")
+
+        monkeypatch.setattr(llm.runner.model, "forward", broken)
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match="tensor-parallel rank 0 failed: ValueError: rank "
+                                             "0's forward broke"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert time.monotonic() - start < 4
+        assert not multiprocessing.active_children()
+
+
+def test_workers_wait_for_the_next_step_longer_than_the_timeout(device):
+    """The timeout bounds a collective, not the engine's idle time between steps."""
+    cpu_only(device)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
+             tensor_parallel_timeout=1.5) as llm:
+        first = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        time.sleep(2.0)
+        assert llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+            first
+
+
+def test_workers_that_do_not_reach_the_store_fail_the_start_after_the_startup_timeout(
+        monkeypatch, device):
+    """Rank 0 waits for the workers to reach its store for the startup timeout (at least
+    STARTUP_SECONDS), then fails and stops them; here rank 0 looks for a key they never set."""
+    cpu_only(device)
+    monkeypatch.setattr(parallel, "STARTUP_SECONDS", 0.5)
+    monkeypatch.setattr(parallel, "connected_key", lambda rank: f"never/{rank}")  # rank 0's
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="tensor-parallel workers did not start within 0.5 s"):
+        parallel.TensorParallelGroup(RANKS, device, timeout=0.1)
+    assert time.monotonic() - start < 10
+    assert not multiprocessing.active_children()
+    assert not torch.distributed.is_initialized()
+
+
+def worker_spec(model: str) -> parallel.WorkerSpec:
+    """What a worker builds: `model` with 8 pages of 4 tokens, steps of 2 tokens at most."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                      page_size=4)
+    return parallel.WorkerSpec(model, None, layout, 8, None, 0, StepLayout(1, 2, 1, 1))
+
+
+def test_a_worker_that_fails_to_build_its_part_fails_the_start_with_its_report(tmp_path,
+                                                                               device):
+    """The worker's error comes out of `start` (here: a model folder that is not there),
+    and the workers and the group are stopped."""
+    cpu_only(device)
+    spec = worker_spec(str(tmp_path / "no-such-model"))
+    group = parallel.TensorParallelGroup(RANKS, device, timeout=5.0)
+    try:
+        with pytest.raises(RankFailed, match="rank 1 failed while loading: .*no-such-model"):
+            group.start(spec, KVCache(spec.layout, spec.num_pages, device=device))
+        assert not multiprocessing.active_children()
+        assert not torch.distributed.is_initialized()
+    finally:
+        group.close()
+
+
 # --- what does not split: refused before any process starts ----------------------------------
 
 def test_kv_heads_that_do_not_split_are_refused(device):
@@ -335,6 +430,19 @@ def test_a_disk_or_redis_tier_is_refused_with_tensor_parallelism(tmp_path, devic
         LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS,
             redis_tier="redis://127.0.0.1:1/0")
 
+
+def test_on_cuda_rank_0_is_cuda_0_and_every_rank_needs_a_device_of_its_own(monkeypatch):
+    """Refused before any process starts (the CUDA devices counted here, none needed)."""
+    config = EngineConfig(tensor_parallel_size=RANKS)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: RANKS)
+    for device in (torch.device("cuda"), torch.device("cuda", 0)):
+        parallel.check_tensor_parallel(config, device)
+    with pytest.raises(ValueError, match="rank 0 runs on cuda:0, not cuda:1"):
+        parallel.check_tensor_parallel(config, torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: RANKS - 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 CUDA devices, this "
+                                         "machine has 1"):
+        parallel.check_tensor_parallel(config, torch.device("cuda", 0))
 
 def test_a_rank_loads_only_its_part_of_each_weight(tmp_path, device):
     hf = make_hf_model("llama")
@@ -470,6 +578,83 @@ def test_what_the_forkserver_imports_reaches_no_cuda_driver_and_starts_no_thread
             "    importlib.import_module(module)\n"
             "print(calls, len(os.listdir('/proc/self/task')) - threads)\n")
     assert fresh_process_output(code) == "[] 0"
+
+
+# --- the step channel, the worker's side, the split of units ---------------------------------
+
+def test_entries_past_one_message_go_in_several_messages_in_order():
+    """A COPY with more entries than the fixed-size buffer holds is sent in as many messages
+    as it needs, each full but the last, and the worker reads back every entry in order."""
+    channel = parallel.StepChannel(None, worker_spec("tiny"))
+    room = (len(channel.buffer) - parallel.HEADER) // 2
+    messages = []
+    channel._broadcast = lambda: messages.append(
+        (int(channel.buffer[0]), *channel.entries()))
+    entries = [[i, 100 + i] for i in range(2 * room + 1)]
+    channel.send_entries(parallel.COPY, 1, entries)
+    assert [(command, pool, len(part)) for command, pool, part in messages] == \
+        [(parallel.COPY, 1, room), (parallel.COPY, 1, room), (parallel.COPY, 1, 1)]
+    assert [entry for *_, part in messages for entry in part] == entries
+
+
+def test_a_worker_tier_that_lost_a_page_rank_0_fetched_raises():
+    tier = HostTier(4)
+    tier.bind("rank 1", (2, 3), torch.float32)
+    kept = PageKey.of(0, (5, 6))
+    lost = PageKey.of(kept.chain_key, (7, 8))
+    assert tier.store(kept, torch.ones(2, 3))
+    [page] = parallel.fetch_pages(tier, [parallel.key_entry(kept)])
+    assert torch.equal(page, torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="this rank's tier holds 1 of the 2 pages rank 0 "
+                                           "fetched"):
+        parallel.fetch_pages(tier, [parallel.key_entry(kept), parallel.key_entry(lost)])
+
+
+class EmptyQueue:
+    """A queue of WorkerSpecs that is empty `empty_for` times, then holds "spec"."""
+
+    def __init__(self, empty_for: int):
+        self.empty_for = empty_for
+
+    def get(self, timeout: float) -> str:
+        if self.empty_for:
+            self.empty_for -= 1
+            raise queue.Empty
+        return "spec"
+
+
+class Parent:
+    def __init__(self, alive: bool):
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_worker_waits_for_what_to_build_while_rank_0_lives_and_stops_when_it_exits(
+        monkeypatch):
+    monkeypatch.setattr(parallel.multiprocessing, "parent_process", lambda: Parent(True))
+    assert parallel.receive_spec(EmptyQueue(3)) == "spec"
+    monkeypatch.setattr(parallel.multiprocessing, "parent_process", lambda: Parent(False))
+    with pytest.raises(RuntimeError, match="rank 0 exited before saying what to build"):
+        parallel.receive_spec(EmptyQueue(3))
+
+
+def test_a_rank_is_one_of_the_ranks():
+    assert TensorParallel(1, 2).rank == 1
+    for rank in (-1, 2):
+        with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got"):
+            TensorParallel(rank, 2)
+
+
+def test_fewer_kv_heads_than_ranks_give_each_rank_the_head_its_query_heads_read():
+    assert [TensorParallel(rank, 4).kv_part(2) for rank in range(4)] == \
+        [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [TensorParallel(rank, 2).kv_part(4) for rank in range(2)] == \
+        [range(0, 2), range(2, 4)]
+    with pytest.raises(ConfigError, match="num_key_value_heads 2 cannot be replicated evenly "
+                                          "across 3 tensor-parallel ranks"):
+        TensorParallel(0, 3).kv_part(2)
 
 
 # last in the file: the module's engine of each config is closed by it (then by its fixture)
