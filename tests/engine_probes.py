@@ -61,3 +61,17 @@ def poison_sampling(llm: LLM) -> None:
 def heal_sampling(llm: LLM) -> None:
     """Undo `poison_sampling`."""
     llm.sampler = llm.sampler.sampler
+
+
+def exit_engine(llm: LLM) -> None:
+    """End the engine process at once, as a crash would, before it answers."""
+    import os
+
+    os._exit(3)
+
+
+def unpicklable_result(llm: LLM):
+    """A result that does not pickle (a local function)."""
+    def result():
+        return llm
+    return result

@@ -3,8 +3,10 @@ an exception inside a step fails the requests in flight with 500 and the server 
 an engine process that dies fails its requests, and later ones get 503; a call into the
 engine that does not pickle fails its caller alone."""
 
+import asyncio
 import concurrent.futures
 import json
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -17,12 +19,22 @@ import pytest
 
 from engine_probes import (
     check_cache,
+    exit_engine,
     fail_next_forward,
     heal_sampling,
     poison_sampling,
+    unpicklable_result,
     used_pages,
 )
-from kvpool.engine import LLM
+from kvpool.engine import LLM, SamplingParams
+from kvpool.engine.parallel import process_context
+from kvpool.server.engine_loop import (
+    EngineExited,
+    EngineLoop,
+    ServerBusy,
+    _Engine,
+    forkserver_ended,
+)
 from server_util import metrics, running_server
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
@@ -54,6 +66,19 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server):
         "type": "server_busy", "param": None, "code": "server_busy"}}
     server.wait_idle()  # the waiting stream notices its client left once it runs
     assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
+
+
+def test_a_request_of_n_samples_counts_n_sequences_against_max_waiting(device):
+    llm = LLM("tiny", num_pages=64, max_num_seqs=4, device=device)
+    engine = _Engine(llm, max_waiting=0, events=None)
+    engine._add("three", [1, 2, 3], SamplingParams(n=3, max_tokens=2, ignore_eos=True), None)
+    llm.step()
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (3, 0)
+    with pytest.raises(ServerBusy, match="0 sequences wait already; this request's 2 would"):
+        engine._add("two", [1, 2, 3], SamplingParams(n=2, max_tokens=1), None)
+    engine._add("one", [1, 2, 3], SamplingParams(max_tokens=1), None)  # the last seat
+    while llm.has_unfinished():
+        llm.step()
 
 
 def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
@@ -108,6 +133,52 @@ def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(s
     with pytest.raises((pickle.PicklingError, AttributeError)):
         server.on_engine(lambda llm: llm.cache.stats())  # a lambda pickles by name: no
     assert server.on_engine(used_pages) == 0
+
+
+def test_a_call_whose_result_does_not_pickle_fails_its_caller_and_the_engine_serves_on(server):
+    with pytest.raises(RuntimeError, match="the engine's reply does not pickle"):
+        server.on_engine(unpicklable_result)
+    assert server.on_engine(used_pages) == 0
+
+
+def test_a_terminals_ctrl_c_reaches_the_server_and_not_its_engine_process(server):
+    os.kill(server.engine.pid, signal.SIGINT)  # the engine shares the terminal's group
+    out = server.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+    assert server.engine.alive and server.on_engine(used_pages) == 0
+
+
+def test_a_call_in_flight_when_the_engine_process_dies_and_every_later_one_raise(device):
+    with running_server(partial(LLM, "tiny", num_pages=64, device=device)) as server:
+        for probe in (exit_engine, used_pages):
+            call = asyncio.run_coroutine_threadsafe(server.engine.call(probe), server.loop)
+            with pytest.raises(EngineExited, match="the engine process has exited"):
+                call.result(10)
+        assert not server.engine.alive
+
+
+def test_an_engine_that_cannot_be_built_raises_its_error_and_leaves_no_process():
+    engine = EngineLoop(partial(LLM, "tiny", max_num_seqs=0), max_waiting=0)
+    with pytest.raises(ValueError, match=r"max_num_seqs must be in \[1, .*\], got 0"):
+        engine.start()
+    assert engine._process.exitcode == 0
+
+
+def test_max_waiting_must_be_an_int_of_at_least_0():
+    for bad in (-1, True, 1.0, "1", None):
+        with pytest.raises(ValueError, match="max_waiting must be an int >= 0"):
+            EngineLoop(partial(LLM, "tiny"), max_waiting=bad)
+    assert EngineLoop(partial(LLM, "tiny"), max_waiting=0).max_waiting == 0
+
+
+def test_forkserver_ended_leaves_a_forkserver_started_before_its_block_running():
+    process_context()  # its preload list, for the tests after this one
+    multiprocessing.forkserver.ensure_running()
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    with forkserver_ended():
+        pass
+    os.kill(pid, 0)  # it runs still: this raises ProcessLookupError else
+    assert multiprocessing.forkserver._forkserver._forkserver_pid == pid
 
 
 def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503(device):

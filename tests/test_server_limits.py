@@ -252,6 +252,45 @@ def test_sigterm_ends_streams_with_an_error_and_done_and_whole_requests_with_503
 
 
 
+def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones_on_open_connections():
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    with running_server(partial(LLM, "tiny", num_pages=256, max_model_len=4096),
+                        shutdown_timeout=30) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as kept:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long,
+                          timeout=30) as held, \
+                httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                             json={**long, "max_tokens": 64}) as finishing:
+            held_lines = held.iter_lines()  # kept: dropping it would close the connection
+            next(held_lines)
+            lines = finishing.iter_lines()
+            next(lines)  # both run
+            assert kept.get("/health").status_code == 200  # its connection stays open
+            stopper = threading.Thread(target=server.stop)
+            stopper.start()
+            deadline = time.monotonic() + 10
+            while True:  # the listener closes first
+                try:
+                    httpx.get(f"{server.url}/health", timeout=1)
+                except httpx.ConnectError:
+                    break
+                assert time.monotonic() < deadline, "the server still takes connections"
+                time.sleep(0.01)
+            late = kept.post("/v1/completions",
+                             json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+            rest = [line for line in lines if line]
+        # the held stream's client left: the drain has nothing more to wait for
+        stopper.join(30)
+    assert late.status_code == 503
+    assert late.json()["error"]["message"] == "the server is shutting down"
+    assert rest[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+    assert not any("error" in event for event in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert not stopper.is_alive()
+
+
 def test_the_serve_flags_default_to_the_server_limits_defaults():
     parser = argparse.ArgumentParser()
     add_arguments(parser)

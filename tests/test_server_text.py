@@ -17,8 +17,8 @@ from kvpool.engine import TokenLogprobs
 from kvpool.errors import CheckpointError
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText, StopMatcher
-from kvpool.server.engine_loop import RequestStream
-from kvpool.server.generation import Generation
+from kvpool.server.engine_loop import RequestStream, Sample, Update
+from kvpool.server.generation import Change, Generation
 from kvpool.server.protocol import ChatMessage, RequestError
 
 
@@ -98,6 +98,42 @@ def test_a_reader_that_fell_behind_counts_the_tokens_up_to_a_stop_string_as_one_
     assert slow["choices"][0]["logprobs"]["tokens"] == ["1", "2", "3"]
 
 
+def test_a_choice_ended_by_a_stop_string_sends_nothing_more_while_the_others_run():
+    generation = Generation("r", "m", num_prompt_tokens=1, n=2, stop=("X",), chat=False,
+                            include_usage=False, logprobs=None, token_text=str)
+    first = generation.update(Update("r", False, 0, None, [Sample(0, "aX", 2, None, None),
+                                                           Sample(1, "b", 1, None, None)]))
+    assert first == [Change(0, "a", "stop", None), Change(1, "b", None, None)]
+    # the engine runs the request until the server aborts it: choice 0 comes again
+    later = generation.update(Update("r", False, 0, None, [Sample(0, "aXc", 3, None, None),
+                                                           Sample(1, "bc", 2, None, None)]))
+    assert later == [Change(1, "c", None, None)]
+    assert not generation.done
+    assert generation.num_completion_tokens == 2 + 2
+
+
+def test_a_reader_that_fell_behind_places_a_stop_string_after_a_character_still_incomplete():
+    # "a\ufffd": the second token began a character; the third made it "X", the stop string
+    texts = ["a", "a\ufffd", "aX"]
+    slow, fast = _served(texts, ("X",), False), _served(texts, ("X",), True)
+    assert slow == fast
+    assert slow["usage"]["completion_tokens"] == 3
+    assert slow["choices"][0]["text"] == "a"
+
+
+def test_a_reader_that_fell_behind_streams_log_probabilities_only_up_to_a_stop_string():
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=("XY",), chat=False,
+                            include_usage=False, logprobs=0, token_text=str)
+    stream, sent = RequestStream("r", n=1), 0
+    for step, text in enumerate(["a", "aX", "aXY", "aXYb", "aXYbc"], 1):  # none read
+        stream.receive(False, 0, None, [(0, sent, text[sent:], step, None,
+                                         [TokenLogprobs(step, -1.0, ())])])
+        sent = len(text)
+    (change,) = generation.update(asyncio.run(stream.get()))
+    assert (change.text, change.finish_reason) == ("a", "stop")
+    assert [entry.token_id for entry in change.logprobs] == [1, 2, 3]
+
+
 def test_completion_logprobs_name_apart_tokens_that_read_alike():
     texts = {1: "the", 2: "the", 3: "\ufffd", 4: "\ufffd", 5: "a"}  # "▁the" and "the" alone
     generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
@@ -107,6 +143,15 @@ def test_completion_logprobs_name_apart_tokens_that_read_alike():
     assert logprobs["tokens"] == ["token_id:1"]
     assert logprobs["top_logprobs"] == [
         {"token_id:1": -0.1, "token_id:2": -2.0, "token_id:3": -3.0, "a": -5.0}]
+
+
+def test_completion_logprobs_name_a_token_without_text_by_its_id():
+    texts = {1: "", 2: "a"}  # a special token reads as no text
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
+                            include_usage=False, logprobs=1, token_text=texts.get)
+    logprobs = generation._completion_logprobs([TokenLogprobs(1, -0.1, ((2, -0.05),))], 0)
+    assert logprobs["tokens"] == ["token_id:1"]
+    assert logprobs["top_logprobs"] == [{"a": -0.05, "token_id:1": -0.1}]
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():
