@@ -467,6 +467,25 @@ def test_stats_and_step_records_account_for_every_page_and_token(checkpoint, pro
     assert (records[-1].num_running, records[-1].num_waiting) == (0, 0)
 
 
+def test_stats_count_every_sample_of_a_request_and_held_requests_as_waiting(checkpoint,
+                                                                            prompts, device):
+    """A request of n samples is one sequence in the scheduler until its prompt is
+    prefilled and the samples fork; it takes n seats all the same, and a server's admission
+    counts them."""
+    records = []
+    llm = _llm(checkpoint, device=device, on_step=records.append)
+    llm.add_request(prompts[0], SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+    held, _ = llm.hold_request(prompts[1], SamplingParams(n=2, max_tokens=2))
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (0, 5)
+    llm.step()  # the prompt prefilled and forked: three samples run
+    assert (records[0].num_running, records[0].num_waiting) == (3, 2)
+    llm.abort(held)
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (3, 0)
+    while llm.has_unfinished():
+        llm.step()
+    llm.check()
+
+
 # ---- reliability: bad params, aborts during generate, generate's contract ------------------
 
 def test_a_seed_past_64_bits_is_refused_when_params_are_made():

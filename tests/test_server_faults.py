@@ -81,6 +81,22 @@ def test_a_request_of_n_samples_counts_n_sequences_against_max_waiting(device):
         llm.step()
 
 
+def test_the_samples_of_a_request_not_yet_stepped_count_against_max_waiting(device):
+    """Before its first step a request of n samples is one queued sequence in the scheduler;
+    its n samples were counted as one, and a second request took seats it would need."""
+    llm = LLM("tiny", num_pages=64, max_num_seqs=4, device=device)
+    engine = _Engine(llm, max_waiting=0, events=None)
+    engine._add("three", [1, 2, 3], SamplingParams(n=3, max_tokens=2, ignore_eos=True), None)
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (0, 3)
+    with pytest.raises(ServerBusy, match="3 sequences wait already; this request's 2 would"):
+        engine._add("two", [1, 2, 3], SamplingParams(n=2, max_tokens=1), None)
+    engine._add("one", [1, 2, 3], SamplingParams(max_tokens=1), None)  # the last seat
+    llm.step()  # both admitted: "one" finished on its prefill's token, "three" forked
+    assert (llm.stats().num_running, llm.stats().num_waiting) == (3, 0)
+    while llm.has_unfinished():
+        llm.step()
+
+
 def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
     errors = "kvpool_requests_total", (("finish_reason", "error"),)
     before = metrics(server).get(errors, 0)

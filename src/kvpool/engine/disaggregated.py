@@ -230,12 +230,10 @@ class DisaggregatedLLM:
 
     def stats(self) -> EngineStats:
         """The decode engine's counters (prompt tokens counted there are the last token of
-        each prompt and recomputations after preemption); `num_waiting` counts the requests
-        waiting on the prefill side too (one sequence each, as a request queued on one
-        engine is), so that a limit on waiting sequences (the server's --max-waiting) holds
-        for both sides."""
-        stats = self.decode.stats()
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self._pending))
+        each prompt and recomputations after preemption); `num_waiting` counts the samples
+        of the requests on the prefill side too (the decode engine holds them), so that a
+        limit on waiting sequences (the server's --max-waiting) holds for both sides."""
+        return self.decode.stats()
 
     def prefill_stats(self) -> EngineStats:
         """The prefill engine's counters (its prefix cache's hits among them), asked for now:

@@ -328,6 +328,13 @@ class LLM:
                 f"requests with a queued sample {sorted(queued)}, held {sorted(held)}, "
                 f"unfinished {sorted(self._requests)}")
 
+    def _num_sequences(self) -> tuple[int, int]:
+        """Running and waiting sequences: every sample of a request, forked or not, and the
+        samples of a held request (`hold_request`) waiting."""
+        num_running, num_waiting = self.scheduler.num_seats()
+        held = sum(r.params.n for r in self._requests.values() if not r.seqs)
+        return num_running, num_waiting + held
+
     def stats(self) -> EngineStats:
         """The engine's counters and the pool's pages now (EngineStateError while asleep:
         there is no pool). Safe from another thread (it waits for the step in progress)."""
@@ -337,8 +344,9 @@ class LLM:
 
     def _stats(self) -> EngineStats:
         cs = self.cache.stats()
+        num_running, num_waiting = self._num_sequences()
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=num_running, num_waiting=num_waiting,
             num_used_pages=cs.num_used_pages, num_cached_pages=cs.num_cached_pages,
             num_free_pages=cs.num_free_pages, kv_utilization=cs.kv_utilization,
             prefix_hit_rate=cs.prefix_hit_rate, num_preemptions=self.scheduler.num_preemptions,
@@ -695,9 +703,10 @@ class LLM:
         if self.on_step is None:
             return
         free, cached = self.cache.num_free_pages, self.cache.num_cached_pages
+        num_running, num_waiting = self._num_sequences()
         self._step_record = StepRecord(
             step=self._num_steps - 1, time=end - self._first_step_time, duration=end - start,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=num_running, num_waiting=num_waiting,
             num_batched_tokens=batch.num_tokens, num_decode_tokens=batch.num_decode_tokens,
             num_used_pages=self.cache.num_pages - free - cached,
             num_cached_pages=cached, num_free_pages=free,

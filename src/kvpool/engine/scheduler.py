@@ -360,6 +360,11 @@ class Scheduler:
 
     # ---- sequences ---------------------------------------------------------------------
 
+    def num_seats(self) -> tuple[int, int]:
+        """Running and waiting sequences, the samples of a request not yet forked counted
+        (each will take a running slot)."""
+        return sum(map(self._seats, self.running)), sum(map(self._seats, self.waiting))
+
     def _seats(self, seq: Sequence) -> int:
         """Running slots the sequence takes: its request's n until the samples are forked."""
         return 1 if seq.request.forked else seq.params.n

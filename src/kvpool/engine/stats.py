@@ -10,8 +10,9 @@ from dataclasses import dataclass
 class EngineStats:
     """Counters of an LLM since it was created. Pages: used + cached + free == the pool."""
 
+    # sequences: every sample of a request, those not forked yet included
     num_running: int  # sequences holding pages
-    num_waiting: int  # sequences queued (new or preempted)
+    num_waiting: int  # sequences queued (new, preempted, or held for KV from another engine)
     num_used_pages: int  # held by a live sequence
     num_cached_pages: int  # held only by the prefix cache: evictable
     num_free_pages: int
