@@ -8,12 +8,15 @@ import copy
 import itertools
 import random
 import re
+import shutil
 import threading
 import time
 
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
 
 from kvpool.engine import llm as llm_module
 from kvpool.engine.llm import LLM
@@ -249,6 +252,32 @@ def test_a_request_id_that_is_not_a_str_or_in_use_is_refused(checkpoint, prompts
     llm.check()
 
 
+def test_a_generated_request_id_skips_the_ids_callers_chose(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
+    assert llm.add_request(prompts[0], request_id="1") == "1"
+    assert [llm.add_request(prompts[i]) for i in (1, 2)] == ["0", "2"]
+    llm.check()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"sampling_params": {"max_tokens": 3}}, "sampling_params must be SamplingParams, got dict"),
+    ({"cache_salt": 5}, "cache_salt must be a str or None, got int"),
+])
+def test_add_request_with_params_or_a_salt_of_the_wrong_type_queues_nothing(
+        checkpoint, prompts, device, options, message):
+    llm = _llm(checkpoint, device=device)
+    with pytest.raises(TypeError, match=message):
+        llm.add_request(prompts[0], **options)
+    with pytest.raises(TypeError, match=message):
+        llm.hold_request(prompts[0], **options)
+    assert not llm.has_unfinished() and not llm._requests
+    llm.check()
+
+
+def test_a_fresh_engine_reports_zero_tokens_per_second(checkpoint, device):
+    stats = _llm(checkpoint, device=device).stats()
+    assert (stats.num_steps, stats.elapsed, stats.tokens_per_second) == (0, 0.0, 0.0)
+
 def test_abort_frees_the_pages_at_once(checkpoint, prompts, device):
     llm = _llm(checkpoint, device=device)
     params = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -304,6 +333,29 @@ def test_request_output_reports_cached_prompt_tokens_and_admission_time(checkpoi
     assert first.scheduled_time < second.scheduled_time
 
 
+def test_a_request_never_admitted_reports_no_cached_tokens(checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device, max_model_len=100)
+    too_long = SamplingParams(max_tokens=150, ignore_eos=True)
+    (refused,) = llm.generate([prompts[0]], too_long, use_tqdm=False)
+    aborted = llm.abort(llm.add_request(prompts[0], GREEDY))
+    for output in (refused, aborted):
+        assert output.finished and output.num_cached_tokens == 0
+
+
+def test_a_cache_salt_shares_prefix_pages_only_with_prompts_of_the_same_salt(checkpoint,
+                                                                             device):
+    llm = _llm(checkpoint, device=device)
+    prompt = list(range(40))  # 2 full pages of 16 can be served next time
+
+    def run(salt):
+        request_id = llm.add_request(prompt, GREEDY, cache_salt=salt)
+        outputs = {}
+        while llm.has_unfinished():
+            outputs.update((o.request_id, o) for o in llm.step())
+        return outputs[request_id].num_cached_tokens
+
+    assert [run("alice"), run("bob"), run(None), run("alice"), run("bob")] == [0, 0, 0, 32, 32]
+
 def test_bad_prompts_raise_before_anything_runs(checkpoint, device):
     llm = _llm(checkpoint, device=device)
     with pytest.raises(InvalidPrompt, match="at least one token"):
@@ -319,6 +371,21 @@ def test_bad_prompts_raise_before_anything_runs(checkpoint, device):
         llm.generate([[1, 2], 5], use_tqdm=False)
     assert not llm.has_unfinished()
 
+
+def test_prompts_of_token_ids_may_be_tuples(checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, device=device)
+    batch = llm.generate([tuple(prompts[0]), tuple(prompts[1])], GREEDY, use_tqdm=False)
+    (one,) = llm.generate(tuple(prompts[2]), GREEDY, use_tqdm=False)
+    assert _tokens([*batch, one]) == expected[:3]
+    assert [o.prompt_token_ids for o in (*batch, one)] == prompts[:3]
+
+
+def test_a_list_of_sampling_params_of_another_length_than_the_prompts_is_refused(
+        checkpoint, prompts, device):
+    llm = _llm(checkpoint, device=device)
+    with pytest.raises(ValueError, match="got 2 sampling_params for 3 prompts"):
+        llm.generate(prompts[:3], [GREEDY, GREEDY], use_tqdm=False)
+    assert not llm.has_unfinished() and llm.cache.sequences() == []
 
 def test_step_returns_the_requests_that_advanced(checkpoint, prompts, expected, device):
     llm = _llm(checkpoint, max_num_batched_tokens=40, device=device)
@@ -369,6 +436,23 @@ def test_tiny_model_generates_text_from_strings(device):
     (stopped,) = llm.generate("Hello", stop, use_tqdm=False)
     assert stopped.outputs[0].token_ids == [first] and stopped.outputs[0].text == ""
 
+
+def test_the_text_of_a_sample_reads_on_from_its_prompts_last_token(checkpoint, tmp_path,
+                                                                    device):
+    # A Metaspace tokenizer drops the space before a text's first word: the output's first
+    # word follows the prompt's, so its space is kept, while streaming and once finished.
+    shutil.copytree(checkpoint, tmp_path, dirs_exist_ok=True)
+    tokenizer = Tokenizer(WordLevel({f"\u2581w{i}": i for i in range(128)}, unk_token="\u2581w0"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    llm = _llm(tmp_path, device=device)
+    request_id = llm.add_request("w4 w9", GREEDY)
+    (output,) = llm.step()
+    assert output.request_id == request_id and not output.finished
+    assert output.outputs[0].text == f" w{output.outputs[0].token_ids[0]}"
+    llm.abort(request_id)
+    (output,) = llm.generate("w4 w9", GREEDY, use_tqdm=False)
+    assert output.outputs[0].text == "".join(f" w{t}" for t in output.outputs[0].token_ids)
 
 def test_num_pages_is_planned_from_the_kv_cache_memory_budget(checkpoint):
     llm = LLM(checkpoint, kv_cache_memory=2**20, page_size=16, device="cpu")
@@ -486,6 +570,35 @@ def test_stats_count_every_sample_of_a_request_and_held_requests_as_waiting(chec
     llm.check()
 
 
+def test_a_token_an_abort_dropped_is_not_counted_as_generated(checkpoint, prompts, device):
+    # with overlap, the step launched before the abort still samples the aborted request's
+    # token: the abort drops it, and the counters leave it out
+    llm = _llm(checkpoint, device=device, overlap=True)
+    keep = llm.add_request(prompts[0], GREEDY)
+    drop = llm.add_request(prompts[1], GREEDY)
+    for _ in range(3):
+        llm.step()
+    dropped = llm.abort(drop).outputs[0].token_ids
+    outputs = {}
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert 0 < len(dropped) < MAX_TOKENS
+    assert len(outputs[keep].outputs[0].token_ids) == MAX_TOKENS
+    assert llm.stats().num_generated_tokens == MAX_TOKENS + len(dropped)
+
+
+def test_stats_give_the_pools_utilization_and_the_workspace_the_steps_used(checkpoint,
+                                                                           device):
+    llm = _llm(checkpoint, device=device, page_size=8)
+    llm.add_request(list(range(20)), GREEDY)
+    llm.step()
+    stats = llm.stats()
+    # the prompt's 20 tokens in 3 pages of 8
+    assert stats.kv_utilization == llm.cache.stats().kv_utilization == 20 / 24
+    assert 0 < stats.workspace_peak_bytes < stats.workspace_bytes == llm.workspace.nbytes
+    assert stats.workspace_peak_bytes == llm.workspace.peak
+
+
 # ---- reliability: bad params, aborts during generate, generate's contract ------------------
 
 def test_a_seed_past_64_bits_is_refused_when_params_are_made():
@@ -526,6 +639,24 @@ def test_generate_that_raises_mid_run_aborts_its_requests(checkpoint, prompts, e
     _assert_drained(llm)
     llm.on_step = None
     assert _tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == expected[:2]
+
+
+def test_the_next_step_after_a_generate_that_raised_returns_only_its_own_requests(
+        checkpoint, prompts, device):
+    # generate's requests were aborted as it raised: their held-back outputs are not the
+    # step API's to hand out
+    llm = _llm(checkpoint, on_step=_raise_keyboard_interrupt, device=device, overlap=False)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    llm.on_step = None
+    request_id = llm.add_request(prompts[3], GREEDY)
+    assert [o.request_id for o in llm.step()] == [request_id]
+
+
+def test_generate_of_no_prompts_returns_no_outputs(checkpoint, device):
+    llm = _llm(checkpoint, device=device)
+    assert llm.generate([], use_tqdm=False) == []
+    assert llm.stats().num_steps == 0 and not llm.has_unfinished()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -574,6 +705,22 @@ def test_the_outputs_of_a_step_whose_on_step_raised_come_with_the_next_step(
     assert _tokens([outputs[request_id]]) == expected[:1]
     _assert_drained(llm)
 
+
+def test_a_request_held_back_by_a_raising_on_step_comes_once_with_the_next_steps_tokens(
+        checkpoint, prompts, device):
+    raised = []
+
+    def raise_once(record):
+        if not raised:
+            raised.append(record.step)
+            raise KeyboardInterrupt
+
+    llm = _llm(checkpoint, device=device, overlap=False, on_step=raise_once)
+    request_id = llm.add_request(prompts[0], GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    (output,) = llm.step()  # the held-back request advanced again: one output, not two
+    assert output.request_id == request_id and len(output.outputs[0].token_ids) == 2
 
 def _raise_keyboard_interrupt(record):
     raise KeyboardInterrupt

@@ -178,3 +178,19 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(overlap):
     assert poisoned.outputs[0].token_ids == []
     assert poisoned.outputs[0].logprobs == []  # no logprobs of the token it never got
     assert_nothing_leaks(llm)
+
+
+def test_a_request_aborted_while_its_step_with_non_finite_logits_ran_stays_aborted():
+    # with overlap the step runs on while the host returns: the abort comes first, and the
+    # NaN logits its step then finds fail nobody
+    llm = LLM("tiny", num_pages=32, page_size=4, device="cpu", overlap=True)
+    (embedding,) = [m for m in llm.model.modules() if isinstance(m, torch.nn.Embedding)]
+    embedding.weight.data[99] = float("nan")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    request_id = llm.add_request([20, 99, 22], params)
+    assert llm.step() == []  # its prefill launched, not finished
+    aborted = llm.abort(request_id)
+    assert aborted.outputs[0].finish_reason == "abort" and aborted.error is None
+    assert llm.step() == []
+    assert not llm.has_unfinished()
+    assert_nothing_leaks(llm)

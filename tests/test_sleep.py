@@ -99,6 +99,21 @@ def test_sleep_with_requests_unfinished_is_refused_and_changes_nothing(checkpoin
     llm.sleep()
 
 
+def test_sleep_with_a_held_request_is_refused_and_the_request_resumes(checkpoint, prompts,
+                                                                      expected, device):
+    # a held request (hold_request) is unfinished though no sample of it is queued yet
+    llm = _llm(checkpoint, device)
+    request_id, _ = llm.hold_request(prompts[0], GREEDY)
+    with pytest.raises(EngineStateError, match="1 request.*unfinished"):
+        llm.sleep()
+    assert not llm.sleeping
+    llm.resume_request(request_id, None)
+    outputs = []
+    while llm.has_unfinished():
+        outputs += [o for o in llm.step() if o.finished]
+    assert [(o.request_id, o.outputs[0].token_ids) for o in outputs] == [(request_id,
+                                                                          expected[0])]
+
 def test_calls_in_the_wrong_state_are_typed_errors(checkpoint, prompts, device):
     llm = _llm(checkpoint, device)
     with pytest.raises(EngineStateError, match="while awake"):
