@@ -57,7 +57,8 @@ def check_seconds(name: str, value: object, least: float | None = None) -> float
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} "
                         f"{value!r}")
-    if not (0 < value if least is None else least <= value) or not value <= MAX_SECONDS:
+    above_least = value > 0 if least is None else value >= least
+    if not above_least or not value <= MAX_SECONDS:
         low = "(0" if least is None else f"[{least:g}"
         raise ValueError(f"{name} must be a number of seconds in {low}, {MAX_SECONDS:.0f}] "
                          f"(a year), got {value!r}")

@@ -25,7 +25,13 @@ from kvpool.engine.handoff import PrefilledKV, check_prefilled, read_prefilled
 from kvpool.engine.overlap import LaunchedStep
 from kvpool.engine.parallel import WorkerSpec, check_tensor_parallel, make_peers
 from kvpool.engine.params import SamplingParams
-from kvpool.engine.request import CompletionOutput, Request, RequestOutput, Sequence
+from kvpool.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+)
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.sampling import SampledLogprobs, Sampler, token_logprobs
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
@@ -505,7 +511,8 @@ class LLM:
                 "free_out_of_window=False (and tensor_parallel_size=1)")
         with self._cut_in():
             request = self._requests.get(request_id)
-            if request is None or not request.seqs:
+            if request is None or not request.seqs or \
+                    request.seqs[0].status is not SequenceStatus.RUNNING:
                 raise KeyError(f"request {request_id!r} is not running")
             seq = request.seqs[0]
             return read_prefilled(self.cache, seq.seq_id, seq.num_computed_tokens,
