@@ -284,6 +284,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones_on_open_con
         stopper.join(30)
     assert late.status_code == 503
     assert late.json()["error"]["message"] == "the server is shutting down"
+    assert late.json()["error"]["code"] == "server_shutting_down"  # as for a request it ends
     assert rest[-1] == "data: [DONE]"
     events = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
     assert not any("error" in event for event in events)

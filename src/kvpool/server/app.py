@@ -190,9 +190,12 @@ class Server:
             raise
         except EngineExited as e:
             raise _exited(e) from None
-        except (ServerBusy, EngineStopped) as e:
+        except ServerBusy as e:
             raise RequestError(str(e), status=503, type="server_busy",
                                code="server_busy") from None
+        except EngineStopped as e:
+            raise RequestError(str(e), status=503, type="server_busy",
+                               code="server_shutting_down") from None
         except InvalidPrompt as e:
             raise RequestError(str(e), param="prompt") from None
         except SequenceTooLong as e:
