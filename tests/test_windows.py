@@ -85,6 +85,16 @@ def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair):
     torch.testing.assert_close(second, whole[9:], rtol=1e-4, atol=1e-4)
 
 
+def generate_like_transformers(llm: LLM, hf, batch: list[list[int]]) -> list:
+    """The engine's greedy outputs of `batch`, once their tokens are checked against
+    transformers' generate."""
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = llm.generate(batch, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
+                                                          for p in batch]
+    return outputs
+
+
 @pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3"])
 def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(name, tmp_path,
         device):
@@ -96,10 +106,7 @@ def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(na
     batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
     llm = LLM(folder, num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
               device=device)
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outputs = llm.generate(batch, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
-                                                          for p in batch]
+    generate_like_transformers(llm, hf, batch)
     assert llm.cache.stats().prefix_hit_tokens > 0
     llm.check()
 
@@ -270,10 +277,7 @@ def test_mistral_engine_outputs_with_pages_given_back_equal_transformers(mistral
     batch += [shared + tail for tail in prompts(160, lengths=(3, 11), seed=4).values()]
     llm = LLM(folder, num_pages=24, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
               prefix_caching=prefix_caching, device=device)
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outputs = llm.generate(batch, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
-                                                          for p in batch]
+    outputs = generate_like_transformers(llm, hf, batch)
     assert llm.cache.groups[0].window == WINDOW
     stats = llm.cache.stats()
     assert (stats.prefix_hit_tokens > 0) == prefix_caching
@@ -312,10 +316,7 @@ def test_mistral_engine_serves_requests_longer_than_its_pool_like_transformers(m
               max_num_batched_tokens=4, device=device)
     shared = prompts(160, lengths=(30,), seed=6)["seq0"]
     batch = [shared, shared + [7] * 7, shared]
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outputs = llm.generate(batch, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, MAX_TOKENS)
-                                                          for p in batch]
+    generate_like_transformers(llm, hf, batch)
     assert llm.cache.stats().prefix_hit_tokens > 0
     llm.check()
 
