@@ -1041,6 +1041,16 @@ def test_can_add_and_can_append_answer_what_the_calls_would_do_and_change_nothin
         cache.check_fits(17)
 
 
+def test_check_fits_leaves_out_the_reserved_pages_no_sequence_can_take(device):
+    cache = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4), 8, reserve=1, device=device)
+    cache.check_fits(28)
+    with pytest.raises(OutOfPages, match=r"^29 tokens need 8 pages of 4 tokens; the pool has 8 "
+                                         r"\(1 reserved\)$"):
+        cache.check_fits(29)
+    cache.add_sequence("a", list(range(28)))  # what check_fits takes, alone, fits
+    cache.check()
+
+
 def test_can_add_entering_by_chunks_asks_a_windowed_cache_for_the_entering_tokens_only(device):
     windowed = KVCache(KVLayout(1, 1, 4, torch.float32, page_size=4, layer_windows=(8,)), 4,
                        device=device)

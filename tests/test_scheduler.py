@@ -18,11 +18,12 @@ PAGE = 4
 
 
 def _scheduler(num_pages=16, *, max_num_seqs=8, max_num_batched_tokens=64, watermark_pages=1,
-               prefix_caching=False, max_model_len=64, window=None, device):
+               prefix_caching=False, max_model_len=64, window=None, reserve=0, device):
     layout = KVLayout(1, 1, 4, dtype=torch.float32, page_size=PAGE,
                       layer_windows=() if window is None else (window,))
     cache = KVCache(layout, num_pages, device=device, prefix_caching=prefix_caching,
-                    max_tokens_per_step=max_num_batched_tokens)  # as the engine builds it
+                    max_tokens_per_step=max_num_batched_tokens,  # as the engine builds it
+                    reserve=reserve)
     return Scheduler(cache, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      watermark_pages=watermark_pages, eos_token_ids={1})
@@ -335,7 +336,8 @@ def test_windowed_requests_longer_than_the_pool_finish_in_the_smallest_pool_taki
     window, budget = rng.choice([5, 8]), rng.choice([1, 4, 9])
     caching, max_num_seqs = rng.random() < 0.5, rng.choice([2, 3])
     options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, window=window,
-                   prefix_caching=caching, max_model_len=10_000, device=device)
+                   prefix_caching=caching, reserve=rng.randint(0, 1), max_model_len=10_000,
+                   device=device)
     num_pages = next(n for n in range(1, 64) if _fits(_scheduler(n, **options), 10_000))
     assert not _fits(_scheduler(num_pages - 1, **options), 10_000)
     s = _scheduler(num_pages, watermark_pages=rng.randint(0, 1), **options)

@@ -180,6 +180,9 @@ def test_with_steps_bounded_a_sequence_of_any_length_fits_once_its_window_and_tw
     small.check_fits(16)  # 4 pages: what fits without giving any back
     with pytest.raises(OutOfPages, match=r"^17 tokens need 5 pages of 4 tokens; the pool has 4$"):
         small.check_fits(17)
+    with pytest.raises(OutOfPages, match=r"^1000000 tokens need 5 pages of 4 tokens; the pool "
+                                         r"has 5 \(1 reserved\)$"):
+        cache(num_pages=5, max_tokens_per_step=4, reserve=1, device=device).check_fits(10**6)
     c = cache(num_pages=5, max_tokens_per_step=4, device=device)
     c.check_fits(10**6)
     c.add_sequence("a", num_tokens=4)

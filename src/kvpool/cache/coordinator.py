@@ -302,14 +302,16 @@ class KVCache:
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise OutOfPages unless one sequence of `num_tokens` tokens fits alone in every
-        page group's pool (a window group's: with the copies of its first drop; with
-        `max_tokens_per_step`, whatever its length once its window and two steps fit)."""
+        page group's pool, less its `reserve` (a window group's: with the copies of its first
+        drop; with `max_tokens_per_step`, whatever its length once its window and two steps
+        fit)."""
         for group in self.page_groups:
-            need, have = group.pages_alone(num_tokens), group.allocator.num_pages
-            if need > have:
+            need, alloc = group.pages_alone(num_tokens), group.allocator
+            if need > alloc.num_pages - alloc.reserve:
+                reserved = f" ({alloc.reserve} reserved)" if alloc.reserve else ""
                 raise self._named(group, OutOfPages(
                     f"{num_tokens} tokens need {need} pages of {self.page_size} tokens; "
-                    f"the pool has {have}"))
+                    f"the pool has {alloc.num_pages}{reserved}"))
 
     # ---- queries -----------------------------------------------------------------------
 

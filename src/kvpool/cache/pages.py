@@ -445,8 +445,9 @@ class SlidingWindow(FullAttention):
         # two steps' pages and the copies beside it: h is capped where a sequence longer than
         # the pool would not fit (None: no such sequence fits at all).
         self._most_hit_pages = None
-        if max_tokens_per_step is not None and self._steady_pages() + self._copies <= num_pages:
-            self._most_hit_pages = (num_pages - self._copies
+        usable = num_pages - self.allocator.reserve
+        if max_tokens_per_step is not None and self._steady_pages() + self._copies <= usable:
+            self._most_hit_pages = (usable - self._copies
                                     - -(-2 * max_tokens_per_step // self.page_size))
 
     def drop_point(self, position: int) -> int:

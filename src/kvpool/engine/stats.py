@@ -11,7 +11,7 @@ class EngineStats:
     """Counters of an LLM since it was created. Pages: used + cached + free == the pool."""
 
     # sequences: every sample of a request, those not forked yet included
-    num_running: int  # sequences holding pages
+    num_running: int  # sequences scheduled (holding pages, or to once forked)
     num_waiting: int  # sequences queued (new, preempted, or held for KV from another engine)
     num_used_pages: int  # held by a live sequence
     num_cached_pages: int  # held only by the prefix cache: evictable

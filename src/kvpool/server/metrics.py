@@ -99,8 +99,11 @@ class ServerMetrics:
                 ("kvpool_pages_free", "Free pages", e.num_free_pages),
                 ("kvpool_kv_utilization", "Filled fraction of the slots of used pages",
                  e.kv_utilization),
-                ("kvpool_sequences_running", "Sequences holding pages", e.num_running),
-                ("kvpool_sequences_waiting", "Sequences waiting for a seat (new or preempted)",
+                ("kvpool_sequences_running",
+                 "Sequences running (a request's samples counted before they fork)",
+                 e.num_running),
+                ("kvpool_sequences_waiting",
+                 "Sequences waiting for a seat (new, preempted, or held for handed KV)",
                  e.num_waiting)):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
