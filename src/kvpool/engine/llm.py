@@ -178,7 +178,8 @@ class LLM:
         self._make_cache = functools.partial(
             KVCache, layout, pages, device=device, prefix_caching=self.config.prefix_caching,
             max_tokens_per_seq=self.max_model_len,
-            max_tokens_per_step=self.config.max_num_batched_tokens, kv_scales=self.config.kv_scales,
+            max_tokens_per_step=self.config.max_num_batched_tokens,
+            kv_scales=self.config.kv_scales,
             free_out_of_window=self.config.free_out_of_window, tier=tier,
             model_fingerprint=fingerprint, states=states)
         self.cache = self._make_cache()
