@@ -608,21 +608,15 @@ def test_write_kv_names_the_first_of_several_slots_outside_the_caches():
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_write_kv_refuses_bool_slots(device):
-    k_cache = torch.zeros(4, 16, 2, 8, device=device)
-    v_cache = torch.zeros(4, 16, 2, 8, device=device)
-    ones = torch.ones(2, 2, 8, device=device)
-    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.bool"):
-        write_kv(k_cache, v_cache, torch.tensor([True, False], device=device), ones, ones)
-    assert not k_cache.any() and not v_cache.any()
-
-
-def test_write_kv_rejects_float_slots_and_a_dtype_unlike_the_caches(device):
+def test_write_kv_rejects_float_or_bool_slots_and_a_dtype_unlike_the_caches(device):
     k_cache = torch.zeros(4, 16, 2, 8, device=device)
     v_cache = torch.zeros(4, 16, 2, 8, device=device)
     ones = torch.ones(2, 2, 8, device=device)
     with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.float32"):
         write_kv(k_cache, v_cache, torch.tensor([0.0, 1.0], device=device), ones, ones)
+    # bool slots would index as slots 1 and 0
+    with pytest.raises(TypeError, match="slots must be an integer tensor, got torch.bool"):
+        write_kv(k_cache, v_cache, torch.tensor([True, False], device=device), ones, ones)
     with pytest.raises(ValueError, match="in the caches' torch.float32, got torch.bfloat16"):
         write_kv(k_cache, v_cache, torch.tensor([0, 1], device=device), ones.bfloat16(),
                  ones.bfloat16())
