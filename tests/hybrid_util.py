@@ -33,12 +33,12 @@ BAMBA_CONFIGS = {
 HF_BAMBA_NORM_IS_GROUPED = Version(transformers.__version__) >= Version("5.23")
 
 
-def make_bamba(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A small random float32 Bamba of BAMBA_CONFIGS[name]. Norm scales, biases, A_log, D and
+def make_bamba(name: str, seed: int = 0, configs=BAMBA_CONFIGS) -> transformers.PreTrainedModel:
+    """A small random float32 Bamba of configs[name]. Norm scales, biases, A_log, D and
     dt_bias are randomised too (transformers initialises them to constants). Before
     transformers 5.23 its mixers get transformers' own grouped gated norm (see above)."""
     torch.manual_seed(seed)
-    config = BAMBA_CONFIGS[name]()
+    config = configs[name]()
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if not HF_BAMBA_NORM_IS_GROUPED:

@@ -39,6 +39,8 @@ CONFIGS = {
     "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),
+    # an epsilon large enough to move every norm's output, the q/k norms' included
+    "qwen3-norm-eps": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, rms_norm_eps=0.5),
     # Qwen3's long-context recipe: 4x the trained context, cos/sin scaled by 1 + 0.1 ln 4
     "qwen3-rope-yarn": lambda: transformers.Qwen3Config(
         **SMALL, head_dim=32,

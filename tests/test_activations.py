@@ -4,6 +4,8 @@ the value (not SiLU in disguise)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import transformers
 
@@ -24,12 +26,17 @@ FAMILIES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "mistral": transformers.MistralConfig,
+    # every expert, and the dense MLP of the layer mlp_only_layers names, runs hidden_act
+    "qwen3-moe": functools.partial(transformers.Qwen3MoeConfig, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=32,
+                                   mlp_only_layers=[1]),
 }
 
 
 @pytest.mark.parametrize(("family", "act"), [
     ("llama", "gelu"), ("llama", "relu"), ("llama", "gelu_pytorch_tanh"), ("llama", "gelu_new"),
-    ("qwen2", "gelu"), ("qwen3", "relu"), ("mistral", "gelu_pytorch_tanh"),
+    ("llama", "gelu_fast"), ("qwen2", "gelu"), ("qwen3", "relu"),
+    ("mistral", "gelu_pytorch_tanh"), ("qwen3-moe", "gelu"),
 ])
 def test_the_mlp_runs_the_hidden_act_of_the_config_as_transformers_does(family, act, tmp_path):
     configs = {act: lambda: FAMILIES[family](**SMALL, hidden_act=act)}

@@ -12,8 +12,9 @@ import copy
 
 import pytest
 import torch
+import transformers
 
-from hybrid_util import BAMBA_CONFIGS, HybridRunner, make_bamba
+from hybrid_util import BAMBA_CONFIGS, SMALL_BAMBA, HybridRunner, make_bamba
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.loader import load_model
 from models_util import (
@@ -78,6 +79,26 @@ def test_teacher_forced_logits_match_transformers_on_every_device(pair, device):
         ref = hf(torch.tensor([prompt + given[:-1]], device=device)).logits[0, len(prompt) - 1:]
     ours = torch.cat(ours)
     assert ours.device == ref.device and ours.shape == ref.shape
+    assert relative_error(ours, ref.float()) < TEACHER_FORCED_TOLERANCE
+
+
+def test_a_time_step_limit_clamps_dt_in_prefill_and_decode_as_transformers_does(tmp_path,
+                                                                                   device):
+    # softplus(dt + dt_bias) spreads well beyond [0.3, 0.6] on these random weights. The
+    # reference is transformers' forward over the whole sequence, which clamps every token's
+    # dt (its one-token update, generate's decode step, clamps none, as mamba_ssm's does not).
+    configs = {"bamba-time-step-limit": lambda: transformers.BambaConfig(
+        **SMALL_BAMBA, time_step_limit=(0.3, 0.6))}
+    hf = make_bamba("bamba-time-step-limit", configs=configs)
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    assert model.config.mamba.time_step_limit == (0.3, 0.6)
+    prompt, given = prompts(model.config.vocab_size, lengths=(17, 6), seed=5).values()
+    runner = HybridRunner(model)
+    ours = torch.cat([runner.step({"a": prompt}),
+                      *(runner.step({"a": [token]}) for token in given[:-1])])
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        ref = hf.to(device)(torch.tensor([prompt + given[:-1]], device=device)).logits[
+            0, len(prompt) - 1:]
     assert relative_error(ours, ref.float()) < TEACHER_FORCED_TOLERANCE
 
 

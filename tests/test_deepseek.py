@@ -3,6 +3,7 @@ config checks, and absorbed against expanded attention."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -62,6 +63,11 @@ CONFIGS = {
     "v3-rope-not-interleaved": lambda: transformers.DeepseekV3Config(
         **SMALL, q_lora_rank=24, n_shared_experts=1, n_group=2, topk_group=1,
         rope_interleave=False),
+    # biases on the q_lora projection too, and a large epsilon for the decoder's norms that
+    # the latent norms (q_a_layernorm, kv_a_layernorm: transformers' default) do not take
+    "v3-biases-norm-eps": lambda: transformers.DeepseekV3Config(
+        **SMALL, q_lora_rank=24, n_shared_experts=1, n_group=2, topk_group=1,
+        attention_bias=True, rms_norm_eps=0.5),
 }
 
 
@@ -210,6 +216,55 @@ def test_decode_and_prefill_in_one_step_match_separate_steps(v2_lite):
     both = together.step({"a": [5], "b": batch["seq1"]})
     torch.testing.assert_close(both, torch.cat([decode_alone, prefill_alone]),
                                rtol=1e-5, atol=1e-5)
+
+
+# --- routing ---
+
+@pytest.fixture(scope="module")
+def v3_routers(tmp_path_factory, device):
+    """The first MoE layer's router of a DeepSeek-V3 loaded in bfloat16, and transformers'
+    router of that layer holding the same bfloat16-rounded weights (a bf16 checkpoint's)."""
+    hf = make_hf_model("v3-yarn", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("v3-routers"))
+    model = load_model(folder, device=device, dtype=torch.bfloat16).model
+    hf_gate = hf.model.layers[1].mlp.gate.to(device)
+    with torch.no_grad():
+        hf_gate.weight.copy_(hf_gate.weight.bfloat16().float())
+    return model.model.layers[1].mlp.gate, hf_gate
+
+
+def routes(gate, hf_gate, device):
+    """Both routers' (weights, expert ids) of 64 random bf16 tokens, each token's experts
+    in ascending order."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                          torch.bfloat16)
+    weights, ids = gate(x)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf_gate(x)
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)
+    return ((weights.gather(1, order), ids.gather(1, order)),
+            (hf_weights.gather(1, hf_order), hf_ids.gather(1, hf_order)))
+
+
+def test_a_bf16_v3_router_scores_and_weighs_in_float32_as_transformers(v3_routers, device):
+    (weights, ids), (hf_weights, hf_ids) = routes(*v3_routers, device)
+    assert torch.equal(ids, hf_ids)
+    assert torch.equal(weights.float(), hf_weights)  # never rounded to bf16 on the way
+    assert weights.dtype == torch.float32
+
+
+def test_v3_routes_within_the_chosen_groups_even_when_every_biased_score_is_negative(
+        v3_routers, device):
+    # sigmoid scores lie in (0, 1): a bias of -2 puts every expert's biased score below the
+    # 0 that masks softmax scores, so the experts of the other groups must rank lower still
+    gate, hf_gate = (copy.deepcopy(router) for router in v3_routers)
+    for router in (gate, hf_gate):
+        router.e_score_correction_bias.fill_(-2.0)
+    (_, ids), (_, hf_ids) = routes(gate, hf_gate, device)
+    assert torch.equal(ids, hf_ids)
+    moe = gate.moe
+    groups = ids // (moe.num_experts // moe.num_groups)
+    assert all(len(set(chosen)) <= moe.topk_groups for chosen in groups.tolist())
 
 
 # --- configs and planning ---

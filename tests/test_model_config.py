@@ -99,7 +99,11 @@ def test_transformers_4_torch_dtype_and_rope_theta_are_read(transformers, tmp_pa
     # the trained context from max_position_embeddings; an attention factor given; no truncation
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "attention_factor": 0.8,
      "beta_fast": 16, "truncate": False},
-], ids=["qwen3-recipe", "given-factor-untruncated"])
+    # a ramp whose upper end (the dimension turning beta_slow times) lies past the last
+    # dimension, where transformers clamps it
+    {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 1024,
+     "beta_slow": 0.5},
+], ids=["qwen3-recipe", "given-factor-untruncated", "ramp-past-the-last-dimension"])
 def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transformers, rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -37,6 +37,9 @@ CONFIGS = {
     "qwen2-max-window-layers": lambda: transformers.Qwen2Config(
         **FOUR, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "gemma3": lambda: transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2),
+    # an epsilon large enough to move every (1 + weight) norm's output, the q/k norms' included
+    "gemma3-norm-eps": lambda: transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2,
+                                                             rms_norm_eps=0.5),
     "gemma3-linear-rope-untied": lambda: transformers.Gemma3TextConfig(
         **dict(GEMMA, rope_parameters={
             FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
