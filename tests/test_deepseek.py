@@ -222,15 +222,12 @@ def test_decode_and_prefill_in_one_step_match_separate_steps(v2_lite):
 
 @pytest.fixture(scope="module")
 def v3_routers(tmp_path_factory, device):
-    """The first MoE layer's router of a DeepSeek-V3 loaded in bfloat16, and transformers'
-    router of that layer holding the same bfloat16-rounded weights (a bf16 checkpoint's)."""
+    """The first MoE layer's router of a float32 DeepSeek-V3 checkpoint loaded in bfloat16,
+    and transformers' router of that layer, whose weight a bfloat16 load keeps in float32."""
     hf = make_hf_model("v3-yarn", configs=CONFIGS)
     folder = save_hf_model(hf, tmp_path_factory.mktemp("v3-routers"))
     model = load_model(folder, device=device, dtype=torch.bfloat16).model
-    hf_gate = hf.model.layers[1].mlp.gate.to(device)
-    with torch.no_grad():
-        hf_gate.weight.copy_(hf_gate.weight.bfloat16().float())
-    return model.model.layers[1].mlp.gate, hf_gate
+    return model.model.layers[1].mlp.gate, hf.model.layers[1].mlp.gate.to(device)
 
 
 def routes(gate, hf_gate, device):
@@ -246,8 +243,12 @@ def routes(gate, hf_gate, device):
             (hf_weights.gather(1, hf_order), hf_ids.gather(1, hf_order)))
 
 
-def test_a_bf16_v3_router_scores_and_weighs_in_float32_as_transformers(v3_routers, device):
-    (weights, ids), (hf_weights, hf_ids) = routes(*v3_routers, device)
+def test_a_bf16_v3_router_keeps_its_weight_and_scores_in_float32_as_transformers(v3_routers,
+                                                                                 device):
+    gate, hf_gate = v3_routers
+    assert gate.weight.dtype == torch.float32
+    assert torch.equal(gate.weight, hf_gate.weight)  # the checkpoint's, unrounded
+    (weights, ids), (hf_weights, hf_ids) = routes(gate, hf_gate, device)
     assert torch.equal(ids, hf_ids)
     assert torch.equal(weights.float(), hf_weights)  # never rounded to bf16 on the way
     assert weights.dtype == torch.float32

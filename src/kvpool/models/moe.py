@@ -23,7 +23,11 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.moe = moe = config.moe
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, config.hidden_size, dtype=dtype))
+        # DeepSeek's router weight is kept in float32 whatever the model's dtype, as
+        # transformers keeps it: a float32 checkpoint's weight routes unrounded
+        self.weight = nn.Parameter(torch.empty(
+            moe.num_experts, config.hidden_size,
+            dtype=torch.float32 if moe.router_in_float32 else dtype))
         if moe.scoring == "sigmoid":  # kept in float32, as transformers keeps it
             self.register_buffer("e_score_correction_bias",
                                  torch.empty(moe.num_experts, dtype=torch.float32))
@@ -33,7 +37,7 @@ class Router(nn.Module):
         ids `[T, top_k]`)."""
         moe = self.moe
         if moe.router_in_float32:
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight)
         else:
             logits = F.linear(x, self.weight)
         if moe.scoring == "softmax":
