@@ -143,7 +143,7 @@ def test_plan_with_a_bad_context_len_exits_2(capsys):
 
 def test_errors_reach_the_shell_without_a_traceback(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
-    result = subprocess.run([sys.executable, "-m", "kvpool.cli.main", "plan", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "kvpool", "plan", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "is not valid JSON" in result.stderr
