@@ -50,11 +50,25 @@ CONFIGS = {
     # biases, whatever attention_bias says
     "phi3-window-8": lambda: transformers.Phi3Config(**SMALL, sliding_window=8,
                                                      attention_bias=True),
+    # Phi-4-mini's rope: LongRoPE over 3/4 of each head, here its short factors (sequences
+    # stay within the trained context) and a given attention factor
+    "phi3-longrope-partial": lambda: phi3_longrope(256, {"attention_factor": 1.25}),
     # no RoPE on every second layer (NoPE), q/k left as projected; biases on q, k, v, o and
     # the MLP
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2,
                                                   attention_bias=True, mlp_bias=True),
 }
+
+
+def phi3_longrope(trained_context: int, rope: dict | None = None,
+                  **config) -> transformers.Phi3Config:
+    """A small Phi-3 config (SMALL and `config`) with LongRoPE over 3/4 of each head (6
+    frequencies), trained on `trained_context` positions, `rope` added to its parameters."""
+    return transformers.Phi3Config(
+        **SMALL, original_max_position_embeddings=trained_context, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0], **(rope or {})},
+        **config)
 
 
 def make_hf_model(name: str, seed: int = 0, configs=CONFIGS) -> transformers.PreTrainedModel:

@@ -2,12 +2,14 @@
 they imply."""
 
 import json
+import re
 
 import pytest
 import torch
 
 from kvpool.errors import ConfigError
 from kvpool.memory.layout import KVLayout
+from kvpool.models import rotary
 from kvpool.models.config import PRESETS, ModelConfig
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -115,6 +117,20 @@ def test_yarn_on_a_qwen3_config_gives_transformers_frequencies_and_factor(transf
     ours = ModelConfig.from_hf(hf_config.to_dict())
     assert torch.equal(inv_frequencies(ours, device="cpu"), hf_inv_freq)
     assert attention_factor(ours) == hf_factor != 1.0
+
+
+def test_a_trained_context_at_the_configs_top_level_wins_for_yarn_as_in_transformers(
+        transformers):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {"architectures": ["Qwen3ForCausalLM"], **SMALL, "head_dim": 128,
+              "max_position_embeddings": 40960, "original_max_position_embeddings": 8192,
+              "rope_scaling": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                               "original_max_position_embeddings": 32768}}
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen3Config.from_dict(config))
+    ours = ModelConfig.from_hf(config)
+    assert ours.rope_scaling["original_max_position_embeddings"] == 8192
+    assert torch.equal(rotary.inv_frequencies(ours, device="cpu"), hf_inv_freq)
 
 
 @pytest.mark.parametrize(("name", "model_class", "expected"), [
@@ -285,7 +301,45 @@ def test_a_config_reads_as_transformers_reads_it(transformers, tmp_path, model_t
         hf.rms_norm_eps, window, hf.max_position_embeddings)
 
 
-def test_phi3_scaled_ropes_are_longrope_which_is_refused():
+def test_phi3_scales_its_rope_by_longrope_only():
     phi3 = dict(PRESETS["Phi-4"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match="unsupported rope_type 'yarn'"):
+    with pytest.raises(ConfigError, match="unsupported rope_type 'yarn'; kvpool supports "
+                                          "default, longrope here"):
         ModelConfig.from_hf(phi3)
+
+
+def phi35_config(**rope) -> dict:
+    """Phi-3.5-mini's config.json as published (transformers 4's format): the trained context
+    at the top level, LongRoPE's 48 factors of each kind, 3/4 of each 128-channel head."""
+    return dict(PRESETS["Phi-4"], max_position_embeddings=131072,
+                original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                rope_scaling={"type": "longrope", "short_factor": [1.0] * 48,
+                              "long_factor": [2.0] * 48, **rope})
+
+
+def test_a_phi3_5_config_takes_longrope_long_factors_where_sequences_pass_its_trained_context():
+    config = ModelConfig.from_hf(phi35_config())
+    assert config.rotary_dim == 96
+    assert config.rope_scaling["original_max_position_embeddings"] == 4096
+    assert config.rope_scaling["long"]  # its context, 131,072, passes 4,096
+    assert not config.for_max_model_len(4096).rope_scaling["long"]
+    assert config.for_max_model_len(4097).rope_scaling["long"]
+    assert config.for_max_model_len(4096).rope_scaling["short_factor"] == [1.0] * 48
+
+
+@pytest.mark.parametrize(("rope", "top_level", "message"), [
+    ({"long_factor": None}, {}, "rope_type 'longrope' needs a list 'long_factor', got None"),
+    ({}, {"original_max_position_embeddings": None},
+     "needs original_max_position_embeddings, a positive int, got None"),
+    ({"short_factor": [1.0, "x"]}, {}, "short_factor"),
+])
+def test_broken_longrope_parameters_are_refused_by_name(rope, top_level, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf({**phi35_config(**rope), **top_level})
+
+
+def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_by_name():
+    config = ModelConfig.from_hf(phi35_config(short_factor=[1.0] * 47))
+    with pytest.raises(ConfigError, match="short_factor factors: 47 given, but a rotary "
+                                          "dimension of 96 has 48 frequencies"):
+        rotary.inv_frequencies(config.for_max_model_len(4096), device="cpu")

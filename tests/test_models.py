@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hypothesis import example, given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
@@ -29,6 +31,7 @@ from models_util import (
     hf_greedy,
     make_hf_model,
     packed_context,
+    phi3_longrope,
     prompts,
     save_hf_model,
     streamed,
@@ -96,6 +99,42 @@ def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(name, tm
     runner.step({"a": prompt[:9]})
     second = runner.step({"a": prompt[9:]}, all_logits=True)
     torch.testing.assert_close(second, whole[9:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope_16(tmp_path_factory, device):
+    """(transformers model, its checkpoint folder) of a LongRoPE Phi-3 trained on 16
+    positions, its context 256: 16x, so cos and sin are scaled by sqrt(1 + ln 16 / ln 16)."""
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(phi3_longrope(16)).eval()
+    return hf.to(device), save_hf_model(hf, tmp_path_factory.mktemp("phi3-longrope-16"))
+
+
+def test_longrope_past_the_trained_context_takes_the_long_factors_as_transformers(
+        phi3_longrope_16, device):
+    hf, folder = phi3_longrope_16
+    model = load_model(folder, device=device).model  # context 256: the long factors
+    batch = prompts(model.config.vocab_size, lengths=(17, 26))  # past 16: long in transformers
+    ours = PagedRunner(model).greedy(batch, 8)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, 8)
+
+
+def test_the_engine_takes_longrope_short_factors_only_for_sequences_within_the_trained_context(
+        phi3_longrope_16, device):
+    hf, folder = phi3_longrope_16
+    short, long = (prompts(hf.config.vocab_size, lengths=(n,))["seq0"] for n in (6, 20))
+
+    def greedy(max_model_len, prompt):
+        llm = LLM(folder, device=device, max_model_len=max_model_len, enforce_eager=True)
+        params = SamplingParams(max_tokens=10, temperature=0)
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert greedy(16, short) == hf_greedy(hf, short, 10)
+    assert greedy(64, long) == hf_greedy(hf, long, 10)
+    # transformers takes the short factors while a sequence is within 16 positions; a cache
+    # whose sequences may pass them takes the long ones throughout
+    assert greedy(64, short) != hf_greedy(hf, short, 10)
 
 
 def test_default_logits_are_those_of_each_sequences_last_token(pair):

@@ -41,6 +41,7 @@ from models_util import (
     engine_case,
     fresh_process_output,
     make_hf_model,
+    phi3_longrope,
     save_hf_model,
 )
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
@@ -55,7 +56,9 @@ PARITY = {
     "qwen2-one-kv-head": lambda: transformers.Qwen2Config(**{**SMALL,
                                                             "num_key_value_heads": 1}),
     "qwen3": CONFIGS["qwen3"],
-    "phi3": CONFIGS["phi3-window-8"],  # each rank's rows of the fused q/k/v and gate/up
+    # each rank's rows of the fused q/k/v and gate/up; LongRoPE's short factors on every
+    # rank, as the engine's max_model_len (ENGINE's) stays within the trained 64 positions
+    "phi3": lambda: phi3_longrope(64, sliding_window=8, attention_bias=True),
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "mixtral": MIXTRAL["mixtral-window-8"],  # experts under Mixtral's checkpoint names
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
@@ -66,7 +69,7 @@ PARITY = {
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # 16 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
 ENGINE = dict(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-              tensor_parallel_size=RANKS)
+              max_model_len=64, tensor_parallel_size=RANKS)
 
 
 def cpu_only(device: torch.device) -> None:

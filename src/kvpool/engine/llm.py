@@ -155,7 +155,8 @@ class LLM:
                num_checkpoints: int) -> None:
         """Load this rank's part of the model and build the cache, scheduler, workspace and
         runner; then have the workers build theirs."""
-        loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp)
+        loaded = load_model(model, dtype=self.config.dtype, device=device, tp=self.peers.tp,
+                            max_model_len=self.max_model_len)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.model_config = mc
         device = next(self.model.parameters()).device  # with its index: cuda:0, not cuda
@@ -204,7 +205,8 @@ class LLM:
                                     pages,
                                     self.config.kv_scales, workspace_bytes,
                                     self.runner.max_step, states,
-                                    tier.capacity_pages if tier is not None else 0), self.cache)
+                                    tier.capacity_pages if tier is not None else 0,
+                                    self.max_model_len), self.cache)
 
     def generate(self, prompts: Prompt | abc.Sequence[Prompt],
                  sampling_params: SamplingParams | abc.Sequence[SamplingParams] | None = None,

@@ -90,6 +90,7 @@ class WorkerSpec:
     max_step: StepLayout
     states: StateSpec | None = None
     host_tier_pages: int = 0
+    max_model_len: int | None = None  # rank 0's: LongRoPE's factors follow it
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +522,8 @@ def receive_spec(specs) -> WorkerSpec:
 
 def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> ModelRunner:
     """This rank's part of the model, its pools, tier and workspace, and their runner."""
-    loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp)
+    loaded = load_model(spec.model, dtype=spec.dtype, device=device, tp=tp,
+                        max_model_len=spec.max_model_len)
     tier = HostTier(spec.host_tier_pages) if spec.host_tier_pages else None
     # A worker's prefix cache indexes nothing: it is there for the tier, which needs one.
     cache = KVCache(spec.layout, spec.num_pages, device=device, kv_scales=spec.kv_scales,

@@ -5,7 +5,7 @@ a config implies, and the built-in presets used by `kvpool plan` and the `tiny` 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +75,10 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 ROPE_TYPES = ("linear", "llama3", "yarn", "frequency_factors")  # scaled ropes kvpool runs
-# ... except for these architectures: Phi-3's scaled ropes are longrope in transformers
-ARCHITECTURE_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ()}
+# ... except for these architectures: Phi-3's scaled rope is longrope, as in transformers
+ARCHITECTURE_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ("longrope",)}
+# Rope types reading the trained context, which a top-level config key sets first (Phi-3's)
+ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
@@ -337,7 +339,8 @@ class ModelConfig:
         else:
             rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES))
         is_bamba = arch == "BambaForCausalLM"
-        if not is_bamba:
+        partial_rotary = is_bamba or arch == "Phi3ForCausalLM"  # Phi-4-mini rotates 3/4
+        if not partial_rotary:
             _check_no_partial_rotary(cfg)
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -367,7 +370,8 @@ class ModelConfig:
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
-            partial_rotary_factor=_partial_rotary_factor(cfg) if is_bamba else 1.0,
+            partial_rotary_factor=_partial_rotary_factor(cfg, is_bamba) if partial_rotary
+            else 1.0,
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
             layer_types=layer_types,
             gemma=gemma,
@@ -376,6 +380,17 @@ class ModelConfig:
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else (),
         )
+
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config for sequences of at most `max_model_len` tokens: LongRoPE's long
+        factors where they may pass the trained context, else its short ones, for every
+        position alike (so that cached K/V never changes with a sequence's length, as in
+        vLLM). Other configs are returned as they are."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return self
+        long = max_model_len > scaling["original_max_position_embeddings"]
+        return replace(self, rope_scaling={**scaling, "long": long})
 
     @property
     def rotary_dim(self) -> int:
@@ -600,6 +615,10 @@ def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, d
     if rope_type not in rope_types:
         raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports "
                           f"{', '.join(('default', *rope_types))} here")
+    if rope_type in ORIGINAL_CONTEXT_ROPE_TYPES and cfg.get("original_max_position_embeddings"):
+        params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        return theta, _longrope(params, key, _int(cfg, "max_position_embeddings", 4096))
     if rope_type == "frequency_factors":  # GGUF's rope_freqs: a divisor per inverse frequency
         factors = params.get("factors")
         if not isinstance(factors, list) or not factors:
@@ -617,6 +636,29 @@ def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, d
         if params.get(name):
             _number(params[name], f"{key}.{name}")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _longrope(params: dict, key: str, max_position_embeddings: int) -> dict:
+    """LongRoPE's parameters: a divisor per inverse frequency for sequences within the
+    trained context (`short_factor`) and for longer ones (`long_factor`), the trained context,
+    optionally `factor` and `attention_factor`, and `long`: whether the long factors apply,
+    as they do where sequences reach `max_position_embeddings` (see `for_max_model_len`)."""
+    scaling: dict = {"rope_type": "longrope"}
+    for name in ("short_factor", "long_factor"):
+        factors = params.get(name)
+        if not isinstance(factors, list) or not factors:
+            raise ConfigError(f"rope_type 'longrope' needs a list {name!r}, got {factors!r}")
+        scaling[name] = [_number(f, f"{key}.{name}[{i}]") for i, f in enumerate(factors)]
+    context = params.get("original_max_position_embeddings")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigError(f"rope_type 'longrope' needs original_max_position_embeddings, a "
+                          f"positive int, got {context!r}")
+    scaling["original_max_position_embeddings"] = context
+    for name in ("factor", "attention_factor"):
+        if params.get(name) is not None:
+            scaling[name] = _number(params[name], f"{key}.{name}")
+    scaling["long"] = max_position_embeddings > context
+    return scaling
 
 
 def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
@@ -926,10 +968,13 @@ def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, MIXTRAL: _mixtral_moe}
 
 
-def _partial_rotary_factor(cfg: dict) -> float:
-    """rope_parameters' partial_rotary_factor; Bamba always rotates half of each head."""
-    params = cfg.get("rope_parameters") or {}
-    value = params.get("partial_rotary_factor", 0.5) if isinstance(params, dict) else 0.5
+def _partial_rotary_factor(cfg: dict, is_bamba: bool) -> float:
+    """The fraction of each head RoPE rotates, as transformers reads it: the rope parameters'
+    partial_rotary_factor, else Bamba's 0.5, else the config's own (Phi-3's), else 1."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if value is None:
+        value = 0.5 if is_bamba else cfg.get("partial_rotary_factor", 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {value!r}")
     return float(value)

@@ -81,18 +81,23 @@ class LoadedModel:
 
 
 def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
-               device: str | torch.device, tp: TensorParallel = ONE_RANK) -> LoadedModel:
+               device: str | torch.device, tp: TensorParallel = ONE_RANK,
+               max_model_len: int | None = None) -> LoadedModel:
     """Load a checkpoint folder, a GGUF file (a path ending in .gguf, or a packaged name such
     as "smollm2") or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
-    dtype None: the config's (float32 if it states none). Raises ValueError for a bad device,
-    ConfigError for a missing, malformed or unsupported config (or one that does not split
-    across the ranks) and CheckpointError for weights that do not match it."""
+    dtype None: the config's (float32 if it states none). `max_model_len`, the longest
+    sequence it will run (None: the config's context), picks LongRoPE's factors. Raises
+    ValueError for a bad device, ConfigError for a missing, malformed or unsupported config
+    (or one that does not split across the ranks) and CheckpointError for weights that do
+    not match it."""
     device = check_device(device)
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
         return load_gguf(source, dtype=dtype, device=device, tp=tp)
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
+    if max_model_len is not None:
+        config = config.for_max_model_len(max_model_len)
     if model == TINY_PRESET:
         weights_dtype = config.weights_dtype(dtype)
         net = LlamaForCausalLM(config, dtype=weights_dtype, device=device, tp=tp)

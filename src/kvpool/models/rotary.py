@@ -1,7 +1,13 @@
 """Rotary position embedding (RoPE): inverse frequencies for the default, `linear`, `llama3`,
-`yarn` and `frequency_factors` rope types, and cos/sin for a step's positions (kvpool.rope
-applies them to packed q/k). `frequency_factors` divides each inverse frequency by its own
-factor: the `rope_freqs` tensor in which GGUF files carry Llama 3.1's scaling.
+`yarn`, `longrope` and `frequency_factors` rope types, and cos/sin for a step's positions
+(kvpool.rope applies them to packed q/k). `frequency_factors` divides each inverse frequency
+by its own factor: the `rope_freqs` tensor in which GGUF files carry Llama 3.1's scaling.
+
+LongRoPE (Phi-3's) divides them by `short_factor` or `long_factor`: the long ones wherever a
+sequence may pass the trained context (`ModelConfig.for_max_model_len`), for every position,
+so that a page's K/V never depends on the step that computed it (as vLLM; transformers
+switches a sequence to the long factors when it passes the trained context and computes it
+again from its first token).
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
 float32, cos/sin (times yarn's attention factor) cast to the activations' dtype."""
@@ -33,22 +39,46 @@ def inv_frequencies(config: ModelConfig, *, device: str | torch.device) -> torch
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_frequencies(config.rope_theta**exponents, config)
     if scaling["rope_type"] == "frequency_factors":
-        factors = scaling["factors"]
-        if len(factors) != dim // 2:
-            raise ConfigError(f"rope frequency factors: {len(factors)} given, but a rotary "
-                              f"dimension of {dim} has {dim // 2} frequencies")
-        return inv_freq / torch.tensor(factors, dtype=torch.float32, device=device)
+        return inv_freq / _factors(scaling["factors"], "rope frequency", dim, device)
+    if scaling["rope_type"] == "longrope":
+        return _longrope_inv_frequencies(
+            config, "long_factor" if scaling["long"] else "short_factor", device)
     return _llama3_inv_frequencies(inv_freq, scaling)
 
 
+def _longrope_inv_frequencies(config: ModelConfig, name: str,
+                              device: str | torch.device) -> torch.Tensor:
+    """1 / (factor * theta ** (2i / dim)), with rope_scaling[name]'s factor i: transformers'
+    operations, so its bits."""
+    dim = config.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    factors = _factors(config.rope_scaling[name], name, dim, device)
+    return 1.0 / (factors * config.rope_theta**exponents)
+
+
+def _factors(factors: list[float], name: str, dim: int,
+             device: str | torch.device) -> torch.Tensor:
+    """`factors`, one per inverse frequency of a rotary dimension `dim`, as a float32 tensor;
+    ConfigError naming `name` for another count."""
+    if len(factors) != dim // 2:
+        raise ConfigError(f"{name} factors: {len(factors)} given, but a rotary dimension of "
+                          f"{dim} has {dim // 2} frequencies")
+    return torch.tensor(factors, dtype=torch.float32, device=device)
+
+
 def attention_factor(config: ModelConfig) -> float:
-    """What yarn multiplies cos/sin by (1 for other rope types): the given attention_factor,
-    else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    """What yarn and longrope multiply cos/sin by (1 for other rope types): the given
+    attention_factor, else yarn's mscale(factor, mscale) / mscale(factor, mscale_all_dim),
+    longrope's sqrt(1 + ln(factor) / ln(trained context))."""
     scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        context = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or config.max_position_embeddings / context
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(context))
     factor, mscale, mscale_all_dim = (scaling["factor"], scaling.get("mscale"),
                                       scaling.get("mscale_all_dim"))
     if mscale and mscale_all_dim:
