@@ -302,8 +302,8 @@ def test_a_config_reads_as_transformers_reads_it(transformers, tmp_path, model_t
 
 
 def test_phi3_scales_its_rope_by_longrope_only():
-    phi3 = dict(PRESETS["Phi-4"], rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match="unsupported rope_type 'yarn'; kvpool supports "
+    phi3 = dict(PRESETS["Phi-4"], rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(ConfigError, match="unsupported rope_type 'linear'; kvpool supports "
                                           "default, longrope here"):
         ModelConfig.from_hf(phi3)
 
@@ -317,8 +317,11 @@ def phi35_config(**rope) -> dict:
                               "long_factor": [2.0] * 48, **rope})
 
 
-def test_a_phi3_5_config_takes_longrope_long_factors_where_sequences_pass_its_trained_context():
-    config = ModelConfig.from_hf(phi35_config())
+@pytest.mark.parametrize("name", ["longrope", "su", "yarn"])  # transformers' older names
+def test_a_phi3_5_config_takes_longrope_long_factors_where_sequences_pass_its_trained_context(
+        name):
+    config = ModelConfig.from_hf(phi35_config(type=name))
+    assert config.rope_scaling["rope_type"] == "longrope"
     assert config.rotary_dim == 96
     assert config.rope_scaling["original_max_position_embeddings"] == 4096
     assert config.rope_scaling["long"]  # its context, 131,072, passes 4,096

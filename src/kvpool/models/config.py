@@ -77,6 +77,8 @@ DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 ROPE_TYPES = ("linear", "llama3", "yarn", "frequency_factors")  # scaled ropes kvpool runs
 # ... except for these architectures: Phi-3's scaled rope is longrope, as in transformers
 ARCHITECTURE_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ("longrope",)}
+# ... and the older names transformers reads as it (early Phi-3 128k configs say "su")
+ARCHITECTURE_ROPE_NAMES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
 # Rope types reading the trained context, which a top-level config key sets first (Phi-3's)
 ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
@@ -337,7 +339,8 @@ class ModelConfig:
             (rope_theta, rope_scaling), local_rope = _gemma_ropes(cfg)
             gemma = _gemma(cfg, local_rope)
         else:
-            rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES))
+            rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES),
+                                             ARCHITECTURE_ROPE_NAMES.get(arch, {}))
         is_bamba = arch == "BambaForCausalLM"
         partial_rotary = is_bamba or arch == "Phi3ForCausalLM"  # Phi-4-mini rotates 3/4
         if not partial_rotary:
@@ -598,10 +601,11 @@ def _architecture(cfg: dict) -> str:
     return archs
 
 
-def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, dict | None]:
+def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES,
+          names: dict[str, str] | None = None) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) as transformers reads them: transformers 5 writes
     rope_parameters (theta inside), older configs rope_theta and rope_scaling, which wins
-    where both are given."""
+    where both are given; `names` renames an architecture's older rope types."""
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     params = cfg.get(key) or {}
     if not isinstance(params, dict):
@@ -610,6 +614,7 @@ def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, d
     theta = params.pop("rope_theta", None)
     theta = _float(cfg, "rope_theta", 10000.0) if theta is None else _number(theta, "rope_theta")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    rope_type = (names or {}).get(rope_type, rope_type)
     if rope_type == "default":
         return theta, None
     if rope_type not in rope_types:
