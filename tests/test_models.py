@@ -120,6 +120,14 @@ def test_longrope_past_the_trained_context_takes_the_long_factors_as_transformer
         assert ours[seq_id] == hf_greedy(hf, prompt, 8)
 
 
+@pytest.mark.parametrize(("max_model_len", "error"), [(0, ValueError), (2**63, ValueError),
+                                                     (16.0, TypeError), (True, TypeError)])
+def test_load_model_refuses_a_bad_max_model_len_by_name(phi3_longrope_16, device,
+                                                        max_model_len, error):
+    with pytest.raises(error, match="max_model_len"):
+        load_model(phi3_longrope_16[1], device=device, max_model_len=max_model_len)
+
+
 def test_the_engine_takes_longrope_short_factors_only_for_sequences_within_the_trained_context(
         phi3_longrope_16, device):
     hf, folder = phi3_longrope_16

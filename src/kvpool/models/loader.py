@@ -33,6 +33,7 @@ from kvpool.models.parallel import (
     take,
 )
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvpool.numeric import check_int64
 
 TINY_PRESET = "tiny"
 TINY_SEED = 0
@@ -91,6 +92,8 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     (or one that does not split across the ranks) and CheckpointError for weights that do
     not match it."""
     device = check_device(device)
+    if max_model_len is not None:
+        check_int64("max_model_len", max_model_len, 1)
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
         return load_gguf(source, dtype=dtype, device=device, tp=tp)
