@@ -103,6 +103,7 @@ def rotation_inputs(tokens, heads, kv_heads, head_dim, rotary_dim, dtype, seed=0
 ROTATION_CASES = [
     (8, 2, 64, 64, torch.float32, torch.float32),
     (4, 4, 32, 16, torch.float32, torch.float32),  # partial rotary
+    (6, 2, 32, 24, torch.bfloat16, torch.bfloat16),  # 3/4 rotary (Phi-4-mini's), 12 angles
     (14, 2, 128, 128, torch.bfloat16, torch.bfloat16),
     (6, 3, 48, 48, torch.float16, torch.float16),  # head_dim not a power of two
     (8, 2, 64, 64, torch.bfloat16, FP8_DTYPE),
@@ -111,7 +112,8 @@ ROTATION_CASES = [
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim", "dtype", "cache"),
                          ROTATION_CASES,
-                         ids=["gqa4-fp32", "partial-fp32", "gqa7-d128-bf16", "d48-fp16",
+                         ids=["gqa4-fp32", "partial-fp32", "three-quarters-bf16",
+                              "gqa7-d128-bf16", "d48-fp16",
                               "fp8-pages"])
 def test_write_with_rotation_stores_what_torch_stores(heads, kv_heads, head_dim, rotary_dim,
                                                       dtype, cache):
