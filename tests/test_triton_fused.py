@@ -63,6 +63,33 @@ def test_rms_norm_adds_the_residual_first_and_returns_the_sum(dtype):
     assert close(normed, expected_normed, dtype)
 
 
+def differing_share(actual, expected):
+    """The share of values whose bits differ from torch's. A rounding left out (a product
+    taken in float32 where torch rounds it to the dtype first) changes about a quarter of
+    16-bit values; the float32 sum's order and exp's last bit, a few in ten thousand."""
+    return (actual.cpu() != expected).float().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_the_norm_to_the_input_dtype_before_the_weight(dtype):
+    torch.manual_seed(3)
+    x = (3 * torch.randn(8, 256)).to(dtype).to(DEVICE)
+    weight = torch.randn(256).to(dtype).to(DEVICE)
+    out = triton_fused.rms_norm(x, weight, 1e-5)
+    assert differing_share(out, torch_norm(x, weight, 1e-5)) < 0.02
+
+
+def test_rms_norm_adds_eps_under_the_root():
+    # Rows of mean square 1e-4 under eps 1e-2: eps sets the scale, ten times smaller.
+    torch.manual_seed(4)
+    x = (1e-2 * torch.randn(3, 64)).to(DEVICE)
+    weight = torch.randn(64).to(DEVICE)
+    for residual in (None, torch.zeros_like(x)):
+        out = triton_fused.rms_norm(x, weight, 1e-2, residual)
+        normed = out if residual is None else out[0]
+        assert close(normed, torch_norm(x, weight, 1e-2), torch.float32)
+
+
 def test_rms_norm_of_no_rows_is_empty():
     x = torch.empty(0, 64, device=DEVICE)
     normed, summed = triton_fused.rms_norm(x, torch.ones(64, device=DEVICE), 1e-5, x)
@@ -77,6 +104,14 @@ def test_silu_mul_matches_torch_across_several_blocks(dtype):
     out = triton_fused.silu_mul(gate, up)
     assert out.dtype == dtype
     assert close(out, F.silu(gate.cpu()) * up.cpu(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_rounds_the_activation_to_the_input_dtype_before_the_product(dtype):
+    torch.manual_seed(5)
+    gate, up = ((4 * torch.randn(8, 256)).to(dtype).to(DEVICE) for _ in range(2))
+    out = triton_fused.silu_mul(gate, up)
+    assert differing_share(out, F.silu(gate.cpu()) * up.cpu()) < 0.02
 
 
 def caches(num_pages, page_size, kv_heads, head_dim, dtype):

@@ -77,6 +77,7 @@ DECODE_CASES = [
     (8, 2, 64, 16, torch.float16, None, 2),
     (40, 2, 48, 16, torch.float32, None, 2),  # 20 heads a kv head: two head blocks of 16
     (20, 1, 64, 4, torch.bfloat16, 9, 1),  # MLA's shape: every head on one kv head
+    (4, 2, 48, 16, torch.float32, None, 1),  # unsplit, head_dim padded in the tile: 48 -> 64
 ]
 
 
@@ -85,7 +86,7 @@ DECODE_CASES = [
     DECODE_CASES,
     ids=["mha-d64-p16-fp32", "gqa4-d128-p5-fp32-split3", "gqa7-d64-p1-fp32-window-split2",
          "gqa7-d128-p16-bf16-split4", "gqa4-d64-p5-bf16-window", "gqa4-d64-p16-fp16-split2",
-         "gqa20-d48-p16-fp32-split2", "mqa20-d64-p4-bf16-window"],
+         "gqa20-d48-p16-fp32-split2", "mqa20-d64-p4-bf16-window", "gqa2-d48-p16-fp32"],
 )
 def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, window,
                                   num_splits):
@@ -263,6 +264,7 @@ PREFILL_CASES = [
     (4, 1, 128, 5, torch.float32, 17),
     (7, 1, 64, 1, torch.bfloat16, None),
     (4, 1, 64, 16, torch.bfloat16, 4),
+    (4, 2, 48, 16, torch.float32, None),  # head_dim padded in the tile: 48 -> 64
 ]
 
 
@@ -270,7 +272,7 @@ PREFILL_CASES = [
     ("heads", "kv_heads", "head_dim", "page_size", "dtype", "window"),
     PREFILL_CASES,
     ids=["mha-d64-p16-fp32", "gqa4-d128-p5-fp32-window", "gqa7-d64-p1-bf16",
-         "gqa4-d64-p16-bf16-window"],
+         "gqa4-d64-p16-bf16-window", "gqa2-d48-p16-fp32"],
 )
 def test_prefill_of_a_mixed_batch_matches_reference(heads, kv_heads, head_dim, page_size, dtype,
                                                     window):
@@ -281,6 +283,32 @@ def test_prefill_of_a_mixed_batch_matches_reference(heads, kv_heads, head_dim, p
     out = prefill(batch, window=window)
     assert out.dtype == dtype
     assert relative_error(out, batch.reference(window=window)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [32, 256], ids=["d32", "d256"])
+def test_prefill_with_a_window_over_several_query_blocks_matches_reference(head_dim):
+    # Query blocks past the first (64 rows from a position of 64 or more) have whole key steps
+    # before their first row, yet under a window every step is masked. Heads over 128 wide
+    # (Gemma 3's 256) step fewer keys than the 64 query rows: a row may see none of the first
+    # step's keys (its window starts past them).
+    specs = [(150, 150), (140, 70)]
+    launch = triton_prefill.prefill_launch(torch.float32, torch.float32, head_dim, 150,
+                                           triton_prefill.shared_memory(DEVICE))
+    block_m, block_n = launch.constexprs["BLOCK_M"], launch.constexprs["BLOCK_N"]
+    assert block_m == 64 and (block_n < block_m) == (head_dim > 128)  # the tiles meant
+    batch = make_batch(specs, heads=1, kv_heads=1, head_dim=head_dim, page_size=16,
+                       dtype=torch.float32)
+    assert relative_error(prefill(batch, window=20), batch.reference(window=20)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_a_window_of_one_token_attends_to_the_token_itself(kind):
+    # The second sequence's queries start at 70, past a whole step of 64 keys.
+    specs = [(20, 20), (90, 20)] if kind == "prefill" else DECODES
+    batch = make_batch(specs, heads=2, kv_heads=1, head_dim=32, page_size=16,
+                       dtype=torch.float32)
+    out = prefill(batch, window=1) if kind == "prefill" else decode(batch, window=1)
+    assert relative_error(out, batch.reference(window=1)) < 1e-6
 
 
 def test_chunked_prefill_over_a_cached_prefix_equals_one_prefill():
