@@ -449,6 +449,19 @@ def test_write_kv_kernel_quantizes_as_torch_does():
     assert torch.equal(flat[1, slots], quantize(-k, 0.1).view(torch.uint8))
 
 
+def test_write_kv_kernel_rounds_exact_ties_to_even_as_torch_does():
+    # at a power-of-two scale each value divides exactly onto a midpoint of two e4m3 values
+    # (4.25 of 4 and 4.5, 4.75 of 4.5 and 5; subnormals of 2**-9 apart); the even one wins
+    halfway = torch.tensor([4.25, 4.75, -4.25, 1.5 * 2**-9, 2.5 * 2**-9, 3.5 * 2**-9])
+    k = (halfway * 0.25).view(1, 1, 6).to(DEVICE)
+    caches = torch.zeros(2, 1, 4, 1, 6, dtype=FP8_DTYPE, device=DEVICE)
+    triton_write.write_kv(caches[0], caches[1], torch.tensor([0], device=DEVICE), k, k,
+                          k_scale=0.25, v_scale=0.25)
+    stored = caches[0, 0, 0, 0].float().cpu()
+    assert stored.tolist() == [4.0, 5.0, -4.0, 2**-8, 2**-8, 4 * 2**-9]
+    assert torch.equal(stored, quantize(k, 0.25).float().flatten().cpu())
+
+
 def test_write_kv_kernel_keeps_nan_as_torch_does():
     # a NaN K/V must not become a large finite value; a GPU may drop a NaN's sign
     k = torch.tensor([[[math.nan, -math.nan, 1.0, math.inf]]], device=DEVICE)
