@@ -53,6 +53,11 @@ CONFIGS = {
     # Phi-4-mini's rope: LongRoPE over 3/4 of each head, here its short factors (sequences
     # stay within the trained context) and a given attention factor
     "phi3-longrope-partial": lambda: phi3_longrope(256, {"attention_factor": 1.25}),
+    # Granite's multipliers of the embedding, the residual branches, the attention scores
+    # (in place of 1 / sqrt(head_dim)) and the logits; biases on q, k, v, o and the MLP
+    "granite": lambda: transformers.GraniteConfig(
+        **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
+        logits_scaling=3.0, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
     # no RoPE on every second layer (NoPE), q/k left as projected; biases on q, k, v, o and
     # the MLP
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2,

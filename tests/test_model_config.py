@@ -10,7 +10,7 @@ import torch
 from kvpool.errors import ConfigError
 from kvpool.memory.layout import KVLayout
 from kvpool.models import rotary
-from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.models.config import NO_MULTIPLIERS, PRESETS, ModelConfig, Multipliers
 
 SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -346,3 +346,23 @@ def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_by_n
     with pytest.raises(ConfigError, match="short_factor factors: 47 given, but a rotary "
                                           "dimension of 96 has 48 frequencies"):
         rotary.inv_frequencies(config.for_max_model_len(4096), device="cpu")
+
+
+def test_granite_reads_its_multipliers_each_1_when_left_out_as_transformers_does():
+    granite = {"architectures": ["GraniteForCausalLM"], **SMALL}
+    assert ModelConfig.from_hf(granite).multipliers == Multipliers(1.0, 1.0, 1.0, 1.0)
+    given = {**granite, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+             "attention_multiplier": 0.0078125, "logits_scaling": 16.0}
+    assert ModelConfig.from_hf(given).multipliers == Multipliers(12.0, 0.22, 0.0078125, 16.0)
+    # other architectures take none of them, as transformers' do not
+    llama = {**given, "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_hf(llama).multipliers == NO_MULTIPLIERS
+
+
+@pytest.mark.parametrize("key", ["embedding_multiplier", "residual_multiplier",
+                                 "attention_multiplier", "logits_scaling"])
+def test_a_granite_multiplier_that_is_not_a_positive_number_is_refused_by_name(key):
+    granite = {"architectures": ["GraniteForCausalLM"], **SMALL, key: 0}
+    with pytest.raises(ConfigError, match=f"config '{key}' must be a positive finite number, "
+                                          f"got 0"):
+        ModelConfig.from_hf(granite)

@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -42,6 +43,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -53,6 +55,7 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+GRANITE = "GraniteForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
@@ -68,6 +71,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
                            "rms_norm_eps": 1e-5},
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    "GraniteForCausalLM": {"max_position_embeddings": 2048},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4},
@@ -84,7 +88,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM")
+                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", GRANITE)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -258,6 +262,21 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Multipliers:
+    """Granite's scalars: the embedding times `embedding`, each block's output times
+    `residual` before it joins the residual stream, attention scores times `attention`
+    (None: 1 / sqrt(head_dim)), the logits divided by `logits_scaling`."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    attention: float | None = None
+    logits_scaling: float = 1.0
+
+
+NO_MULTIPLIERS = Multipliers()
+
+
+@dataclass(frozen=True, slots=True)
 class GemmaConfig:
     """What Gemma 3 does differently from a Llama decoder: norms scale by (1 + weight), the
     embedding is multiplied by sqrt(hidden_size), queries are scaled by
@@ -308,6 +327,7 @@ class ModelConfig:
     # float8 weights with a scale per block of (rows, columns), dequantized at load: None for
     # a checkpoint without quantization (see `_fp8_weight_block`)
     fp8_weight_block: tuple[int, int] | None = None
+    multipliers: Multipliers = NO_MULTIPLIERS  # Granite's
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -367,7 +387,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or (attention_bias and arch in ATTENTION_BIAS),
             o_bias=attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
-                                                         "BambaForCausalLM"),
+                                                         "BambaForCausalLM", GRANITE),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
@@ -382,6 +402,7 @@ class ModelConfig:
             moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else (),
+            multipliers=_granite_multipliers(cfg) if arch == GRANITE else NO_MULTIPLIERS,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -700,6 +721,14 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
         raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
                           f"{SLIDING} layer(s) but {why}: they have no window")
     return window, tuple(layer_types)
+
+
+def _granite_multipliers(cfg: dict) -> Multipliers:
+    """Granite's scalars as transformers reads them, each 1 when left out (the attention's
+    too: scores are then not scaled by 1 / sqrt(head_dim))."""
+    return Multipliers(*(_float(cfg, key, 1.0) for key in (
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+        "logits_scaling")))
 
 
 def _hidden_act(cfg: dict, arch: str) -> str:

@@ -1,6 +1,7 @@
-"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, SmolLM3)
-on the paged KV cache; Qwen3-MoE's and Mixtral's layers hold a mixture of experts
-(kvpool.models.moe) where their configs say.
+"""A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, SmolLM3,
+Granite) on the paged KV cache; Qwen3-MoE's and Mixtral's layers hold a mixture of experts
+(kvpool.models.moe) where their configs say, and Granite scales its embedding, residual
+branches, attention scores and logits by the config's multipliers.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:
@@ -46,7 +47,8 @@ class LlamaAttention(nn.Module):
         heads = tp.part(config.num_heads, "num_attention_heads")
         kv_heads = tp.kv_part(config.num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = len(heads), len(kv_heads), d
-        self.scale = d**-0.5
+        attention = config.multipliers.attention
+        self.scale = d**-0.5 if attention is None else attention
         self.sliding_window = sliding_window
         bias = config.qkv_bias
         self.q_proj = ColumnLinear(hidden, heads, d, bias, dtype)
@@ -97,6 +99,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, dtype, layer_idx, config.layer_window(layer_idx),
                                         tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.residual_multiplier = config.multipliers.residual
         self.moe = config.is_moe_layer(layer_idx)
         if self.moe:
             self.mlp = MoE(config, dtype, tp)
@@ -113,10 +116,14 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        attention = self.tp.all_reduce(self.self_attn(h, rope, context))
+        attention = self._scaled(self.tp.all_reduce(self.self_attn(h, rope, context)))
         h, residual = self.post_attention_layernorm(attention, residual)
         mlp = self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)
-        return self.tp.all_reduce(mlp), residual
+        return self._scaled(self.tp.all_reduce(mlp)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (Granite's: times a multiplier)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
@@ -129,11 +136,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embedding_multiplier = config.multipliers.embedding
 
     def forward(self, input_ids: torch.Tensor, rope: Rope,
                 context: ForwardContext) -> torch.Tensor:
         """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         for layer in self.layers:
             x, residual = layer(x, residual, rope, context)
         return x + residual
@@ -177,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
         `context.logits_indices` `[n]`."""
         check_dtypes(self, context)
         hidden = self.model(context.input_ids, self.rope(context.positions), context)
-        return logits(self, self.model.norm, hidden, context)
+        out = logits(self, self.model.norm, hidden, context)
+        scaling = self.config.multipliers.logits_scaling
+        return out if scaling == 1.0 else out / scaling
 
 
 def check_dtypes(model: nn.Module, context: ForwardContext) -> None:
