@@ -58,6 +58,8 @@ CONFIGS = {
     "granite": lambda: transformers.GraniteConfig(
         **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
         logits_scaling=3.0, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    # norms after attention and the MLP (none before), q and k normed across all heads
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, attention_bias=True),
     # no RoPE on every second layer (NoPE), q/k left as projected; biases on q, k, v, o and
     # the MLP
     "smollm3": lambda: transformers.SmolLM3Config(**SMALL, no_rope_layer_interval=2,

@@ -85,6 +85,8 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("MistralConfig", {}),
     ("Gemma3TextConfig", {"head_dim": 16}),
     ("Gemma3TextConfig", {"head_dim": 16, "tie_word_embeddings": False}),
+    ("GraniteConfig", {"attention_bias": True, "mlp_bias": True}),
+    ("Olmo2Config", {"attention_bias": True}),  # q/k norms across all heads
 ])
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)

@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
@@ -44,6 +45,7 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
@@ -56,6 +58,7 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 GRANITE = "GraniteForCausalLM"
+OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
@@ -72,6 +75,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
                            "rms_norm_eps": 1e-5},
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
     "GraniteForCausalLM": {"max_position_embeddings": 2048},
+    "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4},
@@ -88,7 +92,8 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", GRANITE)
+                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", GRANITE,
+                  OLMO2)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -504,7 +509,7 @@ class ModelConfig:
 
     def _attention_parameters(self) -> int:
         """One layer's q, k, v and o projections, their biases, and Qwen3's and Gemma 3's
-        per-head q/k norms."""
+        per-head q/k norms or OLMo 2's across all heads."""
         hidden, head_dim = self.hidden_size, self.head_dim
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden
@@ -514,6 +519,8 @@ class ModelConfig:
             attention += hidden
         if self.qk_norm:
             attention += 2 * head_dim
+        if self.architecture == OLMO2:
+            attention += q + kv
         return attention
 
     def _mla_parameters(self) -> int:

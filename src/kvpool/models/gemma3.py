@@ -5,6 +5,7 @@ Hugging Face `Gemma3ForCausalLM` checkpoints."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -14,25 +15,13 @@ from torch import nn
 
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
+from kvpool.models.layers import Float32RMSNorm
 from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
 from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel, VocabEmbedding
 from kvpool.models.rotary import RotaryEmbedding
 
-
-class GemmaRMSNorm(nn.Module):
-    """RMSNorm whose learned scale is `1 + weight`, applied in float32 before the cast back
-    to the input's dtype (transformers' order for Gemma)."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[..., size]` -> same shape and dtype."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+# Gemma's RMSNorm scales by 1 + weight, in float32
+GemmaRMSNorm = functools.partial(Float32RMSNorm, offset=1.0)
 
 
 class GemmaMLP(nn.Module):

@@ -43,6 +43,24 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Float32RMSNorm(nn.Module):
+    """RMSNorm whose learned scale, `offset + weight` (Gemma's 1 + weight, OLMo 2's weight),
+    is applied in float32 before the cast back to the input's dtype (transformers' order for
+    those models)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., size]` -> same shape and dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (self.offset + self.weight.float())).to(x.dtype)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` (SwiGLU's gate), gate and up `[T, size]`: one Triton launch on CUDA."""
     if triton_support.fused_on(gate.device):

@@ -61,14 +61,21 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.rotates = layer_idx not in config.no_rope_layers
 
-    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
-        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x `[T, hidden]` -> q `[T, heads, head_dim]`, k and v `[T, kv_heads, head_dim]`,
+        q and k normed per head where the config says."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
+        tokens = x.shape[0]
+        q, k, v = self.project(x)
         pool, layer, meta = context.locate(self.layer_idx)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
         pool.calibrate(layer, k, v)

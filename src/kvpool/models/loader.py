@@ -24,6 +24,7 @@ from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
 from kvpool.models.gguf import GGUFCheckpoint, gguf_source
 from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.olmo2 import Olmo2ForCausalLM
 from kvpool.models.parallel import (
     ONE_RANK,
     WHOLE,
@@ -68,6 +69,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 
