@@ -87,6 +87,8 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("Gemma3TextConfig", {"head_dim": 16, "tie_word_embeddings": False}),
     ("GraniteConfig", {"attention_bias": True, "mlp_bias": True}),
     ("Olmo2Config", {"attention_bias": True}),  # q/k norms across all heads
+    ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
+                        "shared_expert_intermediate_size": 48}),  # a gated shared expert
 ])
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)

@@ -42,6 +42,10 @@ CONFIGS = {
     # experts on every second layer, weights not renormalised, attention biases
     "qwen3-moe-sparse-step-biases": lambda: transformers.Qwen3MoeConfig(
         **SMALL, norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True),
+    # Qwen2-MoE: Qwen2's attention (q/k/v biases, no q/k norms) and a shared expert whose
+    # output a sigmoid gate scales, beside the routed ones
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }
 
 
@@ -87,8 +91,13 @@ def test_the_layers_the_config_names_hold_experts_and_the_others_a_dense_mlp(pai
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert ours == theirs
     assert ours in ([True, False, True], [False, True, False])
-    assert all(layer.mlp.shared_experts is None for layer in model.model.layers
-               if isinstance(layer.mlp, MoE))
+    # a shared expert (and its gate) only where transformers has one: Qwen2-MoE's
+    assert [layer.mlp.shared_expert_gate is not None for layer in model.model.layers
+            if isinstance(layer.mlp, MoE)] == [
+        hasattr(layer.mlp, "shared_expert_gate") for layer in hf.model.layers
+        if hasattr(layer.mlp, "experts")]
+    assert all((layer.mlp.shared_experts is None) == (layer.mlp.shared_expert_gate is None)
+               for layer in model.model.layers if isinstance(layer.mlp, MoE))
 
 
 def test_mixtral_loads_its_renamed_experts_and_gives_transformers_logits_and_tokens(
@@ -200,7 +209,15 @@ def test_a_published_config_routes_to_8_of_128_experts_on_every_layer():
     moe = ModelConfig.from_hf(QWEN3_30B_A3B).moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
     assert moe.layers == tuple(range(48)) and moe.norm_topk_prob
-    assert moe.num_shared_experts == 0 and not moe.router_in_float32
+    assert moe.shared_intermediate_size == 0 and not moe.router_in_float32
+
+
+def test_qwen2_moe_has_q_k_v_biases_unless_its_config_says_otherwise_as_transformers():
+    config = {"architectures": ["Qwen2MoeForCausalLM"], **SMALL}
+    assert ModelConfig.from_hf(config).qkv_bias
+    assert not ModelConfig.from_hf({**config, "qkv_bias": False}).qkv_bias
+    moe = ModelConfig.from_hf(config).moe  # transformers' defaults: 5,632 wide, gated
+    assert (moe.shared_intermediate_size, moe.shared_gate) == (5632, True)
 
 
 def test_the_kv_layout_is_qwen3s_4_kv_heads_of_128():

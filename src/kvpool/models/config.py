@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
     "MistralForCausalLM",
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
@@ -41,6 +42,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
@@ -57,6 +59,7 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+QWEN2_MOE = "Qwen2MoeForCausalLM"
 GRANITE = "GraniteForCausalLM"
 OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
@@ -70,6 +73,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768},
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
                            "rms_norm_eps": 1e-5},
@@ -246,14 +250,15 @@ class MLAConfig:
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """A mixture of experts (DeepSeek's, Qwen3-MoE's): the model layers `layers` replace the
-    dense MLP by `top_k` of `num_experts` routed experts plus `num_shared_experts` always
-    applied (Qwen3-MoE has none)."""
+    """A mixture of experts (DeepSeek's, Qwen2-MoE's, Qwen3-MoE's, Mixtral's): the model
+    layers `layers` replace the dense MLP by `top_k` of `num_experts` routed experts plus a
+    shared MLP always applied (DeepSeek's shared experts fused, Qwen2-MoE's shared expert
+    scaled by a sigmoid gate; Qwen3-MoE and Mixtral have none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of each expert
-    num_shared_experts: int  # fused into one MLP of num_shared_experts x intermediate_size
+    shared_intermediate_size: int  # of the shared MLP; 0: none
     layers: tuple[int, ...]  # the model layers with experts; the others have a dense MLP
     scoring: str  # "softmax" (V2) or "sigmoid" (V3, choice biased by e_score_correction_bias)
     topk_method: str  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
@@ -264,6 +269,7 @@ class MoEConfig:
     # DeepSeek scores experts and weighs their outputs in float32; Qwen3-MoE scores them in
     # the model's dtype, takes the softmax in float32 and weighs in the model's dtype again.
     router_in_float32: bool
+    shared_gate: bool = False  # Qwen2-MoE: the shared MLP's output times sigmoid(gate(x))
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +395,9 @@ class ModelConfig:
             # Gemma 3 ties its head to the embedding unless its config says otherwise
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
-            qkv_bias=is_qwen2 or (attention_bias and arch in ATTENTION_BIAS),
+            # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
+            qkv_bias=is_qwen2 or (attention_bias and arch in ATTENTION_BIAS) or (
+                arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
                                                          "BambaForCausalLM", GRANITE),
@@ -547,8 +555,9 @@ class ModelConfig:
         if moe is None:
             return self.num_layers * dense
         experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size, False)
-        shared = _gated_mlp_parameters(hidden, moe.num_shared_experts * moe.intermediate_size,
-                                       self.mlp_bias) if moe.num_shared_experts else 0
+        shared = _gated_mlp_parameters(hidden, moe.shared_intermediate_size,
+                                       self.mlp_bias) if moe.shared_intermediate_size else 0
+        shared += hidden if moe.shared_gate else 0
         router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
         moe_layers = len(moe.layers)
         return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
@@ -902,7 +911,8 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
         num_experts=_int(cfg, "n_routed_experts", 256 if v3 else 64),
         top_k=_int(cfg, "num_experts_per_tok", 8 if v3 else None),
         intermediate_size=_int(cfg, "moe_intermediate_size", 2048 if v3 else 1407),
-        num_shared_experts=_int(cfg, "n_shared_experts", 1 if v3 else 2),
+        shared_intermediate_size=_int(cfg, "n_shared_experts", 1 if v3 else 2) * _int(
+            cfg, "moe_intermediate_size", 2048 if v3 else 1407),
         layers=tuple(range(first_k_dense, num_layers)),
         scoring=scoring,
         topk_method=method,
@@ -943,17 +953,32 @@ def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     `num_experts_per_tok` best of `num_experts` (renormalised when `norm_topk_prob`), no
     shared experts, on every `decoder_sparse_step`-th layer not in `mlp_only_layers`. None
     when no layer has experts. Keys a config leaves out take transformers' defaults."""
+    return _qwen_moe(cfg, num_layers, QWEN3_MOE, (128, 8, 768), shared=0)
+
+
+def _qwen2_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """Qwen2-MoE's experts: Qwen3-MoE's routing (to 4 of 60 experts by default) plus a shared
+    expert `shared_expert_intermediate_size` wide, its output times sigmoid of a gate."""
+    return _qwen_moe(cfg, num_layers, QWEN2_MOE, (60, 4, 1408),
+                     shared=_int(cfg, "shared_expert_intermediate_size", 5632))
+
+
+def _qwen_moe(cfg: dict, num_layers: int, arch: str, defaults: tuple[int, int, int], *,
+              shared: int) -> MoEConfig | None:
+    """A Qwen-style MoE config: `defaults` are (num_experts, num_experts_per_tok,
+    moe_intermediate_size) where the config leaves them out; `shared`, the shared expert's
+    width (0: none), gated when there is one."""
     if _bool(cfg, "use_sliding_window"):
-        raise ConfigError("Qwen3MoeForCausalLM with use_sliding_window=true is not supported "
-                          "(only false, as every published Qwen3-MoE config has it)")
+        raise ConfigError(f"{arch} with use_sliding_window=true is not supported (only false, "
+                          f"as every published config of it has it)")
     # transformers 5 writes num_experts under the name num_local_experts
     given = {key: _int(cfg, key) for key in ("num_experts", "num_local_experts")
              if cfg.get(key) is not None}
     if len(set(given.values())) > 1:
         raise ConfigError(f"config num_experts={given['num_experts']} and num_local_experts="
                           f"{given['num_local_experts']} disagree")
-    num_experts = next(iter(given.values()), 128)
-    top_k = _int(cfg, "num_experts_per_tok", 8)
+    num_experts = next(iter(given.values()), defaults[0])
+    top_k = _int(cfg, "num_experts_per_tok", defaults[1])
     if top_k > num_experts:
         raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
     step = _int(cfg, "decoder_sparse_step", 1)
@@ -967,8 +992,8 @@ def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
-        intermediate_size=_int(cfg, "moe_intermediate_size", 768),
-        num_shared_experts=0,
+        intermediate_size=_int(cfg, "moe_intermediate_size", defaults[2]),
+        shared_intermediate_size=shared,
         layers=layers,
         scoring="softmax",
         topk_method="greedy",
@@ -977,6 +1002,7 @@ def _qwen3_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
         norm_topk_prob=_bool(cfg, "norm_topk_prob"),
         routed_scaling_factor=1.0,
         router_in_float32=False,
+        shared_gate=shared > 0,
     )
 
 
@@ -1006,7 +1032,7 @@ def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
 
 
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
-MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, MIXTRAL: _mixtral_moe}
+MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool) -> float:

@@ -43,10 +43,11 @@ _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
-# Checkpoint names of Mixtral's router and experts, and of a multimodal checkpoint's text
-# decoder -> kvpool's.
+# Checkpoint names of Mixtral's router and experts, Qwen2-MoE's shared expert, and a
+# multimodal checkpoint's text decoder -> kvpool's.
 RENAMED = (
     (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
+    (re.compile(r"(.*\.)mlp\.shared_expert\.(.*)"), r"\1mlp.shared_experts.\2"),
     (re.compile(r"(.*\.)block_sparse_moe\.gate\.weight"), r"\1mlp.gate.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w1\.weight"),
      r"\1mlp.experts.\2.gate_proj.weight"),

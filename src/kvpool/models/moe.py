@@ -72,9 +72,10 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """`sum_e weight_e * expert_e(x)` over each token's routed experts, plus the shared
-    experts (one MLP of `num_shared_experts x intermediate_size`; None where there are none).
+    experts (one MLP `shared_intermediate_size` wide; None where there are none), their
+    output times `sigmoid(shared_expert_gate(x))` where the config gates it (Qwen2-MoE).
     Under tensor parallelism (`tp`) every expert holds this rank's share of its intermediate
-    features, the router is whole, and the output is this rank's partial sum."""
+    features, the router and the gate are whole, and the output is this rank's partial sum."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = ONE_RANK):
         super().__init__()
@@ -83,9 +84,10 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp)
             for _ in range(moe.num_experts))
-        self.shared_experts = MLP(hidden, moe.intermediate_size * moe.num_shared_experts,
-                                  config.mlp_bias, dtype, tp=tp) \
-            if moe.num_shared_experts else None
+        self.shared_experts = MLP(hidden, moe.shared_intermediate_size, config.mlp_bias, dtype,
+                                  tp=tp) if moe.shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) \
+            if moe.shared_gate else None
 
     def forward(self, x: torch.Tensor, static: bool) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`. `static` (decode steps): shapes independent of
@@ -96,7 +98,10 @@ class MoE(nn.Module):
             self.routed_sparse(x, weights, ids)
         if self.shared_experts is None:
             return routed
-        return routed + self.shared_experts(x)
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared
 
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
