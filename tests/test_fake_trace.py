@@ -41,6 +41,7 @@ FAMILIES = {  # name: a small random transformers model of the family
     "qwen3-moe": lambda: make_hf_model("qwen3-moe", configs=QWEN3_MOE),  # dense and MoE layers
     "mixtral": lambda: make_hf_model("mixtral-window-8", configs=MIXTRAL),  # MoE, a window
     "smollm3": lambda: make_hf_model("smollm3"),  # layers without RoPE
+    "olmo2": lambda: make_hf_model("olmo2"),  # post-norms, q/k normed across all heads
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
@@ -215,7 +216,8 @@ def test_the_trace_covers_every_model_class_and_architecture():
     # on the Llama class with experts in its layers), must be a family traced above.
     traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-              "smollm3": "SmolLM3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
               "bamba": "BambaForCausalLM"}
     assert set(traced) == set(FAMILIES)
