@@ -36,6 +36,7 @@ from models_util import (
     PagedRunner,
     assert_logits_match,
     make_hf_model,
+    phi3_longrope,
     prompts,
     save_hf_model,
     streamed,
@@ -462,6 +463,73 @@ def test_a_qwen_or_mixtral_gguf_file_gives_transformers_logits(tmp_path, name, a
     assert normalizer.normalize_str("caf\u0065\u0301") == "caf\u00e9"
     batch = prompts(hf.config.vocab_size)
     assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
+
+
+def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
+    """The file llama.cpp's converter writes for a transformers Phi-3 with LongRoPE: names
+    from the gguf package's own map of transformers' names (fused q/k/v and gate/up kept
+    fused), the trained context, the rotated channels and the window in the metadata, the two
+    factor lists as tensors; float32, placeholder tokens."""
+    config, rope = hf.config, hf.config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    for kind in factors:
+        values = np.array(rope[f"{kind}_factor"], dtype=np.float32)
+        writer.add_tensor(gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, f"ROPE_FACTORS_"
+                                                    f"{kind.upper()}")] + ".weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_phi3_gguf_file_with_longrope_gives_transformers_logits(tmp_path, monkeypatch):
+    # LongRoPE trained on 16 positions, 3/4 of each head rotated, a window of 8 tokens
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(phi3_longrope(16, sliding_window=8)).eval()
+    path = tmp_path / "phi3.gguf"
+    _phi3_gguf_of(hf, path)
+    short, long = (prompts(hf.config.vocab_size, lengths=lengths) for lengths in ((5, 12),
+                                                                                  (17, 26)))
+    within = load_model(path, device="cpu", max_model_len=16).model  # the short factors
+    assert within.config.sliding_window == 8 and within.config.rotary_dim == 12
+    assert_logits_match(hf, short, PagedRunner(within).step(short, all_logits=True))
+    beyond = load_model(path, device="cpu").model  # its context, 256: the long factors
+    assert_logits_match(hf, long, PagedRunner(beyond).step(long, all_logits=True))
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
+    converted = load_model(path, device="cpu").model
+    assert_logits_match(hf, long, PagedRunner(converted).step(long, all_logits=True))
+
+
+def test_a_phi3_gguf_file_with_one_longrope_factor_list_is_refused_naming_both(tmp_path):
+    torch.manual_seed(0)
+    _phi3_gguf_of(transformers.Phi3ForCausalLM(phi3_longrope(16)), tmp_path / "phi3.gguf",
+                  factors=("long",))
+    with pytest.raises(ConfigError, match="GGUF LongRoPE needs both rope_factors_short.weight "
+                                          "and rope_factors_long.weight"):
+        load_model(tmp_path / "phi3.gguf", device="cpu")
 
 
 def test_a_byte_level_vocabulary_without_merges_is_a_checkpoint_error(tmp_path):

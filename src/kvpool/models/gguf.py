@@ -1,5 +1,5 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3 and
-Qwen3-MoE: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE
+and Phi-3: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
 dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
 GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
@@ -38,12 +38,25 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
 PERMUTED_ROTARY = ("llama",)
 ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
+# Phi-3's LongRoPE: a divisor per rotary frequency within the trained context, and past it
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight",
+                "long_factor": "rope_factors_long.weight"}
+CONFIG_TENSORS = (ROPE_FREQS, *ROPE_FACTORS.values())  # config, not weights
+# Tensors that stack several parameters along their rows (after `blk.N.`), per architecture:
+# Phi-3's fused q/k/v and gate/up projections -> the parameters, in order (their rows from
+# the config: `_fused_rows`).
+FUSED_TENSORS = {"phi3": {
+    "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                        "self_attn.v_proj.weight"),
+    "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}}
 # GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`).
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -135,10 +148,14 @@ class GGUFCheckpoint:
                               f"eot_token_id must be token ids, got {eos}")
         rotary = key("rope.dimension_count")
         head_dim = key("attention.key_length")
-        if rotary is not None and heads and rotary != (head_dim or key("embedding_length", 0)
-                                                       // heads):
-            raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
-                              f"rotates part of each head; kvpool rotates whole heads")
+        whole = head_dim or key("embedding_length", 0) // heads if heads else None
+        partial = {}
+        if rotary is not None and heads and rotary != whole:
+            if arch != "phi3":
+                raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count "
+                                  f"{rotary} rotates part of each head; kvpool rotates whole "
+                                  f"heads of {arch}")
+            partial = {"partial_rotary_factor": rotary / whole}  # Phi-4-mini's 3/4
         # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
         # expert count of 0 is a dense model, as llama.cpp reads it)
         experts = {} if not key("expert_count") else {
@@ -146,7 +163,7 @@ class GGUFCheckpoint:
             "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
             else ARCHITECTURES[arch]
-        return {**experts,
+        return {**experts, **partial, **self._window(arch),
             "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
@@ -160,7 +177,7 @@ class GGUFCheckpoint:
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
             "rope_theta": key("rope.freq_base", 10000.0),
-            "rope_scaling": self._rope_scaling(
+            "rope_scaling": self._longrope(arch) or self._rope_scaling(
                 key("rope.scaling.type"), key("rope.scaling.factor", key("rope.scale_linear"))),
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
@@ -195,12 +212,12 @@ class GGUFCheckpoint:
                               for kind, names in unsupported.items())
             raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
                                   f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
-        shapes = {}
+        shapes, fused = {}, self._fused_rows()
         for tensor in self._weights():
             # GGUF lists dimensions fastest-first; torch lists them slowest-first.
             shape = tuple(int(n) for n in reversed(tensor.shape))
-            for name, expert in _parameters(tensor.name, shape[0]):
-                shapes[name] = shape if expert is None else shape[1:]
+            for name, index in _parameters(tensor.name, shape[0], fused):
+                shapes[name] = _part_shape(shape, index)
         return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,15 +225,15 @@ class GGUFCheckpoint:
         progress bar; q/k projections are put back into the rotary layout kvpool uses."""
         from gguf import dequantize
 
-        config = self.hf_config()
+        config, fused = self.hf_config(), self._fused_rows()
         permuted = config["model_type"] in PERMUTED_ROTARY
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
             values = torch.from_numpy(array if array.flags.writeable else array.copy())
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-            for name, expert in _parameters(tensor.name, values.shape[0]):
-                part = values if expert is None else values[expert]
+            for name, index in _parameters(tensor.name, values.shape[0], fused):
+                part = values[index]
                 if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                     heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
                         else config["num_key_value_heads"]
@@ -246,9 +263,48 @@ class GGUFCheckpoint:
                           f"{' with rope_freqs' if freqs is not None else ''} is not supported "
                           f"(supported: none, linear, rope_freqs alone)")
 
+    def _longrope(self, arch: str) -> dict | None:
+        """Phi-3's LongRoPE from its `rope_factors_short` and `rope_factors_long` tensors and
+        its trained context (None without them); cos/sin take the attention factor the
+        metadata gives, else longrope's own from the two contexts."""
+        tensors = {name: self._tensor(file) for name, file in ROPE_FACTORS.items()}
+        if all(t is None for t in tensors.values()):
+            return None
+        context = self.meta.get(f"{arch}.rope.scaling.original_context_length")
+        if None in tensors.values() or context is None:
+            raise ConfigError(f"{self.path.name}: GGUF LongRoPE needs both "
+                              f"{' and '.join(ROPE_FACTORS.values())} and {arch}.rope.scaling."
+                              f"original_context_length")
+        from gguf import dequantize
+
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": context}
+        for name, tensor in tensors.items():
+            scaling[name] = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+        attention = self.meta.get(f"{arch}.rope.scaling.attn_factor")
+        return scaling if attention is None else {**scaling, "attention_factor": attention}
+
+    def _window(self, arch: str) -> dict:
+        """Phi-3's sliding window, as config.json names it (none where the file has none)."""
+        window = self.meta.get(f"{arch}.attention.sliding_window")
+        return {} if arch != "phi3" or not window else {"sliding_window": window}
+
+    def _fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Each fused tensor of the architecture (FUSED_TENSORS, after `blk.N.`) -> the
+        parameters it stacks, each with its rows."""
+        config = self.hf_config()
+        names = FUSED_TENSORS.get(config["model_type"], {})
+        if not names:
+            return {}
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        head_dim = config["head_dim"] or config["hidden_size"] // heads
+        rows = {"attn_qkv.weight": (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+                "ffn_up.weight": (config["intermediate_size"],) * 2}
+        return {suffix: tuple(zip(params, rows[suffix], strict=True))
+                for suffix, params in names.items()}
+
     def _weights(self) -> list:
-        """The model's tensors: all but `rope_freqs`, which is config (`_rope_scaling`)."""
-        return [t for t in self._reader.tensors if t.name != ROPE_FREQS]
+        """The model's tensors: all but CONFIG_TENSORS, which are config (rope scaling)."""
+        return [t for t in self._reader.tensors if t.name not in CONFIG_TENSORS]
 
     def _tensor(self, name: str):
         return next((t for t in self._reader.tensors if t.name == name), None)
@@ -314,23 +370,39 @@ def _sha256(path: Path, mtime_ns: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def _parameters(gguf_name: str, rows: int) -> list[tuple[str, int | None]]:
-    """(kvpool's parameter name, expert) of each parameter a GGUF tensor holds, whose first
-    dimension is `rows` long: one (expert None) for most tensors (`blk.3.attn_q.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`; a name with no mapping as it is), one per
-    expert for a stack of them."""
+def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int], ...]]
+                ) -> list[tuple[str, int | slice]]:
+    """(kvpool's parameter name, the part of the GGUF tensor it is) of each parameter a GGUF
+    tensor holds, whose first dimension is `rows` long: the whole tensor for most
+    (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a name with no
+    mapping as it is), one expert each for a stack of experts, and their rows for the
+    parameters a `fused` tensor stacks."""
+    whole = slice(None)
     if gguf_name in MODEL_TENSORS:
-        return [(MODEL_TENSORS[gguf_name], None)]
+        return [(MODEL_TENSORS[gguf_name], whole)]
     parts = gguf_name.split(".", 2)
     if len(parts) < 3 or parts[0] != "blk" or not parts[1].isdigit():
-        return [(gguf_name, None)]
+        return [(gguf_name, whole)]
     _, layer, suffix = parts
+    if suffix in fused:
+        start, stacked = 0, []
+        for name, count in fused[suffix]:
+            stacked.append((f"model.layers.{layer}.{name}", slice(start, start + count)))
+            start += count
+        return stacked
     if suffix in EXPERT_TENSORS:
         experts = f"model.layers.{layer}.mlp.experts."
         return [(f"{experts}{e}.{EXPERT_TENSORS[suffix]}", e) for e in range(rows)]
     if suffix in LAYER_TENSORS:
-        return [(f"model.layers.{layer}.{LAYER_TENSORS[suffix]}", None)]
-    return [(gguf_name, None)]
+        return [(f"model.layers.{layer}.{LAYER_TENSORS[suffix]}", whole)]
+    return [(gguf_name, whole)]
+
+
+def _part_shape(shape: tuple[int, ...], index: int | slice) -> tuple[int, ...]:
+    """The shape of `tensor[index]` for a tensor of `shape`."""
+    if isinstance(index, int):
+        return shape[1:]
+    return (len(range(*index.indices(shape[0]))), *shape[1:])
 
 
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:

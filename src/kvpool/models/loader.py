@@ -99,7 +99,7 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
         check_int64("max_model_len", max_model_len, 1)
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
-        return load_gguf(source, dtype=dtype, device=device, tp=tp)
+        return load_gguf(source, dtype=dtype, device=device, tp=tp, max_model_len=max_model_len)
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
     if max_model_len is not None:
@@ -126,11 +126,15 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
 
 
 def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
-              device: torch.device, tp: TensorParallel = ONE_RANK) -> LoadedModel:
+              device: torch.device, tp: TensorParallel = ONE_RANK,
+              max_model_len: int | None = None) -> LoadedModel:
     """Load a GGUF file: its tensors dequantized into a model of the config its metadata
-    describes (this rank's part of each), in `dtype` (None: float32), with the tokenizer its
-    vocabulary describes."""
+    describes (this rank's part of each; LongRoPE's factors chosen by `max_model_len` as
+    load_model chooses them), in `dtype` (None: float32), with the tokenizer its vocabulary
+    describes."""
     config, path = checkpoint.config(), checkpoint.path
+    if max_model_len is not None:
+        config = config.for_max_model_len(max_model_len)
     tokenizer = checkpoint.tokenizer()  # before the weights: a bad vocabulary fails at once
     net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
     params = net.state_dict()
