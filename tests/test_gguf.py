@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -483,8 +484,10 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     writer.add_rope_freq_base(rope["rope_theta"])
-    if config.sliding_window:
-        writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window(config.sliding_window or 0)  # 0: none, as the converter writes
+    scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+        rope["original_max_position_embeddings"])))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
