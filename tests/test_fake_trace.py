@@ -42,6 +42,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "mixtral": lambda: make_hf_model("mixtral-window-8", configs=MIXTRAL),  # MoE, a window
     "smollm3": lambda: make_hf_model("smollm3"),  # layers without RoPE
     "olmo2": lambda: make_hf_model("olmo2"),  # post-norms, q/k normed across all heads
+    "granite": lambda: make_hf_model("granite"),  # the multipliers
+    "qwen2-moe": lambda: make_hf_model("qwen2-moe", configs=QWEN3_MOE),  # a gated shared expert
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
@@ -217,6 +219,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
     traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
               "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+              "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "gemma3": "Gemma3ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
               "bamba": "BambaForCausalLM"}
