@@ -10,10 +10,10 @@ from torch import nn
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
-from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.llama import LayerStack, LlamaForCausalLM
 from kvpool.models.mla import MLAttention, Rope
 from kvpool.models.moe import MoE
-from kvpool.models.parallel import ONE_RANK, TensorParallel, VocabEmbedding
+from kvpool.models.parallel import ONE_RANK, TensorParallel
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -43,23 +43,10 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.tp.all_reduce(mlp)
 
 
-class DeepseekModel(nn.Module):
-    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+class DeepseekModel(LayerStack):
+    """Embedding, DeepSeek's decoder layers and final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, dtype, i, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, rope: Rope,
-                context: ForwardContext) -> torch.Tensor:
-        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, rope, context)
-        return x
+    layer = DeepseekDecoderLayer
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

@@ -156,6 +156,31 @@ class LlamaModel(nn.Module):
         return x + residual
 
 
+class LayerStack(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix) of a
+    decoder whose layers each take and return the hidden states, residual adds included:
+    a subclass names its `layer` class (built as `layer(config, dtype, index, tp)`) and its
+    final `norm` class."""
+
+    layer: type[nn.Module]
+    norm_class: type[nn.Module] = RMSNorm
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(
+            self.layer(config, dtype, i, tp) for i in range(config.num_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, rope: Rope,
+                context: ForwardContext) -> torch.Tensor:
+        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, rope, context)
+        return x
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its output head (tied to the embedding when the config says so).
 

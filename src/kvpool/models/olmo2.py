@@ -13,8 +13,8 @@ from kvpool.errors import ConfigError
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, Float32RMSNorm
-from kvpool.models.llama import LlamaAttention, LlamaForCausalLM, Rope
-from kvpool.models.parallel import TensorParallel, VocabEmbedding
+from kvpool.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, Rope
+from kvpool.models.parallel import TensorParallel
 
 
 class Olmo2Attention(LlamaAttention):
@@ -57,23 +57,11 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
-class Olmo2Model(nn.Module):
-    """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
+class Olmo2Model(LayerStack):
+    """Embedding, OLMo 2's decoder layers and its float32 final norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(
-            Olmo2DecoderLayer(config, dtype, i, tp) for i in range(config.num_layers))
-        self.norm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, rope: Rope,
-                context: ForwardContext) -> torch.Tensor:
-        """input_ids `[T]` -> hidden states `[T, hidden]` after the last layer (not normed)."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, rope, context)
-        return x
+    layer = Olmo2DecoderLayer
+    norm_class = Float32RMSNorm
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
