@@ -535,6 +535,15 @@ def test_a_phi3_gguf_file_with_one_longrope_factor_list_is_refused_naming_both(t
         load_model(tmp_path / "phi3.gguf", device="cpu")
 
 
+def test_a_fused_tensor_of_other_rows_than_its_parts_keeps_its_name_to_be_refused():
+    fused = {"ffn_up.weight": (("mlp.gate_proj.weight", 4), ("mlp.up_proj.weight", 4))}
+    assert kvgguf._parameters("blk.1.ffn_up.weight", 8, fused) == [
+        ("model.layers.1.mlp.gate_proj.weight", slice(0, 4)),
+        ("model.layers.1.mlp.up_proj.weight", slice(4, 8))]
+    assert kvgguf._parameters("blk.1.ffn_up.weight", 9, fused) == [
+        ("blk.1.ffn_up.weight", slice(None))]
+
+
 def test_a_byte_level_vocabulary_without_merges_is_a_checkpoint_error(tmp_path):
     _gguf_of(make_hf_model("qwen2"), tmp_path / "no-merges.gguf", "qwen2", merges=())
     with pytest.raises(CheckpointError, match="without tokenizer.ggml.merges"):

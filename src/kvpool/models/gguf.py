@@ -376,7 +376,8 @@ def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int
     tensor holds, whose first dimension is `rows` long: the whole tensor for most
     (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a name with no
     mapping as it is), one expert each for a stack of experts, and their rows for the
-    parameters a `fused` tensor stacks."""
+    parameters a `fused` tensor stacks (a fused tensor of other rows keeps its own name,
+    which the model then refuses)."""
     whole = slice(None)
     if gguf_name in MODEL_TENSORS:
         return [(MODEL_TENSORS[gguf_name], whole)]
@@ -385,6 +386,8 @@ def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int
         return [(gguf_name, whole)]
     _, layer, suffix = parts
     if suffix in fused:
+        if sum(count for _, count in fused[suffix]) != rows:
+            return [(gguf_name, whole)]
         start, stacked = 0, []
         for name, count in fused[suffix]:
             stacked.append((f"model.layers.{layer}.{name}", slice(start, start + count)))
