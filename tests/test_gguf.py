@@ -34,6 +34,7 @@ from kvpool.server.chat import ChatTemplate
 from kvpool.server.protocol import ChatMessage
 from models_util import (
     CONFIGS,
+    SMALL,
     PagedRunner,
     assert_logits_match,
     make_hf_model,
@@ -533,6 +534,84 @@ def test_a_phi3_gguf_file_with_one_longrope_factor_list_is_refused_naming_both(t
     with pytest.raises(ConfigError, match="GGUF LongRoPE needs both rope_factors_short.weight "
                                           "and rope_factors_long.weight"):
         load_model(tmp_path / "phi3.gguf", device="cpu")
+
+
+def _gemma3_gguf_of(hf, path: Path) -> None:
+    """The file llama.cpp's converter writes for a transformers Gemma 3 (text): names from the
+    gguf package's own map, each norm weight stored plus 1, the global layers' rope base and
+    linear scaling and the window in the metadata (the pattern, the sliding layers' base and
+    the query scale are llama.cpp's own); float32, placeholder tokens."""
+    config = hf.config
+    full = config.rope_parameters["full_attention"]
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(full["factor"])
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        shifted = tensor + 1 if name.endswith("norm.weight") else tensor
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gemma3_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
+    # 7 layers as llama.cpp lays Gemma 3 out (sliding but every 6th; the sliding layers' rope
+    # base 10,000, the queries scaled by head_dim, here 24, not hidden_size / heads), a window
+    # of 8, the global layers' rope scaled linearly
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **dict(SMALL, num_hidden_layers=7), head_dim=24, query_pre_attn_scalar=24,
+        sliding_window=8, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})).eval()
+    with torch.no_grad():  # norms away from Gemma's 0 (a scale of 1), as a trained model's
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.2)
+    path = tmp_path / "gemma3.gguf"
+    _gemma3_gguf_of(hf, path)
+    loaded = load_model(path, device="cpu").model
+    assert [loaded.config.layer_window(i) for i in range(7)] == [8] * 5 + [None, 8]
+    batch = prompts(hf.config.vocab_size)
+    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
+    converted = load_model(path, device="cpu").model
+    assert_logits_match(hf, batch, PagedRunner(converted).step(batch, all_logits=True))
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(34, 256), (62, 5376 // 32)])  # 4B, 27B
+def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar):
+    writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(5376)
+    writer.add_head_count(32)
+    writer.add_key_length(256)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    config = kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
+    assert config["query_pre_attn_scalar"] == scalar
+    assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
 
 
 def test_a_fused_tensor_of_other_rows_than_its_parts_keeps_its_name_to_be_refused():

@@ -1,5 +1,5 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE
-and Phi-3: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
+Phi-3 and Gemma 3: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
 dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
 GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
@@ -39,7 +39,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -57,7 +57,14 @@ FUSED_TENSORS = {"phi3": {
                         "self_attn.v_proj.weight"),
     "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }}
-# GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`).
+# Gemma 3 as llama.cpp runs it, whatever its metadata: a full-attention layer every 6th, the
+# sliding layers' rope base 10,000, and queries scaled by 1/sqrt(head_dim), but for the 62
+# layers of the 27B, by 1/sqrt(hidden_size / heads). Its converter stores each norm weight
+# plus 1 (llama.cpp's norms scale by the weight, Gemma's by 1 + weight).
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
+NORM_SHIFT = {"gemma3": 1.0}
+# GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`); an
+# architecture's own names (ARCH_LAYER_TENSORS) take precedence.
 LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -75,6 +82,11 @@ LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # Qwen3-MoE's router
 }
+ARCH_LAYER_TENSORS = {"gemma3": {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}}
 # GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
 # expert's parameter (after `model.layers.N.mlp.experts.E.`).
 EXPERT_TENSORS = {
@@ -163,7 +175,12 @@ class GGUFCheckpoint:
             "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
             else ARCHITECTURES[arch]
-        return {**experts, **partial, **self._window(arch),
+        gemma = {} if arch != "gemma3" else {
+            "sliding_window_pattern": GEMMA3_PATTERN, "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+            "query_pre_attn_scalar": key("embedding_length") // heads
+            if key("block_count") == GEMMA3_27B_LAYERS and heads else head_dim,
+            "final_logit_softcapping": key("final_logit_softcapping")}
+        return {**experts, **partial, **self._window(arch), **gemma,
             "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
@@ -216,7 +233,8 @@ class GGUFCheckpoint:
         for tensor in self._weights():
             # GGUF lists dimensions fastest-first; torch lists them slowest-first.
             shape = tuple(int(n) for n in reversed(tensor.shape))
-            for name, index in _parameters(tensor.name, shape[0], fused):
+            for name, index in _parameters(tensor.name, shape[0], fused,
+                                           self.meta.get("general.architecture")):
                 shapes[name] = _part_shape(shape, index)
         return shapes
 
@@ -226,14 +244,17 @@ class GGUFCheckpoint:
         from gguf import dequantize
 
         config, fused = self.hf_config(), self._fused_rows()
-        permuted = config["model_type"] in PERMUTED_ROTARY
+        arch = config["model_type"]
+        permuted, shift = arch in PERMUTED_ROTARY, NORM_SHIFT.get(arch, 0.0)
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
             values = torch.from_numpy(array if array.flags.writeable else array.copy())
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-            for name, index in _parameters(tensor.name, values.shape[0], fused):
+            for name, index in _parameters(tensor.name, values.shape[0], fused, arch):
                 part = values[index]
+                if shift and name.endswith("norm.weight"):
+                    part = part - shift
                 if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                     heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
                         else config["num_key_value_heads"]
@@ -284,9 +305,10 @@ class GGUFCheckpoint:
         return scaling if attention is None else {**scaling, "attention_factor": attention}
 
     def _window(self, arch: str) -> dict:
-        """Phi-3's sliding window, as config.json names it (none where the file has none)."""
+        """Phi-3's and Gemma 3's sliding window, as config.json names it (none where the file
+        has none)."""
         window = self.meta.get(f"{arch}.attention.sliding_window")
-        return {} if arch != "phi3" or not window else {"sliding_window": window}
+        return {"sliding_window": window} if arch in ("phi3", "gemma3") and window else {}
 
     def _fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Each fused tensor of the architecture (FUSED_TENSORS, after `blk.N.`) -> the
@@ -370,14 +392,14 @@ def _sha256(path: Path, mtime_ns: int, size: int) -> str:
     return digest.hexdigest()
 
 
-def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int], ...]]
-                ) -> list[tuple[str, int | slice]]:
+def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int], ...]],
+                arch: str | None = None) -> list[tuple[str, int | slice]]:
     """(kvpool's parameter name, the part of the GGUF tensor it is) of each parameter a GGUF
     tensor holds, whose first dimension is `rows` long: the whole tensor for most
     (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; a name with no
     mapping as it is), one expert each for a stack of experts, and their rows for the
     parameters a `fused` tensor stacks (a fused tensor of other rows keeps its own name,
-    which the model then refuses)."""
+    which the model then refuses); `arch`'s own names first."""
     whole = slice(None)
     if gguf_name in MODEL_TENSORS:
         return [(MODEL_TENSORS[gguf_name], whole)]
@@ -396,8 +418,9 @@ def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int
     if suffix in EXPERT_TENSORS:
         experts = f"model.layers.{layer}.mlp.experts."
         return [(f"{experts}{e}.{EXPERT_TENSORS[suffix]}", e) for e in range(rows)]
-    if suffix in LAYER_TENSORS:
-        return [(f"model.layers.{layer}.{LAYER_TENSORS[suffix]}", whole)]
+    names = {**LAYER_TENSORS, **ARCH_LAYER_TENSORS.get(arch, {})}
+    if suffix in names:
+        return [(f"model.layers.{layer}.{names[suffix]}", whole)]
     return [(gguf_name, whole)]
 
 
