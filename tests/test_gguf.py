@@ -383,9 +383,10 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
-    """The file llama.cpp's converter writes for a transformers Qwen or Mixtral model
-    (tensors renamed, each layer's experts stacked, q/k rows reordered for `llama`), in
-    float32, with a vocabulary of placeholder tokens."""
+    """The file llama.cpp's converter writes for a transformers Qwen, Mixtral or Granite model
+    (tensors renamed, each layer's experts stacked, q/k rows reordered for `llama` and
+    `granite`, Granite's multipliers as its scales), in float32, with a vocabulary of
+    placeholder tokens."""
     config = hf.config
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -405,6 +406,11 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None)
                                               or config.intermediate_size)
+    if arch == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+        writer.add_attention_scale(config.attention_multiplier)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
@@ -425,7 +431,7 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
                        for e in range(num_experts)]
             writer.add_tensor(f"blk.{i}.{stack}", torch.stack(experts).numpy())
     for name, tensor in weights.items():
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
         writer.add_tensor(gguf_names[name], tensor.numpy())
@@ -441,6 +447,10 @@ QWEN3_MOE = {"qwen3moe": lambda: transformers.Qwen3MoeConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, max_position_embeddings=256,
     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
+# Granite as its releases are (no biases, which llama.cpp's granite has no tensors for)
+GRANITE = {"granite-gguf": lambda: transformers.GraniteConfig(
+    **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
+    logits_scaling=3.0, tie_word_embeddings=True)}
 # Mixtral (no window: llama.cpp's metadata has none), 2 of 8 experts on every layer
 MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -452,11 +462,12 @@ MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
 @pytest.mark.parametrize(("name", "arch"), [
     ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3moe"),
     ("mixtral", "llama"),  # as llama.cpp writes Mixtral: llama with experts
+    ("granite-gguf", "granite"),
 ])
-def test_a_qwen_or_mixtral_gguf_file_gives_transformers_logits(tmp_path, name, arch):
+def test_a_qwen_mixtral_or_granite_gguf_file_gives_transformers_logits(tmp_path, name, arch):
     # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE, Mixtral: 8 experts
-    # stacked per matrix
-    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL)
+    # stacked per matrix; Granite: its four multipliers, llama's q/k row order
+    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL | GRANITE)
     _gguf_of(hf, tmp_path / f"{name}.gguf", arch)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__
@@ -612,6 +623,20 @@ def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar)
     config = kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
     assert config["query_pre_attn_scalar"] == scalar
     assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
+
+
+def test_granite_without_an_attention_scale_scales_by_head_dim_as_llama_cpp_does(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "granite.gguf", "granite")
+    writer.add_embedding_length(256)
+    writer.add_head_count(4)
+    writer.add_residual_scale(0.22)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    config = kvgguf.GGUFCheckpoint(tmp_path / "granite.gguf").hf_config()
+    assert config["attention_multiplier"] == 64 ** -0.5  # not transformers' default of 1
+    assert config["residual_multiplier"] == pytest.approx(0.22)  # as float32 holds it
+    assert "embedding_multiplier" not in config and "logits_scaling" not in config
 
 
 def test_a_fused_tensor_of_other_rows_than_its_parts_keeps_its_name_to_be_refused():

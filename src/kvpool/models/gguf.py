@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
-Phi-3 and Gemma 3: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+Phi-3, Gemma 3 and Granite: the config, weights, tokenizer and chat template a .gguf file
+holds, parsed and
 dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
 GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
@@ -39,11 +40,17 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "granite": "GraniteForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
-PERMUTED_ROTARY = ("llama",)
+PERMUTED_ROTARY = ("llama", "granite")
+# Granite's multipliers, as llama.cpp's converter names them (after `granite.`), each written
+# only where it is not 0: config.json's name -> the metadata key.
+GRANITE_SCALES = {"embedding_multiplier": "embedding_scale",
+                  "residual_multiplier": "residual_scale", "logits_scaling": "logit_scale",
+                  "attention_multiplier": "attention.scale"}
 ROPE_FREQS = "rope_freqs.weight"  # a divisor per rotary frequency (Llama 3.1's scaling)
 # Phi-3's LongRoPE: a divisor per rotary frequency within the trained context, and past it
 ROPE_FACTORS = {"short_factor": "rope_factors_short.weight",
@@ -180,7 +187,13 @@ class GGUFCheckpoint:
             "query_pre_attn_scalar": key("embedding_length") // heads
             if key("block_count") == GEMMA3_27B_LAYERS and heads else head_dim,
             "final_logit_softcapping": key("final_logit_softcapping")}
-        return {**experts, **partial, **self._window(arch), **gemma,
+        # llama.cpp scales Granite's attention scores by 1/sqrt(head_dim) where the file has
+        # no attention.scale
+        granite = {} if arch != "granite" else {
+            name: key(scale) for name, scale in GRANITE_SCALES.items() if key(scale) is not None}
+        if arch == "granite" and "attention_multiplier" not in granite and whole:
+            granite["attention_multiplier"] = whole ** -0.5
+        return {**experts, **partial, **self._window(arch), **gemma, **granite,
             "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
