@@ -383,10 +383,10 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
-    """The file llama.cpp's converter writes for a transformers Qwen, Mixtral or Granite model
-    (tensors renamed, each layer's experts stacked, q/k rows reordered for `llama` and
-    `granite`, Granite's multipliers as its scales), in float32, with a vocabulary of
-    placeholder tokens."""
+    """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite or
+    OLMo 2 model (tensors named by the gguf package's map, each layer's experts stacked, q/k
+    rows reordered for `llama` and `granite`, Granite's multipliers as its scales), in
+    float32, with a vocabulary of placeholder tokens."""
     config = hf.config
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -418,10 +418,8 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
     if merges:
         writer.add_token_merges(list(merges))
     writer.add_eos_token_id(1)
-    gguf_names = {f"model.layers.{i}.{ours}": f"blk.{i}.{theirs}"
-                  for i in range(config.num_hidden_layers)
-                  for theirs, ours in kvgguf.LAYER_TENSORS.items()}
-    gguf_names |= {ours: theirs for theirs, ours in kvgguf.MODEL_TENSORS.items()}
+    # the converter's names for transformers' (the gguf package's map, not kvpool's)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
     for pattern, template in RENAMED:  # Mixtral's names for the router and experts
         weights = {pattern.sub(template, name): w for name, w in weights.items()}
@@ -434,7 +432,8 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
         if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
-        writer.add_tensor(gguf_names[name], tensor.numpy())
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -447,10 +446,11 @@ QWEN3_MOE = {"qwen3moe": lambda: transformers.Qwen3MoeConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, max_position_embeddings=256,
     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
-# Granite as its releases are (no biases, which llama.cpp's granite has no tensors for)
-GRANITE = {"granite-gguf": lambda: transformers.GraniteConfig(
+# Granite and OLMo 2 as their releases are (no biases, which llama.cpp has no tensors for)
+WITHOUT_BIASES = {"granite-gguf": lambda: transformers.GraniteConfig(
     **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
-    logits_scaling=3.0, tie_word_embeddings=True)}
+    logits_scaling=3.0, tie_word_embeddings=True),
+    "olmo2-gguf": lambda: transformers.Olmo2Config(**SMALL)}
 # Mixtral (no window: llama.cpp's metadata has none), 2 of 8 experts on every layer
 MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -463,11 +463,13 @@ MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen3moe", "qwen3moe"),
     ("mixtral", "llama"),  # as llama.cpp writes Mixtral: llama with experts
     ("granite-gguf", "granite"),
+    ("olmo2-gguf", "olmo2"),  # post-norms, q/k normed across all heads, q/k rows in order
 ])
-def test_a_qwen_mixtral_or_granite_gguf_file_gives_transformers_logits(tmp_path, name, arch):
+def test_a_qwen_mixtral_granite_or_olmo2_gguf_file_gives_transformers_logits(tmp_path, name,
+                                                                             arch):
     # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE, Mixtral: 8 experts
     # stacked per matrix; Granite: its four multipliers, llama's q/k row order
-    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL | GRANITE)
+    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL | WITHOUT_BIASES)
     _gguf_of(hf, tmp_path / f"{name}.gguf", arch)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__
@@ -623,6 +625,16 @@ def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar)
     config = kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
     assert config["query_pre_attn_scalar"] == scalar
     assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
+
+
+def test_an_olmo2_gguf_file_with_a_sliding_window_is_olmo3_and_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "olmo3.gguf", "olmo2")
+    writer.add_sliding_window(4096)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="GGUF olmo2 with a sliding window is OLMo 3"):
+        kvgguf.GGUFCheckpoint(tmp_path / "olmo3.gguf").hf_config()
 
 
 def test_granite_without_an_attention_scale_scales_by_head_dim_as_llama_cpp_does(tmp_path):

@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
-Phi-3, Gemma 3 and Granite: the config, weights, tokenizer and chat template a .gguf file
-holds, parsed and
+Phi-3, Gemma 3, Granite and OLMo 2: the config, weights, tokenizer and chat template a .gguf
+file holds, parsed and
 dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
 GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
@@ -41,7 +41,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "granite": "GraniteForCausalLM"}
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -89,11 +89,12 @@ LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # Qwen3-MoE's router
 }
-ARCH_LAYER_TENSORS = {"gemma3": {
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}}
+POST_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+ARCH_LAYER_TENSORS = {
+    "gemma3": {**POST_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight"},
+    "olmo2": POST_NORMS,
+}
 # GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
 # expert's parameter (after `model.layers.N.mlp.experts.E.`).
 EXPERT_TENSORS = {
@@ -189,6 +190,9 @@ class GGUFCheckpoint:
             "final_logit_softcapping": key("final_logit_softcapping")}
         # llama.cpp scales Granite's attention scores by 1/sqrt(head_dim) where the file has
         # no attention.scale
+        if arch == "olmo2" and key("attention.sliding_window"):
+            raise ConfigError(f"{self.path.name}: GGUF olmo2 with a sliding window is OLMo 3, "
+                              f"which kvpool does not run")
         granite = {} if arch != "granite" else {
             name: key(scale) for name, scale in GRANITE_SCALES.items() if key(scale) is not None}
         if arch == "granite" and "attention_multiplier" not in granite and whole:
