@@ -20,7 +20,7 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import EngineDied, InvalidPrompt, OutOfPages, SequenceTooLong, StepFailed
 from kvpool.server.engine_loop import ServerBusy, _Engine
-from models_util import make_hf_model, save_hf_model
+from models_util import make_hf_model, phi3_longrope, save_hf_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PAGE_SIZE = 4
@@ -512,6 +512,18 @@ def test_a_prefill_side_of_other_pages_is_refused_and_ends_without_a_word(capfd,
     # here holds it)
     assert started[0][0].poll() == 0
     assert capfd.readouterr().err == ""  # the prefill process did not fail joining the group
+
+
+def test_sides_whose_max_model_len_picks_other_longrope_factors_are_refused_before_any_process(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: pytest.fail("a prefill process started"))
+    folder = save_hf_model(make_hf_model("phi3", configs={"phi3": lambda: phi3_longrope(16)}),
+                           tmp_path)
+    with pytest.raises(ValueError, match="the prefill engine's max_model_len=16 and the decode "
+                                         "engine's 64 pick different LongRoPE factors"):
+        DisaggregatedLLM(folder, prefill={"device": "cpu", "max_model_len": 16},
+                         decode={"device": "cpu", "max_model_len": 64})
 
 
 def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_process():

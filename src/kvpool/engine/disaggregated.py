@@ -88,6 +88,7 @@ class DisaggregatedLLM:
             raise ValueError("fp8 pages handed from the prefill engine need the same kv_scales "
                              "given to both sides: scales each calibrates from its first "
                              "prefill differ")
+        _same_rope(prefill, self.decode)
         if not self.decode.takes_prefilled:
             raise ValueError("disaggregation serves models of one KV pool that keeps every "
                              "page (and hybrids), on one rank; this decode engine's cache "
@@ -561,6 +562,23 @@ def _stop(process: subprocess.Popen, conn: _Channel, outbox: queue.SimpleQueue,
         process.wait()
     writer.join()  # its last send is done, or failed once the process was gone
     conn.close_writer()
+
+
+def _same_rope(prefill: dict, decode: LLM) -> None:
+    """Have the prefill side rotate K as the decode side does: LongRoPE's factors follow an
+    engine's max_model_len (ModelConfig.for_max_model_len), so the prefill side takes the
+    decode side's unless given one that picks the same factors; ValueError, before any
+    process starts, for one that does not."""
+    config = decode.model.config
+    if config.rope_scaling is None or config.rope_scaling["rope_type"] != "longrope":
+        return
+    given = prefill.setdefault("max_model_len", decode.max_model_len)
+    if type(given) is int and config.for_max_model_len(given) != config:  # else its to refuse
+        raise ValueError(f"the prefill engine's max_model_len={given} and the decode "
+                         f"engine's {decode.max_model_len} pick different LongRoPE factors "
+                         f"(the trained context is "
+                         f"{config.rope_scaling['original_max_position_embeddings']} "
+                         f"tokens): their KV would not agree; give both sides one side of it")
 
 
 def _options(side: dict | EngineConfig | None) -> dict:
