@@ -382,7 +382,7 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
         load_model(tmp_path / "bad.gguf", device="cpu")
 
 
-def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
+def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
     """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite or
     OLMo 2 model (tensors named by the gguf package's map, each layer's experts stacked, q/k
     rows reordered for `llama` and `granite`, Granite's multipliers as its scales), in
@@ -406,6 +406,8 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None)
                                               or config.intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -429,6 +431,8 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",)) -> None:
                        for e in range(num_experts)]
             writer.add_tensor(f"blk.{i}.{stack}", torch.stack(experts).numpy())
     for name, tensor in weights.items():
+        if name.endswith("shared_expert_gate.weight") and squeeze:  # llama.cpp reads either
+            tensor = tensor.squeeze(0)
         if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
@@ -446,6 +450,13 @@ QWEN3_MOE = {"qwen3moe": lambda: transformers.Qwen3MoeConfig(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, max_position_embeddings=256,
     initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)}
+# Qwen2-MoE as llama.cpp runs it: experts on every layer, a gated shared expert
+QWEN2_MOE = {"qwen2moe": lambda: transformers.Qwen2MoeConfig(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+    max_position_embeddings=256, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+    pad_token_id=None)}
 # Granite and OLMo 2 as their releases are (no biases, which llama.cpp has no tensors for)
 WITHOUT_BIASES = {"granite-gguf": lambda: transformers.GraniteConfig(
     **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
@@ -464,12 +475,13 @@ MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     ("mixtral", "llama"),  # as llama.cpp writes Mixtral: llama with experts
     ("granite-gguf", "granite"),
     ("olmo2-gguf", "olmo2"),  # post-norms, q/k normed across all heads, q/k rows in order
+    ("qwen2moe", "qwen2moe"),  # weights not renormalised, a gated shared expert
 ])
 def test_a_qwen_mixtral_granite_or_olmo2_gguf_file_gives_transformers_logits(tmp_path, name,
                                                                              arch):
     # Qwen2: q/k/v biases; Qwen3: q/k norms, head_dim 32; Qwen3-MoE, Mixtral: 8 experts
     # stacked per matrix; Granite: its four multipliers, llama's q/k row order
-    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | MIXTRAL | WITHOUT_BIASES)
+    hf = make_hf_model(name, configs=CONFIGS | QWEN3_MOE | QWEN2_MOE | MIXTRAL | WITHOUT_BIASES)
     _gguf_of(hf, tmp_path / f"{name}.gguf", arch)
     loaded = load_model(tmp_path / f"{name}.gguf", device="cpu")
     assert loaded.config.architecture == type(hf).__name__
@@ -625,6 +637,14 @@ def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar)
     config = kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
     assert config["query_pre_attn_scalar"] == scalar
     assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
+
+
+def test_a_qwen2moe_shared_expert_gate_stored_as_a_vector_loads_as_its_row(tmp_path):
+    hf = make_hf_model("qwen2moe", configs=QWEN2_MOE)
+    _gguf_of(hf, tmp_path / "qwen2moe.gguf", "qwen2moe", squeeze=True)
+    loaded = load_model(tmp_path / "qwen2moe.gguf", device="cpu").model
+    batch = prompts(hf.config.vocab_size, lengths=(9,))
+    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
 
 
 def test_an_olmo2_gguf_file_with_a_sliding_window_is_olmo3_and_refused_by_name(tmp_path):

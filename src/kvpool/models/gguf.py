@@ -1,6 +1,6 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE,
-Phi-3, Gemma 3, Granite and OLMo 2: the config, weights, tokenizer and chat template a .gguf
-file holds, parsed and
+"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
+Qwen3-MoE, Phi-3, Gemma 3, Granite and OLMo 2: the config, weights, tokenizer and chat
+template a .gguf file holds, parsed and
 dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
 GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
@@ -41,7 +41,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -88,7 +89,13 @@ LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # Qwen3-MoE's router
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",  # Qwen2-MoE's shared
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Parameters of one row that a GGUF file may hold as a vector (llama.cpp reads either)
+ONE_ROW = ("mlp.shared_expert_gate.weight",)
 POST_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 ARCH_LAYER_TENSORS = {
@@ -176,11 +183,16 @@ class GGUFCheckpoint:
                                   f"{rotary} rotates part of each head; kvpool rotates whole "
                                   f"heads of {arch}")
             partial = {"partial_rotary_factor": rotary / whole}  # Phi-4-mini's 3/4
-        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
-        # expert count of 0 is a dense model, as llama.cpp reads it)
+        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised but
+        # Qwen2-MoE's, which adds a gated shared expert (an expert count of 0 is a dense
+        # model, as llama.cpp reads it)
         experts = {} if not key("expert_count") else {
             "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
-            "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
+            "moe_intermediate_size": key("expert_feed_forward_length"),
+            "norm_topk_prob": arch != "qwen2moe"}
+        if arch == "qwen2moe":
+            experts["shared_expert_intermediate_size"] = key(
+                "expert_shared_feed_forward_length")
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
             else ARCHITECTURES[arch]
         gemma = {} if arch != "gemma3" else {
@@ -252,7 +264,9 @@ class GGUFCheckpoint:
             shape = tuple(int(n) for n in reversed(tensor.shape))
             for name, index in _parameters(tensor.name, shape[0], fused,
                                            self.meta.get("general.architecture")):
-                shapes[name] = _part_shape(shape, index)
+                part = _part_shape(shape, index)
+                shapes[name] = (1, *part) if name.endswith(ONE_ROW) and len(part) == 1 \
+                    else part
         return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -270,6 +284,8 @@ class GGUFCheckpoint:
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
             for name, index in _parameters(tensor.name, values.shape[0], fused, arch):
                 part = values[index]
+                if name.endswith(ONE_ROW) and part.dim() == 1:
+                    part = part.unsqueeze(0)
                 if shift and name.endswith("norm.weight"):
                     part = part - shift
                 if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
