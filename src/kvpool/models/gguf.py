@@ -176,40 +176,18 @@ class GGUFCheckpoint:
         rotary = key("rope.dimension_count")
         head_dim = key("attention.key_length")
         whole = head_dim or key("embedding_length", 0) // heads if heads else None
-        partial = {}
-        if rotary is not None and heads and rotary != whole:
-            if arch != "phi3":
-                raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count "
-                                  f"{rotary} rotates part of each head; kvpool rotates whole "
-                                  f"heads of {arch}")
-            partial = {"partial_rotary_factor": rotary / whole}  # Phi-4-mini's 3/4
-        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised but
-        # Qwen2-MoE's, which adds a gated shared expert (an expert count of 0 is a dense
-        # model, as llama.cpp reads it)
+        if rotary is not None and heads and rotary != whole and arch != "phi3":
+            raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
+                              f"rotates part of each head; kvpool rotates whole heads of {arch}")
+        # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
+        # expert count of 0 is a dense model, as llama.cpp reads it)
         experts = {} if not key("expert_count") else {
             "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
-            "moe_intermediate_size": key("expert_feed_forward_length"),
-            "norm_topk_prob": arch != "qwen2moe"}
-        if arch == "qwen2moe":
-            experts["shared_expert_intermediate_size"] = key(
-                "expert_shared_feed_forward_length")
+            "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
             else ARCHITECTURES[arch]
-        gemma = {} if arch != "gemma3" else {
-            "sliding_window_pattern": GEMMA3_PATTERN, "rope_local_base_freq": GEMMA3_LOCAL_BASE,
-            "query_pre_attn_scalar": key("embedding_length") // heads
-            if key("block_count") == GEMMA3_27B_LAYERS and heads else head_dim,
-            "final_logit_softcapping": key("final_logit_softcapping")}
-        # llama.cpp scales Granite's attention scores by 1/sqrt(head_dim) where the file has
-        # no attention.scale
-        if arch == "olmo2" and key("attention.sliding_window"):
-            raise ConfigError(f"{self.path.name}: GGUF olmo2 with a sliding window is OLMo 3, "
-                              f"which kvpool does not run")
-        granite = {} if arch != "granite" else {
-            name: key(scale) for name, scale in GRANITE_SCALES.items() if key(scale) is not None}
-        if arch == "granite" and "attention_multiplier" not in granite and whole:
-            granite["attention_multiplier"] = whole ** -0.5
-        return {**experts, **partial, **self._window(arch), **gemma, **granite,
+        own = ARCHITECTURE_KEYS[arch](self, key, whole) if arch in ARCHITECTURE_KEYS else {}
+        return {**experts, **own,
             "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
@@ -337,12 +315,6 @@ class GGUFCheckpoint:
         attention = self.meta.get(f"{arch}.rope.scaling.attn_factor")
         return scaling if attention is None else {**scaling, "attention_factor": attention}
 
-    def _window(self, arch: str) -> dict:
-        """Phi-3's and Gemma 3's sliding window, as config.json names it (none where the file
-        has none)."""
-        window = self.meta.get(f"{arch}.attention.sliding_window")
-        return {"sliding_window": window} if arch in ("phi3", "gemma3") and window else {}
-
     def _fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Each fused tensor of the architecture (FUSED_TENSORS, after `blk.N.`) -> the
         parameters it stacks, each with its rows."""
@@ -363,6 +335,62 @@ class GGUFCheckpoint:
 
     def _tensor(self, name: str):
         return next((t for t in self._reader.tensors if t.name == name), None)
+
+
+def _window(key) -> dict:
+    """The sliding window, as config.json names it (none where the file has none or 0)."""
+    window = key("attention.sliding_window")
+    return {"sliding_window": window} if window else {}
+
+
+def _phi3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Phi-3's window, and the share of each head it rotates (Phi-4-mini's 3/4)."""
+    rotary = key("rope.dimension_count")
+    partial = {} if rotary is None or not head_dim or rotary == head_dim else {
+        "partial_rotary_factor": rotary / head_dim}
+    return {**_window(key), **partial}
+
+
+def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Qwen2-MoE's gated shared expert; llama.cpp does not renormalise its chosen experts."""
+    return {"norm_topk_prob": False,
+            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length")}
+
+
+def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Gemma 3's window, the settings that llama.cpp fixes whatever the metadata says
+    (GEMMA3_*), and its final logit softcap (which the config then refuses)."""
+    layers, hidden, heads = (key(name) for name in ("block_count", "embedding_length",
+                                                    "attention.head_count"))
+    return {**_window(key),
+            "sliding_window_pattern": GEMMA3_PATTERN, "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+            "query_pre_attn_scalar": hidden // heads
+            if layers == GEMMA3_27B_LAYERS and heads else key("attention.key_length"),
+            "final_logit_softcapping": key("final_logit_softcapping")}
+
+
+def _granite_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Granite's multipliers from their scales; without an attention.scale, llama.cpp scales
+    the attention scores by 1/sqrt(head_dim)."""
+    scales = {name: key(scale) for name, scale in GRANITE_SCALES.items()
+              if key(scale) is not None}
+    if "attention_multiplier" not in scales and head_dim:
+        scales["attention_multiplier"] = head_dim ** -0.5
+    return scales
+
+
+def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Nothing beyond the common keys; ConfigError for a sliding window (OLMo 3's)."""
+    if key("attention.sliding_window"):
+        raise ConfigError(f"{checkpoint.path.name}: GGUF olmo2 with a sliding window is "
+                          f"OLMo 3, which kvpool does not run")
+    return {}
+
+
+# An architecture's own config.json keys beyond the common ones: general.architecture ->
+# a function of (checkpoint, its metadata key reader, the head size) giving them.
+ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma3": _gemma3_keys,
+                     "granite": _granite_keys, "olmo2": _olmo2_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
