@@ -382,6 +382,34 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
         load_model(tmp_path / "bad.gguf", device="cpu")
 
 
+def _writer(path: Path, arch: str, config) -> gguf.GGUFWriter:
+    """A GGUFWriter of `arch` with the sizes every converted file states, from `config`."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    return writer
+
+
+def _finish(writer: gguf.GGUFWriter, vocab_size: int, merges=("a b",)) -> None:
+    """Add a vocabulary of placeholder tokens (byte-level BPE) and write the file."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, vocab_size))])
+    writer.add_token_types([1] * vocab_size)
+    if merges:
+        writer.add_token_merges(list(merges))
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
     """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite or
     OLMo 2 model (tensors named by the gguf package's map, each layer's experts stacked, q/k
@@ -390,16 +418,9 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) 
     config = hf.config
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer(path, arch, config)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if num_experts:
         writer.add_expert_count(num_experts)
@@ -413,13 +434,6 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) 
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
         writer.add_attention_scale(config.attention_multiplier)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
-    writer.add_token_types([1] * config.vocab_size)
-    if merges:
-        writer.add_token_merges(list(merges))
-    writer.add_eos_token_id(1)
     # the converter's names for transformers' (the gguf package's map, not kvpool's)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
@@ -438,10 +452,7 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) 
             tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
                           tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, config.vocab_size, merges)
 
 
 # Qwen3-MoE as llama.cpp runs it: experts on every layer, the chosen ones' weights renormalised
@@ -499,27 +510,14 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
     factor lists as tensors; float32, placeholder tokens."""
     config, rope = hf.config, hf.config.rope_parameters
     head_dim = config.hidden_size // config.num_attention_heads
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
+    writer = _writer(path, "phi3", config)
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_sliding_window(config.sliding_window or 0)  # 0: none, as the converter writes
     scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
         rope["original_max_position_embeddings"])))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(1)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
     for name, tensor in weights.items():
@@ -528,10 +526,7 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
         values = np.array(rope[f"{kind}_factor"], dtype=np.float32)
         writer.add_tensor(gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, f"ROPE_FACTORS_"
                                                     f"{kind.upper()}")] + ".weight", values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, config.vocab_size)
 
 
 def test_a_phi3_gguf_file_with_longrope_gives_transformers_logits(tmp_path, monkeypatch):
@@ -568,35 +563,19 @@ def _gemma3_gguf_of(hf, path: Path) -> None:
     the query scale are llama.cpp's own); float32, placeholder tokens."""
     config = hf.config
     full = config.rope_parameters["full_attention"]
-    writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = _writer(path, "gemma3", config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(full["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(full["factor"])
     writer.add_sliding_window(config.sliding_window)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, config.vocab_size))])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(1)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
     for name, tensor in weights.items():
         shifted = tensor + 1 if name.endswith("norm.weight") else tensor
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, config.vocab_size)
 
 
 def test_a_gemma3_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
