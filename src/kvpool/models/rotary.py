@@ -10,7 +10,7 @@ switches a sequence to the long factors when it passes the trained context and c
 again from its first token).
 
 Numerics follow transformers: inverse frequencies in float32, angles `position * inv_freq` in
-float32, cos/sin (times yarn's attention factor) cast to the activations' dtype."""
+float32, cos/sin (times yarn's or longrope's attention factor) cast to the activations' dtype."""
 
 from __future__ import annotations
 
