@@ -366,3 +366,19 @@ def test_mistral_engine_keeps_every_page_when_told_to(mistral, tmp_path, device)
 def test_free_out_of_window_must_be_a_bool():
     with pytest.raises(TypeError, match="free_out_of_window must be a bool, got 'no'"):
         EngineConfig(free_out_of_window="no")
+
+
+def test_a_window_no_sequence_passes_is_full_attention_in_the_engines_cache(tmp_path, device):
+    # Phi-3.5 and Phi-4-mini state a window of 262,144 tokens, past their whole context
+    hf = make_hf_model("phi3-wide-window", configs={"phi3-wide-window": lambda: (
+        transformers.Phi3Config(**SMALL, sliding_window=24))})
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    assert EngineConfig(max_model_len=24).kv_layout(config).layer_windows == ()
+    assert EngineConfig(max_model_len=25).kv_layout(config).layer_windows == (24, 24)
+    llm = LLM(save_hf_model(hf, tmp_path), device=device, max_model_len=24, num_pages=16,
+              page_size=4, enforce_eager=True)
+    assert llm.cache.page_groups[0].window is None  # one pool of full attention
+    prompt = prompts(hf.config.vocab_size, lengths=(9,))["seq0"]
+    outputs = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0),
+                           use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == hf_greedy(hf.to(device), prompt, 12)

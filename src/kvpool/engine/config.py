@@ -163,7 +163,8 @@ class EngineConfig:
 
     def kv_layout(self, model: ModelConfig) -> KVLayout:
         """The KV layout of one rank's pool of `model` under these options (dtype,
-        kv_cache_dtype, page_size, tensor_parallel_size). ValueError if `kv_scales` does not
+        kv_cache_dtype, page_size, tensor_parallel_size; a window no sequence of
+        max_model_len tokens passes is none). ValueError if `kv_scales` does not
         fit it (a pair for K/V pages, a number for MLA) or its KV heads do not split."""
         if model.mla and isinstance(self.kv_scales, tuple):
             raise ValueError(f"an MLA model's latent pages have one scale per layer: kv_scales "
@@ -173,7 +174,8 @@ class EngineConfig:
             raise ValueError(f"K/V pages have a K and a V scale per layer: kv_scales must be a "
                              f"(k_scale, v_scale) pair, got {self.kv_scales!r}")
         return model.kv_layout(dtype=self.dtype, page_size=self.page_size,
-                               kv_cache_dtype=self.kv_cache_dtype
+                               kv_cache_dtype=self.kv_cache_dtype,
+                               max_model_len=self.resolve_max_model_len(model)
                                ).per_rank(self.tensor_parallel_size)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:

@@ -470,12 +470,15 @@ class ModelConfig:
         return dtype or self.dtype or DEFAULT_DTYPE
 
     def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16,
-                  kv_cache_dtype: str = "auto") -> KVLayout:
+                  kv_cache_dtype: str = "auto", max_model_len: int | None = None) -> KVLayout:
         """The KV layout of this model: its attention layers, KV heads and head_dim (for MLA one
         latent per token and layer), in the dtype its weights load in (see `weights_dtype`) or,
         with `kv_cache_dtype` "fp8_e4m3", float8_e4m3fn; with pages of `page_size` tokens; and
-        each attention layer's sliding window when any layer has one."""
-        windows = tuple(self.layer_window(i) for i in self.attention_layers)
+        each attention layer's sliding window when any layer has one, less the windows that
+        sequences of `max_model_len` tokens never pass (Phi-3.5's 262,144: full attention)."""
+        windows = tuple(None if window is not None and max_model_len is not None
+                        and window >= max_model_len else window
+                        for window in map(self.layer_window, self.attention_layers))
         return KVLayout(len(self.attention_layers), self.num_kv_heads, self.head_dim,
                         fp8.kv_cache_dtype(kv_cache_dtype, self.weights_dtype(dtype)), page_size,
                         kind="mla" if self.mla else "mha",
