@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hybrid_util import make_bamba
 from kvpool.engine import disaggregated
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.disaggregated import DisaggregatedLLM
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
@@ -524,6 +525,16 @@ def test_sides_whose_max_model_len_picks_other_longrope_factors_are_refused_befo
                                          "engine's 64 pick different LongRoPE factors"):
         DisaggregatedLLM(folder, prefill={"device": "cpu", "max_model_len": 16},
                          decode={"device": "cpu", "max_model_len": 64})
+
+
+def test_a_prefill_side_given_as_an_engine_config_takes_the_decode_sides_longrope_factors(
+        tmp_path):
+    folder = save_hf_model(make_hf_model("phi3", configs={"phi3": lambda: phi3_longrope(16)}),
+                           tmp_path)
+    decode = LLM(folder, device="cpu", max_model_len=16, num_pages=16)
+    prefill = disaggregated._options(EngineConfig(device="cpu"))  # max_model_len None
+    disaggregated._same_rope(prefill, decode)
+    assert prefill["max_model_len"] == 16  # not the model's 256, whose factors are long
 
 
 def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_process():

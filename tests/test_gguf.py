@@ -547,6 +547,21 @@ def test_a_phi3_gguf_file_with_longrope_gives_transformers_logits(tmp_path, monk
     assert_logits_match(hf, long, PagedRunner(converted).step(long, all_logits=True))
 
 
+def test_a_phi3_gguf_files_rotated_channels_come_back_whole_from_an_uneven_ratio(tmp_path):
+    # 30 of a head's 88 channels: 30 / 88 * 88 rounds to 29.999..., which int() would cut to 29
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **dict(SMALL, hidden_size=176, num_attention_heads=2, num_key_value_heads=2),
+        original_max_position_embeddings=16, partial_rotary_factor=0.345,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 15,
+                      "long_factor": [2.0] * 15})).eval()
+    _phi3_gguf_of(hf, tmp_path / "phi3.gguf")
+    loaded = load_model(tmp_path / "phi3.gguf", device="cpu").model
+    assert loaded.config.rotary_dim == 30
+    batch = prompts(hf.config.vocab_size, lengths=(17, 20))
+    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
+
+
 def test_a_phi3_gguf_file_with_one_longrope_factor_list_is_refused_naming_both(tmp_path):
     torch.manual_seed(0)
     _phi3_gguf_of(transformers.Phi3ForCausalLM(phi3_longrope(16)), tmp_path / "phi3.gguf",

@@ -332,13 +332,36 @@ def test_a_phi3_5_config_takes_longrope_long_factors_where_sequences_pass_its_tr
 
 @pytest.mark.parametrize(("rope", "top_level", "message"), [
     ({"long_factor": None}, {}, "rope_type 'longrope' needs a list 'long_factor', got None"),
-    ({}, {"original_max_position_embeddings": None},
-     "needs original_max_position_embeddings, a positive int, got None"),
+    ({"original_max_position_embeddings": None}, {"original_max_position_embeddings": None},
+     "needs original_max_position_embeddings, an int of at least 2"),
+    # ln(1) = 0 would divide the attention factor
+    ({}, {"original_max_position_embeddings": 1},
+     "needs original_max_position_embeddings, an int of at least 2 (its log divides the "
+     "attention factor), got 1"),
     ({"short_factor": [1.0, "x"]}, {}, "short_factor"),
 ])
 def test_broken_longrope_parameters_are_refused_by_name(rope, top_level, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig.from_hf({**phi35_config(**rope), **top_level})
+
+
+def test_phi3s_trained_context_is_its_top_level_4096_unless_given_as_transformers_reads_it():
+    # transformers 5's form, the trained context inside the rope parameters only: Phi3Config's
+    # own default of 4,096 wins over it
+    config = dict(PRESETS["Phi-4"], max_position_embeddings=131072, partial_rotary_factor=0.75,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 16,
+                                   "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
+    assert ModelConfig.from_hf(config).rope_scaling["original_max_position_embeddings"] == 4096
+
+
+@pytest.mark.parametrize("factor", [0.01, 0.35])  # 0 and 5 channels of a head of 16
+def test_a_partial_rotary_factor_of_no_channel_or_an_odd_count_is_refused_by_name(factor):
+    config = {"architectures": ["Phi3ForCausalLM"], **SMALL, "partial_rotary_factor": factor}
+    with pytest.raises(ConfigError, match=re.escape(
+            f"partial_rotary_factor {factor} rotates int(16 * {factor}) = {int(16 * factor)} "
+            f"channels of each head: kvpool rotates an even number, at least 2")):
+        ModelConfig.from_hf(config)
 
 
 def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_by_name():

@@ -572,7 +572,9 @@ def _same_rope(prefill: dict, decode: LLM) -> None:
     config = decode.model.config
     if config.rope_scaling is None or config.rope_scaling["rope_type"] != "longrope":
         return
-    given = prefill.setdefault("max_model_len", decode.max_model_len)
+    if prefill.get("max_model_len") is None:  # an EngineConfig's options hold None
+        prefill["max_model_len"] = decode.max_model_len
+    given = prefill["max_model_len"]
     if type(given) is int and config.for_max_model_len(given) != config:  # else its to refuse
         raise ValueError(f"the prefill engine's max_model_len={given} and the decode "
                          f"engine's {decode.max_model_len} pick different LongRoPE factors "

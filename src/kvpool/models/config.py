@@ -77,7 +77,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
                            "rms_norm_eps": 1e-5},
-    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    # Phi-3's trained context: its config's top-level key, which wins over the rope's
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "GraniteForCausalLM": {"max_position_embeddings": 2048},
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
@@ -406,8 +407,8 @@ class ModelConfig:
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
-            partial_rotary_factor=_partial_rotary_factor(cfg, is_bamba) if partial_rotary
-            else 1.0,
+            partial_rotary_factor=_partial_rotary_factor(cfg, is_bamba, head_dim)
+            if partial_rotary else 1.0,
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
             layer_types=layer_types,
             gemma=gemma,
@@ -695,9 +696,10 @@ def _longrope(params: dict, key: str, max_position_embeddings: int) -> dict:
             raise ConfigError(f"rope_type 'longrope' needs a list {name!r}, got {factors!r}")
         scaling[name] = [_number(f, f"{key}.{name}[{i}]") for i, f in enumerate(factors)]
     context = params.get("original_max_position_embeddings")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise ConfigError(f"rope_type 'longrope' needs original_max_position_embeddings, a "
-                          f"positive int, got {context!r}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 2:
+        raise ConfigError(f"rope_type 'longrope' needs original_max_position_embeddings, an "
+                          f"int of at least 2 (its log divides the attention factor), got "
+                          f"{context!r}")
     scaling["original_max_position_embeddings"] = context
     for name in ("factor", "attention_factor"):
         if params.get(name) is not None:
@@ -1038,15 +1040,21 @@ def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe}
 
 
-def _partial_rotary_factor(cfg: dict, is_bamba: bool) -> float:
+def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:
     """The fraction of each head RoPE rotates, as transformers reads it: the rope parameters'
-    partial_rotary_factor, else Bamba's 0.5, else the config's own (Phi-3's), else 1."""
+    partial_rotary_factor, else Bamba's 0.5, else the config's own (Phi-3's), else 1. It
+    must rotate whole pairs of channels: int(head_dim * factor) even and at least 2."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
     if value is None:
         value = 0.5 if is_bamba else cfg.get("partial_rotary_factor", 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {value!r}")
+    channels = int(head_dim * value)
+    if channels < 2 or channels % 2:
+        raise ConfigError(f"partial_rotary_factor {value!r} rotates int({head_dim} * "
+                          f"{value!r}) = {channels} channels of each head: kvpool rotates an "
+                          f"even number, at least 2")
     return float(value)
 
 

@@ -344,11 +344,16 @@ def _window(key) -> dict:
 
 
 def _phi3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Phi-3's window, and the share of each head it rotates (Phi-4-mini's 3/4)."""
+    """Phi-3's window, its trained context, and the share of each head it rotates
+    (Phi-4-mini's 3/4): a factor half a channel above `rope.dimension_count`, so that
+    int(head_dim * factor), as a config reads it, gives that count back whatever float
+    rounding does to the ratio."""
     rotary = key("rope.dimension_count")
     partial = {} if rotary is None or not head_dim or rotary == head_dim else {
-        "partial_rotary_factor": rotary / head_dim}
-    return {**_window(key), **partial}
+        "partial_rotary_factor": (rotary + 0.5) / head_dim}
+    context = key("rope.scaling.original_context_length")  # config.json's top-level key
+    trained = {} if context is None else {"original_max_position_embeddings": context}
+    return {**_window(key), **partial, **trained}
 
 
 def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
