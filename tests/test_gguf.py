@@ -503,7 +503,7 @@ def test_a_qwen_mixtral_granite_or_olmo2_gguf_file_gives_transformers_logits(tmp
     assert_logits_match(hf, batch, PagedRunner(loaded.model).step(batch, all_logits=True))
 
 
-def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
+def _phi3_gguf_of(hf, path: Path, factors=("short", "long"), window: int = 0) -> None:
     """The file llama.cpp's converter writes for a transformers Phi-3 with LongRoPE: names
     from the gguf package's own map of transformers' names (fused q/k/v and gate/up kept
     fused), the trained context, the rotated channels and the window in the metadata, the two
@@ -514,7 +514,7 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_sliding_window(config.sliding_window or 0)  # 0: none, as the converter writes
+    writer.add_sliding_window(window)  # 0: none, as the converter writes
     scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
         rope["original_max_position_embeddings"])))
@@ -530,15 +530,16 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long")) -> None:
 
 
 def test_a_phi3_gguf_file_with_longrope_gives_transformers_logits(tmp_path, monkeypatch):
-    # LongRoPE trained on 16 positions, 3/4 of each head rotated, a window of 8 tokens
+    # LongRoPE trained on 16 positions, 3/4 of each head rotated; the file's window of 8
+    # tokens is ignored, as llama.cpp ignores Phi-3's
     torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(phi3_longrope(16, sliding_window=8)).eval()
+    hf = transformers.Phi3ForCausalLM(phi3_longrope(16)).eval()
     path = tmp_path / "phi3.gguf"
-    _phi3_gguf_of(hf, path)
+    _phi3_gguf_of(hf, path, window=8)
     short, long = (prompts(hf.config.vocab_size, lengths=lengths) for lengths in ((5, 12),
                                                                                   (17, 26)))
     within = load_model(path, device="cpu", max_model_len=16).model  # the short factors
-    assert within.config.sliding_window == 8 and within.config.rotary_dim == 12
+    assert within.config.sliding_window is None and within.config.rotary_dim == 12
     assert_logits_match(hf, short, PagedRunner(within).step(short, all_logits=True))
     beyond = load_model(path, device="cpu").model  # its context, 256: the long factors
     assert_logits_match(hf, long, PagedRunner(beyond).step(long, all_logits=True))
@@ -620,17 +621,59 @@ def test_a_gemma3_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("layers", "scalar"), [(34, 256), (62, 5376 // 32)])  # 4B, 27B
 def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar):
-    writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
-    writer.add_block_count(layers)
-    writer.add_embedding_length(5376)
-    writer.add_head_count(32)
-    writer.add_key_length(256)
+    config = _gemma3_metadata(tmp_path, layers, window=1024)
+    assert config["query_pre_attn_scalar"] == scalar
+    assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
+
+
+def test_a_gemma3_gguf_file_without_a_window_is_global_on_every_layer_as_llama_cpp_runs_it(
+        tmp_path):
+    config = _gemma3_metadata(tmp_path, 34, window=None)
+    assert config["layer_types"] == ["full_attention"] * 34
+    ours = kvgguf.ModelConfig.from_hf(config)
+    assert not any(ours.layer_window(i) for i in range(34))  # every layer global
+
+
+def test_qwen2moe_expert_sizes_the_file_leaves_out_are_llama_cpps(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "qwen2moe.gguf", "qwen2moe")
+    writer.add_feed_forward_length(96)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(3)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    config = kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
-    assert config["query_pre_attn_scalar"] == scalar
-    assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
+    config = kvgguf.GGUFCheckpoint(tmp_path / "qwen2moe.gguf").hf_config()
+    # an expert feed_forward_length / expert_used_count wide, the shared one the whole width
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (
+        32, 96)
+
+
+def test_a_granite_gguf_file_whose_rope_llama_cpp_switches_off_is_refused_by_name(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "granite.gguf", "granite")
+    writer.add_rope_scaling_finetuned(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="granite.rope.scaling.finetuned is false"):
+        kvgguf.GGUFCheckpoint(tmp_path / "granite.gguf").hf_config()
+
+
+def _gemma3_metadata(tmp_path: Path, layers: int, window: int | None) -> dict:
+    """hf_config of a Gemma 3 file of `layers` layers of 5,376 channels in 32 heads of 256,
+    with or without a sliding window, and no tensors."""
+    writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(5376)
+    writer.add_feed_forward_length(256)
+    writer.add_head_count(32)
+    writer.add_key_length(256)
+    writer.add_vocab_size(160)
+    if window:
+        writer.add_sliding_window(window)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return kvgguf.GGUFCheckpoint(tmp_path / "gemma3.gguf").hf_config()
 
 
 def test_a_qwen2moe_shared_expert_gate_stored_as_a_vector_loads_as_its_row(tmp_path):

@@ -344,31 +344,40 @@ def _window(key) -> dict:
 
 
 def _phi3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Phi-3's window, its trained context, and the share of each head it rotates
-    (Phi-4-mini's 3/4): a factor half a channel above `rope.dimension_count`, so that
-    int(head_dim * factor), as a config reads it, gives that count back whatever float
-    rounding does to the ratio."""
+    """Phi-3's trained context and the share of each head it rotates (Phi-4-mini's 3/4): a
+    factor half a channel above `rope.dimension_count`, so that int(head_dim * factor), as a
+    config reads it, gives that count back whatever float rounding does to the ratio. Its
+    sliding window is left out: llama.cpp runs Phi-3 without one, whatever the file says."""
     rotary = key("rope.dimension_count")
     partial = {} if rotary is None or not head_dim or rotary == head_dim else {
         "partial_rotary_factor": (rotary + 0.5) / head_dim}
     context = key("rope.scaling.original_context_length")  # config.json's top-level key
     trained = {} if context is None else {"original_max_position_embeddings": context}
-    return {**_window(key), **partial, **trained}
+    return {**partial, **trained}
 
 
 def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Qwen2-MoE's gated shared expert; llama.cpp does not renormalise its chosen experts."""
+    """Qwen2-MoE's gated shared expert; llama.cpp does not renormalise its chosen experts,
+    and sizes an expert feed_forward_length / expert_used_count wide and the shared one
+    feed_forward_length wide where the file does not say."""
+    ffn, used = key("feed_forward_length"), key("expert_used_count")
     return {"norm_topk_prob": False,
-            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length")}
+            "moe_intermediate_size": key("expert_feed_forward_length")
+            or (ffn // used if ffn and used else None),
+            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length") or ffn}
 
 
 def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Gemma 3's window, the settings that llama.cpp fixes whatever the metadata says
-    (GEMMA3_*), and its final logit softcap (which the config then refuses)."""
+    """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
+    window every layer is global, as llama.cpp runs it; the query scale; its final logit
+    softcap (which the config then refuses)."""
     layers, hidden, heads = (key(name) for name in ("block_count", "embedding_length",
                                                     "attention.head_count"))
-    return {**_window(key),
-            "sliding_window_pattern": GEMMA3_PATTERN, "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+    window = _window(key)
+    layout = {**window, "sliding_window_pattern": GEMMA3_PATTERN,
+              "rope_local_base_freq": GEMMA3_LOCAL_BASE} if window else {
+        "layer_types": ["full_attention"] * (layers or 0)}
+    return {**layout,
             "query_pre_attn_scalar": hidden // heads
             if layers == GEMMA3_27B_LAYERS and heads else key("attention.key_length"),
             "final_logit_softcapping": key("final_logit_softcapping")}
@@ -376,7 +385,11 @@ def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 
 def _granite_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Granite's multipliers from their scales; without an attention.scale, llama.cpp scales
-    the attention scores by 1/sqrt(head_dim)."""
+    the attention scores by 1/sqrt(head_dim). ConfigError for a file whose
+    rope.scaling.finetuned is false, which llama.cpp reads as running without RoPE."""
+    if key("rope.scaling.finetuned") is False:
+        raise ConfigError(f"{checkpoint.path.name}: GGUF granite.rope.scaling.finetuned is "
+                          f"false, which llama.cpp runs without RoPE; kvpool does not")
     scales = {name: key(scale) for name, scale in GRANITE_SCALES.items()
               if key(scale) is not None}
     if "attention_multiplier" not in scales and head_dim:
