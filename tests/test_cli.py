@@ -265,6 +265,14 @@ def test_plan_counts_a_window_of_pages_for_each_of_mistrals_sequences(capsys):
     assert table["sequences @ 32,768"] == "1 (2,048 pages each)"
 
 
+def test_plan_keeps_a_window_no_sequence_of_the_context_len_passes_as_full_attention(capsys):
+    # as the engine's cache keeps it: Mistral's 4,096-token window at a 4,096-token context
+    table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
+                       "4096")
+    assert not any(label.startswith(("KV full", "KV window")) for label in table)
+    assert table["sequences @ 4,096"] == "15 (256 pages each)"
+
+
 def test_plan_of_a_model_without_windows_shows_no_groups(capsys):
     table = plan_table(capsys, "Qwen3-8B", "--device-memory", "24GiB")
     assert not any(label.startswith(("KV full", "KV window")) for label in table)

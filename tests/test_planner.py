@@ -252,7 +252,7 @@ class Geometry:
     def weights_dtype(self, dtype=None):
         return dtype or self.layout.dtype
 
-    def kv_layout(self, *, dtype=None, page_size=16, kv_cache_dtype="auto"):
+    def kv_layout(self, *, dtype=None, page_size=16, kv_cache_dtype="auto", max_model_len=None):
         return replace(self.layout, page_size=page_size)
 
     def mamba_layout(self, *, dtype=None, tensor_parallel_size=1):
@@ -392,7 +392,7 @@ def test_the_cuda_graphs_hold_the_activations_of_max_num_seqs_tokens_and_none_wh
 
 
 def test_a_mixed_model_plan_splits_the_pages_bytes_between_its_pools():
-    plan = plan_memory(GEMMA, 24 * GiB, max_num_seqs=32, prefill_tokens=8192)
+    plan = plan_memory(GEMMA, 24 * GiB, max_num_seqs=32, max_model_len=8192)
     full, window = plan.groups
     assert (full.group.window, window.group.window) == (None, 1024)
     assert window.num_pages == 32 * 65 + 512
@@ -476,3 +476,16 @@ def test_a_hybrid_with_nothing_left_for_the_cache_says_no_state_slot_fits():
     assert (plan.budget_bytes, plan.num_state_slots, plan.num_pages) == (0, 0, 0)
     assert plan.reason == ("50% of the 0 B left for the cache is less than one state slot of "
                            "62,287,360 B (59.40 MiB) and the reserved one")
+
+
+def test_a_window_no_sequence_of_max_model_len_passes_is_planned_as_full_attention():
+    # as the engine keeps it (Phi-3.5 states a window of 262,144 tokens past its context)
+    short = plan_memory(GEMMA, 24 * GiB, max_model_len=1024)
+    assert short.layout.layer_windows == () and short.groups == ()
+    assert short.max_tokens == short.num_pages * 16
+    longer = plan_memory(GEMMA, 24 * GiB, max_model_len=1025)
+    assert [pool.group.window for pool in longer.groups] == [None, 1024]
+    assert plan_memory(MISTRAL, 24 * GiB, max_model_len=4096).window is None
+    assert plan_memory(MISTRAL, 24 * GiB, max_model_len=4097).window == 4096
+    with pytest.raises(ValueError, match="max_model_len must be .* got 0"):
+        plan_memory(GEMMA, 24 * GiB, max_model_len=0)

@@ -70,9 +70,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 0.5)")
     add_kv_dtype_argument(parser)
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
-                        help="tokens per sequence when counting sequences, and the prompt "
-                             "pages a window pool holds beside its windows "
-                             "(default: the model's max_position_embeddings)")
+                        help="the longest sequence (the engine's max_model_len): tokens per "
+                             "sequence when counting sequences, the prompt pages a window "
+                             "pool holds beside its windows; a window it never passes is "
+                             "full attention (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
                         help="models mixing full and windowed layers: sequences whose windows "
                              "the window pool holds (default: 64, the engine's)")
@@ -93,12 +94,13 @@ def run_plan(args: argparse.Namespace) -> int:
     model = ModelConfig.from_hf(args.model) if args.model in PRESETS else load_config(args.model)
     check_splits(model, args.tensor_parallel_size)  # as the engine would refuse it
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
+    check_int64("context_len", context_len, 1)  # named as the user gave it
     device = None if args.device_memory is not None else engine_device(args.device)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),
                        device=device, mamba_memory_ratio=args.mamba_memory_ratio,
                        kv_cache_dtype=args.kv_cache_dtype, free_out_of_window=not args.one_pool,
-                       max_num_seqs=args.max_num_seqs, prefill_tokens=context_len,
+                       max_num_seqs=args.max_num_seqs, max_model_len=context_len,
                        tensor_parallel_size=args.tensor_parallel_size)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
     print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype)))

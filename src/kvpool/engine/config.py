@@ -235,7 +235,8 @@ class EngineConfig:
         plan = functools.partial(
             plan_memory, model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
             page_size=layout.page_size, activation_bytes=activations, device=device,
-            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size)
+            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size,
+            max_model_len=max_model_len)
         # The workspace's page tables hold the longest sequence the pool can: at most the
         # pages the budget would hold without the workspace.
         most_pages = max(self._budget(plan(reserved_bytes=graphs), device), 0) \

@@ -25,9 +25,10 @@ class ModelGeometry(Protocol):
         """The dtype the weights load in: `dtype` if given, else the model's own."""
 
     def kv_layout(self, *, dtype: torch.dtype | None = None, page_size: int = 16,
-                  kv_cache_dtype: str = "auto") -> KVLayout:
+                  kv_cache_dtype: str = "auto", max_model_len: int | None = None) -> KVLayout:
         """The KV pages of the attention layers, in `dtype` (None: the weights') or
-        `kv_cache_dtype`, of `page_size` tokens."""
+        `kv_cache_dtype`, of `page_size` tokens; a window that no sequence of `max_model_len`
+        tokens passes is none (full attention)."""
 
     def mamba_layout(self, *, dtype: torch.dtype | None = None,
                      tensor_parallel_size: int = 1) -> MambaLayout | None:

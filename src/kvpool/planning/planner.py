@@ -133,16 +133,18 @@ def plan_memory(
     tensor_parallel_size: int = 1,
     free_out_of_window: bool = True,
     max_num_seqs: int = 64,
-    prefill_tokens: int | None = None,
+    max_model_len: int | None = None,
 ) -> MemoryPlan:
     """Plan the KV pool of `model` (a geometry: a `ModelConfig`) before loading it.
     `device_memory` (bytes) is the memory to plan in; None reads the total and in-use memory
     of `device`. `dtype` None: the model's, for the weights and (unless `kv_cache_dtype` is
     "fp8_e4m3") the pages. `activation_bytes` None: the model's estimate for a forward of
     DEFAULT_MAX_NUM_BATCHED_TOKENS tokens of DEFAULT_MAX_NUM_SEQS sequences.
-    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots. A model
-    mixing full and windowed layers gets window pools unless not `free_out_of_window`, sized
-    for `max_num_seqs` windows and `prefill_tokens` of prompt (None: max_position_embeddings).
+    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots.
+    `max_model_len`: the longest sequence, in tokens (None: max_position_embeddings); a window
+    no such sequence passes is full attention, as the engine keeps it. A model mixing full and
+    windowed layers gets window pools unless not `free_out_of_window`, sized for `max_num_seqs`
+    windows and one prompt of `max_model_len` tokens.
     `tensor_parallel_size` N plans one rank of N: 1/N of the parameters, its share of the KV
     heads and Mamba state, in `device_memory` of its own (read from `device`: a GPU of its
     own, or on the CPU 1/N of the host's memory, which the N rank processes share)."""
@@ -153,10 +155,13 @@ def plan_memory(
         check_int64("activation_bytes", activation_bytes, 0)
     check_int64("reserved_bytes", reserved_bytes, 0)
     check_int64("max_num_seqs", max_num_seqs, 1)
+    if max_model_len is None:
+        max_model_len = model.max_position_embeddings
+    check_int64("max_model_len", max_model_len, 1)
     _check_share("memory_fraction", memory_fraction, "(0, 1]")
     _check_share("mamba_memory_ratio", mamba_memory_ratio, "(0, 1)")
-    layout = model.kv_layout(dtype=dtype, page_size=page_size,
-                             kv_cache_dtype=kv_cache_dtype).per_rank(tensor_parallel_size)
+    layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
+                             max_model_len=max_model_len).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
     num_parameters = model.count_parameters()
     weight_bytes = -(-num_parameters // tensor_parallel_size) * weights_dtype.itemsize
@@ -182,11 +187,9 @@ def plan_memory(
     if free_out_of_window and windows and None not in windows:  # as KVCache gives pages back
         plan = replace(plan, window=max(windows))
     if free_out_of_window and len(layout.groups) > 1 and plan.num_pages:
-        if prefill_tokens is None:
-            prefill_tokens = model.max_position_embeddings
         plan = replace(plan, groups=split_budget(
             layout, plan.num_pages * layout.bytes_per_page, max_num_seqs=max_num_seqs,
-            prefill_tokens=prefill_tokens))
+            prefill_tokens=max_model_len))
     if plan.num_pages and (mamba is None or num_slots):
         return plan
     return replace(plan, reason=_reason(plan))
