@@ -139,6 +139,11 @@ def test_plan_with_a_bad_memory_fraction_exits_2(capsys):
 def test_plan_with_a_bad_context_len_exits_2(capsys):
     assert main(["plan", "tiny", "--device-memory", "1GiB", "--context-len", "0"]) == 2
     assert f"context_len must be in [1, {2**63 - 1}], got 0" in capsys.readouterr().err
+    # past the model's context, as the engine refuses the same max_model_len
+    assert main(["plan", "Mistral-7B", "--device-memory", "1GiB", "--context-len",
+                 "32769"]) == 2
+    assert "context_len 32769 exceeds the model's max_position_embeddings 32768" in \
+        capsys.readouterr().err
 
 
 def test_errors_reach_the_shell_without_a_traceback(tmp_path):

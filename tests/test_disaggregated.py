@@ -6,6 +6,7 @@ refuses, dies or goes silent fails its requests with a clear error, never a hang
 import datetime
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -537,6 +538,23 @@ def test_a_prefill_side_given_as_an_engine_config_takes_the_decode_sides_longrop
     assert prefill["max_model_len"] == 16  # not the model's 256, whose factors are long
 
 
+@pytest.mark.parametrize(("model", "max_model_len", "message"), [
+    ("tiny", 0, "max_model_len must be in [1, 9223372036854775807], got 0"),
+    ("phi3", 0, "max_model_len must be in [1, 9223372036854775807], got 0"),
+    ("phi3", 257, "max_model_len 257 exceeds the model's max_position_embeddings 256"),
+])
+def test_a_prefill_sides_bad_max_model_len_is_refused_by_name_before_any_process(
+        monkeypatch, tmp_path, model, max_model_len, message):
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: pytest.fail("a prefill process started"))
+    if model == "phi3":  # LongRoPE: the sides' factors are compared too
+        model = save_hf_model(make_hf_model("phi3", configs={"phi3": lambda: phi3_longrope(16)}),
+                              tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DisaggregatedLLM(model, prefill={"device": "cpu", "max_model_len": max_model_len},
+                         decode={"device": "cpu", "max_model_len": 64, "num_pages": 16})
+
+
 def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_process():
     with pytest.raises(ValueError, match="the prefill engine runs on one rank; got "
                                          "tensor_parallel_size=2"):
@@ -545,8 +563,17 @@ def test_a_prefill_side_with_tensor_parallelism_is_refused_by_name_before_any_pr
 
 
 def test_a_prefill_side_failing_to_start_is_reported_with_its_error():
-    with pytest.raises(EngineDied, match="the prefill engine failed to start: TypeError: .*"
-                                         "no_such_option"):
+    # a budget of one byte holds no page: only the prefill process finds out, planning
+    with pytest.raises(EngineDied, match="the prefill engine failed to start: OutOfPages: "
+                                         "the KV cache budget of 1 B on cpu"):
+        DisaggregatedLLM("tiny", prefill={"device": "cpu", "kv_cache_memory": 1},
+                         decode={"device": "cpu"})
+
+
+def test_an_unknown_prefill_option_is_refused_before_any_process(monkeypatch):
+    monkeypatch.setattr(disaggregated, "_start_prefill_process",
+                        lambda: pytest.fail("a prefill process started"))
+    with pytest.raises(TypeError, match="no_such_option"):
         DisaggregatedLLM("tiny", prefill={"device": "cpu", "no_such_option": 1},
                          decode={"device": "cpu"})
 

@@ -339,6 +339,10 @@ def test_a_phi3_5_config_takes_longrope_long_factors_where_sequences_pass_its_tr
      "needs original_max_position_embeddings, an int of at least 2 (its log divides the "
      "attention factor), got 1"),
     ({"short_factor": [1.0, "x"]}, {}, "short_factor"),
+    # the top level's 0 wins over the parameters' value, as any top-level value does
+    ({"original_max_position_embeddings": 32}, {"original_max_position_embeddings": 0},
+     "needs original_max_position_embeddings, an int of at least 2 (its log divides the "
+     "attention factor), got 0"),
 ])
 def test_broken_longrope_parameters_are_refused_by_name(rope, top_level, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -362,6 +366,14 @@ def test_a_partial_rotary_factor_of_no_channel_or_an_odd_count_is_refused_by_nam
             f"partial_rotary_factor {factor} rotates int(16 * {factor}) = {int(16 * factor)} "
             f"channels of each head: kvpool rotates an even number, at least 2")):
         ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("bad", [0, -5, True, 2.5, float("nan"), "4096"])
+def test_a_max_model_len_that_is_not_a_positive_int_is_refused_by_name(bad):
+    config = ModelConfig.from_hf(phi35_config())
+    for call in (config.for_max_model_len, lambda n: config.kv_layout(max_model_len=n)):
+        with pytest.raises((TypeError, ValueError), match="max_model_len must be"):
+            call(bad)
 
 
 def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_by_name():

@@ -220,6 +220,15 @@ def test_qwen2_moe_has_q_k_v_biases_unless_its_config_says_otherwise_as_transfor
     assert (moe.shared_intermediate_size, moe.shared_gate) == (5632, True)
 
 
+def test_qwen2_moes_shared_expert_takes_the_configs_activation_as_transformers(tmp_path, device):
+    configs = {"qwen2-moe-gelu": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, shared_expert_intermediate_size=48, hidden_act="gelu")}
+    hf = make_hf_model("qwen2-moe-gelu", configs=configs).to(device)
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    batch = prompts(model.config.vocab_size)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
+
+
 def test_the_kv_layout_is_qwen3s_4_kv_heads_of_128():
     layout = ModelConfig.from_hf(QWEN3_30B_A3B).kv_layout()
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (48, 4, 128)

@@ -95,6 +95,9 @@ def run_plan(args: argparse.Namespace) -> int:
     check_splits(model, args.tensor_parallel_size)  # as the engine would refuse it
     context_len = model.max_position_embeddings if args.context_len is None else args.context_len
     check_int64("context_len", context_len, 1)  # named as the user gave it
+    if context_len > model.max_position_embeddings:  # as the engine refuses its max_model_len
+        raise ValueError(f"context_len {context_len} exceeds the model's "
+                         f"max_position_embeddings {model.max_position_embeddings}")
     device = None if args.device_memory is not None else engine_device(args.device)
     plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
                        page_size=args.page_size, dtype=DTYPES.get(args.dtype),

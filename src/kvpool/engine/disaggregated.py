@@ -77,12 +77,14 @@ class DisaggregatedLLM:
         # with it the step after the prompt would already be running (and, for a hybrid,
         # advancing the state that is read).
         prefill, decode = {**_options(prefill), "overlap": False}, _options(decode)
+        prefill_config = EngineConfig(**prefill)  # a bad option fails before a process starts
         if prefill.get("tensor_parallel_size", 1) != 1:
             raise ValueError(f"the prefill engine runs on one rank; got tensor_parallel_size="
                              f"{prefill['tensor_parallel_size']} (a pair with tensor "
                              f"parallelism on either side is not supported yet)")
         self.timeout = timeout
         self.decode = LLM(model, **decode)
+        prefill_config.resolve_max_model_len(self.decode.model_config)
         if self.decode.cache.pool.quantized and (
                 decode.get("kv_scales") is None or prefill.get("kv_scales") != decode["kv_scales"]):
             raise ValueError("fp8 pages handed from the prefill engine need the same kv_scales "

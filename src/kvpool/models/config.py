@@ -424,6 +424,7 @@ class ModelConfig:
         factors where they may pass the trained context, else its short ones, for every
         position alike (so that cached K/V never changes with a sequence's length, as in
         vLLM). Other configs are returned as they are."""
+        check_int64("max_model_len", max_model_len, 1)
         scaling = self.rope_scaling
         if scaling is None or scaling["rope_type"] != "longrope":
             return self
@@ -477,6 +478,8 @@ class ModelConfig:
         with `kv_cache_dtype` "fp8_e4m3", float8_e4m3fn; with pages of `page_size` tokens; and
         each attention layer's sliding window when any layer has one, less the windows that
         sequences of `max_model_len` tokens never pass (Phi-3.5's 262,144: full attention)."""
+        if max_model_len is not None:
+            check_int64("max_model_len", max_model_len, 1)
         windows = tuple(None if window is not None and max_model_len is not None
                         and window >= max_model_len else window
                         for window in map(self.layer_window, self.attention_layers))
@@ -661,7 +664,8 @@ def _rope(cfg: dict, rope_types: tuple[str, ...] = ROPE_TYPES,
     if rope_type not in rope_types:
         raise ConfigError(f"unsupported rope_type {rope_type!r}; kvpool supports "
                           f"{', '.join(('default', *rope_types))} here")
-    if rope_type in ORIGINAL_CONTEXT_ROPE_TYPES and cfg.get("original_max_position_embeddings"):
+    if rope_type in ORIGINAL_CONTEXT_ROPE_TYPES and \
+            cfg.get("original_max_position_embeddings") is not None:
         params["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     if rope_type == "longrope":
         return theta, _longrope(params, key, _int(cfg, "max_position_embeddings", 4096))

@@ -85,7 +85,7 @@ class MoE(nn.Module):
             MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp)
             for _ in range(moe.num_experts))
         self.shared_experts = MLP(hidden, moe.shared_intermediate_size, config.mlp_bias, dtype,
-                                  tp=tp) if moe.shared_intermediate_size else None
+                                  config.hidden_act, tp) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) \
             if moe.shared_gate else None
 
