@@ -626,6 +626,14 @@ def test_gemma3_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar)
     assert (config["sliding_window_pattern"], config["rope_local_base_freq"]) == (6, 10_000.0)
 
 
+def test_a_gemma3_file_without_key_length_scales_queries_by_hidden_size_over_heads(tmp_path):
+    # llama.cpp's head size without attention.key_length: 5,376 / 32 = 168, not 256
+    config = _gemma3_metadata(tmp_path, 34, window=1024, key_length=None)
+    assert (config["head_dim"], config["query_pre_attn_scalar"]) == (None, 168)
+    ours = kvgguf.ModelConfig.from_hf(config)
+    assert (ours.head_dim, ours.gemma.query_pre_attn_scalar) == (168, 168.0)
+
+
 def test_a_gemma3_gguf_file_without_a_window_is_global_on_every_layer_as_llama_cpp_runs_it(
         tmp_path):
     config = _gemma3_metadata(tmp_path, 34, window=None)
@@ -658,15 +666,17 @@ def test_a_granite_gguf_file_whose_rope_llama_cpp_switches_off_is_refused_by_nam
         kvgguf.GGUFCheckpoint(tmp_path / "granite.gguf").hf_config()
 
 
-def _gemma3_metadata(tmp_path: Path, layers: int, window: int | None) -> dict:
-    """hf_config of a Gemma 3 file of `layers` layers of 5,376 channels in 32 heads of 256,
-    with or without a sliding window, and no tensors."""
+def _gemma3_metadata(tmp_path: Path, layers: int, window: int | None,
+                     key_length: int | None = 256) -> dict:
+    """hf_config of a Gemma 3 file of `layers` layers of 5,376 channels in 32 heads of
+    `key_length` (None: left out), with or without a sliding window, and no tensors."""
     writer = gguf.GGUFWriter(tmp_path / "gemma3.gguf", "gemma3")
     writer.add_block_count(layers)
     writer.add_embedding_length(5376)
     writer.add_feed_forward_length(256)
     writer.add_head_count(32)
-    writer.add_key_length(256)
+    if key_length is not None:
+        writer.add_key_length(key_length)
     writer.add_vocab_size(160)
     if window:
         writer.add_sliding_window(window)

@@ -369,8 +369,9 @@ def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dic
 
 def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
-    window every layer is global, as llama.cpp runs it; the query scale; its final logit
-    softcap (which the config then refuses)."""
+    window every layer is global, as llama.cpp runs it; the query scale (by the head size,
+    `head_dim`: attention.key_length, else hidden / heads, as llama.cpp takes it); its final
+    logit softcap (which the config then refuses)."""
     layers, hidden, heads = (key(name) for name in ("block_count", "embedding_length",
                                                     "attention.head_count"))
     window = _window(key)
@@ -379,7 +380,7 @@ def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
         "layer_types": ["full_attention"] * (layers or 0)}
     return {**layout,
             "query_pre_attn_scalar": hidden // heads
-            if layers == GEMMA3_27B_LAYERS and heads else key("attention.key_length"),
+            if layers == GEMMA3_27B_LAYERS and hidden and heads else head_dim,
             "final_logit_softcapping": key("final_logit_softcapping")}
 
 
