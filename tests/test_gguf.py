@@ -897,8 +897,14 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
     (lambda w: w.add_array("tokenizer.ggml.scores", [0.0]), CheckpointError, None),
     (lambda w: w.add_head_count_kv([2, 4]), ConfigError,
      r"llama.attention.head_count_kv differs across layers \(\[2, 4\]\)"),
+    (lambda w: w.add_head_count([4, 8]), ConfigError,
+     r"llama.attention.head_count differs across layers \(\[4, 8\]\)"),
+    (lambda w: w.add_string("llama.embedding_length", "256"), ConfigError,
+     "m.gguf: GGUF llama.embedding_length must be an integer, got '256'"),
+    (lambda w: w.add_expert_count(8), ConfigError,
+     "m.gguf: GGUF llama.expert_count is 8 but llama.expert_used_count is missing"),
 ], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored",
-        "kv-heads-per-layer"])
+        "kv-heads-per-layer", "heads-per-layer", "size-as-text", "experts-without-top-k"])
 def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
     write_gguf(tmp_path / "m.gguf", more=more)
     if message is None:  # a byte-level vocabulary has no scores to check
@@ -912,7 +918,8 @@ def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, err
     lambda w: w.add_uint32("llama.expert_count", 0),  # dense, as llama.cpp reads it
     lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),  # no factor: no scaling
     lambda w: w.add_rope_scaling_factor(1.0),  # a factor of 1: no scaling
-], ids=["no-experts", "linear-without-factor", "factor-one"])
+    lambda w: w.add_head_count([HEADS]),  # one count per layer, all alike
+], ids=["no-experts", "linear-without-factor", "factor-one", "heads-per-layer"])
 def test_metadata_llama_cpp_reads_as_a_plain_model_loads_as_one(tmp_path, more):
     write_gguf(tmp_path / "plain.gguf")
     write_gguf(tmp_path / "m.gguf", more=more)

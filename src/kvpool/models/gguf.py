@@ -114,6 +114,14 @@ _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown
                    "pad_token": "padding"}
 MODEL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+# The metadata keys read here (after `{arch}.`) that GGUF defines as integers; llama.cpp reads
+# the head counts as one value or one per layer.
+INTEGER_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "vocab_size", "attention.head_count", "attention.head_count_kv",
+                "attention.key_length", "attention.sliding_window", "rope.dimension_count",
+                "rope.scaling.original_context_length", "expert_count", "expert_used_count",
+                "expert_feed_forward_length", "expert_shared_feed_forward_length")
+PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
 
 
 def gguf_path(model: str | Path) -> Path | None:
@@ -166,7 +174,17 @@ class GGUFCheckpoint:
                               f"(supported: {', '.join(ARCHITECTURES)})")
 
         def key(name, default=None):
-            return self.meta.get(f"{arch}.{name}", default)
+            """The metadata key `{arch}.{name}` (`default` where absent); ConfigError naming
+            it for an integer key that holds anything else."""
+            value = self.meta.get(f"{arch}.{name}")
+            if value is None:
+                return default
+            if name in PER_LAYER_KEYS:
+                value = _one_per_model(value, f"{self.path.name}: GGUF {arch}.{name}")
+            if name in INTEGER_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{self.path.name}: GGUF {arch}.{name} must be an integer, "
+                                  f"got {value!r}")
+            return value
 
         heads = key("attention.head_count")
         eos = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
@@ -180,7 +198,11 @@ class GGUFCheckpoint:
             raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
                               f"rotates part of each head; kvpool rotates whole heads of {arch}")
         # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
-        # expert count of 0 is a dense model, as llama.cpp reads it)
+        # expert count of 0 is a dense model, as llama.cpp reads it; it refuses one with
+        # experts but no count of them to use)
+        if key("expert_count") and key("expert_used_count") is None:
+            raise ConfigError(f"{self.path.name}: GGUF {arch}.expert_count is "
+                              f"{key('expert_count')} but {arch}.expert_used_count is missing")
         experts = {} if not key("expert_count") else {
             "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
             "moe_intermediate_size": key("expert_feed_forward_length"), "norm_topk_prob": True}
@@ -194,9 +216,7 @@ class GGUFCheckpoint:
             "intermediate_size": key("feed_forward_length"),
             "num_hidden_layers": key("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": _one_per_model(key("attention.head_count_kv", heads),
-                                                  f"{self.path.name}: GGUF {arch}.attention."
-                                                  f"head_count_kv"),
+            "num_key_value_heads": key("attention.head_count_kv", heads),
             "head_dim": head_dim,
             "max_position_embeddings": key("context_length"),
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
