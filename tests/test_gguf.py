@@ -382,6 +382,19 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
         load_model(tmp_path / "bad.gguf", device="cpu")
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.float64], ids=["I32", "F64"])
+def test_a_rope_freqs_tensor_of_a_type_kvpool_cannot_dequantize_is_refused_naming_it(
+        tmp_path, capsys, dtype):
+    write_gguf(tmp_path / "bad.gguf",
+               more=lambda w: w.add_tensor("rope_freqs.weight", np.ones(32, dtype)))
+    kind = {np.int32: "I32", np.float64: "F64"}[dtype]
+    message = f"bad.gguf: GGUF tensor rope_freqs.weight is {kind}, which kvpool cannot dequantize"
+    with pytest.raises(CheckpointError, match=message):
+        load_config(tmp_path / "bad.gguf")
+    assert main(["plan", str(tmp_path / "bad.gguf"), "--device-memory", "1GiB"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def _writer(path: Path, arch: str, config) -> gguf.GGUFWriter:
     """A GGUFWriter of `arch` with the sizes every converted file states, from `config`."""
     writer = gguf.GGUFWriter(path, arch)

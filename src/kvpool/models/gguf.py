@@ -305,10 +305,7 @@ class GGUFCheckpoint:
         if kind in (None, "none"):
             if freqs is None:
                 return None
-            from gguf import dequantize
-
-            factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
-            return {"rope_type": "frequency_factors", "factors": factors.tolist()}
+            return {"rope_type": "frequency_factors", "factors": self._values(freqs)}
         if kind == "linear" and freqs is None:
             return {"rope_type": "linear", "factor": float(factor)}
         raise ConfigError(f"{self.path.name}: GGUF rope scaling {kind!r}"
@@ -327,11 +324,8 @@ class GGUFCheckpoint:
             raise ConfigError(f"{self.path.name}: GGUF LongRoPE needs both "
                               f"{' and '.join(ROPE_FACTORS.values())} and {arch}.rope.scaling."
                               f"original_context_length")
-        from gguf import dequantize
-
-        scaling = {"rope_type": "longrope", "original_max_position_embeddings": context}
-        for name, tensor in tensors.items():
-            scaling[name] = dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": context,
+                   **{name: self._values(tensor) for name, tensor in tensors.items()}}
         attention = self.meta.get(f"{arch}.rope.scaling.attn_factor")
         return scaling if attention is None else {**scaling, "attention_factor": attention}
 
@@ -348,6 +342,18 @@ class GGUFCheckpoint:
                 "ffn_up.weight": (config["intermediate_size"],) * 2}
         return {suffix: tuple(zip(params, rows[suffix], strict=True))
                 for suffix, params in names.items()}
+
+    def _values(self, tensor) -> list[float]:
+        """The values of a config tensor (CONFIG_TENSORS); CheckpointError naming it for a
+        type outside SUPPORTED_TYPES."""
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{self.path.name}: GGUF tensor {tensor.name} is {kind}, which "
+                                  f"kvpool cannot dequantize; supported: "
+                                  f"{', '.join(SUPPORTED_TYPES)}")
+        from gguf import dequantize
+
+        return dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
 
     def _weights(self) -> list:
         """The model's tensors: all but CONFIG_TENSORS, which are config (rope scaling)."""
