@@ -330,6 +330,38 @@ def test_the_cached_conversion_loads_the_same_model(tmp_path, monkeypatch):
     assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
 
 
+def _files(folder: Path) -> list[str]:
+    """Every file and folder under `folder` (none if it does not exist)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(("qtype", "more", "error", "message"), [
+    (T.TQ2_0, None, CheckpointError, r"bad.gguf holds tensor types kvpool cannot dequantize: "
+                                      r"TQ2_0 \(blk\.0\.attn_q\.weight"),
+    (T.F32, lambda w: w.add_tensor("blk.0.extra.weight", np.ones((4, 4), np.float32)),
+     CheckpointError, r"checkpoint \S*bad.gguf does not match its config: unexpected weights: "
+                      r"blk.0.extra.weight"),
+    (T.F32, lambda w: w.add_head_count_kv(3), ConfigError,
+     "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+], ids=["tensor-type", "tensor-names", "config"])
+def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing_cached(
+        tmp_path, monkeypatch, qtype, more, error, message):
+    write_gguf(tmp_path / "bad.gguf", qtype, more=more)
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(error, match=message):
+        load_model(tmp_path / "bad.gguf", device="cpu")
+    assert _files(tmp_path / "cache") == []
+
+
+def test_load_config_and_kvpool_plan_read_a_gguf_file_without_converting_it(tmp_path,
+                                                                             monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    assert load_config(tmp_path / "tiny.gguf").architecture == "LlamaForCausalLM"
+    assert main(["plan", str(tmp_path / "tiny.gguf"), "--device-memory", "1GiB"]) == 0
+    assert _files(tmp_path / "cache") == []
+
+
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -800,7 +832,7 @@ def reference(smollm2):
     import transformers
 
     key = hashlib.sha256(json.dumps([CHATS, TEXTS, MAX_TOKENS]).encode()).hexdigest()[:12]
-    digest = kvgguf.cached_conversion(smollm2).name[:12]
+    digest = kvgguf.conversion_folder(smollm2).name[:12]
     path = CACHE_ROOT / f"reference-{digest}-{transformers.__version__}-{key}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -439,35 +439,42 @@ ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma3": _
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
-    """What to load for `model`: None if it names no GGUF file; else its conversion to a
-    checkpoint folder when caching is on (see `cached_conversion`); else the GGUF file."""
+    """What to read for `model`, writing nothing: None if it names no GGUF file; else its
+    conversion to a checkpoint folder where caching is on and the file has been converted
+    (see `conversion_folder`); else the GGUF file."""
     path = gguf_path(model)
     if path is None:
         return None
-    return cached_conversion(path) or GGUFCheckpoint(path)
+    folder = conversion_folder(path)
+    return folder if folder is not None and is_converted(folder) else GGUFCheckpoint(path)
 
 
-def cached_conversion(path: Path) -> Path | None:
+def conversion_folder(path: Path) -> Path | None:
     """With the environment variable KVPOOL_GGUF_CACHE naming a folder, the Hugging Face
     checkpoint folder that a GGUF file converts to (float32 weights, config.json,
     tokenizer.json, the chat template in tokenizer_config.json), kept in that folder under
-    the file's SHA-256 and written on first use. Without it, None. Dequantizing with numpy
-    takes tens of seconds per 100M parameters; reading the conversion takes about one."""
+    the file's SHA-256 (the loader writes it on first use: `write_conversion`). Without it,
+    None. Dequantizing with numpy takes tens of seconds per 100M parameters; reading the
+    conversion takes about one."""
     root = os.environ.get(CACHE_ENV)
     if not root:
         return None
     if not path.is_file():
         raise ConfigError(f"no GGUF file at {str(path)!r}")
     stat = path.stat()
-    folder = Path(root) / _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
-    if not (folder / "model.safetensors").is_file():
-        _convert(GGUFCheckpoint(path), folder)
-    return folder
+    return Path(root) / _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
 
 
-def _convert(checkpoint: GGUFCheckpoint, folder: Path) -> None:
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a complete conversion (`write_conversion` renames it into
+    place whole)."""
+    return (folder / "model.safetensors").is_file()
+
+
+def write_conversion(checkpoint: GGUFCheckpoint, folder: Path) -> None:
     """Write the checkpoint folder of `checkpoint` into `folder`, atomically: into a
-    temporary folder beside it, renamed when complete."""
+    temporary folder beside it, renamed when complete. The caller checks the file first
+    (config, tensor types and shapes): a file refused later would leave its conversion."""
     from safetensors.torch import save_file
 
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,12 @@ from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma3 import Gemma3ForCausalLM
-from kvpool.models.gguf import GGUFCheckpoint, gguf_source
+from kvpool.models.gguf import (
+    GGUFCheckpoint,
+    conversion_folder,
+    gguf_source,
+    write_conversion,
+)
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.olmo2 import Olmo2ForCausalLM
 from kvpool.models.parallel import (
@@ -88,7 +93,9 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
                device: str | torch.device, tp: TensorParallel = ONE_RANK,
                max_model_len: int | None = None) -> LoadedModel:
     """Load a checkpoint folder, a GGUF file (a path ending in .gguf, or a packaged name such
-    as "smollm2") or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
+    as "smollm2"; with KVPOOL_GGUF_CACHE set, through its conversion, written on first use
+    once the file passes the checks) or the "tiny" preset onto `device`; with `tp`, this
+    rank's part of it.
     dtype None: the config's (float32 if it states none). `max_model_len`, the longest
     sequence it will run (None: the config's context), picks LongRoPE's factors. Raises
     ValueError for a bad device, ConfigError for a missing, malformed or unsupported config
@@ -99,7 +106,12 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
         check_int64("max_model_len", max_model_len, 1)
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
-        return load_gguf(source, dtype=dtype, device=device, tp=tp, max_model_len=max_model_len)
+        folder = conversion_folder(source.path)
+        if folder is None:
+            return load_gguf(source, dtype=dtype, device=device, tp=tp,
+                             max_model_len=max_model_len)
+        _convert_gguf(source, folder)
+        source = folder
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
     if max_model_len is not None:
@@ -138,12 +150,29 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
     tokenizer = checkpoint.tokenizer()  # before the weights: a bad vocabulary fails at once
     net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
     params = net.state_dict()
-    _check_weights(net, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
-                   path)
+    _check_gguf_weights(net, checkpoint)
     with torch.no_grad():
         for name, tensor in checkpoint.tensors():
             _copy_finite(params[name], take(tensor, checkpoint_index(net, name)), name, path)
     return LoadedModel(net.eval(), config, tokenizer)
+
+
+def _convert_gguf(checkpoint: GGUFCheckpoint, folder: Path) -> None:
+    """Write a GGUF file's conversion into `folder` once its config, tensor types and shapes
+    pass the checks load_gguf makes before reading a weight (the shapes against a model built
+    on the meta device, which holds no memory): a refused file leaves nothing in the cache."""
+    config = checkpoint.config()
+    _check_gguf_weights(model_class(config)(config, dtype=torch.float32, device="meta"),
+                        checkpoint)
+    write_conversion(checkpoint, folder)
+
+
+def _check_gguf_weights(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> None:
+    """CheckpointError naming the GGUF file unless its tensors are of supported types and
+    are the model's weights, each of its shape."""
+    path = checkpoint.path
+    _check_weights(model, {name: (shape, path) for name, shape in checkpoint.shapes().items()},
+                   path)
 
 
 def check_splits(config: ModelConfig, tensor_parallel_size: int) -> None:
@@ -163,8 +192,9 @@ def model_class(config: ModelConfig) -> type[torch.nn.Module]:
 def load_config(model: str | Path) -> ModelConfig:
     """The config `load_model` would load the model with, read without touching the weights:
     a checkpoint folder's config.json with the end ids of its generation_config.json, or the
-    "tiny" preset's, or a GGUF file's metadata. Other presets are geometries for planning
-    only: ConfigError."""
+    "tiny" preset's, or a GGUF file's metadata (its cached conversion's config.json where one
+    exists; nothing is converted). Other presets are geometries for planning only:
+    ConfigError."""
     if isinstance(model, str) and model in PRESETS:
         if model != TINY_PRESET:
             raise ConfigError(f"preset {model!r} is a geometry for memory planning only, it "
