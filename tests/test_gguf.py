@@ -617,6 +617,24 @@ def test_a_phi3_gguf_file_with_one_longrope_factor_list_is_refused_naming_both(t
         load_model(tmp_path / "phi3.gguf", device="cpu")
 
 
+def test_a_phi3_gguf_file_with_a_longrope_list_of_another_length_is_refused_at_once(
+        tmp_path, capsys):
+    # the short factors would apply only to sequences within the trained 16 positions: the
+    # file is refused whatever max_model_len picks
+    config, path = phi3_longrope(16), tmp_path / "phi3.gguf"  # 12 channels rotated
+    writer = _writer(path, "phi3", config)
+    writer.add_rope_dimension_count(12)
+    writer.add_rope_scaling_orig_ctx_len(16)
+    writer.add_tensor("rope_factors_short.weight", np.ones(3, np.float32))
+    writer.add_tensor("rope_factors_long.weight", np.ones(6, np.float32))
+    _finish(writer, config.vocab_size)
+    message = "short_factor factors: 3 given, but a rotary dimension of 12 has 6 frequencies"
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    assert main(["plan", str(path), "--device-memory", "1GiB"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def _gemma3_gguf_of(hf, path: Path) -> None:
     """The file llama.cpp's converter writes for a transformers Gemma 3 (text): names from the
     gguf package's own map, each norm weight stored plus 1, the global layers' rope base and

@@ -376,11 +376,12 @@ def test_a_max_model_len_that_is_not_a_positive_int_is_refused_by_name(bad):
             call(bad)
 
 
-def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_by_name():
-    config = ModelConfig.from_hf(phi35_config(short_factor=[1.0] * 47))
-    with pytest.raises(ConfigError, match="short_factor factors: 47 given, but a rotary "
-                                          "dimension of 96 has 48 frequencies"):
-        rotary.inv_frequencies(config.for_max_model_len(4096), device="cpu")
+@pytest.mark.parametrize("name", ["short_factor", "long_factor"])
+def test_longrope_factors_of_another_count_than_the_frequencies_are_refused_when_read(name):
+    # whichever set max_model_len picks later: Phi-3.5's context of 131,072 takes the long
+    with pytest.raises(ConfigError, match=f"{name} factors: 47 given, but a rotary "
+                                          f"dimension of 96 has 48 frequencies"):
+        ModelConfig.from_hf(phi35_config(**{name: [1.0] * 47}))
 
 
 def test_granite_reads_its_multipliers_each_1_when_left_out_as_transformers_does():

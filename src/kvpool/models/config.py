@@ -377,6 +377,9 @@ class ModelConfig:
         partial_rotary = is_bamba or arch == "Phi3ForCausalLM"  # Phi-4-mini rotates 3/4
         if not partial_rotary:
             _check_no_partial_rotary(cfg)
+        partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
+            if partial_rotary else 1.0
+        _check_longrope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
@@ -407,8 +410,7 @@ class ModelConfig:
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
-            partial_rotary_factor=_partial_rotary_factor(cfg, is_bamba, head_dim)
-            if partial_rotary else 1.0,
+            partial_rotary_factor=partial_rotary_factor,
             mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
             layer_types=layer_types,
             gemma=gemma,
@@ -710,6 +712,17 @@ def _longrope(params: dict, key: str, max_position_embeddings: int) -> dict:
             scaling[name] = _number(params[name], f"{key}.{name}")
     scaling["long"] = max_position_embeddings > context
     return scaling
+
+
+def _check_longrope_factors(rope_scaling: dict | None, rotary_dim: int) -> None:
+    """ConfigError unless LongRoPE's two factor lists each hold one factor per frequency of
+    `rotary_dim` channels, whichever set `max_model_len` later picks."""
+    if rope_scaling is None or rope_scaling["rope_type"] != "longrope":
+        return
+    for name in ("short_factor", "long_factor"):
+        if len(rope_scaling[name]) != rotary_dim // 2:
+            raise ConfigError(f"{name} factors: {len(rope_scaling[name])} given, but a rotary "
+                              f"dimension of {rotary_dim} has {rotary_dim // 2} frequencies")
 
 
 def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
