@@ -343,7 +343,9 @@ def _files(folder: Path) -> list[str]:
                       r"blk.0.extra.weight"),
     (T.F32, lambda w: w.add_head_count_kv(3), ConfigError,
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
-], ids=["tensor-type", "tensor-names", "config"])
+    (T.F32, lambda w: w.add_tokenizer_pre("gpt-4o"), CheckpointError,
+     r"GGUF pre-tokenizer 'gpt-4o' is not supported \(supported: default, gpt-2, gpt2"),
+], ids=["tensor-type", "tensor-names", "config", "pre-tokenizer"])
 def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing_cached(
         tmp_path, monkeypatch, qtype, more, error, message):
     write_gguf(tmp_path / "bad.gguf", qtype, more=more)
@@ -966,8 +968,11 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
      "m.gguf: GGUF llama.embedding_length must be an integer, got '256'"),
     (lambda w: w.add_expert_count(8), ConfigError,
      "m.gguf: GGUF llama.expert_count is 8 but llama.expert_used_count is missing"),
+    (lambda w: w.add_tokenizer_pre("gpt-4o"), CheckpointError,
+     "GGUF pre-tokenizer 'gpt-4o' is not supported"),
 ], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored",
-        "kv-heads-per-layer", "heads-per-layer", "size-as-text", "experts-without-top-k"])
+        "kv-heads-per-layer", "heads-per-layer", "size-as-text", "experts-without-top-k",
+        "unknown-pre-tokenizer"])
 def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
     write_gguf(tmp_path / "m.gguf", more=more)
     if message is None:  # a byte-level vocabulary has no scores to check
