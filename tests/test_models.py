@@ -21,8 +21,6 @@ from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
-from kvpool.models import check_splits
-from kvpool.models.config import ModelConfig
 from kvpool.models.loader import _copy_finite, load_model
 from kvpool.models.tokenizer import ByteTokenizer
 from models_util import (
@@ -145,14 +143,6 @@ def test_the_engine_takes_longrope_short_factors_only_for_sequences_within_the_t
     # transformers takes the short factors while a sequence is within 16 positions; a cache
     # whose sequences may pass them takes the long ones throughout
     assert greedy(64, short) != hf_greedy(hf, short, 10)
-
-
-def test_olmo2_refuses_tensor_parallelism_by_name_before_any_process():
-    config = ModelConfig.from_hf(CONFIGS["olmo2"]().to_dict())
-    check_splits(config, 1)
-    with pytest.raises(ConfigError, match="OLMo 2 norms q and k across all heads, which 2 "
-                                          "tensor-parallel ranks"):
-        check_splits(config, 2)
 
 
 def test_default_logits_are_those_of_each_sequences_last_token(pair):

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
-Qwen2 (one KV head, replicated), Qwen3, Qwen3-MoE, DeepSeek-V3 and Gemma 3 (a full and a
-window pool) checkpoints equal transformers' (and so one rank's) through preemption, prefix
-hits, chunks, copy-on-write and window drops;
+Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), Phi-3, Qwen3-MoE,
+Mixtral, DeepSeek-V3 and Gemma 3 (a full and a window pool) checkpoints equal transformers'
+(and so one rank's) through preemption, prefix hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ PARITY = {
     "qwen2-one-kv-head": lambda: transformers.Qwen2Config(**{**SMALL,
                                                             "num_key_value_heads": 1}),
     "qwen3": CONFIGS["qwen3"],
+    # q and k normed across the heads of both ranks: each rank's sums of squares all-reduced
+    "olmo2": CONFIGS["olmo2"],
+    # ... with the one KV head on both ranks: its squares counted twice, over twice its width
+    "olmo2-one-kv-head": lambda: transformers.Olmo2Config(**{**SMALL, "num_key_value_heads": 1},
+                                                         attention_bias=True),
     # each rank's rows of the fused q/k/v and gate/up; LongRoPE's short factors on every
     # rank, as the engine's max_model_len (ENGINE's) stays within the trained 64 positions
     "phi3": lambda: phi3_longrope(64, sliding_window=8, attention_bias=True),
@@ -152,6 +157,27 @@ def test_window_drops_copy_the_same_pages_on_every_rank(engine):
     assert copied and dropped
     assert [outputs[i] for i in ids] == case.expected
     llm.check()
+
+
+@pytest.mark.parametrize("engine", ["olmo2", "olmo2-one-kv-head"], indirect=True)
+def test_olmo2_logprobs_equal_transformers_with_its_qk_norms_spanning_both_ranks(engine):
+    """Each generated token's 5 likeliest log-probabilities equal transformers' within 1e-4:
+    a mean square of q or k off by any factor, which may leave greedy tokens as they are,
+    moves them."""
+    case, llm = engine
+    hf = transformers.AutoModelForCausalLM.from_pretrained(case.folder,
+                                                           attn_implementation="eager")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    outputs = llm.generate(case.batch, params, use_tqdm=False)
+    for prompt, output in zip(case.batch, outputs, strict=True):
+        sample = output.outputs[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + sample.token_ids[:-1]])).logits[0]
+        expected = logits[len(prompt) - 1:].log_softmax(dim=-1)
+        for position, entry in enumerate(sample.logprobs):
+            assert [token for token, _ in entry.top] == expected[position].topk(5).indices.tolist()
+            for token, logprob in entry.top:
+                assert logprob == pytest.approx(expected[position, token].item(), abs=1e-4)
 
 
 @pytest.mark.parametrize("engine", ["llama"], indirect=True)

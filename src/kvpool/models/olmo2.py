@@ -1,20 +1,39 @@
 """OLMo 2: a Llama-style decoder that norms the outputs of attention and of the MLP before
 each joins the residual stream (and norms no input), with q and k each normed across all its
 heads at once, every norm's weight applied in float32. Parameter names mirror the Hugging Face
-`Olmo2ForCausalLM` checkpoints. Since the q/k norms span every head, one rank cannot norm its
-share of the heads alone: a model of several ranks is refused."""
+`Olmo2ForCausalLM` checkpoints. Under tensor parallelism the q/k norms span every rank's
+heads: each rank sums the squares of its own features, one all-reduce per layer adds the
+ranks' sums, and each rank scales its features by its part of the norm's weight."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kvpool.errors import ConfigError
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, Float32RMSNorm
 from kvpool.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, Rope
-from kvpool.models.parallel import TensorParallel
+from kvpool.models.parallel import ColumnLinear, Index, Sharded, TensorParallel
+
+
+class HeadsNorm(nn.Module, Sharded):
+    """The weight of an RMSNorm over every head of q or k, of which this rank holds the
+    features its projection `linear` outputs; the attention gives it the mean square, which
+    spans the ranks."""
+
+    def __init__(self, linear: ColumnLinear, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(linear.out_features, dtype=dtype))
+        self.rows = linear.rows
+
+    def forward(self, x: torch.Tensor, mean_square: torch.Tensor, eps: float) -> torch.Tensor:
+        """x `[T, features]`, its rows' mean square over all ranks `[T, 1]` (float32) ->
+        x normed and scaled in float32, in x's dtype."""
+        return (x.float() * torch.rsqrt(mean_square + eps) * self.weight.float()).to(x.dtype)
+
+    def checkpoint_index(self, name: str) -> Index:
+        return self.rows
 
 
 class Olmo2Attention(LlamaAttention):
@@ -22,29 +41,36 @@ class Olmo2Attention(LlamaAttention):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel):
-        if tp.size > 1:
-            raise ConfigError(f"OLMo 2 norms q and k across all heads, which {tp.size} "
-                              f"tensor-parallel ranks would each hold a share of: run it on "
-                              f"one rank")
         super().__init__(config, dtype, layer_idx, config.layer_window(layer_idx), tp)
-        eps = config.rms_norm_eps
-        self.q_norm = Float32RMSNorm(self.num_heads * self.head_dim, eps, dtype)
-        self.k_norm = Float32RMSNorm(self.num_kv_heads * self.head_dim, eps, dtype)
+        self.tp = tp
+        self.eps = config.rms_norm_eps
+        self.q_norm = HeadsNorm(self.q_proj, dtype)
+        self.k_norm = HeadsNorm(self.k_proj, dtype)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x)).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x)).view(tokens, self.num_kv_heads, self.head_dim)
-        return q, k, self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        # Every rank holds as many q (and k) features, each KV head replicated on as many
+        # ranks where there are fewer than ranks: the ranks' summed squares over their
+        # summed widths are the mean square over all heads.
+        squares = torch.stack((q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)), dim=-1)
+        q_squares, k_squares = self.tp.all_reduce(squares)[:, :, None].unbind(1)
+        q = self.q_norm(q, q_squares / (q.shape[-1] * self.tp.size), self.eps)
+        k = self.k_norm(k, k_squares / (k.shape[-1] * self.tp.size), self.eps)
+        return (q.view(tokens, self.num_heads, self.head_dim),
+                k.view(tokens, self.num_kv_heads, self.head_dim),
+                self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
 
 
 class Olmo2DecoderLayer(nn.Module):
-    """`x + norm(attn(x))`, then `x + norm(mlp(x))`."""
+    """`x + norm(attn(x))`, then `x + norm(mlp(x))`; under tensor parallelism the partial
+    sums of attention and of the MLP are all-reduced before their norms."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
+        self.tp = tp
         self.self_attn = Olmo2Attention(config, dtype, layer_idx, tp)
         self.post_attention_layernorm = Float32RMSNorm(size, eps, dtype)
         self.mlp = MLP(size, config.intermediate_size, config.mlp_bias, dtype,
@@ -53,8 +79,9 @@ class Olmo2DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
-        x = x + self.post_attention_layernorm(self.self_attn(x, rope, context))
-        return x + self.post_feedforward_layernorm(self.mlp(x))
+        attention = self.tp.all_reduce(self.self_attn(x, rope, context))
+        x = x + self.post_attention_layernorm(attention)
+        return x + self.post_feedforward_layernorm(self.tp.all_reduce(self.mlp(x)))
 
 
 class Olmo2Model(LayerStack):
@@ -65,6 +92,6 @@ class Olmo2Model(LayerStack):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    """OLMo 2's decoder and head; one rank only."""
+    """OLMo 2's decoder and head."""
 
     decoder = Olmo2Model
