@@ -30,6 +30,7 @@ from kvpool.models.moe import MoE
 from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
+from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
 from test_qwen3_moe import MIXTRAL
 from test_windows import CONFIGS as WINDOWED
@@ -43,6 +44,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "smollm3": lambda: make_hf_model("smollm3"),  # layers without RoPE
     "olmo2": lambda: make_hf_model("olmo2"),  # post-norms, q/k normed across all heads
     "granite": lambda: make_hf_model("granite"),  # the multipliers
+    # the multipliers and MoE layers with a shared MLP
+    "granitemoe-shared": lambda: make_hf_model("granitemoe-shared", configs=GRANITE_MOE),
     "qwen2-moe": lambda: make_hf_model("qwen2-moe", configs=QWEN3_MOE),  # a gated shared expert
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
@@ -220,6 +223,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
               "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
+              "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
               "bamba": "BambaForCausalLM"}

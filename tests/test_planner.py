@@ -89,6 +89,9 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("Olmo2Config", {"attention_bias": True}),  # q/k norms across all heads
     ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
                         "shared_expert_intermediate_size": 48}),  # a gated shared expert
+    ("GraniteMoeConfig", {"num_local_experts": 4, "attention_bias": True}),
+    ("GraniteMoeSharedConfig", {"num_local_experts": 4,
+                                "shared_intermediate_size": 48}),  # an ungated shared MLP
 ])
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), Phi-3, Qwen3-MoE,
-Mixtral, DeepSeek-V3 and Gemma 3 (a full and a window pool) checkpoints equal transformers'
-(and so one rank's) through preemption, prefix hits, chunks, copy-on-write and window drops;
+Mixtral, GraniteMoeShared, DeepSeek-V3 and Gemma 3 (a full and a window pool) checkpoints
+equal transformers' (and so one rank's) through preemption, prefix hits, chunks,
+copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from models_util import (
     save_hf_model,
 )
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
 from test_qwen3_moe import MIXTRAL
 from test_windows import GEMMA
@@ -66,6 +68,8 @@ PARITY = {
     "phi3": lambda: phi3_longrope(64, sliding_window=8, attention_bias=True),
     "qwen3-moe": QWEN3_MOE_CONFIGS["qwen3-moe"],
     "mixtral": MIXTRAL["mixtral-window-8"],  # experts under Mixtral's checkpoint names
+    # each rank's rows of every expert's gate and up, read from the layer's stacked experts
+    "granitemoe-shared": GRANITE_MOE["granitemoe-shared"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},

@@ -1,6 +1,7 @@
 """Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
-Gemma 3 text, DeepSeek-V2/V3, and the hybrid Bamba) into one validated dataclass, the KV layout
-a config implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
+Gemma 3 text, Granite and Granite MoE, DeepSeek-V2/V3, and the hybrid Bamba) into one
+validated dataclass, the KV layout a config implies, and the built-in presets used by `kvpool
+plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
     "Olmo2ForCausalLM",
     "MixtralForCausalLM",
     "Gemma3ForCausalLM",
@@ -47,6 +50,8 @@ _ARCH_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -61,6 +66,9 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 GRANITE = "GraniteForCausalLM"
+GRANITE_MOE = "GraniteMoeForCausalLM"
+GRANITE_MOE_SHARED = "GraniteMoeSharedForCausalLM"
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED)  # with Granite's multipliers
 OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -80,6 +88,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     # Phi-3's trained context: its config's top-level key, which wins over the rope's
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "GraniteForCausalLM": {"max_position_embeddings": 2048},
+    "GraniteMoeForCausalLM": {"max_position_embeddings": 2048},
+    "GraniteMoeSharedForCausalLM": {"max_position_embeddings": 2048},
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
@@ -97,7 +107,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", GRANITE,
+                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", *GRANITES,
                   OLMO2)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
@@ -108,6 +118,7 @@ SIZE_LIMITS = {
     "hidden_size": 2**20,
     "intermediate_size": 2**22,
     "moe_intermediate_size": 2**22,
+    "shared_intermediate_size": 2**22,
     "num_attention_heads": 2**14,
     "num_key_value_heads": 2**14,
     "head_dim": 2**14,
@@ -251,10 +262,11 @@ class MLAConfig:
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """A mixture of experts (DeepSeek's, Qwen2-MoE's, Qwen3-MoE's, Mixtral's): the model
-    layers `layers` replace the dense MLP by `top_k` of `num_experts` routed experts plus a
-    shared MLP always applied (DeepSeek's shared experts fused, Qwen2-MoE's shared expert
-    scaled by a sigmoid gate; Qwen3-MoE and Mixtral have none)."""
+    """A mixture of experts (DeepSeek's, Qwen2-MoE's, Qwen3-MoE's, Mixtral's, Granite
+    MoE's): the model layers `layers` replace the dense MLP by `top_k` of `num_experts`
+    routed experts plus a shared MLP always applied (DeepSeek's shared experts fused,
+    GraniteMoeShared's shared MLP, Qwen2-MoE's shared expert scaled by a sigmoid gate;
+    Qwen3-MoE, Mixtral and GraniteMoe have none)."""
 
     num_experts: int
     top_k: int
@@ -418,7 +430,7 @@ class ModelConfig:
             moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else (),
-            multipliers=_granite_multipliers(cfg) if arch == GRANITE else NO_MULTIPLIERS,
+            multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -1053,8 +1065,24 @@ def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
                        "mlp_only_layers": []}, num_layers)
 
 
+def _granite_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """Granite MoE's experts, as transformers reads them: Mixtral's (transformers takes the
+    softmax of the chosen experts' logits, which is their softmax scores renormalised), 2 of
+    8 by default, each `intermediate_size` wide, on every layer; and GraniteMoeShared's
+    shared MLP `shared_intermediate_size` wide (0: none), added ungated."""
+    arch, intermediate = _architecture(cfg), _int(cfg, "intermediate_size")
+    moe = _qwen_moe({**cfg, "moe_intermediate_size": intermediate, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []},
+                    num_layers, arch, (8, 2, intermediate), shared=0)
+    if arch != GRANITE_MOE_SHARED:
+        return moe
+    shared = _optional_int(cfg, "shared_intermediate_size", minimum=0) or 0
+    return replace(moe, shared_intermediate_size=shared)
+
+
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
-MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe}
+MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
+                     GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:

@@ -3,8 +3,8 @@ tokenizer.json), a GGUF file (models/gguf.py) or the built-in "tiny" preset (see
 weights, byte tokenizer). A tensor-parallel rank loads only its part of each weight
 (kvpool.models.parallel): safetensors reads just those bytes. Checkpoints whose names or
 layout differ from kvpool's parameters are mapped at load: renamed (Mixtral's experts, a
-multimodal checkpoint's text decoder), split (Phi-3's fused projections) or dequantized
-(FP8 releases' block-scaled float8 weights)."""
+multimodal checkpoint's text decoder), split (Phi-3's fused projections, Granite MoE's
+experts stacked in one tensor) or dequantized (FP8 releases' block-scaled float8 weights)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
-# Checkpoint names of Mixtral's router and experts, Qwen2-MoE's shared expert, and a
-# multimodal checkpoint's text decoder -> kvpool's.
+# Checkpoint names of Mixtral's and Granite MoE's routers and experts, Qwen2-MoE's shared
+# expert, and a multimodal checkpoint's text decoder -> kvpool's.
 RENAMED = (
     (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
     (re.compile(r"(.*\.)mlp\.shared_expert\.(.*)"), r"\1mlp.shared_experts.\2"),
@@ -60,13 +60,23 @@ RENAMED = (
      r"\1mlp.experts.\2.down_proj.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w3\.weight"),
      r"\1mlp.experts.\2.up_proj.weight"),
+    (re.compile(r"(.*\.)block_sparse_moe\.router\.layer\.weight"), r"\1mlp.gate.weight"),
+    (re.compile(r"(.*\.)shared_mlp\.output_linear\.weight"),
+     r"\1mlp.shared_experts.down_proj.weight"),
 )
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
-# projections), named after `model.layers.N.`: the parameters, in order.
+# projections, GraniteMoeShared's shared MLP), named after `model.layers.N.`: the
+# parameters, in order. Those named with `{}` (Granite MoE's experts) hold every expert of
+# the layer along a first dimension, `{}` the expert's index.
 FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "shared_mlp.input_linear.weight": ("mlp.shared_experts.gate_proj.weight",
+                                       "mlp.shared_experts.up_proj.weight"),
+    "block_sparse_moe.input_linear.weight": ("mlp.experts.{}.gate_proj.weight",
+                                             "mlp.experts.{}.up_proj.weight"),
+    "block_sparse_moe.output_linear.weight": ("mlp.experts.{}.down_proj.weight",),
 }
 # The module class of each architecture other than the dense Llama family (which
 # LlamaForCausalLM runs); Qwen3-MoE is a Llama-family decoder whose layers hold experts.
@@ -286,7 +296,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
-    # parameter name -> (the checkpoint tensor holding it, its rows there; None: all of them)
+    # parameter name -> (the checkpoint tensor holding it, its piece there; None: all of it)
     sources = _renamed(found) | _split_fused(found, model.config)
     _check_weights(model, found, files[0].parent)
     read = {sources.get(name, (name, None))[0] for name in found}
@@ -297,15 +307,15 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
         for file in files:
             with _open_safetensors(file) as f:
                 for name in [n for n, (_, where) in found.items() if where == file]:
-                    source, rows = sources.get(name, (name, None))
+                    source, piece = sources.get(name, (name, None))
                     index = checkpoint_index(model, name)
                     if source in scales:
                         whole = _dequantized(f, source, file, scales[source], block)
-                        tensor = take(whole if rows is None else whole[rows], index)
-                    elif rows is None:
+                        tensor = take(whole if piece is None else whole[piece], index)
+                    elif piece is None:
                         tensor = _read_tensor(f, source, file, index)
                     else:
-                        tensor = take(_read_tensor(f, source, file, ((rows,),)), index)
+                        tensor = take(_read_tensor(f, source, file, (piece,)), index)
                     if tensor.dtype == torch.float8_e4m3fn:
                         raise CheckpointError(f"weight {source} in {file.name} is float8 "
                                               f"with no {source}{SCALE_SUFFIX}")
@@ -326,24 +336,40 @@ def _renamed(found: dict) -> dict[str, tuple[str, None]]:
     return sources
 
 
-def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, slice]]:
+def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple]]:
     """Replace each FUSED tensor of `found` by the parameters it stacks, with their shapes;
-    returns parameter name -> (the fused tensor's name, its rows)."""
+    returns parameter name -> (the fused tensor's name, the piece of it the parameter is:
+    its rows, or an expert's index and its rows)."""
+    expert, shared = (config.moe.intermediate_size, config.moe.shared_intermediate_size) \
+        if config.moe else (0, 0)
     rows = {"self_attn.qkv_proj.weight": (config.num_heads * config.head_dim,
                                           *(config.num_kv_heads * config.head_dim,) * 2),
-            "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2}
+            "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2,
+            "shared_mlp.input_linear.weight": (shared,) * 2,
+            "block_sparse_moe.input_linear.weight": (expert,) * 2,
+            "block_sparse_moe.output_linear.weight": (config.hidden_size,)}
     parts = {}
     for name in list(found):
         suffix = name.split(".", 3)[-1]
         if suffix not in FUSED or _layer_index(name) < 0:
             continue
-        (total, *rest), file = found.pop(name)
+        shape, file = found.pop(name)
         layer = name[:-len(suffix)]  # model.layers.N.
-        start = 0
-        for part, size in zip(FUSED[suffix], rows[suffix], strict=True):
-            found[layer + part] = ((size, *rest), file)
-            parts[layer + part] = (name, slice(start, start + size))
-            start += size
+        stacked = "{}" in FUSED[suffix][0]
+        experts = config.moe.num_experts if config.moe else 0
+        if stacked and (len(shape) != 3 or shape[0] != experts):
+            raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, the "
+                                  f"config needs {experts} experts stacked along its first "
+                                  f"dimension")
+        (total, *rest) = shape[stacked:]
+        for index in range(shape[0]) if stacked else (None,):
+            start = 0
+            for part, size in zip(FUSED[suffix], rows[suffix], strict=True):
+                ours = layer + part.format(index)
+                found[ours] = ((size, *rest), file)
+                piece = slice(start, start + size)
+                parts[ours] = (name, (index, piece) if stacked else (piece,))
+                start += size
         if start != total:
             raise CheckpointError(f"{name} has {total} rows in the checkpoint, the config "
                                   f"needs {start} ({' + '.join(map(str, rows[suffix]))})")
