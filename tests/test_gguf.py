@@ -458,10 +458,11 @@ def _finish(writer: gguf.GGUFWriter, vocab_size: int, merges=("a b",)) -> None:
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
-    """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite or
-    OLMo 2 model (tensors named by the gguf package's map, each layer's experts stacked, q/k
-    rows reordered for `llama` and `granite`, Granite's multipliers as its scales), in
-    float32, with a vocabulary of placeholder tokens."""
+    """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite,
+    Granite MoE or OLMo 2 model (tensors named by the gguf package's map, each layer's
+    experts stacked, Granite MoE's stacked gate and up rows split apart, q/k rows reordered
+    for `llama` and `granite`, Granite's multipliers as its scales), in float32, with a
+    vocabulary of placeholder tokens."""
     config = hf.config
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -476,25 +477,36 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) 
                                               or config.intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if arch == "granite":
+    if getattr(config, "shared_intermediate_size", 0):  # GraniteMoeShared
+        writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    if arch in ("granite", "granitemoe"):
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_logit_scale(config.logits_scaling)
         writer.add_attention_scale(config.attention_multiplier)
     # the converter's names for transformers' (the gguf package's map, not kvpool's)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
     for pattern, template in RENAMED:  # Mixtral's names for the router and experts
         weights = {pattern.sub(template, name): w for name, w in weights.items()}
+    for name in [n for n in weights if n.endswith("input_linear.weight")]:  # Granite MoE's
+        gate, up = weights.pop(name).chunk(2, dim=-2)
+        i, kind = name.split(".")[2], "exps" if "block_sparse_moe" in name else "shexp"
+        writer.add_tensor(f"blk.{i}.ffn_gate_{kind}.weight", gate.contiguous().numpy())
+        writer.add_tensor(f"blk.{i}.ffn_up_{kind}.weight", up.contiguous().numpy())
     for stack, ours in kvgguf.EXPERT_TENSORS.items():
         for i in range(config.num_hidden_layers if num_experts else 0):
+            if f"model.layers.{i}.mlp.experts.0.{ours}" not in weights:  # Granite MoE's stack
+                continue
             experts = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}")
                        for e in range(num_experts)]
             writer.add_tensor(f"blk.{i}.{stack}", torch.stack(experts).numpy())
     for name, tensor in weights.items():
         if name.endswith("shared_expert_gate.weight") and squeeze:  # llama.cpp reads either
             tensor = tensor.squeeze(0)
-        if arch in ("llama", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "granite", "granitemoe") and name.endswith(("q_proj.weight",
+                                                                  "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
@@ -519,7 +531,17 @@ QWEN2_MOE = {"qwen2moe": lambda: transformers.Qwen2MoeConfig(
 WITHOUT_BIASES = {"granite-gguf": lambda: transformers.GraniteConfig(
     **SMALL, embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
     logits_scaling=3.0, tie_word_embeddings=True),
-    "olmo2-gguf": lambda: transformers.Olmo2Config(**SMALL)}
+    "olmo2-gguf": lambda: transformers.Olmo2Config(**SMALL),
+    # 3 of 8 experts on every layer, the multipliers
+    "granitemoe-gguf": lambda: transformers.GraniteMoeConfig(
+        **{**SMALL, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=3,
+        embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.3,
+        logits_scaling=3.0),
+    # and a shared MLP beside the experts, written under the same architecture
+    "granitemoeshared-gguf": lambda: transformers.GraniteMoeSharedConfig(
+        **{**SMALL, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+        shared_intermediate_size=48, embedding_multiplier=2.5, residual_multiplier=0.6,
+        attention_multiplier=0.3, logits_scaling=3.0, tie_word_embeddings=True)}
 # Mixtral (no window: llama.cpp's metadata has none), 2 of 8 experts on every layer
 MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
@@ -534,6 +556,8 @@ MIXTRAL = {"mixtral": lambda: transformers.MixtralConfig(
     ("granite-gguf", "granite"),
     ("olmo2-gguf", "olmo2"),  # post-norms, q/k normed across all heads, q/k rows in order
     ("qwen2moe", "qwen2moe"),  # weights not renormalised, a gated shared expert
+    ("granitemoe-gguf", "granitemoe"),  # Mixtral's experts with Granite's multipliers
+    ("granitemoeshared-gguf", "granitemoe"),  # ... and an ungated shared MLP
 ])
 def test_a_qwen_mixtral_granite_or_olmo2_gguf_file_gives_transformers_logits(tmp_path, name,
                                                                              arch):

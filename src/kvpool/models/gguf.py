@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 3, Granite and OLMo 2: the config, weights, tokenizer and chat
-template a .gguf file holds, parsed and
-dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
-GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
+Qwen3-MoE, Phi-3, Gemma 3, Granite, Granite MoE and OLMo 2: the config, weights, tokenizer
+and chat template a .gguf file holds, parsed and dequantized by the `gguf` package (the
+`gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names to
+kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
-PERMUTED_ROTARY = ("llama", "granite")
+PERMUTED_ROTARY = ("llama", "granite", "granitemoe")
 # Granite's multipliers, as llama.cpp's converter names them (after `granite.`), each written
 # only where it is not 0: config.json's name -> the metadata key.
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale",
@@ -209,7 +209,7 @@ class GGUFCheckpoint:
         architecture = WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts \
             else ARCHITECTURES[arch]
         own = ARCHITECTURE_KEYS[arch](self, key, whole) if arch in ARCHITECTURE_KEYS else {}
-        return {**experts, **own,
+        return {**experts,
             "architectures": [architecture], "model_type": arch, "hidden_act": "silu",
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
@@ -226,6 +226,7 @@ class GGUFCheckpoint:
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
+            **own,  # last: it may name another architecture (GraniteMoeShared)
         }
 
     def tokenizer(self) -> HFTokenizer:
@@ -415,13 +416,24 @@ def _granite_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict
     the attention scores by 1/sqrt(head_dim). ConfigError for a file whose
     rope.scaling.finetuned is false, which llama.cpp reads as running without RoPE."""
     if key("rope.scaling.finetuned") is False:
-        raise ConfigError(f"{checkpoint.path.name}: GGUF granite.rope.scaling.finetuned is "
+        arch = checkpoint.meta["general.architecture"]
+        raise ConfigError(f"{checkpoint.path.name}: GGUF {arch}.rope.scaling.finetuned is "
                           f"false, which llama.cpp runs without RoPE; kvpool does not")
     scales = {name: key(scale) for name, scale in GRANITE_SCALES.items()
               if key(scale) is not None}
     if "attention_multiplier" not in scales and head_dim:
         scales["attention_multiplier"] = head_dim ** -0.5
     return scales
+
+
+def _granite_moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Granite's multipliers; with `expert_shared_feed_forward_length`, which llama.cpp's
+    converter writes for GraniteMoeShared under the same architecture, its shared MLP of
+    that width. The experts are `feed_forward_length` wide, as llama.cpp sizes them."""
+    shared = key("expert_shared_feed_forward_length")
+    return {**_granite_keys(checkpoint, key, head_dim), **({
+        "architectures": ["GraniteMoeSharedForCausalLM"], "shared_intermediate_size": shared}
+        if shared else {})}
 
 
 def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
@@ -435,7 +447,8 @@ def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 # An architecture's own config.json keys beyond the common ones: general.architecture ->
 # a function of (checkpoint, its metadata key reader, the head size) giving them.
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma3": _gemma3_keys,
-                     "granite": _granite_keys, "olmo2": _olmo2_keys}
+                     "granite": _granite_keys, "olmo2": _olmo2_keys,
+                     "granitemoe": _granite_moe_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
