@@ -133,12 +133,13 @@ def test_a_config_that_leaves_the_experts_out_routes_to_2_of_8_as_transformers()
 
 
 def test_only_granite_moe_shared_reads_a_shared_mlp_width():
-    assert ModelConfig.from_hf({**BASE, "shared_intermediate_size": 48}).moe \
-        .shared_intermediate_size == 0  # GraniteMoeForCausalLM has no shared MLP
+    def width(config: dict) -> int:
+        return ModelConfig.from_hf(config).moe.shared_intermediate_size
+
     shared = {**BASE, "architectures": ["GraniteMoeSharedForCausalLM"]}
-    assert ModelConfig.from_hf({**shared, "shared_intermediate_size": 48}).moe \
-        .shared_intermediate_size == 48
-    assert ModelConfig.from_hf(shared).moe.shared_intermediate_size == 0  # transformers' 0
+    assert width({**BASE, "shared_intermediate_size": 48}) == 0  # GraniteMoe has none
+    assert width({**shared, "shared_intermediate_size": 48}) == 48
+    assert width(shared) == 0  # transformers' default
 
 
 @pytest.mark.parametrize(("model_type", "architecture"), [
