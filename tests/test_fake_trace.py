@@ -30,6 +30,7 @@ from kvpool.models.moe import MoE
 from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
+from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
 from test_qwen3_moe import MIXTRAL
@@ -51,6 +52,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
     "bamba": lambda: make_bamba("bamba"),
+    # Bamba's layers with Granite MoE's experts and multipliers, attention without RoPE
+    "granite-hybrid": lambda: make_bamba("granite-hybrid", configs=GRANITE_HYBRID),
 }
 FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten._unique", "aten.unique",
              "aten.item")  # host reads and data-dependent shapes
@@ -226,7 +229,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
-              "bamba": "BambaForCausalLM"}
+              "bamba": "BambaForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM"}
     assert set(traced) == set(FAMILIES)
     assert all(type(FAMILIES[name]()).__name__ == arch for name, arch in traced.items())
     assert set(MODEL_CLASSES) <= set(traced.values())

@@ -1,7 +1,7 @@
-"""Tensor parallelism of a hybrid model (Bamba) on the CPU with gloo, 2 ranks: the Mamba heads
-split across the ranks with their state slots, the greedy tokens equal transformers' (and so
-one rank's) through preemption, prefix hits (a checkpoint restored on every rank), chunks and
-forked samples (a state slot copied on every rank)."""
+"""Tensor parallelism of a hybrid model (Bamba, GraniteMoeHybrid) on the CPU with gloo, 2 ranks:
+the Mamba heads split across the ranks with their state slots, the greedy tokens equal
+transformers' (and so one rank's) through preemption, prefix hits (a checkpoint restored on
+every rank), chunks and forked samples (a state slot copied on every rank)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,20 @@ from kvpool.models import load_model
 from kvpool.models.config import ModelConfig
 from kvpool.models.parallel import TensorParallel
 from models_util import case_of, save_hf_model
+from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, RANKS, cpu_only
 
+# Bamba's configs and GraniteMoeHybrid's (its experts split as every MoE's, 2 B/C groups)
+HYBRIDS = {**BAMBA_CONFIGS, "granite-hybrid": GRANITE_HYBRID["granite-hybrid"]}
 
-@pytest.fixture(scope="module", params=list(BAMBA_CONFIGS))
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
 def engine(request, tmp_path_factory, device):
-    """(case, LLM of 2 ranks) for one Bamba config (2 B/C groups: one per rank; or 1 group,
+    """(case, LLM of 2 ranks) for one hybrid config (2 B/C groups: one per rank; or 1 group,
     replicated, whose gated norm spans both ranks): 16 pages of 4 tokens, 16-token chunks."""
     cpu_only(device)
-    case = case_of(make_bamba(request.param), tmp_path_factory.mktemp(request.param), device,
-                   MAX_TOKENS)
+    case = case_of(make_bamba(request.param, configs=HYBRIDS),
+                   tmp_path_factory.mktemp(request.param), device, MAX_TOKENS)
     llm = LLM(case.folder, device=device, **ENGINE)
     yield case, llm
     llm.close()

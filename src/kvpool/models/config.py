@@ -17,7 +17,7 @@ from kvpool.formats import DTYPES
 from kvpool.memory import fp8
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import MambaLayout
-from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MambaConfig, parse_bamba
+from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MAMBA_PARSERS, MambaConfig
 from kvpool.models.layers import ACTIVATIONS
 from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
@@ -58,6 +58,7 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "bamba": "BambaForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Image-and-text checkpoints whose text decoder kvpool runs (the vision encoder is not loaded)
@@ -68,7 +69,9 @@ QWEN2_MOE = "Qwen2MoeForCausalLM"
 GRANITE = "GraniteForCausalLM"
 GRANITE_MOE = "GraniteMoeForCausalLM"
 GRANITE_MOE_SHARED = "GraniteMoeSharedForCausalLM"
-GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED)  # with Granite's multipliers
+GRANITE_MOE_HYBRID = "GraniteMoeHybridForCausalLM"
+# with Granite's multipliers
+GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_HYBRID)
 OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -90,6 +93,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "GraniteForCausalLM": {"max_position_embeddings": 2048},
     "GraniteMoeForCausalLM": {"max_position_embeddings": 2048},
     "GraniteMoeSharedForCausalLM": {"max_position_embeddings": 2048},
+    "GraniteMoeHybridForCausalLM": {"max_position_embeddings": 2048},
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
@@ -347,7 +351,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     gemma: GemmaConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
-    no_rope_layers: tuple[int, ...] = ()  # layers whose q/k go unrotated (SmolLM3's NoPE)
+    # layers whose q/k go unrotated (SmolLM3's NoPE; every layer of a GraniteMoeHybrid
+    # without RoPE)
+    no_rope_layers: tuple[int, ...] = ()
     # float8 weights with a scale per block of (rows, columns), dequantized at load: None for
     # a checkpoint without quantization (see `_fp8_weight_block`)
     fp8_weight_block: tuple[int, int] | None = None
@@ -423,13 +429,16 @@ class ModelConfig:
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
             partial_rotary_factor=partial_rotary_factor,
-            mamba=parse_bamba(cfg, hidden, num_layers) if is_bamba else None,
+            mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
+            else None,
             layer_types=layer_types,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
             moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
             fp8_weight_block=_fp8_weight_block(cfg),
-            no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else (),
+            no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
+            _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
+            else (),
             multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
         )
 
@@ -782,10 +791,10 @@ def _granite_multipliers(cfg: dict) -> Multipliers:
 
 
 def _hidden_act(cfg: dict, arch: str) -> str:
-    """The MLP activation `hidden_act` names (default silu); Bamba's Mamba mixer gates with
-    it too, and runs silu only."""
+    """The MLP activation `hidden_act` names (default silu); the hybrids' Mamba mixers gate
+    with it too, and run silu only."""
     act = cfg.get("hidden_act", "silu")
-    supported = ("silu",) if arch == "BambaForCausalLM" else tuple(ACTIVATIONS)
+    supported = ("silu",) if arch in HYBRID_ARCHITECTURES else tuple(ACTIVATIONS)
     if act not in supported:
         raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
                           f"{', '.join(supported)}")
@@ -1069,20 +1078,37 @@ def _granite_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     """Granite MoE's experts, as transformers reads them: Mixtral's (transformers takes the
     softmax of the chosen experts' logits, which is their softmax scores renormalised), 2 of
     8 by default, each `intermediate_size` wide, on every layer; and GraniteMoeShared's
-    shared MLP `shared_intermediate_size` wide (0: none), added ungated."""
+    shared MLP `shared_intermediate_size` wide (0, the default: none) or GraniteMoeHybrid's
+    (1,024 by default), added ungated. A GraniteMoeHybrid without experts, whose shared MLP
+    is then its only MLP, is refused."""
     arch, intermediate = _architecture(cfg), _int(cfg, "intermediate_size")
+    if arch == GRANITE_MOE_HYBRID and cfg.get("num_local_experts") == 0:
+        raise ConfigError(f"{arch} with num_local_experts=0 (its shared_mlp the only MLP, "
+                          f"as in Granite 4.0 H Micro) is not supported")
     moe = _qwen_moe({**cfg, "moe_intermediate_size": intermediate, "norm_topk_prob": True,
                      "decoder_sparse_step": 1, "mlp_only_layers": []},
                     num_layers, arch, (8, 2, intermediate), shared=0)
-    if arch != GRANITE_MOE_SHARED:
+    if arch == GRANITE_MOE:
         return moe
-    shared = _optional_int(cfg, "shared_intermediate_size", minimum=0) or 0
+    shared = _int(cfg, "shared_intermediate_size", 1024) if arch == GRANITE_MOE_HYBRID \
+        else _optional_int(cfg, "shared_intermediate_size", minimum=0) or 0
     return replace(moe, shared_intermediate_size=shared)
+
+
+def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """GraniteMoeHybrid's layers without RoPE: all of them unless `position_embedding_type`
+    is "rope" (null and "nope" leave it out, as in Granite 4.0's hybrids)."""
+    kind = cfg.get("position_embedding_type")
+    if kind not in (None, "nope", "rope"):
+        raise ConfigError(f"unsupported position_embedding_type {kind!r} for "
+                          f"{GRANITE_MOE_HYBRID}; kvpool takes null, 'nope' or 'rope'")
+    return () if kind == "rope" else tuple(range(num_layers))
 
 
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
-                     GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe}
+                     GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe,
+                     GRANITE_MOE_HYBRID: _granite_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:

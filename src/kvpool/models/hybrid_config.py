@@ -1,5 +1,5 @@
-"""The Mamba2 part of a hybrid model's config.json (Bamba): which layers are Mamba layers and
-the geometry of their mixer, validated into one dataclass."""
+"""The Mamba2 part of a hybrid model's config.json (Bamba, GraniteMoeHybrid): which layers are
+Mamba layers and the geometry of their mixer, validated into one dataclass."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from kvpool.errors import ConfigError
 from kvpool.models.parallel import TensorParallel
 from kvpool.numeric import INT64_MAX
 
-HYBRID_ARCHITECTURES = ("BambaForCausalLM",)
+# GraniteMoeHybrid's `layer_types` (older configs: `layers_block_type`): transformers 5's
+# names and the older ones it reads as them
+MAMBA_TYPES, ATTENTION_TYPES = ("linear_attention", "mamba"), ("full_attention", "attention")
 # Sane architectural limits of the mixer's sizes (as models/config.py's SIZE_LIMITS).
 SIZE_LIMITS = {"mamba_n_heads": 2**14, "mamba_expand": 2**6, "mamba_n_groups": 2**14,
                "mamba_d_state": 2**14, "mamba_d_conv": 2**10, "mamba_chunk_size": 2**20}
@@ -89,7 +91,29 @@ def parse_bamba(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
     if not attention:
         raise ConfigError("a Bamba config without attn_layer_indices has no attention layer; "
                           "kvpool needs at least one")
-    layers = tuple(i for i in range(num_layers) if i not in attention)
+    return _mixer(cfg, hidden_size, tuple(i for i in range(num_layers) if i not in attention))
+
+
+def parse_granite_hybrid(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
+    """The Mamba layers of a GraniteMoeHybrid config: those its `layer_types` (or
+    `layers_block_type`) name `mamba` or `linear_attention`; the others `attention` or
+    `full_attention`. transformers makes every layer a Mamba layer by default."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    types = [MAMBA_TYPES[0]] * num_layers if types is None else types
+    if not (isinstance(types, list) and len(types) == num_layers
+            and all(t in MAMBA_TYPES + ATTENTION_TYPES for t in types)):
+        raise ConfigError(f"config 'layer_types' must list one of "
+                          f"{', '.join(MAMBA_TYPES + ATTENTION_TYPES)} for each of the "
+                          f"{num_layers} layers, got {types!r}")
+    layers = tuple(i for i, t in enumerate(types) if t in MAMBA_TYPES)
+    if len(layers) == num_layers:
+        raise ConfigError("a GraniteMoeHybrid config whose layer_types name no attention "
+                          "layer: kvpool needs at least one")
+    return _mixer(cfg, hidden_size, layers)
+
+
+def _mixer(cfg: dict, hidden_size: int, layers: tuple[int, ...]) -> MambaConfig:
+    """The Mamba2 mixer of a hybrid config, in the model layers `layers`."""
     heads = _int(cfg, "mamba_n_heads")
     expand = _int(cfg, "mamba_expand", 2)
     if (expand * hidden_size) % heads:
@@ -110,6 +134,12 @@ def parse_bamba(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
         conv_bias=_bool(cfg, "mamba_conv_bias", True), proj_bias=_bool(cfg, "mamba_proj_bias"),
         time_step_limit=_time_step_limit(cfg.get("time_step_limit")),
     )
+
+
+# The hybrid architectures -> the parser of their Mamba layers
+MAMBA_PARSERS = {"BambaForCausalLM": parse_bamba,
+                 "GraniteMoeHybridForCausalLM": parse_granite_hybrid}
+HYBRID_ARCHITECTURES = tuple(MAMBA_PARSERS)
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:

@@ -28,6 +28,7 @@ from kvpool.models.gguf import (
     gguf_source,
     write_conversion,
 )
+from kvpool.models.granite_hybrid import GraniteHybridForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.olmo2 import Olmo2ForCausalLM
 from kvpool.models.parallel import (
@@ -85,6 +86,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
