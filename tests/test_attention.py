@@ -23,8 +23,9 @@ from kvpool.rope import Rotation
 MIXED = [(37, 1), (20, 20), (45, 9), (33, 12), (1, 1), (16, 1), (64, 1)]
 
 
-def reference(q, keys, values, q_lens, scale, window=None):
-    """Float64 attention, one query at a time over its allowed keys; keys[b]: [seq_len, kvh, d]."""
+def reference(q, keys, values, q_lens, scale, window=None, softcap=None):
+    """Float64 attention, one query at a time over its allowed keys; keys[b]: [seq_len, kvh, d].
+    With a softcap each scaled score s is `softcap * tanh(s / softcap)`."""
     out, row = [], 0
     group = q.shape[1] // keys[0].shape[1]
     for k, v, q_len in zip(keys, values, q_lens, strict=True):
@@ -36,7 +37,10 @@ def reference(q, keys, values, q_lens, scale, window=None):
             for h in range(q.shape[1]):
                 kh = k[lo : pos + 1, h // group].double()
                 vh = v[lo : pos + 1, h // group].double()
-                weights = torch.softmax(kh @ q[row + i, h].double() * scale, dim=0)
+                scores = kh @ q[row + i, h].double() * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                weights = torch.softmax(scores, dim=0)
                 heads.append(weights @ vh)
             out.append(torch.stack(heads))
         row += q_len
@@ -93,10 +97,10 @@ class Batch:
             **kwargs,
         )
 
-    def reference(self, window=None, scale=None):
+    def reference(self, window=None, scale=None, softcap=None):
         """The float64 reference, on the batch's device."""
         scale = self.scale if scale is None else scale
-        return reference(self.q, self.keys, self.values, self.q_lens, scale, window)
+        return reference(self.q, self.keys, self.values, self.q_lens, scale, window, softcap)
 
 
 def relative_error(out, ref):
@@ -210,6 +214,51 @@ def test_explicit_scale_is_used():
                   dtype=torch.float32, device="cpu")
     out = batch.attend(scale=0.3)
     assert relative_error(out, batch.reference(scale=0.3)) < 1e-5
+
+
+# A cap of 2 on scores of q scaled up 8 times (scores ~8 apart): far from the uncapped
+# attention, so the tests below tell a cap applied from one left out.
+SOFTCAP, SOFTCAP_SPREAD = 2.0, 8.0
+
+
+def softcap_batch(specs, dtype=torch.float32, **shape) -> Batch:
+    """A GQA batch (8 query heads on 2 kv heads) whose unwritten slots hold NaN and whose
+    scores spread wide enough for SOFTCAP to change every output."""
+    batch = Batch(specs, **{**dict(heads=8, kv_heads=2, head_dim=64, page_size=4), **shape},
+                  dtype=dtype, device="cpu", fill=float("nan"))
+    batch.q *= SOFTCAP_SPREAD
+    return batch
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.usefixtures("decode_path")
+def test_softcapped_scores_match_reference(window):
+    batch = softcap_batch(MIXED)
+    out = batch.attend(sliding_window=window, softcap=SOFTCAP)
+    expected = batch.reference(window=window, softcap=SOFTCAP)
+    assert relative_error(out, expected) < 1e-5
+    assert relative_error(batch.attend(sliding_window=window), expected) > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_kernel_softcaps_bfloat16_decode_as_the_reference(kernel, monkeypatch, window):
+    batch = softcap_batch(DECODES, dtype=torch.bfloat16, page_size=5)
+    fused = decode_with("kernel", batch, monkeypatch, sliding_window=window, softcap=SOFTCAP)
+    torch_path = decode_with("torch", batch, monkeypatch, sliding_window=window,
+                             softcap=SOFTCAP)
+    assert relative_error(fused, torch_path.double()) < 2e-2
+    assert relative_error(fused, batch.reference(window=window, softcap=SOFTCAP)) < 2e-2
+
+
+@pytest.mark.parametrize(("softcap", "error"), [(float("nan"), ValueError), (0.0, ValueError),
+                                                (-50.0, ValueError), (1e39, ValueError),
+                                                ("50", TypeError), (True, TypeError)])
+def test_paged_attention_rejects_a_softcap_that_is_not_a_positive_finite_float32(
+        device, softcap, error):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    with pytest.raises(error, match="softcap must be"):
+        batch.attend(softcap=softcap)
 
 
 def test_write_kv_writes_exactly_the_given_slots(device):

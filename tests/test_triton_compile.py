@@ -100,12 +100,25 @@ def test_variants_cover_each_kernel_switch_on_each_arch():
         # 16-bit tiles: "native" on a GPU, "upcast" in this process if it interprets.
         sixteen_bit = triton_support.dot_precision(torch.bfloat16)
         assert {dict(flags)["PRECISION"] for flags in decode} == {sixteen_bit, "ieee"}
+        for kernel in ("_prefill", "_decode_split"):  # Gemma 2's softcapped scores and others
+            assert {v.launch.constexprs["SOFTCAP"] for v in found
+                    if v.kernel_name == kernel} == {False, True}
     fp8 = {v.arch for v in VARIANTS if v.launch.constexprs.get("FP8")}
     assert fp8 == {89, 90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
     assert any(v.launch.constexprs.get("HEAD_DIM") == 576 for v in VARIANTS)  # MLA latent
     assert any(v.launch.constexprs.get("ROTARY_DIM") for v in VARIANTS)  # RoPE in the write
     assert {v.launch.constexprs["RESIDUAL"] for v in VARIANTS
             if v.kernel_name == "_rms_norm"} == {False, True}
+
+
+def test_ci_compiles_the_softcapped_attention_kernels_for_each_arch_of_its_own_code():
+    # sm_89 compiles sm_80's code for bfloat16 pages (the dtype softcapped variants take)
+    covered = triton_variants.covering(VARIANTS)
+    for arch in (80, 90):
+        softcapped = {(v.kernel_name, v.launch.constexprs.get("SPLIT")) for v in covered
+                      if v.arch == arch and v.launch.constexprs.get("SOFTCAP")}
+        assert softcapped == {("_prefill", None), ("_decode_split", False),
+                              ("_decode_split", True)}
 
 
 # Integer arguments whose value changes from one step to the next. Triton compiles a kernel

@@ -19,7 +19,13 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from kvpool.attention import paged_attention  # noqa: E402
 from kvpool.kernels import triton_decode, triton_prefill, triton_write  # noqa: E402
 from kvpool.memory.fp8 import FP8_DTYPE, dequantize, quantize  # noqa: E402
-from test_attention import MIXED, Batch, relative_error  # noqa: E402
+from test_attention import (  # noqa: E402
+    MIXED,
+    SOFTCAP,
+    Batch,
+    relative_error,
+    softcap_batch,
+)
 from test_fp8 import LOOSE, TIGHT, fp8_pages  # noqa: E402
 
 # Triton runs on CUDA, or on the CPU in its interpreter: every tensor, reference included, is
@@ -36,18 +42,19 @@ def make_batch(specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0):
                  dtype=dtype, device=DEVICE, seed=seed, fill=float("nan"))
 
 
-def decode(batch, *, window=None, num_splits=1, workspace=None):
+def decode(batch, *, window=None, num_splits=1, workspace=None, softcap=None):
     return triton_decode.paged_decode(
         batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
         batch.cu_seqlens_q, scale=batch.scale, window=window, num_splits=num_splits,
-        max_span=int(batch.seq_lens.max()), workspace=workspace,
+        max_span=int(batch.seq_lens.max()), workspace=workspace, softcap=softcap,
     )
 
 
-def prefill(batch, *, window=None):
+def prefill(batch, *, window=None, softcap=None):
     return triton_prefill.paged_prefill(
         batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
         batch.cu_seqlens_q, scale=batch.scale, window=window, max_query_len=max(batch.q_lens),
+        softcap=softcap,
     )
 
 
@@ -150,6 +157,32 @@ def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
     clean.v_cache.nan_to_num_(0.0)
     assert torch.equal(decode(poisoned, window=window, num_splits=num_splits),
                        decode(clean, window=window, num_splits=num_splits))
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(None, 1), (40, 3)])
+def test_softcapped_decode_matches_reference(window, num_splits):
+    batch = softcap_batch(DECODES, page_size=5)
+    out = decode(batch, window=window, num_splits=num_splits, softcap=SOFTCAP)
+    expected = batch.reference(window=window, softcap=SOFTCAP)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(decode(batch, window=window, num_splits=num_splits), expected) > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcapped_prefill_of_a_mixed_batch_matches_reference(window):
+    batch = softcap_batch(MIXED)
+    out = prefill(batch, window=window, softcap=SOFTCAP)
+    expected = batch.reference(window=window, softcap=SOFTCAP)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(prefill(batch, window=window), expected) > 0.5
+
+
+@pytest.mark.parametrize("specs", [DECODES[:3], MIXED[:3]], ids=["decode", "mixed"])
+def test_paged_attention_passes_the_softcap_to_the_triton_kernels(specs):
+    batch = softcap_batch(specs)
+    out = batch.attend(backend="triton", sliding_window=5, softcap=SOFTCAP)
+    expected = batch.attend(backend="torch", sliding_window=5, softcap=SOFTCAP)
+    assert relative_error(out, expected.double()) < TOLERANCE[torch.float32]
 
 
 def test_num_splits_fill_the_gpu_without_short_splits():

@@ -54,6 +54,7 @@ class _Layer(NamedTuple):
     v_cache: torch.Tensor
     scale: float
     window: int | None
+    softcap: float | None
     backend: str  # "torch" or "cpu"
     k_scale: torch.Tensor | float | None  # fp8 caches only
     v_scale: torch.Tensor | float | None
@@ -169,14 +170,16 @@ def _check_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
 
 def paged_attention(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale=None, sliding_window=None,
-    backend=None, max_seq_len=None, max_query_len=None, workspace=None, k_scale=None,
-    v_scale=None,
+    softcap=None, backend=None, max_seq_len=None, max_query_len=None, workspace=None,
+    k_scale=None, v_scale=None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `[total_query_tokens, num_heads, head_dim]` over pages.
 
     Sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b + 1]`, its last tokens out of
     `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
-    batch gives an empty result. `backend` is one of BACKENDS, None for the fastest here.
+    batch gives an empty result. A `softcap` (Gemma 2's attention logit softcapping) turns
+    each scaled score s into `softcap * tanh(s / softcap)` before the mask and the softmax;
+    None: scores as they are. `backend` is one of BACKENDS, None for the fastest here.
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
     on CUDA trusts them and reads nothing back from the device. `workspace`
     (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
@@ -192,6 +195,8 @@ def paged_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif type(scale) is not float or not 0.0 < scale <= FLOAT32_MAX:  # NaN fails it too
         scale = check_float32("scale", scale, low=0.0, open_low=True)
+    if softcap is not None:
+        softcap = check_float32("softcap", softcap, low=0.0, open_low=True)
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     bounded = backend == "triton" and max_seq_len is not None and max_query_len is not None
@@ -199,8 +204,8 @@ def paged_attention(
         _check_bounds(k_cache, page_tables, max_seq_len, max_query_len)
         if q.device.type != "cpu":  # trusted: reading the lengths back would synchronise
             return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
-                                  scale, sliding_window, max_seq_len, max_query_len, workspace,
-                                  k_scale, v_scale)
+                                  scale, sliding_window, softcap, max_seq_len, max_query_len,
+                                  workspace, k_scale, v_scale)
     lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens)
@@ -210,10 +215,10 @@ def paged_attention(
             raise ValueError(f"paged_attention: {name} {bound} is below the batch's {actual}")
     if backend == "triton":
         return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, max_seq_len if bounded else max(lens),
+                              sliding_window, softcap, max_seq_len if bounded else max(lens),
                               max_query_len if bounded else max(q_lens), workspace,
                               k_scale, v_scale)
-    layer = _Layer(k_cache, v_cache, scale, sliding_window, backend, k_scale, v_scale)
+    layer = _Layer(k_cache, v_cache, scale, sliding_window, softcap, backend, k_scale, v_scale)
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if len(decode) == len(q_lens):
         return _decode_rows(layer, q, page_tables, lens)
@@ -255,7 +260,7 @@ def _choose_backend(backend: str | None, q: torch.Tensor, cache_dtype: torch.dty
 
 
 def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, window,
-                   max_seq_len: int, max_query_len: int, workspace, k_scale,
+                   softcap, max_seq_len: int, max_query_len: int, workspace, k_scale,
                    v_scale) -> torch.Tensor:
     """The triton kernels: decode when every query is one token, else prefill (any mix)."""
     from kvpool.kernels import triton_decode, triton_prefill
@@ -264,7 +269,7 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
     # the kernels step through the index tensors densely (a no-op for dense ones)
     page_tables, seq_lens, cu_seqlens_q = (
         t.contiguous() for t in (page_tables, seq_lens, cu_seqlens_q))
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)
         splits = triton_decode.choose_num_splits(
@@ -372,12 +377,16 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
     if layer.k_scale is not None:
         k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
     mask = None
-    if layer.window is not None or q_len != seq_len:
+    if layer.window is not None or q_len != seq_len or layer.softcap is not None:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         key_pos = torch.arange(first, seq_len, device=q.device)
         mask = key_pos <= query_pos
         if layer.window is not None:
             mask &= key_pos > query_pos - layer.window
+    if layer.softcap is not None:  # the query heads of a KV head as rows [kv_heads, group, ...]
+        grouped = q.transpose(0, 1).unflatten(0, (k.shape[0], -1))
+        out = _softcapped(grouped, k[:, None], v[:, None], mask, layer.scale, layer.softcap)
+        return out.flatten(0, 1).transpose(0, 1)
     # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path, which repeats K/V for GQA.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -398,7 +407,7 @@ def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         return cpu_kernel.paged_decode(
             q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window,
-            k_scale=layer.k_scale, v_scale=layer.v_scale,
+            softcap=layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale,
         )
     return _decode(layer, q, page_tables, lens)
 
@@ -424,10 +433,25 @@ def _decode(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
         if layer.k_scale is not None:
             k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
         mask = None if visible is None else visible[:, None, None, :]
-        out[rows] = F.scaled_dot_product_attention(
-            grouped[rows], k, v, attn_mask=mask, scale=layer.scale
-        )
+        if layer.softcap is None:
+            out[rows] = F.scaled_dot_product_attention(
+                grouped[rows], k, v, attn_mask=mask, scale=layer.scale
+            )
+        else:
+            out[rows] = _softcapped(grouped[rows], k, v, mask, layer.scale, layer.softcap)
     return out.view(batch, num_heads, head_dim)
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention of `q [..., rows, head_dim]` over `k`, `v [..., keys, head_dim]` (batch
+    dimensions broadcast) whose scaled scores s become `softcap * tanh(s / softcap)`, in float32
+    (SDPA takes no softcap); `mask [..., rows, keys]` is True where a key is visible (None:
+    all are). Returns q's shape and dtype."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _visible_pages(page_tables, lens: list[int], firsts: list[int], page_size: int):

@@ -48,6 +48,7 @@ typedef struct {
     int64_t batch, num_heads, num_kv_heads, head_dim, page_size, num_pages;
     int64_t window;            /* sliding window in tokens, 0 for none */
     double scale;
+    double softcap;            /* scores s become softcap * tanh(s / softcap); 0 for none */
     int32_t bf16;              /* 1: q, out (and K, V unless fp8) are bfloat16; 0: float32 */
     int32_t fp8;               /* 1: K, V are float8_e4m3fn bytes */
     double k_scale, v_scale;   /* fp8 only: a stored byte b means e4m3(b) * scale */
@@ -370,6 +371,13 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
         for (int64_t r = 0; r < rows; r++)
             for (int64_t t = 0; t < n; t++)
                 s[r * stride + t] *= (float)p->k_scale;
+    /* Gemma 2's cap, on base-2 scores: log2(e) * cap * tanh(s / cap) = cap2 * tanh(s2 / cap2). */
+    if (p->softcap > 0) {
+        const double cap = p->softcap * LOG2E;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t t = 0; t < n; t++)
+                s[r * stride + t] = (float)(cap * tanhf((float)(s[r * stride + t] / cap)));
+    }
     softmax_page(s, stride, rows, d, m, l, acc, p->bf16);
     for (int64_t h = h0; h < h1; h++) {
         const int64_t r = (h - h0) * g_rows;

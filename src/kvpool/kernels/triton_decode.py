@@ -32,6 +32,7 @@ MAX_BLOCK_G = 16  # query heads per program
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
 WAVES = 4  # programs per SM to aim for: several small programs per SM hide memory latency
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # in the kernels
 
 
 @triton.jit
@@ -56,6 +57,18 @@ def _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8: tl.constexpr):
     else:
         result = q_tile.to(k_cache.dtype.element_ty), scale_log2
     return result
+
+
+@triton.jit
+def softcapped(scores, softcap, SOFTCAP: tl.constexpr):
+    """Base-2 `scores` capped as Gemma 2 caps natural ones, `softcap * tanh(s / softcap)`
+    (with SOFTCAP; else as they are). tanh(x) is computed as 2 / (1 + 2^(-2x log2 e)) - 1, to
+    within a few float32 ulps of 1 (the interpreter has no tanh), in an order that neither
+    overflows nor makes NaN for any positive float32 softcap."""
+    if SOFTCAP:
+        x = scores / _LOG2E / softcap
+        scores = (2.0 / (1.0 + tl.math.exp2(x * (-2.0 * _LOG2E))) - 1.0) * softcap * _LOG2E
+    return scores
 
 
 @triton.jit
@@ -85,11 +98,12 @@ def load_tokens(cache, page, slot, kv_head, d, mask, stride_p, stride_s, stride_
 @triton.jit(do_not_specialize=["stride_table"])
 def _decode_split(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-    k_scale, v_scale, scale_log2, window, group, page_size,
+    k_scale, v_scale, scale_log2, softcap, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_blocks = tl.cdiv(group, BLOCK_G)
@@ -131,7 +145,7 @@ def _decode_split(
         kv_ok = t_ok[:, None] & d_ok[None, :]
         k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
                         stride_kh, q_tile.dtype, FP8)
-        scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
+        scores = softcapped(dot(q_tile, tl.trans(k), PRECISION) * scale_log2, softcap, SOFTCAP)
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.math.exp2(m - m_new)
@@ -204,10 +218,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, sms: int) ->
 
 
 def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
-                  num_splits: int, split_tokens: int, shared: int) -> Launch:
+                  num_splits: int, split_tokens: int, shared: int,
+                  softcap: bool = False) -> Launch:
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
-    `split_tokens` tokens, on a GPU giving a program `shared` bytes of shared memory. A split
+    `split_tokens` tokens, on a GPU giving a program `shared` bytes of shared memory, its
+    scores softcapped or not. A split
     takes its tokens in blocks of the power of two that covers it, from 16 to BLOCK_N (on an
     H200, 128 tokens a step with 8 warps or 4 were no faster: benchmarks/tiles.py); heads over
     256 wide step WIDE_BLOCK_N tokens. Where two pipeline stages or that block do not fit
@@ -225,7 +241,7 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
                                       min_rows=block_g)
     return Launch(dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
-        SPLIT=num_splits > 1, PRECISION=dot_precision(compute), FP8=fp8,
+        SPLIT=num_splits > 1, PRECISION=dot_precision(compute), FP8=fp8, SOFTCAP=softcap,
     ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=stages)
 
 
@@ -244,11 +260,11 @@ def _block_g(group: int) -> int:
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
                  window: int | None, num_splits: int, max_span: int, workspace=None,
-                 k_scale=None, v_scale=None) -> torch.Tensor:
+                 k_scale=None, v_scale=None, softcap: float | None = None) -> torch.Tensor:
     """Decode attention of one query token per sequence (row `cu_seqlens_q[b]` of
     `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages (fp8 pages
-    through `k_scale`/`v_scale`); `max_span` (tokens, a host int) bounds every sequence's
-    visible span.
+    through `k_scale`/`v_scale`), scores softcapped unless `softcap` is None; `max_span`
+    (tokens, a host int) bounds every sequence's visible span.
 
     Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid,
     and with `max_span` the tile (`decode_launch`).
@@ -268,11 +284,12 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
     else:
         part_out = part_lse = out  # not touched
     launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits,
-                           -(-max_span // num_splits), shared_memory(q.device))
+                           -(-max_span // num_splits), shared_memory(q.device),
+                           softcap is not None)
     head_blocks = triton.cdiv(group, launch.constexprs["BLOCK_G"])
     _decode_split[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-        k_scale, v_scale, scale * LOG2E, window or 0, group, k_cache.shape[1],
+        k_scale, v_scale, scale * LOG2E, softcap or 1.0, window or 0, group, k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         **launch.kwargs(),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens
+from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens, softcapped
 from kvpool.kernels.triton_support import (
     MIN_TILE,
     Launch,
@@ -36,8 +36,8 @@ LONG_QUERY = 512
 def _attend_keys(
     acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
     k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    scale_log2, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-    MASKED: tl.constexpr,
+    scale_log2, softcap, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One step of the online softmax over keys t0 .. t0 + BLOCK_N: the updated (acc, m,
     denom). Without MASKED, every key is below `last` and visible to every row (the keys
@@ -49,7 +49,7 @@ def _attend_keys(
     kv_ok = t_ok[:, None] & d_ok[None, :]
     k = load_tokens(k_cache, page, slot, kv_head, d, kv_ok, stride_kp, stride_ks,
                     stride_kh, q_tile.dtype, FP8)
-    scores = dot(q_tile, tl.trans(k), PRECISION) * scale_log2
+    scores = softcapped(dot(q_tile, tl.trans(k), PRECISION) * scale_log2, softcap, SOFTCAP)
     if MASKED:
         visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
         if window > 0:
@@ -73,11 +73,11 @@ def _attend_keys(
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
-    k_scale, v_scale, scale_log2, window, group, page_size,
+    k_scale, v_scale, scale_log2, softcap, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # The last query blocks see the most keys: the grid runs them first, so that the short
     # ones fill the end of the launch.
@@ -120,12 +120,12 @@ def _prefill(
         acc, m, denom = _attend_keys(
             acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
             k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-            stride_vh, scale_log2, BLOCK_N, PRECISION, FP8, False)
+            stride_vh, scale_log2, softcap, BLOCK_N, PRECISION, FP8, SOFTCAP, False)
     for t0 in range(unmasked_end, last, BLOCK_N):
         acc, m, denom = _attend_keys(
             acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
             k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-            stride_vh, scale_log2, BLOCK_N, PRECISION, FP8, True)
+            stride_vh, scale_log2, softcap, BLOCK_N, PRECISION, FP8, SOFTCAP, True)
 
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if FP8:
@@ -138,21 +138,22 @@ def _prefill(
 
 def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
                   window: int | None, max_query_len: int, k_scale=None,
-                  v_scale=None) -> torch.Tensor:
+                  v_scale=None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
     pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
-    the grid and the tile. fp8 pages read through `k_scale`/`v_scale`. Reads nothing back from
-    the device."""
+    the grid and the tile. fp8 pages read through `k_scale`/`v_scale`; scores softcapped
+    unless `softcap` is None. Reads nothing back from the device."""
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len,
-                            shared_memory(q.device))
+                            shared_memory(q.device), softcap is not None)
     grid = (triton.cdiv(max_query_len, launch.constexprs["BLOCK_M"]), num_heads, batch)
     _prefill[grid](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
-        scale * LOG2E, window or 0, num_heads // k_cache.shape[2], k_cache.shape[1],
+        scale * LOG2E, softcap or 1.0, window or 0, num_heads // k_cache.shape[2],
+        k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         **launch.kwargs(),
@@ -161,14 +162,14 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
 
 
 def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
-                   max_query_len: int, shared: int) -> Launch:
+                   max_query_len: int, shared: int, softcap: bool = False) -> Launch:
     """How `paged_prefill` compiles `_prefill` for queries of `dtype` (at most `max_query_len`
-    tokens a sequence) over pages of `cache_dtype`, on a GPU giving a program `shared` bytes of
-    shared memory. Long queries step SMALL_BLOCK_N keys (on an H200, 21% faster than 128 rows,
-    64 keys and 8 warps on 16 prompts of 512 tokens, as fast on 4 of 2,048:
-    benchmarks/tiles.py); so do heads over 128 wide (Gemma 3's 256), with 8 warps, which spill
-    with 64. Where that tile does not fit (float32 on sm_86 and sm_89), a smaller one
-    (`triton_support.fitting_tile`)."""
+    tokens a sequence) over pages of `cache_dtype`, its scores softcapped or not, on a GPU
+    giving a program `shared` bytes of shared memory. Long queries step SMALL_BLOCK_N keys (on
+    an H200, 21% faster than 128 rows, 64 keys and 8 warps on 16 prompts of 512 tokens, as
+    fast on 4 of 2,048: benchmarks/tiles.py); so do heads over 128 wide (Gemma 3's 256), with
+    8 warps, which spill with 64. Where that tile does not fit (float32 on sm_86 and sm_89), a
+    smaller one (`triton_support.fitting_tile`)."""
     fp8 = is_fp8(cache_dtype)
     compute = dtype if fp8 else cache_dtype
     block_d = triton.next_power_of_2(head_dim)
@@ -177,5 +178,5 @@ def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
                                             block_d, compute, shared, min_rows=MIN_TILE)
     return Launch(dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=dot_precision(compute), FP8=fp8,
+        PRECISION=dot_precision(compute), FP8=fp8, SOFTCAP=softcap,
     ), num_warps=8 if block_d > 128 else 4, num_stages=stages)

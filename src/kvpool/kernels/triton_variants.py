@@ -3,8 +3,10 @@
 A variant is one kernel with the constexprs and options its launcher picks (the launcher's own
 `*_launch` function gives them) and the argument types and 16-byte alignments a launch passes.
 `variants()` walks what the launchers choose from: the query dtypes, fp8 pages or not, every
-split count, and the head geometries of the model families kvpool runs, for sm_80, sm_89 and
-sm_90, each at its shared memory (sm_86 gives sm_89's and compiles sm_80's code);
+split count, softcapped scores or not (Gemma 2's; in bfloat16 only, the dtype of its
+checkpoints: the cap's code is the same in every dtype), and the head geometries of the model
+families kvpool runs, for sm_80, sm_89 and sm_90, each at its shared memory (sm_86 gives
+sm_89's and compiles sm_80's code);
 `compile_variant` runs Triton's compiler (to cubin, with the ptxas of the triton wheel). Used by
 tests/test_triton_compile.py and benchmarks/kernels.py.
 """
@@ -12,6 +14,7 @@ tests/test_triton_compile.py and benchmarks/kernels.py.
 from __future__ import annotations
 
 import functools
+import itertools
 import multiprocessing
 import re
 import subprocess
@@ -58,14 +61,14 @@ class Geometry(NamedTuple):
 GEOMETRIES = (
     Geometry("tiny", 8, 2, 32, 256),  # the built-in preset
     Geometry("llama3", 32, 8, 128, 4096),  # Llama 3 8B; Qwen3, Mistral, Bamba: same constexprs
-    Geometry("gemma3", 8, 4, 256, 2560),  # Gemma 3 4B
+    Geometry("gemma3", 8, 4, 256, 2560),  # Gemma 3 4B; Gemma 2 2B's heads too
     Geometry("mla-v2-lite", 16, 1, 576, 2048, latent=True),  # DeepSeek-V2-Lite: 512 + rope 64
     Geometry("mla-v3", 128, 1, 576, 7168, latent=True),  # DeepSeek-V3
 )
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
           FP8_DTYPE: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
-_FLOATS = ("scale_log2", "eps")
+_FLOATS = ("scale_log2", "softcap", "eps")
 # Integers compiled as any value: per model (window, group) or per step (the kernels do not
 # specialise on those: tests/test_triton_compile.py).
 UNALIGNED = ("window", "group", "num_splits", "stride_table")
@@ -153,8 +156,10 @@ def variants() -> list[Variant]:
 def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geometry, tag: str):
     """The variants of one dtype, page dtype and geometry: the fused elementwise kernels,
     write_kv with and without RoPE, prefill at both tiles, decode at every tile split and
-    unsplit, and the merge."""
+    unsplit (on bfloat16 pages, of heads other than MLA's, each also softcapped), and the
+    merge."""
     name = f"{tag}-{geometry.name}"
+    softcaps = (False, True) if cache == torch.bfloat16 and not geometry.latent else (False,)
     group = geometry.num_heads // geometry.num_kv_heads
     scale = torch.float32 if cache == FP8_DTYPE else cache  # no scales: the cache stands in
     scales = {"k_scale": scale, "v_scale": scale}
@@ -171,27 +176,30 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                       triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim,
                                                 geometry.num_heads, geometry.head_dim),
                       writes)
-        for query_len in (1, triton_prefill.LONG_QUERY):
+        for query_len, softcap in itertools.product((1, triton_prefill.LONG_QUERY), softcaps):
             launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len,
-                                                   MAX_SHARED[arch])
-            yield Variant(f"{name}-prefill-n{launch.constexprs['BLOCK_N']}", arch,
+                                                   MAX_SHARED[arch], softcap)
+            yield Variant(f"{name}-prefill-n{launch.constexprs['BLOCK_N']}"
+                          f"{'-softcap' if softcap else ''}", arch,
                           triton_prefill._prefill, launch,
                           {**pages, **tables, "q": dtype, "out": dtype})
     # Every tile decode_launch picks: a split of one block of 16 tokens up to BLOCK_N.
-    for split_tokens in (16, 32, triton_decode.BLOCK_N):
-        for num_splits in (1, MAX_DECODE_SPLITS):
-            split = num_splits > 1
-            parts = torch.float32 if split else dtype  # unsplit: `out` stands in
-            try:
-                launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
-                                                     num_splits, split_tokens, MAX_SHARED[arch])
-            except ValueError:  # no tile fits this arch (float32 MLA on sm_89): refused
-                continue
-            yield Variant(f"{name}-decode{'-split' if split else ''}"
-                          f"-n{launch.constexprs['BLOCK_N']}", arch,
-                          triton_decode._decode_split, launch,
-                          {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
-                           "part_lse": parts})
+    for split_tokens, num_splits, softcap in itertools.product(
+            (16, 32, triton_decode.BLOCK_N), (1, MAX_DECODE_SPLITS), softcaps):
+        split = num_splits > 1
+        parts = torch.float32 if split else dtype  # unsplit: `out` stands in
+        try:
+            launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
+                                                 num_splits, split_tokens, MAX_SHARED[arch],
+                                                 softcap)
+        except ValueError:  # no tile fits this arch (float32 MLA on sm_89): refused
+            continue
+        yield Variant(f"{name}-decode{'-split' if split else ''}"
+                      f"-n{launch.constexprs['BLOCK_N']}{'-softcap' if softcap else ''}",
+                      arch,
+                      triton_decode._decode_split, launch,
+                      {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
+                       "part_lse": parts})
     yield Variant(f"{name}-merge", arch, triton_decode._merge_splits,
                   triton_decode.merge_launch(geometry.head_dim),
                   {"part_out": torch.float32, "part_lse": torch.float32,
