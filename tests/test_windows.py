@@ -1,17 +1,22 @@
 """Models mixing sliding-window and full-attention layers (Qwen2/Qwen3 with layer_types,
-Gemma 3 text) against transformers on sequences longer than the window, and how their
+Gemma 2, Gemma 3 text) against transformers on sequences longer than the window, and how their
 configs are read."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import transformers
 
+import kvpool.models.llama
+from kvpool.attention import paged_attention
 from kvpool.cache import HOLE
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import EngineConfig
 from kvpool.errors import ConfigError, OutOfPages
+from kvpool.kernels import cpu as cpu_kernel
 from kvpool.models.config import FULL, SLIDING, ModelConfig
 from kvpool.models.loader import load_model
 from models_util import (
@@ -31,6 +36,10 @@ MIXED = [FULL, SLIDING, SLIDING, FULL]
 GEMMA = dict(FOUR, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
              rope_parameters={FULL: {"rope_type": "default", "rope_theta": 1000.0},
                               SLIDING: {"rope_type": "default", "rope_theta": 50.0}})
+# Gemma 2's caps, binding on these random weights: attention scores reach ~40, logits ~12
+GEMMA2 = dict(FOUR, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+              rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+              attn_logit_softcapping=10.0, final_logit_softcapping=5.0)
 CONFIGS = {
     "qwen3-layer-types": lambda: transformers.Qwen3Config(
         **FOUR, head_dim=32, use_sliding_window=True, sliding_window=WINDOW, layer_types=MIXED),
@@ -45,6 +54,12 @@ CONFIGS = {
             FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
             SLIDING: {"rope_type": "default", "rope_theta": 50.0}}),
         layer_types=MIXED, tie_word_embeddings=False),
+    # every second layer full from the second on, both caps, the head tied
+    "gemma2": lambda: transformers.Gemma2Config(**GEMMA2),
+    # a full layer first, q/k/v/o biases, an untied head, norms moved by their epsilon
+    "gemma2-layer-types-biases-untied": lambda: transformers.Gemma2Config(
+        **GEMMA2, layer_types=MIXED, attention_bias=True, tie_word_embeddings=False,
+        rms_norm_eps=0.5),
 }
 
 
@@ -98,7 +113,7 @@ def generate_like_transformers(llm: LLM, hf, batch: list[list[int]]) -> list:
     return outputs
 
 
-@pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3-layer-types", "gemma3", "gemma2"])
 def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(name, tmp_path,
         device):
     hf = make_hf_model(name, configs=CONFIGS)
@@ -112,6 +127,25 @@ def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(na
     generate_like_transformers(llm, hf, batch)
     assert llm.cache.stats().prefix_hit_tokens > 0
     llm.check()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_gemma2_gives_transformers_logits_and_tokens_on_each_attention_backend(
+        backend, monkeypatch, tmp_path):
+    # Prefill rows, the C kernel's decode rows ("cpu") and Triton's kernels (in its
+    # interpreter without CUDA) all softcap the scores: as the model calls them.
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    if backend == "cpu" and cpu_kernel.library() is None:
+        pytest.skip("the CPU decode kernel did not compile")
+    hf = make_hf_model("gemma2", configs=CONFIGS)
+    model = load_model(save_hf_model(hf, tmp_path), device="cpu").model
+    monkeypatch.setattr(kvpool.models.llama, "paged_attention",
+                        functools.partial(paged_attention, backend=backend))
+    batch = prompts(model.config.vocab_size, lengths=(3, 17))
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
+    ours = PagedRunner(model).greedy(batch, 4)
+    assert list(ours.values()) == [hf_greedy(hf, prompt, 4) for prompt in batch.values()]
 
 
 # Gemma 3's 4B-27B and Mistral Small 3's checkpoints: a text decoder beside a vision encoder
@@ -210,6 +244,46 @@ def test_gemma3_old_style_rope_keys_give_both_bases():
                                                               "factor": 8.0})
     assert (config.gemma.local_rope_theta, config.gemma.local_rope_scaling) == (1e4, None)
     assert [config.layer_window(i) is None for i in range(4)] == [False, True, False, True]
+
+
+def gemma2(**overrides) -> dict:
+    return {**gemma3(**overrides), "architectures": ["Gemma2ForCausalLM"]}
+
+
+def test_gemma2_defaults_window_every_other_layer_cap_and_tie_the_head():
+    config = ModelConfig.from_hf({**gemma2(), "model_type": "gemma2"})
+    assert [config.layer_window(i) for i in range(7)] == [4096, None] * 3 + [4096]
+    gemma = config.gemma
+    assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (50.0, 30.0)
+    assert (gemma.query_pre_attn_scalar, gemma.local_rope_theta) == (256.0, 10000.0)
+    assert config.tie_word_embeddings and not config.qk_norm
+    assert (config.head_dim, config.max_position_embeddings) == (4, 8192)  # head_dim given
+    assert ModelConfig.from_hf({k: v for k, v in gemma2().items()
+                                if k != "head_dim"}).head_dim == 256
+
+
+def test_gemma2_caps_set_to_null_are_off_and_its_window_pattern_is_fixed():
+    config = ModelConfig.from_hf(gemma2(attn_logit_softcapping=None,
+                                        final_logit_softcapping=None, sliding_window_pattern=6))
+    assert (config.gemma.attn_logit_softcapping, config.gemma.final_logit_softcapping) == (
+        None, None)
+    assert [config.layer_window(i) is None for i in range(4)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
+@pytest.mark.parametrize("value", [0, -30.0, "30", float("inf")])
+def test_gemma2_softcap_not_a_positive_finite_number_is_refused(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}' must be"):
+        ModelConfig.from_hf(gemma2(**{key: value}))
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("use_bidirectional_attention", True, "Gemma2ForCausalLM with use_bidirectional"),
+    ("hidden_activation", "gelu", "unsupported hidden_activation 'gelu'"),
+])
+def test_gemma2_options_kvpool_does_not_run_are_refused(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(gemma2(**{key: value}))
 
 
 @pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])

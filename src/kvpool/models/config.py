@@ -1,7 +1,7 @@
 """Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
-Gemma 3 text, Granite and Granite MoE, DeepSeek-V2/V3, and the hybrid Bamba) into one
-validated dataclass, the KV layout a config implies, and the built-in presets used by `kvpool
-plan` and the `tiny` model."""
+Gemma 2, Gemma 3 text, Granite and Granite MoE, DeepSeek-V2/V3, and the hybrids Bamba and
+Granite MoE Hybrid) into one validated dataclass, the KV layout a config implies, and the
+built-in presets used by `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeSharedForCausalLM",
     "Olmo2ForCausalLM",
     "MixtralForCausalLM",
+    "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -54,6 +55,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -75,6 +77,7 @@ GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_HYBRID)
 OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
@@ -96,6 +99,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "GraniteMoeHybridForCausalLM": {"max_position_embeddings": 2048},
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
+    # Gemma 2 caps attention scores and logits unless its config sets the caps to null
+    GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4},
     "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
@@ -111,8 +117,8 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                  "SmolLM3ForCausalLM", "Gemma3ForCausalLM", "BambaForCausalLM", *GRANITES,
-                  OLMO2)
+                  "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
+                  *GRANITES, OLMO2)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -306,15 +312,19 @@ NO_MULTIPLIERS = Multipliers()
 
 @dataclass(frozen=True, slots=True)
 class GemmaConfig:
-    """What Gemma 3 does differently from a Llama decoder: norms scale by (1 + weight), the
-    embedding is multiplied by sqrt(hidden_size), queries are scaled by
-    `query_pre_attn_scalar ** -0.5`, the MLP gates with tanh-approximated GELU, and the
+    """What Gemma 2 and 3 do differently from a Llama decoder: norms scale by (1 + weight),
+    the embedding is multiplied by sqrt(hidden_size), queries are scaled by
+    `query_pre_attn_scalar ** -0.5`, the MLP gates with tanh-approximated GELU; Gemma 3's
     sliding-window layers rotate with their own rope base (the full layers use the config's
-    `rope_theta` and `rope_scaling`)."""
+    `rope_theta` and `rope_scaling`; Gemma 2's all do), and Gemma 2 softcaps: attention
+    scores s become `cap * tanh(s / cap)` with `attn_logit_softcapping`, the logits likewise
+    with `final_logit_softcapping` (None: no cap)."""
 
     query_pre_attn_scalar: float
     local_rope_theta: float
     local_rope_scaling: dict | None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,9 +377,9 @@ class ModelConfig:
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek(cfg, arch)
         cfg = {**ARCHITECTURE_DEFAULTS.get(arch, {}), **cfg}
-        is_gemma = arch == "Gemma3ForCausalLM"
+        is_gemma = arch in (GEMMA2, GEMMA3)
         if is_gemma:
-            _check_gemma(cfg)
+            _check_gemma(cfg, arch)
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
         kv_heads = _int(cfg, "num_key_value_heads", heads)
@@ -385,12 +395,14 @@ class ModelConfig:
             head_dim = hidden // heads
         num_layers = _int(cfg, "num_hidden_layers")
         gemma = None
-        if is_gemma:
+        if arch == GEMMA3:
             (rope_theta, rope_scaling), local_rope = _gemma_ropes(cfg)
-            gemma = _gemma(cfg, local_rope)
         else:
             rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES),
                                              ARCHITECTURE_ROPE_NAMES.get(arch, {}))
+            local_rope = rope_theta, rope_scaling  # one rope for every layer
+        if is_gemma:
+            gemma = _gemma(cfg, local_rope)
         is_bamba = arch == "BambaForCausalLM"
         partial_rotary = is_bamba or arch == "Phi3ForCausalLM"  # Phi-4-mini rotates 3/4
         if not partial_rotary:
@@ -414,7 +426,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-            # Gemma 3 ties its head to the embedding unless its config says otherwise
+            # Gemma ties its head to the embedding unless its config says otherwise
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
             # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
@@ -750,18 +762,19 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
     """(sliding window, layer types) as transformers reads them: Mistral, Mixtral and Phi-3
     window every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     then the layers `layer_types` names (by default those from `max_window_layers` on);
-    Gemma 3 the layers `layer_types` names (by default all but every
-    `sliding_window_pattern`-th). Other architectures have no windows."""
+    Gemma the layers `layer_types` names (by default Gemma 3's all but every
+    `sliding_window_pattern`-th, Gemma 2's every other one from the first). Other
+    architectures have no windows."""
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", MIXTRAL):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    is_gemma = arch == "Gemma3ForCausalLM"
+    is_gemma = arch in (GEMMA2, GEMMA3)
     if not (is_qwen or is_gemma):
         return None, ()
     window = _optional_int(cfg, "sliding_window")
-    if is_gemma:
-        pattern = _int(cfg, "sliding_window_pattern", 6)
+    if is_gemma:  # Gemma 2: every second layer full, whatever sliding_window_pattern says
+        pattern = 2 if arch == GEMMA2 else _int(cfg, "sliding_window_pattern", 6)
         default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
     else:
         window = window if _bool(cfg, "use_sliding_window") else None
@@ -812,18 +825,18 @@ def _check_no_partial_rotary(cfg: dict) -> None:
                               f"whole heads (1.0) for this architecture")
 
 
-def _check_gemma(cfg: dict) -> None:
-    """Raise ConfigError for the Gemma 3 options kvpool does not run."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+def _check_gemma(cfg: dict, arch: str) -> None:
+    """Raise ConfigError for the Gemma options kvpool does not run: Gemma 3 with softcapping
+    (Gemma 2's, which transformers' Gemma 3 does not apply), bidirectional attention, an
+    activation other than tanh-approximated GELU."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == GEMMA3 else ():
         if cfg.get(key) is not None:
-            raise ConfigError(f"Gemma3ForCausalLM with {key}={cfg[key]!r} is not supported "
-                              f"(only null)")
+            raise ConfigError(f"{arch} with {key}={cfg[key]!r} is not supported (only null)")
     if _bool(cfg, "use_bidirectional_attention"):
-        raise ConfigError("Gemma3ForCausalLM with use_bidirectional_attention=true is not "
-                          "supported")
+        raise ConfigError(f"{arch} with use_bidirectional_attention=true is not supported")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ConfigError(f"unsupported hidden_activation {cfg['hidden_activation']!r}; "
-                          f"kvpool supports gelu_pytorch_tanh for Gemma 3")
+                          f"kvpool supports gelu_pytorch_tanh for {arch}")
 
 
 def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
@@ -848,11 +861,16 @@ def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dic
 
 
 def _gemma(cfg: dict, local_rope: tuple[float, dict | None]) -> GemmaConfig:
-    """Gemma 3's own settings, its sliding layers' rope given."""
+    """Gemma's own settings, its sliding layers' rope given; each softcap a positive number
+    or None (Gemma 3's are None: `_check_gemma`)."""
+    caps = [None if cfg.get(key) is None else _float(cfg, key, 0.0)
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")]
     return GemmaConfig(
         query_pre_attn_scalar=_float(cfg, "query_pre_attn_scalar", 256.0),
         local_rope_theta=local_rope[0],
         local_rope_scaling=local_rope[1],
+        attn_logit_softcapping=caps[0],
+        final_logit_softcapping=caps[1],
     )
 
 

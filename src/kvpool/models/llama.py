@@ -49,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = len(heads), len(kv_heads), d
         attention = config.multipliers.attention
         self.scale = d**-0.5 if attention is None else attention
+        self.softcap = None  # no cap on the scores (Gemma 2 sets one)
         self.sliding_window = sliding_window
         bias = config.qkv_bias
         self.q_proj = ColumnLinear(hidden, heads, d, bias, dtype)
@@ -85,7 +86,7 @@ class LlamaAttention(nn.Module):
                  rotation=Rotation(q, *rope) if self.rotates else None)
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
-                              sliding_window=self.sliding_window,
+                              sliding_window=self.sliding_window, softcap=self.softcap,
                               max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
                               workspace=meta.workspace, k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

@@ -21,7 +21,7 @@ from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
-from kvpool.models.gemma3 import Gemma3ForCausalLM
+from kvpool.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvpool.models.gguf import (
     GGUFCheckpoint,
     conversion_folder,
@@ -85,6 +85,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,

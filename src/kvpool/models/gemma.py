@@ -1,7 +1,9 @@
-"""Gemma 3 (text): a Llama-style decoder with (1 + weight) RMSNorms before and after both
-attention and MLP, a scaled embedding, q/k norms, tanh-GELU MLP, and sliding-window layers
-(rotating with their own rope base) between full-attention ones. Parameter names mirror the
-Hugging Face `Gemma3ForCausalLM` checkpoints."""
+"""Gemma 2 and Gemma 3 (text): a Llama-style decoder with (1 + weight) RMSNorms before and
+after both attention and MLP, a scaled embedding, tanh-GELU MLP, and sliding-window layers
+between full-attention ones. Gemma 3 norms q and k and rotates its sliding layers with their
+own rope base; Gemma 2 rotates every layer alike and softcaps the attention scores and the
+logits. Parameter names mirror the Hugging Face `Gemma2ForCausalLM` and `Gemma3ForCausalLM`
+checkpoints."""
 
 from __future__ import annotations
 
@@ -41,19 +43,21 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
-class Gemma3Attention(LlamaAttention):
-    """Llama attention with Gemma's q/k norms and its query scale
-    `query_pre_attn_scalar ** -0.5` (not head_dim's)."""
+class GemmaAttention(LlamaAttention):
+    """Llama attention with Gemma's query scale `query_pre_attn_scalar ** -0.5` (not
+    head_dim's), Gemma 3's (1 + weight) q/k norms and Gemma 2's attention logit softcap."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  sliding_window: int | None, tp: TensorParallel):
         super().__init__(config, dtype, layer_idx, sliding_window, tp)
         self.scale = config.gemma.query_pre_attn_scalar**-0.5
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.softcap = config.gemma.attn_logit_softcapping
+        if config.qk_norm:
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """`x + norm(attn(norm(x)))`, then `x + norm(mlp(norm(x)))`; attention's and the mlp's
     outputs all-reduced across the tensor-parallel ranks before their norms."""
 
@@ -64,8 +68,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.tp = tp
         self.sliding = config.layer_window(layer_idx) is not None
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.self_attn = Gemma3Attention(config, dtype, layer_idx,
-                                         config.layer_window(layer_idx), tp)
+        self.self_attn = GemmaAttention(config, dtype, layer_idx,
+                                        config.layer_window(layer_idx), tp)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.mlp = GemmaMLP(size, config.intermediate_size, dtype, tp)
@@ -79,7 +83,7 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
+class GemmaModel(nn.Module):
     """Scaled embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel):
@@ -89,7 +93,7 @@ class Gemma3Model(nn.Module):
         self.embed_scale = float(torch.tensor(math.sqrt(config.hidden_size), dtype=dtype,
                                               device="cpu"))
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
+            GemmaDecoderLayer(config, dtype, i, tp) for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -105,11 +109,31 @@ class Gemma3Model(nn.Module):
         return x
 
 
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2's decoder and head (tied to the embedding unless the config unties it): one
+    rope for every layer, the logits softcapped."""
+
+    decoder = GemmaModel
+
+    def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
+        """(cos, sin) at `positions` `[T]`, for the full layers and the sliding ones alike."""
+        rope = self.rotary_emb(positions, self.dtype)
+        return rope, rope
+
+    @torch.inference_mode()
+    def forward(self, context: ForwardContext) -> torch.Tensor:
+        """One packed step -> float32 logits `[n, vocab_size]`, each l capped at
+        `cap * tanh(l / cap)` by the config's `final_logit_softcapping` (unless null)."""
+        logits = super().forward(context)
+        cap = self.config.gemma.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder and head (tied to the embedding unless the config unties it); the
     sliding layers rotate by the config's local rope base."""
 
-    decoder = Gemma3Model
+    decoder = GemmaModel
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device, tp: TensorParallel = ONE_RANK):
