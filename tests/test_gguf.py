@@ -731,6 +731,82 @@ def test_a_gemma3_gguf_file_without_a_window_is_global_on_every_layer_as_llama_c
     assert not any(ours.layer_window(i) for i in range(34))  # every layer global
 
 
+def _gemma2_gguf_of(hf, path: Path) -> None:
+    """The file llama.cpp's converter writes for a transformers Gemma 2: names from the gguf
+    package's own map, each norm weight stored plus 1, the head dropped (llama.cpp ties it),
+    the window and both softcaps in the metadata, no rope base (llama.cpp's 10,000); float32,
+    placeholder tokens."""
+    config = hf.config
+    writer = _writer(path, "gemma2", config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        if name != "lm_head.weight":
+            shifted = tensor + 1 if name.endswith("norm.weight") else tensor
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
+    _finish(writer, config.vocab_size)
+
+
+def test_a_gemma2_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
+    # 4 layers as llama.cpp lays Gemma 2 out (every other one sliding from the first; the
+    # queries scaled by head_dim, here 24, not hidden_size / heads), a window of 8, both caps,
+    # rope base 10,000
+    torch.manual_seed(0)
+    hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **dict(SMALL, num_hidden_layers=4), head_dim=24, query_pre_attn_scalar=24,
+        sliding_window=8, attn_logit_softcapping=10.0, final_logit_softcapping=5.0)).eval()
+    with torch.no_grad():  # norms away from Gemma's 0 (a scale of 1), as a trained model's
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.2)
+    path = tmp_path / "gemma2.gguf"
+    _gemma2_gguf_of(hf, path)
+    loaded = load_model(path, device="cpu").model
+    assert [loaded.config.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    gemma = loaded.config.gemma
+    assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (10.0, 5.0)
+    batch = prompts(hf.config.vocab_size)
+    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
+    converted = load_model(path, device="cpu").model
+    assert_logits_match(hf, batch, PagedRunner(converted).step(batch, all_logits=True))
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(42, 256), (46, 4608 // 32)])  # 9B, 27B
+def test_gemma2_queries_scale_as_llama_cpp_scales_them(tmp_path, layers, scalar):
+    writer = gguf.GGUFWriter(tmp_path / "gemma2.gguf", "gemma2")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(4608)
+    writer.add_head_count(32)
+    writer.add_key_length(256)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    config = kvgguf.GGUFCheckpoint(tmp_path / "gemma2.gguf").hf_config()
+    assert config["query_pre_attn_scalar"] == scalar
+
+
+def test_a_gemma2_gguf_file_without_window_or_caps_takes_llama_cpps_defaults(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "gemma2.gguf", "gemma2")
+    for add, value in ((writer.add_block_count, 4), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 96), (writer.add_head_count, 4),
+                       (writer.add_key_length, 16), (writer.add_vocab_size, 160)):
+        add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    config = kvgguf.GGUFCheckpoint(tmp_path / "gemma2.gguf").config()
+    assert [config.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (config.gemma.attn_logit_softcapping, config.gemma.final_logit_softcapping) == (
+        50.0, 30.0)
+    assert (config.rope_theta, config.tie_word_embeddings) == (10000.0, True)
+
+
 def test_qwen2moe_expert_sizes_the_file_leaves_out_are_llama_cpps(tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "qwen2moe.gguf", "qwen2moe")
     writer.add_feed_forward_length(96)

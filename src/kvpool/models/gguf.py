@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 3, Granite, Granite MoE and OLMo 2: the config, weights, tokenizer
-and chat template a .gguf file holds, parsed and dequantized by the `gguf` package (the
-`gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names to
-kvpool's config fields and parameter names."""
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE and OLMo 2: the config, weights,
+tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
+(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
+to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
@@ -70,7 +71,11 @@ FUSED_TENSORS = {"phi3": {
 # layers of the 27B, by 1/sqrt(hidden_size / heads). Its converter stores each norm weight
 # plus 1 (llama.cpp's norms scale by the weight, Gemma's by 1 + weight).
 GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
-NORM_SHIFT = {"gemma3": 1.0}
+# Gemma 2 likewise: a full-attention layer every 2nd (as its config reads), the queries scaled
+# as Gemma 3's but for the 46 layers of its 27B; its window and softcaps from the metadata,
+# llama.cpp's defaults (4,096; 50 and 30, the config's too) where the file has none.
+GEMMA2_27B_LAYERS = 46
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 # GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`); an
 # architecture's own names (ARCH_LAYER_TENSORS) take precedence.
 LAYER_TENSORS = {
@@ -98,8 +103,10 @@ LAYER_TENSORS = {
 ONE_ROW = ("mlp.shared_expert_gate.weight",)
 POST_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+GEMMA_NORMS = {**POST_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 ARCH_LAYER_TENSORS = {
-    "gemma3": {**POST_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight"},
+    "gemma2": GEMMA_NORMS,
+    "gemma3": GEMMA_NORMS,
     "olmo2": POST_NORMS,
 }
 # GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
@@ -394,20 +401,34 @@ def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dic
             "shared_expert_intermediate_size": key("expert_shared_feed_forward_length") or ffn}
 
 
-def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
-    window every layer is global, as llama.cpp runs it; the query scale (by the head size,
-    `head_dim`: attention.key_length, else hidden / heads, as llama.cpp takes it); its final
-    logit softcap (which the config then refuses)."""
+def _gemma_query_scalar(key, layers_27b: int, head_dim: int | None) -> int | None:
+    """`query_pre_attn_scalar` as llama.cpp scales Gemma's queries: by 1/sqrt(the head size,
+    `head_dim`: attention.key_length, else hidden / heads), but by 1/sqrt(hidden_size / heads)
+    for a 27B (known by its `layers_27b` layers)."""
     layers, hidden, heads = (key(name) for name in ("block_count", "embedding_length",
                                                     "attention.head_count"))
+    return hidden // heads if layers == layers_27b and hidden and heads else head_dim
+
+
+def _gemma2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Gemma 2's window and softcaps where the file gives them (else the config's defaults,
+    which are llama.cpp's) and its query scale (GEMMA2_*)."""
+    caps = {name: key(name) for name in ("attn_logit_softcapping", "final_logit_softcapping")
+            if key(name) is not None}
+    return {**_window(key), **caps,
+            "query_pre_attn_scalar": _gemma_query_scalar(key, GEMMA2_27B_LAYERS, head_dim)}
+
+
+def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
+    window every layer is global, as llama.cpp runs it; the query scale; its final logit
+    softcap (which the config then refuses)."""
     window = _window(key)
     layout = {**window, "sliding_window_pattern": GEMMA3_PATTERN,
               "rope_local_base_freq": GEMMA3_LOCAL_BASE} if window else {
-        "layer_types": ["full_attention"] * (layers or 0)}
+        "layer_types": ["full_attention"] * (key("block_count") or 0)}
     return {**layout,
-            "query_pre_attn_scalar": hidden // heads
-            if layers == GEMMA3_27B_LAYERS and hidden and heads else head_dim,
+            "query_pre_attn_scalar": _gemma_query_scalar(key, GEMMA3_27B_LAYERS, head_dim),
             "final_logit_softcapping": key("final_logit_softcapping")}
 
 
@@ -446,8 +467,8 @@ def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 
 # An architecture's own config.json keys beyond the common ones: general.architecture ->
 # a function of (checkpoint, its metadata key reader, the head size) giving them.
-ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma3": _gemma3_keys,
-                     "granite": _granite_keys, "olmo2": _olmo2_keys,
+ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
+                     "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys}
 
 
