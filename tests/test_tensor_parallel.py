@@ -49,7 +49,7 @@ from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
 from test_qwen3_moe import MIXTRAL
-from test_windows import GEMMA
+from test_windows import GEMMA, GEMMA2
 
 RANKS = 2
 MAX_TOKENS = 6  # the longest request then needs 47 of the 64 slots: the batch preempts
@@ -74,6 +74,8 @@ PARITY = {
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},
                                                    sliding_window_pattern=2),
+    # Gemma 2 alike: each rank caps its heads' scores, the gathered logits are capped
+    "gemma2": lambda: transformers.Gemma2Config(**{**GEMMA2, "num_hidden_layers": 2}),
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # 16 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk
