@@ -221,11 +221,11 @@ def test_explicit_scale_is_used():
 SOFTCAP, SOFTCAP_SPREAD = 2.0, 8.0
 
 
-def softcap_batch(specs, dtype=torch.float32, **shape) -> Batch:
-    """A GQA batch (8 query heads on 2 kv heads) whose unwritten slots hold NaN and whose
-    scores spread wide enough for SOFTCAP to change every output."""
+def softcap_batch(specs, dtype=torch.float32, device="cpu", **shape) -> Batch:
+    """A GQA batch (8 query heads on 2 kv heads) on `device` whose unwritten slots hold NaN
+    and whose scores spread wide enough for SOFTCAP to change every output."""
     batch = Batch(specs, **{**dict(heads=8, kv_heads=2, head_dim=64, page_size=4), **shape},
-                  dtype=dtype, device="cpu", fill=float("nan"))
+                  dtype=dtype, device=device, fill=float("nan"))
     batch.q *= SOFTCAP_SPREAD
     return batch
 

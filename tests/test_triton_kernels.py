@@ -159,18 +159,19 @@ def test_decode_ignores_nan_in_unwritten_slots(window, num_splits):
                        decode(clean, window=window, num_splits=num_splits))
 
 
-@pytest.mark.parametrize(("window", "num_splits"), [(None, 1), (40, 3)])
-def test_softcapped_decode_matches_reference(window, num_splits):
-    batch = softcap_batch(DECODES, page_size=5)
+@pytest.mark.parametrize(("window", "num_splits", "dtype"),
+                         [(None, 1, torch.float32), (40, 3, torch.bfloat16)])
+def test_softcapped_decode_matches_reference(window, num_splits, dtype):
+    batch = softcap_batch(DECODES, dtype=dtype, device=DEVICE, page_size=5)
     out = decode(batch, window=window, num_splits=num_splits, softcap=SOFTCAP)
     expected = batch.reference(window=window, softcap=SOFTCAP)
-    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(out, expected) < TOLERANCE[dtype]
     assert relative_error(decode(batch, window=window, num_splits=num_splits), expected) > 0.5
 
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_softcapped_prefill_of_a_mixed_batch_matches_reference(window):
-    batch = softcap_batch(MIXED)
+    batch = softcap_batch(MIXED, device=DEVICE)
     out = prefill(batch, window=window, softcap=SOFTCAP)
     expected = batch.reference(window=window, softcap=SOFTCAP)
     assert relative_error(out, expected) < TOLERANCE[torch.float32]
@@ -179,7 +180,7 @@ def test_softcapped_prefill_of_a_mixed_batch_matches_reference(window):
 
 @pytest.mark.parametrize("specs", [DECODES[:3], MIXED[:3]], ids=["decode", "mixed"])
 def test_paged_attention_passes_the_softcap_to_the_triton_kernels(specs):
-    batch = softcap_batch(specs)
+    batch = softcap_batch(specs, device=DEVICE)
     out = batch.attend(backend="triton", sliding_window=5, softcap=SOFTCAP)
     expected = batch.attend(backend="torch", sliding_window=5, softcap=SOFTCAP)
     assert relative_error(out, expected.double()) < TOLERANCE[torch.float32]

@@ -132,14 +132,16 @@ def test_engine_greedy_outputs_with_chunks_and_prefix_hits_equal_transformers(na
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_gemma2_gives_transformers_logits_and_tokens_on_each_attention_backend(
         backend, monkeypatch, tmp_path):
-    # Prefill rows, the C kernel's decode rows ("cpu") and Triton's kernels (in its
-    # interpreter without CUDA) all softcap the scores: as the model calls them.
+    # Prefill rows, the C kernel's decode rows ("cpu") and Triton's kernels (on CUDA, else in
+    # its interpreter) all softcap the scores: as the model calls them.
     if backend == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
     if backend == "cpu" and cpu_kernel.library() is None:
         pytest.skip("the CPU decode kernel did not compile")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     hf = make_hf_model("gemma2", configs=CONFIGS)
-    model = load_model(save_hf_model(hf, tmp_path), device="cpu").model
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    hf.to(device)
     monkeypatch.setattr(kvpool.models.llama, "paged_attention",
                         functools.partial(paged_attention, backend=backend))
     batch = prompts(model.config.vocab_size, lengths=(3, 17))
