@@ -85,6 +85,7 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("MistralConfig", {}),
     ("Gemma3TextConfig", {"head_dim": 16}),
     ("Gemma3TextConfig", {"head_dim": 16, "tie_word_embeddings": False}),
+    ("Gemma2Config", {"head_dim": 16, "attention_bias": True}),  # no q/k norms
     ("GraniteConfig", {"attention_bias": True, "mlp_bias": True}),
     ("Olmo2Config", {"attention_bias": True}),  # q/k norms across all heads
     ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
