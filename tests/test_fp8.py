@@ -24,7 +24,14 @@ from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import KVPool
 from kvpool.models.config import ModelConfig
 from kvpool.planning.planner import plan_memory
-from test_attention import MIXED, Batch, kernel, relative_error  # noqa: F401 (a fixture)
+from test_attention import (  # noqa: F401 (kernel: a fixture)
+    MIXED,
+    SOFTCAP,
+    Batch,
+    kernel,
+    relative_error,
+    softcap_batch,
+)
 
 FP8_LAYOUT = KVLayout(2, 2, 16, FP8_DTYPE, page_size=4)
 # Attention over fp8 pages against the same attention over the dequantized pages: the kernels
@@ -205,6 +212,21 @@ def test_cpu_kernel_stays_finite_at_the_largest_scales(scale):
                             v_scale=scale) for backend in ("cpu", "torch")]
     assert outs[0].isfinite().all()
     torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
+def test_softcap_over_fp8_pages_caps_the_scores_k_scale_included(path, monkeypatch):
+    # The kernel folds K's scale into the scores: the cap must come after it.
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1" if path == "cpu-kernel" else "0")
+    batch = softcap_batch(MIXED)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
+                          sliding_window=5, softcap=SOFTCAP, backend="cpu")
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, torch.float32),
+                                  dequantize(v8, v_scale, torch.float32), *args,
+                                  sliding_window=5, softcap=SOFTCAP, backend="torch")
+    assert relative_error(out, dequantized.double()) < 1e-5
 
 
 def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):

@@ -470,6 +470,20 @@ def test_fp8_pages_equal_the_dequantized_pages(specs, num_splits, dtype):
     assert relative_error(out, batch.reference()) < LOOSE
 
 
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decode", "mixed"])
+def test_softcap_over_fp8_pages_caps_the_scores_k_scale_included(specs):
+    # The kernels fold K's scale into the scores: the cap must come after it.
+    batch = softcap_batch(specs, device=DEVICE)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(batch.q, k8, v8, *args, backend="triton", k_scale=k_scale,
+                          v_scale=v_scale, softcap=SOFTCAP)
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, torch.float32),
+                                  dequantize(v8, v_scale, torch.float32), *args,
+                                  backend="torch", softcap=SOFTCAP)
+    assert relative_error(out, dequantized.double()) < TIGHT[torch.float32]
+
+
 def test_write_kv_kernel_quantizes_as_torch_does():
     # Rounding ties, subnormals, -0.0 and values beyond the range all land on the same bytes.
     k = torch.randn(20, 2, 32, generator=torch.Generator().manual_seed(0)) * 4
