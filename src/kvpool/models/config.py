@@ -827,8 +827,8 @@ def _check_no_partial_rotary(cfg: dict) -> None:
 
 def _check_gemma(cfg: dict, arch: str) -> None:
     """Raise ConfigError for the Gemma options kvpool does not run: Gemma 3 with softcapping
-    (Gemma 2's, which transformers' Gemma 3 does not apply), bidirectional attention, an
-    activation other than tanh-approximated GELU."""
+    (Gemma 2's; no published Gemma 3 sets it, and transformers' Gemma 3 applies only the final
+    cap), bidirectional attention, an activation other than tanh-approximated GELU."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == GEMMA3 else ():
         if cfg.get(key) is not None:
             raise ConfigError(f"{arch} with {key}={cfg[key]!r} is not supported (only null)")
