@@ -250,8 +250,17 @@ def test_kernel_softcaps_bfloat16_decode_as_the_reference(kernel, monkeypatch, w
     assert relative_error(fused, batch.reference(window=window, softcap=SOFTCAP)) < 2e-2
 
 
+@pytest.mark.usefixtures("decode_path")
+def test_a_softcap_bounds_scores_of_a_scale_near_float32s_top():
+    # q times such a scale overflows: the scale goes on the scores, where the cap bounds them
+    batch = softcap_batch(MIXED)
+    out = batch.attend(scale=3e38, softcap=SOFTCAP)
+    assert relative_error(out, batch.reference(scale=3e38, softcap=SOFTCAP)) < 1e-5
+
+
 @pytest.mark.parametrize(("softcap", "error"), [(float("nan"), ValueError), (0.0, ValueError),
                                                 (-50.0, ValueError), (1e39, ValueError),
+                                                (1e-46, ValueError),  # 0 in float32
                                                 ("50", TypeError), (True, TypeError)])
 def test_paged_attention_rejects_a_softcap_that_is_not_a_positive_finite_float32(
         device, softcap, error):

@@ -178,6 +178,17 @@ def test_softcapped_prefill_of_a_mixed_batch_matches_reference(window):
     assert relative_error(prefill(batch, window=window), expected) > 0.5
 
 
+@pytest.mark.parametrize("softcap", [1e6, 1e30])
+def test_a_softcap_far_above_the_scores_leaves_them_as_they_are(softcap):
+    # tanh(x) of a tiny x must not cancel to 0: the attention is then the uncapped one
+    batch = softcap_batch(MIXED, device=DEVICE)
+    expected = batch.reference(window=5)
+    assert relative_error(prefill(batch, window=5, softcap=softcap), expected) < 1e-5
+    decodes = softcap_batch(DECODES, device=DEVICE, page_size=5)
+    assert relative_error(decode(decodes, window=40, num_splits=3, softcap=softcap),
+                          decodes.reference(window=40)) < 1e-5
+
+
 @pytest.mark.parametrize("specs", [DECODES[:3], MIXED[:3]], ids=["decode", "mixed"])
 def test_paged_attention_passes_the_softcap_to_the_triton_kernels(specs):
     batch = softcap_batch(specs, device=DEVICE)

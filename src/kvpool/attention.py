@@ -196,7 +196,7 @@ def paged_attention(
     elif type(scale) is not float or not 0.0 < scale <= FLOAT32_MAX:  # NaN fails it too
         scale = check_float32("scale", scale, low=0.0, open_low=True)
     if softcap is not None:
-        softcap = check_float32("softcap", softcap, low=0.0, open_low=True)
+        softcap = check_float32("softcap", softcap, low=0.0, open_low=True, normal=True)
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     bounded = backend == "triton" and max_seq_len is not None and max_query_len is not None

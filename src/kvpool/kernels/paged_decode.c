@@ -365,12 +365,13 @@ attend_page(const Problem *p, const char *k, const char *v, const char *next_k, 
                        s + r * stride + t, stride, bf16, fp8);
         }
     }
-    /* fp8 K's scale on the scores, not folded into q: q times a scale near float32's top
-       overflows, and infinity times a zero byte is NaN. */
-    if (fp8)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t t = 0; t < n; t++)
-                s[r * stride + t] *= (float)p->k_scale;
+    /* Scores in base 2, exp(x * scale) == exp2(x * scale * log2(e)), fp8 K's scale included:
+       on the scores, not folded into q, since q times a scale near float32's top overflows
+       and infinity times a zero is NaN (where a softcap would have bounded the score). */
+    const double factor = p->scale * LOG2E * (fp8 ? p->k_scale : 1.0);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t t = 0; t < n; t++)
+            s[r * stride + t] = (float)(s[r * stride + t] * factor);
     /* Gemma 2's cap, on base-2 scores: log2(e) * cap * tanh(s / cap) = cap2 * tanh(s2 / cap2). */
     if (p->softcap > 0) {
         const double cap = p->softcap * LOG2E;
@@ -408,10 +409,8 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
     float *restrict qs = scratch, *restrict acc = qs + rows * d;
     float *restrict m = acc + rows * d, *restrict l = m + rows, *restrict s = l + rows;
     const int64_t q_offset = (b * p->num_heads + h0 * g_rows) * d;
-    /* Scores in base 2: exp(x * scale) == exp2(x * scale * log2(e)). */
-    const float q_scale = (float)p->scale * LOG2E;
     for (int64_t i = 0; i < rows * d; i++) {
-        qs[i] = load_one(p->q, q_offset + i, bf16) * q_scale;
+        qs[i] = load_one(p->q, q_offset + i, bf16);
         acc[i] = 0.0f;
     }
     for (int64_t r = 0; r < rows; r++) {

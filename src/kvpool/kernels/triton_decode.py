@@ -62,12 +62,17 @@ def _compute_dtype(q_tile, k_cache, k_scale, scale_log2, FP8: tl.constexpr):
 @triton.jit
 def softcapped(scores, softcap, SOFTCAP: tl.constexpr):
     """Base-2 `scores` capped as Gemma 2 caps natural ones, `softcap * tanh(s / softcap)`
-    (with SOFTCAP; else as they are). tanh(x) is computed as 2 / (1 + 2^(-2x log2 e)) - 1, to
-    within a few float32 ulps of 1 (the interpreter has no tanh), in an order that neither
-    overflows nor makes NaN for any positive float32 softcap."""
+    (with SOFTCAP; else as they are), to a few float32 ulps of tanh for any positive float32
+    softcap (the interpreter has no tanh): below |x| = 1/8 by tanh's odd series to x^7 (the
+    exponential's form would cancel there, and a cap far above the scores would zero them),
+    above it as (1 - e) / (1 + e), e = exp(-2|x|) <= 1, which neither overflows nor cancels."""
     if SOFTCAP:
         x = scores / _LOG2E / softcap
-        scores = (2.0 / (1.0 + tl.math.exp2(x * (-2.0 * _LOG2E))) - 1.0) * softcap * _LOG2E
+        x2 = x * x
+        series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+        e = tl.math.exp2(tl.abs(x) * (-2.0 * _LOG2E))
+        tanh = tl.where(x2 < 1.0 / 64.0, series, tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e))
+        scores = tanh * softcap * _LOG2E
     return scores
 
 
