@@ -355,6 +355,25 @@ def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing
     assert _files(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize("value", [np.nan, -np.inf], ids=["nan", "infinity"])
+def test_a_file_of_non_finite_weights_is_refused_naming_it_and_leaves_nothing_cached(
+        tmp_path, monkeypatch, value):
+    write_gguf(tmp_path / "bad.gguf")
+    reader = gguf.GGUFReader(tmp_path / "bad.gguf", "r+")
+    norm = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight")
+    norm.data[3] = value
+    reader.data.flush()
+    del reader, norm
+    message = (r"weight model.layers.0.post_attention_layernorm.weight in bad.gguf holds 1 NaN "
+               rf"or infinite value\(s\) of {HIDDEN} \(as torch.float32\)")
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path / "bad.gguf", device="cpu")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError, match=message):  # the file named, not a conversion
+        load_model(tmp_path / "bad.gguf", device="cpu")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_load_config_and_kvpool_plan_read_a_gguf_file_without_converting_it(tmp_path,
                                                                              monkeypatch):
     write_gguf(tmp_path / "tiny.gguf")
@@ -414,6 +433,16 @@ def test_bad_rope_freqs_or_scaling_are_config_errors_naming_them(tmp_path, rope_
     write_gguf(tmp_path / "bad.gguf", rope_freqs=rope_freqs, rope_scaling=rope_scaling)
     with pytest.raises(ConfigError, match=message):
         load_model(tmp_path / "bad.gguf", device="cpu")
+
+
+def test_a_rope_freqs_tensor_of_another_length_is_refused_when_the_config_is_read(tmp_path,
+                                                                                capsys):
+    write_gguf(tmp_path / "bad.gguf", rope_freqs=np.ones(16))
+    message = "rope frequency factors: 16 given, but a rotary dimension of 64 has 32 frequencies"
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "bad.gguf")
+    assert main(["plan", str(tmp_path / "bad.gguf"), "--device-memory", "1GiB"]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float64], ids=["I32", "F64"])
@@ -729,6 +758,22 @@ def test_a_gemma3_gguf_file_without_a_window_is_global_on_every_layer_as_llama_c
     assert config["layer_types"] == ["full_attention"] * 34
     ours = kvgguf.ModelConfig.from_hf(config)
     assert not any(ours.layer_window(i) for i in range(34))  # every layer global
+
+
+def test_a_gemma3_gguf_file_without_a_window_and_more_layers_than_a_config_takes_is_refused(
+        tmp_path):
+    # checked before a list of that many layer types is built
+    path = tmp_path / "gemma3.gguf"
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_uint64("gemma3.block_count", 2**40)
+    writer.add_embedding_length(256)
+    writer.add_head_count(4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=f"gemma3.gguf: GGUF gemma3.block_count must be at "
+                                          f"most 4096, got {2**40}"):
+        load_config(path)
 
 
 def _gemma2_gguf_of(hf, path: Path) -> None:
@@ -1070,9 +1115,13 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
      "m.gguf: GGUF llama.expert_count is 8 but llama.expert_used_count is missing"),
     (lambda w: w.add_tokenizer_pre("gpt-4o"), CheckpointError,
      "GGUF pre-tokenizer 'gpt-4o' is not supported"),
+    (lambda w: w.add_string("llama.rope.scaling.factor", "2x"), ConfigError,
+     "m.gguf: GGUF llama.rope.scaling.factor must be a number, got '2x'"),
+    (lambda w: w.add_array("llama.rope.scale_linear", [2.0]), ConfigError,
+     r"m.gguf: GGUF llama.rope.scale_linear must be a number, got \[2.0\]"),
 ], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored",
         "kv-heads-per-layer", "heads-per-layer", "size-as-text", "experts-without-top-k",
-        "unknown-pre-tokenizer"])
+        "unknown-pre-tokenizer", "rope-factor-as-text", "rope-scale-as-list"])
 def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
     write_gguf(tmp_path / "m.gguf", more=more)
     if message is None:  # a byte-level vocabulary has no scores to check

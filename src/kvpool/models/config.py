@@ -409,7 +409,7 @@ class ModelConfig:
             _check_no_partial_rotary(cfg)
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
             if partial_rotary else 1.0
-        _check_longrope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
+        _check_rope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
@@ -747,14 +747,20 @@ def _longrope(params: dict, key: str, max_position_embeddings: int) -> dict:
     return scaling
 
 
-def _check_longrope_factors(rope_scaling: dict | None, rotary_dim: int) -> None:
-    """ConfigError unless LongRoPE's two factor lists each hold one factor per frequency of
-    `rotary_dim` channels, whichever set `max_model_len` later picks."""
-    if rope_scaling is None or rope_scaling["rope_type"] != "longrope":
-        return
-    for name in ("short_factor", "long_factor"):
-        if len(rope_scaling[name]) != rotary_dim // 2:
-            raise ConfigError(f"{name} factors: {len(rope_scaling[name])} given, but a rotary "
+# The rope types that divide each inverse frequency by a factor of a list -> its lists, each
+# with the name its errors give it
+FACTOR_LISTS = {"longrope": {"short_factor": "short_factor", "long_factor": "long_factor"},
+                "frequency_factors": {"factors": "rope frequency"}}
+
+
+def _check_rope_factors(rope_scaling: dict | None, rotary_dim: int) -> None:
+    """ConfigError unless each factor list of the rope (FACTOR_LISTS: LongRoPE's two,
+    whichever set `max_model_len` later picks; GGUF's rope_freqs) holds one factor per
+    frequency of `rotary_dim` channels."""
+    lists = FACTOR_LISTS.get(rope_scaling["rope_type"], {}) if rope_scaling else {}
+    for key, name in lists.items():
+        if len(rope_scaling[key]) != rotary_dim // 2:
+            raise ConfigError(f"{name} factors: {len(rope_scaling[key])} given, but a rotary "
                               f"dimension of {rotary_dim} has {rotary_dim // 2} frequencies")
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvpool.errors import CheckpointError, ConfigError
-from kvpool.models.config import ModelConfig
+from kvpool.models.config import SIZE_LIMITS, ModelConfig
 from kvpool.models.gguf_vocab import build_tokenizer
 from kvpool.models.tokenizer import HFTokenizer
 
@@ -129,6 +129,9 @@ INTEGER_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwa
                 "rope.scaling.original_context_length", "expert_count", "expert_used_count",
                 "expert_feed_forward_length", "expert_shared_feed_forward_length")
 PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
+# The metadata keys read here as numbers before the config checks them (the rope's linear
+# factor, under either name llama.cpp writes it)
+NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear")
 
 
 def gguf_path(model: str | Path) -> Path | None:
@@ -182,14 +185,17 @@ class GGUFCheckpoint:
 
         def key(name, default=None):
             """The metadata key `{arch}.{name}` (`default` where absent); ConfigError naming
-            it for an integer key that holds anything else."""
+            it for an integer or number key that holds anything else."""
             value = self.meta.get(f"{arch}.{name}")
             if value is None:
                 return default
             if name in PER_LAYER_KEYS:
                 value = _one_per_model(value, f"{self.path.name}: GGUF {arch}.{name}")
-            if name in INTEGER_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{self.path.name}: GGUF {arch}.{name} must be an integer, "
+            kind = (int,) if name in INTEGER_KEYS else (int, float) if name in NUMBER_KEYS \
+                else None
+            if kind and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ConfigError(f"{self.path.name}: GGUF {arch}.{name} must be "
+                                  f"{'an integer' if kind == (int,) else 'a number'}, "
                                   f"got {value!r}")
             return value
 
@@ -423,10 +429,13 @@ def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
     window every layer is global, as llama.cpp runs it; the query scale; its final logit
     softcap (which the config then refuses)."""
-    window = _window(key)
+    window, layers = _window(key), key("block_count") or 0
+    if not window and layers > SIZE_LIMITS["num_hidden_layers"]:  # before a list that long
+        raise ConfigError(f"{checkpoint.path.name}: GGUF gemma3.block_count must be at most "
+                          f"{SIZE_LIMITS['num_hidden_layers']}, got {layers}")
     layout = {**window, "sliding_window_pattern": GEMMA3_PATTERN,
               "rope_local_base_freq": GEMMA3_LOCAL_BASE} if window else {
-        "layer_types": ["full_attention"] * (key("block_count") or 0)}
+        "layer_types": ["full_attention"] * layers}
     return {**layout,
             "query_pre_attn_scalar": _gemma_query_scalar(key, GEMMA3_27B_LAYERS, head_dim),
             "final_logit_softcapping": key("final_logit_softcapping")}
@@ -505,10 +514,12 @@ def is_converted(folder: Path) -> bool:
     return (folder / "model.safetensors").is_file()
 
 
-def write_conversion(checkpoint: GGUFCheckpoint, folder: Path) -> None:
-    """Write the checkpoint folder of `checkpoint` into `folder`, atomically: into a
-    temporary folder beside it, renamed when complete. The caller checks the file first
-    (config, tensor types and shapes): a file refused later would leave its conversion."""
+def write_conversion(checkpoint: GGUFCheckpoint, folder: Path,
+                     weights: dict[str, torch.Tensor]) -> None:
+    """Write the checkpoint folder of `checkpoint`, its `weights` (parameter name -> float32
+    tensor, as `tensors()` gives them) into `folder`, atomically: into a temporary folder
+    beside it, renamed when complete. The caller checks the file first (config, tensor types
+    and shapes, finite weights): a file refused later would leave its conversion."""
     from safetensors.torch import save_file
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -519,7 +530,7 @@ def write_conversion(checkpoint: GGUFCheckpoint, folder: Path) -> None:
         (scratch / "config.json").write_text(json.dumps(checkpoint.hf_config(), indent=1))
         (scratch / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
         (scratch / "tokenizer.json").write_text(build_tokenizer(checkpoint.meta).to_str())
-        save_file({name: tensor.contiguous() for name, tensor in checkpoint.tensors()},
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()},
                   scratch / "model.safetensors")
         try:
             scratch.replace(folder)

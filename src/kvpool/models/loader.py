@@ -173,11 +173,15 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
 def _convert_gguf(checkpoint: GGUFCheckpoint, folder: Path) -> None:
     """Write a GGUF file's conversion into `folder` once its config, tensor types and shapes
     pass the checks load_gguf makes before reading a weight (the shapes against a model built
-    on the meta device, which holds no memory): a refused file leaves nothing in the cache."""
+    on the meta device, which holds no memory) and every weight is finite, as load_gguf
+    checks them: a refused file leaves nothing in the cache."""
     config = checkpoint.config()
     _check_gguf_weights(model_class(config)(config, dtype=torch.float32, device="meta"),
                         checkpoint)
-    write_conversion(checkpoint, folder)
+    weights = dict(checkpoint.tensors())
+    for name, tensor in weights.items():
+        _check_finite(tensor, name, checkpoint.path)
+    write_conversion(checkpoint, folder, weights)
 
 
 def _check_gguf_weights(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> None:
@@ -405,11 +409,17 @@ def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Pat
     on the parameter's device, one pass per tensor: its least and greatest values, NaN if any
     value is (torch.isfinite makes several passes, an order of magnitude slower on the CPU)."""
     param.copy_(tensor)
-    if param.is_floating_point() and param.numel() and not bool(
-            torch.stack(torch.aminmax(param)).isfinite().all()):
-        bad = int((~torch.isfinite(param)).sum())
+    _check_finite(param, name, file)
+
+
+def _check_finite(tensor: torch.Tensor, name: str, file: Path) -> None:
+    """CheckpointError naming the weight and its file if `tensor` holds NaN or infinite
+    values."""
+    if tensor.is_floating_point() and tensor.numel() and not bool(
+            torch.stack(torch.aminmax(tensor)).isfinite().all()):
+        bad = int((~torch.isfinite(tensor)).sum())
         raise CheckpointError(f"weight {name} in {file.name} holds {bad:,} NaN or infinite "
-                              f"value(s) of {param.numel():,} (as {param.dtype}); the "
+                              f"value(s) of {tensor.numel():,} (as {tensor.dtype}); the "
                               f"checkpoint is corrupt or overflows this dtype")
 
 
