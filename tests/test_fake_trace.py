@@ -55,6 +55,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "bamba": lambda: make_bamba("bamba"),
     # Bamba's layers with Granite MoE's experts and multipliers, attention without RoPE
     "granite-hybrid": lambda: make_bamba("granite-hybrid", configs=GRANITE_HYBRID),
+    # without experts: the shared MLP as each layer's dense MLP
+    "granite-hybrid-dense": lambda: make_bamba("granite-hybrid-dense", configs=GRANITE_HYBRID),
 }
 FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten._unique", "aten.unique",
              "aten.item")  # host reads and data-dependent shapes
@@ -231,7 +233,8 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
-              "bamba": "BambaForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM"}
+              "bamba": "BambaForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM",
+              "granite-hybrid-dense": "GraniteMoeHybridForCausalLM"}
     assert set(traced) == set(FAMILIES)
     assert all(type(FAMILIES[name]()).__name__ == arch for name, arch in traced.items())
     assert set(MODEL_CLASSES) <= set(traced.values())

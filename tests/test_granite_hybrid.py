@@ -1,20 +1,23 @@
 """GraniteMoeHybrid (Granite 4.0's hybrids): Bamba's Mamba2 and attention layers, each
-followed by Granite MoE's experts and shared MLP, with Granite's multipliers, its attention
-without RoPE unless the config asks for it; against transformers, through the engine, and its
-config checks."""
+followed by Granite MoE's experts and shared MLP (or, without experts, the shared MLP alone),
+with Granite's multipliers, its attention without RoPE unless the config asks for it; against
+transformers, through the engine, and its config checks."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
+import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from hybrid_util import HybridRunner, make_bamba
 from kvpool.engine import SamplingParams
-from kvpool.errors import ConfigError
+from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.granite_hybrid import GraniteHybridForCausalLM
+from kvpool.models.layers import MLP
 from kvpool.models.loader import load_model
 from kvpool.models.moe import MoE
 from models_util import (
@@ -47,6 +50,11 @@ CONFIGS = {
         **{**SMALL_HYBRID, "mamba_n_groups": 1}, position_embedding_type="rope",
         layer_types=["attention", "mamba", "mamba", "attention"], attention_bias=True,
         mamba_proj_bias=True, tie_word_embeddings=True),
+    # no experts, as Granite 4.0 H Micro: the shared MLP (48 wide, not intermediate_size's
+    # 32) is each layer's only MLP
+    "granite-hybrid-dense": lambda: transformers.GraniteMoeHybridConfig(
+        **{**SMALL_HYBRID, "num_local_experts": 0},
+        layer_types=["mamba", "attention", "mamba", "attention"]),
 }
 
 
@@ -58,13 +66,22 @@ def pair(request, tmp_path_factory, device):
     return hf.to(device), load_model(folder, device=device).model
 
 
-def test_the_mixers_are_where_the_layer_types_say_and_every_layer_has_experts(pair):
+def test_the_mixers_are_where_the_layer_types_say_and_the_mlps_as_transformers_has_them(pair):
     hf, model = pair
     assert isinstance(model, GraniteHybridForCausalLM)
     assert [hasattr(layer, "mamba") for layer in model.model.layers] == [
         layer.mamba is not None for layer in hf.model.layers]
-    assert all(isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None
-               for layer in model.model.layers)
+    for ours, theirs in zip(model.model.layers, hf.model.layers, strict=True):
+        shared = theirs.shared_mlp.input_linear.weight.chunk(2)  # gate rows, then up rows
+        if theirs.block_sparse_moe is None:  # the shared MLP is the layer's MLP
+            assert isinstance(ours.mlp, MLP)
+            mlp = ours.mlp
+        else:
+            assert isinstance(ours.mlp, MoE)
+            mlp = ours.mlp.shared_experts
+        assert torch.equal(mlp.gate_proj.weight, shared[0])
+        assert torch.equal(mlp.up_proj.weight, shared[1])
+        assert torch.equal(mlp.down_proj.weight, theirs.shared_mlp.output_linear.weight)
 
 
 def test_packed_prefill_logits_match_transformers(pair):
@@ -88,10 +105,10 @@ def test_batched_greedy_decode_matches_transformers_generate(pair):
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory, device):
-    return case_of(make_bamba("granite-hybrid", configs=CONFIGS),
-                   tmp_path_factory.mktemp("granite-hybrid-engine"), device, MAX_TOKENS)
+@pytest.fixture(scope="module", params=["granite-hybrid", "granite-hybrid-dense"])
+def case(request, tmp_path_factory, device):
+    return case_of(make_bamba(request.param, configs=CONFIGS),
+                   tmp_path_factory.mktemp(f"{request.param}-engine"), device, MAX_TOKENS)
 
 
 def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(case, device):
@@ -131,14 +148,37 @@ def test_the_shared_mlp_is_1024_wide_where_the_config_leaves_it_out_as_in_transf
     assert (moe.shared_intermediate_size, moe.shared_gate, moe.top_k) == (1024, False, 2)
 
 
+@pytest.mark.parametrize(("shared", "width"), [({"shared_intermediate_size": 48}, 48),
+                                               ({}, 1024)])  # transformers' default
+def test_without_experts_the_shared_mlp_is_the_dense_mlp_of_every_layer(shared, width):
+    config = {key: value for key, value in BASE.items() if key != "shared_intermediate_size"}
+    ours = ModelConfig.from_hf({**config, **shared, "num_local_experts": 0,
+                                "layer_types": ["mamba", "attention"] * 2})
+    assert (ours.moe, ours.intermediate_size, ours.mlp_bias) == (None, width, False)
+    assert not any(ours.is_moe_layer(i) for i in range(4))
+
+
+def test_a_shared_mlp_beside_the_mlp_it_would_load_as_is_refused_naming_both(tmp_path):
+    folder = save_hf_model(make_bamba("granite-hybrid-dense", configs=CONFIGS), tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 64)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "model.layers.2.shared_mlp.input_linear.weight holds "
+            "model.layers.2.mlp.up_proj.weight, which the checkpoint holds too")):
+        load_model(folder, device="cpu")
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({}, "layer_types name no attention layer"),  # transformers' default: all Mamba
     ({"layer_types": ["mamba", "attention", "mlp", "mamba"]},
      "'layer_types' must list one of linear_attention, mamba, full_attention, attention "
      "for each of the 4 layers"),
     ({"layer_types": ["mamba", "attention"]}, "for each of the 4 layers"),
-    ({"layer_types": ["attention"] * 4, "num_local_experts": 0},
-     "GraniteMoeHybridForCausalLM with num_local_experts=0"),
+    ({"layer_types": ["attention"] * 4, "num_local_experts": -1},
+     "config 'num_local_experts' must be an integer >= 0 or null, got -1"),
+    ({"layer_types": ["attention"] * 4, "num_local_experts": 0, "shared_intermediate_size": 0},
+     "'shared_intermediate_size' must be a positive integer"),
     ({"layer_types": ["attention"] * 4, "position_embedding_type": "alibi"},
      "unsupported position_embedding_type 'alibi'"),
     ({"layer_types": ["attention"] * 4, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),

@@ -96,6 +96,9 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("GraniteMoeHybridConfig", {"num_local_experts": 4, "shared_intermediate_size": 48,
                                 "layer_types": ["mamba", "attention"], "mamba_n_heads": 8,
                                 "mamba_d_state": 16, "mamba_n_groups": 2}),  # Mamba and MoE
+    ("GraniteMoeHybridConfig", {"num_local_experts": 0, "shared_intermediate_size": 48,
+                                "layer_types": ["mamba", "attention"], "mamba_n_heads": 8,
+                                "mamba_d_state": 16}),  # the shared MLP alone, dense
 ])
 def test_parameter_count_matches_transformers(transformers, config_class, options):
     hf_config = getattr(transformers, config_class)(**SMALL, **options)

@@ -20,8 +20,10 @@ from models_util import case_of, save_hf_model
 from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_tensor_parallel import ENGINE, GREEDY, MAX_TOKENS, RANKS, cpu_only
 
-# Bamba's configs and GraniteMoeHybrid's (its experts split as every MoE's, 2 B/C groups)
-HYBRIDS = {**BAMBA_CONFIGS, "granite-hybrid": GRANITE_HYBRID["granite-hybrid"]}
+# Bamba's configs and GraniteMoeHybrid's (its experts split as every MoE's, 2 B/C groups;
+# and without experts, its shared MLP split as a dense MLP)
+HYBRIDS = {**BAMBA_CONFIGS, **{name: GRANITE_HYBRID[name]
+                               for name in ("granite-hybrid", "granite-hybrid-dense")}}
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))

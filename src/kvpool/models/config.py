@@ -413,11 +413,14 @@ class ModelConfig:
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
+        moe = MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None
         return cls(
             architecture=arch,
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size"),
+            # a GraniteMoeHybrid without experts runs its shared MLP alone, as its dense MLP
+            intermediate_size=_int(cfg, "shared_intermediate_size", 1024)
+            if arch == GRANITE_MOE_HYBRID and moe is None else _int(cfg, "intermediate_size"),
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -446,7 +449,7 @@ class ModelConfig:
             layer_types=layer_types,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
-            moe=MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
+            moe=moe,
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
             _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
@@ -1103,12 +1106,12 @@ def _granite_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     softmax of the chosen experts' logits, which is their softmax scores renormalised), 2 of
     8 by default, each `intermediate_size` wide, on every layer; and GraniteMoeShared's
     shared MLP `shared_intermediate_size` wide (0, the default: none) or GraniteMoeHybrid's
-    (1,024 by default), added ungated. A GraniteMoeHybrid without experts, whose shared MLP
-    is then its only MLP, is refused."""
-    arch, intermediate = _architecture(cfg), _int(cfg, "intermediate_size")
-    if arch == GRANITE_MOE_HYBRID and cfg.get("num_local_experts") == 0:
-        raise ConfigError(f"{arch} with num_local_experts=0 (its shared_mlp the only MLP, "
-                          f"as in Granite 4.0 H Micro) is not supported")
+    (1,024 by default), added ungated. None for a GraniteMoeHybrid of `num_local_experts` 0
+    (Granite 4.0 H Micro), whose shared MLP is then its only MLP (`intermediate_size`)."""
+    arch = _architecture(cfg)
+    if arch == GRANITE_MOE_HYBRID and _optional_int(cfg, "num_local_experts", minimum=0) == 0:
+        return None
+    intermediate = _int(cfg, "intermediate_size")
     moe = _qwen_moe({**cfg, "moe_intermediate_size": intermediate, "norm_topk_prob": True,
                      "decoder_sparse_step": 1, "mlp_only_layers": []},
                     num_layers, arch, (8, 2, intermediate), shared=0)

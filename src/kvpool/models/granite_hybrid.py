@@ -1,10 +1,11 @@
 """GraniteMoeHybrid (Granite 4.0's hybrids): Bamba's layers, Mamba2 mixers except a few
-attention layers, each followed by Granite MoE's experts and shared MLP, with Granite's
-multipliers (the embedding, each block's output as it joins the residual stream, attention
-scores, logits). Its attention layers rotate q and k only where the config says so. Parameter
-names mirror the Hugging Face checkpoints (the loader splits their stacked experts). Under
-tensor parallelism the mixers split as Bamba's do and the experts as every MoE's; each
-mixer's or attention's partial sum is all-reduced, then the MoE's."""
+attention layers, each followed by Granite MoE's experts and shared MLP (or, in a model
+without experts, the shared MLP alone, as a dense MLP), with Granite's multipliers (the
+embedding, each block's output as it joins the residual stream, attention scores, logits).
+Its attention layers rotate q and k only where the config says so. Parameter names mirror
+the Hugging Face checkpoints (the loader splits their stacked experts and fused MLP rows).
+Under tensor parallelism the mixers split as Bamba's do and the experts as every MoE's; each
+mixer's or attention's partial sum is all-reduced, then the MLP's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
-from kvpool.models.layers import RMSNorm
+from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, Rope
 from kvpool.models.mamba2 import Mamba2Mixer
 from kvpool.models.moe import MoE
@@ -22,8 +23,9 @@ from kvpool.models.parallel import TensorParallel
 
 class GraniteHybridDecoderLayer(nn.Module):
     """Pre-norm block: `x + r * mixer(norm(x))` (attention or Mamba2), then
-    `x + r * moe(norm(x))`, r the residual multiplier. The attention layers' K/V lie in the
-    pool in model order, the Mamba layers' states in the state pool likewise."""
+    `x + r * mlp(norm(x))`, r the residual multiplier, the mlp the MoE or (without experts)
+    the dense shared MLP. The attention layers' K/V lie in the pool in model order, the Mamba
+    layers' states in the state pool likewise."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel):
@@ -39,7 +41,9 @@ class GraniteHybridDecoderLayer(nn.Module):
             self.self_attn = LlamaAttention(config, dtype, config.attention_layers.index(
                 layer_idx), tp=tp)
         self.post_attention_layernorm = RMSNorm(size, eps, dtype)
-        self.mlp = MoE(config, dtype, tp)
+        self.moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoE(config, dtype, tp) if self.moe else MLP(
+            size, config.intermediate_size, config.mlp_bias, dtype, config.hidden_act, tp)
         self.residual_multiplier = config.multipliers.residual
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
@@ -50,7 +54,8 @@ class GraniteHybridDecoderLayer(nn.Module):
         else:
             h = self.mamba(h, context, self.state_layer)
         x = x + self.tp.all_reduce(h) * self.residual_multiplier
-        h = self.mlp(self.post_attention_layernorm(x), context.host.decode_only)
+        h = self.post_attention_layernorm(x)
+        h = self.mlp(h, context.host.decode_only) if self.moe else self.mlp(h)
         return x + self.tp.all_reduce(h) * self.residual_multiplier
 
 

@@ -62,23 +62,27 @@ RENAMED = (
     (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w3\.weight"),
      r"\1mlp.experts.\2.up_proj.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.router\.layer\.weight"), r"\1mlp.gate.weight"),
-    (re.compile(r"(.*\.)shared_mlp\.output_linear\.weight"),
-     r"\1mlp.shared_experts.down_proj.weight"),
 )
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
 # projections, GraniteMoeShared's shared MLP), named after `model.layers.N.`: the
-# parameters, in order. Those named with `{}` (Granite MoE's experts) hold every expert of
-# the layer along a first dimension, `{}` the expert's index.
+# parameters, in order (Granite's shared MLP down projection, one parameter, as they all
+# are). Those named with `{}` (Granite MoE's experts) hold every expert of the layer along a
+# first dimension, `{}` the expert's index.
 FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "shared_mlp.input_linear.weight": ("mlp.shared_experts.gate_proj.weight",
                                        "mlp.shared_experts.up_proj.weight"),
+    "shared_mlp.output_linear.weight": ("mlp.shared_experts.down_proj.weight",),
     "block_sparse_moe.input_linear.weight": ("mlp.experts.{}.gate_proj.weight",
                                              "mlp.experts.{}.up_proj.weight"),
     "block_sparse_moe.output_linear.weight": ("mlp.experts.{}.down_proj.weight",),
 }
+# Granite's shared MLP on a layer without experts (a GraniteMoeHybrid of none) is the layer's
+# MLP: FUSED's parameters of its tensors there
+DENSE_FUSED = {"shared_mlp.input_linear.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+               "shared_mlp.output_linear.weight": ("mlp.down_proj.weight",)}
 # The module class of each architecture other than the dense Llama family (which
 # LlamaForCausalLM runs); Qwen3-MoE is a Llama-family decoder whose layers hold experts.
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
@@ -344,15 +348,18 @@ def _renamed(found: dict) -> dict[str, tuple[str, None]]:
 
 
 def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple]]:
-    """Replace each FUSED tensor of `found` by the parameters it stacks, with their shapes;
-    returns parameter name -> (the fused tensor's name, the piece of it the parameter is:
-    its rows, or an expert's index and its rows)."""
+    """Replace each FUSED tensor of `found` by the parameters it stacks (DENSE_FUSED's on a
+    layer without experts), with their shapes; returns parameter name -> (the fused tensor's
+    name, the piece of it the parameter is: its rows, or an expert's index and its rows).
+    CheckpointError for a parameter the checkpoint holds in two tensors."""
+    # Granite's shared MLP is the MoE's, or in a model without experts its dense MLP
     expert, shared = (config.moe.intermediate_size, config.moe.shared_intermediate_size) \
-        if config.moe else (0, 0)
+        if config.moe else (0, config.intermediate_size)
     rows = {"self_attn.qkv_proj.weight": (config.num_heads * config.head_dim,
                                           *(config.num_kv_heads * config.head_dim,) * 2),
             "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2,
             "shared_mlp.input_linear.weight": (shared,) * 2,
+            "shared_mlp.output_linear.weight": (config.hidden_size,),
             "block_sparse_moe.input_linear.weight": (expert,) * 2,
             "block_sparse_moe.output_linear.weight": (config.hidden_size,)}
     parts = {}
@@ -362,7 +369,10 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
             continue
         shape, file = found.pop(name)
         layer = name[:-len(suffix)]  # model.layers.N.
-        stacked = "{}" in FUSED[suffix][0]
+        params, sizes = FUSED[suffix], rows[suffix]
+        if suffix in DENSE_FUSED and not config.is_moe_layer(_layer_index(name)):
+            params = DENSE_FUSED[suffix]
+        stacked = "{}" in params[0]
         experts = config.moe.num_experts if config.moe else 0
         if stacked and (len(shape) != 3 or shape[0] != experts):
             raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, the "
@@ -371,15 +381,18 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
         (total, *rest) = shape[stacked:]
         for index in range(shape[0]) if stacked else (None,):
             start = 0
-            for part, size in zip(FUSED[suffix], rows[suffix], strict=True):
+            for part, size in zip(params, sizes, strict=True):
                 ours = layer + part.format(index)
+                if ours in found:
+                    raise CheckpointError(f"{name} holds {ours}, which the checkpoint holds "
+                                          f"too")
                 found[ours] = ((size, *rest), file)
                 piece = slice(start, start + size)
                 parts[ours] = (name, (index, piece) if stacked else (piece,))
                 start += size
         if start != total:
             raise CheckpointError(f"{name} has {total} rows in the checkpoint, the config "
-                                  f"needs {start} ({' + '.join(map(str, rows[suffix]))})")
+                                  f"needs {start} ({' + '.join(map(str, sizes))})")
     return parts
 
 
