@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from packaging.version import Version
 from safetensors.torch import load_file
 
+from hybrid_util import HybridRunner, make_bamba
 from kvpool import LLM, SamplingParams
 from kvpool.cli.main import main
 from kvpool.errors import CheckpointError, ConfigError
@@ -43,6 +45,7 @@ from models_util import (
     save_hf_model,
     streamed,
 )
+from test_granite_hybrid import SMALL_HYBRID
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -688,6 +691,130 @@ def test_a_phi3_gguf_file_with_a_longrope_list_of_another_length_is_refused_at_o
         load_config(path)
     assert main(["plan", str(path), "--device-memory", "1GiB"]) == 2
     assert message in capsys.readouterr().err
+
+
+def _granite_hybrid_gguf_of(hf, path: Path) -> None:
+    """The file llama.cpp's converter writes for a transformers GraniteMoeHybrid (RoPE off
+    by `rope.scaling.finetuned`, as the converter writes every hybrid; on where the config
+    asks for it, as llama.cpp's loader reads the key):
+    names from the gguf package's map, 0 KV heads on the Mamba layers, the mixer's sizes as
+    `ssm.*` keys, A stored as -exp(A_log) and A and D with a trailing 1, the conv weight
+    squeezed, the gated norm one row per group, the experts' and the shared MLP's gate and up
+    rows split apart (without experts the shared MLP as the plain `ffn_*`), q/k rows
+    reordered, Granite's multipliers as its scales; float32, placeholder tokens."""
+    config, layers = hf.config, hf.model.layers
+    experts, head_dim = config.num_local_experts, config.hidden_size // config.num_attention_heads
+    writer = gguf.GGUFWriter(path, "granitehybrid")
+    rope = config.position_embedding_type == "rope"
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings if rope else 2**20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv([0 if layer.mamba is not None else config.num_key_value_heads
+                              for layer in layers])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_scaling_finetuned(rope)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_expert_count(experts)
+    if experts:
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_HYBRID, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        i = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("input_linear.weight"):  # stacked gate and up rows
+            gate, up = tensor.chunk(2, dim=-2)
+            kind = "_exps" if "block_sparse_moe" in name else "_shexp" if experts else ""
+            writer.add_tensor(f"blk.{i}.ffn_gate{kind}.weight", gate.contiguous().numpy())
+            writer.add_tensor(f"blk.{i}.ffn_up{kind}.weight", up.contiguous().numpy())
+            continue
+        if name.endswith("shared_mlp.output_linear.weight") and not experts:
+            writer.add_tensor(f"blk.{i}.ffn_down.weight", tensor.numpy())
+            continue
+        if name.endswith(".A_log"):
+            tensor = -torch.exp(tensor)
+        if name.endswith((".A_log", ".D")):
+            tensor = tensor.reshape(-1, 1)
+        elif name.endswith("conv1d.weight"):
+            tensor = tensor.squeeze()
+        elif name.endswith("mamba.norm.weight"):
+            tensor = tensor.reshape(config.mamba_n_groups, -1)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = torch.from_numpy(_llama_permute(tensor.numpy(), heads))
+        name = name.replace(".dt_bias", ".dt_proj.bias")  # as the converter renames it
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.contiguous().numpy())
+    _finish(writer, config.vocab_size)
+
+
+# GraniteMoeHybrid as Granite 4.0 H (no RoPE): with experts and a shared MLP, and (as H Micro)
+# without, its shared MLP as wide as intermediate_size, as llama.cpp sizes it; and with RoPE
+# (llama.cpp's q/k row order then matters) and the mixers' projection biases
+GRANITE_HYBRID_GGUF = {
+    "granitehybrid": lambda: transformers.GraniteMoeHybridConfig(
+        **SMALL_HYBRID, layer_types=["mamba", "attention", "mamba", "mamba"]),
+    "granitehybrid-dense": lambda: transformers.GraniteMoeHybridConfig(
+        **{**SMALL_HYBRID, "num_local_experts": 0, "intermediate_size": 48,
+           "mamba_n_groups": 1}, layer_types=["attention", "mamba", "mamba", "attention"]),
+    "granitehybrid-rope": lambda: transformers.GraniteMoeHybridConfig(
+        **SMALL_HYBRID, layer_types=["mamba", "attention", "mamba", "attention"],
+        position_embedding_type="rope", mamba_proj_bias=True)}
+
+
+@pytest.mark.parametrize("name", list(GRANITE_HYBRID_GGUF))
+def test_a_granitehybrid_gguf_file_gives_transformers_logits(tmp_path, monkeypatch, name):
+    hf = make_bamba(name, configs=GRANITE_HYBRID_GGUF)
+    path = tmp_path / f"{name}.gguf"
+    _granite_hybrid_gguf_of(hf, path)
+    batch = prompts(hf.config.vocab_size)
+    for cache in (None, tmp_path / "cache"):  # the file, then its conversion
+        if cache is not None:
+            monkeypatch.setenv(kvgguf.CACHE_ENV, str(cache))
+        loaded = load_model(path, device="cpu")
+        config = loaded.config
+        assert config.mamba.layers == tuple(
+            i for i, layer in enumerate(hf.model.layers) if layer.mamba is not None)
+        assert (config.moe is None) == (hf.config.num_local_experts == 0)
+        assert config.no_rope_layers == (() if name.endswith("rope") else tuple(range(4)))
+        assert_logits_match(hf, batch, HybridRunner(loaded.model).step(batch, all_logits=True))
+
+
+def test_a_granitehybrid_file_with_one_kv_head_count_has_attention_on_every_layer(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "granitehybrid")
+    writer.add_block_count(3)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)  # llama.cpp: no layer has 0 KV heads, none is a Mamba layer
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    config = kvgguf.GGUFCheckpoint(tmp_path / "m.gguf").hf_config()
+    assert (config["layer_types"], config["num_key_value_heads"]) == (["attention"] * 3, 2)
+
+
+def test_a_dense_granitehybrid_file_sizes_its_mlp_by_feed_forward_length_as_llama_cpp(tmp_path):
+    # the converter writes intermediate_size (32) there and the shared MLP's 48 rows as ffn_*
+    hf = make_bamba("granitehybrid-dense", configs={"granitehybrid-dense": lambda: (
+        transformers.GraniteMoeHybridConfig(**{**SMALL_HYBRID, "num_local_experts": 0},
+                                            layer_types=["mamba", "attention"] * 2))})
+    _granite_hybrid_gguf_of(hf, tmp_path / "dense.gguf")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "model.layers.0.mlp.down_proj.weight has shape (64, 48) in the checkpoint, the "
+            "config needs (64, 32)")):
+        load_model(tmp_path / "dense.gguf", device="cpu")
 
 
 def _gemma3_gguf_of(hf, path: Path) -> None:

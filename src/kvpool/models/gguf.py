@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE and OLMo 2: the config, weights,
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid and OLMo 2: the
+config, weights,
 tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
 (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
 to kvpool's config fields and parameter names."""
@@ -10,6 +11,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import struct
@@ -43,11 +45,12 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+                 "granitehybrid": "GraniteMoeHybridForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
-PERMUTED_ROTARY = ("llama", "granite", "granitemoe")
+PERMUTED_ROTARY = ("llama", "granite", "granitemoe", "granitehybrid")
 # Granite's multipliers, as llama.cpp's converter names them (after `granite.`), each written
 # only where it is not 0: config.json's name -> the metadata key.
 GRANITE_SCALES = {"embedding_multiplier": "embedding_scale",
@@ -104,11 +107,25 @@ ONE_ROW = ("mlp.shared_expert_gate.weight",)
 POST_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 GEMMA_NORMS = {**POST_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight"}
+# A Mamba2 mixer's tensors (GraniteMoeHybrid's Mamba layers)
+MAMBA_TENSORS = {f"ssm_{gguf}": f"mamba.{ours}" for gguf, ours in (
+    ("in.weight", "in_proj.weight"), ("in.bias", "in_proj.bias"),
+    ("conv1d.weight", "conv1d.weight"), ("conv1d.bias", "conv1d.bias"),
+    ("dt.bias", "dt_bias"), ("a", "A_log"), ("d", "D"), ("norm.weight", "norm.weight"),
+    ("out.weight", "out_proj.weight"), ("out.bias", "out_proj.bias"))}
 ARCH_LAYER_TENSORS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": GEMMA_NORMS,
     "olmo2": POST_NORMS,
+    "granitehybrid": MAMBA_TENSORS,
 }
+# Mamba2 parameters that llama.cpp's converter stores in another shape -> the parameter's
+# shape from the file's: A and D with a trailing 1 (and A as -exp(A_log)), the conv's weight
+# without its middle 1, the gated norm's weight one row per group of heads.
+MAMBA_SHAPES = {"mamba.A_log": lambda shape: (math.prod(shape),),
+                "mamba.D": lambda shape: (math.prod(shape),),
+                "mamba.norm.weight": lambda shape: (math.prod(shape),),
+                "mamba.conv1d.weight": lambda shape: (shape[0], 1, *shape[1:])}
 # GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
 # expert's parameter (after `model.layers.N.mlp.experts.E.`).
 EXPERT_TENSORS = {
@@ -127,8 +144,13 @@ INTEGER_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwa
                 "vocab_size", "attention.head_count", "attention.head_count_kv",
                 "attention.key_length", "attention.sliding_window", "rope.dimension_count",
                 "rope.scaling.original_context_length", "expert_count", "expert_used_count",
-                "expert_feed_forward_length", "expert_shared_feed_forward_length")
+                "expert_feed_forward_length", "expert_shared_feed_forward_length",
+                "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+                "ssm.group_count")
 PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
+# Architectures whose per-layer attention.head_count_kv is 0 on their Mamba layers, as
+# llama.cpp marks them
+MAMBA_LAYERS_BY_KV_HEADS = ("granitehybrid",)
 # The metadata keys read here as numbers before the config checks them (the rope's linear
 # factor, under either name llama.cpp writes it)
 NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear")
@@ -190,6 +212,9 @@ class GGUFCheckpoint:
             if value is None:
                 return default
             if name in PER_LAYER_KEYS:
+                if arch in MAMBA_LAYERS_BY_KV_HEADS and name == "attention.head_count_kv" \
+                        and isinstance(value, list):  # the attention layers' count
+                    value = [count for count in value if count != 0] or value
                 value = _one_per_model(value, f"{self.path.name}: GGUF {arch}.{name}")
             kind = (int,) if name in INTEGER_KEYS else (int, float) if name in NUMBER_KEYS \
                 else None
@@ -278,7 +303,7 @@ class GGUFCheckpoint:
                                            self.meta.get("general.architecture")):
                 part = _part_shape(shape, index)
                 shapes[name] = (1, *part) if name.endswith(ONE_ROW) and len(part) == 1 \
-                    else part
+                    else _mamba_shape(name, part)
         return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -298,6 +323,9 @@ class GGUFCheckpoint:
                 part = values[index]
                 if name.endswith(ONE_ROW) and part.dim() == 1:
                     part = part.unsqueeze(0)
+                part = part.reshape(_mamba_shape(name, tuple(part.shape)))
+                if name.endswith("mamba.A_log"):  # the file holds A = -exp(A_log)
+                    part = torch.log(-part)
                 if shift and name.endswith("norm.weight"):
                     part = part - shift
                 if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -377,6 +405,17 @@ class GGUFCheckpoint:
         return next((t for t in self._reader.tensors if t.name == name), None)
 
 
+def _layer_count(checkpoint: GGUFCheckpoint, key) -> int:
+    """`block_count` (0 where absent), checked against the config's limit on layers before a
+    list of one entry per layer is built from it."""
+    layers, limit = key("block_count") or 0, SIZE_LIMITS["num_hidden_layers"]
+    if layers > limit:
+        arch = checkpoint.meta["general.architecture"]
+        raise ConfigError(f"{checkpoint.path.name}: GGUF {arch}.block_count must be at most "
+                          f"{limit}, got {layers}")
+    return layers
+
+
 def _window(key) -> dict:
     """The sliding window, as config.json names it (none where the file has none or 0)."""
     window = key("attention.sliding_window")
@@ -429,26 +468,28 @@ def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
     window every layer is global, as llama.cpp runs it; the query scale; its final logit
     softcap (which the config then refuses)."""
-    window, layers = _window(key), key("block_count") or 0
-    if not window and layers > SIZE_LIMITS["num_hidden_layers"]:  # before a list that long
-        raise ConfigError(f"{checkpoint.path.name}: GGUF gemma3.block_count must be at most "
-                          f"{SIZE_LIMITS['num_hidden_layers']}, got {layers}")
+    window = _window(key)
     layout = {**window, "sliding_window_pattern": GEMMA3_PATTERN,
               "rope_local_base_freq": GEMMA3_LOCAL_BASE} if window else {
-        "layer_types": ["full_attention"] * layers}
+        "layer_types": ["full_attention"] * _layer_count(checkpoint, key)}
     return {**layout,
             "query_pre_attn_scalar": _gemma_query_scalar(key, GEMMA3_27B_LAYERS, head_dim),
             "final_logit_softcapping": key("final_logit_softcapping")}
 
 
 def _granite_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Granite's multipliers from their scales; without an attention.scale, llama.cpp scales
-    the attention scores by 1/sqrt(head_dim). ConfigError for a file whose
+    """Granite's multipliers (`_granite_scales`). ConfigError for a file whose
     rope.scaling.finetuned is false, which llama.cpp reads as running without RoPE."""
     if key("rope.scaling.finetuned") is False:
         arch = checkpoint.meta["general.architecture"]
         raise ConfigError(f"{checkpoint.path.name}: GGUF {arch}.rope.scaling.finetuned is "
                           f"false, which llama.cpp runs without RoPE; kvpool does not")
+    return _granite_scales(key, head_dim)
+
+
+def _granite_scales(key, head_dim: int | None) -> dict:
+    """Granite's multipliers from their scales; without an attention.scale, llama.cpp scales
+    the attention scores by 1/sqrt(head_dim)."""
     scales = {name: key(scale) for name, scale in GRANITE_SCALES.items()
               if key(scale) is not None}
     if "attention_multiplier" not in scales and head_dim:
@@ -466,6 +507,33 @@ def _granite_moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> 
         if shared else {})}
 
 
+def _granite_hybrid_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """GraniteMoeHybrid as llama.cpp reads it: Granite's multipliers; the Mamba layers those
+    whose `attention.head_count_kv` is 0 (every layer attention for one count); the mixer's
+    sizes from the `ssm.*` keys; RoPE unless `rope.scaling.finetuned` is false (Granite 4.0's
+    hybrids: none); Granite MoE's experts `feed_forward_length` wide and its shared MLP
+    `expert_shared_feed_forward_length` wide, or without experts the shared MLP alone,
+    `feed_forward_length` wide, as llama.cpp sizes its MLP."""
+    kv = checkpoint.meta.get("granitehybrid.attention.head_count_kv")
+    types = ["mamba" if count == 0 else "attention" for count in kv] \
+        if isinstance(kv, list) else ["attention"] * _layer_count(checkpoint, key)
+    inner, hidden, heads = key("ssm.inner_size"), key("embedding_length"), \
+        key("ssm.time_step_rank")
+    sizes = {"mamba_expand": inner // hidden, "mamba_d_head": inner // heads} \
+        if inner and hidden and heads else {}
+    experts = key("expert_count") or 0
+    return {**_granite_scales(key, head_dim), "layer_types": types,
+            "position_embedding_type": "nope" if key("rope.scaling.finetuned") is False
+            else "rope",
+            "num_local_experts": experts, "shared_intermediate_size": key(
+                "expert_shared_feed_forward_length" if experts else "feed_forward_length"),
+            "mamba_n_heads": heads, "mamba_d_state": key("ssm.state_size"),
+            "mamba_n_groups": key("ssm.group_count"), "mamba_d_conv": key("ssm.conv_kernel"),
+            **sizes, **{flag: any(t.name.endswith(suffix) for t in checkpoint._weights())
+                        for flag, suffix in (("mamba_conv_bias", "ssm_conv1d.bias"),
+                                             ("mamba_proj_bias", "ssm_in.bias"))}}
+
+
 def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Nothing beyond the common keys; ConfigError for a sliding window (OLMo 3's)."""
     if key("attention.sliding_window"):
@@ -478,7 +546,7 @@ def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 # a function of (checkpoint, its metadata key reader, the head size) giving them.
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
-                     "granitemoe": _granite_moe_keys}
+                     "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
@@ -594,6 +662,13 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     head's two rotary halves (rows i and i + d/2 become neighbours) for its rope kernel."""
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _mamba_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of parameter `name` from the shape of its tensor in the file (MAMBA_SHAPES;
+    the same for every other parameter)."""
+    suffix = next((s for s in MAMBA_SHAPES if name.endswith(s)), None)
+    return shape if suffix is None else MAMBA_SHAPES[suffix](shape)
 
 
 def _one_per_model(value, name: str):
