@@ -1,9 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid and OLMo 2: the
-config, weights,
-tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
-(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
-to kvpool's config fields and parameter names."""
+config, weights, tokenizer and chat template a .gguf file holds, parsed and dequantized by the
+`gguf` package (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys
+and tensor names to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 

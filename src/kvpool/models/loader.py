@@ -65,9 +65,9 @@ RENAMED = (
 )
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
 # projections, GraniteMoeShared's shared MLP), named after `model.layers.N.`: the
-# parameters, in order (Granite's shared MLP down projection, one parameter, as they all
-# are). Those named with `{}` (Granite MoE's experts) hold every expert of the layer along a
-# first dimension, `{}` the expert's index.
+# parameters, in order (Granite's shared MLP down projection holds one, listed so that
+# DENSE_FUSED places it with the rest of that MLP). Those named with `{}` (Granite MoE's
+# experts) hold every expert of the layer along a first dimension, `{}` the expert's index.
 FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
@@ -369,7 +369,7 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
             continue
         shape, file = found.pop(name)
         layer = name[:-len(suffix)]  # model.layers.N.
-        params, sizes = FUSED[suffix], rows[suffix]
+        params = FUSED[suffix]
         if suffix in DENSE_FUSED and not config.is_moe_layer(_layer_index(name)):
             params = DENSE_FUSED[suffix]
         stacked = "{}" in params[0]
@@ -381,7 +381,7 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
         (total, *rest) = shape[stacked:]
         for index in range(shape[0]) if stacked else (None,):
             start = 0
-            for part, size in zip(params, sizes, strict=True):
+            for part, size in zip(params, rows[suffix], strict=True):
                 ours = layer + part.format(index)
                 if ours in found:
                     raise CheckpointError(f"{name} holds {ours}, which the checkpoint holds "
@@ -392,7 +392,7 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
                 start += size
         if start != total:
             raise CheckpointError(f"{name} has {total} rows in the checkpoint, the config "
-                                  f"needs {start} ({' + '.join(map(str, sizes))})")
+                                  f"needs {start} ({' + '.join(map(str, rows[suffix]))})")
     return parts
 
 
