@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
-from kvpool.models.loader import load_model
+from kvpool.models.loader import check_splits, load_model
 from kvpool.models.moe import MoE
 from models_util import (
     SMALL,
@@ -182,6 +182,9 @@ def checkpoint(tmp_path_factory):
     ("model.layers.0.shared_mlp.input_linear.weight", (100, 64),
      "model.layers.0.shared_mlp.input_linear.weight has 100 rows in the checkpoint, the "
      "config needs 96 (48 + 48)"),
+    ("model.layers.0.shared_mlp.input_linear.weight", (),
+     "model.layers.0.shared_mlp.input_linear.weight has shape () in the checkpoint, the "
+     "config needs a matrix of 96 rows"),
 ])
 def test_stacked_experts_of_the_wrong_shape_are_refused_naming_the_tensor(
         checkpoint, tmp_path, device, name, shape, message):
@@ -192,3 +195,11 @@ def test_stacked_experts_of_the_wrong_shape_are_refused_naming_the_tensor(
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_model(tmp_path, device=device)
+
+
+def test_a_shared_mlp_width_that_does_not_split_across_the_ranks_is_named_as_such():
+    config = ModelConfig.from_hf({**BASE, "architectures": ["GraniteMoeSharedForCausalLM"],
+                                  "intermediate_size": 32, "shared_intermediate_size": 17})
+    with pytest.raises(ConfigError, match="the shared experts' intermediate size 17 does not "
+                                          "split across 2 tensor-parallel ranks"):
+        check_splits(config, 2)

@@ -88,13 +88,15 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     """Gated feed-forward: `down_proj(act(gate_proj(x)) * up_proj(x))`, `act` one of
     ACTIVATIONS (silu: SwiGLU, its gate fused on CUDA). Under tensor parallelism (`tp`) it
-    holds this rank's share of the intermediate features and returns its partial sum."""
+    holds this rank's share of the intermediate features and returns its partial sum; `what`
+    names its width in the error when that does not split."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
-                 act: str = "silu", tp: TensorParallel = ONE_RANK):
+                 act: str = "silu", tp: TensorParallel = ONE_RANK, *,
+                 what: str = "intermediate_size"):
         super().__init__()
         self.act_and_mul = ACTIVATIONS[act]
-        part = tp.part(intermediate_size, "intermediate_size")
+        part = tp.part(intermediate_size, what)
         self.gate_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
         self.up_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
         self.down_proj = RowLinear(part, 1, hidden_size, bias, dtype, tp)

@@ -378,6 +378,9 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
             raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, the "
                                   f"config needs {experts} experts stacked along its first "
                                   f"dimension")
+        if not stacked and len(shape) != 2:
+            raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, the "
+                                  f"config needs a matrix of {sum(rows[suffix])} rows")
         (total, *rest) = shape[stacked:]
         for index in range(shape[0]) if stacked else (None,):
             start = 0

@@ -82,10 +82,13 @@ class MoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.gate = Router(config, dtype)
         self.experts = nn.ModuleList(
-            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp)
+            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp,
+                what="the experts' intermediate size")
             for _ in range(moe.num_experts))
         self.shared_experts = MLP(hidden, moe.shared_intermediate_size, config.mlp_bias, dtype,
-                                  config.hidden_act, tp) if moe.shared_intermediate_size else None
+                                  config.hidden_act, tp,
+                                  what="the shared experts' intermediate size"
+                                  ) if moe.shared_intermediate_size else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) \
             if moe.shared_gate else None
 
