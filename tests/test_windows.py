@@ -288,10 +288,21 @@ def test_gemma2_options_kvpool_does_not_run_are_refused(key, value, match):
         ModelConfig.from_hf(gemma2(**{key: value}))
 
 
-@pytest.mark.parametrize("key", ["attn_logit_softcapping", "final_logit_softcapping"])
-def test_gemma3_softcapping_is_refused(key):
-    with pytest.raises(ConfigError, match=f"{key}=30.0 is not supported"):
-        ModelConfig.from_hf(gemma3(**{key: 30.0}))
+def test_gemma3_attention_softcapping_is_refused():
+    # transformers' Gemma 3 leaves it unapplied: refused rather than run either way
+    with pytest.raises(ConfigError, match="attn_logit_softcapping=30.0 is not supported"):
+        ModelConfig.from_hf(gemma3(attn_logit_softcapping=30.0))
+
+
+def test_gemma3_caps_its_logits_by_a_final_softcap_as_transformers(tmp_path, device):
+    configs = {"gemma3-final-cap": lambda: transformers.Gemma3TextConfig(
+        **GEMMA, sliding_window_pattern=2, final_logit_softcapping=2.0)}
+    hf = make_hf_model("gemma3-final-cap", configs=configs).to(device)
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    batch = prompts(model.config.vocab_size)
+    logits = PagedRunner(model).step(batch, all_logits=True)
+    assert logits.abs().max() <= 2.0
+    assert_logits_match(hf, batch, logits)
 
 
 def test_gemma3_bidirectional_attention_is_refused():

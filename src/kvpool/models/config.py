@@ -835,12 +835,12 @@ def _check_no_partial_rotary(cfg: dict) -> None:
 
 
 def _check_gemma(cfg: dict, arch: str) -> None:
-    """Raise ConfigError for the Gemma options kvpool does not run: Gemma 3 with softcapping
-    (Gemma 2's; no published Gemma 3 sets it, and transformers' Gemma 3 applies only the final
-    cap), bidirectional attention, an activation other than tanh-approximated GELU."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == GEMMA3 else ():
-        if cfg.get(key) is not None:
-            raise ConfigError(f"{arch} with {key}={cfg[key]!r} is not supported (only null)")
+    """Raise ConfigError for the Gemma options kvpool does not run: Gemma 3 with an attention
+    softcap (Gemma 2's, which transformers' Gemma 3 leaves unapplied; no published Gemma 3
+    sets one), bidirectional attention, an activation other than tanh-approximated GELU."""
+    if arch == GEMMA3 and cfg.get("attn_logit_softcapping") is not None:
+        raise ConfigError(f"{arch} with attn_logit_softcapping="
+                          f"{cfg['attn_logit_softcapping']!r} is not supported (only null)")
     if _bool(cfg, "use_bidirectional_attention"):
         raise ConfigError(f"{arch} with use_bidirectional_attention=true is not supported")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
@@ -871,7 +871,7 @@ def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dic
 
 def _gemma(cfg: dict, local_rope: tuple[float, dict | None]) -> GemmaConfig:
     """Gemma's own settings, its sliding layers' rope given; each softcap a positive number
-    or None (Gemma 3's are None: `_check_gemma`)."""
+    or None (Gemma 3's attention softcap is None: `_check_gemma`)."""
     caps = [None if cfg.get(key) is None else _float(cfg, key, 0.0)
             for key in ("attn_logit_softcapping", "final_logit_softcapping")]
     return GemmaConfig(

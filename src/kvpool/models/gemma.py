@@ -109,16 +109,11 @@ class GemmaModel(nn.Module):
         return x
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    """Gemma 2's decoder and head (tied to the embedding unless the config unties it): one
-    rope for every layer, the logits softcapped."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma's decoder and head (tied to the embedding unless the config unties it), the
+    logits softcapped by the config's `final_logit_softcapping` unless it is null."""
 
     decoder = GemmaModel
-
-    def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
-        """(cos, sin) at `positions` `[T]`, for the full layers and the sliding ones alike."""
-        rope = self.rotary_emb(positions, self.dtype)
-        return rope, rope
 
     @torch.inference_mode()
     def forward(self, context: ForwardContext) -> torch.Tensor:
@@ -129,11 +124,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's decoder and head (tied to the embedding unless the config unties it); the
-    sliding layers rotate by the config's local rope base."""
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2: one rope for every layer."""
 
-    decoder = GemmaModel
+    def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
+        """(cos, sin) at `positions` `[T]`, for the full layers and the sliding ones alike."""
+        rope = self.rotary_emb(positions, self.dtype)
+        return rope, rope
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    """Gemma 3: the sliding layers rotate by the config's local rope base."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device, tp: TensorParallel = ONE_RANK):
