@@ -466,7 +466,7 @@ def _gemma2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 def _gemma3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Gemma 3's window and the settings llama.cpp fixes beside one (GEMMA3_*): without a
     window every layer is global, as llama.cpp runs it; the query scale; its final logit
-    softcap (which the config then refuses)."""
+    softcap, where the file gives one."""
     window = _window(key)
     layout = {**window, "sliding_window_pattern": GEMMA3_PATTERN,
               "rope_local_base_freq": GEMMA3_LOCAL_BASE} if window else {
