@@ -23,9 +23,10 @@ from kvpool.rope import Rotation
 MIXED = [(37, 1), (20, 20), (45, 9), (33, 12), (1, 1), (16, 1), (64, 1)]
 
 
-def reference(q, keys, values, q_lens, scale, window=None, softcap=None):
+def reference(q, keys, values, q_lens, scale, window=None, softcap=None, sinks=None):
     """Float64 attention, one query at a time over its allowed keys; keys[b]: [seq_len, kvh, d].
-    With a softcap each scaled score s is `softcap * tanh(s / softcap)`."""
+    With a softcap each scaled score s is `softcap * tanh(s / softcap)`; with sinks `[heads]`
+    head h's softmax takes sinks[h] as one more score, of no value."""
     out, row = [], 0
     group = q.shape[1] // keys[0].shape[1]
     for k, v, q_len in zip(keys, values, q_lens, strict=True):
@@ -40,7 +41,9 @@ def reference(q, keys, values, q_lens, scale, window=None, softcap=None):
                 scores = kh @ q[row + i, h].double() * scale
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)
-                weights = torch.softmax(scores, dim=0)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                weights = torch.softmax(scores, dim=0)[: kh.shape[0]]
                 heads.append(weights @ vh)
             out.append(torch.stack(heads))
         row += q_len
@@ -97,10 +100,11 @@ class Batch:
             **kwargs,
         )
 
-    def reference(self, window=None, scale=None, softcap=None):
+    def reference(self, window=None, scale=None, softcap=None, sinks=None):
         """The float64 reference, on the batch's device."""
         scale = self.scale if scale is None else scale
-        return reference(self.q, self.keys, self.values, self.q_lens, scale, window, softcap)
+        return reference(self.q, self.keys, self.values, self.q_lens, scale, window, softcap,
+                         sinks)
 
 
 def relative_error(out, ref):
@@ -268,6 +272,43 @@ def test_paged_attention_rejects_a_softcap_that_is_not_a_positive_finite_float32
                   dtype=torch.float32, device=device)
     with pytest.raises(error, match="softcap must be"):
         batch.attend(softcap=softcap)
+
+
+def sinks_for(batch) -> torch.Tensor:
+    """GPT-OSS-like attention sinks for the batch's heads: from below every score to well
+    above them, so that they take most of some heads' weight and little of others'."""
+    return torch.linspace(-4.0, 6.0, batch.q.shape[1], device=batch.device)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (5, None), (None, SOFTCAP)])
+@pytest.mark.usefixtures("decode_path")
+def test_sinks_join_the_softmax_as_the_reference(window, softcap):
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,
+                  device="cpu", fill=float("nan"))
+    sinks = sinks_for(batch)
+    out = batch.attend(sliding_window=window, softcap=softcap, sinks=sinks)
+    expected = batch.reference(window=window, softcap=softcap, sinks=sinks)
+    assert relative_error(out, expected) < 1e-5
+    assert relative_error(batch.attend(sliding_window=window, softcap=softcap), expected) > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_kernel_takes_sinks_in_bfloat16_decode_as_the_reference(kernel, monkeypatch, window):
+    batch = Batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=5,
+                  dtype=torch.bfloat16, device="cpu")
+    sinks = sinks_for(batch)
+    fused = decode_with("kernel", batch, monkeypatch, sliding_window=window, sinks=sinks)
+    assert relative_error(fused, batch.reference(window=window, sinks=sinks)) < 2e-2
+    assert relative_error(fused, batch.reference(window=window)) > 0.5
+
+
+@pytest.mark.parametrize("sinks", [torch.zeros(4, dtype=torch.float64), torch.zeros(3),
+                                   torch.zeros(1, 4), [0.0] * 4])
+def test_paged_attention_rejects_sinks_other_than_float32_per_head(sinks):
+    batch = Batch([(8, 8)], heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"sinks must be a float32 tensor \[4\]"):
+        batch.attend(sinks=sinks)
 
 
 def test_write_kv_writes_exactly_the_given_slots(device):

@@ -30,6 +30,7 @@ from test_attention import (  # noqa: F401 (kernel: a fixture)
     Batch,
     kernel,
     relative_error,
+    sinks_for,
     softcap_batch,
 )
 
@@ -227,6 +228,24 @@ def test_softcap_over_fp8_pages_caps_the_scores_k_scale_included(path, monkeypat
                                   dequantize(v8, v_scale, torch.float32), *args,
                                   sliding_window=5, softcap=SOFTCAP, backend="torch")
     assert relative_error(out, dequantized.double()) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
+def test_sinks_over_fp8_pages_join_the_softmax_v_scale_included(path, monkeypatch):
+    # The kernel folds V's scale into the output: the sink's weight must share its divisor.
+    monkeypatch.setenv("KVPOOL_CPU_KERNEL", "1" if path == "cpu-kernel" else "0")
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,
+                  device="cpu")
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    sinks = sinks_for(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(batch.q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale,
+                          sliding_window=5, sinks=sinks, backend="cpu")
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, torch.float32),
+                                  dequantize(v8, v_scale, torch.float32), *args,
+                                  sliding_window=5, sinks=sinks, backend="torch")
+    assert relative_error(out, dequantized.double()) < 1e-5
+    assert relative_error(out, batch.reference(window=5, sinks=sinks)) < LOOSE
 
 
 def test_sliding_window_over_fp8_pages_in_the_cpu_kernel(monkeypatch):

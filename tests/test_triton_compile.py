@@ -103,6 +103,9 @@ def test_variants_cover_each_kernel_switch_on_each_arch():
         for kernel in ("_prefill", "_decode_split"):  # Gemma 2's softcapped scores and others
             assert {v.launch.constexprs["SOFTCAP"] for v in found
                     if v.kernel_name == kernel} == {False, True}
+        for kernel in ("_prefill", "_decode_split", "_merge_splits"):  # GPT-OSS's sinks
+            assert {v.launch.constexprs["SINKS"] for v in found
+                    if v.kernel_name == kernel} == {False, True}
     fp8 = {v.arch for v in VARIANTS if v.launch.constexprs.get("FP8")}
     assert fp8 == {89, 90}  # Triton has no e4m3 for sm_80: those GPUs read fp8 pages in torch
     assert any(v.launch.constexprs.get("HEAD_DIM") == 576 for v in VARIANTS)  # MLA latent
@@ -119,6 +122,15 @@ def test_ci_compiles_the_softcapped_attention_kernels_for_each_arch_of_its_own_c
                       if v.arch == arch and v.launch.constexprs.get("SOFTCAP")}
         assert softcapped == {("_prefill", None), ("_decode_split", False),
                               ("_decode_split", True)}
+
+
+def test_ci_compiles_the_attention_kernels_with_sinks_for_each_arch_of_its_own_code():
+    covered = triton_variants.covering(VARIANTS)
+    for arch in (80, 90):
+        with_sinks = {(v.kernel_name, v.launch.constexprs.get("SPLIT")) for v in covered
+                      if v.arch == arch and v.launch.constexprs.get("SINKS")}
+        assert with_sinks == {("_prefill", None), ("_decode_split", False),
+                              ("_decode_split", True), ("_merge_splits", None)}
 
 
 # Integer arguments whose value changes from one step to the next. Triton compiles a kernel

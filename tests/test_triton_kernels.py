@@ -24,6 +24,7 @@ from test_attention import (  # noqa: E402
     SOFTCAP,
     Batch,
     relative_error,
+    sinks_for,
     softcap_batch,
 )
 from test_fp8 import LOOSE, TIGHT, fp8_pages  # noqa: E402
@@ -42,19 +43,19 @@ def make_batch(specs, *, heads, kv_heads, head_dim, page_size, dtype, seed=0):
                  dtype=dtype, device=DEVICE, seed=seed, fill=float("nan"))
 
 
-def decode(batch, *, window=None, num_splits=1, workspace=None, softcap=None):
+def decode(batch, *, window=None, num_splits=1, workspace=None, softcap=None, sinks=None):
     return triton_decode.paged_decode(
         batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
         batch.cu_seqlens_q, scale=batch.scale, window=window, num_splits=num_splits,
-        max_span=int(batch.seq_lens.max()), workspace=workspace, softcap=softcap,
+        max_span=int(batch.seq_lens.max()), workspace=workspace, softcap=softcap, sinks=sinks,
     )
 
 
-def prefill(batch, *, window=None, softcap=None):
+def prefill(batch, *, window=None, softcap=None, sinks=None):
     return triton_prefill.paged_prefill(
         batch.q, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens,
         batch.cu_seqlens_q, scale=batch.scale, window=window, max_query_len=max(batch.q_lens),
-        softcap=softcap,
+        softcap=softcap, sinks=sinks,
     )
 
 
@@ -174,6 +175,29 @@ def test_softcapped_prefill_of_a_mixed_batch_matches_reference(window):
     batch = softcap_batch(MIXED, device=DEVICE)
     out = prefill(batch, window=window, softcap=SOFTCAP)
     expected = batch.reference(window=window, softcap=SOFTCAP)
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    assert relative_error(prefill(batch, window=window), expected) > 0.5
+
+
+@pytest.mark.parametrize(("window", "num_splits", "dtype"),
+                         [(None, 1, torch.float32), (40, 3, torch.bfloat16)])
+def test_decode_with_sinks_matches_reference(window, num_splits, dtype):
+    # split: each split's partial output must leave the sink to the merge, joined once
+    batch = make_batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=5, dtype=dtype)
+    sinks = sinks_for(batch)
+    out = decode(batch, window=window, num_splits=num_splits, sinks=sinks)
+    expected = batch.reference(window=window, sinks=sinks)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    assert relative_error(decode(batch, window=window, num_splits=num_splits), expected) > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_with_sinks_of_a_mixed_batch_matches_reference(window):
+    batch = make_batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4,
+                       dtype=torch.float32)
+    sinks = sinks_for(batch)
+    out = prefill(batch, window=window, sinks=sinks)
+    expected = batch.reference(window=window, sinks=sinks)
     assert relative_error(out, expected) < TOLERANCE[torch.float32]
     assert relative_error(prefill(batch, window=window), expected) > 0.5
 
@@ -493,6 +517,29 @@ def test_softcap_over_fp8_pages_caps_the_scores_k_scale_included(specs):
                                   dequantize(v8, v_scale, torch.float32), *args,
                                   backend="torch", softcap=SOFTCAP)
     assert relative_error(out, dequantized.double()) < TIGHT[torch.float32]
+
+
+@pytest.mark.parametrize(("specs", "num_splits"), [(DECODES, 3), (MIXED, None)],
+                         ids=["decode-split3", "mixed"])
+def test_sinks_over_fp8_pages_equal_the_dequantized_pages(specs, num_splits):
+    batch = make_batch(specs, heads=8, kv_heads=2, head_dim=32, page_size=16,
+                       dtype=torch.float32)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    sinks = sinks_for(batch)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    if num_splits is None:
+        out = paged_attention(batch.q, k8, v8, *args, backend="triton", k_scale=k_scale,
+                              v_scale=v_scale, sinks=sinks)
+    else:
+        out = triton_decode.paged_decode(batch.q, k8, v8, *args, scale=batch.scale, window=None,
+                                         num_splits=num_splits,
+                                         max_span=int(batch.seq_lens.max()), k_scale=k_scale,
+                                         v_scale=v_scale, sinks=sinks)
+    dequantized = paged_attention(batch.q, dequantize(k8, k_scale, torch.float32),
+                                  dequantize(v8, v_scale, torch.float32), *args,
+                                  backend="torch", sinks=sinks)
+    assert relative_error(out, dequantized.double()) < TIGHT[torch.float32]
+    assert relative_error(out, batch.reference(sinks=sinks)) < LOOSE
 
 
 def test_write_kv_kernel_quantizes_as_torch_does():

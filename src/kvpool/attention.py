@@ -55,6 +55,7 @@ class _Layer(NamedTuple):
     scale: float
     window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None  # [num_heads] float32: each head's sink logit
     backend: str  # "torch" or "cpu"
     k_scale: torch.Tensor | float | None  # fp8 caches only
     v_scale: torch.Tensor | float | None
@@ -170,8 +171,8 @@ def _check_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
 
 def paged_attention(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale=None, sliding_window=None,
-    softcap=None, backend=None, max_seq_len=None, max_query_len=None, workspace=None,
-    k_scale=None, v_scale=None,
+    softcap=None, sinks=None, backend=None, max_seq_len=None, max_query_len=None,
+    workspace=None, k_scale=None, v_scale=None,
 ) -> torch.Tensor:
     """Causal attention of packed queries `[total_query_tokens, num_heads, head_dim]` over pages.
 
@@ -179,7 +180,10 @@ def paged_attention(
     `seq_lens[b]`. Returns `[total_query_tokens, num_heads, head_dim]` in q's dtype; an empty
     batch gives an empty result. A `softcap` (Gemma 2's attention logit softcapping) turns
     each scaled score s into `softcap * tanh(s / softcap)` before the mask and the softmax;
-    None: scores as they are. `backend` is one of BACKENDS, None for the fastest here.
+    None: scores as they are. `sinks` (GPT-OSS's attention sinks: a float32 tensor
+    `[num_heads]` on q's device) gives each head a logit that joins every row's softmax
+    denominator, taking probability mass but adding no value; None: no sinks. `backend` is
+    one of BACKENDS, None for the fastest here.
     `max_seq_len`/`max_query_len` (tokens) bound the lengths: with both, the triton backend
     on CUDA trusts them and reads nothing back from the device. `workspace`
     (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
@@ -197,6 +201,8 @@ def paged_attention(
         scale = check_float32("scale", scale, low=0.0, open_low=True)
     if softcap is not None:
         softcap = check_float32("softcap", softcap, low=0.0, open_low=True, normal=True)
+    if sinks is not None:
+        _check_sinks(q, sinks)
     if seq_lens.shape[0] == 0:
         return q.new_empty(q.shape)
     bounded = backend == "triton" and max_seq_len is not None and max_query_len is not None
@@ -204,8 +210,8 @@ def paged_attention(
         _check_bounds(k_cache, page_tables, max_seq_len, max_query_len)
         if q.device.type != "cpu":  # trusted: reading the lengths back would synchronise
             return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
-                                  scale, sliding_window, softcap, max_seq_len, max_query_len,
-                                  workspace, k_scale, v_scale)
+                                  scale, sliding_window, softcap, sinks, max_seq_len,
+                                  max_query_len, workspace, k_scale, v_scale)
     lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
     q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
     _check_values(q, k_cache, v_cache, page_tables, lens, starts, q_lens)
@@ -215,10 +221,12 @@ def paged_attention(
             raise ValueError(f"paged_attention: {name} {bound} is below the batch's {actual}")
     if backend == "triton":
         return _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale,
-                              sliding_window, softcap, max_seq_len if bounded else max(lens),
+                              sliding_window, softcap, sinks,
+                              max_seq_len if bounded else max(lens),
                               max_query_len if bounded else max(q_lens), workspace,
                               k_scale, v_scale)
-    layer = _Layer(k_cache, v_cache, scale, sliding_window, softcap, backend, k_scale, v_scale)
+    layer = _Layer(k_cache, v_cache, scale, sliding_window, softcap, sinks, backend, k_scale,
+                   v_scale)
     decode = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if len(decode) == len(q_lens):
         return _decode_rows(layer, q, page_tables, lens)
@@ -260,7 +268,7 @@ def _choose_backend(backend: str | None, q: torch.Tensor, cache_dtype: torch.dty
 
 
 def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, window,
-                   softcap, max_seq_len: int, max_query_len: int, workspace, k_scale,
+                   softcap, sinks, max_seq_len: int, max_query_len: int, workspace, k_scale,
                    v_scale) -> torch.Tensor:
     """The triton kernels: decode when every query is one token, else prefill (any mix)."""
     from kvpool.kernels import triton_decode, triton_prefill
@@ -269,7 +277,7 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
     # the kernels step through the index tensors densely (a no-op for dense ones)
     page_tables, seq_lens, cu_seqlens_q = (
         t.contiguous() for t in (page_tables, seq_lens, cu_seqlens_q))
-    scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks)
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)
         splits = triton_decode.choose_num_splits(
@@ -335,6 +343,17 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
             raise TypeError(f"paged_attention: {name} must be int32 or int64, got {tensor.dtype}")
 
 
+def _check_sinks(q, sinks) -> None:
+    """Raise ValueError unless `sinks` is a float32 tensor `[num_heads]` on q's device (its
+    values unread: on CUDA that would synchronise)."""
+    if (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+            or sinks.shape != (q.shape[1],) or sinks.device != q.device):
+        got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+               if isinstance(sinks, torch.Tensor) else repr(sinks))
+        raise ValueError(f"paged_attention: sinks must be a float32 tensor [{q.shape[1]}] on "
+                         f"{q.device}, got {got}")
+
+
 def _check_bounds(k_cache, page_tables, max_seq_len: int, max_query_len: int) -> None:
     """Raise ValueError unless the host bounds fit the page tables (reads no tensor)."""
     capacity = page_tables.shape[1] * k_cache.shape[1]
@@ -377,15 +396,17 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
     if layer.k_scale is not None:
         k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
     mask = None
-    if layer.window is not None or q_len != seq_len or layer.softcap is not None:
+    if layer.window is not None or q_len != seq_len or _scored(layer):
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         key_pos = torch.arange(first, seq_len, device=q.device)
         mask = key_pos <= query_pos
         if layer.window is not None:
             mask &= key_pos > query_pos - layer.window
-    if layer.softcap is not None:  # the query heads of a KV head as rows [kv_heads, group, ...]
+    if _scored(layer):  # the query heads of a KV head as rows [kv_heads, group, ...]
         grouped = q.transpose(0, 1).unflatten(0, (k.shape[0], -1))
-        out = _softcapped(grouped, k[:, None], v[:, None], mask, layer.scale, layer.softcap)
+        sinks = None if layer.sinks is None else layer.sinks.view(k.shape[0], -1, 1, 1)
+        out = _scored_attention(grouped, k[:, None], v[:, None], mask, layer.scale,
+                                layer.softcap, sinks)
         return out.flatten(0, 1).transpose(0, 1)
     # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path, which repeats K/V for GQA.
     out = F.scaled_dot_product_attention(
@@ -407,7 +428,8 @@ def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         return cpu_kernel.paged_decode(
             q, layer.k_cache, layer.v_cache, page_tables, seq_lens, layer.scale, layer.window,
-            softcap=layer.softcap, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            softcap=layer.softcap, sinks=layer.sinks, k_scale=layer.k_scale,
+            v_scale=layer.v_scale,
         )
     return _decode(layer, q, page_tables, lens)
 
@@ -433,25 +455,39 @@ def _decode(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
         if layer.k_scale is not None:
             k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
         mask = None if visible is None else visible[:, None, None, :]
-        if layer.softcap is None:
+        if not _scored(layer):
             out[rows] = F.scaled_dot_product_attention(
                 grouped[rows], k, v, attn_mask=mask, scale=layer.scale
             )
         else:
-            out[rows] = _softcapped(grouped[rows], k, v, mask, layer.scale, layer.softcap)
+            sinks = None if layer.sinks is None else layer.sinks.view(num_kv_heads, -1, 1)
+            out[rows] = _scored_attention(grouped[rows], k, v, mask, layer.scale,
+                                          layer.softcap, sinks)
     return out.view(batch, num_heads, head_dim)
 
 
-def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+def _scored(layer: _Layer) -> bool:
+    """Whether the layer's scores need more than SDPA takes: a softcap or sinks."""
+    return layer.softcap is not None or layer.sinks is not None
+
+
+def _scored_attention(q, k, v, mask, scale: float, softcap: float | None,
+                      sinks) -> torch.Tensor:
     """Attention of `q [..., rows, head_dim]` over `k`, `v [..., keys, head_dim]` (batch
-    dimensions broadcast) whose scaled scores s become `softcap * tanh(s / softcap)`, in float32
-    (SDPA takes no softcap); `mask [..., rows, keys]` is True where a key is visible (None:
-    all are). Returns q's shape and dtype."""
+    dimensions broadcast) in float32 (SDPA takes neither option): each scaled score s becomes
+    `softcap * tanh(s / softcap)` unless `softcap` is None, and `sinks [..., rows, 1]` (or
+    None) join each row's softmax denominator as a logit of no value. `mask [..., rows, keys]`
+    is True where a key is visible (None: all are). Returns q's shape and dtype."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    sinks = sinks.expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+    return torch.matmul(weights, v.float()).to(q.dtype)
 
 
 def _visible_pages(page_tables, lens: list[int], firsts: list[int], page_size: int):

@@ -56,6 +56,7 @@ class _Problem(ctypes.Structure):
         ("window", ctypes.c_int64),
         ("scale", ctypes.c_double),
         ("softcap", ctypes.c_double),
+        ("sinks", ctypes.c_void_p),
         ("bf16", ctypes.c_int32),
         ("fp8", ctypes.c_int32),
         ("k_scale", ctypes.c_double),
@@ -96,11 +97,12 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, window: int | None,
-                 *, softcap: float | None = None, k_scale=None, v_scale=None):
+                 *, softcap: float | None = None, sinks=None, k_scale=None, v_scale=None):
     """Decode attention of `q [batch, num_heads, head_dim]`, one query token per sequence and
     the last of its `seq_lens[b]` tokens, over K/V read straight from the pages (fp8 pages
     through their `k_scale`/`v_scale`, floats or tensors `[]`); scores capped at
-    `softcap * tanh(score / softcap)` unless `softcap` is None."""
+    `softcap * tanh(score / softcap)` unless `softcap` is None; `sinks` (float32
+    `[num_heads]`, or None) join each head's softmax denominator."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     check_page_tables(page_tables, k_cache.shape[0])  # before narrowing: 2**32 + 1 is not 1
     check_index_dtype("seq_lens", seq_lens)
@@ -108,6 +110,8 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, windo
     page_tables = page_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
+    if sinks is not None:
+        sinks = sinks.contiguous()
     problem = _Problem(
         q=q.data_ptr(),
         out=out.data_ptr(),
@@ -127,6 +131,7 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale: float, windo
         window=window or 0,
         scale=scale,
         softcap=softcap or 0.0,
+        sinks=None if sinks is None else sinks.data_ptr(),
         bf16=_DTYPES[q.dtype],
         fp8=int(fp8),
         k_scale=float(k_scale) if fp8 else 1.0,

@@ -49,6 +49,7 @@ typedef struct {
     int64_t window;            /* sliding window in tokens, 0 for none */
     double scale;
     double softcap;            /* scores s become softcap * tanh(s / softcap); 0 for none */
+    const float *sinks;        /* [num_heads] logits joining each row's denominator; NULL: none */
     int32_t bf16;              /* 1: q, out (and K, V unless fp8) are bfloat16; 0: float32 */
     int32_t fp8;               /* 1: K, V are float8_e4m3fn bytes */
     double k_scale, v_scale;   /* fp8 only: a stored byte b means e4m3(b) * scale */
@@ -429,7 +430,14 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
                     next_n, t0, t1, h0, h1, qs, acc, m, l, s, stride, bf16, fp8);
     }
     for (int64_t r = 0; r < rows; r++) {
-        const float inv = (fp8 ? (float)p->v_scale : 1.0f) / l[r];
+        float inv = (fp8 ? (float)p->v_scale : 1.0f) / l[r];
+        if (p->sinks) { /* the sink's weight joins the denominator under the larger max */
+            const float sink = p->sinks[h0 * g_rows + r] * LOG2E;
+            const float top = sink > m[r] ? sink : m[r];
+            const float shrink = exp2f(m[r] - top);
+            inv = (fp8 ? (float)p->v_scale : 1.0f) * shrink
+                  / (l[r] * shrink + exp2f(sink - top));
+        }
         for (int64_t i = 0; i < d; i++) {
             const float x = acc[r * d + i] * inv;
             if (bf16)

@@ -77,6 +77,21 @@ def softcapped(scores, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def with_sinks(acc, m, denom, sinks, heads, rows_ok, SINKS: tl.constexpr):
+    """The online softmax's (acc, m, denom) with each row's sink (the natural logit
+    `sinks[heads]`, with SINKS; else as they are) joined to the denominator as a score of no
+    value."""
+    if SINKS:
+        sink = tl.load(sinks + heads, mask=rows_ok, other=0.0) * _LOG2E
+        top = tl.maximum(m, sink)
+        alpha = tl.math.exp2(m - top)
+        denom = denom * alpha + tl.math.exp2(sink - top)
+        acc = acc * alpha[:, None]
+        m = top
+    return acc, m, denom
+
+
+@triton.jit
 def _widen(x, dtype):
     """fp8 tile `x` in `dtype`, exactly (every e4m3 value is a float16 and bfloat16 value too),
     through float32: the interpreter's direct fp8 -> bfloat16 conversion is wrong."""
@@ -103,12 +118,12 @@ def load_tokens(cache, page, slot, kv_head, d, mask, stride_p, stride_s, stride_
 @triton.jit(do_not_specialize=["stride_table"])
 def _decode_split(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-    k_scale, v_scale, scale_log2, softcap, window, group, page_size,
+    k_scale, v_scale, sinks, scale_log2, softcap, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_blocks = tl.cdiv(group, BLOCK_G)
@@ -160,6 +175,8 @@ def _decode_split(
                         stride_vh, q_tile.dtype, FP8)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m = m_new
+    if not SPLIT:  # a split context's sinks join once, in the merge
+        acc, m, denom = with_sinks(acc, m, denom, sinks, heads, row_ok, SINKS)
 
     # An empty split (or seq_len 0, as in padded graph rows) has denom == 0 and acc == 0.
     safe_denom = tl.where(denom > 0, denom, 1.0)
@@ -182,17 +199,22 @@ def _decode_split(
 # The split count is a plain argument: a value divisible by 16 would otherwise compile again.
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits(
-    part_out, part_lse, cu_seqlens_q, out, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out, part_lse, cu_seqlens_q, out, sinks, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     first = (b * tl.num_programs(1) + head) * num_splits
     # An online sum over the splits in base 2, as in the split kernel: top is the largest
-    # log-sum-exp so far, total and acc the weights and weighted outputs under it.
-    top = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
+    # log-sum-exp so far, total and acc the weights and weighted outputs under it; with
+    # SINKS the head's sink starts them, a weight of no value.
+    if SINKS:
+        top = tl.load(sinks + head) * _LOG2E
+        total = tl.full([], 1.0, tl.float32)
+    else:
+        top = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(num_splits):
         lse = tl.load(part_lse + first + s)
@@ -224,11 +246,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_span: int, sms: int) ->
 
 def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, group: int,
                   num_splits: int, split_tokens: int, shared: int,
-                  softcap: bool = False) -> Launch:
+                  softcap: bool = False, sinks: bool = False) -> Launch:
     """How `paged_decode` compiles `_decode_split` for queries of `dtype` over pages of
     `cache_dtype`, `group` query heads per kv head, in `num_splits` context splits of at most
     `split_tokens` tokens, on a GPU giving a program `shared` bytes of shared memory, its
-    scores softcapped or not. A split
+    scores softcapped or not, with attention sinks or not. A split
     takes its tokens in blocks of the power of two that covers it, from 16 to BLOCK_N (on an
     H200, 128 tokens a step with 8 warps or 4 were no faster: benchmarks/tiles.py); heads over
     256 wide step WIDE_BLOCK_N tokens. Where two pipeline stages or that block do not fit
@@ -247,13 +269,15 @@ def decode_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, g
     return Launch(dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
         SPLIT=num_splits > 1, PRECISION=dot_precision(compute), FP8=fp8, SOFTCAP=softcap,
+        SINKS=sinks,
     ), num_warps=8 if block_n * block_d >= 128 * 128 else 4, num_stages=stages)
 
 
-def merge_launch(head_dim: int) -> Launch:
-    """How `paged_decode` compiles `_merge_splits` (split contexts only)."""
-    return Launch(dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim)),
-                  num_warps=4, num_stages=1)
+def merge_launch(head_dim: int, sinks: bool = False) -> Launch:
+    """How `paged_decode` compiles `_merge_splits` (split contexts only), with attention
+    sinks or not."""
+    return Launch(dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                       SINKS=sinks), num_warps=4, num_stages=1)
 
 
 def _block_g(group: int) -> int:
@@ -265,10 +289,12 @@ def _block_g(group: int) -> int:
 
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
                  window: int | None, num_splits: int, max_span: int, workspace=None,
-                 k_scale=None, v_scale=None, softcap: float | None = None) -> torch.Tensor:
+                 k_scale=None, v_scale=None, softcap: float | None = None,
+                 sinks=None) -> torch.Tensor:
     """Decode attention of one query token per sequence (row `cu_seqlens_q[b]` of
     `q [tokens, heads, head_dim]`) over the first `seq_lens[b]` tokens of its pages (fp8 pages
-    through `k_scale`/`v_scale`), scores softcapped unless `softcap` is None; `max_span`
+    through `k_scale`/`v_scale`), scores softcapped unless `softcap` is None, each head's
+    sink logit (float32 `sinks [heads]`, or None) in its softmax denominator; `max_span`
     (tokens, a host int) bounds every sequence's visible span.
 
     Reads nothing back from the device; `num_splits` (from `choose_num_splits`) fixes the grid,
@@ -290,19 +316,21 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, sc
         part_out = part_lse = out  # not touched
     launch = decode_launch(q.dtype, k_cache.dtype, head_dim, group, num_splits,
                            -(-max_span // num_splits), shared_memory(q.device),
-                           softcap is not None)
+                           softcap is not None, sinks is not None)
     head_blocks = triton.cdiv(group, launch.constexprs["BLOCK_G"])
+    sink_arg = q if sinks is None else sinks  # q stands in: not read
     _decode_split[(batch, num_kv_heads * head_blocks, num_splits)](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, part_out, part_lse,
-        k_scale, v_scale, scale * LOG2E, softcap or 1.0, window or 0, group, k_cache.shape[1],
+        k_scale, v_scale, sink_arg, scale * LOG2E, softcap or 1.0, window or 0, group,
+        k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         **launch.kwargs(),
     )
     if num_splits > 1:
         _merge_splits[(batch, num_heads)](
-            part_out, part_lse, cu_seqlens_q, out, num_splits, out.stride(0), out.stride(1),
-            **merge_launch(head_dim).kwargs(),
+            part_out, part_lse, cu_seqlens_q, out, sink_arg, num_splits, out.stride(0),
+            out.stride(1), **merge_launch(head_dim, sinks is not None).kwargs(),
         )
     return out
 

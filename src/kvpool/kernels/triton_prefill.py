@@ -15,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpool.kernels.triton_decode import LOG2E, _compute_dtype, dot, load_tokens, softcapped
+from kvpool.kernels.triton_decode import (
+    LOG2E,
+    _compute_dtype,
+    dot,
+    load_tokens,
+    softcapped,
+    with_sinks,
+)
 from kvpool.kernels.triton_support import (
     MIN_TILE,
     Launch,
@@ -73,11 +80,12 @@ def _attend_keys(
 @triton.jit(do_not_specialize=["stride_table"])
 def _prefill(
     q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out,
-    k_scale, v_scale, scale_log2, softcap, window, group, page_size,
+    k_scale, v_scale, sinks, scale_log2, softcap, window, group, page_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_table,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # The last query blocks see the most keys: the grid runs them first, so that the short
     # ones fill the end of the launch.
@@ -126,6 +134,8 @@ def _prefill(
             acc, m, denom, q_tile, t0, last, pos, window, table, page_size, kv_head, d, d_ok,
             k_cache, v_cache, k_scale, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
             stride_vh, scale_log2, softcap, BLOCK_N, PRECISION, FP8, SOFTCAP, True)
+    acc, m, denom = with_sinks(acc, m, denom, sinks, head + tl.zeros([BLOCK_M], tl.int32), i_ok,
+                               SINKS)
 
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if FP8:
@@ -138,22 +148,23 @@ def _prefill(
 
 def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, scale: float,
                   window: int | None, max_query_len: int, k_scale=None,
-                  v_scale=None, softcap: float | None = None) -> torch.Tensor:
+                  v_scale=None, softcap: float | None = None, sinks=None) -> torch.Tensor:
     """Causal attention of packed queries `q [tokens, heads, head_dim]` over their sequences'
     pages; `max_query_len` (tokens, a host int) bounds every sequence's query length and sizes
     the grid and the tile. fp8 pages read through `k_scale`/`v_scale`; scores softcapped
-    unless `softcap` is None. Reads nothing back from the device."""
+    unless `softcap` is None; each head's sink logit (float32 `sinks [heads]`, or None) in
+    its softmax denominator. Reads nothing back from the device."""
     k_scale, v_scale = scale_args(k_cache, k_scale, v_scale)
     batch = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len,
-                            shared_memory(q.device), softcap is not None)
+                            shared_memory(q.device), softcap is not None, sinks is not None)
     grid = (triton.cdiv(max_query_len, launch.constexprs["BLOCK_M"]), num_heads, batch)
     _prefill[grid](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
-        scale * LOG2E, softcap or 1.0, window or 0, num_heads // k_cache.shape[2],
-        k_cache.shape[1],
+        q if sinks is None else sinks, scale * LOG2E, softcap or 1.0, window or 0,
+        num_heads // k_cache.shape[2], k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
         **launch.kwargs(),
@@ -162,9 +173,11 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
 
 
 def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
-                   max_query_len: int, shared: int, softcap: bool = False) -> Launch:
+                   max_query_len: int, shared: int, softcap: bool = False,
+                   sinks: bool = False) -> Launch:
     """How `paged_prefill` compiles `_prefill` for queries of `dtype` (at most `max_query_len`
-    tokens a sequence) over pages of `cache_dtype`, its scores softcapped or not, on a GPU
+    tokens a sequence) over pages of `cache_dtype`, its scores softcapped or not, with
+    attention sinks or not, on a GPU
     giving a program `shared` bytes of shared memory. Long queries step SMALL_BLOCK_N keys (on
     an H200, 21% faster than 128 rows, 64 keys and 8 warps on 16 prompts of 512 tokens, as
     fast on 4 of 2,048: benchmarks/tiles.py); so do heads over 128 wide (Gemma 3's 256), with
@@ -178,5 +191,5 @@ def prefill_launch(dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
                                             block_d, compute, shared, min_rows=MIN_TILE)
     return Launch(dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=dot_precision(compute), FP8=fp8, SOFTCAP=softcap,
+        PRECISION=dot_precision(compute), FP8=fp8, SOFTCAP=softcap, SINKS=sinks,
     ), num_warps=8 if block_d > 128 else 4, num_stages=stages)

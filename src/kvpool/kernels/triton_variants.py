@@ -3,8 +3,9 @@
 A variant is one kernel with the constexprs and options its launcher picks (the launcher's own
 `*_launch` function gives them) and the argument types and 16-byte alignments a launch passes.
 `variants()` walks what the launchers choose from: the query dtypes, fp8 pages or not, every
-split count, softcapped scores or not (Gemma 2's; in bfloat16 only, the dtype of its
-checkpoints: the cap's code is the same in every dtype), and the head geometries of the model
+split count, softcapped scores or attention sinks or neither (Gemma 2's cap, GPT-OSS's sinks;
+in bfloat16 only, the dtype of their checkpoints: their code is the same in every dtype), and
+the head geometries of the model
 families kvpool runs, for sm_80, sm_89 and sm_90, each at its shared memory (sm_86 gives
 sm_89's and compiles sm_80's code);
 `compile_variant` runs Triton's compiler (to cubin, with the ptxas of the triton wheel). Used by
@@ -156,10 +157,12 @@ def variants() -> list[Variant]:
 def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geometry, tag: str):
     """The variants of one dtype, page dtype and geometry: the fused elementwise kernels,
     write_kv with and without RoPE, prefill at both tiles, decode at every tile split and
-    unsplit (on bfloat16 pages, of heads other than MLA's, each also softcapped), and the
-    merge."""
+    unsplit (on bfloat16 pages, of heads other than MLA's, each also softcapped and each with
+    sinks), and the merge (with sinks or not)."""
     name = f"{tag}-{geometry.name}"
-    softcaps = (False, True) if cache == torch.bfloat16 and not geometry.latent else (False,)
+    scored = cache == torch.bfloat16 and not geometry.latent
+    # (softcap, sinks): neither, or one of them
+    options = ((False, False), (True, False), (False, True)) if scored else ((False, False),)
     group = geometry.num_heads // geometry.num_kv_heads
     scale = torch.float32 if cache == FP8_DTYPE else cache  # no scales: the cache stands in
     scales = {"k_scale": scale, "v_scale": scale}
@@ -176,34 +179,43 @@ def _launches(arch: int, dtype: torch.dtype, cache: torch.dtype, geometry: Geome
                       triton_write.write_launch(cache, geometry.num_kv_heads, geometry.head_dim,
                                                 geometry.num_heads, geometry.head_dim),
                       writes)
-        for query_len, softcap in itertools.product((1, triton_prefill.LONG_QUERY), softcaps):
+        for query_len, (softcap, sinks) in itertools.product((1, triton_prefill.LONG_QUERY),
+                                                             options):
             launch = triton_prefill.prefill_launch(dtype, cache, geometry.head_dim, query_len,
-                                                   MAX_SHARED[arch], softcap)
+                                                   MAX_SHARED[arch], softcap, sinks)
             yield Variant(f"{name}-prefill-n{launch.constexprs['BLOCK_N']}"
-                          f"{'-softcap' if softcap else ''}", arch,
+                          f"{_suffix(softcap, sinks)}", arch,
                           triton_prefill._prefill, launch,
-                          {**pages, **tables, "q": dtype, "out": dtype})
+                          {**pages, **tables, "q": dtype, "out": dtype,
+                           "sinks": torch.float32 if sinks else dtype})
     # Every tile decode_launch picks: a split of one block of 16 tokens up to BLOCK_N.
-    for split_tokens, num_splits, softcap in itertools.product(
-            (16, 32, triton_decode.BLOCK_N), (1, MAX_DECODE_SPLITS), softcaps):
+    for split_tokens, num_splits, (softcap, sinks) in itertools.product(
+            (16, 32, triton_decode.BLOCK_N), (1, MAX_DECODE_SPLITS), options):
         split = num_splits > 1
         parts = torch.float32 if split else dtype  # unsplit: `out` stands in
         try:
             launch = triton_decode.decode_launch(dtype, cache, geometry.head_dim, group,
                                                  num_splits, split_tokens, MAX_SHARED[arch],
-                                                 softcap)
+                                                 softcap, sinks)
         except ValueError:  # no tile fits this arch (float32 MLA on sm_89): refused
             continue
         yield Variant(f"{name}-decode{'-split' if split else ''}"
-                      f"-n{launch.constexprs['BLOCK_N']}{'-softcap' if softcap else ''}",
+                      f"-n{launch.constexprs['BLOCK_N']}{_suffix(softcap, sinks)}",
                       arch,
                       triton_decode._decode_split, launch,
                       {**pages, **tables, "q": dtype, "out": dtype, "part_out": parts,
-                       "part_lse": parts})
-    yield Variant(f"{name}-merge", arch, triton_decode._merge_splits,
-                  triton_decode.merge_launch(geometry.head_dim),
-                  {"part_out": torch.float32, "part_lse": torch.float32,
-                   "cu_seqlens_q": torch.int32, "out": dtype})
+                       "part_lse": parts, "sinks": torch.float32 if sinks else dtype})
+    for sinks in sorted({sinks for _, sinks in options}):
+        yield Variant(f"{name}-merge{_suffix(False, sinks)}", arch, triton_decode._merge_splits,
+                      triton_decode.merge_launch(geometry.head_dim, sinks),
+                      {"part_out": torch.float32, "part_lse": torch.float32,
+                       "cu_seqlens_q": torch.int32, "out": dtype,
+                       "sinks": torch.float32 if sinks else dtype})
+
+
+def _suffix(softcap: bool, sinks: bool) -> str:
+    """A variant name's ending for its scores' options."""
+    return f"{'-softcap' if softcap else ''}{'-sinks' if sinks else ''}"
 
 
 def _fused(arch: int, dtype: torch.dtype, geometry: Geometry, name: str):
