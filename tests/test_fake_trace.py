@@ -30,6 +30,7 @@ from kvpool.models.moe import MoE
 from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
+from test_gpt_oss import make_gpt_oss
 from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
@@ -50,6 +51,7 @@ FAMILIES = {  # name: a small random transformers model of the family
     "qwen2-moe": lambda: make_hf_model("qwen2-moe", configs=QWEN3_MOE),  # a gated shared expert
     "gemma3": lambda: make_hf_model("gemma3", configs=WINDOWED),  # a full and a window pool
     "gemma2": lambda: make_hf_model("gemma2", configs=WINDOWED),  # softcapped scores, logits
+    "gpt-oss": lambda: make_gpt_oss("gpt-oss"),  # sinks, a window, experts with biases
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
     "bamba": lambda: make_bamba("bamba"),
@@ -99,16 +101,16 @@ def _(cache, slots, latent) -> None:
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_tables: torch.Tensor, seq_lens: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, scale: float, sliding_window: int | None,
-                        softcap: float | None, max_seq_len: int | None,
-                        max_query_len: int | None) -> torch.Tensor:
+                        softcap: float | None, sinks: torch.Tensor | None,
+                        max_seq_len: int | None, max_query_len: int | None) -> torch.Tensor:
     return paged_attention(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
                            scale=scale, sliding_window=sliding_window, softcap=softcap,
-                           max_seq_len=max_seq_len, max_query_len=max_query_len)
+                           sinks=sinks, max_seq_len=max_seq_len, max_query_len=max_query_len)
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, scale, sliding_window, softcap,
-      max_seq_len, max_query_len) -> torch.Tensor:
+      sinks, max_seq_len, max_query_len) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -127,11 +129,13 @@ def _traced_write_latent(cache, slots, latent, *, scale=None):
 
 
 def _traced_paged_attention(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *,
-                            scale=None, sliding_window=None, softcap=None, max_seq_len=None,
-                            max_query_len=None, workspace=None, k_scale=None, v_scale=None):
+                            scale=None, sliding_window=None, softcap=None, sinks=None,
+                            max_seq_len=None, max_query_len=None, workspace=None, k_scale=None,
+                            v_scale=None):
     assert k_scale is None and v_scale is None
     return _paged_attention_op(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q,
-                               scale, sliding_window, softcap, max_seq_len, max_query_len)
+                               scale, sliding_window, softcap, sinks, max_seq_len,
+                               max_query_len)
 
 
 @pytest.fixture(autouse=True)
@@ -232,6 +236,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+              "gpt-oss": "GptOssForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
               "bamba": "BambaForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM",
               "granite-hybrid-dense": "GraniteMoeHybridForCausalLM"}

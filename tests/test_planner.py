@@ -91,6 +91,8 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
                         "shared_expert_intermediate_size": 48}),  # a gated shared expert
     ("GraniteMoeConfig", {"num_local_experts": 4, "attention_bias": True}),
+    # sinks per head, biases on q/k/v/o, the router and every expert
+    ("GptOssConfig", {"num_local_experts": 4, "head_dim": 16}),
     ("GraniteMoeSharedConfig", {"num_local_experts": 4,
                                 "shared_intermediate_size": 48}),  # an ungated shared MLP
     ("GraniteMoeHybridConfig", {"num_local_experts": 4, "shared_intermediate_size": 48,

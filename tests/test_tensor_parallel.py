@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), Phi-3, Qwen3-MoE,
-Mixtral, GraniteMoeShared, DeepSeek-V3 and Gemma 3 (a full and a window pool) checkpoints
-equal transformers' (and so one rank's) through preemption, prefix hits, chunks,
+Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full and a window pool) and GPT-OSS
+checkpoints equal transformers' (and so one rank's) through preemption, prefix hits, chunks,
 copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
@@ -46,6 +46,7 @@ from models_util import (
     save_hf_model,
 )
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from test_gpt_oss import gpt_oss
 from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
 from test_qwen3_moe import MIXTRAL
@@ -76,6 +77,9 @@ PARITY = {
                                                    sliding_window_pattern=2),
     # Gemma 2 alike: each rank caps its heads' scores, the gathered logits are capped
     "gemma2": lambda: transformers.Gemma2Config(**{**GEMMA2, "num_hidden_layers": 2}),
+    # each rank's heads' sinks, and its columns of every expert's interleaved gate and up;
+    # a window of 16 tokens (of 4, too few pages stay held for the batch to preempt)
+    "gpt-oss": lambda: gpt_oss(16),
 }
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # 16 pages of 4 tokens and 16-token chunks: the batches preempt, hit prefixes and chunk

@@ -1,5 +1,5 @@
 """Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
-Gemma 2, Gemma 3 text, Granite and Granite MoE, DeepSeek-V2/V3, and the hybrids Bamba and
+Gemma 2, Gemma 3 text, Granite and Granite MoE, GPT-OSS, DeepSeek-V2/V3, and the hybrids Bamba and
 Granite MoE Hybrid) into one validated dataclass, the KV layout a config implies, and the
 built-in presets used by `kvpool plan` and the `tiny` model."""
 
@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     *HYBRID_ARCHITECTURES,
@@ -57,6 +58,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "bamba": "BambaForCausalLM",
@@ -78,6 +80,10 @@ OLMO2 = "Olmo2ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
+# GPT-OSS's experts' clamped SwiGLU: its gain and clamp as gpt-oss-20b and 120b have them,
+# the only ones the activation (models/layers.py, "gpt_oss_swiglu") computes
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
@@ -105,6 +111,14 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
                           "rope_theta": 1e6, "rope_local_base_freq": 1e4},
     "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
+    # sliding layers and full ones alternating from a sliding first; yarn 32x over a trained
+    # context of 4,096 tokens, every frequency ramped (truncate false)
+    GPT_OSS: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 128,
+              "head_dim": 64, "attention_bias": True, "rope_theta": 150000.0,
+              "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 4096},
+              **GPT_OSS_SWIGLU},
 }
 DEFAULT_DTYPE = torch.float32  # for configs that state no dtype
 ROPE_TYPES = ("linear", "llama3", "yarn", "frequency_factors")  # scaled ropes kvpool runs
@@ -118,7 +132,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2)
+                  *GRANITES, OLMO2, GPT_OSS)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -293,6 +307,8 @@ class MoEConfig:
     # the model's dtype, takes the softmax in float32 and weighs in the model's dtype again.
     router_in_float32: bool
     shared_gate: bool = False  # Qwen2-MoE: the shared MLP's output times sigmoid(gate(x))
+    router_bias: bool = False  # GPT-OSS: the router's logits have a bias
+    expert_bias: bool = False  # GPT-OSS: each routed expert's projections have biases
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +384,8 @@ class ModelConfig:
     # a checkpoint without quantization (see `_fp8_weight_block`)
     fp8_weight_block: tuple[int, int] | None = None
     multipliers: Multipliers = NO_MULTIPLIERS  # Granite's
+    # GPT-OSS: a learned logit per query head joins its softmax (`self_attn.sinks`)
+    attention_sinks: bool = False
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -412,6 +430,8 @@ class ModelConfig:
         _check_rope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
         attention_bias = _bool(cfg, "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        if arch == GPT_OSS:
+            _check_gpt_oss_swiglu(cfg)
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
         moe = MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None
         return cls(
@@ -448,13 +468,15 @@ class ModelConfig:
             else None,
             layer_types=layer_types,
             gemma=gemma,
-            hidden_act="gelu_pytorch_tanh" if is_gemma else _hidden_act(cfg, arch),
+            hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
+            if arch == GPT_OSS else _hidden_act(cfg, arch),
             moe=moe,
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
             _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
             else (),
             multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
+            attention_sinks=arch == GPT_OSS,
         )
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
@@ -561,8 +583,8 @@ class ModelConfig:
         return max_num_batched_tokens * per_token + num_logits * self.vocab_size * 4
 
     def _attention_parameters(self) -> int:
-        """One layer's q, k, v and o projections, their biases, and Qwen3's and Gemma 3's
-        per-head q/k norms or OLMo 2's across all heads."""
+        """One layer's q, k, v and o projections, their biases, Qwen3's and Gemma 3's
+        per-head q/k norms or OLMo 2's across all heads, and GPT-OSS's sink per head."""
         hidden, head_dim = self.hidden_size, self.head_dim
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden
@@ -574,6 +596,8 @@ class ModelConfig:
             attention += 2 * head_dim
         if self.architecture == OLMO2:
             attention += q + kv
+        if self.attention_sinks:
+            attention += self.num_heads
         return attention
 
     def _mla_parameters(self) -> int:
@@ -599,11 +623,12 @@ class ModelConfig:
         dense = _gated_mlp_parameters(hidden, self.intermediate_size, self.mlp_bias)
         if moe is None:
             return self.num_layers * dense
-        experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size, False)
+        experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size,
+                                                          moe.expert_bias)
         shared = _gated_mlp_parameters(hidden, moe.shared_intermediate_size,
                                        self.mlp_bias) if moe.shared_intermediate_size else 0
         shared += hidden if moe.shared_gate else 0
-        router = moe.num_experts * (hidden + (moe.scoring == "sigmoid"))
+        router = moe.num_experts * (hidden + (moe.scoring == "sigmoid") + moe.router_bias)
         moe_layers = len(moe.layers)
         return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
 
@@ -771,19 +796,19 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
     """(sliding window, layer types) as transformers reads them: Mistral, Mixtral and Phi-3
     window every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     then the layers `layer_types` names (by default those from `max_window_layers` on);
-    Gemma the layers `layer_types` names (by default Gemma 3's all but every
-    `sliding_window_pattern`-th, Gemma 2's every other one from the first). Other
-    architectures have no windows."""
+    Gemma and GPT-OSS the layers `layer_types` names (by default Gemma 3's all but every
+    `sliding_window_pattern`-th, Gemma 2's and GPT-OSS's every other one from the first).
+    Other architectures have no windows."""
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", MIXTRAL):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    is_gemma = arch in (GEMMA2, GEMMA3)
+    is_gemma = arch in (GEMMA2, GEMMA3, GPT_OSS)
     if not (is_qwen or is_gemma):
         return None, ()
     window = _optional_int(cfg, "sliding_window")
-    if is_gemma:  # Gemma 2: every second layer full, whatever sliding_window_pattern says
-        pattern = 2 if arch == GEMMA2 else _int(cfg, "sliding_window_pattern", 6)
+    if is_gemma:  # Gemma 2, GPT-OSS: every second layer full, whatever the pattern says
+        pattern = 2 if arch != GEMMA3 else _int(cfg, "sliding_window_pattern", 6)
         default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
     else:
         window = window if _bool(cfg, "use_sliding_window") else None
@@ -821,6 +846,15 @@ def _hidden_act(cfg: dict, arch: str) -> str:
         raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
                           f"{', '.join(supported)}")
     return act
+
+
+def _check_gpt_oss_swiglu(cfg: dict) -> None:
+    """ConfigError unless GPT-OSS's SwiGLU gain and clamp are GPT_OSS_SWIGLU's."""
+    for key, value in GPT_OSS_SWIGLU.items():
+        given = _float(cfg, key, value)
+        if given != value:
+            raise ConfigError(f"{GPT_OSS} with {key} {given} is not supported (kvpool's "
+                              f"clamped SwiGLU takes {key} {value}, as gpt-oss models have it)")
 
 
 def _check_no_partial_rotary(cfg: dict) -> None:
@@ -1122,6 +1156,18 @@ def _granite_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     return replace(moe, shared_intermediate_size=shared)
 
 
+def _gpt_oss_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """GPT-OSS's experts: `num_experts_per_tok` of `num_local_experts` (4 of 128 by default)
+    on every layer, each `intermediate_size` wide, weighted by the softmax of the chosen
+    experts' logits (their softmax scores renormalised), the router's logits and each
+    expert's projections with biases."""
+    intermediate = _int(cfg, "intermediate_size")
+    moe = _qwen_moe({**cfg, "moe_intermediate_size": intermediate, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []},
+                    num_layers, GPT_OSS, (128, 4, intermediate), shared=0)
+    return replace(moe, router_bias=True, expert_bias=True)
+
+
 def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
     """GraniteMoeHybrid's layers without RoPE: all of them unless `position_embedding_type`
     is "rope" (null and "nope" leave it out, as in Granite 4.0's hybrids)."""
@@ -1135,7 +1181,7 @@ def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
                      GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe,
-                     GRANITE_MOE_HYBRID: _granite_moe}
+                     GRANITE_MOE_HYBRID: _granite_moe, GPT_OSS: _gpt_oss_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:

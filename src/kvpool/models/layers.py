@@ -75,13 +75,25 @@ def _gated(act):
     return lambda gate, up: act(gate) * up
 
 
+def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's experts' gate: gate clamped to at most 7 and up to [-7, 7], then
+    `(up + 1) * gate * sigmoid(1.702 * gate)` (its config's swiglu_limit and swiglu_alpha,
+    which models/config.py holds to these values)."""
+    gate = gate.clamp(max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
 _GELU_TANH = _gated(functools.partial(F.gelu, approximate="tanh"))
 # transformers' names (ACT2FN) of the activations a gated MLP runs, each as its gate
 # `(gate, up) -> act(gate) * up`; the tanh approximations of GELU are one formula that
-# transformers computes in three ways.
+# transformers computes in three ways. GPT-OSS's experts gate with a clamped SwiGLU that
+# transformers computes in the experts themselves (no ACT2FN name): kvpool names it
+# "gpt_oss_swiglu".
 ACTIVATIONS = {
     "silu": silu_and_mul, "swish": silu_and_mul, "relu": _gated(F.relu), "gelu": _gated(F.gelu),
     "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH, "gelu_fast": _GELU_TANH,
+    "gpt_oss_swiglu": gpt_oss_swiglu,
 }
 
 

@@ -21,14 +21,23 @@ from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, RMSNorm
 from kvpool.models.moe import MoE
-from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel, VocabEmbedding
+from kvpool.models.parallel import (
+    ONE_RANK,
+    ColumnLinear,
+    Index,
+    RowLinear,
+    Sharded,
+    TensorParallel,
+    VocabEmbedding,
+    row_parts,
+)
 from kvpool.models.rotary import RotaryEmbedding
 from kvpool.rope import Rotation
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim // 2]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(nn.Module, Sharded):
     """Grouped-query self-attention: project, (Qwen3) norm q/k per head, write K/V into the
     pages of pool layer `layer_idx` rotating q and K as they are written (unless the config
     lists the layer among its NoPE layers), attend through the
@@ -37,7 +46,8 @@ class LlamaAttention(nn.Module):
     scales unless they were given. `layer_idx` is the attention layer: the
     context locates its group's pool, page tables and slot mapping. Under tensor parallelism
     (`tp`) it holds this rank's query and KV heads and returns its partial sum
-    (kvpool.models.parallel)."""
+    (kvpool.models.parallel). GPT-OSS's `sinks`, a float32 logit per query head (this rank's
+    heads), join each head's softmax as a score of no value."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  sliding_window: int | None = None, tp: TensorParallel = ONE_RANK):
@@ -61,6 +71,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
         self.qk_norm = config.qk_norm
         self.rotates = layer_idx not in config.no_rope_layers
+        self.heads = heads
+        # float32 whatever the model's dtype: what paged_attention takes
+        self.sinks = nn.Parameter(torch.empty(len(heads), dtype=torch.float32)) \
+            if config.attention_sinks else None
+
+    def checkpoint_index(self, name: str) -> Index:
+        """This rank's heads of the sinks (the only tensor held here, not in a submodule)."""
+        return row_parts(self.heads)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x `[T, hidden]` -> q `[T, heads, head_dim]`, k and v `[T, kv_heads, head_dim]`,
@@ -87,6 +105,7 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, meta.page_tables, meta.seq_lens,
                               meta.cu_seqlens_q, scale=self.scale,
                               sliding_window=self.sliding_window, softcap=self.softcap,
+                              sinks=self.sinks,
                               max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
                               workspace=meta.workspace, k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

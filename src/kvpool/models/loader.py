@@ -3,8 +3,9 @@ tokenizer.json), a GGUF file (models/gguf.py) or the built-in "tiny" preset (see
 weights, byte tokenizer). A tensor-parallel rank loads only its part of each weight
 (kvpool.models.parallel): safetensors reads just those bytes. Checkpoints whose names or
 layout differ from kvpool's parameters are mapped at load: renamed (Mixtral's experts, a
-multimodal checkpoint's text decoder), split (Phi-3's fused projections, Granite MoE's
-experts stacked in one tensor) or dequantized (FP8 releases' block-scaled float8 weights)."""
+multimodal checkpoint's text decoder, GPT-OSS's router), split (Phi-3's fused projections,
+Granite MoE's and GPT-OSS's experts stacked in one tensor) or dequantized (FP8 releases'
+block-scaled float8 weights)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
-# Checkpoint names of Mixtral's and Granite MoE's routers and experts, Qwen2-MoE's shared
-# expert, and a multimodal checkpoint's text decoder -> kvpool's.
+# Checkpoint names of Mixtral's, Granite MoE's and GPT-OSS's routers, Mixtral's experts,
+# Qwen2-MoE's shared expert, and a multimodal checkpoint's text decoder -> kvpool's.
 RENAMED = (
     (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
     (re.compile(r"(.*\.)mlp\.shared_expert\.(.*)"), r"\1mlp.shared_experts.\2"),
@@ -62,6 +63,7 @@ RENAMED = (
     (re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.w3\.weight"),
      r"\1mlp.experts.\2.up_proj.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.router\.layer\.weight"), r"\1mlp.gate.weight"),
+    (re.compile(r"(.*\.)mlp\.router\.(weight|bias)"), r"\1mlp.gate.\2"),
 )
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
 # projections, GraniteMoeShared's shared MLP), named after `model.layers.N.`: the
@@ -79,6 +81,18 @@ FUSED = {
                                              "mlp.experts.{}.up_proj.weight"),
     "block_sparse_moe.output_linear.weight": ("mlp.experts.{}.down_proj.weight",),
 }
+# Checkpoint tensors that stack a layer's experts as x @ W (GPT-OSS's: `[experts, in, out]`,
+# their biases `[experts, out]`), named after `model.layers.N.`: the parameters each expert's
+# slice holds, interleaved along its last dimension (gate, up, gate, up, ...), `{}` the
+# expert's index. A parameter's weight is its columns of the slice, transposed.
+INTERLEAVED = {
+    "mlp.experts.gate_up_proj": ("mlp.experts.{}.gate_proj.weight",
+                                 "mlp.experts.{}.up_proj.weight"),
+    "mlp.experts.gate_up_proj_bias": ("mlp.experts.{}.gate_proj.bias",
+                                      "mlp.experts.{}.up_proj.bias"),
+    "mlp.experts.down_proj": ("mlp.experts.{}.down_proj.weight",),
+    "mlp.experts.down_proj_bias": ("mlp.experts.{}.down_proj.bias",),
+}
 # Granite's shared MLP on a layer without experts (a GraniteMoeHybrid of none) is the layer's
 # MLP: FUSED's parameters of its tensors there
 DENSE_FUSED = {"shared_mlp.input_linear.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -95,6 +109,21 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """A parameter held in an INTERLEAVED tensor: expert `expert`'s slice, its columns
+    `start`, `start + step`, ... transposed (a bias: those elements)."""
+
+    expert: int
+    start: int
+    step: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The parameter's values in the expert's slice `tensor`."""
+        return tensor[..., self.start::self.step].mT if tensor.dim() == 2 else \
+            tensor[self.start::self.step]
 
 
 @dataclass(slots=True)
@@ -308,7 +337,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
     # parameter name -> (the checkpoint tensor holding it, its piece there; None: all of it)
-    sources = _renamed(found) | _split_fused(found, model.config)
+    sources = _renamed(found) | _split_fused(found, model.config) | _split_interleaved(found)
     _check_weights(model, found, files[0].parent)
     read = {sources.get(name, (name, None))[0] for name in found}
     if orphans := sorted(scales.keys() - read):
@@ -325,6 +354,9 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
                         tensor = take(whole if piece is None else whole[piece], index)
                     elif piece is None:
                         tensor = _read_tensor(f, source, file, index)
+                    elif isinstance(piece, Columns):
+                        expert = _read_tensor(f, source, file, ((piece.expert,),))
+                        tensor = take(piece.of(expert), index)
                     else:
                         tensor = take(_read_tensor(f, source, file, (piece,)), index)
                     if tensor.dtype == torch.float8_e4m3fn:
@@ -396,6 +428,31 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
         if start != total:
             raise CheckpointError(f"{name} has {total} rows in the checkpoint, the config "
                                   f"needs {start} ({' + '.join(map(str, rows[suffix]))})")
+    return parts
+
+
+def _split_interleaved(found: dict) -> dict[str, tuple[str, Columns]]:
+    """Replace each INTERLEAVED tensor of `found` by the parameters it holds, with their
+    shapes; returns parameter name -> (the tensor's name, the parameter's Columns there).
+    CheckpointError for a tensor whose last dimension does not split into its parameters.
+    The parameters' shapes are checked against the model's afterwards."""
+    parts = {}
+    for name in list(found):
+        suffix = name.split(".", 3)[-1]
+        if suffix not in INTERLEAVED or _layer_index(name) < 0:
+            continue
+        shape, file = found.pop(name)
+        params = INTERLEAVED[suffix]
+        if len(shape) not in (2, 3) or shape[-1] % len(params):
+            raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, which "
+                                  f"does not stack experts' {' and '.join(params)} "
+                                  f"({len(params)} interleaved along its last dimension)")
+        *rest, width = shape[1:]
+        for expert in range(shape[0]):
+            for start, param in enumerate(params):
+                ours = name[:-len(suffix)] + param.format(expert)
+                found[ours] = ((width // len(params), *rest), file)
+                parts[ours] = (name, Columns(expert, start, len(params)))
     return parts
 
 

@@ -1,7 +1,8 @@
-"""Mixtures of experts (DeepSeek's and Qwen3-MoE's): a router that picks `top_k` routed experts
-per token (Qwen3-MoE's and DeepSeek-V2's softmax scores with greedy or group-limited choice,
-V3's sigmoid scores with a bias that steers the choice only), the chosen experts weighted, and
-shared experts applied to every token where the model has them. Numerics follow transformers'
+"""Mixtures of experts (DeepSeek's, Qwen3-MoE's, GPT-OSS's): a router (its logits with a bias:
+GPT-OSS) that picks `top_k` routed experts per token (Qwen3-MoE's and DeepSeek-V2's softmax
+scores with greedy or group-limited choice, V3's sigmoid scores with a bias that steers the
+choice only), the chosen experts weighted (each with biases: GPT-OSS), and shared experts
+applied to every token where the model has them. Numerics follow transformers'
 default (grouped_mm) experts: softmax in float32 (DeepSeek routes in float32 throughout), each
 expert's output weighted in the routing weights' dtype, and a token's experts summed in float32
 and rounded once."""
@@ -28,6 +29,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(
             moe.num_experts, config.hidden_size,
             dtype=torch.float32 if moe.router_in_float32 else dtype))
+        if moe.router_bias:  # GPT-OSS's
+            self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=self.weight.dtype))
         if moe.scoring == "sigmoid":  # kept in float32, as transformers keeps it
             self.register_buffer("e_score_correction_bias",
                                  torch.empty(moe.num_experts, dtype=torch.float32))
@@ -36,10 +39,11 @@ class Router(nn.Module):
         """x `[T, hidden]` -> (weights `[T, top_k]`, float32 or (Qwen3-MoE) x's dtype, expert
         ids `[T, top_k]`)."""
         moe = self.moe
+        bias = self.bias if moe.router_bias else None
         if moe.router_in_float32:
-            logits = F.linear(x.float(), self.weight)
+            logits = F.linear(x.float(), self.weight, bias)
         else:
-            logits = F.linear(x, self.weight)
+            logits = F.linear(x, self.weight, bias)
         if moe.scoring == "softmax":
             scores = logits.softmax(dim=-1, dtype=torch.float32)
             choice = scores
@@ -82,7 +86,7 @@ class MoE(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.gate = Router(config, dtype)
         self.experts = nn.ModuleList(
-            MLP(hidden, moe.intermediate_size, False, dtype, config.hidden_act, tp,
+            MLP(hidden, moe.intermediate_size, moe.expert_bias, dtype, config.hidden_act, tp,
                 what="the experts' intermediate size")
             for _ in range(moe.num_experts))
         self.shared_experts = MLP(hidden, moe.shared_intermediate_size, config.mlp_bias, dtype,
