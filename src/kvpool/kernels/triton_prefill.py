@@ -161,9 +161,10 @@ def paged_prefill(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, *, s
     launch = prefill_launch(q.dtype, k_cache.dtype, head_dim, max_query_len,
                             shared_memory(q.device), softcap is not None, sinks is not None)
     grid = (triton.cdiv(max_query_len, launch.constexprs["BLOCK_M"]), num_heads, batch)
+    sink_arg = q if sinks is None else sinks  # q stands in: not read
     _prefill[grid](
         q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, out, k_scale, v_scale,
-        q if sinks is None else sinks, scale * LOG2E, softcap or 1.0, window or 0,
+        sink_arg, scale * LOG2E, softcap or 1.0, window or 0,
         num_heads // k_cache.shape[2], k_cache.shape[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], page_tables.stride(0),
