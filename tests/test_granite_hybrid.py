@@ -18,7 +18,7 @@ from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.granite_hybrid import GraniteHybridForCausalLM
 from kvpool.models.layers import MLP
-from kvpool.models.loader import load_model
+from kvpool.models.loader import check_splits, load_model
 from kvpool.models.moe import MoE
 from models_util import (
     assert_logits_match,
@@ -156,6 +156,14 @@ def test_without_experts_the_shared_mlp_is_the_dense_mlp_of_every_layer(shared, 
                                 "layer_types": ["mamba", "attention"] * 2})
     assert (ours.moe, ours.intermediate_size, ours.mlp_bias) == (None, width, False)
     assert not any(ours.is_moe_layer(i) for i in range(4))
+
+
+def test_without_experts_a_shared_mlp_that_does_not_split_is_named_as_the_shared_mlp():
+    config = ModelConfig.from_hf({**BASE, "num_local_experts": 0, "shared_intermediate_size": 50,
+                                  "layer_types": ["mamba", "attention"] * 2})
+    with pytest.raises(ConfigError, match=re.escape(
+            "shared_intermediate_size 50 does not split across 4 tensor-parallel ranks")):
+        check_splits(config, 4)
 
 
 def test_a_shared_mlp_beside_the_mlp_it_would_load_as_is_refused_naming_both(tmp_path):

@@ -43,7 +43,8 @@ class GraniteHybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(size, eps, dtype)
         self.moe = config.is_moe_layer(layer_idx)
         self.mlp = MoE(config, dtype, tp) if self.moe else MLP(
-            size, config.intermediate_size, config.mlp_bias, dtype, config.hidden_act, tp)
+            size, config.intermediate_size, config.mlp_bias, dtype, config.hidden_act, tp,
+            what="shared_intermediate_size")  # the config's name for this MLP's width
         self.residual_multiplier = config.multipliers.residual
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
