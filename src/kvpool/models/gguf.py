@@ -14,7 +14,8 @@ import math
 import os
 import shutil
 import struct
-import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,15 @@ from kvpool.models.gguf_vocab import build_tokenizer
 from kvpool.models.tokenizer import HFTokenizer
 
 CACHE_ENV = "KVPOOL_GGUF_CACHE"  # a folder: keep converted GGUF files there
+# Bumped whenever a change to how kvpool reads GGUF files changes what a conversion holds: each
+# conversion's folder is named by it, so one written under another version is never read
+# (those named by the file's digest alone, before versions, count as version 1).
+CONVERSION_VERSION = 2
+CONVERSION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json",
+                    "model.safetensors")
+# A conversion's temporary folder untouched this long (seconds) is an interrupted one's: a
+# running conversion writes into it all the while.
+STALE_SCRATCH_S = 30 * 60
 
 GGUF_SUFFIX = ".gguf"
 # Names that stand for the GGUF file a Python package ships: name -> (module, file, package).
@@ -563,34 +573,62 @@ def conversion_folder(path: Path) -> Path | None:
     """With the environment variable KVPOOL_GGUF_CACHE naming a folder, the Hugging Face
     checkpoint folder that a GGUF file converts to (float32 weights, config.json,
     tokenizer.json, the chat template in tokenizer_config.json), kept in that folder under
-    the file's SHA-256 (the loader writes it on first use: `write_conversion`). Without it,
-    None. Dequantizing with numpy takes tens of seconds per 100M parameters; reading the
-    conversion takes about one."""
+    the file's SHA-256 and CONVERSION_VERSION (the loader writes it on first use:
+    `write_conversion`). Without it, None. Dequantizing with numpy takes tens of seconds per
+    100M parameters; reading the conversion takes about one."""
     root = os.environ.get(CACHE_ENV)
     if not root:
         return None
     if not path.is_file():
         raise ConfigError(f"no GGUF file at {str(path)!r}")
     stat = path.stat()
-    return Path(root) / _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
+    digest = _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
+    return Path(root) / f"{digest}-v{CONVERSION_VERSION}"
 
 
 def is_converted(folder: Path) -> bool:
-    """Whether `folder` holds a complete conversion (`write_conversion` renames it into
-    place whole)."""
-    return (folder / "model.safetensors").is_file()
+    """Whether `folder` holds a complete conversion that this process may read
+    (`write_conversion` renames it into place whole; another user's may be unreadable)."""
+    return all(os.access(folder / name, os.R_OK) for name in CONVERSION_FILES)
+
+
+def conversion_problem(folder: Path, size: int) -> str | None:
+    """Why a conversion of `size` bytes cannot be written to `folder`, or None: the cache
+    folder (or the nearest folder above it that exists) is not a writable folder or has less
+    than `size` bytes free, or `folder` holds a conversion this process can neither read nor
+    remove (an incomplete one, or another user's it may not read)."""
+    place = folder.parent
+    while not os.path.exists(place) and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        return f"{place} is not a folder"
+    if not os.access(place, os.W_OK | os.X_OK):
+        return f"{place} is not writable"
+    if os.path.lexists(folder) and not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} holds an incomplete or unreadable conversion that cannot be removed"
+    free = shutil.disk_usage(place).free
+    if free < size:
+        return f"{place} has {free:,} bytes free, the conversion needs {size:,}"
+    return None
 
 
 def write_conversion(checkpoint: GGUFCheckpoint, folder: Path,
                      weights: dict[str, torch.Tensor]) -> None:
     """Write the checkpoint folder of `checkpoint`, its `weights` (parameter name -> float32
     tensor, as `tensors()` gives them) into `folder`, atomically: into a temporary folder
-    beside it, renamed when complete. The caller checks the file first (config, tensor types
-    and shapes, finite weights): a file refused later would leave its conversion."""
+    beside it, renamed when complete; its files and folder get the permissions the umask
+    leaves. First it removes what interrupted writes left: an incomplete folder at `folder`,
+    and temporary folders beside it untouched for STALE_SCRATCH_S. The caller checks the file
+    first (config, tokenizer, tensor types and shapes, finite weights): a file refused later
+    would leave its conversion. OSError (or SafetensorError) where writing fails."""
     from safetensors.torch import save_file
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    _remove_stale_scratch(folder)
+    if os.path.lexists(folder) and not is_converted(folder):
+        shutil.rmtree(folder, ignore_errors=True)  # what remains makes the rename fail
+    scratch = folder.parent / f".{folder.name}-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()  # with the umask's permissions (tempfile.mkdtemp's are the owner's only)
     try:
         template = checkpoint.chat_template()
         tokenizer_config = {**template.special_tokens, "chat_template": template.source}
@@ -599,13 +637,28 @@ def write_conversion(checkpoint: GGUFCheckpoint, folder: Path,
         (scratch / "tokenizer.json").write_text(build_tokenizer(checkpoint.meta).to_str())
         save_file({name: tensor.contiguous() for name, tensor in weights.items()},
                   scratch / "model.safetensors")
+        # save_file makes a file for its owner only: give it 0o666 less the umask, as the
+        # other files have (mkdir gave the folder 0o777 less the umask)
+        (scratch / "model.safetensors").chmod(scratch.stat().st_mode & 0o666)
         try:
             scratch.replace(folder)
         except OSError:  # another process converted the same file first
-            if not (folder / "model.safetensors").is_file():
+            if not is_converted(folder):
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _remove_stale_scratch(folder: Path) -> None:
+    """Remove the temporary folders of conversions to `folder` that nothing has written to
+    for STALE_SCRATCH_S (those of interrupted conversions; a running one's survives)."""
+    for scratch in folder.parent.glob(f".{folder.name}-*"):
+        try:
+            written = max(p.stat().st_mtime for p in (scratch, *scratch.iterdir()))
+        except OSError:  # removed meanwhile, or not a folder kvpool wrote
+            continue
+        if time.time() - written > STALE_SCRATCH_S:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=4)

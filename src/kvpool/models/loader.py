@@ -10,7 +10,9 @@ block-scaled float8 weights)."""
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,8 +26,10 @@ from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
 from kvpool.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvpool.models.gguf import (
+    CACHE_ENV,
     GGUFCheckpoint,
     conversion_folder,
+    conversion_problem,
     gguf_source,
     write_conversion,
 )
@@ -140,8 +144,8 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
                max_model_len: int | None = None) -> LoadedModel:
     """Load a checkpoint folder, a GGUF file (a path ending in .gguf, or a packaged name such
     as "smollm2"; with KVPOOL_GGUF_CACHE set, through its conversion, written on first use
-    once the file passes the checks) or the "tiny" preset onto `device`; with `tp`, this
-    rank's part of it.
+    once the file passes the checks, or from the file itself, with a warning, where the cache
+    cannot hold it) or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
     dtype None: the config's (float32 if it states none). `max_model_len`, the longest
     sequence it will run (None: the config's context), picks LongRoPE's factors. Raises
     ValueError for a bad device, ConfigError for a missing, malformed or unsupported config
@@ -153,10 +157,9 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     source = gguf_source(model)
     if isinstance(source, GGUFCheckpoint):
         folder = conversion_folder(source.path)
-        if folder is None:
+        if folder is None or not _convert_gguf(source, folder):
             return load_gguf(source, dtype=dtype, device=device, tp=tp,
                              max_model_len=max_model_len)
-        _convert_gguf(source, folder)
         source = folder
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
@@ -203,18 +206,34 @@ def load_gguf(checkpoint: GGUFCheckpoint, *, dtype: torch.dtype | None,
     return LoadedModel(net.eval(), config, tokenizer)
 
 
-def _convert_gguf(checkpoint: GGUFCheckpoint, folder: Path) -> None:
-    """Write a GGUF file's conversion into `folder` once its config, tensor types and shapes
-    pass the checks load_gguf makes before reading a weight (the shapes against a model built
-    on the meta device, which holds no memory) and every weight is finite, as load_gguf
-    checks them: a refused file leaves nothing in the cache."""
+def _convert_gguf(checkpoint: GGUFCheckpoint, folder: Path) -> bool:
+    """Write a GGUF file's conversion into `folder` once its config, tokenizer, chat template,
+    tensor types and shapes pass the checks load_gguf makes before reading a weight (the
+    shapes against a model built on the meta device, which holds no memory) and every weight
+    is finite, as load_gguf checks them: a refused file leaves nothing in the cache.
+    False, after a warning naming KVPOOL_GGUF_CACHE and `folder`, where the cache cannot
+    hold it (an unwritable folder or too little space, found before dequantizing; or the
+    write failed): the cache is an optimisation, the caller loads the file itself."""
     config = checkpoint.config()
+    checkpoint.tokenizer()  # before the weights, as load_gguf: a bad vocabulary fails at once
+    checkpoint.chat_template()
     _check_gguf_weights(model_class(config)(config, dtype=torch.float32, device="meta"),
                         checkpoint)
-    weights = dict(checkpoint.tensors())
-    for name, tensor in weights.items():
-        _check_finite(tensor, name, checkpoint.path)
-    write_conversion(checkpoint, folder, weights)
+    size = 4 * sum(math.prod(shape) for shape in checkpoint.shapes().values())  # float32
+    problem = conversion_problem(folder, size)
+    if problem is None:
+        weights = dict(checkpoint.tensors())
+        for name, tensor in weights.items():
+            _check_finite(tensor, name, checkpoint.path)
+        try:
+            write_conversion(checkpoint, folder, weights)
+        except (OSError, SafetensorError) as e:
+            problem = f"writing it failed: {e}"
+    if problem is not None:
+        warnings.warn(f"kvpool: {CACHE_ENV} cannot hold the conversion of "
+                      f"{checkpoint.path.name} at {folder} ({problem}); loading the file "
+                      f"itself", stacklevel=3)
+    return problem is None
 
 
 def _check_gguf_weights(model: torch.nn.Module, checkpoint: GGUFCheckpoint) -> None:
