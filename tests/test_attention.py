@@ -302,6 +302,18 @@ def test_kernel_takes_sinks_in_bfloat16_decode_as_the_reference(kernel, monkeypa
     assert relative_error(fused, batch.reference(window=window)) > 0.5
 
 
+@pytest.mark.usefixtures("decode_path")
+def test_sinks_strided_or_past_float32s_base_2_range_join_the_softmax_as_the_reference():
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,
+                  device="cpu", fill=float("nan"))
+    strided = torch.stack([sinks_for(batch), torch.full((8,), 100.0)], 1)[:, 0]
+    out = batch.attend(sinks=strided)
+    assert relative_error(out, batch.reference(sinks=strided)) < 1e-5
+    # 3e38 times log2(e) is past float32: the sink takes every head's weight, never NaN
+    huge = torch.full((8,), 3e38)
+    assert batch.attend(sinks=huge).abs().max() < 1e-30
+
+
 @pytest.mark.parametrize("sinks", [torch.zeros(4, dtype=torch.float64), torch.zeros(3),
                                    torch.zeros(1, 4), [0.0] * 4])
 def test_paged_attention_rejects_sinks_other_than_float32_per_head(sinks):

@@ -220,3 +220,30 @@ def test_a_stack_of_another_width_is_refused_naming_the_experts_tensors(tmp_path
             "model.layers.1.mlp.experts.0.down_proj.weight has shape (64, 30) in the "
             "checkpoint, the config needs (64, 32)")):
         load_model(folder, device="cpu")
+
+
+@pytest.mark.parametrize(("name", "change", "shape"), [
+    ("model.layers.0.mlp.experts.gate_up_proj", lambda t: t[:7], "(7, 64, 64)"),
+    ("model.layers.0.mlp.experts.gate_up_proj", lambda t: t[0], "(64, 64)"),
+    ("model.layers.0.mlp.experts.down_proj_bias", lambda t: t[:, None], "(8, 1, 64)"),
+])
+def test_a_stack_of_another_number_of_experts_or_dimensions_is_refused_naming_it(
+        tmp_path, name, change, shape):
+    folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights[name] = change(weights[name]).contiguous()
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{name} has shape {shape} in the checkpoint, the config needs 8 experts stacked")):
+        load_model(folder, device="cpu")
+
+
+def test_an_expert_weight_held_in_the_stack_and_apart_is_refused_naming_both(tmp_path):
+    folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "model.layers.0.mlp.experts.gate_up_proj holds "
+            "model.layers.0.mlp.experts.0.gate_proj.weight, which the checkpoint holds too")):
+        load_model(folder, device="cpu")

@@ -191,6 +191,19 @@ def test_decode_with_sinks_matches_reference(window, num_splits, dtype):
     assert relative_error(decode(batch, window=window, num_splits=num_splits), expected) > 0.5
 
 
+def test_strided_sinks_and_sinks_past_float32s_base_2_range_reach_the_kernels_as_given():
+    batch = make_batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4,
+                       dtype=torch.float32)
+    strided = torch.stack([sinks_for(batch), torch.full((8,), 100.0, device=DEVICE)], 1)[:, 0]
+    expected = batch.reference(sinks=strided)
+    assert relative_error(batch.attend(backend="triton", sinks=strided), expected) < 1e-5
+    decodes = make_batch(DECODES, heads=8, kv_heads=2, head_dim=64, page_size=5,
+                         dtype=torch.float32)
+    huge = torch.full((8,), 3e38, device=DEVICE)  # times log2(e): past float32
+    for splits in (1, 3):
+        assert decode(decodes, window=None, num_splits=splits, sinks=huge).abs().max() < 1e-30
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_prefill_with_sinks_of_a_mixed_batch_matches_reference(window):
     batch = make_batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4,

@@ -274,9 +274,10 @@ def _attend_triton(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sca
     from kvpool.kernels import triton_decode, triton_prefill
 
     q = q if q.stride(2) == 1 else q.contiguous()
-    # the kernels step through the index tensors densely (a no-op for dense ones)
+    # the kernels step through the index tensors and the sinks densely (a no-op for dense ones)
     page_tables, seq_lens, cu_seqlens_q = (
         t.contiguous() for t in (page_tables, seq_lens, cu_seqlens_q))
+    sinks = None if sinks is None else sinks.contiguous()
     scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks)
     if max_query_len == 1:
         span = max_seq_len if window is None else min(max_seq_len, window)

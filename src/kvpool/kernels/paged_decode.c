@@ -16,6 +16,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -432,7 +433,9 @@ decode_sequence(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *scra
     for (int64_t r = 0; r < rows; r++) {
         float inv = (fp8 ? (float)p->v_scale : 1.0f) / l[r];
         if (p->sinks) { /* the sink's weight joins the denominator under the larger max */
-            const float sink = p->sinks[h0 * g_rows + r] * LOG2E;
+            /* in base 2, at most FLT_MAX: infinity less infinity is NaN (NaN stays NaN) */
+            const float scaled = p->sinks[h0 * g_rows + r] * LOG2E;
+            const float sink = scaled > FLT_MAX ? FLT_MAX : scaled;
             const float top = sink > m[r] ? sink : m[r];
             const float shrink = exp2f(m[r] - top);
             inv = (fp8 ? (float)p->v_scale : 1.0f) * shrink

@@ -33,6 +33,7 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it 
 WAVES = 4  # programs per SM to aim for: several small programs per SM hide memory latency
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # in the kernels
+_FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -77,12 +78,20 @@ def softcapped(scores, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def base2_sink(sink):
+    """A natural sink logit in base 2, at most float32's largest: infinity less infinity would
+    be NaN (a NaN sink stays NaN)."""
+    scaled = sink * _LOG2E
+    return tl.where(scaled > _FLOAT32_MAX, _FLOAT32_MAX, scaled)
+
+
+@triton.jit
 def with_sinks(acc, m, denom, sinks, heads, rows_ok, SINKS: tl.constexpr):
     """The online softmax's (acc, m, denom) with each row's sink (the natural logit
     `sinks[heads]`, with SINKS; else as they are) joined to the denominator as a score of no
     value."""
     if SINKS:
-        sink = tl.load(sinks + heads, mask=rows_ok, other=0.0) * _LOG2E
+        sink = base2_sink(tl.load(sinks + heads, mask=rows_ok, other=0.0))
         top = tl.maximum(m, sink)
         alpha = tl.math.exp2(m - top)
         denom = denom * alpha + tl.math.exp2(sink - top)
@@ -210,7 +219,7 @@ def _merge_splits(
     # log-sum-exp so far, total and acc the weights and weighted outputs under it; with
     # SINKS the head's sink starts them, a weight of no value.
     if SINKS:
-        top = tl.load(sinks + head) * _LOG2E
+        top = base2_sink(tl.load(sinks + head))
         total = tl.full([], 1.0, tl.float32)
     else:
         top = tl.full([], float("-inf"), tl.float32)

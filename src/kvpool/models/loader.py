@@ -356,7 +356,8 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
     # parameter name -> (the checkpoint tensor holding it, its piece there; None: all of it)
-    sources = _renamed(found) | _split_fused(found, model.config) | _split_interleaved(found)
+    sources = _renamed(found) | _split_fused(found, model.config) | \
+        _split_interleaved(found, model.config)
     _check_weights(model, found, files[0].parent)
     read = {sources.get(name, (name, None))[0] for name in found}
     if orphans := sorted(scales.keys() - read):
@@ -450,19 +451,27 @@ def _split_fused(found: dict, config: ModelConfig) -> dict[str, tuple[str, tuple
     return parts
 
 
-def _split_interleaved(found: dict) -> dict[str, tuple[str, Columns]]:
+def _split_interleaved(found: dict, config: ModelConfig) -> dict[str, tuple[str, Columns]]:
     """Replace each INTERLEAVED tensor of `found` by the parameters it holds, with their
     shapes; returns parameter name -> (the tensor's name, the parameter's Columns there).
-    CheckpointError for a tensor whose last dimension does not split into its parameters.
-    The parameters' shapes are checked against the model's afterwards."""
+    CheckpointError for a tensor that does not stack the config's experts (weights 3-d,
+    biases 2-d) or whose last dimension does not split into its parameters, or that holds a
+    parameter the checkpoint holds apart too. The parameters' shapes are checked against the
+    model's afterwards."""
     parts = {}
+    experts = config.moe.num_experts if config.moe else 0
     for name in list(found):
         suffix = name.split(".", 3)[-1]
         if suffix not in INTERLEAVED or _layer_index(name) < 0:
             continue
         shape, file = found.pop(name)
         params = INTERLEAVED[suffix]
-        if len(shape) not in (2, 3) or shape[-1] % len(params):
+        dims = 2 if suffix.endswith("_bias") else 3
+        if len(shape) != dims or shape[0] != experts:
+            raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, the "
+                                  f"config needs {experts} experts stacked along the first "
+                                  f"of its {dims} dimensions")
+        if shape[-1] % len(params):
             raise CheckpointError(f"{name} has shape {tuple(shape)} in the checkpoint, which "
                                   f"does not stack experts' {' and '.join(params)} "
                                   f"({len(params)} interleaved along its last dimension)")
@@ -470,6 +479,9 @@ def _split_interleaved(found: dict) -> dict[str, tuple[str, Columns]]:
         for expert in range(shape[0]):
             for start, param in enumerate(params):
                 ours = name[:-len(suffix)] + param.format(expert)
+                if ours in found:
+                    raise CheckpointError(f"{name} holds {ours}, which the checkpoint holds "
+                                          f"too")
                 found[ours] = ((width // len(params), *rest), file)
                 parts[ours] = (name, Columns(expert, start, len(params)))
     return parts
