@@ -92,7 +92,8 @@ def test_plan_without_a_model_lists_the_presets_and_exits_2(capsys):
     err = capsys.readouterr().err
     assert err.startswith("kvpool plan: error: give a MODEL")
     assert ("(tiny, Llama-3-8B, Qwen2.5-7B, Qwen3-8B, Qwen3-30B-A3B, Qwen3-235B-A22B, "
-            "Mixtral-8x7B, Phi-4, Mistral-7B, Gemma-3-4B, Bamba-9B)") in err
+            "Mixtral-8x7B, gpt-oss-20b, gpt-oss-120b, Phi-4, Mistral-7B, Gemma-3-4B, "
+            "Bamba-9B)") in err
 
 
 def test_plan_of_an_unknown_model_exits_2(capsys):

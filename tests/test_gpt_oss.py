@@ -247,3 +247,19 @@ def test_an_expert_weight_held_in_the_stack_and_apart_is_refused_naming_both(tmp
             "model.layers.0.mlp.experts.gate_up_proj holds "
             "model.layers.0.mlp.experts.0.gate_proj.weight, which the checkpoint holds too")):
         load_model(folder, device="cpu")
+
+
+@pytest.mark.parametrize(("preset", "layers", "experts", "parameters"), [
+    ("gpt-oss-20b", 24, 32, 20_914_757_184),  # "21B" (20.9B)
+    ("gpt-oss-120b", 36, 128, 116_829_156_672),  # "117B" (116.8B): transformers' defaults
+])
+def test_the_presets_count_the_published_parameters_as_transformers_builds_them(
+        preset, layers, experts, parameters):
+    config = ModelConfig.from_hf(preset)
+    published = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+    assert config == ModelConfig.from_hf(
+        {**published.to_dict(), "architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16"})
+    assert config.count_parameters() == parameters
+    with torch.device("meta"):
+        assert sum(p.numel() for p in transformers.GptOssForCausalLM(published).parameters()) \
+            == parameters

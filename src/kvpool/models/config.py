@@ -222,6 +222,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
+    # gpt-oss-20b and -120b as bfloat16 weights (their published experts are MXFP4, which
+    # kvpool does not load): a 128-token window on every other layer, attention sinks
+    **{name: {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "sliding_window": 128,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        "attention_bias": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    } for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
     "Phi-4": {
         "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100352,
         "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
