@@ -30,6 +30,7 @@ from kvpool.models.moe import MoE
 from kvpool.rope import Rotation
 from models_util import make_hf_model, save_hf_model
 from test_deepseek import CONFIGS as DEEPSEEK
+from test_families import CONFIGS as FAMILY_CONFIGS
 from test_gpt_oss import make_gpt_oss
 from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_granite_moe import CONFIGS as GRANITE_MOE
@@ -45,6 +46,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "mixtral": lambda: make_hf_model("mixtral-window-8", configs=MIXTRAL),  # MoE, a window
     "smollm3": lambda: make_hf_model("smollm3"),  # layers without RoPE
     "olmo2": lambda: make_hf_model("olmo2"),  # post-norms, q/k normed across all heads
+    # OLMo 2's layers, windows and a rope of the sliding layers' own
+    "olmo3": lambda: make_hf_model("olmo3", configs=FAMILY_CONFIGS),
     "granite": lambda: make_hf_model("granite"),  # the multipliers
     # the multipliers and MoE layers with a shared MLP
     "granitemoe-shared": lambda: make_hf_model("granitemoe-shared", configs=GRANITE_MOE),
@@ -233,6 +236,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
     traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
               "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+              "olmo3": "Olmo3ForCausalLM",
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",

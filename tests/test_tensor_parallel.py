@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
-Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), Phi-3, Qwen3-MoE,
+Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), OLMo 3, Phi-3, Qwen3-MoE,
 Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full and a window pool) and GPT-OSS
 checkpoints equal transformers' (and so one rank's) through preemption, prefix hits, chunks,
 copy-on-write and window drops;
@@ -64,6 +64,10 @@ PARITY = {
     # ... with the one KV head on both ranks: its squares counted twice, over twice its width
     "olmo2-one-kv-head": lambda: transformers.Olmo2Config(**{**SMALL, "num_key_value_heads": 1},
                                                          attention_bias=True),
+    # OLMo 2's norms across both ranks' heads, a window layer then a full one
+    "olmo3": lambda: transformers.Olmo3Config(**SMALL, sliding_window=8, attention_bias=True,
+                                              layer_types=["sliding_attention",
+                                                           "full_attention"]),
     # each rank's rows of the fused q/k/v and gate/up; LongRoPE's short factors on every
     # rank, as the engine's max_model_len (ENGINE's) stays within the trained 64 positions
     "phi3": lambda: phi3_longrope(64, sliding_window=8, attention_bias=True),

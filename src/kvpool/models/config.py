@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -55,6 +56,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe": "GraniteMoeForCausalLM",
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -76,7 +78,7 @@ GRANITE_MOE_SHARED = "GraniteMoeSharedForCausalLM"
 GRANITE_MOE_HYBRID = "GraniteMoeHybridForCausalLM"
 # with Granite's multipliers
 GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_HYBRID)
-OLMO2 = "Olmo2ForCausalLM"
+OLMO2, OLMO3 = "Olmo2ForCausalLM", "Olmo3ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
@@ -104,6 +106,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "GraniteMoeSharedForCausalLM": {"max_position_embeddings": 2048},
     "GraniteMoeHybridForCausalLM": {"max_position_embeddings": 2048},
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    OLMO3: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+            "sliding_window": 4096},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
@@ -132,7 +136,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # have one; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2, GPT_OSS)
+                  *GRANITES, OLMO2, OLMO3, GPT_OSS)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -388,6 +392,9 @@ class ModelConfig:
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
+    # (rope_theta, rope_scaling) of the sliding layers where they rotate otherwise than the
+    # full ones (OLMo 3's; Gemma 3's is in `gemma`)
+    sliding_rope: tuple[float, dict | None] | None = None
     gemma: GemmaConfig | None = None
     hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
     # layers whose q/k go unrotated (SmolLM3's NoPE; every layer of a GraniteMoeHybrid
@@ -426,8 +433,9 @@ class ModelConfig:
             head_dim = hidden // heads
         num_layers = _int(cfg, "num_hidden_layers")
         gemma = None
-        if arch == GEMMA3:
-            (rope_theta, rope_scaling), local_rope = _gemma_ropes(cfg)
+        if arch in (GEMMA3, OLMO3):
+            (rope_theta, rope_scaling), local_rope = _layer_type_ropes(
+                cfg, "rope_local_base_freq" if arch == GEMMA3 else "rope_theta")
         else:
             rope_theta, rope_scaling = _rope(cfg, ARCHITECTURE_ROPE_TYPES.get(arch, ROPE_TYPES),
                                              ARCHITECTURE_ROPE_NAMES.get(arch, {}))
@@ -480,6 +488,7 @@ class ModelConfig:
             mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
             else None,
             layer_types=layer_types,
+            sliding_rope=local_rope if arch == OLMO3 else None,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
             if arch == GPT_OSS else _hidden_act(cfg, arch),
@@ -607,7 +616,7 @@ class ModelConfig:
             attention += hidden
         if self.qk_norm:
             attention += 2 * head_dim
-        if self.architecture == OLMO2:
+        if self.architecture in (OLMO2, OLMO3):
             attention += q + kv
         if self.attention_sinks:
             attention += self.num_heads
@@ -809,19 +818,20 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
     """(sliding window, layer types) as transformers reads them: Mistral, Mixtral and Phi-3
     window every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     then the layers `layer_types` names (by default those from `max_window_layers` on);
-    Gemma and GPT-OSS the layers `layer_types` names (by default Gemma 3's all but every
-    `sliding_window_pattern`-th, Gemma 2's and GPT-OSS's every other one from the first).
-    Other architectures have no windows."""
+    Gemma, GPT-OSS and OLMo 3 the layers `layer_types` names (by default Gemma 3's all but
+    every `sliding_window_pattern`-th, Gemma 2's and GPT-OSS's every other one from the first,
+    OLMo 3's all but every fourth). Other architectures have no windows."""
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", MIXTRAL):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    is_gemma = arch in (GEMMA2, GEMMA3, GPT_OSS)
-    if not (is_qwen or is_gemma):
+    patterned = arch in (GEMMA2, GEMMA3, GPT_OSS, OLMO3)
+    if not (is_qwen or patterned):
         return None, ()
     window = _optional_int(cfg, "sliding_window")
-    if is_gemma:  # Gemma 2, GPT-OSS: every second layer full, whatever the pattern says
-        pattern = 2 if arch != GEMMA3 else _int(cfg, "sliding_window_pattern", 6)
+    if patterned:  # Gemma 2, GPT-OSS: every second layer full, whatever the pattern says
+        pattern = {GEMMA2: 2, GPT_OSS: 2, OLMO3: 4}.get(arch) or \
+            _int(cfg, "sliding_window_pattern", 6)
         default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
     else:
         window = window if _bool(cfg, "use_sliding_window") else None
@@ -895,18 +905,20 @@ def _check_gemma(cfg: dict, arch: str) -> None:
                           f"kvpool supports gelu_pytorch_tanh for {arch}")
 
 
-def _gemma_ropes(cfg: dict) -> tuple[tuple[float, dict | None], tuple[float, dict | None]]:
-    """(rope_theta, rope_scaling) of Gemma 3's full and sliding layers as transformers reads
-    them: transformers 5 writes rope_parameters per layer type (default rope for a type left
-    out); rope_scaling updates the full layers'; a theta left out is rope_theta (full) or
-    rope_local_base_freq (sliding)."""
+def _layer_type_ropes(cfg: dict, sliding_theta_key: str) -> tuple[tuple[float, dict | None],
+                                                                   tuple[float, dict | None]]:
+    """(rope_theta, rope_scaling) of Gemma 3's or OLMo 3's full and sliding layers as
+    transformers reads them: transformers 5 writes rope_parameters per layer type (default
+    rope for a type left out); rope_scaling updates the full layers'; a theta left out is
+    rope_theta (full) or `sliding_theta_key`'s (sliding: Gemma 3's rope_local_base_freq,
+    OLMo 3's rope_theta)."""
     params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not params.keys() & {FULL, SLIDING}:
         params = {}
     if not isinstance(scaling, dict):
         raise ConfigError(f"config 'rope_scaling' must be an object, got {scaling!r}")
     ropes = []
-    for layer_type, theta_key in ((FULL, "rope_theta"), (SLIDING, "rope_local_base_freq")):
+    for layer_type, theta_key in ((FULL, "rope_theta"), (SLIDING, sliding_theta_key)):
         rope = params.get(layer_type) or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"config 'rope_parameters.{layer_type}' must be an object, "

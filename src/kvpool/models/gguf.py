@@ -547,7 +547,7 @@ def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Nothing beyond the common keys; ConfigError for a sliding window (OLMo 3's)."""
     if key("attention.sliding_window"):
         raise ConfigError(f"{checkpoint.path.name}: GGUF olmo2 with a sliding window is "
-                          f"OLMo 3, which kvpool does not run")
+                          f"OLMo 3, whose GGUF files kvpool does not read")
     return {}
 
 

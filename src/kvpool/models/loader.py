@@ -35,7 +35,7 @@ from kvpool.models.gguf import (
 )
 from kvpool.models.granite_hybrid import GraniteHybridForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
-from kvpool.models.olmo2 import Olmo2ForCausalLM
+from kvpool.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from kvpool.models.parallel import (
     ONE_RANK,
     WHOLE,
@@ -111,6 +111,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
 

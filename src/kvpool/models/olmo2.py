@@ -1,11 +1,14 @@
-"""OLMo 2: a Llama-style decoder that norms the outputs of attention and of the MLP before
-each joins the residual stream (and norms no input), with q and k each normed across all its
-heads at once, every norm's weight applied in float32. Parameter names mirror the Hugging Face
-`Olmo2ForCausalLM` checkpoints. Under tensor parallelism the q/k norms span every rank's
+"""OLMo 2 and OLMo 3: a Llama-style decoder that norms the outputs of attention and of the MLP
+before each joins the residual stream (and norms no input), with q and k each normed across all
+its heads at once, every norm's weight applied in float32; OLMo 3 windows some layers, which
+rotate by their own rope. Parameter names mirror the Hugging Face `Olmo2ForCausalLM` and
+`Olmo3ForCausalLM` checkpoints. Under tensor parallelism the q/k norms span every rank's
 heads: each rank sums the squares of its own features, one all-reduce per layer adds the
 ranks' sums, and each rank scales its features by its part of the norm's weight."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -14,7 +17,8 @@ from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
 from kvpool.models.layers import MLP, Float32RMSNorm
 from kvpool.models.llama import LayerStack, LlamaAttention, LlamaForCausalLM, Rope
-from kvpool.models.parallel import ColumnLinear, Index, Sharded, TensorParallel
+from kvpool.models.parallel import ONE_RANK, ColumnLinear, Index, Sharded, TensorParallel
+from kvpool.models.rotary import RotaryEmbedding
 
 
 class HeadsNorm(nn.Module, Sharded):
@@ -95,3 +99,35 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2's decoder and head."""
 
     decoder = Olmo2Model
+
+
+class Olmo3Model(Olmo2Model):
+    """OLMo 2's decoder whose sliding layers rotate by their own rope."""
+
+    def forward(self, input_ids: torch.Tensor, ropes: tuple[Rope, Rope],
+                context: ForwardContext) -> torch.Tensor:
+        """input_ids `[T]` and the (full, sliding) layers' ropes -> hidden states
+        `[T, hidden]` after the last layer (not normed)."""
+        x = self.embed_tokens(input_ids)
+        full, sliding = ropes
+        for layer in self.layers:
+            x = layer(x, full if layer.self_attn.sliding_window is None else sliding, context)
+        return x
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3's decoder and head: the full layers rotate by the config's rope (a scaled one
+    where it says), the sliding layers by `config.sliding_rope`."""
+
+    decoder = Olmo3Model
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device, tp: TensorParallel = ONE_RANK):
+        super().__init__(config, dtype=dtype, device=device, tp=tp)
+        theta, scaling = config.sliding_rope
+        local = replace(config, rope_theta=theta, rope_scaling=scaling)
+        self.local_rotary_emb = RotaryEmbedding(local, device=self.rotary_emb.inv_freq.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[Rope, Rope]:
+        """(cos, sin) at `positions` `[T]` for the full layers, then for the sliding ones."""
+        return self.rotary_emb(positions, self.dtype), self.local_rotary_emb(positions, self.dtype)

@@ -1,0 +1,107 @@
+"""Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
+sliding-window layers) against transformers on small random checkpoints, directly and through
+the engine, and how their configs are read."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from kvpool.engine import SamplingParams
+from kvpool.errors import ConfigError
+from kvpool.models.config import FULL, SLIDING, ModelConfig
+from kvpool.models.loader import load_model
+from models_util import (
+    SMALL,
+    PagedRunner,
+    assert_logits_match,
+    check_engine_with_preemption,
+    check_engine_with_prefix_hits_and_chunks,
+    engine_case,
+    hf_greedy,
+    make_hf_model,
+    prompts,
+    save_hf_model,
+)
+
+MAX_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+WINDOW = 8  # shorter than every prompt but the first, and than every continuation
+FOUR = dict(SMALL, num_hidden_layers=4)
+CONFIGS = {
+    # three sliding layers and a full one (the default pattern), the full one with yarn, the
+    # sliding ones with plain RoPE; q/k/v/o biases
+    "olmo3": lambda: transformers.Olmo3Config(
+        **FOUR, sliding_window=WINDOW, attention_bias=True,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 64}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory, device):
+    """(transformers model, the same checkpoint loaded by kvpool) for one family's case."""
+    hf = make_hf_model(request.param, configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    return hf.to(device), load_model(folder, device=device).model
+
+
+def test_packed_prefill_logits_match_transformers(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
+
+
+def test_batched_greedy_decode_matches_transformers_generate(pair):
+    hf, model = pair
+    batch = prompts(model.config.vocab_size)
+    ours = PagedRunner(model).greedy(batch, MAX_TOKENS)
+    for seq_id, prompt in batch.items():
+        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def case(request, tmp_path_factory, device):
+    folder = tmp_path_factory.mktemp(f"{request.param}-engine")
+    return engine_case(request.param, CONFIGS, folder, device, MAX_TOKENS)
+
+
+def test_engine_greedy_outputs_with_prefix_hits_and_chunks_equal_transformers(case, device):
+    check_engine_with_prefix_hits_and_chunks(case, device, GREEDY)
+
+
+def test_engine_greedy_outputs_under_preemption_equal_transformers(case, device):
+    check_engine_with_preemption(case, device, GREEDY)
+
+
+# --- OLMo 3 ---
+
+def olmo3(**options) -> dict:
+    return {"architectures": ["Olmo3ForCausalLM"], **SMALL, **options}
+
+
+def test_olmo3_windows_three_layers_in_four_and_rotates_them_by_plain_rope():
+    config = ModelConfig.from_hf(olmo3(num_hidden_layers=8, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}))
+    assert config.layer_types == (SLIDING, SLIDING, SLIDING, FULL) * 2
+    assert (config.sliding_window, config.rope_theta, config.rms_norm_eps) == (4096, 5e5, 1e-5)
+    assert config.rope_scaling["rope_type"] == "yarn"
+    assert config.sliding_rope == (5e5, None)
+
+
+def test_olmo3_layers_each_get_the_window_and_rope_transformers_gives_them(pair):
+    hf, model = pair
+    if model.config.architecture != "Olmo3ForCausalLM":
+        pytest.skip("not OLMo 3")
+    windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+    assert windows == [WINDOW if t == SLIDING else None for t in hf.config.layer_types]
+    rotary = hf.model.rotary_emb
+    assert (model.rotary_emb.inv_freq.cpu() == rotary.full_attention_inv_freq.cpu()).all()
+    assert (model.local_rotary_emb.inv_freq.cpu()
+            == rotary.sliding_attention_inv_freq.cpu()).all()
+
+
+def test_olmo3_sliding_layers_without_a_window_are_refused():
+    with pytest.raises(ConfigError, match="4 sliding_attention layer.*sliding_window is null"):
+        ModelConfig.from_hf(olmo3(num_hidden_layers=5, sliding_window=None,
+                                  layer_types=[SLIDING] * 4 + [FULL]))
