@@ -48,6 +48,7 @@ FAMILIES = {  # name: a small random transformers model of the family
     "olmo2": lambda: make_hf_model("olmo2"),  # post-norms, q/k normed across all heads
     # OLMo 2's layers, windows and a rope of the sliding layers' own
     "olmo3": lambda: make_hf_model("olmo3", configs=FAMILY_CONFIGS),
+    "seed-oss": lambda: make_hf_model("seed-oss", configs=FAMILY_CONFIGS),  # Llama's, biased
     "granite": lambda: make_hf_model("granite"),  # the multipliers
     # the multipliers and MoE layers with a shared MLP
     "granitemoe-shared": lambda: make_hf_model("granitemoe-shared", configs=GRANITE_MOE),
@@ -236,7 +237,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
     traced = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen3-moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
               "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-              "olmo3": "Olmo3ForCausalLM",
+              "olmo3": "Olmo3ForCausalLM", "seed-oss": "SeedOssForCausalLM",
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",

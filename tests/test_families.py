@@ -1,6 +1,6 @@
 """Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
-sliding-window layers) against transformers on small random checkpoints, directly and through
-the engine, and how their configs are read."""
+sliding-window layers; Seed-OSS: Llama's with its own biases) against transformers on small
+random checkpoints, directly and through the engine, and how their configs are read."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ CONFIGS = {
         **FOUR, sliding_window=WINDOW, attention_bias=True,
         rope_scaling={"rope_type": "yarn", "factor": 4.0,
                       "original_max_position_embeddings": 64}),
+    # Llama's layers with q/k/v biases (by default), an o bias of its own switch, MLP biases
+    # and a head_dim other than hidden / heads
+    "seed-oss": lambda: transformers.SeedOssConfig(**SMALL, head_dim=32, attention_out_bias=True,
+                                                   mlp_bias=True),
 }
 
 
@@ -89,10 +93,9 @@ def test_olmo3_windows_three_layers_in_four_and_rotates_them_by_plain_rope():
     assert config.sliding_rope == (5e5, None)
 
 
+@pytest.mark.parametrize("pair", ["olmo3"], indirect=True)
 def test_olmo3_layers_each_get_the_window_and_rope_transformers_gives_them(pair):
     hf, model = pair
-    if model.config.architecture != "Olmo3ForCausalLM":
-        pytest.skip("not OLMo 3")
     windows = [layer.self_attn.sliding_window for layer in model.model.layers]
     assert windows == [WINDOW if t == SLIDING else None for t in hf.config.layer_types]
     rotary = hf.model.rotary_emb
@@ -105,3 +108,15 @@ def test_olmo3_sliding_layers_without_a_window_are_refused():
     with pytest.raises(ConfigError, match="4 sliding_attention layer.*sliding_window is null"):
         ModelConfig.from_hf(olmo3(num_hidden_layers=5, sliding_window=None,
                                   layer_types=[SLIDING] * 4 + [FULL]))
+
+
+# --- Seed-OSS ---
+
+def test_seed_oss_biases_q_k_v_by_default_and_o_only_with_attention_out_bias():
+    base = {"architectures": ["SeedOssForCausalLM"], **SMALL}
+    config = ModelConfig.from_hf(base)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias, config.head_dim) == (
+        True, False, False, 128)
+    config = ModelConfig.from_hf({**base, "attention_bias": False, "attention_out_bias": True,
+                                  "mlp_bias": True})
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (False, True, True)

@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeSharedForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "SeedOssForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -57,6 +58,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoeshared": "GraniteMoeSharedForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -80,6 +82,7 @@ GRANITE_MOE_HYBRID = "GraniteMoeHybridForCausalLM"
 GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_HYBRID)
 OLMO2, OLMO3 = "Olmo2ForCausalLM", "Olmo3ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
+SEED_OSS = "SeedOssForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -109,6 +112,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     OLMO3: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
             "sliding_window": 4096},
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
+    # Seed-OSS: q/k/v biased unless attention_bias is false, o only with attention_out_bias
+    SEED_OSS: {"max_position_embeddings": 524288, "head_dim": 128, "attention_bias": True},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -133,7 +138,8 @@ ARCHITECTURE_ROPE_NAMES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longro
 # Rope types reading the trained context, which a top-level config key sets first (Phi-3's)
 ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
-# have one; Mistral, Mixtral and Phi-3 have none)
+# have one; Seed-OSS's attention_bias gives q, k, v theirs and attention_out_bias o its own;
+# Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
                   *GRANITES, OLMO2, OLMO3, GPT_OSS)
@@ -474,11 +480,12 @@ class ModelConfig:
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
             # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
-            qkv_bias=is_qwen2 or (attention_bias and arch in ATTENTION_BIAS) or (
+            qkv_bias=is_qwen2 or (attention_bias and arch in (*ATTENTION_BIAS, SEED_OSS)) or (
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
-            o_bias=attention_bias and arch in ATTENTION_BIAS,
+            o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
+            else attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
-                                                         "BambaForCausalLM", GRANITE),
+                                                         "BambaForCausalLM", GRANITE, SEED_OSS),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
