@@ -1,5 +1,6 @@
 """Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
-sliding-window layers; Seed-OSS: Llama's with its own biases) against transformers on small
+sliding-window layers; Seed-OSS: Llama's with its own biases; Arcee: Llama's with an ungated
+MLP) against transformers on small
 random checkpoints, directly and through the engine, and how their configs are read."""
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ CONFIGS = {
     # and a head_dim other than hidden / heads
     "seed-oss": lambda: transformers.SeedOssConfig(**SMALL, head_dim=32, attention_out_bias=True,
                                                    mlp_bias=True),
+    # Llama's attention with an ungated relu(x)^2 MLP, biases on q, k, v, o and the MLP
+    "arcee": lambda: transformers.ArceeConfig(**SMALL, attention_bias=True, mlp_bias=True),
 }
 
 
@@ -120,3 +123,15 @@ def test_seed_oss_biases_q_k_v_by_default_and_o_only_with_attention_out_bias():
     config = ModelConfig.from_hf({**base, "attention_bias": False, "attention_out_bias": True,
                                   "mlp_bias": True})
     assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (False, True, True)
+
+
+# --- Arcee ---
+
+def test_arcee_defaults_to_relu2_and_refuses_a_gated_activation():
+    base = {"architectures": ["ArceeForCausalLM"], **SMALL}
+    assert ModelConfig.from_hf(base).hidden_act == "relu2"
+    with pytest.raises(ConfigError, match="hidden_act 'silu' for ArceeForCausalLM.*relu2"):
+        ModelConfig.from_hf({**base, "hidden_act": "silu"})
+    with pytest.raises(ConfigError, match="hidden_act 'relu2' for LlamaForCausalLM"):
+        ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                             "hidden_act": "relu2"})

@@ -18,7 +18,7 @@ from kvpool.memory import fp8
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MAMBA_PARSERS, MambaConfig
-from kvpool.models.layers import ACTIVATIONS
+from kvpool.models.layers import ACTIVATIONS, UNGATED_ACTIVATIONS
 from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
 SUPPORTED_ARCHITECTURES = (
@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "SeedOssForCausalLM",
+    "ArceeForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -59,6 +60,7 @@ _ARCH_BY_MODEL_TYPE = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "arcee": "ArceeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -83,6 +85,7 @@ GRANITES = (GRANITE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_HYBRID)
 OLMO2, OLMO3 = "Olmo2ForCausalLM", "Olmo3ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SEED_OSS = "SeedOssForCausalLM"
+ARCEE = "ArceeForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -114,6 +117,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
     # Seed-OSS: q/k/v biased unless attention_bias is false, o only with attention_out_bias
     SEED_OSS: {"max_position_embeddings": 524288, "head_dim": 128, "attention_bias": True},
+    ARCEE: {"rms_norm_eps": 1e-5, "hidden_act": "relu2"},  # an ungated MLP
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -140,7 +144,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
 # have one; Seed-OSS's attention_bias gives q, k, v theirs and attention_out_bias o its own;
 # Mistral, Mixtral and Phi-3 have none)
-ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
                   *GRANITES, OLMO2, OLMO3, GPT_OSS)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -402,7 +406,8 @@ class ModelConfig:
     # full ones (OLMo 3's; Gemma 3's is in `gemma`)
     sliding_rope: tuple[float, dict | None] | None = None
     gemma: GemmaConfig | None = None
-    hidden_act: str = "silu"  # the gated MLP's activation (models/layers.py ACTIVATIONS)
+    # the MLP's activation (models/layers.py ACTIVATIONS, or UNGATED_ACTIVATIONS: no gate)
+    hidden_act: str = "silu"
     # layers whose q/k go unrotated (SmolLM3's NoPE; every layer of a GraniteMoeHybrid
     # without RoPE)
     no_rope_layers: tuple[int, ...] = ()
@@ -485,7 +490,8 @@ class ModelConfig:
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
-                                                         "BambaForCausalLM", GRANITE, SEED_OSS),
+                                                         "BambaForCausalLM", GRANITE, SEED_OSS,
+                                                         ARCEE),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
@@ -650,6 +656,8 @@ class ModelConfig:
         buffer in transformers, but a tensor of the checkpoint like any weight)."""
         hidden, moe = self.hidden_size, self.moe
         dense = _gated_mlp_parameters(hidden, self.intermediate_size, self.mlp_bias)
+        if self.hidden_act in UNGATED_ACTIVATIONS:  # no gate_proj
+            dense -= hidden * self.intermediate_size + self.mlp_bias * self.intermediate_size
         if moe is None:
             return self.num_layers * dense
         experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size,
@@ -868,10 +876,11 @@ def _granite_multipliers(cfg: dict) -> Multipliers:
 
 
 def _hidden_act(cfg: dict, arch: str) -> str:
-    """The MLP activation `hidden_act` names (default silu); the hybrids' Mamba mixers gate
-    with it too, and run silu only."""
+    """The MLP activation `hidden_act` names (default silu): a gated MLP's, or for Arcee an
+    ungated one's; the hybrids' Mamba mixers gate with it too, and run silu only."""
     act = cfg.get("hidden_act", "silu")
-    supported = ("silu",) if arch in HYBRID_ARCHITECTURES else tuple(ACTIVATIONS)
+    supported = ("silu",) if arch in HYBRID_ARCHITECTURES else tuple(
+        UNGATED_ACTIVATIONS if arch == ARCEE else ACTIVATIONS)
     if act not in supported:
         raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
                           f"{', '.join(supported)}")

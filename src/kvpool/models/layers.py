@@ -1,5 +1,6 @@
 """The position-wise building blocks of a Llama-family decoder: RMSNorm (with the residual add
-before it) and the gated MLP with the activations config.json's `hidden_act` may name. On CUDA
+before it) and the gated MLP (or Arcee's ungated one) with the activations config.json's
+`hidden_act` may name. On CUDA
 the norm and SiLU-and-mul run fused Triton kernels (kvpool.kernels.triton_fused; where, says
 `triton_support.fused_on`), elsewhere the torch code below."""
 
@@ -95,6 +96,8 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH, "gelu_fast": _GELU_TANH,
     "gpt_oss_swiglu": gpt_oss_swiglu,
 }
+# ... and those an ungated MLP runs (Arcee's relu2: relu(x) squared)
+UNGATED_ACTIVATIONS = {"relu2": lambda x: F.relu(x).square()}
 
 
 class MLP(nn.Module):
@@ -116,3 +119,20 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
         return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class UngatedMLP(nn.Module):
+    """Ungated feed-forward (Arcee's): `down_proj(act(up_proj(x)))`, `act` one of
+    UNGATED_ACTIVATIONS; split across the ranks as MLP is."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 act: str, tp: TensorParallel = ONE_RANK):
+        super().__init__()
+        self.act = UNGATED_ACTIVATIONS[act]
+        part = tp.part(intermediate_size, "intermediate_size")
+        self.up_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
+        self.down_proj = RowLinear(part, 1, hidden_size, bias, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, hidden_size]` -> `[T, hidden_size]`."""
+        return self.down_proj(self.act(self.up_proj(x)))

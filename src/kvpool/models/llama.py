@@ -1,7 +1,7 @@
 """A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, SmolLM3,
-Granite) on the paged KV cache; Qwen3-MoE's and Mixtral's layers hold a mixture of experts
-(kvpool.models.moe) where their configs say, and Granite scales its embedding, residual
-branches, attention scores and logits by the config's multipliers.
+Granite, Seed-OSS, Arcee) on the paged KV cache; Qwen3-MoE's and Mixtral's layers hold a
+mixture of experts (kvpool.models.moe) where their configs say, and Granite scales its
+embedding, residual branches, attention scores and logits by the config's multipliers.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:
@@ -19,7 +19,7 @@ from kvpool.attention import paged_attention, write_kv
 from kvpool.devices import check_device
 from kvpool.forward_context import ForwardContext
 from kvpool.models.config import ModelConfig
-from kvpool.models.layers import MLP, RMSNorm
+from kvpool.models.layers import MLP, UNGATED_ACTIVATIONS, RMSNorm, UngatedMLP
 from kvpool.models.moe import MoE
 from kvpool.models.parallel import (
     ONE_RANK,
@@ -112,10 +112,11 @@ class LlamaAttention(nn.Module, Sharded):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense or (on a
-    Qwen3-MoE's expert layers) MoE mlp. Each residual add is fused into the norm after it:
-    the layer takes and returns its output apart from the residual stream. Under tensor
-    parallelism the attention's and the MLP's partial sums are all-reduced across the ranks."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense (gated, or
+    ungated for an ungated activation: Arcee's) or (on a Qwen3-MoE's expert layers) MoE mlp.
+    Each residual add is fused into the norm after it: the layer takes and returns its output
+    apart from the residual stream. Under tensor parallelism the attention's and the MLP's
+    partial sums are all-reduced across the ranks."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel = ONE_RANK):
@@ -131,7 +132,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.moe:
             self.mlp = MoE(config, dtype, tp)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
+            mlp = UngatedMLP if config.hidden_act in UNGATED_ACTIVATIONS else MLP
+            self.mlp = mlp(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype,
                            config.hidden_act, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
