@@ -1,6 +1,6 @@
 """Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
 sliding-window layers; Seed-OSS: Llama's with its own biases; Arcee: Llama's with an ungated
-MLP) against transformers on small
+MLP; Ernie 4.5: Llama's rotating adjacent pairs) against transformers on small
 random checkpoints, directly and through the engine, and how their configs are read."""
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ CONFIGS = {
                                                    mlp_bias=True),
     # Llama's attention with an ungated relu(x)^2 MLP, biases on q, k, v, o and the MLP
     "arcee": lambda: transformers.ArceeConfig(**SMALL, attention_bias=True, mlp_bias=True),
+    # Llama's layers rotating adjacent pairs of q/k channels, every projection biased, the
+    # head tied (by default)
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**SMALL, head_dim=16, use_bias=True),
 }
 
 
@@ -135,3 +138,25 @@ def test_arcee_defaults_to_relu2_and_refuses_a_gated_activation():
     with pytest.raises(ConfigError, match="hidden_act 'relu2' for LlamaForCausalLM"):
         ModelConfig.from_hf({**base, "architectures": ["LlamaForCausalLM"],
                              "hidden_act": "relu2"})
+
+
+# --- Ernie 4.5 ---
+
+def test_ernie_biases_every_projection_by_use_bias_and_ties_its_head_by_default():
+    base = {"architectures": ["Ernie4_5ForCausalLM"], **SMALL}
+    config = ModelConfig.from_hf(base)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (False,) * 3
+    assert (config.tie_word_embeddings, config.head_dim, config.rope_theta) == (True, 128, 5e5)
+    config = ModelConfig.from_hf({**base, "use_bias": True, "tie_word_embeddings": False})
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (True,) * 3
+    assert not config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("pair", ["ernie4_5"], indirect=True)
+def test_ernie_reads_each_heads_even_then_odd_q_k_rows(pair):
+    hf, model = pair
+    attention, theirs = model.model.layers[0].self_attn, hf.model.layers[0].self_attn
+    order = [h * 16 + i for h in range(4) for i in [*range(0, 16, 2), *range(1, 16, 2)]]
+    assert (attention.q_proj.weight.cpu() == theirs.q_proj.weight.cpu()[order]).all()
+    assert (attention.q_proj.bias.cpu() == theirs.q_proj.bias.cpu()[order]).all()
+    assert (attention.v_proj.weight.cpu() == theirs.v_proj.weight.cpu()).all()

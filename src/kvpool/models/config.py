@@ -37,6 +37,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo3ForCausalLM",
     "SeedOssForCausalLM",
     "ArceeForCausalLM",
+    "Ernie4_5ForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -61,6 +62,7 @@ _ARCH_BY_MODEL_TYPE = {
     "olmo3": "Olmo3ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -86,6 +88,7 @@ OLMO2, OLMO3 = "Olmo2ForCausalLM", "Olmo3ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SEED_OSS = "SeedOssForCausalLM"
 ARCEE = "ArceeForCausalLM"
+ERNIE = "Ernie4_5ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -118,6 +121,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     # Seed-OSS: q/k/v biased unless attention_bias is false, o only with attention_out_bias
     SEED_OSS: {"max_position_embeddings": 524288, "head_dim": 128, "attention_bias": True},
     ARCEE: {"rms_norm_eps": 1e-5, "hidden_act": "relu2"},  # an ungated MLP
+    ERNIE: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+            "head_dim": 128, "tie_word_embeddings": True},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -141,12 +146,14 @@ ARCHITECTURE_ROPE_TYPES: dict[str, tuple[str, ...]] = {"Phi3ForCausalLM": ("long
 ARCHITECTURE_ROPE_NAMES = {"Phi3ForCausalLM": {"su": "longrope", "yarn": "longrope"}}
 # Rope types reading the trained context, which a top-level config key sets first (Phi-3's)
 ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
-# Architectures whose attention_bias adds a bias to q, k, v and o (Qwen2's q, k, v always
-# have one; Seed-OSS's attention_bias gives q, k, v theirs and attention_out_bias o its own;
-# Mistral, Mixtral and Phi-3 have none)
+# Architectures whose attention_bias (Ernie 4.5's use_bias, which biases its MLP too) adds a
+# bias to q, k, v and o (Qwen2's q, k, v always have one; Seed-OSS's attention_bias gives q,
+# k, v theirs and attention_out_bias o its own; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2, OLMO3, GPT_OSS)
+                  *GRANITES, OLMO2, OLMO3, ERNIE, GPT_OSS)
+# Architectures whose mlp_bias adds biases to the MLP (Ernie 4.5's use_bias does)
+MLP_BIAS = ("LlamaForCausalLM", SMOLLM3, "BambaForCausalLM", GRANITE, SEED_OSS, ARCEE)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
 # Sane architectural limits of config sizes, far above any published model: a size past one
 # is a broken config, refused before anything is planned or allocated by it. Every other
@@ -402,6 +409,9 @@ class ModelConfig:
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
+    # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's), which the attention
+    # reads in its order: each head's even rows, then its odd ones
+    rope_interleave: bool = False
     # (rope_theta, rope_scaling) of the sliding layers where they rotate otherwise than the
     # full ones (OLMo 3's; Gemma 3's is in `gemma`)
     sliding_rope: tuple[float, dict | None] | None = None
@@ -460,7 +470,7 @@ class ModelConfig:
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
             if partial_rotary else 1.0
         _check_rope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
-        attention_bias = _bool(cfg, "attention_bias")
+        attention_bias = _bool(cfg, "use_bias" if arch == ERNIE else "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         if arch == GPT_OSS:
             _check_gpt_oss_swiglu(cfg)
@@ -489,9 +499,8 @@ class ModelConfig:
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
-            mlp_bias=_bool(cfg, "mlp_bias") and arch in ("LlamaForCausalLM", SMOLLM3,
-                                                         "BambaForCausalLM", GRANITE, SEED_OSS,
-                                                         ARCEE),
+            mlp_bias=attention_bias if arch == ERNIE else _bool(cfg, "mlp_bias")
+            and arch in MLP_BIAS,
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
@@ -501,6 +510,7 @@ class ModelConfig:
             mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
             else None,
             layer_types=layer_types,
+            rope_interleave=arch == ERNIE,
             sliding_rope=local_rope if arch == OLMO3 else None,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"

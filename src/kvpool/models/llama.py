@@ -29,6 +29,7 @@ from kvpool.models.parallel import (
     Sharded,
     TensorParallel,
     VocabEmbedding,
+    rotary_halves,
     row_parts,
 )
 from kvpool.models.rotary import RotaryEmbedding
@@ -66,6 +67,8 @@ class LlamaAttention(nn.Module, Sharded):
         self.k_proj = ColumnLinear(hidden, kv_heads, d, bias, dtype)
         self.v_proj = ColumnLinear(hidden, kv_heads, d, bias, dtype)
         self.o_proj = RowLinear(heads, d, hidden, config.o_bias, dtype, tp)
+        if config.rope_interleave:
+            self.q_proj.rows, self.k_proj.rows = rotary_halves(heads, d), rotary_halves(kv_heads, d)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)

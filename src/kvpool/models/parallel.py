@@ -97,6 +97,15 @@ def row_parts(*parts: range) -> Index:
     return tuple((slice(part.start, part.stop),) for part in parts)
 
 
+def rotary_halves(heads: range, head_dim: int) -> Index:
+    """The rows of `heads` of a q/k projection whose checkpoint rotates adjacent rows together
+    (rows 2i and 2i + 1 of a head): each head's even rows, then its odd ones, so that row i
+    rotates with row i + head_dim / 2 as kvpool rotates them. The attention's dot products are
+    unchanged, q and k being reordered alike."""
+    return tuple((slice(h * head_dim + odd, (h + 1) * head_dim, 2),)
+                 for h in heads for odd in (0, 1))
+
+
 class ColumnLinear(nn.Linear, Sharded):
     """nn.Linear holding the output features `part` (in units of `unit` features, such as
     heads of head_dim) of a checkpoint's weight and bias; its output is this rank's share of
