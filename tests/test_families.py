@@ -1,16 +1,19 @@
 """Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
 sliding-window layers; Seed-OSS: Llama's with its own biases; Arcee: Llama's with an ungated
-MLP; Ernie 4.5: Llama's rotating adjacent pairs) against transformers on small
+MLP; Ernie 4.5: Llama's rotating adjacent pairs; Apertus: Llama's with q/k norms and an
+ungated xIELU MLP) against transformers on small
 random checkpoints, directly and through the engine, and how their configs are read."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
+from kvpool.models.layers import XIELU
 from kvpool.models.loader import load_model
 from models_util import (
     SMALL,
@@ -45,6 +48,9 @@ CONFIGS = {
     # Llama's layers rotating adjacent pairs of q/k channels, every projection biased, the
     # head tied (by default)
     "ernie4_5": lambda: transformers.Ernie4_5Config(**SMALL, head_dim=16, use_bias=True),
+    # q/k normed per head, an ungated xIELU MLP, norms under their own names, Llama 3.1's rope
+    # scaling (by default); q/k/v/o biases
+    "apertus": lambda: transformers.ApertusConfig(**SMALL, attention_bias=True),
 }
 
 
@@ -160,3 +166,29 @@ def test_ernie_reads_each_heads_even_then_odd_q_k_rows(pair):
     assert (attention.q_proj.weight.cpu() == theirs.q_proj.weight.cpu()[order]).all()
     assert (attention.q_proj.bias.cpu() == theirs.q_proj.bias.cpu()[order]).all()
     assert (attention.v_proj.weight.cpu() == theirs.v_proj.weight.cpu()).all()
+
+
+# --- Apertus ---
+
+def test_apertus_defaults_to_xielu_and_llama3_rope_scaling():
+    config = ModelConfig.from_hf({"architectures": ["ApertusForCausalLM"], **SMALL})
+    assert (config.hidden_act, config.qk_norm, config.rope_theta) == ("xielu", True, 12e6)
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0,
+                                   "original_max_position_embeddings": 8192,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    with pytest.raises(ConfigError, match="hidden_act 'silu' for ApertusForCausalLM"):
+        ModelConfig.from_hf({"architectures": ["ApertusForCausalLM"], **SMALL,
+                             "hidden_act": "silu"})
+
+
+def test_xielu_equals_transformers_on_both_sides_of_zero():
+    from transformers.activations import XIELUActivation
+
+    theirs = XIELUActivation(alpha_p_init=1.3, alpha_n_init=0.9, beta=0.4, eps=-1e-3,
+                             dtype=torch.float32)
+    ours = XIELU(torch.float32)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.cat([torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3,
+                   torch.tensor([0.0, -1e-4, 1e-4, -1e-3])])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)

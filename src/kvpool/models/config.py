@@ -38,6 +38,7 @@ SUPPORTED_ARCHITECTURES = (
     "SeedOssForCausalLM",
     "ArceeForCausalLM",
     "Ernie4_5ForCausalLM",
+    "ApertusForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -63,6 +64,7 @@ _ARCH_BY_MODEL_TYPE = {
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "apertus": "ApertusForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -89,6 +91,7 @@ MIXTRAL = "MixtralForCausalLM"
 SEED_OSS = "SeedOssForCausalLM"
 ARCEE = "ArceeForCausalLM"
 ERNIE = "Ernie4_5ForCausalLM"
+APERTUS = "ApertusForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -123,6 +126,11 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     ARCEE: {"rms_norm_eps": 1e-5, "hidden_act": "relu2"},  # an ungated MLP
     ERNIE: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
             "head_dim": 128, "tie_word_embeddings": True},
+    # Apertus: an ungated xIELU MLP, Llama 3.1's rope scaling unless the config gives a rope
+    APERTUS: {"max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "hidden_act": "xielu",
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
+                                  "original_max_position_embeddings": 8192,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -151,7 +159,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # k, v theirs and attention_out_bias o its own; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2, OLMO3, ERNIE, GPT_OSS)
+                  *GRANITES, OLMO2, OLMO3, ERNIE, APERTUS, GPT_OSS)
 # Architectures whose mlp_bias adds biases to the MLP (Ernie 4.5's use_bias does)
 MLP_BIAS = ("LlamaForCausalLM", SMOLLM3, "BambaForCausalLM", GRANITE, SEED_OSS, ARCEE)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -501,7 +509,7 @@ class ModelConfig:
             else attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=attention_bias if arch == ERNIE else _bool(cfg, "mlp_bias")
             and arch in MLP_BIAS,
-            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
@@ -666,8 +674,9 @@ class ModelConfig:
         buffer in transformers, but a tensor of the checkpoint like any weight)."""
         hidden, moe = self.hidden_size, self.moe
         dense = _gated_mlp_parameters(hidden, self.intermediate_size, self.mlp_bias)
-        if self.hidden_act in UNGATED_ACTIVATIONS:  # no gate_proj
+        if self.hidden_act in UNGATED_ACTIVATIONS:  # no gate_proj; xIELU's alpha_p, alpha_n
             dense -= hidden * self.intermediate_size + self.mlp_bias * self.intermediate_size
+            dense += 2 * (self.hidden_act == "xielu")
         if moe is None:
             return self.num_layers * dense
         experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size,
@@ -886,11 +895,12 @@ def _granite_multipliers(cfg: dict) -> Multipliers:
 
 
 def _hidden_act(cfg: dict, arch: str) -> str:
-    """The MLP activation `hidden_act` names (default silu): a gated MLP's, or for Arcee an
-    ungated one's; the hybrids' Mamba mixers gate with it too, and run silu only."""
+    """The MLP activation `hidden_act` names (default silu): a gated MLP's, or for Arcee
+    (relu2) and Apertus an ungated one's; the hybrids' Mamba mixers gate with it too, and run
+    silu only."""
     act = cfg.get("hidden_act", "silu")
-    supported = ("silu",) if arch in HYBRID_ARCHITECTURES else tuple(
-        UNGATED_ACTIVATIONS if arch == ARCEE else ACTIVATIONS)
+    supported = ("silu",) if arch in HYBRID_ARCHITECTURES else ("relu2",) if arch == ARCEE \
+        else tuple(UNGATED_ACTIVATIONS) if arch == APERTUS else tuple(ACTIVATIONS)
     if act not in supported:
         raise ConfigError(f"unsupported hidden_act {act!r} for {arch}; kvpool supports "
                           f"{', '.join(supported)}")

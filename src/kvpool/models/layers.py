@@ -1,6 +1,6 @@
 """The position-wise building blocks of a Llama-family decoder: RMSNorm (with the residual add
-before it) and the gated MLP (or Arcee's ungated one) with the activations config.json's
-`hidden_act` may name. On CUDA
+before it) and the gated MLP (or Arcee's and Apertus's ungated one) with the activations
+config.json's `hidden_act` may name. On CUDA
 the norm and SiLU-and-mul run fused Triton kernels (kvpool.kernels.triton_fused; where, says
 `triton_support.fused_on`), elsewhere the torch code below."""
 
@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpool.kernels import triton_support
-from kvpool.models.parallel import ONE_RANK, ColumnLinear, RowLinear, TensorParallel
+from kvpool.models.parallel import (
+    ONE_RANK,
+    ColumnLinear,
+    Index,
+    RowLinear,
+    Sharded,
+    TensorParallel,
+)
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +103,43 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": _GELU_TANH, "gelu_new": _GELU_TANH, "gelu_fast": _GELU_TANH,
     "gpt_oss_swiglu": gpt_oss_swiglu,
 }
-# ... and those an ungated MLP runs (Arcee's relu2: relu(x) squared)
-UNGATED_ACTIVATIONS = {"relu2": lambda x: F.relu(x).square()}
+
+
+class ReLUSquared(nn.Module):
+    """relu(x) squared (Arcee's `relu2`)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+class XIELU(nn.Module, Sharded):
+    """Apertus's xIELU, with its learned `alpha_p` and `alpha_n` and the checkpoint's
+    constants `beta` and `eps`: `a_p x^2 + beta x` for x > 0, else
+    `(expm1(min(x, eps)) - x) a_n + beta x`, where a_p = softplus(alpha_p) and
+    a_n = beta + softplus(alpha_n) (transformers' formula, in the weights' dtype)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1, dtype=dtype))
+        self.alpha_n = nn.Parameter(torch.empty(1, dtype=dtype))
+        self.register_buffer("beta", torch.empty((), dtype=dtype))
+        self.register_buffer("eps", torch.empty((), dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+    def checkpoint_index(self, name: str) -> Index:
+        return ((),)  # all of each tensor on every rank, the 0-d beta and eps included
+
+
+# ... and those an ungated MLP runs, as modules (xIELU holds weights)
+UNGATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"relu2": ReLUSquared, "xielu": XIELU}
 
 
 class MLP(nn.Module):
@@ -122,17 +164,17 @@ class MLP(nn.Module):
 
 
 class UngatedMLP(nn.Module):
-    """Ungated feed-forward (Arcee's): `down_proj(act(up_proj(x)))`, `act` one of
-    UNGATED_ACTIVATIONS; split across the ranks as MLP is."""
+    """Ungated feed-forward (Arcee's, Apertus's): `down_proj(act_fn(up_proj(x)))`, `act_fn`
+    one of UNGATED_ACTIVATIONS (whole on every rank); split across the ranks as MLP is."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
                  act: str, tp: TensorParallel = ONE_RANK):
         super().__init__()
-        self.act = UNGATED_ACTIVATIONS[act]
+        self.act_fn = UNGATED_ACTIVATIONS[act](dtype)
         part = tp.part(intermediate_size, "intermediate_size")
         self.up_proj = ColumnLinear(hidden_size, part, 1, bias, dtype)
         self.down_proj = RowLinear(part, 1, hidden_size, bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]` -> `[T, hidden_size]`."""
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.up_proj(x)))

@@ -55,7 +55,8 @@ _MAX_NAMES = 10  # weights listed per kind of problem
 VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
 # Checkpoint names of Mixtral's, Granite MoE's and GPT-OSS's routers, Mixtral's experts,
-# Qwen2-MoE's shared expert, and a multimodal checkpoint's text decoder -> kvpool's.
+# Qwen2-MoE's shared expert, a multimodal checkpoint's text decoder and Apertus's norms ->
+# kvpool's.
 RENAMED = (
     (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
     (re.compile(r"(.*\.)mlp\.shared_expert\.(.*)"), r"\1mlp.shared_experts.\2"),
@@ -68,6 +69,8 @@ RENAMED = (
      r"\1mlp.experts.\2.up_proj.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.router\.layer\.weight"), r"\1mlp.gate.weight"),
     (re.compile(r"(.*\.)mlp\.router\.(weight|bias)"), r"\1mlp.gate.\2"),
+    (re.compile(r"(.*\.)attention_layernorm\.weight"), r"\1input_layernorm.weight"),
+    (re.compile(r"(.*\.)feedforward_layernorm\.weight"), r"\1post_attention_layernorm.weight"),
 )
 # Checkpoint tensors that stack several of the model's parameters along their rows (Phi-3's
 # projections, GraniteMoeShared's shared MLP), named after `model.layers.N.`: the
