@@ -1,8 +1,9 @@
 """Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
 sliding-window layers; Seed-OSS: Llama's with its own biases; Arcee: Llama's with an ungated
 MLP; Ernie 4.5: Llama's rotating adjacent pairs; Apertus: Llama's with q/k norms and an
-ungated xIELU MLP) against transformers on small
-random checkpoints, directly and through the engine, and how their configs are read."""
+ungated xIELU MLP; GLM-4: post-norms, interleaved partial rotary, fused gate/up) against
+transformers on small random checkpoints, directly and through the engine, and how their
+configs are read."""
 
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ CONFIGS = {
     # q/k normed per head, an ungated xIELU MLP, norms under their own names, Llama 3.1's rope
     # scaling (by default); q/k/v/o biases
     "apertus": lambda: transformers.ApertusConfig(**SMALL, attention_bias=True),
+    # norms after attention and the MLP too, the first half of each head rotated in adjacent
+    # pairs, fused gate/up, q/k/v biases (by default)
+    "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16),
 }
 
 
@@ -192,3 +196,20 @@ def test_xielu_equals_transformers_on_both_sides_of_zero():
                    torch.tensor([0.0, -1e-4, 1e-4, -1e-3])])
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+
+
+# --- GLM-4 ---
+
+def test_glm4_biases_q_k_v_not_o_and_rotates_half_of_each_head_by_default():
+    config = ModelConfig.from_hf({"architectures": ["Glm4ForCausalLM"], **SMALL})
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (True, False, False)
+    assert (config.head_dim, config.rotary_dim, config.rope_interleave) == (128, 64, True)
+
+
+@pytest.mark.parametrize("pair", ["glm4"], indirect=True)
+def test_glm4_reads_each_heads_rotary_rows_in_pairs_and_the_rest_as_they_are(pair):
+    hf, model = pair
+    attention, theirs = model.model.layers[0].self_attn, hf.model.layers[0].self_attn
+    order = [h * 16 + i for h in range(2) for i in [0, 2, 4, 6, 1, 3, 5, 7, *range(8, 16)]]
+    assert (attention.k_proj.weight.cpu() == theirs.k_proj.weight.cpu()[order]).all()
+    assert (attention.k_proj.bias.cpu() == theirs.k_proj.bias.cpu()[order]).all()

@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "ArceeForCausalLM",
     "Ernie4_5ForCausalLM",
     "ApertusForCausalLM",
+    "Glm4ForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -65,6 +66,7 @@ _ARCH_BY_MODEL_TYPE = {
     "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -92,6 +94,7 @@ SEED_OSS = "SeedOssForCausalLM"
 ARCEE = "ArceeForCausalLM"
 ERNIE = "Ernie4_5ForCausalLM"
 APERTUS = "ApertusForCausalLM"
+GLM4 = "Glm4ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -131,6 +134,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
                                   "original_max_position_embeddings": 8192,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    # GLM-4: q/k/v biased unless attention_bias is false (o never), half of each head rotated
+    GLM4: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
+           "attention_bias": True, "partial_rotary_factor": 0.5},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -417,8 +423,8 @@ class ModelConfig:
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
-    # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's), which the attention
-    # reads in its order: each head's even rows, then its odd ones
+    # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's, GLM-4's), which the
+    # attention reads in its order: each head's even rotary rows, then its odd ones
     rope_interleave: bool = False
     # (rope_theta, rope_scaling) of the sliding layers where they rotate otherwise than the
     # full ones (OLMo 3's; Gemma 3's is in `gemma`)
@@ -472,7 +478,8 @@ class ModelConfig:
         if is_gemma:
             gemma = _gemma(cfg, local_rope)
         is_bamba = arch == "BambaForCausalLM"
-        partial_rotary = is_bamba or arch == "Phi3ForCausalLM"  # Phi-4-mini rotates 3/4
+        # Phi-4-mini rotates 3/4, GLM-4 1/2
+        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM4)
         if not partial_rotary:
             _check_no_partial_rotary(cfg)
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
@@ -503,7 +510,7 @@ class ModelConfig:
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
             # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
-            qkv_bias=is_qwen2 or (attention_bias and arch in (*ATTENTION_BIAS, SEED_OSS)) or (
+            qkv_bias=is_qwen2 or (attention_bias and arch in (*ATTENTION_BIAS, SEED_OSS, GLM4)) or (
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
@@ -518,7 +525,7 @@ class ModelConfig:
             mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
             else None,
             layer_types=layer_types,
-            rope_interleave=arch == ERNIE,
+            rope_interleave=arch in (ERNIE, GLM4),
             sliding_rope=local_rope if arch == OLMO3 else None,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
@@ -605,7 +612,7 @@ class ModelConfig:
         """Exact parameter count: embeddings; per layer its mixer (attention, Llama-family: q,
         k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
         a hybrid's Mamba2 mixer), the MLP (gated; MoE layers: routed and shared experts and
-        the router) and two RMSNorms (Gemma 3: four); the final norm; the lm_head unless tied
+        the router) and two RMSNorms (Gemma, GLM-4: four); the final norm; the lm_head unless tied
         to the embeddings."""
         hidden = self.hidden_size
         attention = self._mla_parameters() if self.mla else self._attention_parameters()
@@ -614,7 +621,8 @@ class ModelConfig:
             mixers += len(self.mamba.layers) * self.mamba.count_parameters(hidden)
         embeddings = self.vocab_size * hidden
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
-        norms = 4 if self.gemma else 2  # Gemma 3 also norms the attention's and MLP's outputs
+        # Gemma and GLM-4 also norm the attention's and the MLP's outputs
+        norms = 4 if self.gemma or self.architecture == GLM4 else 2
         return (embeddings + mixers + self.num_layers * norms * hidden
                 + self._mlp_parameters() + hidden + lm_head)
 

@@ -68,7 +68,8 @@ class LlamaAttention(nn.Module, Sharded):
         self.v_proj = ColumnLinear(hidden, kv_heads, d, bias, dtype)
         self.o_proj = RowLinear(heads, d, hidden, config.o_bias, dtype, tp)
         if config.rope_interleave:
-            self.q_proj.rows, self.k_proj.rows = rotary_halves(heads, d), rotary_halves(kv_heads, d)
+            self.q_proj.rows = rotary_halves(heads, d, config.rotary_dim)
+            self.k_proj.rows = rotary_halves(kv_heads, d, config.rotary_dim)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)

@@ -33,6 +33,7 @@ from kvpool.models.gguf import (
     gguf_source,
     write_conversion,
 )
+from kvpool.models.glm4 import Glm4ForCausalLM
 from kvpool.models.granite_hybrid import GraniteHybridForCausalLM
 from kvpool.models.llama import LlamaForCausalLM
 from kvpool.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
@@ -112,6 +113,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,

@@ -97,13 +97,19 @@ def row_parts(*parts: range) -> Index:
     return tuple((slice(part.start, part.stop),) for part in parts)
 
 
-def rotary_halves(heads: range, head_dim: int) -> Index:
+def rotary_halves(heads: range, head_dim: int, rotary_dim: int) -> Index:
     """The rows of `heads` of a q/k projection whose checkpoint rotates adjacent rows together
-    (rows 2i and 2i + 1 of a head): each head's even rows, then its odd ones, so that row i
-    rotates with row i + head_dim / 2 as kvpool rotates them. The attention's dot products are
-    unchanged, q and k being reordered alike."""
-    return tuple((slice(h * head_dim + odd, (h + 1) * head_dim, 2),)
-                 for h in heads for odd in (0, 1))
+    (rows 2i and 2i + 1 of a head's first `rotary_dim`): each head's even rotary rows, then its
+    odd ones, then the rows it does not rotate, so that row i rotates with row
+    i + rotary_dim / 2 as kvpool rotates them. The attention's dot products are unchanged, q
+    and k being reordered alike."""
+    pieces = []
+    for start in (h * head_dim for h in heads):
+        pieces += [(slice(start, start + rotary_dim, 2),),
+                   (slice(start + 1, start + rotary_dim, 2),)]
+        if rotary_dim < head_dim:
+            pieces.append((slice(start + rotary_dim, start + head_dim),))
+    return tuple(pieces)
 
 
 class ColumnLinear(nn.Linear, Sharded):
