@@ -53,6 +53,8 @@ FAMILIES = {  # name: a small random transformers model of the family
     "ernie4_5": lambda: make_hf_model("ernie4_5", configs=FAMILY_CONFIGS),  # q/k rows reordered
     "apertus": lambda: make_hf_model("apertus", configs=FAMILY_CONFIGS),  # xIELU, q/k norms
     "glm4": lambda: make_hf_model("glm4", configs=FAMILY_CONFIGS),  # post-norms, half rotary
+    # post-norms, a window pool, full layers without RoPE
+    "exaone4": lambda: make_hf_model("exaone4", configs=FAMILY_CONFIGS),
     "granite": lambda: make_hf_model("granite"),  # the multipliers
     # the multipliers and MoE layers with a shared MLP
     "granitemoe-shared": lambda: make_hf_model("granitemoe-shared", configs=GRANITE_MOE),
@@ -244,6 +246,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "olmo3": "Olmo3ForCausalLM", "seed-oss": "SeedOssForCausalLM",
               "arcee": "ArceeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
               "apertus": "ApertusForCausalLM", "glm4": "Glm4ForCausalLM",
+              "exaone4": "Exaone4ForCausalLM",
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",

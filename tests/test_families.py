@@ -1,9 +1,9 @@
-"""Dense decoder families that are variations of ones kvpool runs (OLMo 3: OLMo 2 with
-sliding-window layers; Seed-OSS: Llama's with its own biases; Arcee: Llama's with an ungated
-MLP; Ernie 4.5: Llama's rotating adjacent pairs; Apertus: Llama's with q/k norms and an
-ungated xIELU MLP; GLM-4: post-norms, interleaved partial rotary, fused gate/up) against
-transformers on small random checkpoints, directly and through the engine, and how their
-configs are read."""
+"""Dense decoder families that are variations of ones kvpool runs, against transformers on
+small random checkpoints, directly and through the engine, and how their configs are read:
+OLMo 3 (OLMo 2 with sliding-window layers), Seed-OSS (Llama with its own biases), Arcee (Llama
+with an ungated MLP), Ernie 4.5 (Llama rotating adjacent pairs), Apertus (Llama with q/k norms
+and an ungated xIELU MLP), GLM-4 (post-norms, interleaved partial rotary, fused gate/up) and
+EXAONE 4 (OLMo 2's layers with windows, its full layers without RoPE)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import transformers
 from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
+from kvpool.models.exaone4 import Exaone4DecoderLayer
 from kvpool.models.layers import XIELU
 from kvpool.models.loader import load_model
 from models_util import (
@@ -55,6 +56,12 @@ CONFIGS = {
     # norms after attention and the MLP too, the first half of each head rotated in adjacent
     # pairs, fused gate/up, q/k/v biases (by default)
     "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16),
+    # OLMo 2's post-norms, q/k normed per head, three sliding layers rotated and a full one
+    # without RoPE
+    "exaone4": lambda: transformers.Exaone4Config(**FOUR, sliding_window=WINDOW),
+    # ... without a window: every layer full and rotated
+    "exaone4-no-window": lambda: transformers.Exaone4Config(
+        **SMALL, sliding_window=None, layer_types=[FULL, FULL]),
 }
 
 
@@ -213,3 +220,47 @@ def test_glm4_reads_each_heads_rotary_rows_in_pairs_and_the_rest_as_they_are(pai
     order = [h * 16 + i for h in range(2) for i in [0, 2, 4, 6, 1, 3, 5, 7, *range(8, 16)]]
     assert (attention.k_proj.weight.cpu() == theirs.k_proj.weight.cpu()[order]).all()
     assert (attention.k_proj.bias.cpu() == theirs.k_proj.bias.cpu()[order]).all()
+
+
+# --- EXAONE 4 ---
+
+def exaone4(**options) -> dict:
+    return {"architectures": ["Exaone4ForCausalLM"], **SMALL, **options}
+
+
+def test_exaone4_windows_three_layers_in_four_and_rotates_only_those():
+    config = ModelConfig.from_hf(exaone4(num_hidden_layers=8))
+    assert config.layer_types == (SLIDING, SLIDING, SLIDING, FULL) * 2
+    assert (config.sliding_window, config.no_rope_layers, config.qk_norm) == (4096, (3, 7), True)
+    config = ModelConfig.from_hf(exaone4(sliding_window=None, layer_types=[FULL, FULL]))
+    assert (config.sliding_window, config.no_rope_layers) == (None, ())
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"sliding_window": None}, "sliding_window null needs 'layer_types'"),
+    ({"sliding_window_pattern": "LLLG"}, "sliding_window_pattern"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
+])
+def test_exaone4_layer_types_transformers_cannot_derive_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(exaone4(**options))
+
+
+def test_exaone4_takes_a_pattern_string_where_layer_types_are_given():
+    config = ModelConfig.from_hf(exaone4(sliding_window=8, sliding_window_pattern="LLLG",
+                                         layer_types=[SLIDING, FULL]))
+    assert (config.layer_types, config.no_rope_layers) == ((SLIDING, FULL), (1,))
+
+
+def test_exaone4_norms_round_to_bf16_before_their_scale_as_transformers():
+    from transformers.models.exaone4.modeling_exaone4 import Exaone4RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=generator).to(torch.bfloat16)
+    theirs = Exaone4RMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.weight.normal_(1.0, 0.2, generator=generator)
+    ours = Exaone4DecoderLayer.norm(64, 1e-5, torch.bfloat16)
+    ours.load_state_dict(theirs.state_dict())
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))

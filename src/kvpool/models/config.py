@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = (
     "Ernie4_5ForCausalLM",
     "ApertusForCausalLM",
     "Glm4ForCausalLM",
+    "Exaone4ForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
@@ -67,6 +68,7 @@ _ARCH_BY_MODEL_TYPE = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "apertus": "ApertusForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -95,6 +97,7 @@ ARCEE = "ArceeForCausalLM"
 ERNIE = "Ernie4_5ForCausalLM"
 APERTUS = "ApertusForCausalLM"
 GLM4 = "Glm4ForCausalLM"
+EXAONE4 = "Exaone4ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GPT_OSS = "GptOssForCausalLM"
@@ -137,6 +140,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     # GLM-4: q/k/v biased unless attention_bias is false (o never), half of each head rotated
     GLM4: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
            "attention_bias": True, "partial_rotary_factor": 0.5},
+    EXAONE4: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
+              "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
@@ -516,7 +521,8 @@ class ModelConfig:
             else attention_bias and arch in ATTENTION_BIAS,
             mlp_bias=attention_bias if arch == ERNIE else _bool(cfg, "mlp_bias")
             and arch in MLP_BIAS,
-            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
+                             EXAONE4),
             sliding_window=sliding_window,
             dtype=_dtype(cfg),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
@@ -534,7 +540,9 @@ class ModelConfig:
             fp8_weight_block=_fp8_weight_block(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
             _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
-            else (),
+            # EXAONE 4 rotates only its sliding layers, or every layer of a model with no window
+            else tuple(i for i, t in enumerate(layer_types) if t == FULL)
+            if arch == EXAONE4 and sliding_window else (),
             multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
             attention_sinks=arch == GPT_OSS,
         )
@@ -860,29 +868,20 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
     """(sliding window, layer types) as transformers reads them: Mistral, Mixtral and Phi-3
     window every layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`,
     then the layers `layer_types` names (by default those from `max_window_layers` on);
-    Gemma, GPT-OSS and OLMo 3 the layers `layer_types` names (by default Gemma 3's all but
-    every `sliding_window_pattern`-th, Gemma 2's and GPT-OSS's every other one from the first,
-    OLMo 3's all but every fourth). Other architectures have no windows."""
+    Gemma, GPT-OSS, OLMo 3 and EXAONE 4 the layers `layer_types` names (by default
+    `_default_layer_types`). Other architectures have no windows."""
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", MIXTRAL):
         window = _optional_int(cfg, "sliding_window")
         return window, (SLIDING if window else FULL,) * num_layers
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    patterned = arch in (GEMMA2, GEMMA3, GPT_OSS, OLMO3)
-    if not (is_qwen or patterned):
+    if not (is_qwen or arch in (GEMMA2, GEMMA3, GPT_OSS, OLMO3, EXAONE4)):
         return None, ()
     window = _optional_int(cfg, "sliding_window")
-    if patterned:  # Gemma 2, GPT-OSS: every second layer full, whatever the pattern says
-        pattern = {GEMMA2: 2, GPT_OSS: 2, OLMO3: 4}.get(arch) or \
-            _int(cfg, "sliding_window_pattern", 6)
-        default = tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
-    else:
+    if is_qwen:
         window = window if _bool(cfg, "use_sliding_window") else None
-        first = _optional_int(cfg, "max_window_layers", minimum=0)
-        first = 28 if first is None else first
-        default = tuple(SLIDING if window and i >= first else FULL for i in range(num_layers))
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        return window, default
+        return window, _default_layer_types(cfg, arch, window, num_layers)
     if not (isinstance(layer_types, list) and len(layer_types) == num_layers
             and all(t in (FULL, SLIDING) for t in layer_types)):
         raise ConfigError(f"config 'layer_types' must list {FULL!r} or {SLIDING!r} for each of "
@@ -892,6 +891,25 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
         raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
                           f"{SLIDING} layer(s) but {why}: they have no window")
     return window, tuple(layer_types)
+
+
+def _default_layer_types(cfg: dict, arch: str, window: int | None,
+                         num_layers: int) -> tuple[str, ...]:
+    """The layer types transformers gives a config that lists none: Qwen's windowed from
+    `max_window_layers` on (28 by default); Gemma 3's and EXAONE 4's all but every
+    `sliding_window_pattern`-th (6, 4 by default), Gemma 2's and GPT-OSS's every other one
+    from the first, OLMo 3's all but every fourth. EXAONE 4 without a window, or with a pattern other than an
+    integer, is refused (transformers derives no layer types for it)."""
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = _optional_int(cfg, "max_window_layers", minimum=0)
+        first = 28 if first is None else first
+        return tuple(SLIDING if window and i >= first else FULL for i in range(num_layers))
+    if arch == EXAONE4 and window is None:
+        raise ConfigError(f"{arch} with sliding_window null needs 'layer_types'")
+    # Gemma 2, GPT-OSS: every second layer full, whatever sliding_window_pattern says
+    pattern = {GEMMA2: 2, GPT_OSS: 2, OLMO3: 4}.get(arch) or \
+        _int(cfg, "sliding_window_pattern", 6)
+    return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 
 def _granite_multipliers(cfg: dict) -> Multipliers:

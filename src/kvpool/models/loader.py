@@ -24,6 +24,7 @@ from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
+from kvpool.models.exaone4 import Exaone4ForCausalLM
 from kvpool.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvpool.models.gguf import (
     CACHE_ENV,
@@ -111,6 +112,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,

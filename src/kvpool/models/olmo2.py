@@ -68,18 +68,23 @@ class Olmo2Attention(LlamaAttention):
 
 class Olmo2DecoderLayer(nn.Module):
     """`x + norm(attn(x))`, then `x + norm(mlp(x))`; under tensor parallelism the partial
-    sums of attention and of the MLP are all-reduced before their norms."""
+    sums of attention and of the MLP are all-reduced before their norms. A subclass names
+    its `attention` class (built as `attention(config, dtype, layer_idx, tp)`) and its
+    `norm` class."""
+
+    attention: type[nn.Module] = Olmo2Attention
+    norm: type[nn.Module] = Float32RMSNorm
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.tp = tp
-        self.self_attn = Olmo2Attention(config, dtype, layer_idx, tp)
-        self.post_attention_layernorm = Float32RMSNorm(size, eps, dtype)
+        self.self_attn = self.attention(config, dtype, layer_idx, tp)
+        self.post_attention_layernorm = self.norm(size, eps, dtype)
         self.mlp = MLP(size, config.intermediate_size, config.mlp_bias, dtype,
                        config.hidden_act, tp)
-        self.post_feedforward_layernorm = Float32RMSNorm(size, eps, dtype)
+        self.post_feedforward_layernorm = self.norm(size, eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`."""
