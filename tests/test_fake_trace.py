@@ -53,6 +53,7 @@ FAMILIES = {  # name: a small random transformers model of the family
     "ernie4_5": lambda: make_hf_model("ernie4_5", configs=FAMILY_CONFIGS),  # q/k rows reordered
     "apertus": lambda: make_hf_model("apertus", configs=FAMILY_CONFIGS),  # xIELU, q/k norms
     "glm4": lambda: make_hf_model("glm4", configs=FAMILY_CONFIGS),  # post-norms, half rotary
+    "glm": lambda: make_hf_model("glm", configs=FAMILY_CONFIGS),  # half rotary, in pairs
     # post-norms, a window pool, full layers without RoPE
     "exaone4": lambda: make_hf_model("exaone4", configs=FAMILY_CONFIGS),
     "granite": lambda: make_hf_model("granite"),  # the multipliers
@@ -246,6 +247,7 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "olmo3": "Olmo3ForCausalLM", "seed-oss": "SeedOssForCausalLM",
               "arcee": "ArceeForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
               "apertus": "ApertusForCausalLM", "glm4": "Glm4ForCausalLM",
+              "glm": "GlmForCausalLM",
               "exaone4": "Exaone4ForCausalLM",
               "granite": "GraniteForCausalLM", "qwen2-moe": "Qwen2MoeForCausalLM",
               "granitemoe-shared": "GraniteMoeSharedForCausalLM",

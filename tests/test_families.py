@@ -2,8 +2,9 @@
 small random checkpoints, directly and through the engine, and how their configs are read:
 OLMo 3 (OLMo 2 with sliding-window layers), Seed-OSS (Llama with its own biases), Arcee (Llama
 with an ungated MLP), Ernie 4.5 (Llama rotating adjacent pairs), Apertus (Llama with q/k norms
-and an ungated xIELU MLP), GLM-4 (post-norms, interleaved partial rotary, fused gate/up) and
-EXAONE 4 (OLMo 2's layers with windows, its full layers without RoPE)."""
+and an ungated xIELU MLP), GLM-4 (post-norms, interleaved partial rotary, fused gate/up), the
+first GLM-4 (GLM: the same without the post-norms) and EXAONE 4 (OLMo 2's layers with windows,
+its full layers without RoPE)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ CONFIGS = {
     # norms after attention and the MLP too, the first half of each head rotated in adjacent
     # pairs, fused gate/up, q/k/v biases (by default)
     "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16),
+    # the first GLM-4: Llama's layers with GLM-4's attention and fused gate/up
+    "glm": lambda: transformers.GlmConfig(**SMALL, head_dim=16),
     # OLMo 2's post-norms, q/k normed per head, three sliding layers rotated and a full one
     # without RoPE
     "exaone4": lambda: transformers.Exaone4Config(**FOUR, sliding_window=WINDOW),

@@ -97,6 +97,7 @@ def test_parameter_count_of_published_models_matches_transformers(transformers, 
     ("ApertusConfig", {"attention_bias": True}),  # xIELU's two weights per layer
     ("Glm4Config", {"head_dim": 16, "pad_token_id": None}),  # four norms a layer
     ("Exaone4Config", {}),  # q/k norms per head
+    ("GlmConfig", {"head_dim": 16, "pad_token_id": None}),
     ("Qwen2MoeConfig", {"num_experts": 4, "moe_intermediate_size": 32,
                         "shared_expert_intermediate_size": 48}),  # a gated shared expert
     ("GraniteMoeConfig", {"num_local_experts": 4, "attention_bias": True}),

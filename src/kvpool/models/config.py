@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "ArceeForCausalLM",
     "Ernie4_5ForCausalLM",
     "ApertusForCausalLM",
+    "GlmForCausalLM",
     "Glm4ForCausalLM",
     "Exaone4ForCausalLM",
     "MixtralForCausalLM",
@@ -67,6 +68,7 @@ _ARCH_BY_MODEL_TYPE = {
     "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "apertus": "ApertusForCausalLM",
+    "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -96,7 +98,7 @@ SEED_OSS = "SeedOssForCausalLM"
 ARCEE = "ArceeForCausalLM"
 ERNIE = "Ernie4_5ForCausalLM"
 APERTUS = "ApertusForCausalLM"
-GLM4 = "Glm4ForCausalLM"
+GLM, GLM4 = "GlmForCausalLM", "Glm4ForCausalLM"
 EXAONE4 = "Exaone4ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
@@ -137,9 +139,12 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
                                   "original_max_position_embeddings": 8192,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
-    # GLM-4: q/k/v biased unless attention_bias is false (o never), half of each head rotated
+    # GLM-4 (and the first GLM-4, GLM): q/k/v biased unless attention_bias is false (o never),
+    # half of each head rotated
     GLM4: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
            "attention_bias": True, "partial_rotary_factor": 0.5},
+    GLM: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
+          "attention_bias": True, "partial_rotary_factor": 0.5},
     EXAONE4: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
               "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
@@ -171,6 +176,9 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
                   *GRANITES, OLMO2, OLMO3, ERNIE, APERTUS, GPT_OSS)
+# Architectures whose attention_bias biases q, k and v: those, and Seed-OSS and GLM's (whose o
+# has a switch of its own, or no bias)
+QKV_BIAS = (*ATTENTION_BIAS, SEED_OSS, GLM, GLM4)
 # Architectures whose mlp_bias adds biases to the MLP (Ernie 4.5's use_bias does)
 MLP_BIAS = ("LlamaForCausalLM", SMOLLM3, "BambaForCausalLM", GRANITE, SEED_OSS, ARCEE)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -428,7 +436,7 @@ class ModelConfig:
     mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
-    # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's, GLM-4's), which the
+    # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's, GLM's), which the
     # attention reads in its order: each head's even rotary rows, then its odd ones
     rope_interleave: bool = False
     # (rope_theta, rope_scaling) of the sliding layers where they rotate otherwise than the
@@ -484,7 +492,7 @@ class ModelConfig:
             gemma = _gemma(cfg, local_rope)
         is_bamba = arch == "BambaForCausalLM"
         # Phi-4-mini rotates 3/4, GLM-4 1/2
-        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM4)
+        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM, GLM4)
         if not partial_rotary:
             _check_no_partial_rotary(cfg)
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
@@ -515,7 +523,7 @@ class ModelConfig:
             tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
                                  if "tie_word_embeddings" in cfg or not is_gemma else True),
             # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
-            qkv_bias=is_qwen2 or (attention_bias and arch in (*ATTENTION_BIAS, SEED_OSS, GLM4)) or (
+            qkv_bias=is_qwen2 or (attention_bias and arch in QKV_BIAS) or (
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
@@ -531,7 +539,7 @@ class ModelConfig:
             mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
             else None,
             layer_types=layer_types,
-            rope_interleave=arch in (ERNIE, GLM4),
+            rope_interleave=arch in (ERNIE, GLM, GLM4),
             sliding_rope=local_rope if arch == OLMO3 else None,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
