@@ -141,10 +141,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
     # GLM-4 (and the first GLM-4, GLM): q/k/v biased unless attention_bias is false (o never),
     # half of each head rotated
-    GLM4: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
-           "attention_bias": True, "partial_rotary_factor": 0.5},
-    GLM: {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "head_dim": 128,
-          "attention_bias": True, "partial_rotary_factor": 0.5},
+    **dict.fromkeys((GLM, GLM4), {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7,
+                                  "head_dim": 128, "attention_bias": True,
+                                  "partial_rotary_factor": 0.5}),
     EXAONE4: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
               "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
@@ -527,8 +526,8 @@ class ModelConfig:
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
-            mlp_bias=attention_bias if arch == ERNIE else _bool(cfg, "mlp_bias")
-            and arch in MLP_BIAS,
+            mlp_bias=attention_bias if arch == ERNIE else (_bool(cfg, "mlp_bias")
+                                                           and arch in MLP_BIAS),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
                              EXAONE4),
             sliding_window=sliding_window,

@@ -1,8 +1,8 @@
 """The position-wise building blocks of a Llama-family decoder: RMSNorm (with the residual add
 before it) and the gated MLP (or Arcee's and Apertus's ungated one) with the activations
-config.json's `hidden_act` may name. On CUDA
-the norm and SiLU-and-mul run fused Triton kernels (kvpool.kernels.triton_fused; where, says
-`triton_support.fused_on`), elsewhere the torch code below."""
+config.json's `hidden_act` may name. On CUDA the norm and SiLU-and-mul run fused Triton
+kernels (kvpool.kernels.triton_fused; where, says `triton_support.fused_on`), elsewhere the
+torch code below."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ ACTIVATIONS = {
 
 
 class ReLUSquared(nn.Module):
-    """relu(x) squared (Arcee's `relu2`)."""
+    """relu(x) squared (Arcee's `relu2`); it holds no weights, whatever their `dtype`."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()

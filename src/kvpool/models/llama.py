@@ -118,10 +118,10 @@ class LlamaAttention(nn.Module, Sharded):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))` with a dense (gated, or
-    ungated for an ungated activation: Arcee's) or (on a Qwen3-MoE's expert layers) MoE mlp.
-    Each residual add is fused into the norm after it: the layer takes and returns its output
-    apart from the residual stream. Under tensor parallelism the attention's and the MLP's
-    partial sums are all-reduced across the ranks."""
+    ungated for an ungated activation: Arcee's, Apertus's) or (on a Qwen3-MoE's expert
+    layers) MoE mlp. Each residual add is fused into the norm after it: the layer takes and
+    returns its output apart from the residual stream. Under tensor parallelism the
+    attention's and the MLP's partial sums are all-reduced across the ranks."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_idx: int,
                  tp: TensorParallel = ONE_RANK):
