@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), OLMo 3, Ernie 4.5,
-GLM-4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full and a
-window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through preemption, prefix
+GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full
+and a window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through
+preemption, prefix
 hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
@@ -72,6 +73,11 @@ PARITY = {
     "ernie4_5": lambda: transformers.Ernie4_5Config(**SMALL, head_dim=16, use_bias=True),
     # ... of each head's rotated half only; four norms a layer, the fused gate/up split
     "glm4": lambda: transformers.Glm4Config(**SMALL, head_dim=16),
+    # OLMo 2's layers with q/k normed per head on each rank, a window layer with RoPE then a
+    # full one without
+    "exaone4": lambda: transformers.Exaone4Config(**SMALL, sliding_window=8,
+                                                  layer_types=["sliding_attention",
+                                                               "full_attention"]),
     # each rank's rows of the fused q/k/v and gate/up; LongRoPE's short factors on every
     # rank, as the engine's max_model_len (ENGINE's) stays within the trained 64 positions
     "phi3": lambda: phi3_longrope(64, sliding_window=8, attention_bias=True),
