@@ -2,8 +2,7 @@
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), OLMo 3, Ernie 4.5,
 GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full
 and a window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through
-preemption, prefix
-hits, chunks, copy-on-write and window drops;
+preemption, prefix hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations
