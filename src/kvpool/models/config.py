@@ -905,8 +905,8 @@ def _default_layer_types(cfg: dict, arch: str, window: int | None,
     """The layer types transformers gives a config that lists none: Qwen's windowed from
     `max_window_layers` on (28 by default); Gemma 3's and EXAONE 4's all but every
     `sliding_window_pattern`-th (6, 4 by default), Gemma 2's and GPT-OSS's every other one
-    from the first, OLMo 3's all but every fourth. EXAONE 4 without a window, or with a pattern other than an
-    integer, is refused (transformers derives no layer types for it)."""
+    from the first, OLMo 3's all but every fourth. EXAONE 4 without a window, or with a
+    pattern other than an integer, is refused (transformers derives no layer types for it)."""
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = _optional_int(cfg, "max_window_layers", minimum=0)
         first = 28 if first is None else first
