@@ -402,3 +402,11 @@ def test_a_granite_multiplier_that_is_not_a_positive_number_is_refused_by_name(k
     with pytest.raises(ConfigError, match=f"config '{key}' must be a positive finite number, "
                                           f"got 0"):
         ModelConfig.from_hf(granite)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "SeedOssForCausalLM",
+                                          "Ernie4_5ForCausalLM"])
+def test_an_odd_head_dim_that_rope_would_rotate_is_refused_by_name(architecture):
+    config = {"architectures": [architecture], **SMALL, "head_dim": 15}
+    with pytest.raises(ConfigError, match="head_dim 15 is odd: RoPE rotates channels in pairs"):
+        ModelConfig.from_hf(config)

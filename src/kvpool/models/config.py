@@ -503,7 +503,7 @@ class ModelConfig:
             _check_gpt_oss_swiglu(cfg)
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
         moe = MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -553,6 +553,12 @@ class ModelConfig:
             multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
             attention_sinks=arch == GPT_OSS,
         )
+        rotated = config.rotary_dim
+        if (rotated < 2 or rotated % 2) and set(config.attention_layers) - set(
+                config.no_rope_layers):  # a layer that rotates (partial factors are checked)
+            raise ConfigError(f"head_dim {head_dim} is odd: RoPE rotates channels in pairs, "
+                              f"and kvpool rotates an even number of each head's channels")
+        return config
 
     def for_max_model_len(self, max_model_len: int) -> ModelConfig:
         """This config for sequences of at most `max_model_len` tokens: LongRoPE's long
