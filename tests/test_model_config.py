@@ -410,3 +410,26 @@ def test_an_odd_head_dim_that_rope_would_rotate_is_refused_by_name(architecture)
     config = {"architectures": [architecture], **SMALL, "head_dim": 15}
     with pytest.raises(ConfigError, match="head_dim 15 is odd: RoPE rotates channels in pairs"):
         ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("architecture", ["Gemma3ForConditionalGeneration",
+                                          "Mistral3ForConditionalGeneration"])
+def test_a_multimodal_config_ties_the_head_as_its_top_level_says_true_when_left_out(
+        architecture):
+    # transformers ties by the top level's tie_word_embeddings, whose default is true
+    text = {"model_type": "gemma3_text" if "Gemma" in architecture else "mistral", **SMALL,
+            "tie_word_embeddings": False}
+    config = {"architectures": [architecture], "text_config": text}
+    assert ModelConfig.from_hf(config).tie_word_embeddings
+    assert not ModelConfig.from_hf({**config, "tie_word_embeddings": False}).tie_word_embeddings
+
+
+@pytest.mark.parametrize("architecture", ["Olmo3ForCausalLM", "Gemma2ForCausalLM",
+                                          "GptOssForCausalLM"])
+def test_default_sliding_layers_without_a_window_are_refused_as_given_ones_are(architecture):
+    config = {"architectures": [architecture], **SMALL, "num_hidden_layers": 4,
+              "sliding_window": None}
+    with pytest.raises(ConfigError, match="config 'layer_types' left out gives "
+                                          r"\(transformers' default\) \d sliding_attention "
+                                          "layer\\(s\\) but sliding_window is null"):
+        ModelConfig.from_hf(config)

@@ -759,7 +759,8 @@ def token_ids(value: Any, key: str) -> tuple[int, ...]:
 def _text_decoder(cfg: dict) -> dict:
     """The config of the text decoder of a MULTIMODAL checkpoint: its `text_config`, taking
     the dtype and token ids the top level gives and it does not, and the top level's
-    `tie_word_embeddings`, which transformers ties the head by; any other config as it is."""
+    `tie_word_embeddings`, which transformers ties the head by (true where the top level
+    leaves it out, both multimodal configs' default); any other config as it is."""
     archs = cfg.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in MULTIMODAL:
@@ -769,9 +770,8 @@ def _text_decoder(cfg: dict) -> dict:
         raise ConfigError(f"config of {arch} has no 'text_config' object")
     inherited = {key: cfg[key] for key in ("dtype", "torch_dtype", "bos_token_id",
                                            "eos_token_id") if key in cfg}
-    tied = {"tie_word_embeddings": cfg["tie_word_embeddings"]} \
-        if "tie_word_embeddings" in cfg else {}
-    return {**inherited, **text, **tied, "architectures": [MULTIMODAL[arch]]}
+    tied = cfg.get("tie_word_embeddings", True)
+    return {**inherited, **text, "tie_word_embeddings": tied, "architectures": [MULTIMODAL[arch]]}
 
 
 def _architecture(cfg: dict) -> str:
@@ -893,15 +893,16 @@ def _windows(cfg: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[s
     if is_qwen:
         window = window if _bool(cfg, "use_sliding_window") else None
     layer_types = cfg.get("layer_types")
+    named = "names" if layer_types is not None else "left out gives (transformers' default)"
     if layer_types is None:
-        return window, _default_layer_types(cfg, arch, window, num_layers)
-    if not (isinstance(layer_types, list) and len(layer_types) == num_layers
-            and all(t in (FULL, SLIDING) for t in layer_types)):
+        layer_types = _default_layer_types(cfg, arch, window, num_layers)
+    elif not (isinstance(layer_types, list) and len(layer_types) == num_layers
+              and all(t in (FULL, SLIDING) for t in layer_types)):
         raise ConfigError(f"config 'layer_types' must list {FULL!r} or {SLIDING!r} for each of "
                           f"the {num_layers} layers, got {layer_types!r}")
     if SLIDING in layer_types and window is None:
         why = "use_sliding_window is false" if is_qwen else "sliding_window is null"
-        raise ConfigError(f"config 'layer_types' names {layer_types.count(SLIDING)} "
+        raise ConfigError(f"config 'layer_types' {named} {layer_types.count(SLIDING)} "
                           f"{SLIDING} layer(s) but {why}: they have no window")
     return window, tuple(layer_types)
 
