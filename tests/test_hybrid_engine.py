@@ -254,3 +254,11 @@ def test_a_forward_interrupted_half_way_fails_its_requests_and_keeps_no_checkpoi
     assert not llm.has_unfinished() and not set(ids) & set(llm._requests)
     assert _tokens(llm.generate(prompts[4:6], GREEDY, use_tqdm=False)) == expected[4:6]
     _assert_drained(llm)
+
+
+def test_checkpoint_slots_where_no_checkpoint_is_taken_are_refused_by_name(checkpoint):
+    with pytest.raises(ValueError, match="mamba_checkpoint_slots=4 hold a hybrid model's "
+                                         "prefix checkpoints, but prefix_caching is off"):
+        _llm(checkpoint, mamba_checkpoint_slots=4, prefix_caching=False)
+    with pytest.raises(ValueError, match="but LlamaForCausalLM has no Mamba layers"):
+        LLM("tiny", device="cpu", num_pages=16, mamba_checkpoint_slots=4)

@@ -99,6 +99,11 @@ class LLM:
         # weights' room, and the plan counts them once.
         mamba = mc.mamba_layout(dtype=self.config.dtype,
                                 tensor_parallel_size=self.config.tensor_parallel_size)
+        slots = self.config.mamba_checkpoint_slots
+        if slots is not None and not (mamba and self.config.prefix_caching):
+            why = "prefix_caching is off" if mamba else f"{mc.architecture} has no Mamba layers"
+            raise ValueError(f"mamba_checkpoint_slots={slots} hold a hybrid model's prefix "
+                             f"checkpoints, but {why}")
         # One state slot per seat: the scheduler never runs more than max_num_seqs sequences.
         num_slots = self.config.max_num_seqs
         num_checkpoints = 0
