@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from kvpool.attention import AttentionMetadata
 from kvpool.cache import KVCache
@@ -22,6 +23,7 @@ from kvpool.memory.grouped_pool import GroupedPool
 from kvpool.memory.pool import KVPool
 from kvpool.memory.state_pool import StateBatch
 from kvpool.models.llama import LlamaForCausalLM
+from kvpool.models.loader import load_model
 
 SMALL = dict(
     vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -225,6 +227,46 @@ def assert_logits_match(hf: transformers.PreTrainedModel, batch: dict[str, list[
         ours = logits[offset:offset + len(prompt)]
         assert relative_error(ours, hf_logits(hf, prompt)) < tolerance
         offset += len(prompt)
+
+
+def assert_prefill_logits_match(hf: transformers.PreTrainedModel, model,
+                                tolerance: float = 1e-4) -> None:
+    """A packed prefill of `prompts` gives transformers' logits: within `tolerance` of their
+    largest, and (float32 against float32) within it in absolute terms."""
+    batch = prompts(model.config.vocab_size)
+    logits = PagedRunner(model).step(batch, all_logits=True)
+    assert_logits_match(hf, batch, logits, tolerance)
+    offset = 0
+    for prompt in batch.values():
+        ours = logits[offset:offset + len(prompt)]
+        torch.testing.assert_close(ours, hf_logits(hf, prompt), rtol=0, atol=tolerance)
+        offset += len(prompt)
+
+
+def assert_greedy_decode_matches(hf: transformers.PreTrainedModel, model,
+                                 max_tokens: int) -> None:
+    """A batched greedy decode of `prompts` on scattered pages gives transformers' tokens,
+    and leaves the cache's invariants whole."""
+    batch = prompts(model.config.vocab_size)
+    runner = PagedRunner(model)
+    ours = runner.greedy(batch, max_tokens)
+    assert ours == {seq_id: hf_greedy(hf, prompt, max_tokens) for seq_id, prompt in batch.items()}
+    runner.cache.check()
+
+
+def loaded_pair(name: str, configs, folder: Path, device) -> tuple:
+    """(transformers model of config `name` on `device`, the same checkpoint saved in
+    `folder` and loaded by kvpool)."""
+    hf = make_hf_model(name, configs=configs)
+    return hf.to(device), load_model(save_hf_model(hf, folder), device=device).model
+
+
+def rewrite_weight(folder: Path, name: str, change) -> None:
+    """Replace (or add) the weight `name` of a checkpoint folder by `change(its tensor, or
+    None where there is none)`."""
+    weights = load_file(folder / "model.safetensors")
+    weights[name] = change(weights.get(name)).contiguous()
+    save_file(weights, folder / "model.safetensors")
 
 
 class EngineCase(NamedTuple):

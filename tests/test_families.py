@@ -17,18 +17,14 @@ from kvpool.errors import ConfigError
 from kvpool.models.config import FULL, SLIDING, ModelConfig
 from kvpool.models.exaone4 import Exaone4DecoderLayer
 from kvpool.models.layers import XIELU
-from kvpool.models.loader import load_model
 from models_util import (
     SMALL,
-    PagedRunner,
-    assert_logits_match,
+    assert_greedy_decode_matches,
+    assert_prefill_logits_match,
     check_engine_with_preemption,
     check_engine_with_prefix_hits_and_chunks,
     engine_case,
-    hf_greedy,
-    make_hf_model,
-    prompts,
-    save_hf_model,
+    loaded_pair,
 )
 
 MAX_TOKENS = 32
@@ -71,23 +67,15 @@ CONFIGS = {
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one family's case."""
-    hf = make_hf_model(request.param, configs=CONFIGS)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf.to(device), load_model(folder, device=device).model
+    return loaded_pair(request.param, CONFIGS, tmp_path_factory.mktemp(request.param), device)
 
 
 def test_packed_prefill_logits_match_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
+    assert_prefill_logits_match(*pair)
 
 
 def test_batched_greedy_decode_matches_transformers_generate(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    ours = PagedRunner(model).greedy(batch, MAX_TOKENS)
-    for seq_id, prompt in batch.items():
-        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+    assert_greedy_decode_matches(*pair, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

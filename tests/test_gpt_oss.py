@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
@@ -22,14 +21,15 @@ from kvpool.models.loader import load_model
 from kvpool.models.moe import MoE
 from models_util import (
     SMALL,
-    PagedRunner,
+    assert_greedy_decode_matches,
+    assert_prefill_logits_match,
     case_of,
     check_engine_with_preemption,
     check_engine_with_prefix_hits_and_chunks,
-    hf_greedy,
     hf_logits,
     make_hf_model,
     prompts,
+    rewrite_weight,
     save_hf_model,
 )
 from test_models import MAX_TOKENS
@@ -81,23 +81,11 @@ def pair(request, tmp_path_factory, device):
 
 
 def test_packed_prefill_logits_match_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    offset = 0
-    for prompt in batch.values():  # float32 against float32
-        ours = logits[offset:offset + len(prompt)]
-        torch.testing.assert_close(ours, hf_logits(hf, prompt), rtol=0, atol=1e-4)
-        offset += len(prompt)
+    assert_prefill_logits_match(*pair)
 
 
 def test_batched_greedy_decode_matches_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    runner = PagedRunner(model)
-    ours = runner.greedy(batch, MAX_TOKENS)
-    assert ours == {seq_id: hf_greedy(hf, prompt, MAX_TOKENS) for seq_id, prompt in batch.items()}
-    runner.cache.check()
+    assert_greedy_decode_matches(*pair, MAX_TOKENS)
 
 
 def test_each_expert_loads_its_interleaved_columns_of_the_stack_transposed(pair):
@@ -202,20 +190,16 @@ def test_the_published_mxfp4_quantization_is_refused_by_name():
 
 def test_a_stack_whose_columns_do_not_split_in_two_is_refused_naming_its_shape(tmp_path):
     folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
-    weights = load_file(folder / "model.safetensors")
     name = "model.layers.0.mlp.experts.gate_up_proj"
-    weights[name] = weights[name][..., :-1].contiguous()
-    save_file(weights, folder / "model.safetensors")
+    rewrite_weight(folder, name, lambda stack: stack[..., :-1])
     with pytest.raises(CheckpointError, match=re.escape(f"{name} has shape (8, 64, 63)")):
         load_model(folder, device="cpu")
 
 
 def test_a_stack_of_another_width_is_refused_naming_the_experts_tensors(tmp_path):
     folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
-    weights = load_file(folder / "model.safetensors")
     name = "model.layers.1.mlp.experts.down_proj"
-    weights[name] = weights[name][:, :-2].contiguous()
-    save_file(weights, folder / "model.safetensors")
+    rewrite_weight(folder, name, lambda stack: stack[:, :-2])
     with pytest.raises(CheckpointError, match=re.escape(
             "model.layers.1.mlp.experts.0.down_proj.weight has shape (64, 30) in the "
             "checkpoint, the config needs (64, 32)")):
@@ -230,9 +214,7 @@ def test_a_stack_of_another_width_is_refused_naming_the_experts_tensors(tmp_path
 def test_a_stack_of_another_number_of_experts_or_dimensions_is_refused_naming_it(
         tmp_path, name, change, shape):
     folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
-    weights = load_file(folder / "model.safetensors")
-    weights[name] = change(weights[name]).contiguous()
-    save_file(weights, folder / "model.safetensors")
+    rewrite_weight(folder, name, change)
     with pytest.raises(CheckpointError, match=re.escape(
             f"{name} has shape {shape} in the checkpoint, the config needs 8 experts stacked")):
         load_model(folder, device="cpu")
@@ -240,9 +222,8 @@ def test_a_stack_of_another_number_of_experts_or_dimensions_is_refused_naming_it
 
 def test_an_expert_weight_held_in_the_stack_and_apart_is_refused_naming_both(tmp_path):
     folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
-    weights = load_file(folder / "model.safetensors")
-    weights["model.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
-    save_file(weights, folder / "model.safetensors")
+    rewrite_weight(folder, "model.layers.0.mlp.experts.0.gate_proj.weight",
+                   lambda _: torch.zeros(32, 64))
     with pytest.raises(CheckpointError, match=re.escape(
             "model.layers.0.mlp.experts.gate_up_proj holds "
             "model.layers.0.mlp.experts.0.gate_proj.weight, which the checkpoint holds too")):

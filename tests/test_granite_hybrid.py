@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from hybrid_util import HybridRunner, make_bamba
 from kvpool.engine import SamplingParams
@@ -26,7 +25,8 @@ from models_util import (
     check_engine_with_preemption,
     check_engine_with_prefix_hits_and_chunks,
     hf_greedy,
-    prompts,  # lengths 3, 9, 17, 26: one to four chunks of the mixer's 8
+    prompts,  # lengths 3, 9, 17, 26: one to four chunks of the mixer's 8,
+    rewrite_weight,
     save_hf_model,
 )
 
@@ -168,9 +168,7 @@ def test_without_experts_a_shared_mlp_that_does_not_split_is_named_as_the_shared
 
 def test_a_shared_mlp_beside_the_mlp_it_would_load_as_is_refused_naming_both(tmp_path):
     folder = save_hf_model(make_bamba("granite-hybrid-dense", configs=CONFIGS), tmp_path)
-    weights = load_file(folder / "model.safetensors")
-    weights["model.layers.2.mlp.up_proj.weight"] = torch.zeros(48, 64)
-    save_file(weights, folder / "model.safetensors")
+    rewrite_weight(folder, "model.layers.2.mlp.up_proj.weight", lambda _: torch.zeros(48, 64))
     with pytest.raises(CheckpointError, match=re.escape(
             "model.layers.2.shared_mlp.input_linear.weight holds "
             "model.layers.2.mlp.up_proj.weight, which the checkpoint holds too")):

@@ -11,7 +11,6 @@ import re
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
@@ -20,15 +19,14 @@ from kvpool.models.loader import check_splits, load_model
 from kvpool.models.moe import MoE
 from models_util import (
     SMALL,
-    PagedRunner,
-    assert_logits_match,
+    assert_greedy_decode_matches,
+    assert_prefill_logits_match,
     check_engine_with_preemption,
     check_engine_with_prefix_hits_and_chunks,
     engine_case,
-    hf_greedy,
-    hf_logits,
+    loaded_pair,
     make_hf_model,
-    prompts,
+    rewrite_weight,
     save_hf_model,
 )
 from test_models import MAX_TOKENS
@@ -50,30 +48,15 @@ CONFIGS = {
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one case."""
-    hf = make_hf_model(request.param, configs=CONFIGS)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf.to(device), load_model(folder, device=device).model
+    return loaded_pair(request.param, CONFIGS, tmp_path_factory.mktemp(request.param), device)
 
 
 def test_packed_prefill_logits_match_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    assert_logits_match(hf, batch, logits)
-    offset = 0
-    for prompt in batch.values():  # and in absolute terms, float32 against float32
-        ours = logits[offset:offset + len(prompt)]
-        torch.testing.assert_close(ours, hf_logits(hf, prompt), rtol=0, atol=1e-4)
-        offset += len(prompt)
+    assert_prefill_logits_match(*pair)
 
 
 def test_batched_greedy_decode_matches_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    runner = PagedRunner(model)
-    ours = runner.greedy(batch, MAX_TOKENS)
-    assert ours == {seq_id: hf_greedy(hf, prompt, MAX_TOKENS) for seq_id, prompt in batch.items()}
-    runner.cache.check()
+    assert_greedy_decode_matches(*pair, MAX_TOKENS)
 
 
 def test_each_expert_loads_its_gate_and_up_rows_and_its_down_projection_from_the_stack(pair):
@@ -190,9 +173,7 @@ def test_stacked_experts_of_the_wrong_shape_are_refused_naming_the_tensor(
         checkpoint, tmp_path, device, name, shape, message):
     for path in checkpoint.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors[name] = torch.zeros(shape)
-    save_file(tensors, tmp_path / "model.safetensors")
+    rewrite_weight(tmp_path, name, lambda _: torch.zeros(shape))
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_model(tmp_path, device=device)
 

@@ -17,12 +17,14 @@ from kvpool.models.moe import MoE
 from kvpool.planning.planner import plan_memory
 from models_util import (
     PagedRunner,
+    assert_greedy_decode_matches,
     assert_logits_match,
+    assert_prefill_logits_match,
     check_engine_with_preemption,
     check_engine_with_prefix_hits_and_chunks,
     engine_case,
     hf_greedy,
-    hf_logits,
+    loaded_pair,
     make_hf_model,
     prompts,
     save_hf_model,
@@ -58,31 +60,15 @@ MIXTRAL = {"mixtral-window-8": lambda: transformers.MixtralConfig(
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request, tmp_path_factory, device):
     """(transformers model, the same checkpoint loaded by kvpool) for one Qwen3-MoE case."""
-    hf = make_hf_model(request.param, configs=CONFIGS)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    return hf.to(device), load_model(folder, device=device).model
+    return loaded_pair(request.param, CONFIGS, tmp_path_factory.mktemp(request.param), device)
 
 
 def test_packed_prefill_logits_match_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    logits = PagedRunner(model).step(batch, all_logits=True)
-    assert_logits_match(hf, batch, logits)
-    offset = 0
-    for prompt in batch.values():  # and in absolute terms, float32 against float32
-        ours = logits[offset:offset + len(prompt)]
-        torch.testing.assert_close(ours, hf_logits(hf, prompt), rtol=0, atol=1e-4)
-        offset += len(prompt)
+    assert_prefill_logits_match(*pair)
 
 
 def test_batched_greedy_decode_matches_transformers(pair):
-    hf, model = pair
-    batch = prompts(model.config.vocab_size)
-    runner = PagedRunner(model)
-    ours = runner.greedy(batch, MAX_TOKENS)
-    for seq_id, prompt in batch.items():
-        assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
-    runner.cache.check()
+    assert_greedy_decode_matches(*pair, MAX_TOKENS)
 
 
 def test_the_layers_the_config_names_hold_experts_and_the_others_a_dense_mlp(pair):
