@@ -986,6 +986,19 @@ def test_a_dense_granitehybrid_file_sizes_its_mlp_by_feed_forward_length_as_llam
         load_model(tmp_path / "dense.gguf", device="cpu")
 
 
+def _finish_gemma(writer, hf, path: Path, arch) -> None:
+    """Add a transformers Gemma's tensors as llama.cpp's converter writes them for `arch`
+    (names from the gguf package's map, each norm weight stored plus 1, no head: llama.cpp
+    ties it) and finish the file."""
+    names = gguf.get_tensor_name_map(arch, hf.config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        if name != "lm_head.weight":
+            shifted = tensor + 1 if name.endswith("norm.weight") else tensor
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
+    _finish(writer, hf.config.vocab_size)
+
+
 def _gemma3_gguf_of(hf, path: Path) -> None:
     """The file llama.cpp's converter writes for a transformers Gemma 3 (text): names from the
     gguf package's own map, each norm weight stored plus 1, the global layers' rope base and
@@ -1000,12 +1013,7 @@ def _gemma3_gguf_of(hf, path: Path) -> None:
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(full["factor"])
     writer.add_sliding_window(config.sliding_window)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for name, tensor in weights.items():
-        shifted = tensor + 1 if name.endswith("norm.weight") else tensor
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
-    _finish(writer, config.vocab_size)
+    _finish_gemma(writer, hf, path, gguf.MODEL_ARCH.GEMMA3)
 
 
 def test_a_gemma3_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
@@ -1084,13 +1092,7 @@ def _gemma2_gguf_of(hf, path: Path) -> None:
     writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_sliding_window(config.sliding_window)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for name, tensor in weights.items():
-        if name != "lm_head.weight":
-            shifted = tensor + 1 if name.endswith("norm.weight") else tensor
-            writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), shifted.numpy())
-    _finish(writer, config.vocab_size)
+    _finish_gemma(writer, hf, path, gguf.MODEL_ARCH.GEMMA2)
 
 
 def test_a_gemma2_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
