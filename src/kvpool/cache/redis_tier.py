@@ -77,8 +77,7 @@ class RedisTier(Tier):
         if self.capacity_bytes is not None:
             super().put(key, data)
             return
-        self._check_key(key)
-        self._check_page(data)
+        self._check_put(key, data)
         self._write(key, data)
         self._counts.num_stored += 1
 

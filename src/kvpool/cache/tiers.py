@@ -112,8 +112,7 @@ class Tier(ABC):
         shape or dtype, OSError if the storage fails; the index stays consistent. TypeError
         for a key that is not a PageKey or data that is not a tensor, ValueError for a key
         whose chain key is not that of its parent key and token ids: nothing changed."""
-        self._check_key(key)
-        self._check_page(data)
+        self._check_put(key, data)
         victim = self._keys.get(key.chain_key)  # the page it replaces, or the coldest
         full = victim is None and len(self._keys) >= self.capacity_pages
         if full:
@@ -127,18 +126,14 @@ class Tier(ABC):
         self._keys[key.chain_key] = key
         self._counts.num_stored += 1
 
-    def _check_key(self, key: PageKey) -> None:
-        """TypeError unless `key` is a PageKey, ValueError unless its chain key is that of its
-        parent key and token ids (filed under another, the index would be inconsistent)."""
+    def _check_put(self, key: PageKey, data: torch.Tensor) -> None:
+        """`put`'s checks, and ValueError for a tier not bound yet (a key filed under another
+        chain key would leave the index inconsistent)."""
         if type(key) is not PageKey:
             raise TypeError(f"tier keys must be PageKeys, got {type(key).__name__} {key!r}")
         if key.chain_key != chain_key(key.parent_key, key.token_ids):
             raise ValueError(f"{key} does not hold the chain key of its parent key and token "
                              f"ids")
-
-    def _check_page(self, data: torch.Tensor) -> None:
-        """ValueError unless the tier is bound and `data` is one of its pages (TypeError for
-        data that is not a tensor)."""
         if self.namespace is None:
             raise ValueError("bind the tier to a namespace before storing pages")
         if not isinstance(data, torch.Tensor):
