@@ -280,13 +280,12 @@ class KVCache:
         the tokens it holds at once (`GroupManager.admitted`). Changes nothing."""
         n, ids = _prompt(token_ids)
         check_int("spare_pages", spare_pages, 0)
-        if entering is not None:
-            check_int("entering", entering, 0, n)
+        entering = n if entering is None else check_int("entering", entering, 0, n)
         salt, limit = salt_key(cache_salt), n
         if not self._within_limit(n):
             return False
         for group in self.groups:
-            m = group.admitted(n, n if entering is None else entering)
+            m = group.admitted(n, entering)
             plan = group.plan_add(ids[:m * TOKEN_BYTES], m, salt, limit)
             if not group.room(plan, spare_pages):
                 return False
@@ -505,10 +504,9 @@ class KVCache:
         return self.max_tokens_per_seq is None or n <= self.max_tokens_per_seq
 
     def _check_length(self, seq_id: Hashable, n: int) -> None:
-        limit = self.max_tokens_per_seq
         if not self._within_limit(n):
             raise SequenceTooLong(f"sequence {seq_id!r} would hold {n} tokens, "
-                                  f"over the limit of {limit}")
+                                  f"over the limit of {self.max_tokens_per_seq}")
 
 
 def _page_groups(layout: KVLayout, num_pages: int | Sequence[int], free_out_of_window: bool,
