@@ -218,8 +218,7 @@ class FullAttention(GroupManager):
         return (n - 1) // self.page_size if n else 0
 
     def page_tables(self, seq_ids: Sequence[Hashable]) -> torch.Tensor:
-        """Page tables `[batch, max_pages]` int32 on the host, rows padded with page id 0,
-        which also stands for the pages given back out of the window."""
+        """`KVCache.page_tables` of this group."""
         seqs = [self._get(sid) for sid in seq_ids]
         width = max((len(seq.pages) for seq in seqs), default=0)
         flat: list[int] = []
@@ -230,8 +229,7 @@ class FullAttention(GroupManager):
 
     def slot_mapping(self, seq_ids: Sequence[Hashable], starts: Sequence[int],
                      ends: Sequence[int]) -> torch.Tensor:
-        """Slots int64 on the host of tokens [starts[i], ends[i]) of each sequence,
-        concatenated; tokens of a sequence's prefix match go to the padding slot."""
+        """`KVCache.slot_mapping` of this group."""
         if not len(seq_ids) == len(starts) == len(ends):
             raise ValueError(f"slot_mapping takes one start and end per sequence: "
                              f"{len(seq_ids)} sequences, {len(starts)} starts, {len(ends)} ends")
