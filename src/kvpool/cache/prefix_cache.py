@@ -64,7 +64,6 @@ class PrefixNode:
     # computed when a tier asks (an empty tuple, shared, until then).
     keys: list[int] | tuple[()] = ()
 
-
     def adopt(self, child: PrefixNode) -> None:
         """Make `child` a child of this node, under its key."""
         if self.children is LEAF:

@@ -105,4 +105,3 @@ class KVLayout:
         """Pages that hold `num_tokens` tokens (a partly filled last page counts whole)."""
         check_int("num_tokens", num_tokens, 0)
         return -(-num_tokens // self.page_size)
-
