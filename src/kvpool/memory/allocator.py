@@ -12,8 +12,7 @@ sentinel the index past the last page; the marks of the prefix cache's pages are
 
 Every call checks before it acts: a call that raises has changed nothing. The owner of the
 page tables, which knows its pages valid, takes and gives back references through `hold`
-and `drop`, which skip the checks.
-"""
+and `drop`, which skip the checks."""
 
 from __future__ import annotations
 
@@ -51,14 +50,12 @@ class AllocatorStats:
 
 class PageAllocator:
     """Hands out page ids in `[0, num_pages)` and keeps a reference count per page.
-
     `policy="lifo"` reuses the most recently freed page first (cache-warm); `"first_fit"`
     always returns the lowest free ids, ascending. The last `reserve` free or cached pages go
     only to critical allocations. Allocating, sharing or freeing a batch costs O(batch),
     whatever the pool size (first_fit adds O(log num_pages) for each bucket of 64 ids that
     empties or refills). `thread_safe=False` drops the lock, for an owner that calls from
-    one thread.
-    """
+    one thread."""
 
     __slots__ = ("_num_pages", "_policy", "_reserve", "_free", "_refcounts", "_is_cached",
                  "_next", "_prev", "_num_cached", "_lock", "_num_allocated",
@@ -145,10 +142,8 @@ class PageAllocator:
     def allocate(self, n: int, *, critical: bool = False) -> list[int]:
         """Take `n` pages, each with reference count 1, and return their ids: free pages
         first, then cached ones, least recently used first (given to `on_evict` first).
-
         Raises OutOfPages, changing nothing, when fewer than `n` pages are free or cached;
-        only a critical allocation may use the last `reserve` of them.
-        """
+        only a critical allocation may use the last `reserve` of them."""
         if type(n) is not int or n <= 0:
             n = check_int("page count", n, 0)
             if n == 0:
@@ -160,11 +155,9 @@ class PageAllocator:
 
     def share(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (a page listed twice gains two). A cached page
-        leaves the queue: it is held again (a prefix hit).
-
-        Every page must be held or cached; otherwise raises InvalidPage (TypeError for an id
-        that is not an int), changing nothing.
-        """
+        leaves the queue: it is held again (a prefix hit). Every page must be held or cached;
+        otherwise raises InvalidPage (TypeError for an id that is not an int), changing
+        nothing."""
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
             refcounts, is_cached, num_pages = self._refcounts, self._is_cached, self._num_pages
@@ -179,11 +172,9 @@ class PageAllocator:
         """Drop one reference to each page (a page listed twice loses two). A page left with
         none goes to the cached queue if the prefix cache indexes it (later pages of the
         batch colder, as a page table's tail is worth least), else to the free list.
-        Returns the ids that went to the free list, in the order they reached 0.
-
-        Raises InvalidPage for an id out of range or dropped below 0, TypeError for an id that
-        is not an int; either way nothing changes.
-        """
+        Returns the ids that went to the free list, in the order they reached 0. Raises
+        InvalidPage for an id out of range or dropped below 0, TypeError for an id that is
+        not an int; either way nothing changes."""
         pages = pages if type(pages) is list else list(pages)
         with self._lock or nullcontext():
             self._check_held(pages, "free", "it is not allocated")
@@ -313,11 +304,9 @@ class PageAllocator:
                 num_evicted=self._num_evicted)
 
     def fragmentation(self) -> float:
-        """Fraction of free pages outside the longest run of consecutive free ids, 0.0 to 1.0.
-
+        """Fraction of free pages outside the longest run of consecutive free ids, 0.0 to 1.0:
         0.0 when the free pages form one contiguous block (or none is free). Any free page
-        serves any sequence, so this measures locality, not lost capacity. O(num_pages).
-        """
+        serves any sequence, so this measures locality, not lost capacity. O(num_pages)."""
         with self._lock or nullcontext():
             if not self._free:
                 return 0.0

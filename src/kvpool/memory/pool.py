@@ -37,8 +37,7 @@ class KVPool:
     fp8 pages read back through `scales` `[num_layers, num_planes]` (float32, on the device).
     `kv_scales` gives them: one layer's scales for every layer, or one layer's per layer; one
     layer's are a (k_scale, v_scale) pair ("mha") or one number ("mla"). A layer without is
-    calibrated by the first K/V written to it, and keeps its scales for the pool's lifetime.
-    """
+    calibrated by the first K/V written to it, and keeps its scales for the pool's lifetime."""
 
     def __init__(self, layout: KVLayout, num_pages: int, *, device: str | torch.device,
                  kv_scales=None):
