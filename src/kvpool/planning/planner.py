@@ -148,7 +148,11 @@ def plan_memory(
     `tensor_parallel_size` N plans one rank of N: 1/N of the parameters, its share of the KV
     heads and Mamba state, in `device_memory` of its own (read from `device`: a GPU of its
     own, or on the CPU 1/N of the host's memory, which the N rank processes share)."""
-    _check_geometry(model)
+    if not isinstance(model, ModelGeometry):
+        raise TypeError(f"plan_memory takes a model geometry, got {type(model).__name__} "
+                        f"{reprlib.repr(model)}; parse a preset, config.json, checkpoint folder "
+                        f"or config dict first: plan_memory(ModelConfig.from_hf(source), ...) "
+                        f"(kvpool.models.config)")
     if device_memory is not None:
         check_int64("device_memory", device_memory, 1)
     if activation_bytes is not None:
@@ -262,16 +266,6 @@ def host_memory() -> tuple[int, int]:
         return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
     except (AttributeError, ValueError, OSError):
         raise ValueError("cannot read this machine's memory; pass device_memory") from None
-
-
-def _check_geometry(model: object) -> None:
-    """TypeError unless `model` is a model geometry (a preset name, path or config dict must
-    be parsed first)."""
-    if not isinstance(model, ModelGeometry):
-        raise TypeError(f"plan_memory takes a model geometry, got {type(model).__name__} "
-                        f"{reprlib.repr(model)}; parse a preset, config.json, checkpoint folder "
-                        f"or config dict first: plan_memory(ModelConfig.from_hf(source), ...) "
-                        f"(kvpool.models.config)")
 
 
 def _check_share(name: str, value: object, interval: str) -> None:
