@@ -26,8 +26,7 @@ costs a step each, not a walk from the run's first page.
 A cache salt isolates the prefixes of whoever holds it: each salt has its own root (its key
 the salt, its chain key derived from it), so a prompt matches only pages that prompts of the
 same salt committed, and tier keys below it differ from every unsalted key. An unsalted
-prompt uses `root`. A salted root leaves the tree with its last child.
-"""
+prompt uses `root`."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ Packed, a page's ids are one bytes object: 64 bytes at page size 16, hashed and 
 Packing is the largest single cost of a prefix hit, so a list of plain ints is packed by a
 small C loop (`_tokens.c`, built with the package when a C compiler is there). Everything
 else, and every list when it is not built, takes the portable path through `struct`; both
-give the same bytes.
-"""
+give the same bytes."""
 
 from __future__ import annotations
 
