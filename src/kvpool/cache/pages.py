@@ -108,26 +108,25 @@ class FullAttention(GroupManager):
         the window), one if it copies its shared partial last page (copy-on-write)."""
         seq = self._seqs[seq_id]
         if n == 0:
-            return Plan(0, data=(False, []))
+            return Plan(0, data=(False, [], 0))
         start, ps = seq.num_tokens, self.page_size
         drop_to = self.drop_point(start)
         to_copy = self._to_copy(seq, drop_to) if drop_to > 0 and not seq.num_dropped else []
         need = -(-(start + n) // ps) - len(seq.pages) + len(to_copy)
         if start % ps == 0:
-            return Plan(need, data=(False, to_copy))
+            return Plan(need, data=(False, to_copy, drop_to))
         last = seq.pages[-1]
         holders = self.allocator.refcounts[last]
         cow = holders > 1 and holders - copied.get(last, 0) > 1
         if cow:
             copied[last] = copied.get(last, 0) + 1
-        return Plan(need + cow, data=(cow, to_copy))
+        return Plan(need + cow, data=(cow, to_copy, drop_to))
 
     def append(self, seq_id: Hashable, n: int, known: bool, plan: Plan,
                new: list[int]) -> list[int]:
         seq = self._seqs[seq_id]
-        cow, to_copy = plan.data
+        cow, to_copy, drop_to = plan.data
         start = seq.num_tokens
-        drop_to = self.drop_point(start)
         if cow:
             self._copy_on_write(seq, new.pop())
         if drop_to > seq.num_dropped:
