@@ -293,9 +293,8 @@ class MambaState(GroupManager):
     def _checkpoint_requests(self, index: int, seq_id: Hashable,
                              token_ids: bytes | bytearray | None, start: int,
                              end: int) -> list[CheckpointRequest]:
-        """Checkpoints not saved yet to save while computing tokens [start, end), while slots
-        last: the last checkpoint_interval multiple of the prompt the chunk reaches, and
-        every track_interval multiple after the prompt."""
+        """Checkpoints not saved yet to save while computing tokens [start, end), at the
+        multiples the module names, while slots last."""
         seq = self._seqs[seq_id]
         if not seq.checkpointing or token_ids is None:
             return []
