@@ -183,11 +183,6 @@ def test_another_swiglu_gain_or_clamp_is_refused_naming_both_values(key, value):
         ModelConfig.from_hf({**BASE, key: value})
 
 
-def test_the_published_mxfp4_quantization_is_refused_by_name():
-    with pytest.raises(ConfigError, match="quant_method 'mxfp4' is not supported"):
-        ModelConfig.from_hf({**BASE, "quantization_config": {"quant_method": "mxfp4"}})
-
-
 def test_a_stack_whose_columns_do_not_split_in_two_is_refused_naming_its_shape(tmp_path):
     folder = save_hf_model(make_hf_model("gpt-oss", configs=CONFIGS), tmp_path)
     name = "model.layers.0.mlp.experts.gate_up_proj"

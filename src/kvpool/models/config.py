@@ -269,8 +269,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
-    # gpt-oss-20b and -120b as bfloat16 weights (their published experts are MXFP4, which
-    # kvpool does not load): a 128-token window on every other layer, attention sinks
+    # gpt-oss-20b and -120b in bfloat16, as kvpool holds them (their published experts are
+    # MXFP4, dequantized at load): a 128-token window on every other layer, attention sinks
     **{name: {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
         "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers,
@@ -450,6 +450,9 @@ class ModelConfig:
     # float8 weights with a scale per block of (rows, columns), dequantized at load: None for
     # a checkpoint without quantization (see `_fp8_weight_block`)
     fp8_weight_block: tuple[int, int] | None = None
+    # GPT-OSS's experts stored as MXFP4 blocks and scales (quantization_config `mxfp4`, as
+    # gpt-oss-20b and -120b are published), dequantized at load to the model's dtype
+    mxfp4_experts: bool = False
     multipliers: Multipliers = NO_MULTIPLIERS  # Granite's
     # GPT-OSS: a learned logit per query head joins its softmax (`self_attn.sinks`)
     attention_sinks: bool = False
@@ -544,7 +547,8 @@ class ModelConfig:
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
             if arch == GPT_OSS else _hidden_act(cfg, arch),
             moe=moe,
-            fp8_weight_block=_fp8_weight_block(cfg),
+            fp8_weight_block=_fp8_weight_block(cfg, arch),
+            mxfp4_experts=arch == GPT_OSS and _mxfp4_experts(cfg),
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
             _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
             # EXAONE 4 rotates only its sliding layers, or every layer of a model with no window
@@ -1064,25 +1068,31 @@ def _deepseek(cfg: dict, arch: str) -> ModelConfig:
         eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
         mla=mla,
         moe=_deepseek_moe(cfg, v3, num_layers),
-        fp8_weight_block=_fp8_weight_block(cfg),
+        fp8_weight_block=_fp8_weight_block(cfg, arch),
     )
 
 
-def _fp8_weight_block(cfg: dict) -> tuple[int, int] | None:
+def _fp8_weight_block(cfg: dict, arch: str) -> tuple[int, int] | None:
     """The (rows, columns) each weight scale covers in a checkpoint of float8 e4m3 weights
     with per-block scales (quantization_config `fp8` with `weight_block_size`, as DeepSeek-V3
-    and Qwen3's FP8 releases are published); None without quantization. Other quantization
-    methods are refused."""
+    and Qwen3's FP8 releases are published); None without quantization, or with GPT-OSS's
+    MXFP4 experts (`_mxfp4_experts`). Other quantization methods are refused."""
     quant = cfg.get("quantization_config")
     if quant is None:
         return None
     if not isinstance(quant, dict):
         raise ConfigError(f"config 'quantization_config' must be an object, got {quant!r}")
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method == "mxfp4":
+        if arch == GPT_OSS:
+            return None
+        raise ConfigError(f"quantization_config quant_method 'mxfp4' is supported on {GPT_OSS} "
+                          f"only (its experts), not on {arch}")
     if method != "fp8" or block is None:
         raise ConfigError(f"quantization_config quant_method {method!r}"
                           f"{'' if method != 'fp8' else ' without weight_block_size'} is not "
-                          f"supported (supported: fp8 with weight_block_size, loaded dequantized)")
+                          f"supported (supported: fp8 with weight_block_size, and mxfp4 on "
+                          f"{GPT_OSS}, loaded dequantized)")
     if not (isinstance(block, list) and len(block) == 2
             and all(type(b) is int and 0 < b <= MAX_WEIGHT_BLOCK for b in block)):
         raise ConfigError(f"quantization_config weight_block_size must be two ints in "
@@ -1092,6 +1102,22 @@ def _fp8_weight_block(cfg: dict) -> tuple[int, int] | None:
             raise ConfigError(f"quantization_config {key} {quant[key]!r} is not supported "
                               f"(supported: {supported})")
     return block[0], block[1]
+
+
+def _mxfp4_experts(cfg: dict) -> bool:
+    """Whether a GPT-OSS checkpoint stores its experts as MXFP4 (quantization_config
+    `mxfp4`). Its `modules_to_not_convert` (patterns of the modules stored unquantized) must
+    be a list of strings: the loader takes each expert stack as the checkpoint stores it,
+    MXFP4 or not, so every module it names is honoured."""
+    quant = cfg.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
+        return False
+    kept = quant.get("modules_to_not_convert")
+    if kept is not None and not (isinstance(kept, list)
+                                 and all(isinstance(name, str) for name in kept)):
+        raise ConfigError(f"quantization_config modules_to_not_convert must be a list of "
+                          f"module names, got {kept!r}")
+    return True
 
 
 def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:

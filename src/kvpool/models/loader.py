@@ -5,7 +5,7 @@ weights, byte tokenizer). A tensor-parallel rank loads only its part of each wei
 layout differ from kvpool's parameters are mapped at load: renamed (Mixtral's experts, a
 multimodal checkpoint's text decoder, GPT-OSS's router), split (Phi-3's fused projections,
 Granite MoE's and GPT-OSS's experts stacked in one tensor) or dequantized (FP8 releases'
-block-scaled float8 weights)."""
+block-scaled float8 weights, GPT-OSS releases' MXFP4 experts)."""
 
 from __future__ import annotations
 
@@ -102,6 +102,15 @@ INTERLEAVED = {
     "mlp.experts.down_proj": ("mlp.experts.{}.down_proj.weight",),
     "mlp.experts.down_proj_bias": ("mlp.experts.{}.down_proj.bias",),
 }
+# The INTERLEAVED weights a GPT-OSS release may store as MXFP4: `X_blocks` [experts, out,
+# in / 32, 16] of two e2m1 values a byte (the low nibble first), each 16 bytes a block of 32
+# values along `in`, and `X_scales` [experts, out, in / 32] of e8m0 exponents, one a block;
+# they stand for X [experts, in, out], the blocks' dequantized values transposed.
+MXFP4_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+MXFP4_BLOCK = 32  # values a scale covers
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # by 4-bit code
+E8M0 = torch.tensor([2.0 ** (e - 127) for e in range(255)] + [math.nan])  # by exponent byte
 # Granite's shared MLP on a layer without experts (a GraniteMoeHybrid of none) is the layer's
 # MLP: FUSED's parameters of its tensors there
 DENSE_FUSED = {"shared_mlp.input_linear.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -353,7 +362,8 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Copy the checkpoint's tensors (the model's tensor-parallel part of each) into the model
     by name, after checking that names and shapes match exactly (a tied lm_head and rotary
     inv_freq buffers are skipped). With `fp8_weight_block` in the config, float8 weights are
-    dequantized by their `weight_scale_inv` first."""
+    dequantized by their `weight_scale_inv` first; with `mxfp4_experts`, MXFP4 expert stacks
+    one expert at a time."""
     params = model.state_dict()
     block = model.config.fp8_weight_block
     # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
@@ -363,6 +373,8 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
+    # MXFP4 stack name -> the file of its scales
+    mxfp4 = _mxfp4_stacks(found) if model.config.mxfp4_experts else {}
     # parameter name -> (the checkpoint tensor holding it, its piece there; None: all of it)
     sources = _renamed(found) | _split_fused(found, model.config) | \
         _split_interleaved(found, model.config)
@@ -383,7 +395,9 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
                     elif piece is None:
                         tensor = _read_tensor(f, source, file, index)
                     elif isinstance(piece, Columns):
-                        expert = _read_tensor(f, source, file, ((piece.expert,),))
+                        expert = _mxfp4_expert(f, source, file, mxfp4[source], piece.expert) \
+                            if source in mxfp4 else \
+                            _read_tensor(f, source, file, ((piece.expert,),))
                         tensor = take(piece.of(expert), index)
                     else:
                         tensor = take(_read_tensor(f, source, file, (piece,)), index)
@@ -513,6 +527,45 @@ def _dequantized(f, name: str, file: Path, scale_file: Path, block: tuple[int, i
     rows, cols = weight.shape
     scale = scale.float().repeat_interleave(block[0], 0)[:rows]
     return weight.float() * scale.repeat_interleave(block[1], 1)[:, :cols]
+
+
+def _mxfp4_stacks(found: dict) -> dict[str, Path]:
+    """Replace each MXFP4 stack's blocks and scales in `found` by the stack they stand for
+    (MXFP4_STACKS), with its shape; returns stack name -> the file of its scales.
+    CheckpointError for blocks without scales, of a shape that is not MXFP4's, or of a stack
+    the checkpoint holds unquantized too."""
+    files = {}
+    for name in [n for n in found if n.endswith("_blocks")]:
+        stack = name[:-len("_blocks")]
+        if stack.split(".", 3)[-1] not in MXFP4_STACKS or _layer_index(name) < 0:
+            continue
+        if stack + "_scales" not in found:
+            raise CheckpointError(f"{name} has no {stack}_scales in the checkpoint")
+        (blocks, file), (scales, files[stack]) = found.pop(name), found.pop(stack + "_scales")
+        if len(blocks) != 4 or blocks[-1] != MXFP4_BLOCK // 2 or scales != blocks[:-1]:
+            raise CheckpointError(
+                f"{name} has shape {blocks} and {stack}_scales {scales} in the checkpoint; "
+                f"MXFP4 needs blocks [experts, rows, blocks, {MXFP4_BLOCK // 2}] and scales "
+                f"[experts, rows, blocks]")
+        if stack in found:
+            raise CheckpointError(f"the checkpoint holds {stack} and its MXFP4 blocks too")
+        experts, rows, groups, _ = blocks
+        found[stack] = ((experts, groups * MXFP4_BLOCK, rows), file)
+    return files
+
+
+def _mxfp4_expert(f, stack: str, file: Path, scale_file: Path, expert: int) -> torch.Tensor:
+    """Expert `expert`'s slice [in, out] of the MXFP4 stack `stack`, in float32: each value
+    its e2m1 code's times its block's power of two (exact in any float dtype)."""
+    blocks = _read_tensor(f, stack + "_blocks", file, ((expert,),))
+    with _open_safetensors(scale_file) as g:
+        scales = _read_tensor(g, stack + "_scales", scale_file, ((expert,),))
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise CheckpointError(f"{stack}_blocks and _scales in {file.name} are {blocks.dtype} "
+                              f"and {scales.dtype}; MXFP4 needs torch.uint8")
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [out, g, 32]
+    values = E2M1[codes] * E8M0[scales.long()].unsqueeze(-1)
+    return values.flatten(-2).mT
 
 
 def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
