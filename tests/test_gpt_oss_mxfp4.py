@@ -20,6 +20,7 @@ from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.models.loader import load_config, load_model
+from kvpool.models.parallel import TensorParallel
 from kvpool.planning.planner import plan_memory
 from models_util import (
     assert_greedy_decode_matches,
@@ -28,6 +29,7 @@ from models_util import (
     check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
     rewrite_weight,
+    save_hf_model,
 )
 from test_cli import plan_table
 from test_gpt_oss import CONFIGS, make_gpt_oss
@@ -169,6 +171,19 @@ def test_a_layer_modules_to_not_convert_names_loads_its_unquantized_experts(tmp_
     assert torch.equal(hf.model.layers[1].mlp.experts.gate_up_proj, kept)  # left as it was
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_tensor_parallel_rank_loads_its_part_of_the_dequantized_experts(
+        checkpoint, tmp_path, rank):
+    hf, folder = checkpoint  # gate and up: each rank's rows; down: its columns
+    unquantized = save_hf_model(hf, tmp_path)
+    tp = TensorParallel(rank, 2)
+    ours = load_model(folder, device="cpu", tp=tp).model.state_dict()
+    reference = load_model(unquantized, device="cpu", tp=tp).model.state_dict()
+    assert ours.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(ours[name], value), name
+
+
 # --- refusals ---
 
 BLOCKS = "model.layers.0.mlp.experts.gate_up_proj_blocks"  # [8, 64, 2, 16]
@@ -253,6 +268,16 @@ def test_the_nan_exponent_is_refused_naming_the_weight(tmp_path):
     rewrite_weight(folder, SCALES, lambda t: t.index_fill(1, torch.tensor([0]), 255))
     with pytest.raises(CheckpointError, match=r"weight model\.layers\.0\.mlp\.experts\.0\."
                                               r"gate_proj\.weight .* NaN or infinite"):
+        load_model(folder, device="cpu")
+
+
+def test_blocks_of_another_weight_than_the_experts_are_unexpected_weights(tmp_path):
+    folder = fresh_checkpoint(tmp_path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rewrite_weight(folder, name + "_blocks", lambda _: torch.zeros(64, 2, 16, dtype=torch.uint8))
+    rewrite_weight(folder, name + "_scales", lambda _: torch.zeros(64, 2, dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"unexpected weights: {name}_blocks, {name}_scales")):
         load_model(folder, device="cpu")
 
 

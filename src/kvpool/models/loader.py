@@ -110,6 +110,8 @@ MXFP4_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 MXFP4_BLOCK = 32  # values a scale covers
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                      -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])  # by 4-bit code
+# each byte's two values, its low nibble's first
+E2M1_PAIRS = torch.stack((E2M1.repeat(16), E2M1.repeat_interleave(16)), dim=-1)
 E8M0 = torch.tensor([2.0 ** (e - 127) for e in range(255)] + [math.nan])  # by exponent byte
 # Granite's shared MLP on a layer without experts (a GraniteMoeHybrid of none) is the layer's
 # MLP: FUSED's parameters of its tensors there
@@ -362,8 +364,8 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     """Copy the checkpoint's tensors (the model's tensor-parallel part of each) into the model
     by name, after checking that names and shapes match exactly (a tied lm_head and rotary
     inv_freq buffers are skipped). With `fp8_weight_block` in the config, float8 weights are
-    dequantized by their `weight_scale_inv` first; with `mxfp4_experts`, MXFP4 expert stacks
-    one expert at a time."""
+    dequantized by their `weight_scale_inv` first; with `mxfp4_experts`, each expert weight of
+    an MXFP4 stack from its own blocks only."""
     params = model.state_dict()
     block = model.config.fp8_weight_block
     # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
@@ -394,10 +396,10 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
                         tensor = take(whole if piece is None else whole[piece], index)
                     elif piece is None:
                         tensor = _read_tensor(f, source, file, index)
+                    elif source in mxfp4:
+                        tensor = _mxfp4_weight(f, source, file, mxfp4[source], piece, index)
                     elif isinstance(piece, Columns):
-                        expert = _mxfp4_expert(f, source, file, mxfp4[source], piece.expert) \
-                            if source in mxfp4 else \
-                            _read_tensor(f, source, file, ((piece.expert,),))
+                        expert = _read_tensor(f, source, file, ((piece.expert,),))
                         tensor = take(piece.of(expert), index)
                     else:
                         tensor = take(_read_tensor(f, source, file, (piece,)), index)
@@ -537,7 +539,7 @@ def _mxfp4_stacks(found: dict) -> dict[str, Path]:
     files = {}
     for name in [n for n in found if n.endswith("_blocks")]:
         stack = name[:-len("_blocks")]
-        if stack.split(".", 3)[-1] not in MXFP4_STACKS or _layer_index(name) < 0:
+        if stack.split(".", 3)[-1] not in MXFP4_STACKS:  # after model.layers.N.
             continue
         if stack + "_scales" not in found:
             raise CheckpointError(f"{name} has no {stack}_scales in the checkpoint")
@@ -554,18 +556,21 @@ def _mxfp4_stacks(found: dict) -> dict[str, Path]:
     return files
 
 
-def _mxfp4_expert(f, stack: str, file: Path, scale_file: Path, expert: int) -> torch.Tensor:
-    """Expert `expert`'s slice [in, out] of the MXFP4 stack `stack`, in float32: each value
-    its e2m1 code's times its block's power of two (exact in any float dtype)."""
-    blocks = _read_tensor(f, stack + "_blocks", file, ((expert,),))
+def _mxfp4_weight(f, stack: str, file: Path, scale_file: Path, piece: Columns,
+                  index: Index) -> torch.Tensor:
+    """The part `index` of the parameter `piece` of the MXFP4 stack `stack`, in float32: each
+    value its e2m1 code's times its block's power of two (exact in any float dtype). Only the
+    parameter is dequantized: its columns of the stack are its expert's block rows
+    `piece.start::piece.step`."""
+    blocks = _read_tensor(f, stack + "_blocks", file, ((piece.expert,),))
     with _open_safetensors(scale_file) as g:
-        scales = _read_tensor(g, stack + "_scales", scale_file, ((expert,),))
+        scales = _read_tensor(g, stack + "_scales", scale_file, ((piece.expert,),))
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise CheckpointError(f"{stack}_blocks and _scales in {file.name} are {blocks.dtype} "
                               f"and {scales.dtype}; MXFP4 needs torch.uint8")
-    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2).long()  # [out, g, 32]
-    values = E2M1[codes] * E8M0[scales.long()].unsqueeze(-1)
-    return values.flatten(-2).mT
+    rows = slice(piece.start, None, piece.step)
+    values = torch.nn.functional.embedding(blocks[rows].int(), E2M1_PAIRS).flatten(-2)
+    return take((values * E8M0[scales[rows].int()].unsqueeze(-1)).flatten(-2), index)
 
 
 def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
