@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,23 @@ STACKS = ("gate_up_proj", "down_proj")
 PUBLISHED = {"quant_method": "mxfp4",
              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                         "model.embed_tokens", "lm_head"]}
+# gpt-oss-20b's config.json as published (no dtype stated; its unquantized weights bf16)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": PUBLISHED, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088,
+}
 
 
 def quantized(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,9 +130,29 @@ def assert_experts_equal(ours, hf: transformers.PreTrainedModel, layers=None) ->
                                experts.down_proj[expert].T.to(mlp.down_proj.weight.dtype))
 
 
-def test_the_published_config_reads_as_mxfp4_experts(checkpoint):
-    config = load_config(checkpoint[1])
+def test_the_published_config_reads_as_mxfp4_experts_in_bfloat16():
+    config = ModelConfig.from_hf(GPT_OSS_20B)
     assert config.mxfp4_experts and config.fp8_weight_block is None
+    assert config.dtype == torch.bfloat16
+    assert config == replace(ModelConfig.from_hf("gpt-oss-20b"), mxfp4_experts=True,
+                             eos_token_ids=(200002,))
+
+
+def test_a_stated_dtype_is_kept(checkpoint):
+    config = load_config(checkpoint[1])
+    assert config.mxfp4_experts and config.dtype == torch.float32
+
+
+def test_a_checkpoint_that_states_no_dtype_loads_its_experts_in_bfloat16(checkpoint, tmp_path):
+    hf, folder = checkpoint
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path, device="cpu").model
+    assert model.config.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.experts[0].gate_proj.weight.dtype == torch.bfloat16
+    assert_experts_equal(model, hf)
 
 
 def test_each_expert_loads_exactly_the_values_its_blocks_stand_for(checkpoint, device):
@@ -300,8 +339,7 @@ def test_the_plan_counts_the_dequantized_weights_the_model_holds(checkpoint):
 
 
 def test_plan_of_gpt_oss_20b_as_published_counts_its_experts_in_bfloat16(capsys, tmp_path):
-    config = {**PRESETS["gpt-oss-20b"], "quantization_config": PUBLISHED}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
     table = plan_table(capsys, str(tmp_path), "--device-memory", "80GiB")
     assert table["parameters"] == "20.91 B (20,914,757,184)"
     assert table["weights"] == "38.96 GiB"  # 41,829,514,368 bytes: 2 a parameter

@@ -452,6 +452,7 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None
     # GPT-OSS's experts stored as MXFP4 blocks and scales (quantization_config `mxfp4`, as
     # gpt-oss-20b and -120b are published), dequantized at load to the model's dtype
+    # (bfloat16 where the config states none)
     mxfp4_experts: bool = False
     multipliers: Multipliers = NO_MULTIPLIERS  # Granite's
     # GPT-OSS: a learned logit per query head joins its softmax (`self_attn.sinks`)
@@ -505,6 +506,7 @@ class ModelConfig:
         if arch == GPT_OSS:
             _check_gpt_oss_swiglu(cfg)
         sliding_window, layer_types = _windows(cfg, arch, num_layers)
+        mxfp4_experts = arch == GPT_OSS and _mxfp4_experts(cfg)
         moe = MOE_ARCHITECTURES[arch](cfg, num_layers) if arch in MOE_ARCHITECTURES else None
         config = cls(
             architecture=arch,
@@ -534,7 +536,8 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
                              EXAONE4),
             sliding_window=sliding_window,
-            dtype=_dtype(cfg),
+            # gpt-oss releases state no dtype: their unquantized weights are bfloat16
+            dtype=_dtype(cfg) or (torch.bfloat16 if mxfp4_experts else None),
             bos_token_id=_optional_int(cfg, "bos_token_id", minimum=0),
             eos_token_ids=token_ids(cfg.get("eos_token_id"), "eos_token_id"),
             partial_rotary_factor=partial_rotary_factor,
@@ -548,7 +551,7 @@ class ModelConfig:
             if arch == GPT_OSS else _hidden_act(cfg, arch),
             moe=moe,
             fp8_weight_block=_fp8_weight_block(cfg, arch),
-            mxfp4_experts=arch == GPT_OSS and _mxfp4_experts(cfg),
+            mxfp4_experts=mxfp4_experts,
             no_rope_layers=_no_rope_layers(cfg, num_layers) if arch == SMOLLM3 else
             _granite_hybrid_no_rope_layers(cfg, num_layers) if arch == GRANITE_MOE_HYBRID
             # EXAONE 4 rotates only its sliding layers, or every layer of a model with no window
