@@ -559,8 +559,8 @@ def _mxfp4_stacks(found: dict) -> dict[str, Path]:
 def _mxfp4_weight(f, stack: str, file: Path, scale_file: Path, piece: Columns,
                   index: Index) -> torch.Tensor:
     """The part `index` of the parameter `piece` of the MXFP4 stack `stack`, in float32: each
-    value its e2m1 code's times its block's power of two (exact in any float dtype). Only the
-    parameter is dequantized: its columns of the stack are its expert's block rows
+    value its e2m1 code's times its block's power of two (exact in float32 and bfloat16).
+    Only the parameter is dequantized: its columns of the stack are its expert's block rows
     `piece.start::piece.step`."""
     blocks = _read_tensor(f, stack + "_blocks", file, ((piece.expert,),))
     with _open_safetensors(scale_file) as g:
@@ -569,8 +569,10 @@ def _mxfp4_weight(f, stack: str, file: Path, scale_file: Path, piece: Columns,
         raise CheckpointError(f"{stack}_blocks and _scales in {file.name} are {blocks.dtype} "
                               f"and {scales.dtype}; MXFP4 needs torch.uint8")
     rows = slice(piece.start, None, piece.step)
+    # table lookups by embedding: a few times faster on the CPU than indexing the tables
     values = torch.nn.functional.embedding(blocks[rows].int(), E2M1_PAIRS).flatten(-2)
-    return take((values * E8M0[scales[rows].int()].unsqueeze(-1)).flatten(-2), index)
+    values *= torch.nn.functional.embedding(scales[rows].int(), E8M0[:, None])
+    return take(values.flatten(-2), index)
 
 
 def _copy_finite(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
