@@ -165,11 +165,11 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     as "smollm2"; with KVPOOL_GGUF_CACHE set, through its conversion, written on first use
     once the file passes the checks, or from the file itself, with a warning, where the cache
     cannot hold it) or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
-    dtype None: the config's (float32 if it states none). `max_model_len`, the longest
-    sequence it will run (None: the config's context), picks LongRoPE's factors. Raises
-    ValueError for a bad device, ConfigError for a missing, malformed or unsupported config
-    (or one that does not split across the ranks) and CheckpointError for weights that do
-    not match it."""
+    dtype None: the config's (float32 if it states none, but for an MXFP4 GPT-OSS's
+    bfloat16). `max_model_len`, the longest sequence it will run (None: the config's
+    context), picks LongRoPE's factors. Raises ValueError for a bad device, ConfigError for a
+    missing, malformed or unsupported config (or one that does not split across the ranks)
+    and CheckpointError for weights that do not match it."""
     device = check_device(device)
     if max_model_len is not None:
         check_int64("max_model_len", max_model_len, 1)
