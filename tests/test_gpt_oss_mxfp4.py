@@ -210,6 +210,20 @@ def test_a_layer_modules_to_not_convert_names_loads_its_unquantized_experts(tmp_
     assert torch.equal(hf.model.layers[1].mlp.experts.gate_up_proj, kept)  # left as it was
 
 
+def test_scales_in_another_shard_than_their_blocks_are_read_there(checkpoint, tmp_path):
+    hf, folder = checkpoint
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    scales = {name: weights.pop(name) for name in list(weights) if name.endswith("_scales")}
+    save_file(weights, tmp_path / "model-1.safetensors")
+    save_file(scales, tmp_path / "model-2.safetensors")
+    weight_map = {name: "model-1.safetensors" for name in weights} | \
+        {name: "model-2.safetensors" for name in scales}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_experts_equal(load_model(tmp_path, device="cpu").model, hf)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_tensor_parallel_rank_loads_its_part_of_the_dequantized_experts(
         checkpoint, tmp_path, rank):
