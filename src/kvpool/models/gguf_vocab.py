@@ -1,5 +1,5 @@
 """A GGUF file's vocabulary as a `tokenizers` Tokenizer, the way llama.cpp tokenizes it:
-byte-level BPE (`tokenizer.ggml.model` "gpt2": GPT-2, Llama 3, SmolLM) split by the file's
+byte-level BPE (`tokenizer.ggml.model` "gpt2": GPT-2, Llama 3, SmolLM, gpt-oss) split by the file's
 pre-tokenizer, or SentencePiece BPE ("llama": Llama 2, Mistral) with merges recovered from
 the token scores. Control tokens become special tokens, user-defined ones added tokens."""
 
@@ -23,6 +23,13 @@ SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
+# tiktoken's o200k (gpt-oss, GPT-4o): a word's capitals and lower-case letters apart, its
+# contraction kept on it, "/" kept after punctuation
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _byte_level() -> pre_tokenizers.PreTokenizer:
@@ -48,12 +55,16 @@ def _qwen2_split() -> pre_tokenizers.PreTokenizer:
     return _split_then_byte_level(_QWEN2_SPLIT)
 
 
+def _o200k_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(_O200K_SPLIT)
+
+
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes).
 PRE_TOKENIZERS = {
     "default": _byte_level, "gpt-2": _byte_level, "gpt2": _byte_level,
     "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level,
     "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
-    "qwen2": _qwen2_split,
+    "qwen2": _qwen2_split, "gpt-4o": _o200k_split,
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
