@@ -1203,16 +1203,6 @@ def test_a_qwen2moe_shared_expert_gate_stored_as_a_vector_loads_as_its_row(tmp_p
     assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
 
 
-def test_an_olmo2_gguf_file_with_a_sliding_window_is_olmo3_and_refused_by_name(tmp_path):
-    writer = gguf.GGUFWriter(tmp_path / "olmo3.gguf", "olmo2")
-    writer.add_sliding_window(4096)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match="GGUF olmo2 with a sliding window is OLMo 3"):
-        kvgguf.GGUFCheckpoint(tmp_path / "olmo3.gguf").hf_config()
-
-
 def test_granite_without_an_attention_scale_scales_by_head_dim_as_llama_cpp_does(tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "granite.gguf", "granite")
     writer.add_embedding_length(256)

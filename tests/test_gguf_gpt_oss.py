@@ -189,11 +189,15 @@ def test_mxfp4_experts_load_their_exact_values_and_give_transformers_logits(tmp_
 
 
 @pytest.mark.parametrize(("more", "message"), [
+    # transformers' attention factor other than its default for 4x, 1 + 0.1 ln 4
     (lambda w: w.add_rope_scaling_yarn_attn_factor(1.5),
-     "gpt-oss.rope.scaling.yarn_attn_factor is 1.5; kvpool reads YaRN with 1.0 only"),
+     r"gpt-oss.rope.scaling.yarn_attn_factor is 1.5; kvpool reads YaRN with 1.138629\d* only"),
+    # llama.cpp's own multiplier of it (an older converter's key for the same factor)
+    (lambda w: w.add_rope_scaling_attn_factors(1.25),
+     "gpt-oss.rope.scaling.attn_factor is 1.25; kvpool reads YaRN with 1.0 only"),
     (lambda w: w.add_rope_scaling_yarn_log_mul(0.1),
      "gpt-oss.rope.scaling.yarn_log_multiplier is 0.1"),
-], ids=["attn-factor", "log-multiplier"])
+], ids=["yarn-attn-factor", "attn-factor", "log-multiplier"])
 def test_yarn_settings_transformers_has_no_counterpart_for_are_refused_by_name(
         tmp_path, more, message):
     path = _metadata(tmp_path, more)

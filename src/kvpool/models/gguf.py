@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2 and gpt-oss: the
-config, weights, tokenizer and chat template a .gguf file holds, parsed and dequantized by the
-`gguf` package (the `gguf` extra). What lives here is the mapping from GGUF's metadata keys
-and tensor names to kvpool's config fields and parameter names."""
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3 and
+gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
+GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import SIZE_LIMITS, ModelConfig
 from kvpool.models.gguf_vocab import build_tokenizer
+from kvpool.models.rotary import yarn_mscale
 from kvpool.models.tokenizer import HFTokenizer
 
 CACHE_ENV = "KVPOOL_GGUF_CACHE"  # a folder: keep converted GGUF files there
@@ -178,10 +179,14 @@ NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.yarn_be
 # Architectures whose YaRN scaling kvpool reads -> whether its ramp from interpolated to kept
 # frequencies starts and ends on whole dimensions (transformers' `truncate`). gpt-oss's does
 # not, as its config says; llama.cpp rounds it for every model (a file has no key for it).
-YARN_TRUNCATE = {"gpt-oss": False}
+# OLMo 3 (`olmo2`) scales its full layers only.
+YARN_TRUNCATE = {"gpt-oss": False, "olmo2": True}
 # YaRN's settings llama.cpp reads beyond kvpool's (after `{arch}.rope.scaling.`) -> the value
-# that leaves the scaling as transformers' YaRN computes it; no gpt-oss file sets them.
-YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0, "attn_factor": 1.0,
+# that leaves the scaling as transformers' YaRN computes it. llama.cpp scales cos/sin by
+# 1 + 0.1 ln(factor) (transformers' default attention factor) times `attn_factor`, and
+# ignores `yarn_attn_factor`, which the converter writes from transformers' attention
+# factor: that one is read where it is that default (None), refused otherwise.
+YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": None, "attn_factor": 1.0,
                  "yarn_log_multiplier": 0.0}
 
 
@@ -392,7 +397,8 @@ class GGUFCheckpoint:
         otherwise."""
         for name, default in YARN_DEFAULTS.items():
             value = key(f"rope.scaling.{name}")
-            if value is not None and value != default:
+            default = yarn_mscale(factor) if default is None else default
+            if value is not None and not math.isclose(value, default, rel_tol=1e-6):
                 raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.scaling.{name} is "
                                   f"{value}; kvpool reads YaRN with {default} only")
         return {"rope_type": "yarn", "factor": float(factor), "truncate": YARN_TRUNCATE[arch],
@@ -582,11 +588,30 @@ def _granite_hybrid_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) 
 
 
 def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
-    """Nothing beyond the common keys; ConfigError for a sliding window (OLMo 3's)."""
-    if key("attention.sliding_window"):
-        raise ConfigError(f"{checkpoint.path.name}: GGUF olmo2 with a sliding window is "
-                          f"OLMo 3, whose GGUF files kvpool does not read")
-    return {}
+    """OLMo 2, or with a sliding window OLMo 3, which llama.cpp's converter writes as `olmo2`:
+    its sliding layers those `attention.sliding_window_pattern` marks (a flag per layer, or
+    a period: all but every period-th, 4 by default, as llama.cpp reads it; a period of 0
+    slides every layer), rotated by plain RoPE, the rope scaling the full layers'. ConfigError
+    for a pattern of another kind or of flags not one per layer, and for the sliding layers'
+    own rope base (`rope.freq_base_swa`), which OLMo 3's config has no place for."""
+    window = key("attention.sliding_window")
+    if not window:
+        return {}
+    layers, pattern = _layer_count(checkpoint, key), key("attention.sliding_window_pattern", 4)
+    name = checkpoint.path.name
+    flags = isinstance(pattern, list) and all(isinstance(f, bool) for f in pattern)
+    if not (flags and len(pattern) == layers or isinstance(pattern, int)
+            and not isinstance(pattern, bool) and pattern >= 0):
+        raise ConfigError(f"{name}: GGUF olmo2.attention.sliding_window_pattern must be a "
+                          f"flag for each of the {layers} layers or a period, got {pattern!r}")
+    if key("rope.freq_base_swa", key("rope.freq_base")) != key("rope.freq_base"):
+        raise ConfigError(f"{name}: GGUF olmo2.rope.freq_base_swa {key('rope.freq_base_swa')} "
+                          f"differs from rope.freq_base; kvpool rotates OLMo 3's sliding layers "
+                          f"by rope.freq_base")
+    sliding = pattern if flags else \
+        [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    return {"architectures": ["Olmo3ForCausalLM"], "sliding_window": window,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
 
 
 def _gpt_oss_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:

@@ -1,0 +1,110 @@
+"""GGUF files of the families llama.cpp's converter writes under another family's
+architecture or with settings beyond the common ones: OLMo 3 (`olmo2` with a window, its
+sliding layers flagged per layer, yarn on the full ones); written here from random transformers
+models as the converter writes them, against transformers, and the metadata kvpool refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import transformers
+from safetensors.torch import load_file
+
+from kvpool.errors import ConfigError
+from kvpool.models import load_config, load_model
+from models_util import (
+    SMALL,
+    assert_greedy_decode_matches,
+    assert_prefill_logits_match,
+    make_hf_model,
+    save_hf_model,
+)
+from test_gguf import _finish, _writer
+from test_models import MAX_TOKENS
+
+gguf = pytest.importorskip("gguf")
+
+# OLMo 3 as its releases are (no biases, which llama.cpp has no tensors for): three sliding
+# layers of 8 tokens and a full one, the full one with yarn 4x
+OLMO3 = {"olmo3-gguf": lambda: transformers.Olmo3Config(
+    **dict(SMALL, num_hidden_layers=4), sliding_window=8,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})}
+
+
+def olmo3_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
+    """The file llama.cpp's converter writes for a transformers OLMo 3: `olmo2`, names from
+    the gguf package's own map, q/k rows in order, the window and a sliding flag per layer,
+    the full layers' yarn (its attention factor transformers' default, as published configs
+    state it); float32, placeholder tokens."""
+    config = hf.config
+    full = config.rope_parameters["full_attention"]
+    writer = _writer(path, "olmo2", config)
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_attn_factor(0.1 * math.log(full["factor"]) + 1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMO2, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    _finish(writer, config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def olmo3(tmp_path_factory, device):
+    """(transformers OLMo 3, its GGUF file loaded by kvpool)."""
+    hf = make_hf_model("olmo3-gguf", configs=OLMO3)
+    path = tmp_path_factory.mktemp("olmo3") / "olmo3.gguf"
+    olmo3_gguf_of(hf, path)
+    return hf.to(device), load_model(path, device=device).model
+
+
+def test_an_olmo3_gguf_file_gives_transformers_logits(olmo3):
+    hf, model = olmo3
+    assert model.config.architecture == "Olmo3ForCausalLM"
+    assert [model.config.layer_window(i) for i in range(4)] == [8, 8, 8, None]
+    assert_prefill_logits_match(hf, model)
+
+
+def test_an_olmo3_gguf_file_decodes_transformers_greedy_tokens(olmo3):
+    assert_greedy_decode_matches(*olmo3, MAX_TOKENS)
+
+
+def _olmo3_metadata(tmp_path, more=None):
+    """An `olmo2` file of metadata alone, 4 layers with a window of 8, and what `more(writer)`
+    adds."""
+    path = tmp_path / "olmo3.gguf"
+    writer = _writer(path, "olmo2", transformers.Olmo3Config(**dict(SMALL, num_hidden_layers=4)))
+    writer.add_sliding_window(8)
+    if more is not None:
+        more(writer)
+    _finish(writer, 160)
+    return path
+
+
+@pytest.mark.parametrize(("pattern", "types"), [
+    (None, "SSSF"),  # llama.cpp's default period, 4: every 4th layer full
+    (2, "SFSF"), (0, "SSSS"),  # a period; 0 slides every layer, as llama.cpp reads it
+    ([True, False, False, True], "SFFS"),  # a flag per layer, as the converter writes them
+])
+def test_olmo3s_sliding_layers_are_those_the_pattern_marks(tmp_path, pattern, types):
+    path = _olmo3_metadata(tmp_path, None if pattern is None
+                           else lambda w: w.add_sliding_window_pattern(pattern))
+    config = load_config(path)
+    assert "".join("S" if config.layer_window(i) == 8 else "F" for i in range(4)) == types
+
+
+@pytest.mark.parametrize(("more", "message"), [
+    (lambda w: w.add_sliding_window_pattern([True, False]),
+     r"sliding_window_pattern must be a flag for each of the 4 layers or a period, got "
+     r"\[True, False\]"),
+    (lambda w: w.add_rope_freq_base_swa(1000.0),
+     "olmo2.rope.freq_base_swa 1000.0 differs from rope.freq_base"),
+], ids=["flags-of-other-layers", "sliding-rope-base"])
+def test_olmo3_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_olmo3_metadata(tmp_path, more))
