@@ -1,18 +1,22 @@
 """GGUF files of the families llama.cpp's converter writes under another family's
 architecture or with settings beyond the common ones: OLMo 3 (`olmo2` with a window, its
-sliding layers flagged per layer, yarn on the full ones); written here from random transformers
-models as the converter writes them, against transformers, and the metadata kvpool refuses."""
+sliding layers flagged per layer, yarn on the full ones) and EXAONE 4 (windowed only at 64
+layers, as llama.cpp runs it, Llama 3.1's scaling as `rope_freqs`); written here from random
+transformers models as the converter writes them, against transformers, and the metadata
+kvpool refuses."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import transformers
 from safetensors.torch import load_file
 
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
+from kvpool.models.gguf_vocab import build_tokenizer
 from models_util import (
     SMALL,
     assert_greedy_decode_matches,
@@ -20,7 +24,7 @@ from models_util import (
     make_hf_model,
     save_hf_model,
 )
-from test_gguf import _finish, _writer
+from test_gguf import _finish, _llama31_rope_freqs, _writer
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -108,3 +112,94 @@ def test_olmo3s_sliding_layers_are_those_the_pattern_marks(tmp_path, pattern, ty
 def test_olmo3_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_olmo3_metadata(tmp_path, more))
+
+
+# EXAONE 4 as llama.cpp runs it: 64 layers (the 32B's count, the only one llama.cpp windows) of
+# which three in four slide over 8 tokens, the full ones without RoPE, Llama 3.1's scaling;
+# and 4 layers without a window, every one rotated
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+EXAONE4 = {
+    "exaone4-gguf": lambda: transformers.Exaone4Config(
+        **dict(SMALL, num_hidden_layers=64, hidden_size=32, intermediate_size=32),
+        sliding_window=8, rope_scaling=LLAMA3_ROPE),
+    "exaone4-no-window-gguf": lambda: transformers.Exaone4Config(
+        **dict(SMALL, num_hidden_layers=4), sliding_window=None,
+        layer_types=["full_attention"] * 4, rope_scaling=LLAMA3_ROPE),
+}
+
+
+def exaone4_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
+    """The file llama.cpp's converter writes for a transformers EXAONE 4: names from the gguf
+    package's own map, q/k rows in order, the window and a sliding flag per layer where the
+    model has one, Llama 3.1's scaling as the `rope_freqs` divisors; float32, placeholder
+    tokens."""
+    config, rope = hf.config, hf.config.rope_parameters
+    writer = _writer(path, "exaone4", config)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer.add_tensor("rope_freqs.weight", _llama31_rope_freqs(
+        head_dim, rope["rope_theta"], rope).astype(np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.EXAONE4, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    _finish(writer, config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=list(EXAONE4))
+def exaone4(request, tmp_path_factory, device):
+    """(transformers EXAONE 4, its GGUF file loaded by kvpool) for each of EXAONE4."""
+    hf = make_hf_model(request.param, configs=EXAONE4)
+    path = tmp_path_factory.mktemp(request.param) / "exaone4.gguf"
+    exaone4_gguf_of(hf, path)
+    return hf.to(device), load_model(path, device=device).model
+
+
+def test_an_exaone4_gguf_file_gives_transformers_logits(exaone4):
+    hf, model = exaone4
+    config = model.config
+    windowed = hf.config.sliding_window is not None
+    assert [config.layer_window(i) for i in range(4)] == ([8, 8, 8, None] if windowed
+                                                          else [None] * 4)
+    assert config.no_rope_layers == (tuple(range(3, 64, 4)) if windowed else ())
+    assert config.rope_scaling["rope_type"] == "frequency_factors"
+    assert_prefill_logits_match(hf, model)
+
+
+def test_an_exaone4_gguf_file_decodes_transformers_greedy_tokens(exaone4):
+    assert_greedy_decode_matches(*exaone4, 8)  # 64 layers: a few tokens suffice
+
+
+def _exaone4_metadata(tmp_path, layers: int, window: int | None):
+    path = tmp_path / "exaone4.gguf"
+    writer = _writer(path, "exaone4", transformers.Exaone4Config(
+        **dict(SMALL, num_hidden_layers=layers)))
+    if window is not None:
+        writer.add_sliding_window(window)
+    _finish(writer, 160)
+    return path
+
+
+def test_a_64_layer_exaone4_file_without_a_window_slides_over_4096_tokens_as_llama_cpp(tmp_path):
+    config = load_config(_exaone4_metadata(tmp_path, 64, None))
+    assert config.sliding_window == 4096
+    assert config.layer_types[:4] == ("sliding_attention",) * 3 + ("full_attention",)
+
+
+def test_a_window_llama_cpp_ignores_is_refused_naming_the_layers(tmp_path):
+    with pytest.raises(ConfigError, match="exaone4.attention.sliding_window is 8 in a model of "
+                                          "4 layers, which llama.cpp runs without a window"):
+        load_config(_exaone4_metadata(tmp_path, 4, 8))
+
+
+def test_exaone4s_pre_tokenizer_splits_as_gpt2s_as_llama_cpp_splits_it():
+    def words(pre: str) -> list[str]:
+        tokenizer = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                                     "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []})
+        return [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("It's 2026, x")]
+
+    assert words("exaone4") == words("gpt2") == ["It", "'s", "Ġ2026", ",", "Ġx"]

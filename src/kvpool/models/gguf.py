@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3 and
-gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
-dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
-GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
+EXAONE 4 and gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds,
+parsed and dequantized by the `gguf` package (the `gguf` extra). What lives here is the
+mapping from GGUF's metadata keys and tensor names to kvpool's config fields and parameter
+names."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "gemma3": "Gemma3ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-                 "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                 "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                 "exaone4": "Exaone4ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -90,6 +92,9 @@ GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
 # llama.cpp's defaults (4,096; 50 and 30, the config's too) where the file has none.
 GEMMA2_27B_LAYERS = 46
 NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
+# EXAONE 4 as llama.cpp runs it: sliding layers only in a model of 64 layers (the 32B), its
+# window 4,096 where the file gives none
+EXAONE4_SLIDING_LAYERS, EXAONE4_WINDOW = 64, 4096
 # GGUF tensor name (after `blk.N.`) -> parameter name (after `model.layers.N.`); an
 # architecture's own names (ARCH_LAYER_TENSORS) take precedence.
 LAYER_TENSORS = {
@@ -134,6 +139,7 @@ ARCH_LAYER_TENSORS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": GEMMA_NORMS,
     "olmo2": POST_NORMS,
+    "exaone4": POST_NORMS,
     "granitehybrid": MAMBA_TENSORS,
     "gpt-oss": GPT_OSS_TENSORS,
 }
@@ -589,28 +595,49 @@ def _granite_hybrid_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) 
 
 def _olmo2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """OLMo 2, or with a sliding window OLMo 3, which llama.cpp's converter writes as `olmo2`:
-    its sliding layers those `attention.sliding_window_pattern` marks (a flag per layer, or
-    a period: all but every period-th, 4 by default, as llama.cpp reads it; a period of 0
-    slides every layer), rotated by plain RoPE, the rope scaling the full layers'. ConfigError
-    for a pattern of another kind or of flags not one per layer, and for the sliding layers'
-    own rope base (`rope.freq_base_swa`), which OLMo 3's config has no place for."""
+    its sliding layers those the pattern marks (`_sliding_layers`), rotated by plain RoPE,
+    the rope scaling the full layers'."""
     window = key("attention.sliding_window")
-    if not window:
-        return {}
+    return {"architectures": ["Olmo3ForCausalLM"], **_sliding_layers(checkpoint, key, window)} \
+        if window else {}
+
+
+def _exaone4_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """EXAONE 4 as llama.cpp runs it: sliding layers only in a model of EXAONE4_SLIDING_LAYERS
+    layers (the 32B's), its window `attention.sliding_window` (EXAONE4_WINDOW where the file
+    has none) over the layers the pattern marks (`_sliding_layers`), the others full and
+    without RoPE; in any other model every layer full and rotated. ConfigError for a window
+    in another model, which llama.cpp ignores and transformers applies."""
+    layers, window = _layer_count(checkpoint, key), key("attention.sliding_window")
+    if layers == EXAONE4_SLIDING_LAYERS:
+        return _sliding_layers(checkpoint, key, window or EXAONE4_WINDOW)
+    if window:
+        raise ConfigError(f"{checkpoint.path.name}: GGUF exaone4.attention.sliding_window is "
+                          f"{window} in a model of {layers} layers, which llama.cpp runs "
+                          f"without a window (it windows only {EXAONE4_SLIDING_LAYERS} layers)")
+    return {"sliding_window": None, "layer_types": ["full_attention"] * layers}
+
+
+def _sliding_layers(checkpoint: GGUFCheckpoint, key, window: int) -> dict:
+    """A window and the layer types `attention.sliding_window_pattern` marks, as llama.cpp
+    reads it: a flag per layer (as its converter writes them), or a period (all but every
+    period-th layer sliding, 4 where the file has none; 0 slides every layer). ConfigError for
+    a pattern of another kind or of flags not one per layer, and for the sliding layers' own
+    rope base (`rope.freq_base_swa`), which the families' configs have no place for."""
+    arch, name = checkpoint.meta["general.architecture"], checkpoint.path.name
     layers, pattern = _layer_count(checkpoint, key), key("attention.sliding_window_pattern", 4)
-    name = checkpoint.path.name
     flags = isinstance(pattern, list) and all(isinstance(f, bool) for f in pattern)
     if not (flags and len(pattern) == layers or isinstance(pattern, int)
             and not isinstance(pattern, bool) and pattern >= 0):
-        raise ConfigError(f"{name}: GGUF olmo2.attention.sliding_window_pattern must be a "
+        raise ConfigError(f"{name}: GGUF {arch}.attention.sliding_window_pattern must be a "
                           f"flag for each of the {layers} layers or a period, got {pattern!r}")
     if key("rope.freq_base_swa", key("rope.freq_base")) != key("rope.freq_base"):
-        raise ConfigError(f"{name}: GGUF olmo2.rope.freq_base_swa {key('rope.freq_base_swa')} "
-                          f"differs from rope.freq_base; kvpool rotates OLMo 3's sliding layers "
-                          f"by rope.freq_base")
+        raise ConfigError(f"{name}: GGUF {arch}.rope.freq_base_swa {key('rope.freq_base_swa')} "
+                          f"differs from rope.freq_base; kvpool rotates sliding layers by "
+                          f"rope.freq_base")
     sliding = pattern if flags else \
         [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
-    return {"architectures": ["Olmo3ForCausalLM"], "sliding_window": window,
+    return {"sliding_window": window,
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
 
 
@@ -633,7 +660,7 @@ def _gpt_oss_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
-                     "gpt-oss": _gpt_oss_keys}
+                     "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
