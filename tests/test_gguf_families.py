@@ -1,9 +1,9 @@
 """GGUF files of the families llama.cpp's converter writes under another family's
 architecture or with settings beyond the common ones: OLMo 3 (`olmo2` with a window, its
-sliding layers flagged per layer, yarn on the full ones) and EXAONE 4 (windowed only at 64
-layers, as llama.cpp runs it, Llama 3.1's scaling as `rope_freqs`); written here from random
-transformers models as the converter writes them, against transformers, and the metadata
-kvpool refuses."""
+sliding layers flagged per layer, yarn on the full ones), EXAONE 4 (windowed only at 64
+layers, as llama.cpp runs it, Llama 3.1's scaling as `rope_freqs`) and GLM-4 (its four norms,
+the fused gate/up, half of each head rotated); written here from random transformers models as
+the converter writes them, against transformers, and the metadata kvpool refuses."""
 
 from __future__ import annotations
 
@@ -203,3 +203,66 @@ def test_exaone4s_pre_tokenizer_splits_as_gpt2s_as_llama_cpp_splits_it():
         return [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("It's 2026, x")]
 
     assert words("exaone4") == words("gpt2") == ["It", "'s", "Ġ2026", ",", "Ġx"]
+
+
+# GLM-4 (0414): q/k/v biases (or none), half of each head rotated in adjacent pairs
+GLM4 = {"glm4-gguf": lambda: transformers.Glm4Config(**SMALL, head_dim=16),
+        "glm4-no-biases-gguf": lambda: transformers.Glm4Config(**SMALL, head_dim=16,
+                                                               attention_bias=False)}
+
+
+def glm4_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
+    """The file llama.cpp's converter writes for a transformers GLM-4: names from the gguf
+    package's own map (the fused gate/up kept as `ffn_up`), q/k rows in order, the rotated
+    share of each head as `rope.dimension_count`; float32, placeholder tokens."""
+    config, rope = hf.config, hf.config.rope_parameters
+    writer = _writer(path, "glm4", config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    for name, tensor in weights.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.numpy())
+    _finish(writer, config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=list(GLM4))
+def glm4(request, tmp_path_factory, device):
+    """(transformers GLM-4, its GGUF file loaded by kvpool) for each of GLM4."""
+    hf = make_hf_model(request.param, configs=GLM4)
+    path = tmp_path_factory.mktemp(request.param) / "glm4.gguf"
+    glm4_gguf_of(hf, path)
+    return hf.to(device), load_model(path, device=device).model
+
+
+def test_a_glm4_gguf_file_gives_transformers_logits(glm4):
+    hf, model = glm4
+    assert model.config.rotary_dim == 8 and model.config.qkv_bias == hf.config.attention_bias
+    assert_prefill_logits_match(hf, model)
+
+
+def test_a_glm4_gguf_file_decodes_transformers_greedy_tokens(glm4):
+    assert_greedy_decode_matches(*glm4, MAX_TOKENS)
+
+
+def test_a_glm4_file_without_a_rotary_count_rotates_whole_heads_as_llama_cpp(tmp_path):
+    path = tmp_path / "glm4.gguf"
+    writer = _writer(path, "glm4", transformers.Glm4Config(**SMALL))
+    writer.add_key_length(16)
+    _finish(writer, 160)
+    assert load_config(path).rotary_dim == 16
+
+
+def test_glm4s_pre_tokenizer_splits_as_llama_3s_but_keeps_every_merge_as_llama_cpp():
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "c", "abc", "ab"],
+            "tokenizer.ggml.merges": ["a b"]}  # no merge makes "abc"
+
+    def split(pre: str) -> list[str]:
+        tokenizer = build_tokenizer({**meta, "tokenizer.ggml.pre": pre})
+        return [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("It's 2026, x")]
+
+    assert split("glm4") == split("llama-bpe") == ["It", "'s", "Ġ", "202", "6", ",", "Ġx"]
+    assert build_tokenizer({**meta, "tokenizer.ggml.pre": "glm4"}).encode("abc").ids == [4, 2]

@@ -1,6 +1,6 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
-EXAONE 4 and gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds,
+GLM-4, EXAONE 4 and gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds,
 parsed and dequantized by the `gguf` package (the `gguf` extra). What lives here is the
 mapping from GGUF's metadata keys and tensor names to kvpool's config fields and parameter
 names."""
@@ -59,7 +59,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 "exaone4": "Exaone4ForCausalLM"}
+                 "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -81,7 +81,10 @@ FUSED_TENSORS = {"phi3": {
     "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                         "self_attn.v_proj.weight"),
     "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}}
+}, "glm4": {"ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
+# Architectures whose heads rotate in part, as `rope.dimension_count` says (Phi-4-mini's 3/4,
+# GLM-4's half)
+PARTIAL_ROTARY = ("phi3", "glm4")
 # Gemma 3 as llama.cpp runs it, whatever its metadata: a full-attention layer every 6th, the
 # sliding layers' rope base 10,000, and queries scaled by 1/sqrt(head_dim), but for the 62
 # layers of the 27B, by 1/sqrt(hidden_size / heads). Its converter stores each norm weight
@@ -135,11 +138,16 @@ GPT_OSS_TENSORS = {"post_attention_norm.weight": "post_attention_layernorm.weigh
                    "attn_sinks.weight": "self_attn.sinks",
                    "attn_output.bias": "self_attn.o_proj.bias",
                    "ffn_gate_inp.bias": "mlp.gate.bias"}
+# GLM-4's norms of attention's and the MLP's outputs, and the one before the MLP
+GLM4_NORMS = {"post_attention_norm.weight": "post_self_attn_layernorm.weight",
+              "ffn_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_mlp_layernorm.weight"}
 ARCH_LAYER_TENSORS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": GEMMA_NORMS,
     "olmo2": POST_NORMS,
     "exaone4": POST_NORMS,
+    "glm4": GLM4_NORMS,
     "granitehybrid": MAMBA_TENSORS,
     "gpt-oss": GPT_OSS_TENSORS,
 }
@@ -272,7 +280,7 @@ class GGUFCheckpoint:
         rotary = key("rope.dimension_count")
         head_dim = key("attention.key_length")
         whole = head_dim or key("embedding_length", 0) // heads if heads else None
-        if rotary is not None and heads and rotary != whole and arch != "phi3":
+        if rotary is not None and heads and rotary != whole and arch not in PARTIAL_ROTARY:
             raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
                               f"rotates part of each head; kvpool rotates whole heads of {arch}")
         # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
@@ -488,10 +496,27 @@ def _phi3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     sliding window is left out: llama.cpp runs Phi-3 without one, whatever the file says."""
     rotary = key("rope.dimension_count")
     partial = {} if rotary is None or not head_dim or rotary == head_dim else {
-        "partial_rotary_factor": (rotary + 0.5) / head_dim}
+        "partial_rotary_factor": _partial_rotary(rotary, head_dim)}
     context = key("rope.scaling.original_context_length")  # config.json's top-level key
     trained = {} if context is None else {"original_max_position_embeddings": context}
     return {**partial, **trained}
+
+
+def _partial_rotary(rotary: int, head_dim: int) -> float:
+    """The config's share of each head of `head_dim` channels that rotates `rotary` of them:
+    half a channel above (a whole head: 1), so that int(head_dim * factor), as a config reads
+    it, gives that count back whatever float rounding does to the ratio."""
+    return 1.0 if rotary >= head_dim else (rotary + 0.5) / head_dim
+
+
+def _glm4_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """GLM-4 (0414) as llama.cpp reads it: the share of each head `rope.dimension_count`
+    rotates (the whole head without it, where GLM-4's config would rotate half), q/k/v biases
+    where the file holds them (llama.cpp's are optional)."""
+    rotary = key("rope.dimension_count") or head_dim
+    biased = any(t.name.endswith("attn_q.bias") for t in checkpoint._weights())
+    return {"attention_bias": biased,
+            **({"partial_rotary_factor": _partial_rotary(rotary, head_dim)} if head_dim else {})}
 
 
 def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
@@ -660,7 +685,7 @@ def _gpt_oss_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
-                     "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys}
+                     "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys, "glm4": _glm4_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:

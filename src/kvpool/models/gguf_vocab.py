@@ -66,6 +66,7 @@ PRE_TOKENIZERS = {
     "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
     "qwen2": _qwen2_split, "gpt-4o": _o200k_split,
     "exaone4": _byte_level,  # as llama.cpp splits it: GPT-2's pattern
+    "glm4": _llama3_split, "chatglm-bpe": _llama3_split,  # Llama 3's pattern, every merge
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
