@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
+from kvpool.models.gguf import CACHE_ENV
 from kvpool.models.gguf_vocab import build_tokenizer
 from models_util import (
     SMALL,
@@ -266,3 +267,17 @@ def test_glm4s_pre_tokenizer_splits_as_llama_3s_but_keeps_every_merge_as_llama_c
 
     assert split("glm4") == split("llama-bpe") == ["It", "'s", "Ġ", "202", "6", ",", "Ġx"]
     assert build_tokenizer({**meta, "tokenizer.ggml.pre": "glm4"}).encode("abc").ids == [4, 2]
+
+
+@pytest.mark.parametrize(("name", "configs", "write"), [
+    ("olmo3-gguf", OLMO3, olmo3_gguf_of),
+    ("exaone4-no-window-gguf", EXAONE4, exaone4_gguf_of),
+    ("glm4-gguf", GLM4, glm4_gguf_of),
+])
+def test_a_familys_conversion_gives_transformers_logits_too(tmp_path, monkeypatch, name,
+                                                             configs, write):
+    hf = make_hf_model(name, configs=configs)
+    write(hf, tmp_path / f"{name}.gguf")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert_prefill_logits_match(hf, load_model(tmp_path / f"{name}.gguf", device="cpu").model)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the one conversion written
