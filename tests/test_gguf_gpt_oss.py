@@ -197,7 +197,9 @@ def test_mxfp4_experts_load_their_exact_values_and_give_transformers_logits(tmp_
      "gpt-oss.rope.scaling.attn_factor is 1.25; kvpool reads YaRN with 1.0 only"),
     (lambda w: w.add_rope_scaling_yarn_log_mul(0.1),
      "gpt-oss.rope.scaling.yarn_log_multiplier is 0.1"),
-], ids=["yarn-attn-factor", "attn-factor", "log-multiplier"])
+    (lambda w: w.add_string("gpt-oss.rope.scaling.yarn_ext_factor", "1"),
+     "gpt-oss.rope.scaling.yarn_ext_factor must be a number, got '1'"),
+], ids=["yarn-attn-factor", "attn-factor", "log-multiplier", "ext-factor-as-text"])
 def test_yarn_settings_transformers_has_no_counterpart_for_are_refused_by_name(
         tmp_path, more, message):
     path = _metadata(tmp_path, more)

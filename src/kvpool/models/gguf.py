@@ -186,10 +186,6 @@ PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
 # Architectures whose per-layer attention.head_count_kv is 0 on their Mamba layers, as
 # llama.cpp marks them
 MAMBA_LAYERS_BY_KV_HEADS = ("granitehybrid",)
-# The metadata keys read here as numbers before the config checks them (the rope's linear
-# factor, under either name llama.cpp writes it; YaRN's)
-NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.yarn_beta_fast",
-               "rope.scaling.yarn_beta_slow")
 # Architectures whose YaRN scaling kvpool reads -> whether its ramp from interpolated to kept
 # frequencies starts and ends on whole dimensions (transformers' `truncate`). gpt-oss's does
 # not, as its config says; llama.cpp rounds it for every model (a file has no key for it).
@@ -202,6 +198,10 @@ YARN_TRUNCATE = {"gpt-oss": False, "olmo2": True}
 # factor: that one is read where it is that default (None), refused otherwise.
 YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": None, "attn_factor": 1.0,
                  "yarn_log_multiplier": 0.0}
+# The metadata keys read here as numbers before the config checks them (the rope's linear
+# factor, under either name llama.cpp writes it; YaRN's)
+NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.yarn_beta_fast",
+               "rope.scaling.yarn_beta_slow", *(f"rope.scaling.{name}" for name in YARN_DEFAULTS))
 
 
 def gguf_path(model: str | Path) -> Path | None:
