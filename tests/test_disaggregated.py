@@ -9,7 +9,6 @@ import random
 import re
 import signal
 import threading
-import time
 
 import pytest
 import torch.distributed as dist
@@ -248,17 +247,19 @@ def _fresh_prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(160) for _ in range(length)]
 
 
-def test_an_abort_reaches_the_prefill_side_before_it_computes_the_prompt(llm):
+def test_an_abort_reaches_the_prefill_side_before_it_computes_the_prompt(llm, monkeypatch):
     """A prompt aborted before the prefill side read it is never prefilled there: the side
     computes only the prompt added after it."""
     aborted, kept = _fresh_prompt(13, 61), _fresh_prompt(14, 9)
     before = llm.prefill_stats().num_prompt_tokens
+    sent, send_bytes = threading.Semaphore(0), llm._conn.send_bytes
+    monkeypatch.setattr(llm._conn, "send_bytes",
+                        lambda message: send_bytes(message) or sent.release())
     os.kill(llm._process.pid, signal.SIGSTOP)
     try:  # both commands wait in the pipe: the prefill side reads them before a step
         llm.abort(llm.add_request(aborted, GREEDY))
-        while not llm._outbox.empty():
-            time.sleep(0.01)
-        time.sleep(0.2)  # the writer thread's last send
+        for command in ("add", "abort"):  # written by the writer thread, whenever it runs
+            assert sent.acquire(timeout=30), f"the {command} was not sent in 30 s"
     finally:
         os.kill(llm._process.pid, signal.SIGCONT)
     llm.generate(kept, GREEDY, use_tqdm=False)  # prefilled after the aborted one would be
