@@ -22,6 +22,7 @@ from engine_probes import (
     exit_engine,
     fail_next_forward,
     heal_sampling,
+    num_steps,
     poison_sampling,
     unpicklable_result,
     used_pages,
@@ -106,7 +107,7 @@ def test_an_engine_failure_answers_500_and_the_server_serves_on(server):
     assert response.status_code == 500
     assert response.json() == {"error": INTERNAL}
     assert metrics(server)[errors] - before == 1  # counted as an error, not an abort
-    server.wait_idle(timeout=5)
+    server.wait_idle()
     server.on_engine(check_cache)
     assert server.on_engine(used_pages) == 0
     assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
@@ -134,6 +135,7 @@ def test_a_request_whose_sampling_fails_gets_500_with_the_message_and_the_next_i
 
 
 def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server):
+    steps = server.on_engine(num_steps)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
         lines = response.iter_lines()
         next(lines)  # the first chunk: the request runs
@@ -141,8 +143,9 @@ def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server
         rest = [line for line in lines if line]
     assert json.loads(rest[-2].removeprefix("data: ")) == {"error": INTERNAL}
     assert rest[-1] == "data: [DONE]"
-    server.wait_idle(timeout=5)
+    server.wait_idle()
     server.on_engine(check_cache)
+    assert server.on_engine(num_steps) - steps < LONG["max_tokens"]  # ended there, not run on
 
 
 def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(server):

@@ -68,6 +68,7 @@ def test_64_streaming_clients_some_leaving_early_are_all_accounted_for(server):
 
 
 def test_a_client_that_disconnects_aborts_its_request(server):
+    steps = server.on_engine(num_steps)
     client = server.client()
     stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=2000,
                                        stream=True, extra_body={"ignore_eos": True})
@@ -75,12 +76,13 @@ def test_a_client_that_disconnects_aborts_its_request(server):
         pass
     assert server.on_engine(used_pages) > 0
     stream.close()
-    server.wait_idle(timeout=5)
+    server.wait_idle()
     assert server.on_engine(used_pages) == 0
+    assert server.on_engine(num_steps) - steps < 2000  # the engine did not run it to its end
 
 
 def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
-    before = metrics(server)
+    before, steps = metrics(server), server.on_engine(num_steps)
     body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2000,
                        "ignore_eos": True}).encode()
     sock = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
@@ -92,8 +94,9 @@ def test_a_client_that_leaves_a_whole_response_aborts_its_request(server):
         assert time.monotonic() < deadline, "the request did not start in 30 s"
         time.sleep(0.01)
     sock.close()
-    server.wait_idle(timeout=5)
+    server.wait_idle()
     assert server.on_engine(used_pages) == 0
+    assert server.on_engine(num_steps) - steps < 2000  # the engine did not run it to its end
     key = "kvpool_requests_total", (("finish_reason", "abort"),)
     assert metrics(server)[key] - before.get(key, 0) == 1
     assert metrics(server)["kvpool_generation_tokens_total", ()] - before[
