@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import threading
-import time
 from functools import partial
 
 import httpx
@@ -223,16 +222,17 @@ def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503(d
 def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):
     """A long text takes seconds to tokenize: meanwhile the server answers other clients."""
     tokenizer = server.app.state.server.info.tokenizer
-    encode, release = type(tokenizer).encode, threading.Event()
+    encode, tokenizing, release = type(tokenizer).encode, threading.Event(), threading.Event()
 
     def slow_encode(self, text, **options):
+        tokenizing.set()
         release.wait(10)
         return encode(self, text, **options)
     monkeypatch.setattr(type(tokenizer), "encode", slow_encode)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=30)
-        time.sleep(0.2)
+        assert tokenizing.wait(30), "the prompt was not tokenized in 30 s"
         assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
         assert not pending.done()
         release.set()
