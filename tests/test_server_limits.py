@@ -272,7 +272,7 @@ def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones_on_open_con
             deadline = time.monotonic() + 10
             while True:  # the listener closes first
                 try:
-                    httpx.get(f"{server.url}/health", timeout=1)
+                    httpx.get(f"{server.url}/health", timeout=30)  # a slow answer is no failure
                 except httpx.ConnectError:
                     break
                 assert time.monotonic() < deadline, "the server still takes connections"
