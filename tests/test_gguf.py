@@ -1290,7 +1290,9 @@ def reference(smollm2):
     path = CACHE_ROOT / f"reference-{digest}-{transformers.__version__}-{key}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_transformers_reference(smollm2)))
+        scratch = path.with_name(f".{path.name}-{os.getpid()}")
+        scratch.write_text(json.dumps(_transformers_reference(smollm2)))
+        os.replace(scratch, path)  # whole or not at all: a run stopped meanwhile leaves none
     return json.loads(path.read_text())
 
 
