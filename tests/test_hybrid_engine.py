@@ -48,6 +48,7 @@ def _hf_greedy(hf_model, checkpoint, prompts, device) -> list[list[int]]:
     if device.type != "cpu":
         return compute()
     return cached_reference("bamba-greedy", [file_digest(checkpoint / "model.safetensors"),
+                                             file_digest(checkpoint / "config.json"),
                                              prompts, MAX_TOKENS], compute)
 
 

@@ -67,8 +67,9 @@ def _cpu() -> str:
 
 def cached_reference(name: str, key: list, compute: Callable[[], Any]) -> Any:
     """compute()'s JSON value, a reference transformers computes on the CPU: computed once per
-    `key` (what it depends on; transformers' and torch's versions and the CPU are added), then
-    read from the user's cache folder."""
+    `key` (what it depends on, the checkpoint's config included: a field that changes no
+    weight may change the tokens; transformers' and torch's versions and the CPU are added),
+    then read from the user's cache folder, which other checkouts of kvpool share."""
     key = [*key, transformers.__version__, torch.__version__, _cpu(),
            torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
@@ -104,6 +105,7 @@ def _transformers_greedy(folder: Path, prompts: list[list[int]]) -> dict:
         return {"alone": alone, "batched": batched}
 
     return cached_reference("bf16-greedy", [file_digest(folder / "model.safetensors"),
+                                            file_digest(folder / "config.json"),
                                             prompts, MAX_TOKENS], compute)
 
 
