@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), OLMo 3, Ernie 4.5,
-GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, Gemma 3 (a full
-and a window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through
+GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, GLM-4.5, Gemma 3
+(a full and a window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through
 preemption, prefix hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
@@ -48,6 +48,7 @@ from models_util import (
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_gpt_oss import gpt_oss
 from test_granite_moe import CONFIGS as GRANITE_MOE
+from test_moe_families import CONFIGS as MOE_FAMILIES
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
 from test_qwen3_moe import MIXTRAL
 from test_windows import GEMMA, GEMMA2
@@ -85,6 +86,8 @@ PARITY = {
     # each rank's rows of every expert's gate and up, read from the layer's stacked experts
     "granitemoe-shared": GRANITE_MOE["granitemoe-shared"],
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
+    # each rank's rows of every expert and of the shared experts, q/k normed per head
+    "glm4-moe": MOE_FAMILIES["glm4-moe"],
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},
                                                    sliding_window_pattern=2),

@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "ApertusForCausalLM",
     "GlmForCausalLM",
     "Glm4ForCausalLM",
+    "Glm4MoeForCausalLM",
     "Exaone4ForCausalLM",
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
@@ -70,6 +71,7 @@ _ARCH_BY_MODEL_TYPE = {
     "apertus": "ApertusForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
@@ -99,6 +101,7 @@ ARCEE = "ArceeForCausalLM"
 ERNIE = "Ernie4_5ForCausalLM"
 APERTUS = "ApertusForCausalLM"
 GLM, GLM4 = "GlmForCausalLM", "Glm4ForCausalLM"
+GLM4_MOE = "Glm4MoeForCausalLM"
 EXAONE4 = "Exaone4ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
@@ -144,6 +147,10 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     **dict.fromkeys((GLM, GLM4), {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7,
                                   "head_dim": 128, "attention_bias": True,
                                   "partial_rotary_factor": 0.5}),
+    # GLM-4.5: half of each head rotated (rotate-half, not in pairs); no biases unless
+    # attention_bias (q/k/v only)
+    GLM4_MOE: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+               "partial_rotary_factor": 0.5},
     EXAONE4: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
               "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
@@ -177,7 +184,7 @@ ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                   *GRANITES, OLMO2, OLMO3, ERNIE, APERTUS, GPT_OSS)
 # Architectures whose attention_bias biases q, k and v: those, and Seed-OSS and GLM's (whose o
 # has a switch of its own, or no bias)
-QKV_BIAS = (*ATTENTION_BIAS, SEED_OSS, GLM, GLM4)
+QKV_BIAS = (*ATTENTION_BIAS, SEED_OSS, GLM, GLM4, GLM4_MOE)
 # Architectures whose mlp_bias adds biases to the MLP (Ernie 4.5's use_bias does)
 MLP_BIAS = ("LlamaForCausalLM", SMOLLM3, "BambaForCausalLM", GRANITE, SEED_OSS, ARCEE)
 MAX_WEIGHT_BLOCK = 2**22  # rows or columns one fp8 weight scale covers (intermediate_size's cap)
@@ -346,26 +353,36 @@ class MLAConfig:
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """A mixture of experts (DeepSeek's, Qwen2-MoE's, Qwen3-MoE's, Mixtral's, Granite
-    MoE's): the model layers `layers` replace the dense MLP by `top_k` of `num_experts`
-    routed experts plus a shared MLP always applied (DeepSeek's shared experts fused,
-    GraniteMoeShared's shared MLP, Qwen2-MoE's shared expert scaled by a sigmoid gate;
-    Qwen3-MoE, Mixtral and GraniteMoe have none)."""
+    """A mixture of experts (DeepSeek's, GLM-4.5's, Ernie 4.5's, Qwen2-MoE's, Qwen3-MoE's,
+    Mixtral's, Granite MoE's): the model layers `layers` replace the dense MLP by `top_k` of
+    `num_experts` routed experts plus a shared MLP always applied (DeepSeek's, GLM-4.5's and
+    Ernie 4.5's shared experts fused, GraniteMoeShared's shared MLP, Qwen2-MoE's shared expert
+    scaled by a sigmoid gate; Qwen3-MoE, Mixtral and GraniteMoe have none)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of each expert
     shared_intermediate_size: int  # of the shared MLP; 0: none
     layers: tuple[int, ...]  # the model layers with experts; the others have a dense MLP
-    scoring: str  # "softmax" (V2) or "sigmoid" (V3, choice biased by e_score_correction_bias)
+    scoring: str  # "softmax" (V2, Ernie 4.5) or "sigmoid" (V3, GLM-4.5)
     topk_method: str  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
     num_groups: int  # experts split into groups; the best `topk_groups` groups are eligible
     topk_groups: int
     norm_topk_prob: bool  # V3: the top-k weights are normalised to sum to 1
     routed_scaling_factor: float  # multiplies the routed experts' weights
-    # DeepSeek scores experts and weighs their outputs in float32; Qwen3-MoE scores them in
-    # the model's dtype, takes the softmax in float32 and weighs in the model's dtype again.
+    # DeepSeek, GLM-4.5 and Ernie 4.5 score experts in float32; Qwen3-MoE scores them in the
+    # model's dtype and takes the softmax in float32
     router_in_float32: bool
+    # DeepSeek and GLM-4.5 weigh the experts' outputs in float32; the others in the model's
+    # dtype
+    weights_in_float32: bool = False
+    # the shape of `e_score_correction_bias`, added to the scores to choose the experts but
+    # not to weigh them: V3's and GLM-4.5's `[experts]`, Ernie 4.5's `[1, experts]` (its
+    # `moe_statics`); (): none
+    choice_bias: tuple[int, ...] = ()
+    # the chosen weights renormalised (norm_topk_prob) by their sum or this, whichever is
+    # larger (Ernie 4.5's moe_norm_min)
+    norm_min: float = 0.0
     shared_gate: bool = False  # Qwen2-MoE: the shared MLP's output times sigmoid(gate(x))
     router_bias: bool = False  # GPT-OSS: the router's logits have a bias
     expert_bias: bool = False  # GPT-OSS: each routed expert's projections have biases
@@ -494,8 +511,8 @@ class ModelConfig:
         if is_gemma:
             gemma = _gemma(cfg, local_rope)
         is_bamba = arch == "BambaForCausalLM"
-        # Phi-4-mini rotates 3/4, GLM-4 1/2
-        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM, GLM4)
+        # Phi-4-mini rotates 3/4, GLM-4 and GLM-4.5 1/2
+        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM, GLM4, GLM4_MOE)
         if not partial_rotary:
             _check_no_partial_rotary(cfg)
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
@@ -534,7 +551,7 @@ class ModelConfig:
             mlp_bias=attention_bias if arch == ERNIE else (_bool(cfg, "mlp_bias")
                                                            and arch in MLP_BIAS),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
-                             EXAONE4),
+                             EXAONE4) or (arch == GLM4_MOE and _bool(cfg, "use_qk_norm")),
             sliding_window=sliding_window,
             # gpt-oss releases state no dtype: their unquantized weights are bfloat16
             dtype=_dtype(cfg) or (torch.bfloat16 if mxfp4_experts else None),
@@ -720,7 +737,7 @@ class ModelConfig:
         shared = _gated_mlp_parameters(hidden, moe.shared_intermediate_size,
                                        self.mlp_bias) if moe.shared_intermediate_size else 0
         shared += hidden if moe.shared_gate else 0
-        router = moe.num_experts * (hidden + (moe.scoring == "sigmoid") + moe.router_bias)
+        router = moe.num_experts * (hidden + bool(moe.choice_bias) + moe.router_bias)
         moe_layers = len(moe.layers)
         return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
 
@@ -1141,8 +1158,9 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
     grouped = method != "greedy"
     first_k_dense = _optional_int(cfg, "first_k_dense_replace", minimum=0)
     first_k_dense = (3 if v3 else 0) if first_k_dense is None else first_k_dense
+    num_experts = _int(cfg, "n_routed_experts", 256 if v3 else 64)
     moe = MoEConfig(
-        num_experts=_int(cfg, "n_routed_experts", 256 if v3 else 64),
+        num_experts=num_experts,
         top_k=_int(cfg, "num_experts_per_tok", 8 if v3 else None),
         intermediate_size=_int(cfg, "moe_intermediate_size", 2048 if v3 else 1407),
         shared_intermediate_size=_int(cfg, "n_shared_experts", 1 if v3 else 2) * _int(
@@ -1155,9 +1173,23 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
         norm_topk_prob=_bool(cfg, "norm_topk_prob") if "norm_topk_prob" in cfg else v3,
         routed_scaling_factor=_float(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0),
         router_in_float32=True,
+        weights_in_float32=True,
+        choice_bias=(num_experts,) if v3 else (),
     )
     _check_routing(moe, v3)
     return moe
+
+
+def _glm4_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """GLM-4.5's experts: DeepSeek-V3's routing (sigmoid scores, the choice biased by
+    `e_score_correction_bias` and limited to the best `topk_group` of `n_group` groups, the
+    weights normalised and scaled) and its shared experts, with transformers' defaults for
+    GLM-4.5: 8 of 128 experts 1,408 wide, one shared, one group, unscaled, after one dense
+    layer."""
+    defaults = {"n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+    return _deepseek_moe({**defaults, **cfg}, True, num_layers)
 
 
 def _check_routing(moe: MoEConfig, v3: bool) -> None:
@@ -1311,7 +1343,8 @@ def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
                      GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe,
-                     GRANITE_MOE_HYBRID: _granite_moe, GPT_OSS: _gpt_oss_moe}
+                     GRANITE_MOE_HYBRID: _granite_moe, GPT_OSS: _gpt_oss_moe,
+                     GLM4_MOE: _glm4_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:

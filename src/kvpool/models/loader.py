@@ -368,8 +368,9 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     an MXFP4 stack from its own blocks only."""
     params = model.state_dict()
     block = model.config.fp8_weight_block
-    # DeepSeek-V3 checkpoints carry their multi-token-prediction module as extra layers.
-    extra_layers = model.config.architecture == "DeepseekV3ForCausalLM"
+    # DeepSeek-V3's and GLM-4.5's checkpoints carry their multi-token-prediction module as
+    # extra layers.
+    extra_layers = model.config.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
                                num_layers=model.config.num_layers if extra_layers else None)
     # weight name -> the file of its scale (without quantization, scales are unexpected)

@@ -1,7 +1,8 @@
-"""Mixtures of experts (DeepSeek's, Qwen3-MoE's, GPT-OSS's): a router (its logits with a bias:
-GPT-OSS) that picks `top_k` routed experts per token (Qwen3-MoE's and DeepSeek-V2's softmax
-scores with greedy or group-limited choice, V3's sigmoid scores with a bias that steers the
-choice only), the chosen experts weighted (each with biases: GPT-OSS), and shared experts
+"""Mixtures of experts (DeepSeek's, GLM-4.5's, Ernie 4.5's, Qwen3-MoE's, GPT-OSS's): a router
+(its logits with a bias: GPT-OSS) that picks `top_k` routed experts per token (Qwen3-MoE's and
+DeepSeek-V2's softmax scores with greedy or group-limited choice, V3's and GLM-4.5's sigmoid
+scores and Ernie 4.5's softmax ones with a bias that steers the choice only), the chosen
+experts weighted (each with biases: GPT-OSS), and shared experts
 applied to every token where the model has them. Numerics follow transformers'
 default (grouped_mm) experts: softmax in float32 (DeepSeek routes in float32 throughout), each
 expert's output weighted in the routing weights' dtype, and a token's experts summed in float32
@@ -31,13 +32,13 @@ class Router(nn.Module):
             dtype=torch.float32 if moe.router_in_float32 else dtype))
         if moe.router_bias:  # GPT-OSS's
             self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=self.weight.dtype))
-        if moe.scoring == "sigmoid":  # kept in float32, as transformers keeps it
+        if moe.choice_bias:  # kept in float32, as transformers keeps it
             self.register_buffer("e_score_correction_bias",
-                                 torch.empty(moe.num_experts, dtype=torch.float32))
+                                 torch.empty(moe.choice_bias, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, hidden]` -> (weights `[T, top_k]`, float32 or (Qwen3-MoE) x's dtype, expert
-        ids `[T, top_k]`)."""
+        """x `[T, hidden]` -> (weights `[T, top_k]`, float32 (DeepSeek, GLM-4.5) or x's
+        dtype, expert ids `[T, top_k]`)."""
         moe = self.moe
         bias = self.bias if moe.router_bias else None
         if moe.router_in_float32:
@@ -46,18 +47,18 @@ class Router(nn.Module):
             logits = F.linear(x, self.weight, bias)
         if moe.scoring == "softmax":
             scores = logits.softmax(dim=-1, dtype=torch.float32)
-            choice = scores
         else:
             scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
+        choice = scores + self.e_score_correction_bias if moe.choice_bias else scores
         if moe.topk_method != "greedy":
             choice = self._eligible_groups_only(choice)
         ids = choice.topk(moe.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            total = weights.sum(dim=-1, keepdim=True) + 1e-20
+            weights = weights / total.clamp(min=moe.norm_min)
         weights = weights * moe.routed_scaling_factor
-        return (weights if moe.router_in_float32 else weights.to(x.dtype)), ids
+        return (weights if moe.weights_in_float32 else weights.to(x.dtype)), ids
 
     def _eligible_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` with the experts outside each token's best `topk_groups` groups masked:
