@@ -83,7 +83,7 @@ def phi3_longrope(trained_context: int, rope: dict | None = None,
 def make_hf_model(name: str, seed: int = 0, configs=CONFIGS) -> transformers.PreTrainedModel:
     """A small random float32 transformers model of configs[name]. Norm scales and biases
     are randomised too (transformers initialises them to 1 and 0, which would hide bugs), and
-    so is DeepSeek-V3's router bias (zeros)."""
+    so are the routers' correction biases (zeros: DeepSeek-V3's, GLM-4.5's, Ernie 4.5's)."""
     torch.manual_seed(seed)
     config = configs[name]()
     config._attn_implementation = "eager"
@@ -96,9 +96,9 @@ def make_hf_model(name: str, seed: int = 0, configs=CONFIGS) -> transformers.Pre
                 param.normal_(1.0, 0.2)
             elif param_name.endswith(".bias"):
                 param.normal_(0.0, 0.2)
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.2)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0.0, 0.2)
     return model
 
 

@@ -1,11 +1,14 @@
 """Mixture-of-experts families that are new cases of the MoE kvpool runs, against transformers
 on small random checkpoints, directly and through the engine, and how their configs are read:
 GLM-4.5 (GLM's partial rotary attention with q/k norms in Llama's layers, DeepSeek-V3's
-routing and shared experts after its dense first layers)."""
+routing and shared experts after its dense first layers) and Ernie 4.5's mixture of experts
+(Ernie 4.5's attention, softmax routing whose choice a bias steers, shared experts, on the
+layers its config names)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 
 from kvpool.engine import SamplingParams
@@ -21,6 +24,7 @@ from models_util import (
     engine_case,
     loaded_pair,
     make_hf_model,
+    rewrite_weight,
     save_hf_model,
 )
 from test_deepseek import with_an_extra_layer
@@ -33,6 +37,8 @@ SMALL = dict(
     num_experts_per_tok=3, max_position_embeddings=256, initializer_range=0.2,
     bos_token_id=None, eos_token_id=None, pad_token_id=None,
 )
+ERNIE = {**{key: value for key, value in SMALL.items() if key != "num_experts_per_tok"},
+         "moe_num_experts": 8, "moe_k": 3}
 CONFIGS = {
     # GLM-4.5's shape: a dense first layer, q/k/v biases, q/k normed per head, the choice
     # limited to 2 of 4 groups, the weights normalised and scaled, one shared expert
@@ -44,7 +50,22 @@ CONFIGS = {
     "glm4-moe-no-dense": lambda: transformers.Glm4MoeConfig(
         **SMALL, n_routed_experts=8, first_k_dense_replace=0, n_shared_experts=2,
         norm_topk_prob=False),
+    # Ernie 4.5's: a dense first layer (by default), one shared expert, the head tied (by
+    # default)
+    "ernie4_5-moe": lambda: transformers.Ernie4_5_MoeConfig(**ERNIE, moe_num_shared_experts=1),
+    # experts on every second layer, no shared ones, and the chosen weights divided by 1
+    # (moe_norm_min), more than their sum: left unnormalised
+    "ernie4_5-moe-every-second": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**ERNIE, "num_hidden_layers": 4}, moe_layer_start_index=0, moe_layer_interval=2,
+        moe_num_shared_experts=0, moe_norm_min=1.0),
+    # experts up to the third of four layers, two shared experts, the head untied
+    "ernie4_5-moe-end-index": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**ERNIE, "num_hidden_layers": 4}, moe_layer_start_index=0, moe_layer_end_index=2,
+        tie_word_embeddings=False),
 }
+# the layers with experts in each case
+MOE_LAYERS = {"glm4-moe": (1, 2), "glm4-moe-no-dense": (0, 1, 2), "ernie4_5-moe": (1, 2),
+              "ernie4_5-moe-every-second": (1, 3), "ernie4_5-moe-end-index": (0, 1, 2)}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -61,20 +82,23 @@ def test_batched_greedy_decode_matches_transformers_generate(pair):
     assert_greedy_decode_matches(*pair, MAX_TOKENS)
 
 
-def test_the_layers_with_experts_are_transformers_and_hold_its_shared_experts(pair):
+def test_the_layers_with_experts_are_transformers_and_hold_its_shared_experts(pair, request):
     hf, model = pair
-    ours = [isinstance(layer.mlp, MoE) for layer in model.model.layers]
-    assert ours == [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
-    assert ours in ([False, True, True], [True, True, True])
-    for layer, theirs in zip(model.model.layers, hf.model.layers, strict=True):
-        if isinstance(layer.mlp, MoE):
-            assert layer.mlp.shared_experts.up_proj.weight.shape == \
-                theirs.mlp.shared_experts.up_proj.weight.shape
+    ours = tuple(i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoE))
+    assert ours == MOE_LAYERS[request.node.callspec.params["pair"]]
+    assert ours == tuple(i for i, layer in enumerate(hf.model.layers)
+                         if hasattr(layer.mlp, "experts"))
+    for i in ours:
+        shared, theirs = model.model.layers[i].mlp.shared_experts, \
+            hf.model.layers[i].mlp.shared_experts
+        assert (shared is None) == (theirs is None)
+        if shared is not None:
+            assert shared.up_proj.weight.shape == theirs.up_proj.weight.shape
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory, device):
-    return engine_case("glm4-moe", CONFIGS, tmp_path_factory.mktemp("glm4-moe-engine"), device,
+@pytest.fixture(scope="module", params=["glm4-moe", "ernie4_5-moe"])
+def case(request, tmp_path_factory, device):
+    return engine_case(request.param, CONFIGS, tmp_path_factory.mktemp(request.param), device,
                        MAX_TOKENS)
 
 
@@ -128,3 +152,89 @@ def test_glm4_moe_reads_transformers_defaults():
 def test_glm4_moe_configs_kvpool_cannot_run_are_refused_naming_the_numbers(change, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf({**GLM4_MOE, **change})
+
+
+# --- Ernie 4.5's configs and checkpoints ---
+
+ERNIE_MOE = {"architectures": ["Ernie4_5_MoeForCausalLM"], **ERNIE}
+
+
+def test_ernie_moe_loads_without_its_multi_token_prediction_modules(tmp_path, device):
+    hf = make_hf_model("ernie4_5-moe", configs=CONFIGS)
+    folder = save_hf_model(hf, tmp_path)
+    for name in ("model.mtp_block.0.input_layernorm.weight", "model.mtp_emb_norm.0.weight"):
+        rewrite_weight(folder, name, lambda _: torch.ones(64))
+    model = load_model(folder, device=device).model
+    assert len(model.model.layers) == 3
+
+
+def test_ernie_moe_reads_transformers_defaults():
+    config = ModelConfig.from_hf(ERNIE_MOE)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (False,) * 3
+    assert (config.tie_word_embeddings, config.rope_theta, config.rope_interleave) == \
+        (True, 5e5, True)
+    assert config.head_dim == 16  # given; hidden_size / num_attention_heads where left out
+    assert ModelConfig.from_hf({**ERNIE_MOE, "head_dim": None}).head_dim == 16
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 3, 32)  # ERNIE's
+    assert (moe.shared_intermediate_size, moe.layers) == (64, (1, 2))  # 2 shared, from 1
+    assert (moe.scoring, moe.topk_method, moe.norm_topk_prob, moe.norm_min) == \
+        ("softmax", "greedy", True, 1e-12)
+    assert (moe.choice_bias, moe.router_in_float32, moe.weights_in_float32) == \
+        ((1, 8), True, False)
+    default = ModelConfig.from_hf({key: value for key, value in ERNIE_MOE.items()
+                                   if key not in ("moe_num_experts", "moe_k")}).moe
+    assert (default.num_experts, default.top_k) == (64, 6)
+
+
+def test_ernie_moe_layers_are_every_interval_th_from_the_start_to_the_end_index():
+    def layers(**change):
+        moe = ModelConfig.from_hf({**ERNIE_MOE, "num_hidden_layers": 8, **change}).moe
+        return None if moe is None else moe.layers
+
+    assert layers() == (1, 2, 3, 4, 5, 6, 7)
+    assert layers(moe_layer_start_index=2, moe_layer_interval=3) == (2, 5)
+    assert layers(moe_layer_start_index=0, moe_layer_end_index=4, moe_layer_interval=2) == \
+        (1, 3)
+    assert layers(moe_layer_end_index=20) == (1, 2, 3, 4, 5, 6, 7)
+    assert layers(moe_layer_start_index=5, moe_layer_end_index=4) is None
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"moe_num_experts": [8, 8]}, r"'moe_num_experts' is \[8, 8\], a value per modality"),
+    ({"moe_layer_start_index": [1, 1]}, "'moe_layer_start_index' is .* a value per modality"),
+    ({"moe_k": 9}, "moe_k=9 exceeds moe_num_experts=8"),
+    ({"moe_layer_end_index": -2}, "'moe_layer_end_index' must be an integer >= -1"),
+    ({"moe_layer_interval": 0}, "'moe_layer_interval' must be a positive integer"),
+    ({"moe_norm_min": -1.0}, "'moe_norm_min' must be a positive finite number"),
+    ({"use_bias": True}, "use_bias=true is not supported for Ernie4_5_MoeForCausalLM"),
+])
+def test_ernie_moe_configs_kvpool_cannot_run_are_refused_naming_the_numbers(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf({**ERNIE_MOE, **change})
+
+
+@pytest.fixture(scope="module")
+def ernie_bf16(tmp_path_factory, device):
+    """(transformers model, kvpool model) of one Ernie 4.5 MoE checkpoint, each loaded in
+    bfloat16 (the router's weight and bias kept in float32)."""
+    folder = save_hf_model(make_hf_model("ernie4_5-moe", configs=CONFIGS),
+                           tmp_path_factory.mktemp("ernie4_5-moe-bf16"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = load_model(folder, device=device, dtype=torch.bfloat16).model
+    return hf.to(device), model
+
+
+def test_a_bf16_ernie_router_scores_in_float32_and_weighs_in_bf16_as_transformers(
+        ernie_bf16, device):
+    hf, model = ernie_bf16
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                          torch.bfloat16)
+    weights, ids = model.model.layers[1].mlp.gate(x)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf.model.layers[1].mlp.gate(x)
+    assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert weights.dtype == hf_weights.dtype == torch.bfloat16
+    assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))

@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU with gloo, 2 ranks: the greedy tokens of small random Llama,
 Qwen2 (one KV head, replicated), Qwen3, OLMo 2 (two KV heads or one), OLMo 3, Ernie 4.5,
-GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, GLM-4.5, Gemma 3
-(a full and a window pool) and GPT-OSS checkpoints equal transformers' (and so one rank's) through
-preemption, prefix hits, chunks, copy-on-write and window drops;
+GLM-4, EXAONE 4, Phi-3, Qwen3-MoE, Mixtral, GraniteMoeShared, DeepSeek-V3, GLM-4.5, Ernie 4.5
+MoE, Gemma 3 (a full and a window pool) and GPT-OSS checkpoints equal transformers' (and so
+one rank's) through preemption, prefix hits, chunks, copy-on-write and window drops;
 per-rank planning; a dead or stuck worker fails the engine with an error naming it."""
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ PARITY = {
     "deepseek-v3": DEEPSEEK_CONFIGS["v3-yarn"],
     # each rank's rows of every expert and of the shared experts, q/k normed per head
     "glm4-moe": MOE_FAMILIES["glm4-moe"],
+    # each rank's q/k rows in Ernie 4.5's order, its rows of every expert and shared expert;
+    # the router's [1, experts] bias whole
+    "ernie4_5-moe": MOE_FAMILIES["ernie4_5-moe"],
     # test_windows' Gemma 3 in 2 layers, a window layer then a full one: a pool of each
     "gemma3": lambda: transformers.Gemma3TextConfig(**{**GEMMA, "num_hidden_layers": 2},
                                                    sliding_window_pattern=2),

@@ -38,6 +38,7 @@ SUPPORTED_ARCHITECTURES = (
     "SeedOssForCausalLM",
     "ArceeForCausalLM",
     "Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
     "ApertusForCausalLM",
     "GlmForCausalLM",
     "Glm4ForCausalLM",
@@ -68,6 +69,7 @@ _ARCH_BY_MODEL_TYPE = {
     "seed_oss": "SeedOssForCausalLM",
     "arcee": "ArceeForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "apertus": "ApertusForCausalLM",
     "glm": "GlmForCausalLM",
     "glm4": "Glm4ForCausalLM",
@@ -98,7 +100,8 @@ OLMO2, OLMO3 = "Olmo2ForCausalLM", "Olmo3ForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
 SEED_OSS = "SeedOssForCausalLM"
 ARCEE = "ArceeForCausalLM"
-ERNIE = "Ernie4_5ForCausalLM"
+ERNIE, ERNIE_MOE = "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"
+ERNIES = (ERNIE, ERNIE_MOE)  # use_bias biases q, k, v, o and the MLP; q/k rotate in pairs
 APERTUS = "ApertusForCausalLM"
 GLM, GLM4 = "GlmForCausalLM", "Glm4ForCausalLM"
 GLM4_MOE = "Glm4MoeForCausalLM"
@@ -137,6 +140,9 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     ARCEE: {"rms_norm_eps": 1e-5, "hidden_act": "relu2"},  # an ungated MLP
     ERNIE: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
             "head_dim": 128, "tie_word_embeddings": True},
+    # (its head_dim, left out, is hidden_size / num_attention_heads)
+    ERNIE_MOE: {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+                "tie_word_embeddings": True},
     # Apertus: an ungated xIELU MLP, Llama 3.1's rope scaling unless the config gives a rope
     APERTUS: {"max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "hidden_act": "xielu",
               "rope_parameters": {"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
@@ -181,7 +187,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # k, v theirs and attention_out_bias o its own; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2, OLMO3, ERNIE, APERTUS, GPT_OSS)
+                  *GRANITES, OLMO2, OLMO3, *ERNIES, APERTUS, GPT_OSS)
 # Architectures whose attention_bias biases q, k and v: those, and Seed-OSS and GLM's (whose o
 # has a switch of its own, or no bias)
 QKV_BIAS = (*ATTENTION_BIAS, SEED_OSS, GLM, GLM4, GLM4_MOE)
@@ -518,7 +524,7 @@ class ModelConfig:
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
             if partial_rotary else 1.0
         _check_rope_factors(rope_scaling, int(head_dim * partial_rotary_factor))
-        attention_bias = _bool(cfg, "use_bias" if arch == ERNIE else "attention_bias")
+        attention_bias = _bool(cfg, "use_bias" if arch in ERNIES else "attention_bias")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         if arch == GPT_OSS:
             _check_gpt_oss_swiglu(cfg)
@@ -548,8 +554,8 @@ class ModelConfig:
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
             o_bias=_bool(cfg, "attention_out_bias") if arch == SEED_OSS
             else attention_bias and arch in ATTENTION_BIAS,
-            mlp_bias=attention_bias if arch == ERNIE else (_bool(cfg, "mlp_bias")
-                                                           and arch in MLP_BIAS),
+            mlp_bias=attention_bias if arch in ERNIES else (_bool(cfg, "mlp_bias")
+                                                            and arch in MLP_BIAS),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
                              EXAONE4) or (arch == GLM4_MOE and _bool(cfg, "use_qk_norm")),
             sliding_window=sliding_window,
@@ -561,7 +567,7 @@ class ModelConfig:
             mamba=MAMBA_PARSERS[arch](cfg, hidden, num_layers) if arch in MAMBA_PARSERS
             else None,
             layer_types=layer_types,
-            rope_interleave=arch in (ERNIE, GLM, GLM4),
+            rope_interleave=arch in (*ERNIES, GLM, GLM4),
             sliding_rope=local_rope if arch == OLMO3 else None,
             gemma=gemma,
             hidden_act="gelu_pytorch_tanh" if is_gemma else "gpt_oss_swiglu"
@@ -1192,6 +1198,55 @@ def _glm4_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     return _deepseek_moe({**defaults, **cfg}, True, num_layers)
 
 
+def _ernie_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """Ernie 4.5's experts, as transformers reads them: softmax scores in float32, the choice
+    biased by its `moe_statics` correction bias (the weights are not), the `moe_k` chosen of
+    `moe_num_experts` (6 of 64 by default) renormalised by their sum or `moe_norm_min`
+    (1e-12), whichever is larger, and `moe_num_shared_experts` (2) fused shared experts,
+    on every `moe_layer_interval`-th layer from `moe_layer_start_index` (1) to
+    `moe_layer_end_index` (-1: the last). None when no layer has experts. Ernie 4.5 VL's
+    lists of a value per modality are refused, and `use_bias` (transformers then biases the
+    output head too; no published Ernie 4.5 MoE sets it)."""
+    if _bool(cfg, "use_bias"):
+        raise ConfigError(f"use_bias=true is not supported for {ERNIE_MOE}: its output head "
+                          f"would have a bias, which kvpool's head has not")
+    for key in ("moe_num_experts", "moe_k", "moe_intermediate_size", "moe_num_shared_experts",
+                "moe_layer_start_index", "moe_layer_end_index"):
+        if isinstance(cfg.get(key), list):
+            raise ConfigError(f"config {key!r} is {cfg[key]!r}, a value per modality (Ernie "
+                              f"4.5 VL's); kvpool runs the text-only {ERNIE_MOE}, of one value")
+    num_experts = _int(cfg, "moe_num_experts", 64)
+    top_k = _int(cfg, "moe_k", 6)
+    if top_k > num_experts:
+        raise ConfigError(f"moe_k={top_k} exceeds moe_num_experts={num_experts}")
+    start = _optional_int(cfg, "moe_layer_start_index", minimum=0)
+    end = _optional_int(cfg, "moe_layer_end_index", minimum=-1)
+    end = num_layers - 1 if end in (None, -1) else end
+    interval = _int(cfg, "moe_layer_interval", 1)
+    layers = tuple(i for i in range(1 if start is None else start, min(end + 1, num_layers))
+                   if (i + 1) % interval == 0)
+    if not layers:
+        return None
+    shared = _optional_int(cfg, "moe_num_shared_experts", minimum=0)
+    intermediate = _int(cfg, "moe_intermediate_size", 1536)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=intermediate,
+        shared_intermediate_size=(2 if shared is None else shared) * intermediate,
+        layers=layers,
+        scoring="softmax",
+        topk_method="greedy",
+        num_groups=1,
+        topk_groups=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        router_in_float32=True,
+        choice_bias=(1, num_experts),
+        norm_min=_float(cfg, "moe_norm_min", 1e-12),
+    )
+
+
 def _check_routing(moe: MoEConfig, v3: bool) -> None:
     """Raise ConfigError unless the experts, groups and top-k agree."""
     per_group = moe.num_experts // moe.num_groups
@@ -1344,7 +1399,7 @@ def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...
 MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
                      GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe,
                      GRANITE_MOE_HYBRID: _granite_moe, GPT_OSS: _gpt_oss_moe,
-                     GLM4_MOE: _glm4_moe}
+                     GLM4_MOE: _glm4_moe, ERNIE_MOE: _ernie_moe}
 
 
 def _partial_rotary_factor(cfg: dict, is_bamba: bool, head_dim: int) -> float:

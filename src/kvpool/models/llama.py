@@ -1,8 +1,8 @@
 """A Llama-family decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, SmolLM3,
-Granite, Seed-OSS, Arcee, Ernie 4.5, Apertus, GLM, GLM-4.5) on the paged KV cache; Qwen3-MoE's,
-Mixtral's and GLM-4.5's layers hold a mixture of experts (kvpool.models.moe) where their
-configs say, and Granite scales its embedding, residual branches, attention scores and logits
-by the config's multipliers.
+Granite, Seed-OSS, Arcee, Ernie 4.5 and its MoE, Apertus, GLM, GLM-4.5) on the paged KV cache;
+Qwen3-MoE's, Mixtral's, GLM-4.5's and Ernie 4.5 MoE's layers hold a mixture of experts
+(kvpool.models.moe) where their configs say, and Granite scales its embedding, residual
+branches, attention scores and logits by the config's multipliers.
 
 Module and parameter names mirror the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`,
 ...), so safetensors load by name. One forward pass takes a packed batch in a ForwardContext:

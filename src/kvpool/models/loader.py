@@ -56,9 +56,9 @@ _INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES = 10  # weights listed per kind of problem
 VISION_PARTS = ("vision_tower.", "multi_modal_projector.")  # of multimodal checkpoints
 SCALE_SUFFIX = "_scale_inv"  # `X.weight_scale_inv` scales the float8 `X.weight` (times it)
-# Checkpoint names of Mixtral's, Granite MoE's and GPT-OSS's routers, Mixtral's experts,
-# Qwen2-MoE's shared expert, a multimodal checkpoint's text decoder and Apertus's norms ->
-# kvpool's.
+# Checkpoint names of Mixtral's, Granite MoE's and GPT-OSS's routers, Ernie 4.5's router
+# bias, Mixtral's experts, Qwen2-MoE's shared expert, a multimodal checkpoint's text decoder
+# and Apertus's norms -> kvpool's.
 RENAMED = (
     (re.compile(r"language_model\.((model|lm_head)\..*)"), r"\1"),
     (re.compile(r"(.*\.)mlp\.shared_expert\.(.*)"), r"\1mlp.shared_experts.\2"),
@@ -71,6 +71,8 @@ RENAMED = (
      r"\1mlp.experts.\2.up_proj.weight"),
     (re.compile(r"(.*\.)block_sparse_moe\.router\.layer\.weight"), r"\1mlp.gate.weight"),
     (re.compile(r"(.*\.)mlp\.router\.(weight|bias)"), r"\1mlp.gate.\2"),
+    (re.compile(r"(.*\.)mlp\.moe_statics\.e_score_correction_bias"),
+     r"\1mlp.gate.e_score_correction_bias"),
     (re.compile(r"(.*\.)attention_layernorm\.weight"), r"\1input_layernorm.weight"),
     (re.compile(r"(.*\.)feedforward_layernorm\.weight"), r"\1post_attention_layernorm.weight"),
 )
@@ -369,10 +371,11 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     params = model.state_dict()
     block = model.config.fp8_weight_block
     # DeepSeek-V3's and GLM-4.5's checkpoints carry their multi-token-prediction module as
-    # extra layers.
+    # extra layers, Ernie 4.5's as modules named `mtp`.
     extra_layers = model.config.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
-                               num_layers=model.config.num_layers if extra_layers else None)
+                               num_layers=model.config.num_layers if extra_layers else None,
+                               mtp=model.config.architecture == "Ernie4_5_MoeForCausalLM")
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
@@ -612,10 +615,11 @@ def _read_tensor(f, name: str, file: Path, index: Index) -> torch.Tensor:
         raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 
 
-def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = None
-                       ) -> dict[str, tuple[tuple[int, ...], Path]]:
+def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = None,
+                       mtp: bool = False) -> dict[str, tuple[tuple[int, ...], Path]]:
     """name -> (shape, file) of every tensor the model should load, read from headers only;
-    with `num_layers`, tensors of layers from `num_layers` on are not the model's."""
+    with `num_layers`, tensors of layers from `num_layers` on are not the model's; with
+    `mtp`, neither are tensors whose names hold "mtp" (as transformers leaves them)."""
     found = {}
     for file in files:
         with _open_safetensors(file) as f:
@@ -626,6 +630,8 @@ def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = N
                 if name.startswith(VISION_PARTS):  # kvpool runs the text decoder only
                     continue
                 if num_layers is not None and _layer_index(name) >= num_layers:
+                    continue
+                if mtp and "mtp" in name:
                     continue
                 found[name] = (tuple(f.get_slice(name).get_shape()), file)
     return found
