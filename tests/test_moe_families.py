@@ -238,3 +238,23 @@ def test_a_bf16_ernie_router_scores_in_float32_and_weighs_in_bf16_as_transformer
     assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
     assert weights.dtype == hf_weights.dtype == torch.bfloat16
     assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+@pytest.mark.parametrize(("hf_config", "expected"), [
+    # transformers' defaults, GLM-4.5-Air's shape (46 layers, 8 of 128 experts), with a
+    # head_dim of 128 and q/k norms and biases on
+    (lambda: transformers.Glm4MoeConfig(head_dim=128, use_qk_norm=True, attention_bias=True),
+     106_852_263_040),
+    # transformers' defaults, ERNIE-4.5-21B-A3B's shape (28 layers, 6 of 64 experts)
+    (transformers.Ernie4_5_MoeConfig, 21_825_437_888),
+])
+def test_parameters_are_counted_exactly_as_transformers_builds_them(hf_config, expected):
+    config = hf_config()
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    # GLM-4.5's correction biases are buffers in transformers, tensors of the checkpoint
+    biases = sum(b.numel() for name, b in hf.named_buffers() if "e_score_correction" in name)
+    assert sum(p.numel() for p in hf.parameters()) + biases == expected
+    ours = ModelConfig.from_hf({**config.to_dict(),
+                                "architectures": [type(hf).__name__]}).count_parameters()
+    assert ours == expected
