@@ -206,6 +206,9 @@ def test_ernie_moe_layers_are_every_interval_th_from_the_start_to_the_end_index(
     ({"moe_k": 9}, "moe_k=9 exceeds moe_num_experts=8"),
     ({"moe_layer_end_index": -2}, "'moe_layer_end_index' must be an integer >= -1"),
     ({"moe_layer_interval": 0}, "'moe_layer_interval' must be a positive integer"),
+    ({"moe_num_experts": 2**17, "moe_k": 2**17},
+     "'moe_num_experts' must be a positive integer at most 65536"),
+    ({"moe_num_shared_experts": 2**11}, "'moe_num_shared_experts' must be at most 1024"),
     ({"moe_norm_min": -1.0}, "'moe_norm_min' must be a positive finite number"),
     ({"use_bias": True}, "use_bias=true is not supported for Ernie4_5_MoeForCausalLM"),
 ])

@@ -221,6 +221,10 @@ SIZE_LIMITS = {
     "num_experts": 2**16,
     "num_local_experts": 2**16,
     "decoder_sparse_step": 2**12,
+    "moe_num_experts": 2**16,  # Ernie 4.5's
+    "moe_k": 2**16,
+    "moe_num_shared_experts": 2**10,
+    "moe_layer_interval": 2**12,
 }
 
 # Geometries of published models (their config.json, trimmed to what kvpool reads).
