@@ -34,6 +34,7 @@ from test_families import CONFIGS as FAMILY_CONFIGS
 from test_gpt_oss import make_gpt_oss
 from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_granite_moe import CONFIGS as GRANITE_MOE
+from test_moe_families import CONFIGS as MOE_FAMILIES
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
 from test_qwen3_moe import MIXTRAL
 from test_windows import CONFIGS as WINDOWED
@@ -65,6 +66,10 @@ FAMILIES = {  # name: a small random transformers model of the family
     "gpt-oss": lambda: make_gpt_oss("gpt-oss"),  # sinks, a window, experts with biases
     "deepseek-v2": lambda: make_hf_model("v2-grouped-yarn", configs=DEEPSEEK),
     "deepseek-v3": lambda: make_hf_model("v3-yarn", configs=DEEPSEEK),
+    # q/k norms and partial rotary, V3's grouped sigmoid routing with its bias
+    "glm4-moe": lambda: make_hf_model("glm4-moe", configs=MOE_FAMILIES),
+    # softmax routing with a [1, experts] bias and a renormalisation floor
+    "ernie4_5-moe": lambda: make_hf_model("ernie4_5-moe", configs=MOE_FAMILIES),
     "bamba": lambda: make_bamba("bamba"),
     # Bamba's layers with Granite MoE's experts and multipliers, attention without RoPE
     "granite-hybrid": lambda: make_bamba("granite-hybrid", configs=GRANITE_HYBRID),
