@@ -133,7 +133,7 @@ def test_glm4_moe_reads_transformers_defaults():
     assert (moe.scoring, moe.topk_method, moe.num_groups, moe.topk_groups) == \
         ("sigmoid", "noaux_tc", 1, 1)
     assert (moe.norm_topk_prob, moe.routed_scaling_factor) == (True, 1.0)
-    assert (moe.choice_bias, moe.router_in_float32, moe.weights_in_float32) == \
+    assert (moe.choice_bias_shape, moe.router_in_float32, moe.weights_in_float32) == \
         ((128,), True, True)
     config = ModelConfig.from_hf({**GLM4_MOE, "attention_bias": True, "use_qk_norm": True})
     assert (config.qkv_bias, config.o_bias, config.qk_norm) == (True, False, True)
@@ -180,7 +180,7 @@ def test_ernie_moe_reads_transformers_defaults():
     assert (moe.shared_intermediate_size, moe.layers) == (64, (1, 2))  # 2 shared, from 1
     assert (moe.scoring, moe.topk_method, moe.norm_topk_prob, moe.norm_min) == \
         ("softmax", "greedy", True, 1e-12)
-    assert (moe.choice_bias, moe.router_in_float32, moe.weights_in_float32) == \
+    assert (moe.choice_bias_shape, moe.router_in_float32, moe.weights_in_float32) == \
         ((1, 8), True, False)
     default = ModelConfig.from_hf({key: value for key, value in ERNIE_MOE.items()
                                    if key not in ("moe_num_experts", "moe_k")}).moe

@@ -389,7 +389,7 @@ class MoEConfig:
     # the shape of `e_score_correction_bias`, added to the scores to choose the experts but
     # not to weigh them: V3's and GLM-4.5's `[experts]`, Ernie 4.5's `[1, experts]` (its
     # `moe_statics`); (): none
-    choice_bias: tuple[int, ...] = ()
+    choice_bias_shape: tuple[int, ...] = ()
     # the chosen weights renormalised (norm_topk_prob) by their sum or this, whichever is
     # larger (Ernie 4.5's moe_norm_min)
     norm_min: float = 0.0
@@ -747,7 +747,7 @@ class ModelConfig:
         shared = _gated_mlp_parameters(hidden, moe.shared_intermediate_size,
                                        self.mlp_bias) if moe.shared_intermediate_size else 0
         shared += hidden if moe.shared_gate else 0
-        router = moe.num_experts * (hidden + bool(moe.choice_bias) + moe.router_bias)
+        router = moe.num_experts * (hidden + bool(moe.choice_bias_shape) + moe.router_bias)
         moe_layers = len(moe.layers)
         return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
 
@@ -1184,7 +1184,7 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
         routed_scaling_factor=_float(cfg, "routed_scaling_factor", 2.5 if v3 else 1.0),
         router_in_float32=True,
         weights_in_float32=True,
-        choice_bias=(num_experts,) if v3 else (),
+        choice_bias_shape=(num_experts,) if v3 else (),
     )
     _check_routing(moe, v3)
     return moe
@@ -1246,7 +1246,7 @@ def _ernie_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
         norm_topk_prob=True,
         routed_scaling_factor=1.0,
         router_in_float32=True,
-        choice_bias=(1, num_experts),
+        choice_bias_shape=(1, num_experts),
         norm_min=_float(cfg, "moe_norm_min", 1e-12),
     )
 

@@ -32,9 +32,9 @@ class Router(nn.Module):
             dtype=torch.float32 if moe.router_in_float32 else dtype))
         if moe.router_bias:  # GPT-OSS's
             self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=self.weight.dtype))
-        if moe.choice_bias:  # kept in float32, as transformers keeps it
+        if moe.choice_bias_shape:  # kept in float32, as transformers keeps it
             self.register_buffer("e_score_correction_bias",
-                                 torch.empty(moe.choice_bias, dtype=torch.float32))
+                                 torch.empty(moe.choice_bias_shape, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, hidden]` -> (weights `[T, top_k]`, float32 (DeepSeek, GLM-4.5) or x's
@@ -49,7 +49,7 @@ class Router(nn.Module):
             scores = logits.softmax(dim=-1, dtype=torch.float32)
         else:
             scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias if moe.choice_bias else scores
+        choice = scores + self.e_score_correction_bias if moe.choice_bias_shape else scores
         if moe.topk_method != "greedy":
             choice = self._eligible_groups_only(choice)
         ids = choice.topk(moe.top_k, dim=-1, sorted=False).indices
