@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
-GLM-4, EXAONE 4 and gpt-oss: the config, weights, tokenizer and chat template a .gguf file holds,
-parsed and dequantized by the `gguf` package (the `gguf` extra). What lives here is the
-mapping from GGUF's metadata keys and tensor names to kvpool's config fields and parameter
-names."""
+GLM-4, EXAONE 4, gpt-oss and DeepSeek V2/V3: the config, weights, tokenizer and chat template
+a .gguf file holds, parsed and dequantized by the `gguf` package (the `gguf` extra). What lives
+here is the mapping from GGUF's metadata keys and tensor names to kvpool's config fields and
+parameter names."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                 "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM"}
+                 "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM",
+                 "deepseek2": "DeepseekV2ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -85,6 +86,9 @@ FUSED_TENSORS = {"phi3": {
 # Architectures whose heads rotate in part, as `rope.dimension_count` says (Phi-4-mini's 3/4,
 # GLM-4's half)
 PARTIAL_ROTARY = ("phi3", "glm4")
+# Architectures whose `rope.dimension_count` is the rotated key part beside each head's
+# unrotated one (DeepSeek's MLA), not a share of the head
+LATENT_ATTENTION = ("deepseek2",)
 # Gemma 3 as llama.cpp runs it, whatever its metadata: a full-attention layer every 6th, the
 # sliding layers' rope base 10,000, and queries scaled by 1/sqrt(head_dim), but for the 62
 # layers of the 27B, by 1/sqrt(hidden_size / heads). Its converter stores each norm weight
@@ -142,6 +146,22 @@ GPT_OSS_TENSORS = {"post_attention_norm.weight": "post_attention_layernorm.weigh
 GLM4_NORMS = {"post_attention_norm.weight": "post_self_attn_layernorm.weight",
               "ffn_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_mlp_layernorm.weight"}
+# DeepSeek's multi-head latent attention (llama.cpp rotates its adjacent channel pairs, as
+# DeepSeek does: its converter writes the q/k rows in order) and V3's router bias
+DEEPSEEK2_TENSORS = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+# llama.cpp's `expert_gating_func` values (DeepSeek's)
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+# kv_b_proj as newer converters split it (after `blk.N.`): each head's key rows transposed,
+# `[heads, kv_lora_rank, nope]`, then its value rows, `[heads, v, kv_lora_rank]` (`join_kv_b`)
+SPLIT_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 ARCH_LAYER_TENSORS = {
     "gemma2": GEMMA_NORMS,
     "gemma3": GEMMA_NORMS,
@@ -150,6 +170,7 @@ ARCH_LAYER_TENSORS = {
     "glm4": GLM4_NORMS,
     "granitehybrid": MAMBA_TENSORS,
     "gpt-oss": GPT_OSS_TENSORS,
+    "deepseek2": DEEPSEEK2_TENSORS,
 }
 # Mamba2 parameters that llama.cpp's converter stores in another shape -> the parameter's
 # shape from the file's: A and D with a trailing 1 (and A as -exp(A_log)), the conv's weight
@@ -181,7 +202,10 @@ INTEGER_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwa
                 "rope.scaling.original_context_length", "expert_count", "expert_used_count",
                 "expert_feed_forward_length", "expert_shared_feed_forward_length",
                 "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
-                "ssm.group_count")
+                "ssm.group_count", "attention.value_length", "attention.key_length_mla",
+                "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
+                "leading_dense_block_count", "expert_shared_count", "expert_group_count",
+                "expert_group_used_count", "expert_gating_func")
 PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
 # Architectures whose per-layer attention.head_count_kv is 0 on their Mamba layers, as
 # llama.cpp marks them
@@ -190,7 +214,7 @@ MAMBA_LAYERS_BY_KV_HEADS = ("granitehybrid",)
 # frequencies starts and ends on whole dimensions (transformers' `truncate`). gpt-oss's does
 # not, as its config says; llama.cpp rounds it for every model (a file has no key for it).
 # OLMo 3 (`olmo2`) scales its full layers only.
-YARN_TRUNCATE = {"gpt-oss": False, "olmo2": True}
+YARN_TRUNCATE = {"gpt-oss": False, "olmo2": True, "deepseek2": True}
 # YaRN's settings llama.cpp reads beyond kvpool's (after `{arch}.rope.scaling.`) -> the value
 # that leaves the scaling as transformers' YaRN computes it. llama.cpp scales cos/sin by
 # 1 + 0.1 ln(factor) (transformers' default attention factor) times `attn_factor`, and
@@ -199,9 +223,10 @@ YARN_TRUNCATE = {"gpt-oss": False, "olmo2": True}
 YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": None, "attn_factor": 1.0,
                  "yarn_log_multiplier": 0.0}
 # The metadata keys read here as numbers before the config checks them (the rope's linear
-# factor, under either name llama.cpp writes it; YaRN's)
+# factor, under either name llama.cpp writes it; YaRN's; DeepSeek's routed experts' scale)
 NUMBER_KEYS = ("rope.scaling.factor", "rope.scale_linear", "rope.scaling.yarn_beta_fast",
-               "rope.scaling.yarn_beta_slow", *(f"rope.scaling.{name}" for name in YARN_DEFAULTS))
+               "rope.scaling.yarn_beta_slow", *(f"rope.scaling.{name}" for name in YARN_DEFAULTS),
+               "expert_weights_scale")
 
 
 def gguf_path(model: str | Path) -> Path | None:
@@ -280,7 +305,8 @@ class GGUFCheckpoint:
         rotary = key("rope.dimension_count")
         head_dim = key("attention.key_length")
         whole = head_dim or key("embedding_length", 0) // heads if heads else None
-        if rotary is not None and heads and rotary != whole and arch not in PARTIAL_ROTARY:
+        if rotary is not None and heads and rotary != whole \
+                and arch not in PARTIAL_ROTARY + LATENT_ATTENTION:
             raise ConfigError(f"{self.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
                               f"rotates part of each head; kvpool rotates whole heads of {arch}")
         # llama.cpp's MoE: experts on every layer, the chosen ones' weights renormalised (an
@@ -343,15 +369,32 @@ class GGUFCheckpoint:
                               for kind, names in unsupported.items())
             raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
                                   f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
-        shapes, fused = {}, self._fused_rows()
+        shapes, fused, halves = {}, self._fused_rows(), {}
         for tensor in self._weights():
             # GGUF lists dimensions fastest-first; torch lists them slowest-first.
             shape = tuple(int(n) for n in reversed(tensor.shape))
             for name, index in _parameters(tensor.name, shape[0], fused,
                                            self.meta.get("general.architecture")):
                 part = _part_shape(shape, index)
+                if _kv_b_half(name) is not None:
+                    halves[name] = part
+                    continue
                 shapes[name] = (1, *part) if name.endswith(ONE_ROW) and len(part) == 1 \
                     else _mamba_shape(name, part)
+        for name, part in halves.items():  # a half without the other keeps its own name
+            joined, half = _kv_b_half(name)
+            other = name.replace(SPLIT_KV_B[half], SPLIT_KV_B[1 - half])
+            if other not in halves:
+                shapes[name] = part
+            elif half == 0:
+                k_b, v_b = (torch.empty(halves[n], device="meta") for n in (name, other))
+                try:
+                    shapes[joined] = tuple(join_kv_b(k_b, v_b).shape)
+                except (RuntimeError, IndexError):
+                    raise CheckpointError(
+                        f"{self.path.name}: GGUF {name} {halves[name]} and {other} "
+                        f"{halves[other]} are not the halves of one kv_b_proj ([heads, "
+                        f"kv_lora_rank, nope] and [heads, v, kv_lora_rank])") from None
         return shapes
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -362,6 +405,7 @@ class GGUFCheckpoint:
         config, fused = self.hf_config(), self._fused_rows()
         arch = config["model_type"]
         permuted, shift = arch in PERMUTED_ROTARY, NORM_SHIFT.get(arch, 0.0)
+        halves: dict[str, list] = {}  # kv_b_proj's, until both are read
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             array = dequantize(tensor.data, tensor.tensor_type)
             # F32 tensors come back as read-only views of the mapped file
@@ -380,6 +424,13 @@ class GGUFCheckpoint:
                     heads = config["num_attention_heads"] if name.endswith("q_proj.weight") \
                         else config["num_key_value_heads"]
                     part = unpermute_rotary(part, heads)
+                if (split := _kv_b_half(name)) is not None:
+                    joined, half = split
+                    pair = halves.setdefault(joined, [None, None])
+                    pair[half] = part
+                    if None not in pair:
+                        yield joined, join_kv_b(*halves.pop(joined))
+                    continue
                 yield name, part
 
     def _rope_scaling(self, arch: str, key, factor: float | None) -> dict | None:
@@ -408,8 +459,11 @@ class GGUFCheckpoint:
     def _yarn(self, arch: str, key, factor: float) -> dict:
         """YaRN from the metadata, with llama.cpp's defaults: the trained context
         `context_length`, betas 32 and 1. ConfigError naming a YARN_DEFAULTS key set
-        otherwise."""
+        otherwise (but DeepSeek's log multiplier: `_latent_mscale`)."""
+        latent = arch in LATENT_ATTENTION
         for name, default in YARN_DEFAULTS.items():
+            if latent and name == "yarn_log_multiplier":
+                continue
             value = key(f"rope.scaling.{name}")
             default = yarn_mscale(factor) if default is None else default
             if value is not None and not math.isclose(value, default, rel_tol=1e-6):
@@ -419,7 +473,23 @@ class GGUFCheckpoint:
                 "original_max_position_embeddings": key("rope.scaling.original_context_length",
                                                         key("context_length")),
                 "beta_fast": key("rope.scaling.yarn_beta_fast", 32.0),
-                "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0)}
+                "beta_slow": key("rope.scaling.yarn_beta_slow", 1.0),
+                **(self._latent_mscale(arch, key) if latent else {})}
+
+    def _latent_mscale(self, arch: str, key) -> dict:
+        """DeepSeek's YaRN correction as llama.cpp reads it: `rope.scaling.yarn_log_multiplier`,
+        which the converter writes as 0.1 mscale_all_dim, scales the attention scores by
+        yarn's mscale(factor, mscale_all_dim) squared and leaves cos/sin unscaled, as
+        transformers does with `mscale` and `mscale_all_dim` both that value. ConfigError
+        without a positive one: llama.cpp then scales cos/sin and the scores alike, as no
+        DeepSeek config does."""
+        value = key("rope.scaling.yarn_log_multiplier")
+        if value is None or value <= 0:
+            raise ConfigError(f"{self.path.name}: GGUF {arch} YaRN needs a positive "
+                              f"{arch}.rope.scaling.yarn_log_multiplier (0.1 mscale_all_dim), "
+                              f"got {value}")
+        mscale = value / 0.1
+        return {"mscale": mscale, "mscale_all_dim": mscale}
 
     def _longrope(self, arch: str) -> dict | None:
         """Phi-3's LongRoPE from its `rope_factors_short` and `rope_factors_long` tensors and
@@ -680,12 +750,55 @@ def _gpt_oss_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict
     return {**keys, "rope_parameters": {"rope_type": "default"}}
 
 
+def _deepseek2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """DeepSeek V2/V3 as llama.cpp reads `deepseek2`: V3 where its experts are scored by
+    sigmoid (`expert_gating_func` 2; softmax where the file has none, V2), the q bottleneck
+    where the file gives its rank, the head sizes from the `_mla` keys (newer files, whose
+    plain ones are the latent's) or the plain ones (older files), the first
+    `leading_dense_block_count` layers dense, the chosen experts' weights normalised where
+    `expert_weights_norm` says and scaled by `expert_weights_scale` (1 where absent), groups of
+    experts where `expert_group_count` exceeds 1. ConfigError naming a missing key, another
+    gating function, and groups of softmax-scored experts (llama.cpp scores a group by its
+    best two, transformers' V2 by its best one)."""
+    name = checkpoint.path.name
+    required = ("attention.kv_lora_rank", "attention.key_length", "attention.value_length",
+                "rope.dimension_count", "expert_shared_count")
+    missing = [f"deepseek2.{k}" for k in required if key(k) is None]
+    if missing:
+        raise ConfigError(f"{name}: GGUF deepseek2 needs {' and '.join(missing)}")
+    gating = key("expert_gating_func", GATING_SOFTMAX)
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        raise ConfigError(f"{name}: GGUF deepseek2.expert_gating_func {gating} is not supported "
+                          f"(supported: {GATING_SOFTMAX}, softmax; {GATING_SIGMOID}, sigmoid)")
+    v3, groups = gating == GATING_SIGMOID, key("expert_group_count") or 1
+    if groups > 1 and not v3:
+        raise ConfigError(f"{name}: GGUF deepseek2.expert_group_count {groups} with softmax "
+                          f"gating: llama.cpp picks groups by their best two experts, "
+                          f"DeepSeek-V2 by its best one; kvpool groups sigmoid-scored (V3) "
+                          f"experts only")
+    rotary = key("rope.dimension_count")
+    qk = key("attention.key_length_mla", key("attention.key_length"))
+    return {"architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "q_lora_rank": key("attention.q_lora_rank") or None,
+            "kv_lora_rank": key("attention.kv_lora_rank"), "qk_rope_head_dim": rotary,
+            "qk_nope_head_dim": qk - rotary,
+            "v_head_dim": key("attention.value_length_mla", key("attention.value_length")),
+            "n_routed_experts": key("expert_count") or None,
+            "n_shared_experts": key("expert_shared_count"),
+            "first_k_dense_replace": key("leading_dense_block_count", 0),
+            "topk_method": "noaux_tc" if v3 else "greedy",
+            "n_group": groups, "topk_group": key("expert_group_used_count") or 1,
+            "norm_topk_prob": key("expert_weights_norm", False),
+            "routed_scaling_factor": key("expert_weights_scale") or 1.0}
+
+
 # An architecture's own config.json keys beyond the common ones: general.architecture ->
 # a function of (checkpoint, its metadata key reader, the head size) giving them.
 ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _gemma2_keys,
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
-                     "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys, "glm4": _glm4_keys}
+                     "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys, "glm4": _glm4_keys,
+                     "deepseek2": _deepseek2_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
@@ -844,6 +957,22 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     head's two rotary halves (rows i and i + d/2 become neighbours) for its rope kernel."""
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _kv_b_half(name: str) -> tuple[str, int] | None:
+    """For a half of a split kv_b_proj (`blk.N.attn_k_b.weight`, `blk.N.attn_v_b.weight`):
+    the parameter it is half of and which half (0: the keys'); None for any other name."""
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in SPLIT_KV_B:
+        return f"model.layers.{parts[1]}.self_attn.kv_b_proj.weight", SPLIT_KV_B.index(parts[2])
+    return None
+
+
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj's weight `[heads * (nope + v), kv_lora_rank]`, each head's key rows then its
+    value rows, from llama.cpp's split: `k_b` `[heads, kv_lora_rank, nope]` (each head's key
+    rows transposed) and `v_b` `[heads, v, kv_lora_rank]`."""
+    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).flatten(0, 1)
 
 
 def _mamba_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
