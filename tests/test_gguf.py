@@ -353,7 +353,7 @@ def _files(folder: Path) -> list[str]:
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     (T.F32, lambda w: w.add_tokenizer_pre("deepseek-llm"), CheckpointError,
      r"GGUF pre-tokenizer 'deepseek-llm' is not supported \(supported: chatglm-bpe, "
-     r"default, exaone4, glm4, gpt-2, gpt-4o, gpt2"),
+     r"deepseek-v3, default, exaone4, glm4, gpt-2, gpt-4o, gpt2"),
 ], ids=["tensor-type", "tensor-names", "config", "pre-tokenizer"])
 def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing_cached(
         tmp_path, monkeypatch, qtype, more, error, message):

@@ -15,6 +15,7 @@ from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models import load_config, load_model
 from kvpool.models.gguf import CACHE_ENV, join_kv_b
+from kvpool.models.gguf_vocab import build_tokenizer
 from models_util import (
     EngineCase,
     assert_greedy_decode_matches,
@@ -254,3 +255,14 @@ def test_half_a_split_kv_b_is_refused_by_its_name(tmp_path, monkeypatch, device)
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.kv_b_proj\.weight"
                                               r"(.|\n)*unexpected weights: blk\.0\.attn_k_b"):
         load_model(path, device=device)
+
+
+def test_deepseek_v3s_pre_tokenizer_splits_digits_then_ideographs_then_words():
+    tokenizer = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre":
+                                 "deepseek-v3", "tokenizer.ggml.tokens": ["a"],
+                                 "tokenizer.ggml.merges": []})
+    words = [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str(
+        "Hello 12345 世界, it's x\n\n(ab)")]
+    # byte-level: Ġ a space, Ċ a newline, ä¸ĸçķĮ the six bytes of 世界
+    assert words == ["Hello", "Ġ", "123", "45", "Ġ", "ä¸ĸçķĮ", ",", "Ġit", "'s", "Ġx", "ĊĊ",
+                     "(ab", ")"]

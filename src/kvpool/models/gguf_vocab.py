@@ -30,6 +30,12 @@ _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek V3's, one split after another: digits in threes, runs of CJK ideographs and kana,
+# then words (an ASCII word keeps the punctuation mark before it), punctuation and spaces
+_DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+                     r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+"
+                     r"|\s+(?!\S)|\s+")
 
 
 def _byte_level() -> pre_tokenizers.PreTokenizer:
@@ -41,9 +47,9 @@ def _digits_then_byte_level() -> pre_tokenizers.PreTokenizer:
                                     _byte_level()])
 
 
-def _split_then_byte_level(regex: str) -> pre_tokenizers.PreTokenizer:
+def _split_then_byte_level(*regexes: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
@@ -59,6 +65,10 @@ def _o200k_split() -> pre_tokenizers.PreTokenizer:
     return _split_then_byte_level(_O200K_SPLIT)
 
 
+def _deepseek3_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(*_DEEPSEEK3_SPLITS)
+
+
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes).
 PRE_TOKENIZERS = {
     "default": _byte_level, "gpt-2": _byte_level, "gpt2": _byte_level,
@@ -67,6 +77,7 @@ PRE_TOKENIZERS = {
     "qwen2": _qwen2_split, "gpt-4o": _o200k_split,
     "exaone4": _byte_level,  # as llama.cpp splits it: GPT-2's pattern
     "glm4": _llama3_split, "chatglm-bpe": _llama3_split,  # Llama 3's pattern, every merge
+    "deepseek-v3": _deepseek3_split,
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
