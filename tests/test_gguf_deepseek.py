@@ -266,3 +266,11 @@ def test_deepseek_v3s_pre_tokenizer_splits_digits_then_ideographs_then_words():
     # byte-level: Ġ a space, Ċ a newline, ä¸ĸçķĮ the six bytes of 世界
     assert words == ["Hello", "Ġ", "123", "45", "Ġ", "ä¸ĸçķĮ", ",", "Ġit", "'s", "Ġx", "ĊĊ",
                      "(ab", ")"]
+
+
+def test_a_file_without_the_latent_rank_is_refused_naming_the_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_kv_lora_rank", lambda *_: None)
+    path = tmp_path / "v3.gguf"
+    deepseek_gguf_of(make_hf_model("v3-yarn-gguf", configs=CONFIGS), path)
+    with pytest.raises(ConfigError, match="GGUF deepseek2 needs deepseek2.attention.kv_lora_rank"):
+        load_config(path)
