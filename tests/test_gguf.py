@@ -351,9 +351,9 @@ def _files(folder: Path) -> list[str]:
                       r"blk.0.extra.weight"),
     (T.F32, lambda w: w.add_head_count_kv(3), ConfigError,
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
-    (T.F32, lambda w: w.add_tokenizer_pre("deepseek-llm"), CheckpointError,
-     r"GGUF pre-tokenizer 'deepseek-llm' is not supported \(supported: chatglm-bpe, "
-     r"deepseek-v3, default, exaone4, glm4, gpt-2, gpt-4o, gpt2"),
+    (T.F32, lambda w: w.add_tokenizer_pre("deepseek-coder"), CheckpointError,
+     r"GGUF pre-tokenizer 'deepseek-coder' is not supported \(supported: chatglm-bpe, "
+     r"deepseek-llm, deepseek-v3, default, exaone4, glm4, gpt-2, gpt-4o, gpt2"),
 ], ids=["tensor-type", "tensor-names", "config", "pre-tokenizer"])
 def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing_cached(
         tmp_path, monkeypatch, qtype, more, error, message):
@@ -549,10 +549,11 @@ def test_a_later_conversion_removes_interrupted_ones_temporary_folders_only(tmp_
 
 def test_a_refused_vocabulary_is_refused_before_dequantizing_and_creates_no_cache(
         tmp_path, monkeypatch):
-    write_gguf(tmp_path / "bad.gguf", more=lambda w: w.add_tokenizer_pre("deepseek-llm"))
+    write_gguf(tmp_path / "bad.gguf", more=lambda w: w.add_tokenizer_pre("deepseek-coder"))
     monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
     calls = _count_dequantizing(monkeypatch)
-    with pytest.raises(CheckpointError, match="GGUF pre-tokenizer 'deepseek-llm' is not supported"):
+    with pytest.raises(CheckpointError,
+                       match="GGUF pre-tokenizer 'deepseek-coder' is not supported"):
         load_model(tmp_path / "bad.gguf", device="cpu")
     assert (calls, (tmp_path / "cache").exists()) == ([], False)
 
@@ -1412,8 +1413,8 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
      "m.gguf: GGUF llama.embedding_length must be an integer, got '256'"),
     (lambda w: w.add_expert_count(8), ConfigError,
      "m.gguf: GGUF llama.expert_count is 8 but llama.expert_used_count is missing"),
-    (lambda w: w.add_tokenizer_pre("deepseek-llm"), CheckpointError,
-     "GGUF pre-tokenizer 'deepseek-llm' is not supported"),
+    (lambda w: w.add_tokenizer_pre("deepseek-coder"), CheckpointError,
+     "GGUF pre-tokenizer 'deepseek-coder' is not supported"),
     (lambda w: w.add_string("llama.rope.scaling.factor", "2x"), ConfigError,
      "m.gguf: GGUF llama.rope.scaling.factor must be a number, got '2x'"),
     (lambda w: w.add_array("llama.rope.scale_linear", [2.0]), ConfigError,

@@ -274,3 +274,14 @@ def test_a_file_without_the_latent_rank_is_refused_naming_the_key(tmp_path, monk
     deepseek_gguf_of(make_hf_model("v3-yarn-gguf", configs=CONFIGS), path)
     with pytest.raises(ConfigError, match="GGUF deepseek2 needs deepseek2.attention.kv_lora_rank"):
         load_config(path)
+
+
+def test_deepseek_llms_pre_tokenizer_splits_breaks_words_punctuation_ideographs_and_digits():
+    tokenizer = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre":
+                                 "deepseek-llm", "tokenizer.ggml.tokens": ["a"],
+                                 "tokenizer.ggml.merges": []})
+    omega = "\u03a9\u03bc\u03ad\u03b3\u03b1"  # a Greek word: letters of the cased class
+    text = f"Hello world, 12345 世界 {omega}\u00a9!\n\u00a9  "  # ©: in no class
+    pieces = [text[a:b] for _, (a, b) in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    assert pieces == ["Hello", " world", ",", " ", "12345", " ", "世界", f" {omega}", "\u00a9",
+                      "!", "\n", "\u00a9", "  "]

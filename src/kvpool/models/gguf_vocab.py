@@ -30,6 +30,31 @@ _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek LLM's (DeepSeek V2's vocabulary too), one split after another: line breaks, a
+# word of cased letters with the space before it, a run of ASCII or full-width punctuation
+# with the space before it, trailing spaces, a run of CJK ideographs or Hangul, a run of
+# digits
+_DEEPSEEK_LLM_SPLITS = (
+    "[\r\n]",
+    "\\s?["
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-"
+    "\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-"
+    "\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5"
+    "\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-"
+    "\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-"
+    "\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-"
+    "\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-"
+    "\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149"
+    "\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-"
+    "\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-"
+    "\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-"
+    "\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}+",
+)
 # DeepSeek V3's, one split after another: digits in threes, runs of CJK ideographs and kana,
 # then words (an ASCII word keeps the punctuation mark before it), punctuation and spaces
 _DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -65,6 +90,10 @@ def _o200k_split() -> pre_tokenizers.PreTokenizer:
     return _split_then_byte_level(_O200K_SPLIT)
 
 
+def _deepseek_llm_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(*_DEEPSEEK_LLM_SPLITS)
+
+
 def _deepseek3_split() -> pre_tokenizers.PreTokenizer:
     return _split_then_byte_level(*_DEEPSEEK3_SPLITS)
 
@@ -77,7 +106,7 @@ PRE_TOKENIZERS = {
     "qwen2": _qwen2_split, "gpt-4o": _o200k_split,
     "exaone4": _byte_level,  # as llama.cpp splits it: GPT-2's pattern
     "glm4": _llama3_split, "chatglm-bpe": _llama3_split,  # Llama 3's pattern, every merge
-    "deepseek-v3": _deepseek3_split,
+    "deepseek-llm": _deepseek_llm_split, "deepseek-v3": _deepseek3_split,
 }
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
