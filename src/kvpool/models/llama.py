@@ -98,8 +98,13 @@ class LlamaAttention(nn.Module, Sharded):
 
     def forward(self, x: torch.Tensor, rope: Rope, context: ForwardContext) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`; writes the T tokens' K/V at `meta.slot_mapping`."""
-        tokens = x.shape[0]
-        q, k, v = self.project(x)
+        return self.o_proj(self.attend(*self.project(x), rope, context))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+               context: ForwardContext) -> torch.Tensor:
+        """Projected q `[T, heads, head_dim]`, k and v -> the heads' outputs
+        `[T, heads * head_dim]` (before o_proj); writes the T tokens' K/V."""
+        tokens = q.shape[0]
         pool, layer, meta = context.locate(self.layer_idx)
         k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
         pool.calibrate(layer, k, v)
@@ -113,7 +118,7 @@ class LlamaAttention(nn.Module, Sharded):
                               sinks=self.sinks,
                               max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
                               workspace=meta.workspace, k_scale=k_scale, v_scale=v_scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return out.reshape(tokens, self.num_heads * self.head_dim)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -80,7 +80,63 @@ class DepthwiseConv1d(nn.Conv1d, Sharded):
         return self.rows
 
 
-class Mamba2Mixer(nn.Module, Sharded):
+class SlotMixer(nn.Module):
+    """A mixer whose sequences each keep a state slot (conv and recurrent states, updated in
+    place): a subclass computes one token each of several sequences (`_decode`) and a run of
+    tokens of one sequence (`_prefill`), both from per-token inputs (tensors of T rows), and
+    names the shape of its output per token (`output_shape`, computed in float32)."""
+
+    output_shape: tuple[int, ...]
+
+    def _mixed(self, inputs: tuple[torch.Tensor, ...], conv: torch.Tensor,
+               ssm: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        """A step with prefill chunks: one-token rows take a decode step together, each
+        longer chunk its prefill in segments ending at its checkpoints, whose state is saved
+        then. Row bounds come from the host copies of the lengths."""
+        host, states = context.host, context.states
+        cu, q_lens = host.query_starts, host.query_lens
+        starts = [seq_len - n for seq_len, n in zip(host.seq_lens, q_lens, strict=True)]
+        first = inputs[0]
+        y = first.new_empty(first.shape[0], *self.output_shape, dtype=torch.float32)
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        if decodes:
+            rows = torch.tensor([cu[b] for b in decodes], device=first.device)
+            fresh = torch.tensor([starts[b] == 0 for b in decodes], device=first.device)
+            slots = states.slots[torch.tensor(decodes, device=first.device)]
+            y[rows] = self._decode(*(x[rows] for x in inputs), conv, ssm, slots, fresh)
+        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
+        for request in states.checkpoints:
+            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
+        for b, n in enumerate(q_lens):
+            if n == 1:
+                continue
+            slot, begin = states.slots[b:b + 1], starts[b]
+            for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
+                if end > begin:
+                    lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
+                    y[lo:hi] = self._prefill(*(x[lo:hi] for x in inputs), conv, ssm, slot,
+                                             begin == 0)
+                    begin = end
+                if checkpoint is not None:
+                    conv[checkpoint] = conv.index_select(0, slot)[0]
+                    ssm[checkpoint] = ssm.index_select(0, slot)[0]
+        return y
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution of `self.conv1d` over `window`
+        `[..., channels, K - 1 + L]` -> `[..., channels, L]`, as K multiply-adds in float32
+        (not cuDNN's conv1d, which computes float32 in TF32 on CUDA by default), cast back to
+        the window's dtype."""
+        weight = self.conv1d.weight[:, 0].float()  # [channels, K]
+        k = weight.shape[-1]
+        length = window.shape[-1] - (k - 1)
+        out = sum(window[..., i:i + length].float() * weight[:, i, None] for i in range(k))
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.float()[:, None]
+        return out.to(window.dtype)
+
+
+class Mamba2Mixer(SlotMixer, Sharded):
     """in_proj -> (gate z, conv inputs, dt); causal conv + SiLU -> (x, B, C); the SSM scan;
     gated norm; out_proj. Parameter names follow the Hugging Face checkpoints. Under `tp` it
     holds this rank's heads and groups (`self.m` is their geometry: MambaConfig.per_rank) and
@@ -107,6 +163,7 @@ class Mamba2Mixer(nn.Module, Sharded):
         self.D = nn.Parameter(torch.empty(self.m.num_heads, dtype=dtype))
         self.norm = GatedRMSNorm(x, m.intermediate_size // m.num_groups, eps, dtype, tp)
         self.out_proj = RowLinear(self.heads, d, hidden_size, m.proj_bias, dtype, tp)
+        self.output_shape = (self.m.num_heads, self.m.head_dim)
 
     def checkpoint_index(self, name: str) -> Index:
         """dt_bias, A_log and D: one per head."""
@@ -126,41 +183,9 @@ class Mamba2Mixer(nn.Module, Sharded):
         if context.host.decode_only:
             y = self._decode(xbc, dt, conv, ssm, states.slots, context.positions == 0)
         else:
-            y = self._mixed(xbc, dt, conv, ssm, context)
+            y = self._mixed((xbc, dt), conv, ssm, context)
         out = self.norm(y.view(hidden.shape[0], -1).to(hidden.dtype), z)
         return self.out_proj(out)
-
-    def _mixed(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
-               ssm: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """A step with prefill chunks: one-token rows take a decode step together, each
-        longer chunk its scan in segments ending at its checkpoints, whose state is saved
-        then. Row bounds come from the host copies of the lengths."""
-        host, states = context.host, context.states
-        cu, q_lens = host.query_starts, host.query_lens
-        starts = [seq_len - n for seq_len, n in zip(host.seq_lens, q_lens, strict=True)]
-        y = xbc.new_empty(xbc.shape[0], self.m.num_heads, self.m.head_dim, dtype=torch.float32)
-        decodes = [b for b, n in enumerate(q_lens) if n == 1]
-        if decodes:
-            rows = torch.tensor([cu[b] for b in decodes], device=xbc.device)
-            fresh = torch.tensor([starts[b] == 0 for b in decodes], device=xbc.device)
-            slots = states.slots[torch.tensor(decodes, device=xbc.device)]
-            y[rows] = self._decode(xbc[rows], dt[rows], conv, ssm, slots, fresh)
-        saves: dict[int, list[tuple[int, int]]] = {}  # sequence -> (tokens, checkpoint slot)
-        for request in states.checkpoints:
-            saves.setdefault(request.index, []).append((request.num_tokens, request.slot))
-        for b, n in enumerate(q_lens):
-            if n == 1:
-                continue
-            slot, begin = states.slots[b:b + 1], starts[b]
-            for end, checkpoint in [*sorted(saves.get(b, ())), (starts[b] + n, None)]:
-                if end > begin:
-                    lo, hi = cu[b] + begin - starts[b], cu[b] + end - starts[b]
-                    y[lo:hi] = self._prefill(xbc[lo:hi], dt[lo:hi], conv, ssm, slot, begin == 0)
-                    begin = end
-                if checkpoint is not None:
-                    conv[checkpoint] = conv.index_select(0, slot)[0]
-                    ssm[checkpoint] = ssm.index_select(0, slot)[0]
-        return y
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv: torch.Tensor,
                 ssm: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
@@ -195,18 +220,6 @@ class Mamba2Mixer(nn.Module, Sharded):
         y, h = chunked_scan(x, dt, -torch.exp(self.A_log.float()), B, C, h0, m.chunk_size)
         ssm.index_copy_(0, slot, h[None].to(ssm.dtype))
         return y + self.D.float()[:, None] * x
-
-    def _conv(self, window: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise convolution over `window` `[..., conv_dim, K - 1 + L]` ->
-        `[..., conv_dim, L]`, as K multiply-adds in float32 (not cuDNN's conv1d, which
-        computes float32 in TF32 on CUDA by default), cast back to the window's dtype."""
-        k = self.m.conv_kernel
-        weight = self.conv1d.weight[:, 0].float()  # [conv_dim, K]
-        length = window.shape[-1] - (k - 1)
-        out = sum(window[..., i:i + length].float() * weight[:, i, None] for i in range(k))
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias.float()[:, None]
-        return out.to(window.dtype)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs `[N, conv_dim]` -> float32 x `[N, heads, head_dim]` and B, C
