@@ -1,7 +1,7 @@
 """Model configs: read a Hugging Face config.json (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
-Gemma 2, Gemma 3 text, Granite and Granite MoE, GPT-OSS, DeepSeek-V2/V3, and the hybrids Bamba and
-Granite MoE Hybrid) into one validated dataclass, the KV layout a config implies, and the
-built-in presets used by `kvpool plan` and the `tiny` model."""
+Gemma 2, Gemma 3 text, Granite and Granite MoE, GPT-OSS, DeepSeek-V2/V3, and the hybrids Bamba,
+Granite MoE Hybrid and Qwen3-Next) into one validated dataclass, the KV layout a config
+implies, and the built-in presets used by `kvpool plan` and the `tiny` model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ from kvpool.formats import DTYPES
 from kvpool.memory import fp8
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.state_pool import MambaLayout
-from kvpool.models.hybrid_config import HYBRID_ARCHITECTURES, MAMBA_PARSERS, MambaConfig
+from kvpool.models.hybrid_config import (
+    HYBRID_ARCHITECTURES,
+    MAMBA_PARSERS,
+    GatedDeltaNetConfig,
+    MambaConfig,
+)
 from kvpool.models.layers import ACTIVATIONS, UNGATED_ACTIVATIONS
 from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
@@ -83,6 +88,7 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "bamba": "BambaForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Image-and-text checkpoints whose text decoder kvpool runs (the vision encoder is not loaded)
@@ -90,6 +96,7 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 GRANITE = "GraniteForCausalLM"
 GRANITE_MOE = "GraniteMoeForCausalLM"
 GRANITE_MOE_SHARED = "GraniteMoeSharedForCausalLM"
@@ -122,6 +129,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768},
+    QWEN3_NEXT: {"max_position_embeddings": 32768, "head_dim": 256,
+                 "partial_rotary_factor": 0.25},
     "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
                            "rms_norm_eps": 1e-5},
@@ -187,7 +196,7 @@ ORIGINAL_CONTEXT_ROPE_TYPES = ("llama3", "yarn", "longrope")
 # k, v theirs and attention_out_bias o its own; Mistral, Mixtral and Phi-3 have none)
 ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", ARCEE,
                   "SmolLM3ForCausalLM", GEMMA2, "Gemma3ForCausalLM", "BambaForCausalLM",
-                  *GRANITES, OLMO2, OLMO3, *ERNIES, APERTUS, GPT_OSS)
+                  *GRANITES, OLMO2, OLMO3, *ERNIES, APERTUS, GPT_OSS, QWEN3_NEXT)
 # Architectures whose attention_bias biases q, k and v: those, and Seed-OSS and GLM's (whose o
 # has a switch of its own, or no bias)
 QKV_BIAS = (*ATTENTION_BIAS, SEED_OSS, GLM, GLM4, GLM4_MOE)
@@ -459,7 +468,8 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek: num_kv_heads is 1 and head_dim the latent's
     moe: MoEConfig | None = None  # DeepSeek's and Qwen3-MoE's; None: every MLP is dense
     partial_rotary_factor: float = 1.0  # Bamba rotates the first half of each head
-    mamba: MambaConfig | None = None  # hybrids: the Mamba layers and their mixer
+    # hybrids: the layers with a state slot and their mixer (Mamba2 or Gated DeltaNet)
+    mamba: MambaConfig | GatedDeltaNetConfig | None = None
     # FULL or SLIDING per model layer; () means every layer is windowed iff sliding_window is
     layer_types: tuple[str, ...] = ()
     # the checkpoint's q/k rows rotate in adjacent pairs (Ernie 4.5's, GLM's), which the
@@ -522,7 +532,8 @@ class ModelConfig:
             gemma = _gemma(cfg, local_rope)
         is_bamba = arch == "BambaForCausalLM"
         # Phi-4-mini rotates 3/4, GLM-4 and GLM-4.5 1/2
-        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM, GLM4, GLM4_MOE)
+        partial_rotary = is_bamba or arch in ("Phi3ForCausalLM", GLM, GLM4, GLM4_MOE,
+                                              QWEN3_NEXT)
         if not partial_rotary:
             _check_no_partial_rotary(cfg)
         partial_rotary_factor = _partial_rotary_factor(cfg, is_bamba, head_dim) \
@@ -561,7 +572,8 @@ class ModelConfig:
             mlp_bias=attention_bias if arch in ERNIES else (_bool(cfg, "mlp_bias")
                                                             and arch in MLP_BIAS),
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, "Gemma3ForCausalLM", APERTUS,
-                             EXAONE4) or (arch == GLM4_MOE and _bool(cfg, "use_qk_norm")),
+                             EXAONE4, QWEN3_NEXT)
+            or (arch == GLM4_MOE and _bool(cfg, "use_qk_norm")),
             sliding_window=sliding_window,
             # gpt-oss releases state no dtype: their unquantized weights are bfloat16
             dtype=_dtype(cfg) or (torch.bfloat16 if mxfp4_experts else None),
@@ -637,9 +649,7 @@ class ModelConfig:
         each state (its heads' SSM states, its channels' conv states)."""
         if self.mamba is None:
             return None
-        m = self.mamba.per_rank(tensor_parallel_size)
-        return MambaLayout(len(m.layers), m.conv_dim, m.conv_kernel, m.num_heads, m.head_dim,
-                           m.state_size, self.weights_dtype(dtype))
+        return self.mamba.per_rank(tensor_parallel_size).layout(self.weights_dtype(dtype))
 
 
     def weights_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
@@ -714,6 +724,8 @@ class ModelConfig:
             attention += q + kv
         if self.attention_sinks:
             attention += self.num_heads
+        if self.architecture == QWEN3_NEXT:  # q_proj also emits a gate per query channel
+            attention += (hidden + self.qkv_bias) * q
         return attention
 
     def _mla_parameters(self) -> int:
@@ -1288,6 +1300,13 @@ def _qwen2_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
                      shared=_int(cfg, "shared_expert_intermediate_size", 5632))
 
 
+def _qwen3_next_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
+    """Qwen3-Next's experts: Qwen2-MoE's, 10 of 512 experts 512 wide and a shared expert 512
+    wide by default."""
+    return _qwen_moe(cfg, num_layers, QWEN3_NEXT, (512, 10, 512),
+                     shared=_int(cfg, "shared_expert_intermediate_size", 512))
+
+
 def _qwen_moe(cfg: dict, num_layers: int, arch: str, defaults: tuple[int, int, int], *,
               shared: int) -> MoEConfig | None:
     """A Qwen-style MoE config: `defaults` are (num_experts, num_experts_per_tok,
@@ -1400,7 +1419,8 @@ def _granite_hybrid_no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...
 
 
 # The Llama-family architectures whose layers hold experts -> their MoE config's parser.
-MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, MIXTRAL: _mixtral_moe,
+MOE_ARCHITECTURES = {QWEN3_MOE: _qwen3_moe, QWEN2_MOE: _qwen2_moe, QWEN3_NEXT: _qwen3_next_moe,
+                     MIXTRAL: _mixtral_moe,
                      GRANITE_MOE: _granite_moe, GRANITE_MOE_SHARED: _granite_moe,
                      GRANITE_MOE_HYBRID: _granite_moe, GPT_OSS: _gpt_oss_moe,
                      GLM4_MOE: _glm4_moe, ERNIE_MOE: _ernie_moe}

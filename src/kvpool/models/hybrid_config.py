@@ -1,5 +1,8 @@
-"""The Mamba2 part of a hybrid model's config.json (Bamba, GraniteMoeHybrid): which layers are
-Mamba layers and the geometry of their mixer, validated into one dataclass."""
+"""The recurrent part of a hybrid model's config.json: which layers keep a state slot and the
+geometry of their mixer, validated into one dataclass per kind of layer (Bamba's and
+GraniteMoeHybrid's Mamba2 mixers, Qwen3-Next's Gated DeltaNet). Each kind declares the shapes
+of its per-sequence state (`layout`): a causal conv's last inputs and a recurrent state of
+heads x rows x columns, which a MambaPool holds."""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from kvpool.errors import ConfigError
+from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.parallel import TensorParallel
 from kvpool.numeric import INT64_MAX
 
@@ -16,7 +22,12 @@ from kvpool.numeric import INT64_MAX
 MAMBA_TYPES, ATTENTION_TYPES = ("linear_attention", "mamba"), ("full_attention", "attention")
 # Sane architectural limits of the mixer's sizes (as models/config.py's SIZE_LIMITS).
 SIZE_LIMITS = {"mamba_n_heads": 2**14, "mamba_expand": 2**6, "mamba_n_groups": 2**14,
-               "mamba_d_state": 2**14, "mamba_d_conv": 2**10, "mamba_chunk_size": 2**20}
+               "mamba_d_state": 2**14, "mamba_d_conv": 2**10, "mamba_chunk_size": 2**20,
+               "linear_num_key_heads": 2**14, "linear_num_value_heads": 2**14,
+               "linear_key_head_dim": 2**14, "linear_value_head_dim": 2**14,
+               "linear_conv_kernel_dim": 2**10, "full_attention_interval": 2**20}
+# The chunk of transformers' chunked gated delta rule (torch_chunk_gated_delta_rule's default)
+DELTA_RULE_CHUNK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,74 @@ class MambaConfig:
         groups = tp.shared_part(self.num_groups, "mamba_n_groups")
         return replace(self, num_heads=len(heads), num_groups=len(groups))
 
+    def layout(self, dtype: torch.dtype) -> MambaLayout:
+        """A state slot of these layers: the conv's channels x, B and C, an SSM state of
+        heads x head_dim x state_size."""
+        return MambaLayout(len(self.layers), self.conv_dim, self.conv_kernel, self.num_heads,
+                           self.head_dim, self.state_size, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetConfig:
+    """Qwen3-Next's Gated DeltaNet: `num_k_heads` query/key heads of `head_k_dim` channels,
+    `num_v_heads` value heads of `head_v_dim` (each key head serving num_v_heads / num_k_heads
+    of them), a causal depthwise convolution of width `conv_kernel` over q, k and v, and a
+    recurrent state of head_k_dim x head_v_dim per value head; the prefill runs the delta rule
+    in chunks of `chunk_size` tokens. `layers` are the model layers it is in."""
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    chunk_size: int = DELTA_RULE_CHUNK
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_size(self) -> int:
+        """Outputs of in_proj_qkvz and in_proj_ba: q, k, v, the gate z, then b and a per
+        value head."""
+        return 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_v_heads
+
+    @property
+    def activation_size(self) -> int:
+        """Values per token a layer's forward holds at its peak: the projections' outputs,
+        the conv's and the rule's."""
+        return self.in_proj_size + self.conv_dim + self.value_dim
+
+    def count_parameters(self, hidden_size: int) -> int:
+        """Parameters of one layer: the two input projections, the depthwise conv (no bias),
+        dt_bias and A_log per value head, the gated norm (one head's), out_proj."""
+        return (hidden_size * self.in_proj_size + self.conv_dim * self.conv_kernel
+                + 2 * self.num_v_heads + self.head_v_dim + self.value_dim * hidden_size)
+
+    def per_rank(self, size: int) -> GatedDeltaNetConfig:
+        """The layer one of `size` tensor-parallel ranks holds: all of it, on one rank only
+        (ConfigError for more)."""
+        if size != 1:
+            raise ConfigError(f"Gated DeltaNet layers run on one rank; tensor parallelism "
+                              f"over {size} ranks is not supported")
+        return self
+
+    def layout(self, dtype: torch.dtype) -> MambaLayout:
+        """A state slot of these layers: the conv's channels q, k and v, a recurrent state of
+        value heads x head_k_dim x head_v_dim."""
+        return MambaLayout(len(self.layers), self.conv_dim, self.conv_kernel, self.num_v_heads,
+                           self.head_k_dim, self.head_v_dim, dtype)
+
 
 def parse_bamba(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
     """The Mamba layers of a Bamba config: every layer not in `attn_layer_indices`."""
@@ -136,9 +215,42 @@ def _mixer(cfg: dict, hidden_size: int, layers: tuple[int, ...]) -> MambaConfig:
     )
 
 
-# The hybrid architectures -> the parser of their Mamba layers
+def parse_qwen3_next(cfg: dict, hidden_size: int, num_layers: int) -> GatedDeltaNetConfig:
+    """The Gated DeltaNet layers of a Qwen3-Next config: those its `layer_types` name
+    `linear_attention` (the others `full_attention`), by default all but every
+    `full_attention_interval`-th (4), as transformers reads it; transformers' sizes where the
+    config leaves them out."""
+    interval = _int(cfg, "full_attention_interval", 4)
+    types = cfg.get("layer_types") or [
+        ATTENTION_TYPES[0] if (i + 1) % interval == 0 else MAMBA_TYPES[0]
+        for i in range(num_layers)]
+    if not (isinstance(types, list) and len(types) == num_layers
+            and all(t in (MAMBA_TYPES[0], ATTENTION_TYPES[0]) for t in types)):
+        raise ConfigError(f"config 'layer_types' must list linear_attention or full_attention "
+                          f"for each of the {num_layers} layers, got {types!r}")
+    layers = tuple(i for i, t in enumerate(types) if t == MAMBA_TYPES[0])
+    if len(layers) == num_layers:
+        raise ConfigError("a Qwen3-Next config whose layer_types name no full_attention "
+                          "layer: kvpool needs at least one")
+    k_heads = _int(cfg, "linear_num_key_heads", 16)
+    v_heads = _int(cfg, "linear_num_value_heads", 32)
+    if v_heads % k_heads:
+        raise ConfigError(f"linear_num_key_heads={k_heads} does not divide "
+                          f"linear_num_value_heads={v_heads}")
+    kernel = _int(cfg, "linear_conv_kernel_dim", 4)
+    if kernel < 2:
+        raise ConfigError(f"linear_conv_kernel_dim={kernel} is not supported: kvpool keeps "
+                          f"the conv's last inputs, at least 1 (a kernel of 2 or more)")
+    return GatedDeltaNetConfig(
+        layers=layers, num_k_heads=k_heads, num_v_heads=v_heads,
+        head_k_dim=_int(cfg, "linear_key_head_dim", 128),
+        head_v_dim=_int(cfg, "linear_value_head_dim", 128), conv_kernel=kernel)
+
+
+# The hybrid architectures -> the parser of their state layers
 MAMBA_PARSERS = {"BambaForCausalLM": parse_bamba,
-                 "GraniteMoeHybridForCausalLM": parse_granite_hybrid}
+                 "GraniteMoeHybridForCausalLM": parse_granite_hybrid,
+                 "Qwen3NextForCausalLM": parse_qwen3_next}
 HYBRID_ARCHITECTURES = tuple(MAMBA_PARSERS)
 
 

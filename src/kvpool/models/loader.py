@@ -46,6 +46,7 @@ from kvpool.models.parallel import (
     checkpoint_index,
     take,
 )
+from kvpool.models.qwen3_next import Qwen3NextForCausalLM
 from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvpool.numeric import check_int64
 
@@ -133,6 +134,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
@@ -371,11 +373,12 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     params = model.state_dict()
     block = model.config.fp8_weight_block
     # DeepSeek-V3's and GLM-4.5's checkpoints carry their multi-token-prediction module as
-    # extra layers, Ernie 4.5's as modules named `mtp`.
+    # extra layers, Ernie 4.5's and Qwen3-Next's as modules named `mtp`.
     extra_layers = model.config.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
                                num_layers=model.config.num_layers if extra_layers else None,
-                               mtp=model.config.architecture == "Ernie4_5_MoeForCausalLM")
+                               mtp=model.config.architecture in (
+                                   "Ernie4_5_MoeForCausalLM", "Qwen3NextForCausalLM"))
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
