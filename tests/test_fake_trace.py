@@ -37,6 +37,7 @@ from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_moe_families import CONFIGS as MOE_FAMILIES
 from test_qwen3_moe import CONFIGS as QWEN3_MOE
 from test_qwen3_moe import MIXTRAL
+from test_qwen3_next import make_qwen3_next
 from test_windows import CONFIGS as WINDOWED
 
 BUCKET, MAX_MODEL_LEN = 4, 64
@@ -75,6 +76,10 @@ FAMILIES = {  # name: a small random transformers model of the family
     "granite-hybrid": lambda: make_bamba("granite-hybrid", configs=GRANITE_HYBRID),
     # without experts: the shared MLP as each layer's dense MLP
     "granite-hybrid-dense": lambda: make_bamba("granite-hybrid-dense", configs=GRANITE_HYBRID),
+    # Gated DeltaNet layers, gated attention, experts with a gated shared expert
+    "qwen3-next": lambda: make_qwen3_next("qwen3-next"),
+    # dense MLP layers, biases
+    "qwen3-next-dense": lambda: make_qwen3_next("qwen3-next-listed-dense-biased-tied"),
 }
 FORBIDDEN = ("aten._local_scalar_dense", "aten.nonzero", "aten._unique", "aten.unique",
              "aten.item")  # host reads and data-dependent shapes
@@ -259,8 +264,10 @@ def test_the_trace_covers_every_model_class_and_architecture():
               "gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
               "gpt-oss": "GptOssForCausalLM",
               "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
+              "glm4-moe": "Glm4MoeForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
               "bamba": "BambaForCausalLM", "granite-hybrid": "GraniteMoeHybridForCausalLM",
-              "granite-hybrid-dense": "GraniteMoeHybridForCausalLM"}
+              "granite-hybrid-dense": "GraniteMoeHybridForCausalLM",
+              "qwen3-next": "Qwen3NextForCausalLM", "qwen3-next-dense": "Qwen3NextForCausalLM"}
     assert set(traced) == set(FAMILIES)
     assert all(type(FAMILIES[name]()).__name__ == arch for name, arch in traced.items())
     assert set(MODEL_CLASSES) <= set(traced.values())
