@@ -90,11 +90,11 @@ def test_the_layers_are_where_the_config_puts_them(pair):
 
 
 def test_the_multi_token_prediction_weights_are_left_unread_as_transformers_leaves_them(
-        tmp_path):
+        tmp_path, device):
     hf = make_qwen3_next("qwen3-next")
     folder = save_hf_model(hf, tmp_path)
     rewrite_weight(folder, "mtp.fc.weight", lambda _: torch.ones(64, 128))
-    model = load_model(folder, device="cpu").model
+    hf, model = hf.to(device), load_model(folder, device=device).model
     batch = prompts(160)
     assert_logits_match(hf, batch, HybridRunner(model).step(batch, all_logits=True))
 

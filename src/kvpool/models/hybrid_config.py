@@ -116,10 +116,12 @@ class GatedDeltaNetConfig:
 
     @property
     def key_dim(self) -> int:
+        """Channels of q (and of k): key heads x head_k_dim."""
         return self.num_k_heads * self.head_k_dim
 
     @property
     def value_dim(self) -> int:
+        """Channels of v (and of the gate z): value heads x head_v_dim."""
         return self.num_v_heads * self.head_v_dim
 
     @property
