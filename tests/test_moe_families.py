@@ -27,7 +27,7 @@ from models_util import (
     rewrite_weight,
     save_hf_model,
 )
-from test_deepseek import with_an_extra_layer
+from test_deepseek import V2_LITE, V3, with_an_extra_layer
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -185,6 +185,23 @@ def test_ernie_moe_reads_transformers_defaults():
     default = ModelConfig.from_hf({key: value for key, value in ERNIE_MOE.items()
                                    if key not in ("moe_num_experts", "moe_k")}).moe
     assert (default.num_experts, default.top_k) == (64, 6)
+
+
+@pytest.mark.parametrize("base, names, values", [
+    (ERNIE_MOE, {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k"}, (8, 2)),
+    (GLM4_MOE, {"num_local_experts": "n_routed_experts"}, (8,)),
+    (V2_LITE, {"num_experts": "n_routed_experts"}, (32,)),
+    (V3, {"num_local_experts": "n_routed_experts"}, (128,)),
+])
+def test_the_keys_transformers_reads_under_another_name_are_read_so(base, names, values):
+    """A config may name a setting as transformers' attribute_map does (transformers 5 saves
+    some that way): read as the setting, and refused where the two names disagree."""
+    cfg = {key: value for key, value in base.items() if key not in names.values()}
+    moe = ModelConfig.from_hf({**cfg, **dict(zip(names, values, strict=True))}).moe
+    assert (moe.num_experts, moe.top_k)[:len(values)] == values
+    alias, name = next(iter(names.items()))
+    with pytest.raises(ConfigError, match=rf"{alias}=9 and {name}=8 disagree"):
+        ModelConfig.from_hf({**cfg, alias: 9, name: 8})
 
 
 def test_ernie_moe_layers_are_every_interval_th_from_the_start_to_the_end_index():

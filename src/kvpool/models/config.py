@@ -120,6 +120,14 @@ GPT_OSS = "GptOssForCausalLM"
 # the only ones the activation (models/layers.py, "gpt_oss_swiglu") computes
 GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of config.json
+# transformers' other names of a family's keys (its config's attribute_map), which a config may
+# use instead: the other name -> the one read here
+KEY_ALIASES: dict[str, dict[str, str]] = {
+    ERNIE_MOE: {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k"},
+    GLM4_MOE: {"num_local_experts": "n_routed_experts"},
+    "DeepseekV2ForCausalLM": {"num_experts": "n_routed_experts"},
+    "DeepseekV3ForCausalLM": {"num_local_experts": "n_routed_experts"},
+}
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
 # _deepseek)
@@ -500,6 +508,7 @@ class ModelConfig:
         """Parse a config dict, a config.json path, a checkpoint folder or a preset name."""
         cfg = _text_decoder(read_hf_config(source))
         arch = _architecture(cfg)
+        cfg = _unaliased(cfg, arch)
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek(cfg, arch)
         cfg = {**ARCHITECTURE_DEFAULTS.get(arch, {}), **cfg}
@@ -1200,6 +1209,20 @@ def _deepseek_moe(cfg: dict, v3: bool, num_layers: int) -> MoEConfig | None:
     )
     _check_routing(moe, v3)
     return moe
+
+
+def _unaliased(cfg: dict, arch: str) -> dict:
+    """`cfg` with each key of `arch`'s KEY_ALIASES under the name read here; ConfigError for a
+    config that gives one setting two different values under its two names."""
+    cfg = dict(cfg)
+    for alias, name in KEY_ALIASES.get(arch, {}).items():
+        if alias in cfg:
+            value = cfg.pop(alias)
+            if name in cfg and cfg[name] != value:
+                raise ConfigError(f"config {alias}={value!r} and {name}={cfg[name]!r} disagree "
+                                  f"(transformers reads both as {name})")
+            cfg[name] = value
+    return cfg
 
 
 def _glm4_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
