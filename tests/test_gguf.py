@@ -81,8 +81,9 @@ def _quantize(values: np.ndarray, qtype, rng) -> np.ndarray:
 
 def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
                rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None,
-               more=None, endianess=gguf.GGUFEndian.LITTLE) -> dict:
-    """A one-layer Llama GGUF file whose matrices are `qtype`, with a `rope_freqs` tensor
+               more=None, endianess=gguf.GGUFEndian.LITTLE, tokens: list[str] = TOKENS) -> dict:
+    """A one-layer Llama GGUF file of vocabulary `tokens` whose matrices are `qtype`, with a
+    `rope_freqs` tensor
     and a rope scaling type (factor 2) if given, and the metadata `more(writer)` adds or
     overrides;
     returns its tensors as written (GGUF names -> (raw data, type)), q/k in llama.cpp's row
@@ -104,8 +105,8 @@ def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3, 3] + [1] * (len(TOKENS) - 2))
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
@@ -113,7 +114,7 @@ def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
     if more is not None:
         more(writer)
     head_dim = HIDDEN // HEADS
-    shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,),
+    shapes = {"token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,),
               "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
               "blk.0.attn_q.weight": (HEADS * head_dim, HIDDEN),
               "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
@@ -186,9 +187,26 @@ def test_a_rope_scaling_factor_without_a_type_is_linear_as_llama_cpp_reads_it(tm
                                                                       "factor": 4.0}
 
 
-def test_the_end_of_turn_id_is_an_end_id_beside_eos(tmp_path):
-    write_gguf(tmp_path / "eot.gguf", more=lambda w: w.add_eot_token_id(2))
-    assert load_config(tmp_path / "eot.gguf").eos_token_ids == (1, 2)
+def test_the_end_of_turn_and_end_of_message_ids_are_end_ids_beside_eos(tmp_path):
+    write_gguf(tmp_path / "eot.gguf", more=lambda w: (w.add_eot_token_id(2),
+                                                      w.add_eom_token_id(3)))
+    assert load_config(tmp_path / "eot.gguf").eos_token_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("ends, expected", [
+    # GLM-4's and ChatML's ends of turn, whatever ids the file names
+    (["<|endoftext|>", "<|observation|>", "<|user|>", "<|im_end|>"],
+     ("<|endoftext|>", "<|im_end|>")),
+    # gpt-oss's: "<|end|>" ends one message of several where "<|return|>" and "<|call|>" are
+    (["<|return|>", "<|call|>", "<|end|>"], ("<|return|>", "<|call|>")),
+    (["<|end|>"], ("<|end|>",)),
+])
+def test_the_tokens_llama_cpp_ends_a_generation_at_by_their_text_are_end_ids(
+        tmp_path, ends, expected):
+    tokens = [*TOKENS, *ends]
+    write_gguf(tmp_path / "ends.gguf", tokens=tokens)
+    assert load_config(tmp_path / "ends.gguf").eos_token_ids == \
+        (1, *sorted(tokens.index(text) for text in expected))
 
 
 def test_add_eos_token_appends_eos_to_every_text(tmp_path):

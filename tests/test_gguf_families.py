@@ -108,11 +108,17 @@ def test_olmo3s_sliding_layers_are_those_the_pattern_marks(tmp_path, pattern, ty
      r"sliding_window_pattern must be a flag for each of the 4 layers or a period, got "
      r"\[True, False\]"),
     (lambda w: w.add_rope_freq_base_swa(1000.0),
-     "olmo2.rope.freq_base_swa 1000.0 differs from rope.freq_base"),
+     "olmo2.rope.freq_base_swa 1000.0 differs from rope.freq_base 10000.0"),
 ], ids=["flags-of-other-layers", "sliding-rope-base"])
 def test_olmo3_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_olmo3_metadata(tmp_path, more))
+
+
+def test_a_sliding_rope_base_equal_to_the_default_base_is_the_same_base(tmp_path):
+    # rope.freq_base left out is 10,000, as llama.cpp and the config read it
+    path = _olmo3_metadata(tmp_path, lambda w: w.add_rope_freq_base_swa(10000.0))
+    assert load_config(path).rope_theta == 10000.0
 
 
 # EXAONE 4 as llama.cpp runs it: 64 layers (the 32B's count, the only one llama.cpp windows) of

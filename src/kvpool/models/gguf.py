@@ -189,6 +189,13 @@ EXPERT_TENSORS = {
     "ffn_up_exps.bias": "up_proj.bias",
     "ffn_down_exps.bias": "down_proj.bias",
 }
+# The tokens llama.cpp ends a generation at by their text, beside the ids the file names
+# (tokenizer.ggml eos, eot and eom): chat formats' end-of-turn and end-of-text marks. Where
+# gpt-oss's "<|return|>" and "<|call|>" are both there, "<|end|>" (which ends one message of
+# several) is none, as llama.cpp reads it.
+END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+             "<end_of_utterance>")
 # The chat template's special-token variables -> their tokenizer.ggml.*_token_id keys.
 _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
                    "pad_token": "padding"}
@@ -298,10 +305,6 @@ class GGUFCheckpoint:
             return value
 
         heads = key("attention.head_count")
-        eos = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot")]
-        if not all(i is None or isinstance(i, int) for i in eos):
-            raise ConfigError(f"{self.path.name}: GGUF tokenizer.ggml.eos_token_id and "
-                              f"eot_token_id must be token ids, got {eos}")
         rotary = key("rope.dimension_count")
         head_dim = key("attention.key_length")
         whole = head_dim or key("embedding_length", 0) // heads if heads else None
@@ -337,9 +340,25 @@ class GGUFCheckpoint:
                 arch, key, key("rope.scaling.factor", key("rope.scale_linear"))),
             "tie_word_embeddings": self._tensor("output.weight") is None,
             "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": list(dict.fromkeys(i for i in eos if i is not None)),
+            "eos_token_id": self._end_ids(),
             **own,  # last: it may name another architecture (GraniteMoeShared)
         }
+
+    def _end_ids(self) -> list[int]:
+        """The ids that end a generation, as llama.cpp takes them: the file's eos, eot and
+        eom ids, then those of its END_TEXTS tokens. ConfigError for a named id that is not
+        an int."""
+        named = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+        if not all(i is None or type(i) is int for i in named):
+            raise ConfigError(f"{self.path.name}: GGUF tokenizer.ggml.eos_token_id, "
+                              f"eot_token_id and eom_token_id must be token ids, got {named}")
+        tokens = self.meta.get("tokenizer.ggml.tokens")
+        by_text = {text: i for i, text in enumerate(tokens if isinstance(tokens, list) else ())
+                   if text in END_TEXTS}
+        not_end = by_text.get("<|end|>") if "<|return|>" in by_text and "<|call|>" in by_text \
+            else None
+        ids = [i for i in named if i is not None] + sorted(by_text.values())
+        return [i for i in dict.fromkeys(ids) if i != not_end]
 
     def tokenizer(self) -> HFTokenizer:
         """The tokenizer the file's vocabulary describes, with its BOS and end ids."""
@@ -726,10 +745,11 @@ def _sliding_layers(checkpoint: GGUFCheckpoint, key, window: int) -> dict:
             and not isinstance(pattern, bool) and pattern >= 0):
         raise ConfigError(f"{name}: GGUF {arch}.attention.sliding_window_pattern must be a "
                           f"flag for each of the {layers} layers or a period, got {pattern!r}")
-    if key("rope.freq_base_swa", key("rope.freq_base")) != key("rope.freq_base"):
+    base = key("rope.freq_base", 10000.0)  # llama.cpp's default, as the config's
+    if key("rope.freq_base_swa", base) != base:
         raise ConfigError(f"{name}: GGUF {arch}.rope.freq_base_swa {key('rope.freq_base_swa')} "
-                          f"differs from rope.freq_base; kvpool rotates sliding layers by "
-                          f"rope.freq_base")
+                          f"differs from rope.freq_base {base}; kvpool rotates sliding layers "
+                          f"by rope.freq_base")
     sliding = pattern if flags else \
         [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
     return {"sliding_window": window,
