@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
-GLM-4, EXAONE 4, gpt-oss and DeepSeek V2/V3: the config, weights, tokenizer and chat template
-a .gguf file holds, parsed and dequantized by the `gguf` package (the `gguf` extra). What lives
-here is the mapping from GGUF's metadata keys and tensor names to kvpool's config fields and
-parameter names."""
+GLM-4, GLM-4.5, EXAONE 4, gpt-oss and DeepSeek V2/V3: the config, weights, tokenizer and chat
+template a .gguf file holds, parsed and dequantized by the `gguf` package (the `gguf` extra).
+What lives here is the mapping from GGUF's metadata keys and tensor names to kvpool's config
+fields and parameter names."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
                  "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM",
-                 "deepseek2": "DeepseekV2ForCausalLM"}
+                 "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
@@ -84,8 +84,8 @@ FUSED_TENSORS = {"phi3": {
     "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }, "glm4": {"ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
 # Architectures whose heads rotate in part, as `rope.dimension_count` says (Phi-4-mini's 3/4,
-# GLM-4's half)
-PARTIAL_ROTARY = ("phi3", "glm4")
+# GLM-4's and GLM-4.5's half)
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4moe")
 # Architectures whose `rope.dimension_count` is the rotated key part beside each head's
 # unrotated one (DeepSeek's MLA), not a share of the head
 LATENT_ATTENTION = ("deepseek2",)
@@ -124,6 +124,7 @@ LAYER_TENSORS = {
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3's router bias
 }
 # Parameters of one row that a GGUF file may hold as a vector (llama.cpp reads either)
 ONE_ROW = ("mlp.shared_expert_gate.weight",)
@@ -147,7 +148,7 @@ GLM4_NORMS = {"post_attention_norm.weight": "post_self_attn_layernorm.weight",
               "ffn_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_mlp_layernorm.weight"}
 # DeepSeek's multi-head latent attention (llama.cpp rotates its adjacent channel pairs, as
-# DeepSeek does: its converter writes the q/k rows in order) and V3's router bias
+# DeepSeek does: its converter writes the q/k rows in order)
 DEEPSEEK2_TENSORS = {
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
     "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -155,7 +156,6 @@ DEEPSEEK2_TENSORS = {
     "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
-    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
 # llama.cpp's `expert_gating_func` values (DeepSeek's)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2
@@ -171,6 +171,7 @@ ARCH_LAYER_TENSORS = {
     "granitehybrid": MAMBA_TENSORS,
     "gpt-oss": GPT_OSS_TENSORS,
     "deepseek2": DEEPSEEK2_TENSORS,
+    "glm4moe": {"post_attention_norm.weight": "post_attention_layernorm.weight"},  # pre-MLP
 }
 # Mamba2 parameters that llama.cpp's converter stores in another shape -> the parameter's
 # shape from the file's: A and D with a trailing 1 (and A as -exp(A_log)), the conv's weight
@@ -329,7 +330,7 @@ class GGUFCheckpoint:
             "vocab_size": key("vocab_size", len(self.meta.get("tokenizer.ggml.tokens", ()))),
             "hidden_size": key("embedding_length"),
             "intermediate_size": key("feed_forward_length"),
-            "num_hidden_layers": key("block_count"),
+            "num_hidden_layers": self._first_nextn_layer() or key("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": key("attention.head_count_kv", heads),
             "head_dim": head_dim,
@@ -554,8 +555,26 @@ class GGUFCheckpoint:
         return dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist()
 
     def _weights(self) -> list:
-        """The model's tensors: all but CONFIG_TENSORS, which are config (rope scaling)."""
-        return [t for t in self._reader.tensors if t.name not in CONFIG_TENSORS]
+        """The model's tensors: all but CONFIG_TENSORS, which are config (rope scaling), and
+        those of the multi-token-prediction layers (from `_first_nextn_layer`)."""
+        first = self._first_nextn_layer()
+        return [t for t in self._reader.tensors if t.name not in CONFIG_TENSORS
+                and not (first is not None and _layer_of(t.name) >= first)]
+
+    def _first_nextn_layer(self) -> int | None:
+        """The first of the multi-token-prediction layers that llama.cpp's converter writes
+        after the model's (`nextn_predict_layers` of the `block_count` layers, GLM-4.5's),
+        which llama.cpp loads and skips and kvpool leaves out; None where the file has none.
+        ConfigError for a count that is not an integer or leaves no layer."""
+        arch = self.meta.get("general.architecture")
+        layers = self.meta.get(f"{arch}.block_count")
+        extra = self.meta.get(f"{arch}.nextn_predict_layers")
+        if not extra or not isinstance(layers, int):  # the config checks block_count
+            return None
+        if isinstance(extra, bool) or not isinstance(extra, int) or not 0 < extra < layers:
+            raise ConfigError(f"{self.path.name}: GGUF {arch}.nextn_predict_layers must be an "
+                              f"integer below {arch}.block_count {layers}, got {extra!r}")
+        return layers - extra
 
     def _tensor(self, name: str):
         return next((t for t in self._reader.tensors if t.name == name), None)
@@ -798,18 +817,48 @@ def _deepseek2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> di
                           f"experts only")
     rotary = key("rope.dimension_count")
     qk = key("attention.key_length_mla", key("attention.key_length"))
-    return {"architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+    return {**_routing(key),
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
             "q_lora_rank": key("attention.q_lora_rank") or None,
             "kv_lora_rank": key("attention.kv_lora_rank"), "qk_rope_head_dim": rotary,
             "qk_nope_head_dim": qk - rotary,
             "v_head_dim": key("attention.value_length_mla", key("attention.value_length")),
-            "n_routed_experts": key("expert_count") or None,
+            "topk_method": "noaux_tc" if v3 else "greedy"}
+
+
+def _routing(key) -> dict:
+    """DeepSeek's routing as llama.cpp reads it (`deepseek2`, `glm4moe`): the first
+    `leading_dense_block_count` layers dense, `expert_shared_count` shared experts, the chosen
+    experts' weights normalised where `expert_weights_norm` says and scaled by
+    `expert_weights_scale` (1 where absent), `expert_group_count` groups of experts (one where
+    absent) of which the best `expert_group_used_count` are chosen from."""
+    return {"n_routed_experts": key("expert_count") or None,
             "n_shared_experts": key("expert_shared_count"),
             "first_k_dense_replace": key("leading_dense_block_count", 0),
-            "topk_method": "noaux_tc" if v3 else "greedy",
-            "n_group": groups, "topk_group": key("expert_group_used_count") or 1,
+            "n_group": key("expert_group_count") or 1,
+            "topk_group": key("expert_group_used_count") or 1,
             "norm_topk_prob": key("expert_weights_norm", False),
             "routed_scaling_factor": key("expert_weights_scale") or 1.0}
+
+
+def _glm4moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """GLM-4.5 as llama.cpp reads `glm4moe`: the share of each head `rope.dimension_count`
+    rotates (the whole head without it), q/k/v biases and q/k norms where the file holds
+    them (llama.cpp's are optional), DeepSeek-V3's routing (`_routing`), its experts scored by
+    sigmoid (`expert_gating_func` 2, or none). ConfigError without `expert_shared_count`
+    (llama.cpp requires it) or with another gating function."""
+    name = checkpoint.path.name
+    if key("expert_shared_count") is None:
+        raise ConfigError(f"{name}: GGUF glm4moe needs glm4moe.expert_shared_count")
+    gating = key("expert_gating_func", GATING_SIGMOID)
+    if gating != GATING_SIGMOID:
+        raise ConfigError(f"{name}: GGUF glm4moe.expert_gating_func {gating} is not supported "
+                          f"(supported: {GATING_SIGMOID}, sigmoid, as GLM-4.5 scores its experts)")
+    held = {t.name.split(".", 2)[-1] for t in checkpoint._weights()}
+    rotary = key("rope.dimension_count") or head_dim
+    return {**_routing(key), "attention_bias": "attn_q.bias" in held,
+            "use_qk_norm": "attn_q_norm.weight" in held,
+            **({"partial_rotary_factor": _partial_rotary(rotary, head_dim)} if head_dim else {})}
 
 
 # An architecture's own config.json keys beyond the common ones: general.architecture ->
@@ -818,7 +867,7 @@ ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
                      "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys, "glm4": _glm4_keys,
-                     "deepseek2": _deepseek2_keys}
+                     "deepseek2": _deepseek2_keys, "glm4moe": _glm4moe_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
@@ -963,6 +1012,12 @@ def _parameters(gguf_name: str, rows: int, fused: dict[str, tuple[tuple[str, int
     if suffix in names:
         return [(f"model.layers.{layer}.{names[suffix]}", whole)]
     return [(gguf_name, whole)]
+
+
+def _layer_of(gguf_name: str) -> int:
+    """The layer of a GGUF tensor (`blk.N.`), -1 for one of no layer."""
+    parts = gguf_name.split(".", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() else -1
 
 
 def _part_shape(shape: tuple[int, ...], index: int | slice) -> tuple[int, ...]:

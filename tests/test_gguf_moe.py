@@ -1,0 +1,180 @@
+"""GGUF files of GLM-4.5 (`glm4moe`: its multi-token-prediction layer after the model's,
+skipped) and Ernie 4.5 (`ernie4_5`, `ernie4_5-moe`): written here from random transformers
+models as llama.cpp's converter writes them, against transformers, through the engine, and
+the metadata kvpool refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from kvpool.engine import SamplingParams
+from kvpool.errors import ConfigError
+from kvpool.models import load_config, load_model
+from kvpool.models.gguf import CACHE_ENV
+from models_util import (
+    EngineCase,
+    assert_greedy_decode_matches,
+    assert_prefill_logits_match,
+    case_of,
+    check_engine_with_prefix_hits_and_chunks,
+    make_hf_model,
+    save_hf_model,
+)
+from test_gguf import _finish
+from test_models import MAX_TOKENS
+from test_moe_families import CONFIGS as MOE_CONFIGS
+from test_moe_families import MOE_LAYERS
+
+gguf = pytest.importorskip("gguf")
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _stacked(weights: dict, config, layers, experts: int) -> dict:
+    """`weights` with each of `layers`' experts stacked into one tensor per projection, as
+    the converter stacks them."""
+    for i in layers:
+        for ours in ("gate_proj", "up_proj", "down_proj"):
+            stack = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}.weight")
+                     for e in range(experts)]
+            weights[f"model.layers.{i}.mlp.experts.{ours}.weight"] = torch.stack(stack)
+    return weights
+
+
+def _add_tensors(writer, names, weights: dict) -> None:
+    """Add `weights` under the gguf package's names, squeezed as the converter squeezes them
+    (a tensor of one row becomes a vector), the router bias renamed as it renames it."""
+    for name, tensor in weights.items():
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.squeeze().numpy())
+
+
+# --- GLM-4.5 (glm4moe) ---
+
+def glm4moe_gguf_of(hf: transformers.PreTrainedModel, path, nextn: int = 1, more=None) -> None:
+    """The file llama.cpp's converter writes for a transformers GLM-4.5: `glm4moe` with
+    `nextn` multi-token-prediction layers after the model's (counted in block_count: a copy
+    of the last layer with the nextn tensors, random), the rotated share of each head as
+    `rope.dimension_count`, the routing keys and sigmoid gating; names from the gguf
+    package's map, each layer's experts stacked, q/k rows in order; what `more(writer)` adds;
+    float32, placeholder tokens."""
+    config = hf.config
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    writer = gguf.GGUFWriter(path, "glm4moe")
+    writer.add_block_count(layers + nextn)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
+    if more is not None:
+        more(writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + nextn)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    last, rng = f"model.layers.{layers - 1}.", np.random.default_rng(0)
+    for n in range(layers, layers + nextn):  # the MTP layer: a full layer and its own tensors
+        weights.update({name.replace(last, f"model.layers.{n}."): tensor.clone()
+                        for name, tensor in weights.items() if name.startswith(last)})
+        for own, shape in (("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)),
+                           ("hnorm.weight", (hidden,)), ("shared_head.norm.weight", (hidden,))):
+            weights[f"model.layers.{n}.{own}"] = torch.from_numpy(
+                rng.standard_normal(shape).astype(np.float32))
+    moe = range(config.first_k_dense_replace, layers + nextn)
+    _add_tensors(writer, names, _stacked(weights, config, moe, config.n_routed_experts))
+    _finish(writer, config.vocab_size)
+
+
+GLM4MOE_CASES = ["glm4-moe", "glm4-moe-no-dense"]
+
+
+@pytest.fixture(scope="module", params=GLM4MOE_CASES)
+def glm4moe(request, tmp_path_factory, device):
+    """(transformers GLM-4.5, its GGUF file loaded by kvpool) for each of GLM4MOE_CASES."""
+    hf = make_hf_model(request.param, configs=MOE_CONFIGS)
+    path = tmp_path_factory.mktemp(request.param) / "glm4moe.gguf"
+    glm4moe_gguf_of(hf, path)
+    return hf.to(device), load_model(path, device=device).model
+
+
+def test_a_glm4moe_gguf_file_gives_transformers_logits(glm4moe):
+    hf, model = glm4moe
+    config, name = model.config, hf.config
+    assert config.architecture == "Glm4MoeForCausalLM" and config.num_layers == 3
+    assert config.moe.layers == MOE_LAYERS["glm4-moe" if name.first_k_dense_replace
+                                           else "glm4-moe-no-dense"]
+    assert (config.moe.num_groups, config.moe.topk_groups) == (name.n_group, name.topk_group)
+    assert (config.moe.norm_topk_prob, config.moe.routed_scaling_factor) == \
+        (name.norm_topk_prob, name.routed_scaling_factor)
+    assert config.moe.shared_intermediate_size == 32 * name.n_shared_experts
+    assert (config.qkv_bias, config.qk_norm) == (name.attention_bias, name.use_qk_norm)
+    assert config.rotary_dim == 8
+    assert_prefill_logits_match(hf, model)
+
+
+def test_a_glm4moe_gguf_file_decodes_transformers_greedy_tokens(glm4moe):
+    assert_greedy_decode_matches(*glm4moe, MAX_TOKENS)
+
+
+def test_the_engine_gives_transformers_greedy_tokens_from_a_glm4moe_gguf_file(tmp_path, device):
+    hf = make_hf_model("glm4-moe", configs=MOE_CONFIGS)
+    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
+    glm4moe_gguf_of(hf.cpu(), tmp_path / "glm4moe.gguf")
+    check_engine_with_prefix_hits_and_chunks(
+        EngineCase(tmp_path / "glm4moe.gguf", case.batch, case.expected), device, GREEDY)
+
+
+def test_a_glm4moe_conversion_leaves_the_prediction_layer_out(tmp_path, monkeypatch):
+    hf = make_hf_model("glm4-moe-no-dense", configs=MOE_CONFIGS)
+    glm4moe_gguf_of(hf, tmp_path / "glm4moe.gguf")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert_prefill_logits_match(hf, load_model(tmp_path / "glm4moe.gguf", device="cpu").model)
+    (conversion,) = (tmp_path / "cache").iterdir()
+    names = load_file(conversion / "model.safetensors")
+    assert not [name for name in names if name.startswith("model.layers.3.")]
+
+
+@pytest.mark.parametrize(("nextn", "more", "message"), [
+    (0, lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX),
+     r"glm4moe.expert_gating_func 1 is not supported \(supported: 2, sigmoid"),
+    (0, lambda w: w.add_uint32("glm4moe.nextn_predict_layers", 3),
+     "glm4moe.nextn_predict_layers must be an integer below glm4moe.block_count 3, got 3"),
+], ids=["softmax-gating", "nextn-of-every-layer"])
+def test_glm4moe_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, nextn, more,
+                                                                     message):
+    path = tmp_path / "glm4moe.gguf"
+    glm4moe_gguf_of(make_hf_model("glm4-moe", configs=MOE_CONFIGS), path, nextn=nextn,
+                    more=more)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_a_glm4moe_file_without_its_shared_expert_count_is_refused_naming_it(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_shared_count", lambda *_: None)
+    path = tmp_path / "glm4moe.gguf"
+    glm4moe_gguf_of(make_hf_model("glm4-moe", configs=MOE_CONFIGS), path)
+    with pytest.raises(ConfigError, match="GGUF glm4moe needs glm4moe.expert_shared_count"):
+        load_config(path)
