@@ -27,7 +27,7 @@ from models_util import (
 from test_gguf import _finish
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
-from test_moe_families import MOE_LAYERS
+from test_moe_families import MOE_LAYERS, SMALL
 
 gguf = pytest.importorskip("gguf")
 
@@ -136,6 +136,18 @@ def test_a_glm4moe_gguf_file_gives_transformers_logits(glm4moe):
 
 def test_a_glm4moe_gguf_file_decodes_transformers_greedy_tokens(glm4moe):
     assert_greedy_decode_matches(*glm4moe, MAX_TOKENS)
+
+
+def test_a_glm4moe_gguf_file_rotates_the_share_of_each_head_its_rotary_count_says(tmp_path):
+    configs = {"glm4-moe-quarter": lambda: transformers.Glm4MoeConfig(
+        **SMALL, n_routed_experts=8, rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 10000.0,
+                                                      "partial_rotary_factor": 0.25})}
+    hf = make_hf_model("glm4-moe-quarter", configs=configs)
+    glm4moe_gguf_of(hf, tmp_path / "glm4moe.gguf")
+    model = load_model(tmp_path / "glm4moe.gguf", device="cpu").model
+    assert model.config.rotary_dim == 4
+    assert_prefill_logits_match(hf, model)
 
 
 def test_the_engine_gives_transformers_greedy_tokens_from_a_glm4moe_gguf_file(tmp_path, device):
