@@ -15,6 +15,7 @@ from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
 from kvpool.models.gguf import CACHE_ENV
+from models_util import SMALL as SMALL_DENSE
 from models_util import (
     EngineCase,
     assert_greedy_decode_matches,
@@ -24,7 +25,7 @@ from models_util import (
     make_hf_model,
     save_hf_model,
 )
-from test_gguf import _finish
+from test_gguf import _finish, _writer
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
 from test_moe_families import MOE_LAYERS, SMALL
@@ -190,3 +191,72 @@ def test_a_glm4moe_file_without_its_shared_expert_count_is_refused_naming_it(tmp
     glm4moe_gguf_of(make_hf_model("glm4-moe", configs=MOE_CONFIGS), path)
     with pytest.raises(ConfigError, match="GGUF glm4moe needs glm4moe.expert_shared_count"):
         load_config(path)
+
+
+# --- Ernie 4.5 (ernie4_5, ernie4_5-moe) ---
+
+ERNIE = {
+    # Ernie 4.5 0.3B's shape: the head tied
+    "ernie4_5-gguf": lambda: transformers.Ernie4_5Config(**SMALL_DENSE, head_dim=16),
+}
+
+
+def ernie_gguf_of(hf: transformers.PreTrainedModel, path, more=None) -> None:
+    """The file llama.cpp's converter writes for a transformers Ernie 4.5 (`ernie4_5`), or its
+    mixture of experts (`ernie4_5-moe`: the experts' keys, the shared experts' width as the
+    converter computes it, intermediate_size / KV heads, where there are shared experts),
+    names from the gguf package's map, each layer's experts stacked, the router bias a
+    vector, q/k rows in order; what `more(writer)` adds; float32, placeholder tokens."""
+    config = hf.config
+    moe = isinstance(config, transformers.Ernie4_5_MoeConfig)
+    arch = gguf.MODEL_ARCH.ERNIE4_5_MOE if moe else gguf.MODEL_ARCH.ERNIE4_5
+    writer = _writer(path, gguf.MODEL_ARCH_NAMES[arch], config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if moe:
+        writer.add_expert_count(config.moe_num_experts)
+        writer.add_expert_used_count(config.moe_k)
+        writer.add_interleave_moe_layer_step(config.moe_layer_interval)
+        writer.add_leading_dense_block_count(config.moe_layer_start_index)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.moe_num_shared_experts)
+        if config.moe_num_shared_experts:
+            writer.add_expert_shared_feed_forward_length(
+                config.intermediate_size // config.num_key_value_heads)
+    if more is not None:
+        more(writer)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    if moe:
+        layers = [i for i in range(config.num_hidden_layers)
+                  if f"model.layers.{i}.mlp.gate.weight" in weights]
+        weights = _stacked(weights, config, layers, config.moe_num_experts)
+    _add_tensors(writer, names, weights)
+    _finish(writer, config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=list(ERNIE))
+def ernie(request, tmp_path_factory, device):
+    """(transformers Ernie 4.5, its GGUF file loaded by kvpool) for each of ERNIE."""
+    hf = make_hf_model(request.param, configs=ERNIE)
+    path = tmp_path_factory.mktemp(request.param) / "ernie.gguf"
+    ernie_gguf_of(hf, path)
+    return hf.to(device), load_model(path, device=device).model
+
+
+def test_an_ernie_gguf_file_gives_transformers_logits(ernie):
+    hf, model = ernie
+    assert model.config.architecture == hf.config.architectures[0]
+    assert model.config.rope_interleave and model.lm_head is None  # tied
+    assert_prefill_logits_match(hf, model)
+
+
+def test_an_ernie_gguf_file_decodes_transformers_greedy_tokens(ernie):
+    assert_greedy_decode_matches(*ernie, MAX_TOKENS)
+
+
+def test_an_ernie_file_without_a_head_size_has_heads_of_hidden_over_heads(tmp_path):
+    path = tmp_path / "ernie.gguf"
+    _finish(_writer(path, "ernie4_5", transformers.Ernie4_5Config(**SMALL_DENSE)), 160)
+    assert load_config(path).head_dim == 16  # 64 / 4, not the config's default of 128

@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
-GLM-4, GLM-4.5, EXAONE 4, gpt-oss and DeepSeek V2/V3: the config, weights, tokenizer and chat
-template a .gguf file holds, parsed and dequantized by the `gguf` package (the `gguf` extra).
-What lives here is the mapping from GGUF's metadata keys and tensor names to kvpool's config
-fields and parameter names."""
+GLM-4, GLM-4.5, EXAONE 4, Ernie 4.5, gpt-oss and DeepSeek V2/V3: the config, weights,
+tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
+(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
+to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -60,10 +60,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
                  "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM",
-                 "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+                 "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
+                 "ernie4_5": "Ernie4_5ForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
-# llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's).
+# llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's; nor
+# Ernie 4.5's, whose adjacent pairs llama.cpp rotates as transformers does: kvpool reads its
+# rows as from its safetensors).
 PERMUTED_ROTARY = ("llama", "granite", "granitemoe", "granitehybrid")
 # Granite's multipliers, as llama.cpp's converter names them (after `granite.`), each written
 # only where it is not 0: config.json's name -> the metadata key.
