@@ -28,6 +28,7 @@ from models_util import (
 from test_gguf import _finish, _writer
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
+from test_moe_families import ERNIE as MOE_ERNIE
 from test_moe_families import MOE_LAYERS, SMALL
 
 gguf = pytest.importorskip("gguf")
@@ -195,10 +196,23 @@ def test_a_glm4moe_file_without_its_shared_expert_count_is_refused_naming_it(tmp
 
 # --- Ernie 4.5 (ernie4_5, ernie4_5-moe) ---
 
+# The shared experts' width as the converter writes it (intermediate_size / KV heads) is that
+# of moe_num_shared_experts experts here, as in Ernie 4.5's releases (12,288 / 4 = 2 x 1,536)
 ERNIE = {
     # Ernie 4.5 0.3B's shape: the head tied
     "ernie4_5-gguf": lambda: transformers.Ernie4_5Config(**SMALL_DENSE, head_dim=16),
+    # 21B-A3B's: a dense first layer, the head tied; one shared expert (64 / 2 = 32)
+    "ernie4_5-moe-gguf": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**MOE_ERNIE, "intermediate_size": 64}, moe_num_shared_experts=1),
+    # experts on every second layer from the third, two shared experts (128 / 2 = 2 x 32), the
+    # head untied
+    "ernie4_5-moe-every-second-gguf": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**MOE_ERNIE, "num_hidden_layers": 6, "intermediate_size": 128},
+        moe_layer_start_index=2, moe_layer_interval=2, moe_num_shared_experts=2,
+        tie_word_embeddings=False),
 }
+# the layers with experts, by the number of layers of the case
+ERNIE_MOE_LAYERS = {3: (1, 2), 6: (3, 5)}
 
 
 def ernie_gguf_of(hf: transformers.PreTrainedModel, path, more=None) -> None:
@@ -247,8 +261,12 @@ def ernie(request, tmp_path_factory, device):
 
 def test_an_ernie_gguf_file_gives_transformers_logits(ernie):
     hf, model = ernie
-    assert model.config.architecture == hf.config.architectures[0]
-    assert model.config.rope_interleave and model.lm_head is None  # tied
+    config = model.config
+    assert config.architecture == hf.config.architectures[0] and config.rope_interleave
+    assert (model.lm_head is None) == hf.config.tie_word_embeddings
+    if config.moe is not None:
+        assert config.moe.layers == ERNIE_MOE_LAYERS[config.num_layers]
+        assert config.moe.shared_intermediate_size == 32 * hf.config.moe_num_shared_experts
     assert_prefill_logits_match(hf, model)
 
 
@@ -260,3 +278,47 @@ def test_an_ernie_file_without_a_head_size_has_heads_of_hidden_over_heads(tmp_pa
     path = tmp_path / "ernie.gguf"
     _finish(_writer(path, "ernie4_5", transformers.Ernie4_5Config(**SMALL_DENSE)), 160)
     assert load_config(path).head_dim == 16  # 64 / 4, not the config's default of 128
+
+
+def test_the_engine_gives_transformers_greedy_tokens_from_an_ernie_moe_gguf_file(tmp_path,
+                                                                                 device):
+    hf = make_hf_model("ernie4_5-moe-gguf", configs=ERNIE)
+    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
+    ernie_gguf_of(hf.cpu(), tmp_path / "ernie.gguf")
+    check_engine_with_prefix_hits_and_chunks(
+        EngineCase(tmp_path / "ernie.gguf", case.batch, case.expected), device, GREEDY)
+
+
+def test_an_ernie_moe_conversion_gives_transformers_logits_too(tmp_path, monkeypatch):
+    hf = make_hf_model("ernie4_5-moe-every-second-gguf", configs=ERNIE)
+    ernie_gguf_of(hf, tmp_path / "ernie.gguf")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert_prefill_logits_match(hf, load_model(tmp_path / "ernie.gguf", device="cpu").model)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the one conversion written
+
+
+def test_shared_experts_of_no_whole_number_of_experts_are_refused_naming_the_widths(tmp_path):
+    path = tmp_path / "ernie.gguf"  # 96 / 2 = 48 wide, experts 32 wide
+    ernie_gguf_of(make_hf_model("ernie4_5-moe", configs=MOE_CONFIGS), path)
+    with pytest.raises(ConfigError, match="ernie4_5-moe.expert_shared_feed_forward_length 48 is "
+                                          "not a multiple of expert_feed_forward_length 32"):
+        load_config(path)
+
+
+def test_an_ernie_moe_file_without_its_layer_step_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_interleave_moe_layer_step", lambda *_: None)
+    path = tmp_path / "ernie.gguf"
+    ernie_gguf_of(make_hf_model("ernie4_5-moe-gguf", configs=ERNIE), path)
+    with pytest.raises(ConfigError, match="GGUF ernie4_5-moe needs "
+                                          "ernie4_5-moe.interleave_moe_layer_step"):
+        load_config(path)
+
+
+def test_an_ernie_moe_layer_step_of_0_is_refused(tmp_path, monkeypatch):
+    add = gguf.GGUFWriter.add_interleave_moe_layer_step
+    monkeypatch.setattr(gguf.GGUFWriter, "add_interleave_moe_layer_step",
+                        lambda writer, _: add(writer, 0))
+    path = tmp_path / "ernie.gguf"
+    ernie_gguf_of(make_hf_model("ernie4_5-moe-gguf", configs=ERNIE), path)
+    with pytest.raises(ConfigError, match="interleave_moe_layer_step must be at least 1, got 0"):
+        load_config(path)

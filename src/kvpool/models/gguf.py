@@ -61,7 +61,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "gpt-oss": "GptOssForCausalLM",
                  "exaone4": "Exaone4ForCausalLM", "glm4": "Glm4ForCausalLM",
                  "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-                 "ernie4_5": "Ernie4_5ForCausalLM"}
+                 "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
 # llama.cpp writes Mixtral as `llama` with experts: general.architecture -> kvpool's then.
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
 # llama.cpp's converter reorders the q/k rows of these for its rope kernel (not Qwen's; nor
@@ -129,8 +129,11 @@ LAYER_TENSORS = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # DeepSeek-V3's router bias
 }
-# Parameters of one row that a GGUF file may hold as a vector (llama.cpp reads either)
-ONE_ROW = ("mlp.shared_expert_gate.weight",)
+# Parameters of one row that a GGUF file may hold as a vector (llama.cpp reads either; its
+# converter squeezes them), per architecture: Qwen2-MoE's shared expert gate, Ernie 4.5's
+# router bias (`[1, experts]` in its checkpoints)
+ONE_ROW = {"qwen2moe": ("mlp.shared_expert_gate.weight",),
+           "ernie4_5-moe": ("mlp.gate.e_score_correction_bias",)}
 POST_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 GEMMA_NORMS = {**POST_NORMS, "ffn_norm.weight": "pre_feedforward_layernorm.weight"}
@@ -216,7 +219,7 @@ INTEGER_KEYS = ("block_count", "context_length", "embedding_length", "feed_forwa
                 "ssm.group_count", "attention.value_length", "attention.key_length_mla",
                 "attention.value_length_mla", "attention.q_lora_rank", "attention.kv_lora_rank",
                 "leading_dense_block_count", "expert_shared_count", "expert_group_count",
-                "expert_group_used_count", "expert_gating_func")
+                "expert_group_used_count", "expert_gating_func", "interleave_moe_layer_step")
 PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
 # Architectures whose per-layer attention.head_count_kv is 0 on their Mamba layers, as
 # llama.cpp marks them
@@ -393,16 +396,17 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
                                   f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
         shapes, fused, halves = {}, self._fused_rows(), {}
+        arch = self.meta.get("general.architecture")
+        one_row = ONE_ROW.get(arch, ())
         for tensor in self._weights():
             # GGUF lists dimensions fastest-first; torch lists them slowest-first.
             shape = tuple(int(n) for n in reversed(tensor.shape))
-            for name, index in _parameters(tensor.name, shape[0], fused,
-                                           self.meta.get("general.architecture")):
+            for name, index in _parameters(tensor.name, shape[0], fused, arch):
                 part = _part_shape(shape, index)
                 if _kv_b_half(name) is not None:
                     halves[name] = part
                     continue
-                shapes[name] = (1, *part) if name.endswith(ONE_ROW) and len(part) == 1 \
+                shapes[name] = (1, *part) if name.endswith(one_row) and len(part) == 1 \
                     else _mamba_shape(name, part)
         for name, part in halves.items():  # a half without the other keeps its own name
             joined, half = _kv_b_half(name)
@@ -428,6 +432,7 @@ class GGUFCheckpoint:
         config, fused = self.hf_config(), self._fused_rows()
         arch = config["model_type"]
         permuted, shift = arch in PERMUTED_ROTARY, NORM_SHIFT.get(arch, 0.0)
+        one_row = ONE_ROW.get(arch, ())
         halves: dict[str, list] = {}  # kv_b_proj's, until both are read
         for tensor in tqdm(self._weights(), desc=f"loading {self.path.name}", unit="tensor"):
             array = dequantize(tensor.data, tensor.tensor_type)
@@ -436,7 +441,7 @@ class GGUFCheckpoint:
             values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
             for name, index in _parameters(tensor.name, values.shape[0], fused, arch):
                 part = values[index]
-                if name.endswith(ONE_ROW) and part.dim() == 1:
+                if name.endswith(one_row) and part.dim() == 1:
                     part = part.unsqueeze(0)
                 part = part.reshape(_mamba_shape(name, tuple(part.shape)))
                 if name.endswith("mamba.A_log"):  # the file holds A = -exp(A_log)
@@ -628,6 +633,34 @@ def _glm4_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     biased = any(t.name.endswith("attn_q.bias") for t in checkpoint._weights())
     return {"attention_bias": biased,
             **({"partial_rotary_factor": _partial_rotary(rotary, head_dim)} if head_dim else {})}
+
+
+def _ernie_moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
+    """Ernie 4.5's experts as llama.cpp reads `ernie4_5-moe`: `expert_used_count` of
+    `expert_count`, `expert_feed_forward_length` wide, on every `interleave_moe_layer_step`-th
+    layer from `leading_dense_block_count` to the last (the file has no end), and shared
+    experts `expert_shared_feed_forward_length` wide in all (none where it is absent or 0, as
+    llama.cpp runs them), which kvpool's config counts in experts. ConfigError naming a
+    missing key, a step below 1, and a shared width that is no whole number of experts."""
+    name = checkpoint.path.name
+    required = ("expert_count", "expert_feed_forward_length", "interleave_moe_layer_step",
+                "leading_dense_block_count")
+    missing = [f"ernie4_5-moe.{k}" for k in required if key(k) is None]
+    if missing:
+        raise ConfigError(f"{name}: GGUF ernie4_5-moe needs {' and '.join(missing)}")
+    step, width = key("interleave_moe_layer_step"), key("expert_feed_forward_length")
+    if step < 1:
+        raise ConfigError(f"{name}: GGUF ernie4_5-moe.interleave_moe_layer_step must be at "
+                          f"least 1, got {step}")
+    shared = key("expert_shared_feed_forward_length") or 0
+    if width < 1 or shared % width:
+        raise ConfigError(f"{name}: GGUF ernie4_5-moe.expert_shared_feed_forward_length "
+                          f"{shared} is not a multiple of expert_feed_forward_length {width}: "
+                          f"kvpool runs shared experts each as wide as a routed one")
+    return {"moe_num_experts": key("expert_count"), "moe_k": key("expert_used_count"),
+            "moe_num_shared_experts": shared // width,
+            "moe_layer_start_index": key("leading_dense_block_count"),
+            "moe_layer_interval": step}
 
 
 def _qwen2moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
@@ -870,7 +903,8 @@ ARCHITECTURE_KEYS = {"phi3": _phi3_keys, "qwen2moe": _qwen2moe_keys, "gemma2": _
                      "gemma3": _gemma3_keys, "granite": _granite_keys, "olmo2": _olmo2_keys,
                      "granitemoe": _granite_moe_keys, "granitehybrid": _granite_hybrid_keys,
                      "gpt-oss": _gpt_oss_keys, "exaone4": _exaone4_keys, "glm4": _glm4_keys,
-                     "deepseek2": _deepseek2_keys, "glm4moe": _glm4moe_keys}
+                     "deepseek2": _deepseek2_keys, "glm4moe": _glm4moe_keys,
+                     "ernie4_5-moe": _ernie_moe_keys}
 
 
 def gguf_source(model: str | Path) -> GGUFCheckpoint | Path | None:
