@@ -637,8 +637,9 @@ def _glm4_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
 
 def _ernie_moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """Ernie 4.5's experts as llama.cpp reads `ernie4_5-moe`: `expert_used_count` of
-    `expert_count`, `expert_feed_forward_length` wide, on every `interleave_moe_layer_step`-th
-    layer from `leading_dense_block_count` to the last (the file has no end), and shared
+    `expert_count`, `expert_feed_forward_length` wide, on the layers from
+    `leading_dense_block_count` to the last (the file has no end) whose number (from 1) is a
+    multiple of `interleave_moe_layer_step`, as transformers' `moe_layer_interval`, and shared
     experts `expert_shared_feed_forward_length` wide in all (none where it is absent or 0, as
     llama.cpp runs them), which kvpool's config counts in experts. ConfigError naming a
     missing key, a step below 1, and a shared width that is no whole number of experts."""
