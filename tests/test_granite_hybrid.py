@@ -175,20 +175,24 @@ def test_a_shared_mlp_beside_the_mlp_it_would_load_as_is_refused_naming_both(tmp
         load_model(folder, device="cpu")
 
 
+HYBRID = ["mamba", "attention", "mamba", "attention"]
+
+
 @pytest.mark.parametrize(("change", "message"), [
-    ({}, "layer_types name no attention layer"),  # transformers' default: all Mamba
+    ({}, "layer_types leaves no attention layer of its 4"),  # transformers' default: all Mamba
+    ({"layer_types": ["attention"] * 4}, "layer_types leaves no state layer of its 4"),
     ({"layer_types": ["mamba", "attention", "mlp", "mamba"]},
      "'layer_types' must list one of linear_attention, mamba, full_attention, attention "
      "for each of the 4 layers"),
     ({"layer_types": ["mamba", "attention"]}, "for each of the 4 layers"),
-    ({"layer_types": ["attention"] * 4, "num_local_experts": -1},
+    ({"layer_types": HYBRID, "num_local_experts": -1},
      "config 'num_local_experts' must be an integer >= 0 or null, got -1"),
-    ({"layer_types": ["attention"] * 4, "num_local_experts": 0, "shared_intermediate_size": 0},
+    ({"layer_types": HYBRID, "num_local_experts": 0, "shared_intermediate_size": 0},
      "'shared_intermediate_size' must be a positive integer"),
-    ({"layer_types": ["attention"] * 4, "position_embedding_type": "alibi"},
+    ({"layer_types": HYBRID, "position_embedding_type": "alibi"},
      "unsupported position_embedding_type 'alibi'"),
-    ({"layer_types": ["attention"] * 4, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-    ({"layer_types": ["attention"] * 4, "shared_intermediate_size": 0},
+    ({"layer_types": HYBRID, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"layer_types": HYBRID, "shared_intermediate_size": 0},
      "'shared_intermediate_size' must be a positive integer"),
 ])
 def test_unsupported_granite_hybrid_configs_name_the_field_and_value(change, message):

@@ -116,3 +116,8 @@ def test_kvpool_plan_reports_state_slots_and_checkpoints(capsys):
     plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB)
     assert f"state slots           {plan.num_state_slots:,} (" in out
     assert f"checkpoints           {plan.max_checkpoints(8192):,} state slots left" in out
+
+
+def test_bamba_whose_every_layer_attends_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="attn_layer_indices leaves no state layer of its 4"):
+        ModelConfig.from_hf(bamba(num_hidden_layers=4, attn_layer_indices=[0, 1, 2, 3]))

@@ -188,7 +188,13 @@ def test_transformers_defaults_where_the_config_leaves_keys_out():
         16, 32, 128, 128, 4)
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size,
-            moe.shared_gate) == (512, 10, 512, 512, True)
+            moe.shared_gate, moe.norm_topk_prob) == (512, 10, 512, 512, True, True)
+
+
+def test_full_attention_interval_is_read_only_without_layer_types_as_transformers_reads_it():
+    types = ["linear_attention", "full_attention"] * 2
+    config = ModelConfig.from_hf({**BASE, "layer_types": types, "full_attention_interval": 0})
+    assert config.attention_layers == (1, 3)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -199,7 +205,10 @@ def test_parameters_are_counted_as_transformers_builds_them(name):
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"layer_types": ["linear_attention"] * 4}, "layer_types name no full_attention layer"),
+    ({"layer_types": ["linear_attention"] * 4}, "layer_types leaves no attention layer of its 4"),
+    ({"layer_types": ["full_attention"] * 4}, "layer_types leaves no state layer of its 4"),
+    ({"layer_types": None, "full_attention_interval": 1},
+     "layer_types leaves no state layer of its 4"),
     ({"layer_types": ["linear_attention", "full_attention", "mamba", "full_attention"]},
      "'layer_types' must list linear_attention or full_attention for each of the 4 layers"),
     ({"layer_types": ["full_attention"] * 3}, "for each of the 4 layers"),

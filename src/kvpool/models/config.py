@@ -1325,8 +1325,9 @@ def _qwen2_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
 
 def _qwen3_next_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
     """Qwen3-Next's experts: Qwen2-MoE's, 10 of 512 experts 512 wide and a shared expert 512
-    wide by default."""
-    return _qwen_moe(cfg, num_layers, QWEN3_NEXT, (512, 10, 512),
+    wide by default, the chosen ones' weights renormalised unless `norm_topk_prob` is false
+    (transformers' default for Qwen3-Next, not Qwen2-MoE's)."""
+    return _qwen_moe({"norm_topk_prob": True, **cfg}, num_layers, QWEN3_NEXT, (512, 10, 512),
                      shared=_int(cfg, "shared_expert_intermediate_size", 512))
 
 

@@ -169,10 +169,8 @@ def parse_bamba(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
             _is_int(i) and 0 <= i < num_layers for i in attention):
         raise ConfigError(f"config 'attn_layer_indices' must list layer indices in "
                           f"[0, {num_layers}), got {attention!r}")
-    if not attention:
-        raise ConfigError("a Bamba config without attn_layer_indices has no attention layer; "
-                          "kvpool needs at least one")
-    return _mixer(cfg, hidden_size, tuple(i for i in range(num_layers) if i not in attention))
+    layers = tuple(i for i in range(num_layers) if i not in attention)
+    return _mixer(cfg, hidden_size, _mixed("Bamba", "attn_layer_indices", layers, num_layers))
 
 
 def parse_granite_hybrid(cfg: dict, hidden_size: int, num_layers: int) -> MambaConfig:
@@ -187,10 +185,17 @@ def parse_granite_hybrid(cfg: dict, hidden_size: int, num_layers: int) -> MambaC
                           f"{', '.join(MAMBA_TYPES + ATTENTION_TYPES)} for each of the "
                           f"{num_layers} layers, got {types!r}")
     layers = tuple(i for i, t in enumerate(types) if t in MAMBA_TYPES)
-    if len(layers) == num_layers:
-        raise ConfigError("a GraniteMoeHybrid config whose layer_types name no attention "
-                          "layer: kvpool needs at least one")
-    return _mixer(cfg, hidden_size, layers)
+    return _mixer(cfg, hidden_size, _mixed("GraniteMoeHybrid", "layer_types", layers, num_layers))
+
+
+def _mixed(family: str, field: str, layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """`layers`, the state layers `field` names among a hybrid's `num_layers`; ConfigError
+    where that leaves no attention layer or no state layer: kvpool runs a hybrid of both."""
+    if not layers or len(layers) == num_layers:
+        raise ConfigError(f"a {family} config whose {field} leaves no "
+                          f"{'state' if not layers else 'attention'} layer of its {num_layers}: "
+                          f"kvpool runs hybrids of attention and state layers only")
+    return layers
 
 
 def _mixer(cfg: dict, hidden_size: int, layers: tuple[int, ...]) -> MambaConfig:
@@ -222,18 +227,17 @@ def parse_qwen3_next(cfg: dict, hidden_size: int, num_layers: int) -> GatedDelta
     `linear_attention` (the others `full_attention`), by default all but every
     `full_attention_interval`-th (4), as transformers reads it; transformers' sizes where the
     config leaves them out."""
-    interval = _int(cfg, "full_attention_interval", 4)
-    types = cfg.get("layer_types") or [
-        ATTENTION_TYPES[0] if (i + 1) % interval == 0 else MAMBA_TYPES[0]
-        for i in range(num_layers)]
+    types = cfg.get("layer_types")
+    if not types:  # transformers reads the interval only then
+        interval = _int(cfg, "full_attention_interval", 4)
+        types = [ATTENTION_TYPES[0] if (i + 1) % interval == 0 else MAMBA_TYPES[0]
+                 for i in range(num_layers)]
     if not (isinstance(types, list) and len(types) == num_layers
             and all(t in (MAMBA_TYPES[0], ATTENTION_TYPES[0]) for t in types)):
         raise ConfigError(f"config 'layer_types' must list linear_attention or full_attention "
                           f"for each of the {num_layers} layers, got {types!r}")
-    layers = tuple(i for i, t in enumerate(types) if t == MAMBA_TYPES[0])
-    if len(layers) == num_layers:
-        raise ConfigError("a Qwen3-Next config whose layer_types name no full_attention "
-                          "layer: kvpool needs at least one")
+    layers = _mixed("Qwen3-Next", "layer_types", tuple(
+        i for i, t in enumerate(types) if t == MAMBA_TYPES[0]), num_layers)
     k_heads = _int(cfg, "linear_num_key_heads", 16)
     v_heads = _int(cfg, "linear_num_value_heads", 32)
     if v_heads % k_heads:
