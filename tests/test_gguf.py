@@ -200,6 +200,9 @@ def test_the_end_of_turn_and_end_of_message_ids_are_end_ids_beside_eos(tmp_path)
     # gpt-oss's: "<|end|>" ends one message of several where "<|return|>" and "<|call|>" are
     (["<|return|>", "<|call|>", "<|end|>"], ("<|return|>", "<|call|>")),
     (["<|end|>"], ("<|end|>",)),
+    # Qwen's fill-in-the-middle pad, repository and file separator (but not its prefix)
+    (["<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"],
+     ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")),
 ])
 def test_the_tokens_llama_cpp_ends_a_generation_at_by_their_text_are_end_ids(
         tmp_path, ends, expected):
@@ -207,6 +210,19 @@ def test_the_tokens_llama_cpp_ends_a_generation_at_by_their_text_are_end_ids(
     write_gguf(tmp_path / "ends.gguf", tokens=tokens)
     assert load_config(tmp_path / "ends.gguf").eos_token_ids == \
         (1, *sorted(tokens.index(text) for text in expected))
+
+
+def test_a_fill_in_the_middle_id_the_file_names_ends_a_generation_and_must_be_in_range(tmp_path):
+    write_gguf(tmp_path / "fim.gguf",
+               more=lambda w: w.add_uint32("tokenizer.ggml.fim_sep_token_id", 4))
+    assert load_config(tmp_path / "fim.gguf").eos_token_ids == (1, 4)
+    for name in ("eom", "fim_sep"):
+        write_gguf(tmp_path / f"{name}.gguf",
+                   more=lambda w, key=f"tokenizer.ggml.{name}_token_id": w.add_uint32(key, 100_000))
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"tokenizer.ggml.{name}_token_id must be a token id in [0, {len(TOKENS)}), "
+                f"got 100000")):
+            load_model(tmp_path / f"{name}.gguf", device="cpu")
 
 
 def test_add_eos_token_appends_eos_to_every_text(tmp_path):

@@ -268,11 +268,17 @@ def test_deepseek_v3s_pre_tokenizer_splits_digits_then_ideographs_then_words():
                      "(ab", ")"]
 
 
-def test_a_file_without_the_latent_rank_is_refused_naming_the_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(gguf.GGUFWriter, "add_kv_lora_rank", lambda *_: None)
+@pytest.mark.parametrize("key, writes", [
+    ("attention.kv_lora_rank", "add_kv_lora_rank"),
+    ("expert_feed_forward_length", "add_expert_feed_forward_length"),
+    ("leading_dense_block_count", "add_leading_dense_block_count"),
+])
+def test_a_file_without_a_key_llama_cpp_requires_is_refused_naming_it(
+        tmp_path, monkeypatch, key, writes):
+    monkeypatch.setattr(gguf.GGUFWriter, writes, lambda *_: None)
     path = tmp_path / "v3.gguf"
     deepseek_gguf_of(make_hf_model("v3-yarn-gguf", configs=CONFIGS), path)
-    with pytest.raises(ConfigError, match="GGUF deepseek2 needs deepseek2.attention.kv_lora_rank"):
+    with pytest.raises(ConfigError, match=f"GGUF deepseek2 needs deepseek2.{key}"):
         load_config(path)
 
 

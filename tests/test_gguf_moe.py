@@ -185,12 +185,25 @@ def test_glm4moe_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, n
         load_config(path)
 
 
-def test_a_glm4moe_file_without_its_shared_expert_count_is_refused_naming_it(tmp_path,
-                                                                             monkeypatch):
-    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_shared_count", lambda *_: None)
+@pytest.mark.parametrize("key", ["expert_shared_count", "expert_feed_forward_length"])
+def test_a_glm4moe_file_without_a_key_llama_cpp_requires_is_refused_naming_it(
+        tmp_path, monkeypatch, key):
+    monkeypatch.setattr(gguf.GGUFWriter, f"add_{key}", lambda *_: None)
     path = tmp_path / "glm4moe.gguf"
     glm4moe_gguf_of(make_hf_model("glm4-moe", configs=MOE_CONFIGS), path)
-    with pytest.raises(ConfigError, match="GGUF glm4moe needs glm4moe.expert_shared_count"):
+    with pytest.raises(ConfigError, match=f"GGUF glm4moe needs glm4moe.{key}"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("rotary", [0, 17, 64])
+def test_a_glm4moe_file_rotating_none_or_more_than_a_head_is_refused_naming_both(
+        tmp_path, monkeypatch, rotary):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count",
+                        lambda w, _: w.add_uint32("glm4moe.rope.dimension_count", rotary))
+    path = tmp_path / "glm4moe.gguf"
+    glm4moe_gguf_of(make_hf_model("glm4-moe", configs=MOE_CONFIGS), path)
+    with pytest.raises(ConfigError, match=rf"glm4moe.rope.dimension_count {rotary} must rotate "
+                                          rf"between 1 and the head's 16 channels"):
         load_config(path)
 
 

@@ -203,6 +203,12 @@ EXPERT_TENSORS = {
 END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
              "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
              "<end_of_utterance>")
+# The fill-in-the-middle tokens llama.cpp ends a generation at too: tokenizer.ggml.{name}_token_id
+# or, where the file names none, the token of the first of these texts it holds
+FIM_END_TEXTS = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+                 "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                             "<reponame>"),
+                 "fim_sep": ("<|file_sep|>",)}
 # The chat template's special-token variables -> their tokenizer.ggml.*_token_id keys.
 _SPECIAL_TOKENS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
                    "pad_token": "padding"}
@@ -353,18 +359,27 @@ class GGUFCheckpoint:
 
     def _end_ids(self) -> list[int]:
         """The ids that end a generation, as llama.cpp takes them: the file's eos, eot and
-        eom ids, then those of its END_TEXTS tokens. ConfigError for a named id that is not
-        an int."""
-        named = [self.meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
-        if not all(i is None or type(i) is int for i in named):
-            raise ConfigError(f"{self.path.name}: GGUF tokenizer.ggml.eos_token_id, "
-                              f"eot_token_id and eom_token_id must be token ids, got {named}")
+        eom ids, its fill-in-the-middle pad, repository and file-separator ids (by their
+        texts where it names none: FIM_END_TEXTS), then those of its END_TEXTS tokens.
+        ConfigError for a named id that is not an int (the vocabulary checks the range)."""
+        named = {name: self.meta.get(f"tokenizer.ggml.{name}_token_id")
+                 for name in ("eos", "eot", "eom", *FIM_END_TEXTS)}
+        bad = next((name for name, i in named.items() if i is not None and type(i) is not int),
+                   None)
+        if bad is not None:
+            raise ConfigError(f"{self.path.name}: GGUF tokenizer.ggml.{bad}_token_id must be a "
+                              f"token id, got {named[bad]!r}")
         tokens = self.meta.get("tokenizer.ggml.tokens")
+        fim_texts = {text for texts in FIM_END_TEXTS.values() for text in texts}
         by_text = {text: i for i, text in enumerate(tokens if isinstance(tokens, list) else ())
-                   if text in END_TEXTS}
+                   if text in END_TEXTS or text in fim_texts}
+        for name, texts in FIM_END_TEXTS.items():
+            if named[name] is None:
+                named[name] = next((by_text[text] for text in texts if text in by_text), None)
+        ends = sorted(i for text, i in by_text.items() if text in END_TEXTS)
         not_end = by_text.get("<|end|>") if "<|return|>" in by_text and "<|call|>" in by_text \
             else None
-        ids = [i for i in named if i is not None] + sorted(by_text.values())
+        ids = [i for i in named.values() if i is not None] + ends
         return [i for i in dict.fromkeys(ids) if i != not_end]
 
     def tokenizer(self) -> HFTokenizer:
@@ -612,27 +627,33 @@ def _phi3_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     sliding window is left out: llama.cpp runs Phi-3 without one, whatever the file says."""
     rotary = key("rope.dimension_count")
     partial = {} if rotary is None or not head_dim or rotary == head_dim else {
-        "partial_rotary_factor": _partial_rotary(rotary, head_dim)}
+        "partial_rotary_factor": _partial_rotary(checkpoint, rotary, head_dim)}
     context = key("rope.scaling.original_context_length")  # config.json's top-level key
     trained = {} if context is None else {"original_max_position_embeddings": context}
     return {**partial, **trained}
 
 
-def _partial_rotary(rotary: int, head_dim: int) -> float:
+def _partial_rotary(checkpoint: GGUFCheckpoint, rotary: int, head_dim: int) -> float:
     """The config's share of each head of `head_dim` channels that rotates `rotary` of them:
     half a channel above (a whole head: 1), so that int(head_dim * factor), as a config reads
-    it, gives that count back whatever float rounding does to the ratio."""
-    return 1.0 if rotary >= head_dim else (rotary + 0.5) / head_dim
+    it, gives that count back whatever float rounding does to the ratio. ConfigError for a
+    count outside (0, head_dim]."""
+    if not 0 < rotary <= head_dim:
+        arch = checkpoint.meta["general.architecture"]
+        raise ConfigError(f"{checkpoint.path.name}: GGUF {arch}.rope.dimension_count {rotary} "
+                          f"must rotate between 1 and the head's {head_dim} channels")
+    return 1.0 if rotary == head_dim else (rotary + 0.5) / head_dim
 
 
 def _glm4_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
     """GLM-4 (0414) as llama.cpp reads it: the share of each head `rope.dimension_count`
     rotates (the whole head without it, where GLM-4's config would rotate half), q/k/v biases
     where the file holds them (llama.cpp's are optional)."""
-    rotary = key("rope.dimension_count") or head_dim
+    rotary = key("rope.dimension_count", head_dim)
     biased = any(t.name.endswith("attn_q.bias") for t in checkpoint._weights())
     return {"attention_bias": biased,
-            **({"partial_rotary_factor": _partial_rotary(rotary, head_dim)} if head_dim else {})}
+            **({"partial_rotary_factor": _partial_rotary(checkpoint, rotary, head_dim)}
+               if head_dim else {})}
 
 
 def _ernie_moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict:
@@ -838,7 +859,8 @@ def _deepseek2_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> di
     best two, transformers' V2 by its best one)."""
     name = checkpoint.path.name
     required = ("attention.kv_lora_rank", "attention.key_length", "attention.value_length",
-                "rope.dimension_count", "expert_shared_count")
+                "rope.dimension_count", "expert_shared_count", "expert_feed_forward_length",
+                "leading_dense_block_count")
     missing = [f"deepseek2.{k}" for k in required if key(k) is None]
     if missing:
         raise ConfigError(f"{name}: GGUF deepseek2 needs {' and '.join(missing)}")
@@ -882,20 +904,23 @@ def _glm4moe_keys(checkpoint: GGUFCheckpoint, key, head_dim: int | None) -> dict
     """GLM-4.5 as llama.cpp reads `glm4moe`: the share of each head `rope.dimension_count`
     rotates (the whole head without it), q/k/v biases and q/k norms where the file holds
     them (llama.cpp's are optional), DeepSeek-V3's routing (`_routing`), its experts scored by
-    sigmoid (`expert_gating_func` 2, or none). ConfigError without `expert_shared_count`
-    (llama.cpp requires it) or with another gating function."""
+    sigmoid (`expert_gating_func` 2, or none). ConfigError without `expert_shared_count` or
+    `expert_feed_forward_length` (llama.cpp requires them) or with another gating function."""
     name = checkpoint.path.name
-    if key("expert_shared_count") is None:
-        raise ConfigError(f"{name}: GGUF glm4moe needs glm4moe.expert_shared_count")
+    missing = [f"glm4moe.{k}" for k in ("expert_shared_count", "expert_feed_forward_length")
+               if key(k) is None]
+    if missing:
+        raise ConfigError(f"{name}: GGUF glm4moe needs {' and '.join(missing)}")
     gating = key("expert_gating_func", GATING_SIGMOID)
     if gating != GATING_SIGMOID:
         raise ConfigError(f"{name}: GGUF glm4moe.expert_gating_func {gating} is not supported "
                           f"(supported: {GATING_SIGMOID}, sigmoid, as GLM-4.5 scores its experts)")
     held = {t.name.split(".", 2)[-1] for t in checkpoint._weights()}
-    rotary = key("rope.dimension_count") or head_dim
+    rotary = key("rope.dimension_count", head_dim)
     return {**_routing(key), "attention_bias": "attn_q.bias" in held,
             "use_qk_norm": "attn_q_norm.weight" in held,
-            **({"partial_rotary_factor": _partial_rotary(rotary, head_dim)} if head_dim else {})}
+            **({"partial_rotary_factor": _partial_rotary(checkpoint, rotary, head_dim)}
+               if head_dim else {})}
 
 
 # An architecture's own config.json keys beyond the common ones: general.architecture ->

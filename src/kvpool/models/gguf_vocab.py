@@ -168,7 +168,8 @@ def _check_vocabulary(meta: dict, kind: str) -> None:
             found = len(values) if isinstance(values, list) else repr(values)
             raise CheckpointError(f"GGUF tokenizer.ggml.{name} must list one value for each "
                                   f"of the {len(tokens)} tokens, got {found}")
-    for name in ("bos", "eos", "eot", "unknown", "padding"):
+    for name in ("bos", "eos", "eot", "eom", "unknown", "padding", "fim_pad", "fim_rep",
+                 "fim_sep"):
         i = meta.get(f"tokenizer.ggml.{name}_token_id")
         if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
             raise CheckpointError(f"GGUF tokenizer.ggml.{name}_token_id must be a token id in "
