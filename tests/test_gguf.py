@@ -667,23 +667,27 @@ def test_a_rope_freqs_tensor_of_a_type_kvpool_cannot_dequantize_is_refused_namin
     assert message in capsys.readouterr().err
 
 
-def _writer(path: Path, arch: str, config) -> gguf.GGUFWriter:
-    """A GGUFWriter of `arch` with the sizes every converted file states, from `config`."""
+def _writer(path: Path, arch: str, config, block_count: int | None = None,
+            head_count_kv: int | None = None) -> gguf.GGUFWriter:
+    """A GGUFWriter of `arch` with the sizes every converted file states, from `config`
+    (`block_count` and `head_count_kv` in place of its layers and KV heads where given)."""
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(block_count or config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(head_count_kv or config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     return writer
 
 
-def _finish(writer: gguf.GGUFWriter, vocab_size: int, merges=("a b",)) -> None:
-    """Add a vocabulary of placeholder tokens (byte-level BPE) and write the file."""
+def _finish(writer: gguf.GGUFWriter, vocab_size: int, merges=("a b",),
+            pre: str = "qwen2") -> None:
+    """Add a vocabulary of placeholder tokens (byte-level BPE split by the pre-tokenizer
+    `pre`) and write the file."""
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, vocab_size))])
     writer.add_token_types([1] * vocab_size)
     if merges:
@@ -693,6 +697,31 @@ def _finish(writer: gguf.GGUFWriter, vocab_size: int, merges=("a b",)) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _hf_weights(hf, path: Path) -> dict[str, torch.Tensor]:
+    """`hf`'s weights as save_pretrained writes them, saved beside the GGUF file `path`."""
+    return load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+
+
+def _stacked(weights: dict, layers, experts: int) -> dict:
+    """`weights` with each of `layers`' experts stacked into one tensor per projection, as
+    the converter stacks them."""
+    for i in layers:
+        for ours in ("gate_proj", "up_proj", "down_proj"):
+            stack = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}.weight")
+                     for e in range(experts)]
+            weights[f"model.layers.{i}.mlp.experts.{ours}.weight"] = torch.stack(stack)
+    return weights
+
+
+def _add_tensors(writer, names, weights: dict) -> None:
+    """Add `weights` under the gguf package's names, squeezed as the converter squeezes them
+    (a tensor of one row becomes a vector), the router bias renamed as it renames it."""
+    for name, tensor in weights.items():
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
+                          tensor.squeeze().numpy())
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
@@ -725,7 +754,7 @@ def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) 
     # the converter's names for transformers' (the gguf package's map, not kvpool's)
     model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     for pattern, template in RENAMED:  # Mixtral's names for the router and experts
         weights = {pattern.sub(template, name): w for name, w in weights.items()}
     for name in [n for n in weights if n.endswith("input_linear.weight")]:  # Granite MoE's
@@ -828,7 +857,7 @@ def _phi3_gguf_of(hf, path: Path, factors=("short", "long"), window: int = 0) ->
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
         rope["original_max_position_embeddings"])))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     for name, tensor in weights.items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
     for kind in factors:
@@ -937,7 +966,7 @@ def _granite_hybrid_gguf_of(hf, path: Path) -> None:
     writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
     writer.add_ssm_time_step_rank(config.mamba_n_heads)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GRANITE_HYBRID, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     for name, tensor in weights.items():
         i = name.split(".")[2] if name.startswith("model.layers.") else None
         if name.endswith("input_linear.weight"):  # stacked gate and up rows
@@ -1028,7 +1057,7 @@ def _finish_gemma(writer, hf, path: Path, arch) -> None:
     (names from the gguf package's map, each norm weight stored plus 1, no head: llama.cpp
     ties it) and finish the file."""
     names = gguf.get_tensor_name_map(arch, hf.config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     for name, tensor in weights.items():
         if name != "lm_head.weight":
             shifted = tensor + 1 if name.endswith("norm.weight") else tensor

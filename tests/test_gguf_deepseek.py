@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
@@ -23,10 +22,9 @@ from models_util import (
     case_of,
     check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
-    save_hf_model,
 )
 from test_deepseek import SMALL
-from test_gguf import _finish
+from test_gguf import _add_tensors, _finish, _hf_weights, _stacked, _writer
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -64,14 +62,7 @@ def deepseek_gguf_of(hf: transformers.PreTrainedModel, path, split: bool = True,
     config = hf.config
     rope, rank = config.qk_rope_head_dim, config.kv_lora_rank
     nope, v, heads = config.qk_nope_head_dim, config.v_head_dim, config.num_attention_heads
-    writer = gguf.GGUFWriter(path, "deepseek2")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(1)  # MLA as multi-query attention over the latent
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = _writer(path, "deepseek2", config, head_count_kv=1)  # MLA: one KV head, the latent
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_vocab_size(config.vocab_size)
@@ -112,23 +103,13 @@ def deepseek_gguf_of(hf: transformers.PreTrainedModel, path, split: bool = True,
     if more is not None:
         more(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for i in range(config.first_k_dense_replace, config.num_hidden_layers):
-        for ours in ("gate_proj", "up_proj", "down_proj"):
-            experts = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}.weight")
-                       for e in range(config.n_routed_experts)]
-            weights[f"model.layers.{i}.mlp.experts.{ours}.weight"] = torch.stack(experts)
-    for name, tensor in weights.items():
-        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        if split and name.endswith("kv_b_proj.weight"):
-            k_b, v_b = tensor.view(heads, nope + v, rank).split([nope, v], dim=1)
-            for half, part in (("k_b_proj", k_b.transpose(1, 2)), ("v_b_proj", v_b)):
-                writer.add_tensor(names.get_name(name.replace("kv_b_proj", half),
-                                                 try_suffixes=(".weight",)),
-                                  part.contiguous().numpy())
-            continue
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
-                          tensor.numpy())
+    moe = range(config.first_k_dense_replace, config.num_hidden_layers)
+    weights = _stacked(_hf_weights(hf, path), moe, config.n_routed_experts)
+    for name in [n for n in weights if split and n.endswith("kv_b_proj.weight")]:
+        k_b, v_b = weights.pop(name).view(heads, nope + v, rank).split([nope, v], dim=1)
+        weights[name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2).contiguous()
+        weights[name.replace("kv_b_proj", "v_b_proj")] = v_b.contiguous()
+    _add_tensors(writer, names, weights)
     _finish(writer, config.vocab_size)
 
 

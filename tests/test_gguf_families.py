@@ -12,7 +12,6 @@ import math
 import numpy as np
 import pytest
 import transformers
-from safetensors.torch import load_file
 
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
@@ -23,9 +22,8 @@ from models_util import (
     assert_greedy_decode_matches,
     assert_prefill_logits_match,
     make_hf_model,
-    save_hf_model,
 )
-from test_gguf import _finish, _llama31_rope_freqs, _writer
+from test_gguf import _add_tensors, _finish, _hf_weights, _llama31_rope_freqs, _writer
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -53,9 +51,7 @@ def olmo3_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
     writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
     writer.add_rope_scaling_yarn_attn_factor(0.1 * math.log(full["factor"]) + 1)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMO2, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for name, tensor in weights.items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    _add_tensors(writer, names, _hf_weights(hf, path))
     _finish(writer, config.vocab_size)
 
 
@@ -151,9 +147,7 @@ def exaone4_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
     writer.add_tensor("rope_freqs.weight", _llama31_rope_freqs(
         head_dim, rope["rope_theta"], rope).astype(np.float32))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.EXAONE4, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for name, tensor in weights.items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    _add_tensors(writer, names, _hf_weights(hf, path))
     _finish(writer, config.vocab_size)
 
 
@@ -229,10 +223,7 @@ def glm4_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
-    for name, tensor in weights.items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
-                          tensor.numpy())
+    _add_tensors(writer, names, _hf_weights(hf, path))
     _finish(writer, config.vocab_size)
 
 

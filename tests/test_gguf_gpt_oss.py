@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 from tokenizers import pre_tokenizers
 
 from kvpool.engine import SamplingParams
@@ -23,9 +22,8 @@ from models_util import (
     assert_prefill_logits_match,
     case_of,
     check_engine_with_prefix_hits_and_chunks,
-    save_hf_model,
 )
-from test_gguf import _writer
+from test_gguf import _finish, _hf_weights, _writer
 from test_gpt_oss import CONFIGS, make_gpt_oss
 from test_models import MAX_TOKENS
 
@@ -34,17 +32,6 @@ T = gguf.GGMLQuantizationType
 MXFP4_BLOCK = 32  # values per MXFP4 block: one shared power of two, 4 bits each
 # OCP's E2M1 values of the codes 0-15 (the sign bit last): MXFP4's elements before scaling
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def _vocabulary(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    """gpt-oss's kind of vocabulary (byte-level BPE split by the o200k pattern), of
-    placeholder tokens."""
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, vocab_size))])
-    writer.add_token_types([1] * vocab_size)
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(1)
 
 
 def _mxfp4(values: torch.Tensor) -> np.ndarray:
@@ -92,7 +79,7 @@ def gpt_oss_gguf_of(hf: transformers.PreTrainedModel, path, experts=T.F32) -> No
         else:
             writer.add_tensor(gguf_name, _mxfp4(tensor), raw_dtype=kind)
 
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     for name, tensor in weights.items():
         stack = name.partition("mlp.experts.")[2]
         prefix = name[:-len(stack)]
@@ -109,11 +96,7 @@ def gpt_oss_gguf_of(hf: transformers.PreTrainedModel, path, experts=T.F32) -> No
             add(f"{prefix}down_proj.bias", tensor)
         else:
             add(f"{name}.weight" if name.endswith("sinks") else name, tensor)
-    _vocabulary(writer, config.vocab_size)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, config.vocab_size, pre="gpt-4o")
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -249,10 +232,7 @@ def _metadata(tmp_path, more=None, window: bool = True):
     writer.add_rope_scaling_orig_ctx_len(64)
     if more is not None:
         more(writer)
-    _vocabulary(writer, 160)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    _finish(writer, 160, pre="gpt-4o")
     return path
 
 

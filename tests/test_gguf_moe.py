@@ -23,9 +23,8 @@ from models_util import (
     case_of,
     check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
-    save_hf_model,
 )
-from test_gguf import _finish, _writer
+from test_gguf import _add_tensors, _finish, _hf_weights, _stacked, _writer
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
 from test_moe_families import ERNIE as MOE_ERNIE
@@ -34,26 +33,6 @@ from test_moe_families import MOE_LAYERS, SMALL
 gguf = pytest.importorskip("gguf")
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-
-
-def _stacked(weights: dict, config, layers, experts: int) -> dict:
-    """`weights` with each of `layers`' experts stacked into one tensor per projection, as
-    the converter stacks them."""
-    for i in layers:
-        for ours in ("gate_proj", "up_proj", "down_proj"):
-            stack = [weights.pop(f"model.layers.{i}.mlp.experts.{e}.{ours}.weight")
-                     for e in range(experts)]
-            weights[f"model.layers.{i}.mlp.experts.{ours}.weight"] = torch.stack(stack)
-    return weights
-
-
-def _add_tensors(writer, names, weights: dict) -> None:
-    """Add `weights` under the gguf package's names, squeezed as the converter squeezes them
-    (a tensor of one row becomes a vector), the router bias renamed as it renames it."""
-    for name, tensor in weights.items():
-        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")),
-                          tensor.squeeze().numpy())
 
 
 # --- GLM-4.5 (glm4moe) ---
@@ -67,14 +46,7 @@ def glm4moe_gguf_of(hf: transformers.PreTrainedModel, path, nextn: int = 1, more
     float32, placeholder tokens."""
     config = hf.config
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    writer = gguf.GGUFWriter(path, "glm4moe")
-    writer.add_block_count(layers + nextn)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = _writer(path, "glm4moe", config, block_count=layers + nextn)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     rope = config.rope_parameters
@@ -95,7 +67,7 @@ def glm4moe_gguf_of(hf: transformers.PreTrainedModel, path, nextn: int = 1, more
     if more is not None:
         more(writer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + nextn)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     last, rng = f"model.layers.{layers - 1}.", np.random.default_rng(0)
     for n in range(layers, layers + nextn):  # the MTP layer: a full layer and its own tensors
         weights.update({name.replace(last, f"model.layers.{n}."): tensor.clone()
@@ -105,7 +77,7 @@ def glm4moe_gguf_of(hf: transformers.PreTrainedModel, path, nextn: int = 1, more
             weights[f"model.layers.{n}.{own}"] = torch.from_numpy(
                 rng.standard_normal(shape).astype(np.float32))
     moe = range(config.first_k_dense_replace, layers + nextn)
-    _add_tensors(writer, names, _stacked(weights, config, moe, config.n_routed_experts))
+    _add_tensors(writer, names, _stacked(weights, moe, config.n_routed_experts))
     _finish(writer, config.vocab_size)
 
 
@@ -254,11 +226,11 @@ def ernie_gguf_of(hf: transformers.PreTrainedModel, path, more=None) -> None:
     if more is not None:
         more(writer)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    weights = load_file(save_hf_model(hf, path.parent / f"{path.stem}-hf") / "model.safetensors")
+    weights = _hf_weights(hf, path)
     if moe:
         layers = [i for i in range(config.num_hidden_layers)
                   if f"model.layers.{i}.mlp.gate.weight" in weights]
-        weights = _stacked(weights, config, layers, config.moe_num_experts)
+        weights = _stacked(weights, layers, config.moe_num_experts)
     _add_tensors(writer, names, weights)
     _finish(writer, config.vocab_size)
 
