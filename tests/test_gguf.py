@@ -724,6 +724,13 @@ def _add_tensors(writer, names, weights: dict) -> None:
                           tensor.squeeze().numpy())
 
 
+def _gguf_pair(hf, path: Path, write, device, **options) -> tuple:
+    """(`hf` on `device`, the GGUF file `write(hf, path, **options)` writes, loaded by kvpool
+    on `device`)."""
+    write(hf, path, **options)
+    return hf.to(device), load_model(path, device=device).model
+
+
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
     """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite,
     Granite MoE or OLMo 2 model (tensors named by the gguf package's map, each layer's

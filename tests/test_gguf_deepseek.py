@@ -24,7 +24,7 @@ from models_util import (
     make_hf_model,
 )
 from test_deepseek import SMALL
-from test_gguf import _add_tensors, _finish, _hf_weights, _stacked, _writer
+from test_gguf import _add_tensors, _finish, _gguf_pair, _hf_weights, _stacked, _writer
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -123,9 +123,8 @@ def deepseek(request, tmp_path_factory, device):
     """(transformers DeepSeek, its GGUF file loaded by kvpool) for each of CASES."""
     name, split = request.param
     hf = make_hf_model(name, configs=CONFIGS)
-    path = tmp_path_factory.mktemp(name) / "deepseek.gguf"
-    deepseek_gguf_of(hf, path, split=split, gating=name != "v2-lite-gguf")
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, tmp_path_factory.mktemp(name) / "deepseek.gguf", deepseek_gguf_of,
+                      device, split=split, gating=name != "v2-lite-gguf")
 
 
 def test_a_deepseek2_gguf_file_gives_transformers_logits(deepseek):

@@ -23,7 +23,7 @@ from models_util import (
     assert_prefill_logits_match,
     make_hf_model,
 )
-from test_gguf import _add_tensors, _finish, _hf_weights, _llama31_rope_freqs, _writer
+from test_gguf import _add_tensors, _finish, _gguf_pair, _hf_weights, _llama31_rope_freqs, _writer
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -59,9 +59,7 @@ def olmo3_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
 def olmo3(tmp_path_factory, device):
     """(transformers OLMo 3, its GGUF file loaded by kvpool)."""
     hf = make_hf_model("olmo3-gguf", configs=OLMO3)
-    path = tmp_path_factory.mktemp("olmo3") / "olmo3.gguf"
-    olmo3_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, tmp_path_factory.mktemp("olmo3") / "olmo3.gguf", olmo3_gguf_of, device)
 
 
 def test_an_olmo3_gguf_file_gives_transformers_logits(olmo3):
@@ -156,8 +154,7 @@ def exaone4(request, tmp_path_factory, device):
     """(transformers EXAONE 4, its GGUF file loaded by kvpool) for each of EXAONE4."""
     hf = make_hf_model(request.param, configs=EXAONE4)
     path = tmp_path_factory.mktemp(request.param) / "exaone4.gguf"
-    exaone4_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, path, exaone4_gguf_of, device)
 
 
 def test_an_exaone4_gguf_file_gives_transformers_logits(exaone4):
@@ -231,9 +228,8 @@ def glm4_gguf_of(hf: transformers.PreTrainedModel, path) -> None:
 def glm4(request, tmp_path_factory, device):
     """(transformers GLM-4, its GGUF file loaded by kvpool) for each of GLM4."""
     hf = make_hf_model(request.param, configs=GLM4)
-    path = tmp_path_factory.mktemp(request.param) / "glm4.gguf"
-    glm4_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, tmp_path_factory.mktemp(request.param) / "glm4.gguf", glm4_gguf_of,
+                      device)
 
 
 def test_a_glm4_gguf_file_gives_transformers_logits(glm4):

@@ -23,7 +23,7 @@ from models_util import (
     case_of,
     check_engine_with_prefix_hits_and_chunks,
 )
-from test_gguf import _finish, _hf_weights, _writer
+from test_gguf import _finish, _gguf_pair, _hf_weights, _writer
 from test_gpt_oss import CONFIGS, make_gpt_oss
 from test_models import MAX_TOKENS
 
@@ -105,8 +105,7 @@ def pair(request, tmp_path_factory, device):
     configs: yarn 4x unrounded, a window of 4; transformers' default yarn, the head tied."""
     hf = make_gpt_oss(request.param)
     path = tmp_path_factory.mktemp(request.param) / "gpt-oss.gguf"
-    gpt_oss_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, path, gpt_oss_gguf_of, device)
 
 
 def test_a_gpt_oss_gguf_file_gives_transformers_logits(pair):

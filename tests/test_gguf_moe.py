@@ -24,7 +24,7 @@ from models_util import (
     check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
 )
-from test_gguf import _add_tensors, _finish, _hf_weights, _stacked, _writer
+from test_gguf import _add_tensors, _finish, _gguf_pair, _hf_weights, _stacked, _writer
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
 from test_moe_families import ERNIE as MOE_ERNIE
@@ -89,8 +89,7 @@ def glm4moe(request, tmp_path_factory, device):
     """(transformers GLM-4.5, its GGUF file loaded by kvpool) for each of GLM4MOE_CASES."""
     hf = make_hf_model(request.param, configs=MOE_CONFIGS)
     path = tmp_path_factory.mktemp(request.param) / "glm4moe.gguf"
-    glm4moe_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, path, glm4moe_gguf_of, device)
 
 
 def test_a_glm4moe_gguf_file_gives_transformers_logits(glm4moe):
@@ -240,8 +239,7 @@ def ernie(request, tmp_path_factory, device):
     """(transformers Ernie 4.5, its GGUF file loaded by kvpool) for each of ERNIE."""
     hf = make_hf_model(request.param, configs=ERNIE)
     path = tmp_path_factory.mktemp(request.param) / "ernie.gguf"
-    ernie_gguf_of(hf, path)
-    return hf.to(device), load_model(path, device=device).model
+    return _gguf_pair(hf, path, ernie_gguf_of, device)
 
 
 def test_an_ernie_gguf_file_gives_transformers_logits(ernie):
