@@ -42,8 +42,12 @@ from kvpool.server.protocol import ChatMessage
 from models_util import (
     CONFIGS,
     SMALL,
+    EngineCase,
     PagedRunner,
     assert_logits_match,
+    assert_prefill_logits_match,
+    case_of,
+    check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
     phi3_longrope,
     prompts,
@@ -729,6 +733,26 @@ def _gguf_pair(hf, path: Path, write, device, **options) -> tuple:
     on `device`)."""
     write(hf, path, **options)
     return hf.to(device), load_model(path, device=device).model
+
+
+def _check_engine_on_gguf(hf, path: Path, write, device, max_tokens: int) -> None:
+    """Through LLM with prefix hits and chunks, the GGUF file `write(hf, path)` writes gives
+    `hf`'s greedy tokens (`max_tokens` of each)."""
+    case = case_of(hf, path.parent / "hf", device, max_tokens)
+    write(hf.cpu(), path)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    check_engine_with_prefix_hits_and_chunks(EngineCase(path, case.batch, case.expected),
+                                             device, greedy)
+
+
+def _assert_conversion_matches(hf, path: Path, monkeypatch, device="cpu") -> Path:
+    """With the conversion cache in `cache` beside the GGUF file `path`, the file loads on
+    `device` with `hf`'s logits, through the one conversion it writes; returns that."""
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(path.parent / "cache"))
+    assert_prefill_logits_match(hf.to(device), load_model(path, device=device).model)
+    conversions = list((path.parent / "cache").iterdir())
+    assert len(conversions) == 1  # the one conversion written
+    return conversions[0]
 
 
 def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:

@@ -10,21 +10,26 @@ import pytest
 import torch
 import transformers
 
-from kvpool.engine import SamplingParams
 from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models import load_config, load_model
-from kvpool.models.gguf import CACHE_ENV, join_kv_b
+from kvpool.models.gguf import join_kv_b
 from kvpool.models.gguf_vocab import build_tokenizer
 from models_util import (
-    EngineCase,
     assert_greedy_decode_matches,
     assert_prefill_logits_match,
-    case_of,
-    check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
 )
 from test_deepseek import SMALL
-from test_gguf import _add_tensors, _finish, _gguf_pair, _hf_weights, _stacked, _writer
+from test_gguf import (
+    _add_tensors,
+    _assert_conversion_matches,
+    _check_engine_on_gguf,
+    _finish,
+    _gguf_pair,
+    _hf_weights,
+    _stacked,
+    _writer,
+)
 from test_models import MAX_TOKENS
 
 gguf = pytest.importorskip("gguf")
@@ -159,21 +164,14 @@ def test_the_split_kv_b_joins_into_each_heads_key_rows_then_its_value_rows():
 
 def test_the_engine_gives_transformers_greedy_tokens_from_a_deepseek2_gguf_file(tmp_path,
                                                                                 device):
-    hf = make_hf_model("v3-yarn-gguf", configs=CONFIGS)
-    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
-    deepseek_gguf_of(hf.cpu(), tmp_path / "v3.gguf")
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    check_engine_with_prefix_hits_and_chunks(
-        EngineCase(tmp_path / "v3.gguf", case.batch, case.expected), device, greedy)
+    _check_engine_on_gguf(make_hf_model("v3-yarn-gguf", configs=CONFIGS), tmp_path / "v3.gguf",
+                          deepseek_gguf_of, device, MAX_TOKENS)
 
 
 def test_a_deepseek2_conversion_gives_transformers_logits_too(tmp_path, monkeypatch, device):
     hf = make_hf_model("v2-yarn-gguf", configs=CONFIGS)
     deepseek_gguf_of(hf, tmp_path / "v2.gguf")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    load_model(tmp_path / "v2.gguf", device="cpu")  # writes the conversion
-    assert_prefill_logits_match(hf.to(device), load_model(tmp_path / "v2.gguf",
-                                                          device=device).model)
+    _assert_conversion_matches(hf, tmp_path / "v2.gguf", monkeypatch, device)
 
 
 @pytest.mark.parametrize(("name", "more", "message"), [

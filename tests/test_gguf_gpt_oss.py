@@ -11,19 +11,22 @@ import torch
 import transformers
 from tokenizers import pre_tokenizers
 
-from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
-from kvpool.models.gguf import CACHE_ENV, GGUFCheckpoint
+from kvpool.models.gguf import GGUFCheckpoint
 from kvpool.models.gguf_vocab import build_tokenizer
 from models_util import (
-    EngineCase,
     assert_greedy_decode_matches,
     assert_prefill_logits_match,
-    case_of,
-    check_engine_with_prefix_hits_and_chunks,
 )
-from test_gguf import _finish, _gguf_pair, _hf_weights, _writer
+from test_gguf import (
+    _assert_conversion_matches,
+    _check_engine_on_gguf,
+    _finish,
+    _gguf_pair,
+    _hf_weights,
+    _writer,
+)
 from test_gpt_oss import CONFIGS, make_gpt_oss
 from test_models import MAX_TOKENS
 
@@ -132,12 +135,8 @@ def test_a_gpt_oss_gguf_file_reads_as_its_config(tmp_path):
 
 def test_the_engine_gives_transformers_greedy_tokens_from_a_gpt_oss_gguf_file(tmp_path,
                                                                                device):
-    hf = make_gpt_oss("gpt-oss")
-    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
-    gpt_oss_gguf_of(hf.cpu(), tmp_path / "gpt-oss.gguf")
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    check_engine_with_prefix_hits_and_chunks(
-        EngineCase(tmp_path / "gpt-oss.gguf", case.batch, case.expected), device, greedy)
+    _check_engine_on_gguf(make_gpt_oss("gpt-oss"), tmp_path / "gpt-oss.gguf", gpt_oss_gguf_of,
+                          device, MAX_TOKENS)
 
 
 def test_mxfp4_dequantizes_as_ggml_lays_a_block_out():
@@ -166,8 +165,7 @@ def test_mxfp4_experts_load_their_exact_values_and_give_transformers_logits(tmp_
             assert torch.equal(mlp.up_proj.weight, gate_up[expert][:, 1::2].T)
             assert torch.equal(mlp.down_proj.weight, down[expert].T)
     assert_prefill_logits_match(hf, model)
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
-    assert_prefill_logits_match(hf, load_model(path, device="cpu").model)
+    _assert_conversion_matches(hf, path, monkeypatch)  # its conversion, too
 
 
 @pytest.mark.parametrize(("more", "message"), [

@@ -11,29 +11,30 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models import load_config, load_model
-from kvpool.models.gguf import CACHE_ENV
 from models_util import SMALL as SMALL_DENSE
 from models_util import (
-    EngineCase,
     assert_greedy_decode_matches,
     assert_prefill_logits_match,
-    case_of,
-    check_engine_with_prefix_hits_and_chunks,
     make_hf_model,
 )
-from test_gguf import _add_tensors, _finish, _gguf_pair, _hf_weights, _stacked, _writer
+from test_gguf import (
+    _add_tensors,
+    _assert_conversion_matches,
+    _check_engine_on_gguf,
+    _finish,
+    _gguf_pair,
+    _hf_weights,
+    _stacked,
+    _writer,
+)
 from test_models import MAX_TOKENS
 from test_moe_families import CONFIGS as MOE_CONFIGS
 from test_moe_families import ERNIE as MOE_ERNIE
 from test_moe_families import MOE_LAYERS, SMALL
 
 gguf = pytest.importorskip("gguf")
-
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-
 
 # --- GLM-4.5 (glm4moe) ---
 
@@ -124,19 +125,14 @@ def test_a_glm4moe_gguf_file_rotates_the_share_of_each_head_its_rotary_count_say
 
 
 def test_the_engine_gives_transformers_greedy_tokens_from_a_glm4moe_gguf_file(tmp_path, device):
-    hf = make_hf_model("glm4-moe", configs=MOE_CONFIGS)
-    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
-    glm4moe_gguf_of(hf.cpu(), tmp_path / "glm4moe.gguf")
-    check_engine_with_prefix_hits_and_chunks(
-        EngineCase(tmp_path / "glm4moe.gguf", case.batch, case.expected), device, GREEDY)
+    _check_engine_on_gguf(make_hf_model("glm4-moe", configs=MOE_CONFIGS),
+                          tmp_path / "glm4moe.gguf", glm4moe_gguf_of, device, MAX_TOKENS)
 
 
 def test_a_glm4moe_conversion_leaves_the_prediction_layer_out(tmp_path, monkeypatch):
     hf = make_hf_model("glm4-moe-no-dense", configs=MOE_CONFIGS)
     glm4moe_gguf_of(hf, tmp_path / "glm4moe.gguf")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    assert_prefill_logits_match(hf, load_model(tmp_path / "glm4moe.gguf", device="cpu").model)
-    (conversion,) = (tmp_path / "cache").iterdir()
+    conversion = _assert_conversion_matches(hf, tmp_path / "glm4moe.gguf", monkeypatch)
     names = load_file(conversion / "model.safetensors")
     assert not [name for name in names if name.startswith("model.layers.3.")]
 
@@ -265,19 +261,14 @@ def test_an_ernie_file_without_a_head_size_has_heads_of_hidden_over_heads(tmp_pa
 
 def test_the_engine_gives_transformers_greedy_tokens_from_an_ernie_moe_gguf_file(tmp_path,
                                                                                  device):
-    hf = make_hf_model("ernie4_5-moe-gguf", configs=ERNIE)
-    case = case_of(hf, tmp_path / "hf", device, MAX_TOKENS)
-    ernie_gguf_of(hf.cpu(), tmp_path / "ernie.gguf")
-    check_engine_with_prefix_hits_and_chunks(
-        EngineCase(tmp_path / "ernie.gguf", case.batch, case.expected), device, GREEDY)
+    _check_engine_on_gguf(make_hf_model("ernie4_5-moe-gguf", configs=ERNIE),
+                          tmp_path / "ernie.gguf", ernie_gguf_of, device, MAX_TOKENS)
 
 
 def test_an_ernie_moe_conversion_gives_transformers_logits_too(tmp_path, monkeypatch):
     hf = make_hf_model("ernie4_5-moe-every-second-gguf", configs=ERNIE)
     ernie_gguf_of(hf, tmp_path / "ernie.gguf")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    assert_prefill_logits_match(hf, load_model(tmp_path / "ernie.gguf", device="cpu").model)
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # the one conversion written
+    _assert_conversion_matches(hf, tmp_path / "ernie.gguf", monkeypatch)
 
 
 def test_shared_experts_of_no_whole_number_of_experts_are_refused_naming_the_widths(tmp_path):
