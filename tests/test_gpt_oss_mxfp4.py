@@ -312,8 +312,9 @@ def test_blocks_of_another_number_of_experts_are_refused_naming_the_stack(tmp_pa
 def test_blocks_of_another_dtype_are_refused_naming_it(tmp_path):
     folder = fresh_checkpoint(tmp_path)
     rewrite_weight(folder, SCALES, lambda t: t.float())
-    with pytest.raises(CheckpointError, match="gate_up_proj_blocks and _scales in "
-                                              "model.safetensors are torch.uint8 and "
+    with pytest.raises(CheckpointError, match="gate_up_proj_blocks in model.safetensors is "
+                                              "torch.uint8 and model.layers.0.mlp.experts."
+                                              "gate_up_proj_scales in model.safetensors "
                                               "torch.float32; MXFP4 needs torch.uint8"):
         load_model(folder, device="cpu")
 

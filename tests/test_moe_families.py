@@ -14,8 +14,9 @@ import transformers
 from kvpool.engine import SamplingParams
 from kvpool.errors import ConfigError
 from kvpool.models.config import ModelConfig
-from kvpool.models.loader import load_model
+from kvpool.models.loader import load_model, model_class
 from kvpool.models.moe import MoE
+from kvpool.planning.planner import plan_memory
 from models_util import (
     assert_greedy_decode_matches,
     assert_prefill_logits_match,
@@ -278,3 +279,18 @@ def test_parameters_are_counted_exactly_as_transformers_builds_them(hf_config, e
     ours = ModelConfig.from_hf({**config.to_dict(),
                                 "architectures": [type(hf).__name__]}).count_parameters()
     assert ours == expected
+
+
+@pytest.mark.parametrize("source", [
+    GLM4_MOE, ERNIE_MOE, {**V3, "num_hidden_layers": 5}, V2_LITE, "gpt-oss-20b",
+    "Qwen3-30B-A3B",
+], ids=["glm4-moe", "ernie4_5-moe", "deepseek-v3", "deepseek-v2-lite", "gpt-oss", "qwen3-moe"])
+def test_the_plan_counts_the_bytes_a_bf16_model_holds_its_float32_routers_and_sinks_included(
+        source):
+    config = ModelConfig.from_hf(source)
+    model = model_class(config)(config, dtype=torch.bfloat16, device="meta")
+    tensors = [*model.parameters(), *(buffer for name, buffer in model.named_buffers()
+                                      if name.endswith("e_score_correction_bias"))]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    plan = plan_memory(config, device_memory=2**50, dtype=torch.bfloat16)
+    assert plan.weight_bytes == held

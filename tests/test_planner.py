@@ -283,6 +283,9 @@ class Geometry:
     def count_parameters(self):
         return self.num_parameters
 
+    def count_float32_parameters(self):
+        return 0
+
     def estimate_activation_bytes(self, dtype, *, max_num_batched_tokens, max_num_seqs):
         return max_num_batched_tokens * 4
 

@@ -700,6 +700,19 @@ class ModelConfig:
         return (embeddings + mixers + self.num_layers * norms * hidden
                 + self._mlp_parameters() + hidden + lm_head)
 
+    def count_float32_parameters(self) -> int:
+        """Of `count_parameters`, those the model holds in float32 whatever its dtype:
+        GPT-OSS's sinks, and the routers that score in float32 (DeepSeek's, GLM-4.5's,
+        Ernie 4.5's) with their choice bias."""
+        sinks = len(self.attention_layers) * self.num_heads if self.attention_sinks else 0
+        moe = self.moe
+        if moe is None:
+            return sinks
+        router = moe.num_experts * (self.hidden_size + moe.router_bias) \
+            if moe.router_in_float32 else 0
+        choice_bias = moe.num_experts if moe.choice_bias_shape else 0
+        return sinks + len(moe.layers) * (router + choice_bias)
+
     def estimate_activation_bytes(self, dtype: torch.dtype, *, max_num_batched_tokens: int,
                                   max_num_seqs: int) -> int:
         """Rough peak activation bytes of one forward over `max_num_batched_tokens` tokens.

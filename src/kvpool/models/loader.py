@@ -573,8 +573,9 @@ def _mxfp4_weight(f, stack: str, file: Path, scale_file: Path, piece: Columns,
     with _open_safetensors(scale_file) as g:
         scales = _read_tensor(g, stack + "_scales", scale_file, ((piece.expert,),))
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise CheckpointError(f"{stack}_blocks and _scales in {file.name} are {blocks.dtype} "
-                              f"and {scales.dtype}; MXFP4 needs torch.uint8")
+        raise CheckpointError(f"{stack}_blocks in {file.name} is {blocks.dtype} and "
+                              f"{stack}_scales in {scale_file.name} {scales.dtype}; MXFP4 "
+                              f"needs torch.uint8")
     rows = slice(piece.start, None, piece.step)
     # table lookups by embedding: a few times faster on the CPU than indexing the tables
     values = torch.nn.functional.embedding(blocks[rows].int(), E2M1_PAIRS).flatten(-2)

@@ -14,7 +14,7 @@ from kvpool.memory.state_pool import MambaLayout
 @runtime_checkable
 class ModelGeometry(Protocol):
     """The sizes of a decoder that decide its memory: its KV layout, its Mamba state layout
-    (None without Mamba layers), its weights' dtype and parameter count, its activations and
+    (None without Mamba layers), its weights' dtype and parameter counts, its activations and
     the longest prompt it takes (tokens)."""
 
     @property
@@ -37,6 +37,9 @@ class ModelGeometry(Protocol):
 
     def count_parameters(self) -> int:
         """Parameters of the whole model."""
+
+    def count_float32_parameters(self) -> int:
+        """Of those, the parameters held in float32 whatever the weights' dtype."""
 
     def estimate_activation_bytes(self, dtype: torch.dtype, *, max_num_batched_tokens: int,
                                   max_num_seqs: int) -> int:

@@ -167,8 +167,9 @@ def plan_memory(
     layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
                              max_model_len=max_model_len).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
-    num_parameters = model.count_parameters()
-    weight_bytes = -(-num_parameters // tensor_parallel_size) * weights_dtype.itemsize
+    num_parameters, num_float32 = model.count_parameters(), model.count_float32_parameters()
+    weight_bytes = (-(-(num_parameters - num_float32) // tensor_parallel_size)
+                    * weights_dtype.itemsize + -(-num_float32 // tensor_parallel_size) * 4)
     if activation_bytes is None:
         activation_bytes = model.estimate_activation_bytes(
             weights_dtype, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
