@@ -1131,11 +1131,8 @@ def test_a_gemma3_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
     _gemma3_gguf_of(hf, path)
     loaded = load_model(path, device="cpu").model
     assert [loaded.config.layer_window(i) for i in range(7)] == [8] * 5 + [None, 8]
-    batch = prompts(hf.config.vocab_size)
-    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
-    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
-    converted = load_model(path, device="cpu").model
-    assert_logits_match(hf, batch, PagedRunner(converted).step(batch, all_logits=True))
+    assert_prefill_logits_match(hf, loaded)
+    _assert_conversion_matches(hf, path, monkeypatch)  # its conversion, too
 
 
 @pytest.mark.parametrize(("layers", "scalar"), [(34, 256), (62, 5376 // 32)])  # 4B, 27B
@@ -1210,11 +1207,8 @@ def test_a_gemma2_gguf_file_gives_transformers_logits(tmp_path, monkeypatch):
     assert [loaded.config.layer_window(i) for i in range(4)] == [8, None, 8, None]
     gemma = loaded.config.gemma
     assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (10.0, 5.0)
-    batch = prompts(hf.config.vocab_size)
-    assert_logits_match(hf, batch, PagedRunner(loaded).step(batch, all_logits=True))
-    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))  # its conversion, too
-    converted = load_model(path, device="cpu").model
-    assert_logits_match(hf, batch, PagedRunner(converted).step(batch, all_logits=True))
+    assert_prefill_logits_match(hf, loaded)
+    _assert_conversion_matches(hf, path, monkeypatch)  # its conversion, too
 
 
 @pytest.mark.parametrize(("layers", "scalar"), [(42, 256), (46, 4608 // 32)])  # 9B, 27B
