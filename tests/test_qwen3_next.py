@@ -117,14 +117,22 @@ def test_batched_greedy_decode_matches_transformers_generate(pair):
 
 
 @pytest.mark.parametrize("split", [1, 5, 64, 70])
-def test_prompt_prefilled_in_two_chunks_gives_the_same_logits_as_in_one(pair, split):
-    _, model = pair
+def test_prompt_prefilled_in_two_chunks_gives_transformers_two_chunk_logits(pair, split):
+    """The split as transformers makes it (its cache carried between two calls). Either way
+    the second chunk's logits differ from one pass's in float32, by up to 2.7e-5 for the
+    first config: the chunked delta rule sums in another order."""
+    hf, model = pair
     prompt = prompts(model.config.vocab_size, lengths=(90,))["seq0"]
     whole = HybridRunner(model).step({"a": prompt}, all_logits=True)
     runner = HybridRunner(model, seed=1)
     runner.step({"a": prompt[:split]})
     second = runner.step({"a": prompt[split:]}, all_logits=True)
-    assert relative_error(second, whole[split:]) < 1e-5
+    ids = torch.tensor([prompt], device=whole.device)
+    with torch.no_grad():
+        first = hf(ids[:, :split], use_cache=True)
+        theirs = hf(ids[:, split:], past_key_values=first.past_key_values).logits[0]
+    assert relative_error(second, theirs) < 1e-5
+    assert relative_error(second, whole[split:]) < 1e-4
 
 
 # --- through the engine ---
