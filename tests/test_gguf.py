@@ -1338,6 +1338,20 @@ def test_llama_3s_vocabulary_matches_whole_words_before_its_merges_as_llama_cpp_
         assert build_tokenizer({**meta, "tokenizer.ggml.pre": pre}).encode("abc").ids == ids
 
 
+@pytest.mark.parametrize(("pre", "add_bos", "ids"), [
+    ("llama-bpe", None, [0, 4]), ("llama3", None, [0, 4]), ("llama-v3", None, [0, 4]),
+    ("llama-bpe", False, [4]), ("default", None, [4]), ("default", True, [0, 4])])
+def test_a_llama_3_vocabulary_adds_bos_unless_the_file_says_not_to_as_llama_cpp_does(
+        pre, add_bos, ids):
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": ["<|begin_of_text|>", "<|end_of_text|>", "a", "b", "ab"],
+            "tokenizer.ggml.token_type": [3, 3, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+    if add_bos is not None:
+        meta["tokenizer.ggml.add_bos_token"] = add_bos
+    assert build_tokenizer(meta).encode("ab").ids == ids
+
+
 # SmolLM2-135M-Instruct against transformers.
 
 NEEDS_SMOLLM2 = pytest.mark.skipif(

@@ -108,8 +108,9 @@ PRE_TOKENIZERS = {
     "glm4": _llama3_split, "chatglm-bpe": _llama3_split,  # Llama 3's pattern, every merge
     "deepseek-llm": _deepseek_llm_split, "deepseek-v3": _deepseek3_split,
 }
-# Llama 3's vocabulary matches whole pre-tokenized words before applying merges.
-_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3")
+# Llama 3's vocabulary matches whole pre-tokenized words before applying merges, and adds BOS
+# where the file does not say otherwise (llama.cpp's Llama 3 group).
+_LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
 # Qwen's tokenizer composes text to Unicode NFC first, as transformers' does (llama.cpp not).
 _NFC = ("qwen2",)
 
@@ -138,10 +139,11 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, kind in typed if kind == USER_DEFINED])
     bos, eos = (meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("bos", "eos"))
-    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says not to, and EOS
-    # where the file says so.
-    first = [bos] if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") \
-        and bos is not None else []
+    # llama.cpp adds BOS to SentencePiece and Llama 3 vocabularies unless the file says not
+    # to, and EOS where the file says so.
+    add_bos = kind == "llama" or meta.get("tokenizer.ggml.pre") in _LLAMA3
+    first = [bos] if meta.get("tokenizer.ggml.add_bos_token", add_bos) and bos is not None \
+        else []
     last = [eos] if meta.get("tokenizer.ggml.add_eos_token", False) and eos is not None else []
     if first or last:
         def around(text: str) -> str:
@@ -190,7 +192,7 @@ def _byte_level_bpe(meta: dict) -> Tokenizer:
         raise CheckpointError("GGUF byte-level BPE vocabulary without tokenizer.ggml.merges")
     vocab = {token: i for i, token in enumerate(meta["tokenizer.ggml.tokens"])}
     merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    tokenizer = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3))
     if pre in _NFC:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = PRE_TOKENIZERS[pre]()
