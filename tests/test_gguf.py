@@ -26,6 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from packaging.version import Version
 from safetensors.torch import load_file
+from tokenizers import pre_tokenizers
 
 from hybrid_util import HybridRunner, make_bamba
 from kvpool import LLM, SamplingParams
@@ -1329,6 +1330,24 @@ def test_qwen2s_pre_tokenizer_splits_digits_one_at_a_time_where_llama_3s_takes_t
         return [w for w, _ in PRE_TOKENIZERS[pre]().pre_tokenize_str("in 2026, x")]
     assert words("qwen2") == ["in", "Ġ", "2", "0", "2", "6", ",", "Ġx"]
     assert words("llama-bpe") == ["in", "Ġ", "202", "6", ",", "Ġx"]
+
+
+def test_the_default_pre_tokenizer_splits_punctuation_words_then_digits_in_threes_as_llama_cpp():
+    from kvpool.models.gguf_vocab import PRE_TOKENIZERS
+
+    words = [w for w, _ in PRE_TOKENIZERS["default"]().pre_tokenize_str("in 2026, x+=1.5")]
+    assert words == ["in", "Ġ", "202", "6", ",", "Ġx", "+=", "1", ".", "5"]
+
+
+def test_a_byte_level_vocabulary_without_a_pre_tokenizer_is_split_by_the_default_with_a_warning():
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [*alphabet, "Ġ1", "12", "123"],
+            "tokenizer.ggml.merges": ["Ġ 1", "1 2", "12 3"]}
+    with pytest.warns(UserWarning, match="without tokenizer.ggml.pre"):
+        tokenizer = build_tokenizer(meta)
+    assert tokenizer.encode(" 1234").tokens == ["Ġ", "123", "4"]
+    assert build_tokenizer({**meta, "tokenizer.ggml.pre": "default"}).encode(" 1234").tokens == \
+        ["Ġ", "123", "4"]
 
 
 def test_llama_3s_vocabulary_matches_whole_words_before_its_merges_as_llama_cpp_does():

@@ -5,6 +5,8 @@ the token scores. Control tokens become special tokens, user-defined ones added 
 
 from __future__ import annotations
 
+import warnings
+
 from tokenizers import (
     AddedToken,
     Regex,
@@ -22,6 +24,10 @@ NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types (tokenizer.gg
 SPM_SPACE = "\u2581"  # SentencePiece's word-boundary mark
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp's default (a missing tokenizer.ggml.pre too), one split after another: runs of
+# punctuation and some ASCII symbols, GPT-2's pattern, digit runs, then ASCII digits in threes
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
 # tiktoken's o200k (gpt-oss, GPT-4o): a word's capitals and lower-case letters apart, its
 # contraction kept on it, "/" kept after punctuation
@@ -78,6 +84,10 @@ def _split_then_byte_level(*regexes: str) -> pre_tokenizers.PreTokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+def _default_split() -> pre_tokenizers.PreTokenizer:
+    return _split_then_byte_level(*_DEFAULT_SPLITS)
+
+
 def _llama3_split() -> pre_tokenizers.PreTokenizer:
     return _split_then_byte_level(_LLAMA3_SPLIT)
 
@@ -100,7 +110,7 @@ def _deepseek3_split() -> pre_tokenizers.PreTokenizer:
 
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's llama-vocab.cpp regexes).
 PRE_TOKENIZERS = {
-    "default": _byte_level, "gpt-2": _byte_level, "gpt2": _byte_level,
+    "default": _default_split, "gpt-2": _byte_level, "gpt2": _byte_level,
     "smollm": _digits_then_byte_level, "starcoder": _digits_then_byte_level,
     "llama-bpe": _llama3_split, "llama3": _llama3_split, "llama-v3": _llama3_split,
     "qwen2": _qwen2_split, "gpt-4o": _o200k_split,
@@ -184,7 +194,13 @@ def _check_vocabulary(meta: dict, kind: str) -> None:
 
 
 def _byte_level_bpe(meta: dict) -> Tokenizer:
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is None:
+        warnings.warn("kvpool: GGUF byte-level vocabulary without tokenizer.ggml.pre: split as "
+                      "llama.cpp splits it, by its 'default' pre-tokenizer, which is probably "
+                      "not the model's own (generation quality may suffer; a newer conversion "
+                      "of the model names its pre-tokenizer)", stacklevel=2)
+        pre = "default"
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: "
                               f"{', '.join(sorted(PRE_TOKENIZERS))})")
