@@ -296,6 +296,35 @@ def test_a_sentencepiece_vocabulary_marks_every_text_piece_as_llama_cpp_does(tmp
                                       SPM_TOKENS.index("\u2581ab")]
 
 
+PHI3_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "h",
+               "i", "hi", "\u2581hi", "<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>"]
+
+
+@pytest.mark.parametrize(("name", "rstrip"), [("Phi3", True), ("Phi-3 Mini 4k Instruct", True),
+                                              ("Llama 2", False)])
+def test_phi_3s_special_tokens_swallow_the_whitespace_after_them_as_llama_cpp_and_phi_3_do(
+        tmp_path, name, rstrip):
+    # Phi-3's tokenizer.json marks its role tokens and </s> rstrip, not <unk>, <s> and
+    # <|endoftext|>; llama.cpp does so for files whose general.name names Phi-3.
+    writer = gguf.GGUFWriter(tmp_path / "phi3.gguf", "phi3")
+    writer.add_name(name)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(PHI3_TOKENS)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * 5 + [3] * 4)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(PHI3_TOKENS) - 259)])
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+        step()
+    tokenizer = build_tokenizer(kvgguf.GGUFCheckpoint(tmp_path / "phi3.gguf").meta)
+
+    def tokens(text: str) -> list[str]:
+        return [PHI3_TOKENS[i] for i in tokenizer.encode(text, add_special_tokens=False).ids]
+    assert tokens("<|user|>\nhi<|end|>\n<|assistant|>\n") == (
+        ["<|user|>", "▁hi", "<|end|>", "<|assistant|>"] if rstrip else
+        ["<|user|>", "▁", "<0x0A>", "hi", "<|end|>", "▁", "<0x0A>", "<|assistant|>", "▁", "<0x0A>"])
+    assert tokens("</s> hi<|endoftext|> hi") == \
+        ["</s>", *([] if rstrip else ["▁"]), "▁hi", "<|endoftext|>", "▁", "▁hi"]
+
+
 @given(ids=st.lists(st.integers(0, len(SPM_TOKENS) - 1), max_size=24),
        cuts=st.lists(st.integers(0, 24), max_size=5),
        context=st.none() | st.integers(0, len(SPM_TOKENS) - 1))

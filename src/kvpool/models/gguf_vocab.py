@@ -121,6 +121,9 @@ PRE_TOKENIZERS = {
 # Llama 3's vocabulary matches whole pre-tokenized words before applying merges, and adds BOS
 # where the file does not say otherwise (llama.cpp's Llama 3 group).
 _LLAMA3 = ("llama-bpe", "llama3", "llama-v3")
+# In a file whose general.name names Phi-3, llama.cpp has every control and user-defined token
+# but these swallow the whitespace after it, as Phi-3's own tokenizer marks them (rstrip).
+_PHI3_KEEP_SPACE = ("<unk>", "<s>", "<|endoftext|>")
 # Qwen's tokenizer composes text to Unicode NFC first, as transformers' does (llama.cpp not).
 _NFC = ("qwen2",)
 
@@ -144,9 +147,13 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     typed = list(zip(tokens, types, strict=True))
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    name = str(meta.get("general.name", "")).lower()
+    phi3 = "phi-3" in name or "phi3" in name
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False,
+                                             rstrip=phi3 and t not in _PHI3_KEEP_SPACE)
                                   for t, kind in typed if kind == CONTROL])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False,
+                                     rstrip=phi3 and t not in _PHI3_KEEP_SPACE)
                           for t, kind in typed if kind == USER_DEFINED])
     bos, eos = (meta.get(f"tokenizer.ggml.{end}_token_id") for end in ("bos", "eos"))
     # llama.cpp adds BOS to SentencePiece and Llama 3 vocabularies unless the file says not
