@@ -15,6 +15,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -247,13 +248,16 @@ SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
               "\u2581", "a", "b", "c", "ab", "\u2581a", "\u2581ab", "bc", "\u2581abc"]
 
 
-def _write_spm_gguf(path: Path, add_bos: bool | None) -> kvgguf.GGUFCheckpoint:
+def _write_spm_gguf(path: Path, add_bos: bool | None,
+                    scores: list[float] | None = None) -> kvgguf.GGUFCheckpoint:
     """A GGUF file holding only the SentencePiece BPE vocabulary SPM_TOKENS, its
-    tokenizer.ggml.add_bos_token `add_bos` (None: left out, as older files do)."""
+    tokenizer.ggml.add_bos_token `add_bos` (None: left out, as older files do), its scores
+    `scores` (None: each normal token's its own)."""
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("llama")
     writer.add_token_list(SPM_TOKENS)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_TOKENS) - 259)])
+    writer.add_token_scores(scores or [0.0] * 259 + [-float(i)
+                                                     for i in range(len(SPM_TOKENS) - 259)])
     writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(SPM_TOKENS) - 259))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -294,6 +298,18 @@ def test_a_sentencepiece_vocabulary_marks_every_text_piece_as_llama_cpp_does(tmp
     assert ours.encode(" ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("\u2581ab")]
     assert ours.encode("c</s>ab") == [1, SPM_TOKENS.index("\u2581"), SPM_TOKENS.index("c"), 2,
                                       SPM_TOKENS.index("\u2581ab")]
+
+
+def test_a_sentencepiece_vocabulary_whose_overlapping_merges_tie_warns_naming_how_many(tmp_path):
+    # Every score -1000, as gguf-py's LlamaHfVocab writes a tokenizer.json's: ab, bc, ▁a and ▁ab
+    # tie with a token whose merge can overlap theirs (ab and bc in "abc"), which llama.cpp
+    # merges leftmost first and kvpool in a fixed order.
+    checkpoint = _write_spm_gguf(tmp_path / "tied.gguf", None, [-1000.0] * len(SPM_TOKENS))
+    with pytest.warns(UserWarning, match="vocabulary with 4 tokens whose score ties"):
+        build_tokenizer(checkpoint.meta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_tokenizer(_write_spm_gguf(tmp_path / "spm.gguf", None).meta)
 
 
 PHI3_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "h",

@@ -227,7 +227,16 @@ def _sentencepiece_bpe(meta: dict) -> Tokenizer:
     tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
     vocab = {token: i for i, token in enumerate(tokens)}
     unk = meta.get("tokenizer.ggml.unknown_token_id")
-    tokenizer = Tokenizer(models.BPE(vocab, spm_merges(tokens, scores), byte_fallback=True,
+    pairs = _spm_pairs(tokens, scores)
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tied = _overlapping_ties(pairs, {token for token, kind in zip(tokens, types, strict=False)
+                                     if kind in (CONTROL, USER_DEFINED)})
+    if tied:
+        warnings.warn(f"kvpool: GGUF SentencePiece vocabulary with {tied:,} tokens whose score "
+                      f"ties with another's where their merges can overlap: llama.cpp merges "
+                      f"the leftmost of two tied merges first, kvpool in one fixed order, so "
+                      f"some texts tokenize differently", stacklevel=2)
+    tokenizer = Tokenizer(models.BPE(vocab, spm_merges(pairs), byte_fallback=True,
                                      fuse_unk=True, unk_token=None if unk is None else tokens[unk]))
     steps = [normalizers.Replace(" ", SPM_SPACE)]
     if meta.get("tokenizer.ggml.add_space_prefix", True):
@@ -240,15 +249,42 @@ def _sentencepiece_bpe(meta: dict) -> Tokenizer:
     return tokenizer
 
 
-def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """The BPE merges a SentencePiece vocabulary implies: every split of a token into two
-    tokens, the merges of higher-scored results first (SentencePiece merges by score)."""
+def _spm_pairs(tokens: list[str], scores: list[float]) -> list[tuple[float, str, str, str]]:
+    """(score, left, right, token) for every split of a token into two tokens."""
     ids = {token: i for i, token in enumerate(tokens)}
-    merges = []
+    pairs = []
     for token, score in zip(tokens, scores, strict=True):
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
-                 if token[:i] in ids and token[i:] in ids]
-        merges.extend((score, left, right) for left, right in
-                      sorted(pairs, key=lambda pair: (ids[pair[0]], ids[pair[1]])))
-    merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
-    return [(left, right) for _, left, right in merges]
+        splits = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if token[:i] in ids and token[i:] in ids]
+        pairs.extend((score, left, right, token) for left, right in
+                     sorted(splits, key=lambda pair: (ids[pair[0]], ids[pair[1]])))
+    return pairs
+
+
+def spm_merges(pairs: list[tuple[float, str, str, str]]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (`_spm_pairs`): the merges of
+    higher-scored results first (SentencePiece merges by score), ties by the longer left
+    part, then the longer right part, then vocabulary order."""
+    ordered = sorted(pairs, key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right, _ in ordered]
+
+
+def _overlapping_ties(pairs: list[tuple[float, str, str, str]], added: set[str]) -> int:
+    """How many tokens tie in score with another whose merge can overlap theirs (one's right
+    part the other's left part), `added` tokens left out (they are matched before any merge):
+    llama.cpp merges whichever comes first in the text, which no fixed order of merges can."""
+    groups: dict[float, list[tuple[str, str, str]]] = {}
+    for score, left, right, token in pairs:
+        if token not in added:
+            groups.setdefault(score, []).append((left, right, token))
+    tied = set()
+    for group in groups.values():
+        if all(token == group[0][2] for _, _, token in group):
+            continue  # the splits of one token: same score, no tie with another
+        starts, ends = {}, {}  # a part -> the tokens whose merge it starts / ends
+        for left, right, token in group:
+            starts.setdefault(left, set()).add(token)
+            ends.setdefault(right, set()).add(token)
+        tied.update(token for left, right, token in group
+                    if starts.get(right, set()) - {token} or ends.get(left, set()) - {token})
+    return len(tied)
