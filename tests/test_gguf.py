@@ -87,15 +87,17 @@ def _quantize(values: np.ndarray, qtype, rng) -> np.ndarray:
 
 def write_gguf(path: Path, qtype=T.F32, *, arch: str = "llama", seed: int = 0,
                rope_freqs: np.ndarray | None = None, rope_scaling: str | None = None,
-               more=None, endianess=gguf.GGUFEndian.LITTLE, tokens: list[str] = TOKENS) -> dict:
+               more=None, endianess=gguf.GGUFEndian.LITTLE, tokens: list[str] = TOKENS,
+               split_max_tensors: int = 0) -> dict:
     """A one-layer Llama GGUF file of vocabulary `tokens` whose matrices are `qtype`, with a
     `rope_freqs` tensor
     and a rope scaling type (factor 2) if given, and the metadata `more(writer)` adds or
-    overrides;
+    overrides (split into files of `split_max_tensors` tensors each if given, named as
+    llama.cpp names them: `path`'s stem-00001-of-0000N.gguf, ...);
     returns its tensors as written (GGUF names -> (raw data, type)), q/k in llama.cpp's row
     order."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, arch, endianess=endianess)
+    writer = gguf.GGUFWriter(path, arch, endianess=endianess, split_max_tensors=split_max_tensors)
     writer.add_block_count(LAYERS)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
@@ -420,6 +422,62 @@ def test_the_cached_conversion_loads_the_same_model(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").iterdir())) == 1
     template = ChatTemplate.for_model(tmp_path / "tiny.gguf")
     assert template.render([ChatMessage("user", "hi")]) == "<s>hi"
+
+
+def test_a_split_gguf_file_loads_from_its_first_file_with_every_files_tensors(tmp_path,
+                                                                              monkeypatch):
+    write_gguf(tmp_path / "whole.gguf", T.Q8_0)
+    write_gguf(tmp_path / "tiny.gguf", T.Q8_0, split_max_tensors=4)
+    assert _files(tmp_path) == ["tiny-00001-of-00003.gguf", "tiny-00002-of-00003.gguf",
+                                "tiny-00003-of-00003.gguf", "whole.gguf"]
+    whole = load_model(tmp_path / "whole.gguf", device="cpu").model.state_dict()
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):  # converts, then reads that
+        if cache is not None:
+            monkeypatch.setenv(kvgguf.CACHE_ENV, str(cache))
+        split = load_model(tmp_path / "tiny-00001-of-00003.gguf", device="cpu").model
+        assert split.state_dict().keys() == whole.keys()
+        for name, tensor in whole.items():
+            assert torch.equal(split.state_dict()[name], tensor), name
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    # the conversion is named by every file's digest: another last file, another conversion
+    converted = kvgguf.conversion_folder(tmp_path / "tiny-00001-of-00003.gguf")
+    (tmp_path / "other").mkdir()
+    write_gguf(tmp_path / "other" / "tiny.gguf", T.Q8_0, seed=1, split_max_tensors=4)
+    shutil.copy(tmp_path / "other" / "tiny-00003-of-00003.gguf", tmp_path)
+    assert kvgguf.conversion_folder(tmp_path / "tiny-00001-of-00003.gguf") != converted
+
+
+def _second_file_of_another_split(folder: Path) -> None:
+    """Replace `folder`'s tiny-00002-of-00003.gguf (tensors 5-8 of 11) by that of a split of
+    the same file into files of 5 tensors (tensors 6-10)."""
+    (folder / "other").mkdir()
+    write_gguf(folder / "other" / "tiny.gguf", split_max_tensors=5)
+    shutil.copy(folder / "other" / "tiny-00002-of-00003.gguf", folder)
+
+
+@pytest.mark.parametrize(("change", "load", "message"), [
+    (lambda d: (d / "tiny-00002-of-00003.gguf").unlink(), "tiny-00001-of-00003.gguf",
+     "tiny-00001-of-00003.gguf is the first of the 3 files of a split GGUF file, and "
+     "tiny-00002-of-00003.gguf is missing beside it"),
+    (None, "tiny-00002-of-00003.gguf", "tiny-00002-of-00003.gguf is file 2 of the 3 of a split "
+     "GGUF file: load the first, whose name ends in -00001-of-00003.gguf"),
+    (lambda d: (d / "tiny-00001-of-00003.gguf").rename(d / "tiny.gguf"), "tiny.gguf",
+     "tiny.gguf is the first of the 3 files of a split GGUF file, but its name does not end "
+     "in -00001-of-00003.gguf"),
+    (lambda d: (d / "tiny-00003-of-00003.gguf").replace(d / "tiny-00002-of-00003.gguf"),
+     "tiny-00001-of-00003.gguf", "tiny-00002-of-00003.gguf is not file 2 of the 3 of "
+     "tiny-00001-of-00003.gguf's split GGUF file: its split.no and split.count are 2 and 3"),
+    (_second_file_of_another_split, "tiny-00001-of-00003.gguf", "tiny-00003-of-00003.gguf holds "
+     "tensor blk.0.ffn_gate.weight, which an earlier file of tiny-00001-of-00003.gguf's split "
+     "GGUF file holds too"),
+], ids=["missing", "not-the-first", "renamed", "another-file", "a-tensor-twice"])
+def test_a_split_gguf_file_not_whole_or_loaded_from_another_file_is_refused_naming_them(
+        tmp_path, change, load, message):
+    write_gguf(tmp_path / "tiny.gguf", split_max_tensors=4)
+    if change is not None:
+        change(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_model(tmp_path / load, device="cpu")
 
 
 def _files(folder: Path) -> list[str]:
@@ -1585,9 +1643,12 @@ def test_a_file_cut_short_in_its_metadata_is_a_checkpoint_error(tmp_path):
      "m.gguf: GGUF llama.rope.scaling.factor must be a number, got '2x'"),
     (lambda w: w.add_array("llama.rope.scale_linear", [2.0]), ConfigError,
      r"m.gguf: GGUF llama.rope.scale_linear must be a number, got \[2.0\]"),
+    (lambda w: w.add_string("split.count", "2"), CheckpointError,
+     "m.gguf: GGUF split.count and split.no must be integers, got '2' and 0"),
 ], ids=["partial-rotary", "unknown-id-outside", "scores-of-gpt2-ignored",
         "kv-heads-per-layer", "heads-per-layer", "size-as-text", "experts-without-top-k",
-        "unknown-pre-tokenizer", "rope-factor-as-text", "rope-scale-as-list"])
+        "unknown-pre-tokenizer", "rope-factor-as-text", "rope-scale-as-list",
+        "split-count-as-text"])
 def test_metadata_kvpool_would_read_wrong_is_refused_by_name(tmp_path, more, error, message):
     write_gguf(tmp_path / "m.gguf", more=more)
     if message is None:  # a byte-level vocabulary has no scores to check

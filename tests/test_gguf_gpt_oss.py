@@ -155,7 +155,7 @@ def test_mxfp4_experts_load_their_exact_values_and_give_transformers_logits(tmp_
     round_to_mxfp4(hf)
     path = tmp_path / "gpt-oss-mxfp4.gguf"
     gpt_oss_gguf_of(hf, path, experts=T.MXFP4)
-    kinds = {t.name: t.tensor_type for t in GGUFCheckpoint(path)._reader.tensors}
+    kinds = {t.name: t.tensor_type for t in GGUFCheckpoint(path)._tensors}
     assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.1.ffn_down_exps.weight"] == T.MXFP4
     model = load_model(path, device="cpu").model
     for ours, theirs in zip(model.model.layers, hf.model.layers, strict=True):

@@ -1,9 +1,9 @@
-"""GGUF checkpoints (llama.cpp's one-file format) of Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE, GraniteMoeHybrid, OLMo 2, OLMo 3,
-GLM-4, GLM-4.5, EXAONE 4, Ernie 4.5, gpt-oss and DeepSeek V2/V3: the config, weights,
-tokenizer and chat template a .gguf file holds, parsed and dequantized by the `gguf` package
-(the `gguf` extra). What lives here is the mapping from GGUF's metadata keys and tensor names
-to kvpool's config fields and parameter names."""
+"""GGUF checkpoints (llama.cpp's one-file format, or such a file split into several) of Llama,
+Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3, Granite, Granite MoE,
+GraniteMoeHybrid, OLMo 2, OLMo 3, GLM-4, GLM-4.5, EXAONE 4, Ernie 4.5, gpt-oss and DeepSeek
+V2/V3: the config, weights, tokenizer and chat template a .gguf file holds, parsed and
+dequantized by the `gguf` package (the `gguf` extra). What lives here is the mapping from
+GGUF's metadata keys and tensor names to kvpool's config fields and parameter names."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import time
@@ -283,9 +284,45 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise ConfigError(f"no GGUF file at {str(path)!r}")
         stat = self.path.stat()
-        self._reader = _read(self.path.resolve(), stat.st_mtime_ns, stat.st_size)
-        self.meta = {key: field.contents() for key, field in self._reader.fields.items()
-                      if not key.startswith("GGUF.")}
+        reader = _read(self.path.resolve(), stat.st_mtime_ns, stat.st_size)
+        self.meta = {key: field.contents() for key, field in reader.fields.items()
+                     if not key.startswith("GGUF.")}
+        self._tensors = self._all_tensors(reader.tensors)
+
+    def _all_tensors(self, first: list) -> list:
+        """The file's tensors (`first`), and those of the other files of a split GGUF file
+        (`split.count` files, the first holding the metadata), read from beside the first as
+        llama.cpp reads them; CheckpointError for a file that is not the first, naming a file
+        missing or not of the set, and a tensor in two files."""
+        count, number = self.meta.get("split.count", 1), self.meta.get("split.no", 0)
+        if not (isinstance(count, int) and isinstance(number, int)):
+            raise CheckpointError(f"{self.path.name}: GGUF split.count and split.no must be "
+                                  f"integers, got {count!r} and {number!r}")
+        if count <= 1:
+            return list(first)
+        if number != 0:
+            raise CheckpointError(f"{self.path.name} is file {number + 1} of the {count} of a "
+                                  f"split GGUF file: load the first, whose name ends in "
+                                  f"-00001-of-{count:05d}.gguf")
+        tensors = list(first)
+        for i, path in enumerate(shard_paths(self.path, count)[1:], 1):
+            if not path.is_file():
+                raise CheckpointError(f"{self.path.name} is the first of the {count} files of "
+                                      f"a split GGUF file, and {path.name} is missing beside it")
+            reader = _open(path)
+            found = tuple(reader.fields[key].contents() if key in reader.fields else None
+                          for key in ("split.no", "split.count"))
+            if found != (i, count):
+                raise CheckpointError(f"{path.name} is not file {i + 1} of the {count} of "
+                                      f"{self.path.name}'s split GGUF file: its split.no and "
+                                      f"split.count are {found[0]} and {found[1]}")
+            names = {t.name for t in tensors}
+            twice = next((t.name for t in reader.tensors if t.name in names), None)
+            if twice is not None:
+                raise CheckpointError(f"{path.name} holds tensor {twice}, which an earlier file "
+                                      f"of {self.path.name}'s split GGUF file holds too")
+            tensors.extend(reader.tensors)
+        return tensors
 
     def config(self) -> ModelConfig:
         """The model's config, from the architecture's metadata keys."""
@@ -581,7 +618,7 @@ class GGUFCheckpoint:
         """The model's tensors: all but CONFIG_TENSORS, which are config (rope scaling), and
         those of the multi-token-prediction layers (from `_first_nextn_layer`)."""
         first = self._first_nextn_layer()
-        return [t for t in self._reader.tensors if t.name not in CONFIG_TENSORS
+        return [t for t in self._tensors if t.name not in CONFIG_TENSORS
                 and not (first is not None and _layer_of(t.name) >= first)]
 
     def _first_nextn_layer(self) -> int | None:
@@ -600,7 +637,7 @@ class GGUFCheckpoint:
         return layers - extra
 
     def _tensor(self, name: str):
-        return next((t for t in self._reader.tensors if t.name == name), None)
+        return next((t for t in self._tensors if t.name == name), None)
 
 
 def _layer_count(checkpoint: GGUFCheckpoint, key) -> int:
@@ -948,17 +985,22 @@ def conversion_folder(path: Path) -> Path | None:
     """With the environment variable KVPOOL_GGUF_CACHE naming a folder, the Hugging Face
     checkpoint folder that a GGUF file converts to (float32 weights, config.json,
     tokenizer.json, the chat template in tokenizer_config.json), kept in that folder under
-    the file's SHA-256 and CONVERSION_VERSION (the loader writes it on first use:
-    `write_conversion`). Without it, None. Dequantizing with numpy takes tens of seconds per
-    100M parameters; reading the conversion takes about one."""
+    the file's SHA-256 (a split file's first: of its files' found beside it) and
+    CONVERSION_VERSION (the loader writes it on first use: `write_conversion`). Without it,
+    None. Dequantizing with numpy takes tens of seconds per 100M parameters; reading the
+    conversion takes about one."""
     root = os.environ.get(CACHE_ENV)
     if not root:
         return None
     if not path.is_file():
         raise ConfigError(f"no GGUF file at {str(path)!r}")
-    stat = path.stat()
-    digest = _sha256(path.resolve(), stat.st_mtime_ns, stat.st_size)[:32]
-    return Path(root) / f"{digest}-v{CONVERSION_VERSION}"
+    split = re.search(r"-00001-of-(\d{5})\.gguf$", path.name)
+    files = [p for p in shard_paths(path, int(split[1])) if p.is_file()] \
+        if split is not None and int(split[1]) > 1 else [path]
+    digests = [_sha256(p.resolve(), p.stat().st_mtime_ns, p.stat().st_size) for p in files]
+    digest = digests[0] if len(digests) == 1 else \
+        hashlib.sha256("".join(digests).encode()).hexdigest()
+    return Path(root) / f"{digest[:32]}-v{CONVERSION_VERSION}"
 
 
 def is_converted(folder: Path) -> bool:
@@ -1036,7 +1078,7 @@ def _remove_stale_scratch(folder: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)  # a split file's files too
 def _sha256(path: Path, mtime_ns: int, size: int) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -1131,10 +1173,30 @@ def _one_per_model(value, name: str):
     return value[0]
 
 
+def shard_paths(first: Path, count: int) -> list[Path]:
+    """The `count` files of a split GGUF file, named from its first's name as llama.cpp's
+    gguf-split names them (`NAME-00001-of-00003.gguf`, `NAME-00002-of-00003.gguf`, ...);
+    CheckpointError for a first file named otherwise."""
+    suffix = f"-00001-of-{count:05d}{GGUF_SUFFIX}"
+    if not first.name.endswith(suffix):
+        raise CheckpointError(f"{first.name} is the first of the {count} files of a split GGUF "
+                              f"file, but its name does not end in {suffix}, by which kvpool "
+                              f"(as llama.cpp) finds the others")
+    stem = first.name[:-len(suffix)]
+    return [first.with_name(f"{stem}-{i:05d}-of-{count:05d}{GGUF_SUFFIX}")
+            for i in range(1, count + 1)]
+
+
 # LLM reads the config, then the weights: one parse of the file (its metadata takes seconds to
 # parse) serves both. The reader maps the file; it holds no tensor data in memory.
 @functools.lru_cache(maxsize=1)
 def _read(path: Path, mtime_ns: int, size: int):
+    return _open(path)
+
+
+def _open(path: Path):
+    """The gguf package's reader of the file at `path`; CheckpointError for a file it cannot
+    read or a big-endian one."""
     try:
         from gguf import GGUFEndian, GGUFReader
     except ImportError:
