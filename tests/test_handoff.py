@@ -225,7 +225,10 @@ def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, st
         "another page size": (PrefilledKV(n, pages[:, :, :, :2], kv.state),
                               "pages of shape"),
         "another dtype": (PrefilledKV(n, pages.double(), kv.state), "torch.float64"),
-        "another state": (PrefilledKV(n, pages, tuple(state)), "prefilled state must have"),
+        "another state": (PrefilledKV(n, pages, tuple(state)), "prefilled state must be"),
+        "another state dtype": (PrefilledKV(n, pages, tuple(x.double() for x in kv.state)
+                                            or (torch.zeros(1).double(),)),
+                                r"prefilled state must be .* got \[\(torch\.float64"),
         "not KV": ([n, pages], "must be a PrefilledKV"),
         "pages not a tensor": (PrefilledKV(n, pages.tolist(), kv.state),
                                "pages must be a torch.Tensor, got list"),
@@ -236,7 +239,8 @@ def _broken(kv: PrefilledKV, prompt_len: int) -> dict[str, tuple[PrefilledKV, st
 
 @pytest.mark.parametrize("case", ["whole prompt", "negative", "a float count", "too few pages",
                                   "another page size", "another dtype", "another state",
-                                  "not KV", "pages not a tensor", "state not tensors"])
+                                  "another state dtype", "not KV", "pages not a tensor",
+                                  "state not tensors"])
 def test_handed_kv_that_does_not_fit_is_refused_and_the_request_stays_held(
         checkpoint, prefill, prompts, device, case):
     decode = LLM(checkpoint, device=device, page_size=4, num_pages=64)

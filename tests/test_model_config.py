@@ -192,6 +192,21 @@ def test_num_key_value_heads_defaults_to_num_attention_heads(transformers):
     assert ModelConfig.from_hf(config).kv_layout().num_kv_heads == 4
 
 
+@pytest.mark.parametrize(("model_type", "architecture"), [
+    ("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"),
+    ("qwen2_moe", "Qwen2MoeForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    ("qwen3_next", "Qwen3NextForCausalLM"), ("mistral", "MistralForCausalLM"),
+    ("mixtral", "MixtralForCausalLM")])
+def test_kv_heads_and_mlp_width_left_out_are_each_architectures_as_transformers_reads_them(
+        transformers, tmp_path, model_type, architecture):
+    config = {"model_type": model_type, "architectures": [architecture], "vocab_size": 1000,
+              "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 32, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf, ours = transformers.AutoConfig.from_pretrained(tmp_path), ModelConfig.from_hf(tmp_path)
+    assert (ours.num_kv_heads, ours.intermediate_size) == (hf.num_key_value_heads,
+                                                           hf.intermediate_size)
+
+
 def test_kv_layout_names_the_presets_when_no_config_is_found(tmp_path):
     with pytest.raises(ConfigError, match="no config at .*Llama-3-8B"):
         ModelConfig.from_hf(tmp_path / "missing").kv_layout()

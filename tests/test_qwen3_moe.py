@@ -236,13 +236,15 @@ def test_experts_on_every_second_layer_but_the_listed_dense_ones():
 def test_a_config_whose_layers_are_all_dense_has_no_experts():
     config = QWEN3_30B_A3B | {"num_hidden_layers": 2, "mlp_only_layers": [0, 1]}
     assert ModelConfig.from_hf(config).moe is None
+    # transformers builds every layer dense without experts, whatever the top-k
+    assert ModelConfig.from_hf(QWEN3_30B_A3B | {"num_experts": 0}).moe is None
 
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"num_experts_per_tok": 129}, "num_experts_per_tok=129 exceeds num_experts=128"),
     ({"num_local_experts": 64}, "num_experts=128 and num_local_experts=64 disagree"),
-    ({"num_experts": 0}, "'num_experts' must be a positive integer"),
-    ({"num_experts": 2**17}, "'num_experts' must be a positive integer at most 65536"),
+    ({"num_experts": -1}, "'num_experts' must be an integer >= 0"),
+    ({"num_experts": 2**17}, "'num_experts' must be at most 65536"),
     ({"moe_intermediate_size": -1}, "'moe_intermediate_size' must be a positive integer"),
     ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be a positive integer"),
     ({"mlp_only_layers": [48]}, r"'mlp_only_layers' must list layer indices in \[0, 48\)"),

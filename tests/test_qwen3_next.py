@@ -54,11 +54,14 @@ CONFIGS = {
 LONG = (3, 9, 17, 26, 70, 140)
 
 
-def make_qwen3_next(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A small random float32 Qwen3-Next of CONFIGS[name]: the norms (zero-centred),
-    dt_bias and A_log randomised too (transformers initialises them to constants)."""
+def make_qwen3_next(name: str, seed: int = 0, **change) -> transformers.PreTrainedModel:
+    """A small random float32 Qwen3-Next of CONFIGS[name] with the keys of `change`: the norms
+    (zero-centred), dt_bias and A_log randomised too (transformers initialises them to
+    constants)."""
     torch.manual_seed(seed)
     config = CONFIGS[name]()
+    for key, value in change.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -87,6 +90,17 @@ def test_the_layers_are_where_the_config_puts_them(pair):
         assert isinstance(getattr(ours, "linear_attn", None), GatedDeltaNet) == (
             theirs.block_type == "linear_attention")
         assert isinstance(ours.mlp, MoE if hasattr(theirs.mlp, "experts") else MLP)
+
+
+@pytest.mark.parametrize("change", [
+    {"num_experts": 0}, {"mlp_only_layers": [0, 1, 2, 3], "num_experts_per_tok": 8},
+    {"use_sliding_window": True}], ids=["no-experts", "all-dense-top-k-unread", "window-unread"])
+def test_configs_transformers_builds_dense_or_reads_no_window_of_load_and_match_it(
+        tmp_path, device, change):
+    hf = make_qwen3_next("qwen3-next", **change)
+    model = load_model(save_hf_model(hf, tmp_path), device=device).model
+    batch = prompts(160)
+    assert_logits_match(hf.to(device), batch, HybridRunner(model).step(batch, all_logits=True))
 
 
 def test_the_multi_token_prediction_weights_are_left_unread_as_transformers_leaves_them(
@@ -188,9 +202,9 @@ def test_the_state_slot_holds_the_conv_inputs_and_a_key_by_value_state_per_value
 def test_transformers_defaults_where_the_config_leaves_keys_out():
     config = ModelConfig.from_hf({"architectures": ["Qwen3NextForCausalLM"],
                                   "vocab_size": 160, "hidden_size": 2048,
-                                  "num_hidden_layers": 48, "num_attention_heads": 16,
-                                  "num_key_value_heads": 2, "intermediate_size": 5632})
+                                  "num_hidden_layers": 48, "num_attention_heads": 16})
     assert (config.head_dim, config.rotary_dim, config.qk_norm) == (256, 64, True)
+    assert (config.num_kv_heads, config.intermediate_size) == (2, 5632)
     m = config.mamba
     assert (m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel) == (
         16, 32, 128, 128, 4)

@@ -163,11 +163,23 @@ def test_write_refuses_state_data_that_is_not_tensors(device):
     p = pool(device=device)
     slot = p.allocate()
     conv, ssm = p.read(slot)
-    with pytest.raises(TypeError, match="state data must be tensors, got a list conv state"):
+    with pytest.raises(TypeError, match="state data must be torch.float32 tensors, got a "
+                                        "list conv state"):
         p.write(slot, conv.tolist(), ssm)
-    with pytest.raises(TypeError, match="state data must be tensors, got a list ssm state"):
+    with pytest.raises(TypeError, match="got a list ssm state"):
         p.write(slot, conv + 1, ssm.tolist())
     assert torch.equal(p.conv[:, slot], conv)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64, torch.float64])
+def test_write_refuses_state_data_of_another_dtype_changing_neither_state(device, dtype):
+    p = pool(device=device)
+    slot = p.allocate()
+    conv, ssm = p.read(slot)
+    with pytest.raises(TypeError, match=f"state data must be torch.float32 tensors, got a "
+                                        f"{dtype} ssm state"):
+        p.write(slot, conv + 1, torch.full_like(ssm, 2**40, dtype=dtype))
+    assert not p.conv.any() and not p.ssm.any()
 
 
 def test_write_refuses_a_state_of_another_shape_even_one_that_broadcasts(device):

@@ -71,11 +71,11 @@ def check_prefilled(cache: KVCache, kv: PrefilledKV, prompt_len: int) -> None:
     if tuple(kv.pages.shape) != expected or kv.pages.dtype != pool.kv.dtype:
         raise ValueError(f"prefilled KV of {n} tokens must be {pool.kv.dtype} pages of shape "
                          f"{expected}, got {kv.pages.dtype} of shape {tuple(kv.pages.shape)}")
-    shapes = () if states is None else (states.conv.shape, states.ssm.shape)
-    expected_state = tuple((s[0], *s[2:]) for s in shapes)
-    if tuple(tuple(x.shape) for x in kv.state) != expected_state:
-        raise ValueError(f"prefilled state must have shapes {list(expected_state)}, "
-                         f"got {[tuple(x.shape) for x in kv.state]}")
+    rows = () if states is None else (states.conv, states.ssm)
+    expected_state = [(r.dtype, (r.shape[0], *r.shape[2:])) for r in rows]
+    got = [(x.dtype, tuple(x.shape)) for x in kv.state]
+    if got != expected_state:
+        raise ValueError(f"prefilled state must be (dtype, shape) {expected_state}, got {got}")
     if pool.scales is None:
         return
     if kv.scales is None or not pool.scales_ready or not torch.equal(kv.scales,

@@ -189,18 +189,20 @@ class MambaPool:
         return self.conv[:, slot].clone(), self.ssm[:, slot].clone()
 
     def write(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Store a state shaped as `read` returns it into `slot` (held): TypeError for data
-        that is not tensors, ValueError for another shape, nothing changed."""
+        """Store a state shaped and typed as `read` returns it into `slot` (held): TypeError
+        for data that is not tensors of the pool's dtypes, ValueError for another shape,
+        nothing changed."""
         self._check_held(slot)
         for name, x, rows in (("conv", conv, self.conv), ("ssm", ssm, self.ssm)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"state data must be tensors, got a {type(x).__name__} {name} "
+            if not isinstance(x, torch.Tensor) or x.dtype != rows.dtype:
+                got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+                raise TypeError(f"state data must be {rows.dtype} tensors, got a {got} {name} "
                                 f"state")
             if x.shape != rows[:, slot].shape:
                 raise ValueError(f"a {name} state of shape {tuple(rows[:, slot].shape)} was "
                                  f"expected, got {tuple(x.shape)}")
-        self.conv[:, slot] = conv.to(self.conv.device, self.conv.dtype)
-        self.ssm[:, slot] = ssm.to(self.ssm.device, self.ssm.dtype)
+        conv, ssm = conv.to(self.conv.device), ssm.to(self.ssm.device)  # both before either
+        self.conv[:, slot], self.ssm[:, slot] = conv, ssm
 
     def stats(self) -> StateStats:
         """The pool's counters now."""

@@ -132,16 +132,23 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
 # _deepseek)
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"max_position_embeddings": 2048},
-    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
-    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
-    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768},
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "intermediate_size": 11008},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
+                         "num_key_value_heads": 32, "intermediate_size": 22016},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
+                         "num_key_value_heads": 32, "intermediate_size": 22016},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
+                            "intermediate_size": 6144},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
+                            "intermediate_size": 5632},
     QWEN3_NEXT: {"max_position_embeddings": 32768, "head_dim": 256,
-                 "partial_rotary_factor": 0.25},
-    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096},
+                 "partial_rotary_factor": 0.25, "num_key_value_heads": 2,
+                 "intermediate_size": 5632},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
+                           "num_key_value_heads": 8, "intermediate_size": 14336},
     "MixtralForCausalLM": {"max_position_embeddings": 131072, "rope_theta": 1e6,
-                           "rms_norm_eps": 1e-5},
+                           "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                           "intermediate_size": 14336},
     # Phi-3's trained context: its config's top-level key, which wins over the rope's
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
     "GraniteForCausalLM": {"max_position_embeddings": 2048},
@@ -1349,27 +1356,28 @@ def _qwen_moe(cfg: dict, num_layers: int, arch: str, defaults: tuple[int, int, i
     """A Qwen-style MoE config: `defaults` are (num_experts, num_experts_per_tok,
     moe_intermediate_size) where the config leaves them out; `shared`, the shared expert's
     width (0: none), gated when there is one."""
-    if _bool(cfg, "use_sliding_window"):
+    if arch != QWEN3_NEXT and _bool(cfg, "use_sliding_window"):  # Qwen3-Next never reads it
         raise ConfigError(f"{arch} with use_sliding_window=true is not supported (only false, "
                           f"as every published config of it has it)")
     # transformers 5 writes num_experts under the name num_local_experts
-    given = {key: _int(cfg, key) for key in ("num_experts", "num_local_experts")
+    given = {key: _optional_int(cfg, key, minimum=0) for key in ("num_experts",
+                                                                  "num_local_experts")
              if cfg.get(key) is not None}
     if len(set(given.values())) > 1:
         raise ConfigError(f"config num_experts={given['num_experts']} and num_local_experts="
                           f"{given['num_local_experts']} disagree")
     num_experts = next(iter(given.values()), defaults[0])
-    top_k = _int(cfg, "num_experts_per_tok", defaults[1])
-    if top_k > num_experts:
-        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
     step = _int(cfg, "decoder_sparse_step", 1)
     dense = cfg.get("mlp_only_layers") or []
     if not (isinstance(dense, list) and all(_is_int(i) and 0 <= i < num_layers for i in dense)):
         raise ConfigError(f"config 'mlp_only_layers' must list layer indices in "
                           f"[0, {num_layers}), got {dense!r}")
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    if not layers:
+    if not layers or num_experts == 0:  # every layer dense, as transformers builds it
         return None
+    top_k = _int(cfg, "num_experts_per_tok", defaults[1])
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
