@@ -18,6 +18,7 @@ from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.server.limits import ServerLimits
 from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import RequestError, parse_chat, parse_completion
+from models_util import make_hf_model, save_hf_model
 from server_util import metrics, running_server
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -70,6 +71,21 @@ def test_a_prompt_of_token_ids_is_taken_as_is(client, expected):
     out = client.completions.create(model="tiny", prompt=[256, *PROMPT.encode()],
                                     max_tokens=32, **GREEDY)
     assert out.choices[0].text == expected.text
+
+
+def test_stop_strings_on_a_model_without_a_tokenizer_are_refused_before_the_engine(tmp_path,
+                                                                                 device):
+    checkpoint = save_hf_model(make_hf_model("llama"), tmp_path)  # no tokenizer.json
+    with running_server(partial(LLM, checkpoint, num_pages=16, device=device)) as server:
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+        refused = httpx.post(f"{server.url}/v1/completions", json={**body, "stop": ["a"]})
+        assert (refused.status_code, refused.json()) == (400, {"error": {
+            "message": "this model has no tokenizer, so stop strings cannot match: use "
+                       "stop_token_ids", "type": "invalid_request_error", "param": "stop",
+            "code": "unsupported"}})
+        assert metrics(server)["kvpool_prefix_cache_queries_total", ()] == 0  # never ran
+        taken = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": [5]})
+        assert taken.status_code == 200, taken.text
 
 
 def test_chat_renders_the_fallback_template(client, llm):

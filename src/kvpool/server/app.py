@@ -72,10 +72,13 @@ class Server:
         parsed = parse_completion(await read_json(request, self.limits), self.model_name,
                                   self.limits)
         prompt = parsed.prompt
+        if self.info.tokenizer is None and isinstance(prompt, str):
+            raise RequestError("this model has no tokenizer: send the prompt as token ids",
+                               param="prompt")
+        if self.info.tokenizer is None and parsed.stop:  # its samples have no text to match
+            raise RequestError("this model has no tokenizer, so stop strings cannot match: "
+                               "use stop_token_ids", param="stop", code="unsupported")
         if isinstance(prompt, str):
-            if self.info.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send the prompt as token ids",
-                                   param="prompt")
             # off the event loop: a long text takes seconds, and every client would wait
             prompt = await asyncio.to_thread(self.info.tokenizer.encode, prompt)
         return await self._generate(request, parsed, prompt, chat=False)
