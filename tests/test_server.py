@@ -15,8 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.cache import CacheStats
 from kvpool.cli.main import main
 from kvpool.engine import LLM, EngineStats, SamplingParams
+from kvpool.server.engine_loop import Sample, Update
+from kvpool.server.generation import Generation
 from kvpool.server.limits import ServerLimits
-from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
+from kvpool.server.metrics import ChoiceTimes, EngineSnapshot, RequestTimes, ServerMetrics
 from kvpool.server.protocol import RequestError, parse_chat, parse_completion
 from models_util import make_hf_model, save_hf_model
 from server_util import metrics, running_server
@@ -332,7 +334,9 @@ def test_metrics_record_each_value_where_it_belongs():
     server_metrics = ServerMetrics()
     # a request of n=2 whose first choice ended on a stop token after 5 tokens: 8 in all
     server_metrics.record(RequestTimes(arrival=10.0, scheduled=10.5, first_token=11.0,
-                                       finish=13.0), "stop", 9, 5, 8)
+                                       finish=13.0, choices=(ChoiceTimes(11.0, 13.0, 5),
+                                                             ChoiceTimes(11.0, 11.6, 3))),
+                          "stop", 9, 8)
     engine = EngineStats(num_running=0, num_waiting=0, num_used_pages=1, num_cached_pages=3,
                          num_free_pages=20, kv_utilization=0.5, prefix_hit_rate=0.25,
                          num_preemptions=0, num_steps=7, num_prompt_tokens=9,
@@ -347,12 +351,41 @@ def test_metrics_record_each_value_where_it_belongs():
     assert values["kvpool_requests_total", (("finish_reason", "stop"),)] == 1
     assert ("kvpool_requests_total", (("finish_reason", "length"),)) not in values
     assert values["kvpool_generation_tokens_total", ()] == 8
-    assert values["kvpool_time_per_output_token_seconds_sum", ()] == 0.5  # 2 s / 4 tokens
+    # 2 s / 4 tokens, and 0.6 s / 2 tokens
+    assert values["kvpool_time_per_output_token_seconds_sum", ()] == pytest.approx(0.8)
+    assert values["kvpool_time_per_output_token_seconds_count", ()] == 2
     assert values["kvpool_time_to_first_token_seconds_sum", ()] == 1.0
     assert (values["kvpool_pages_used", ()], values["kvpool_pages_cached", ()],
             values["kvpool_pages_free", ()]) == (1, 3, 20)
     assert values["kvpool_prefix_cache_queries_total", ()] == 64
     assert values["kvpool_prefix_cache_hits_total", ()] == 16
+
+
+def test_time_per_output_token_is_observed_per_choice_from_its_own_tokens():
+    # n=2, a token every 10 ms: choice 0 ends on a stop string with its 3rd token, while
+    # choice 1 runs on to its 6th
+    generation = Generation("r", "m", num_prompt_tokens=1, n=2, stop=("X",), chat=False,
+                            include_usage=False, logprobs=None, token_text=str)
+    for step in range(1, 7):
+        last = step == 6
+        samples = [Sample(0, "aaX"[:step] + "a" * (step - 3), step, None, None),
+                   Sample(1, "b" * step, step, "length" if last else None, None)]
+        generation.update(Update("r", last, 0, 10.0, samples), now=10.0 + step / 100)
+    server_metrics = ServerMetrics()
+    server_metrics.record(generation.times(arrival=10.0, finish=10.07), "stop", 1, 9)
+    value = server_metrics.registry.get_sample_value
+    assert value("kvpool_time_per_output_token_seconds_count") == 2
+    # (10.03 - 10.01) s / 2 tokens and (10.06 - 10.01) s / 5 tokens
+    assert value("kvpool_time_per_output_token_seconds_sum") == pytest.approx(0.02)
+    assert value("kvpool_time_to_first_token_seconds_sum") == pytest.approx(0.01)
+
+
+def test_a_request_of_n_2_observes_a_time_per_output_token_for_each_choice(server, client):
+    count = "kvpool_time_per_output_token_seconds_count", ()
+    before = metrics(server)[count]
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, seed=1,
+                              extra_body={"ignore_eos": True})
+    assert metrics(server)[count] - before == 2
 
 
 BAD_REQUESTS = [

@@ -43,7 +43,7 @@ from kvpool.server.engine_loop import (
 )
 from kvpool.server.generation import Change, Generation, sse
 from kvpool.server.limits import ServerLimits, read_json
-from kvpool.server.metrics import EngineSnapshot, RequestTimes, ServerMetrics
+from kvpool.server.metrics import EngineSnapshot, ServerMetrics
 from kvpool.server.protocol import GenerationRequest, RequestError, parse_chat, parse_completion
 
 RETRY_AFTER_SECONDS = 1
@@ -215,14 +215,12 @@ class Server:
         """The changes of the generation's choices as updates arrive, until every choice
         has ended. However it ends (done, failed, or the reader went away), the engine
         holds nothing of the request afterwards, and a finished request is counted."""
-        first_token, finished, failed = None, False, False
+        finished, failed = False, False
         try:
             while not generation.done:
                 update = await stream.get()
                 finished = update.finished
                 changes = generation.update(update)
-                if first_token is None and any(s.num_tokens for s in update.samples):
-                    first_token = time.perf_counter()
                 if changes:
                     yield changes
         except EngineFailure:
@@ -231,13 +229,9 @@ class Server:
         finally:
             if not finished:
                 self.engine.abort(stream.request_id)
-            choice = generation.choices[0]
-            reason = choice.finish_reason or ("error" if failed else "abort")
-            self.metrics.record(
-                RequestTimes(arrival, generation.scheduled_time, first_token,
-                             time.perf_counter()),
-                reason, generation.num_prompt_tokens, choice.num_tokens,
-                generation.num_completion_tokens)
+            reason = generation.choices[0].finish_reason or ("error" if failed else "abort")
+            self.metrics.record(generation.times(arrival, time.perf_counter()), reason,
+                                generation.num_prompt_tokens, generation.num_completion_tokens)
 
     async def _sse(self, generation: Generation,
                    events: abc.AsyncIterator) -> abc.AsyncIterator[bytes]:

@@ -18,6 +18,7 @@ from kvpool.engine import TokenLogprobs
 from kvpool.models.tokenizer import TextStream
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import Update
+from kvpool.server.metrics import ChoiceTimes, RequestTimes
 
 REPLACEMENT = "\ufffd"
 
@@ -43,7 +44,8 @@ class Generation:
     decoder of a choice's ids (the tokenizer's `stream`; None: no tokenizer), which places
     each token in the choice's text (completions' `text_offset`). `done` is True once every
     choice has ended (the engine may still be running the request when stop strings ended
-    them: the caller aborts it).
+    them: the caller aborts it). `token_times[i]`: when choice i got its first and its
+    latest token (time.perf_counter() seconds; None before its first).
     """
 
     def __init__(self, request_id: str, model: str, *, num_prompt_tokens: int, n: int,
@@ -61,6 +63,7 @@ class Generation:
         # completions: where each choice's tokens start in its text
         self._offsets = [_Offsets(None if text_stream is None else text_stream())
                          for _ in range(n)]
+        self.token_times: list[tuple[float, float] | None] = [None] * n
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.scheduled_time: float | None = None
@@ -73,8 +76,10 @@ class Generation:
         """True once every choice has ended."""
         return all(c.finished for c in self.choices)
 
-    def update(self, update: Update) -> list[Change]:
-        """Take an engine update; returns the Change of each choice that changed."""
+    def update(self, update: Update, now: float | None = None) -> list[Change]:
+        """Take an engine update, which arrived at `now` (time.perf_counter(), the default);
+        returns the Change of each choice that changed."""
+        now = time.perf_counter() if now is None else now
         self.num_cached_tokens = update.num_cached_tokens
         self.scheduled_time = update.scheduled_time
         changes = []
@@ -82,8 +87,12 @@ class Generation:
             choice = self.choices[sample.index]
             if choice.finished:
                 continue
+            num_tokens = choice.num_tokens
             delta = choice.update(sample.text, sample.num_tokens, sample.finish_reason,
                                   sample.earlier)
+            if choice.num_tokens > num_tokens:
+                first = self.token_times[sample.index]
+                self.token_times[sample.index] = (now if first is None else first[0], now)
             if sample.new_logprobs is not None:
                 self._logprobs[sample.index] += sample.new_logprobs
             if delta or choice.finished:
@@ -98,6 +107,16 @@ class Generation:
         start, end = self._num_logprobs_sent[index], self.choices[index].num_tokens
         self._num_logprobs_sent[index] = end
         return self._logprobs[index][start:end]
+
+    def times(self, arrival: float, finish: float) -> RequestTimes:
+        """The request's times, for the metrics: it arrived at `arrival`, ended at
+        `finish`, and each choice got its tokens when `token_times` says."""
+        choices = tuple(ChoiceTimes(*times, c.num_tokens)
+                        for times, c in zip(self.token_times, self.choices, strict=True)
+                        if times is not None)
+        return RequestTimes(arrival, self.scheduled_time,
+                            min((c.first_token for c in choices), default=None), finish,
+                            choices)
 
     @property
     def num_completion_tokens(self) -> int:

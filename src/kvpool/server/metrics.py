@@ -31,14 +31,26 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class ChoiceTimes:
+    """When one choice got its first and its last token (time.perf_counter() seconds), and
+    the tokens it counts."""
+
+    first_token: float
+    last_token: float
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class RequestTimes:
     """When a finished request arrived, was first scheduled, got its first token and
-    finished (time.perf_counter() seconds; None where it never got there)."""
+    finished (time.perf_counter() seconds; None where it never got there), and the times of
+    each choice that got a token."""
 
     arrival: float
     scheduled: float | None
     first_token: float | None
     finish: float
+    choices: tuple[ChoiceTimes, ...] = ()
 
 
 class ServerMetrics:
@@ -60,7 +72,8 @@ class ServerMetrics:
         self.ttft = Histogram("kvpool_time_to_first_token_seconds", "Arrival to first "
                               "generated token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("kvpool_time_per_output_token_seconds", "Time per generated "
-                              "token after the first", buckets=_TOKEN_TIME_BUCKETS, registry=r)
+                              "token after a choice's first (one observation per choice)",
+                              buckets=_TOKEN_TIME_BUCKETS, registry=r)
         self.e2e = Histogram("kvpool_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kvpool_request_queue_time_seconds", "Arrival to first "
@@ -68,9 +81,10 @@ class ServerMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
 
     def record(self, times: RequestTimes, finish_reason: str, num_prompt_tokens: int,
-               num_output_tokens: int, num_generated_tokens: int) -> None:
-        """Count a finished request. `num_output_tokens`: of its first choice (for TPOT);
-        `num_generated_tokens`: of all its choices."""
+               num_generated_tokens: int) -> None:
+        """Count a finished request; `num_generated_tokens`: of all its choices. Each choice
+        of two tokens or more is one TPOT observation, timed by its own tokens (choices end
+        at different times: the request's finish would charge one the others' tokens)."""
         self.requests.labels(finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
@@ -79,8 +93,10 @@ class ServerMetrics:
             self.queue_time.observe(max(0.0, times.scheduled - times.arrival))
         if times.first_token is not None:
             self.ttft.observe(times.first_token - times.arrival)
-            if num_output_tokens > 1:
-                self.tpot.observe((times.finish - times.first_token) / (num_output_tokens - 1))
+        for choice in times.choices:
+            if choice.num_tokens > 1:
+                self.tpot.observe((choice.last_token - choice.first_token)
+                                  / (choice.num_tokens - 1))
 
     def render(self, snapshot: EngineSnapshot) -> bytes:
         """The Prometheus text exposition, with the engine read from `snapshot`."""
