@@ -520,6 +520,9 @@ BAD_REQUESTS = [
      "stop_token_ids must be a list of token ids (ints in [0, 2**63)), got [-1]"),
     ("top_k below -1", {"model": "tiny", "prompt": "x", "top_k": -2}, 400, "top_k", None,
      "top_k must be >= -1, got -2"),
+    ("add_special_tokens of the wrong type", {"model": "tiny", "prompt": "x",
+                                              "add_special_tokens": 0}, 400,
+     "add_special_tokens", None, "add_special_tokens must be a boolean, got 0"),
 ]
 
 # Each field the server cannot honour, with a value that asks for something.
@@ -537,8 +540,15 @@ UNSUPPORTED = {
     "continue_final_message": True, "chat_template_kwargs": {"x": 1},
     "skip_special_tokens": False, "length_penalty": 2, "spaces_between_special_tokens": False,
     "allowed_token_ids": [65], "bad_words": ["a"], "logits_processors": ["f"],
-    "return_tokens_as_token_ids": True,
+    "return_tokens_as_token_ids": True, "chat_template": "{{ messages[0]['content'] }}",
+    "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"num_crops": 4},
+    "structural_tag": "{}", "prompt_embeds": "AAAA", "reasoning_effort": "high",
+    "web_search_options": {},
 }
+
+# Fields that hold a neutral value's equal of another JSON type: asking for something else.
+NEUTRAL_OF_ANOTHER_TYPE = {"best_of": True, "echo": 0, "frequency_penalty": False,
+                           "skip_special_tokens": 1, "include_stop_str_in_output": 0}
 
 
 @pytest.mark.parametrize("body, status, param, code, message",
@@ -565,6 +575,34 @@ def test_an_unsupported_field_asking_for_something_is_refused(name):
             400, name, "unsupported")
 
 
+@pytest.mark.parametrize("name", NEUTRAL_OF_ANOTHER_TYPE)
+def test_a_neutral_value_of_another_type_is_refused(name):
+    value = NEUTRAL_OF_ANOTHER_TYPE[name]
+    with pytest.raises(RequestError) as info:
+        parse_completion({"model": "tiny", "prompt": "x", name: value}, "tiny", ServerLimits())
+    assert (info.value.param, info.value.code, info.value.message) == (
+        name, "unsupported", f"{name} is not supported by this server, got {value!r}")
+
+
+def test_add_special_tokens_false_leaves_the_bos_out_of_a_text_prompt(server, client):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                    extra_body={**GREEDY["extra_body"],
+                                                "add_special_tokens": False},
+                                    temperature=0)
+    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.choices[0].text == _greedy_text(client, list(PROMPT.encode()), 8)
+
+
+def test_add_special_tokens_in_a_chat_overrides_the_templates_choice(client):
+    hi = [{"role": "user", "content": "hi"}]
+    # the fallback template spells no BOS, so the tokenizer adds it unless told not to
+    usage = [client.chat.completions.create(
+        model="tiny", messages=hi, max_tokens=1, extra_body=extra).usage.prompt_tokens
+        for extra in ({}, {"add_special_tokens": False}, {"add_special_tokens": True})]
+    assert usage == [len(b"user: hi\nassistant:") + 1, len(b"user: hi\nassistant:"),
+                     len(b"user: hi\nassistant:") + 1]
+
+
 def test_stop_strings_up_to_the_limits_are_taken(server):
     limits = ServerLimits()
     for stop in (["a"] * limits.max_stop_strings, "a" * limits.max_stop_length):
@@ -574,7 +612,8 @@ def test_stop_strings_up_to_the_limits_are_taken(server):
 
 
 def test_unsupported_fields_holding_their_neutral_values_are_accepted(server):
-    neutral = {"echo": False, "best_of": 1, "frequency_penalty": 0, "skip_special_tokens": True,
+    neutral = {"echo": False, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0,
+               "skip_special_tokens": True,
                "include_stop_str_in_output": False, "chat_template_kwargs": {},
                "prompt_logprobs": None, "max_tokens": 1}
     for path, body in (("completions", {"prompt": "x"}), ("chat/completions", {

@@ -80,7 +80,8 @@ class Server:
                                "use stop_token_ids", param="stop", code="unsupported")
         if isinstance(prompt, str):
             # off the event loop: a long text takes seconds, and every client would wait
-            prompt = await asyncio.to_thread(self.info.tokenizer.encode, prompt)
+            prompt = await asyncio.to_thread(self.info.tokenizer.encode, prompt,
+                                             add_special_tokens=parsed.add_special_tokens)
         return await self._generate(request, parsed, prompt, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -90,13 +91,16 @@ class Server:
         if self.info.tokenizer is None:
             raise RequestError("this model has no tokenizer, so it cannot chat",
                                param="messages")
-        prompt = await asyncio.to_thread(self._chat_prompt, parsed.messages)  # as above
+        prompt = await asyncio.to_thread(self._chat_prompt, parsed)  # as above
         return await self._generate(request, parsed, prompt, chat=True)
 
-    def _chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The token ids of `messages` rendered by the chat template."""
-        return self.info.tokenizer.encode(self.chat_template.render(messages),
-                                          add_special_tokens=self.chat_template.add_special_tokens)
+    def _chat_prompt(self, parsed: GenerationRequest) -> list[int]:
+        """The token ids of the chat's messages rendered by the chat template, with the
+        tokenizer's special tokens where the request or else the template asks for them."""
+        add = parsed.add_special_tokens
+        return self.info.tokenizer.encode(
+            self.chat_template.render(parsed.messages),
+            add_special_tokens=self.chat_template.add_special_tokens if add is None else add)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one served model, with its context and vocabulary sizes."""

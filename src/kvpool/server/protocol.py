@@ -3,7 +3,8 @@
 Every problem raises RequestError naming the field (`param`) and the value, as the OpenAI
 API reports it: `{"error": {"message", "type", "param", "code"}}` with HTTP status 400.
 Fields the engine cannot honour (penalties, logit_bias, tools, response_format, echo, ...)
-are refused unless they hold their neutral value, never ignored. Text must be valid Unicode:
+are refused unless they hold their neutral value, of its JSON type too (`echo: 0` is no
+`false`), never ignored. Text must be valid Unicode:
 JSON can spell a lone surrogate ("\\ud800"), which no tokenizer can encode.
 """
 
@@ -48,7 +49,9 @@ class GenerationRequest:
     """A parsed completion or chat request. `prompt` is text or token ids (completions) and
     `messages` the chat (chat completions); exactly one is set. `max_tokens` None: whatever
     the context leaves after the prompt. `logprobs`: how many most likely tokens to show
-    next to each generated token's log-probability (None: no log-probabilities)."""
+    next to each generated token's log-probability (None: no log-probabilities).
+    `add_special_tokens`: whether a text prompt gets the tokenizer's special tokens (BOS);
+    None for a chat that leaves it to its template."""
 
     model: str
     prompt: str | list[int] | None
@@ -66,6 +69,7 @@ class GenerationRequest:
     include_usage: bool
     logprobs: int | None
     cache_salt: str | None  # shares cached prefix pages only with requests of this salt
+    add_special_tokens: bool | None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams for this request, generating `max_tokens` at most."""
@@ -91,7 +95,10 @@ _UNSUPPORTED = {
     "chat_template_kwargs": ({},), "skip_special_tokens": (True,), "length_penalty": (1,),
     "spaces_between_special_tokens": (True,), "allowed_token_ids": (None, []),
     "bad_words": (None, []), "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,), "chat_template": (), "documents": (),
+    "mm_processor_kwargs": ({},), "structural_tag": (), "prompt_embeds": (),
+    # OpenAI's
+    "reasoning_effort": (), "web_search_options": (),
 }
 
 
@@ -121,7 +128,8 @@ def parse_completion(body: object, model: str, limits: ServerLimits) -> Generati
                            "logprobs (an int)", param="top_logprobs")
     return _request(fields, model, limits, prompt=prompt, messages=None,
                     max_tokens=_int(fields, "max_tokens", 16, minimum=1),
-                    logprobs=_int(fields, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS))
+                    logprobs=_int(fields, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS),
+                    add_special_tokens=_bool(fields, "add_special_tokens", True))
 
 
 def parse_chat(body: object, model: str, limits: ServerLimits) -> GenerationRequest:
@@ -141,7 +149,8 @@ def parse_chat(body: object, model: str, limits: ServerLimits) -> GenerationRequ
                            param="top_logprobs")
     return _request(fields, model, limits, prompt=None, messages=messages,
                     max_tokens=_int(fields, key, None, minimum=1),
-                    logprobs=(top or 0) if logprobs else None)
+                    logprobs=(top or 0) if logprobs else None,
+                    add_special_tokens=_bool(fields, "add_special_tokens", None))
 
 
 def _fields(body: object, model: str) -> dict:
@@ -152,14 +161,20 @@ def _fields(body: object, model: str) -> dict:
                            f"{model!r}", param="model", code="model_not_found")
     for name, neutral in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value not in neutral:
+        if value is not None and not _is_neutral(value, neutral):
             raise RequestError(f"{name} is not supported by this server, got {_show(value)}",
                                param=name, code="unsupported")
     return body
 
 
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    """Whether `value` is one of the `neutral` values, a boolean only as a boolean (`in`
+    alone takes true for 1 and 0 for false); 0 and 0.0 are the same JSON number."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
 def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages, max_tokens,
-             logprobs) -> GenerationRequest:
+             logprobs, add_special_tokens) -> GenerationRequest:
     stop = _stop(fields.get("stop"), limits)
     stop_ids = fields.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
@@ -182,7 +197,8 @@ def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages
         stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(fields, "ignore_eos", False), stream=_bool(fields, "stream", False),
         include_usage=_bool(options or {}, "include_usage", False, param="stream_options"),
-        logprobs=logprobs, cache_salt=_cache_salt(fields.get("cache_salt")))
+        logprobs=logprobs, cache_salt=_cache_salt(fields.get("cache_salt")),
+        add_special_tokens=add_special_tokens)
 
 
 def _stop(value: object, limits: ServerLimits) -> tuple[str, ...]:
@@ -280,7 +296,8 @@ def _number(fields: dict, name: str, default: float, low: float, high: float, *,
         raise RequestError(str(e), param=name) from None
 
 
-def _bool(fields: dict, name: str, default: bool, *, param: str | None = None) -> bool:
+def _bool(fields: dict, name: str, default: bool | None, *,
+          param: str | None = None) -> bool | None:
     value = fields.get(name)
     if value is None:
         return default
