@@ -3,7 +3,6 @@ n samples, seeds, stop strings, usage, greedy output equal to `LLM.generate`, lo
 both OpenAI forms, the models, health and metrics endpoints, and every bad request refused
 with an OpenAI error body."""
 
-import codecs
 import json
 import re
 from functools import partial
@@ -221,12 +220,15 @@ def _name(token_id):
 
 
 def _offsets(token_ids):
-    """Where each token starts in the text: the characters its earlier bytes decode to."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, length = [], 0
+    """Where each token starts in the text: after the characters its earlier bytes decode to,
+    less the one its byte is part of when it adds no character of its own."""
+    offsets, data = [], b""
     for token_id in token_ids:
-        offsets.append(length)
-        length += len(decoder.decode(bytes([token_id]) if token_id < 256 else b""))
+        byte = bytes([token_id]) if token_id < 256 else b""
+        before = len(data.decode(errors="replace"))
+        grows = len((data + byte).decode(errors="replace")) > before
+        offsets.append(before - (bool(byte) and not grows))
+        data += byte
     return offsets
 
 
@@ -239,7 +241,13 @@ def test_completion_logprobs_are_the_engines_in_openai_form(client, expected_log
     # each position's top 3 by name, and the sampled token (here the most likely one)
     assert logprobs.top_logprobs == [{_name(t): v for t, v in e.top} for e in entries]
     assert logprobs.text_offset == _offsets([e.token_id for e in entries])
-    assert max(logprobs.text_offset) <= len(out.choices[0].text)
+    text = out.choices[0].text
+    assert max(logprobs.text_offset) <= len(text)
+    # a token of whole characters starts on them, also after bytes that made no character
+    # (the greedy text holds "\ufffd\x13": bytes E3 88, then 13)
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+        if not token.startswith("token_id:"):
+            assert text[offset:offset + len(token)] == token
 
 
 def test_streamed_completion_logprobs_add_up_to_the_whole(client):

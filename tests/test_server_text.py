@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from depth import examples
 from kvpool.engine import TokenLogprobs
 from kvpool.errors import CheckpointError
+from kvpool.models.tokenizer import BYTE_BOS, ByteTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import RequestStream, Sample, Update
@@ -154,6 +155,24 @@ def test_completion_logprobs_name_a_token_without_text_by_its_id():
     logprobs = generation._completion_logprobs([TokenLogprobs(1, -0.1, ((2, -0.05),))], 0)
     assert logprobs["tokens"] == ["token_id:1"]
     assert logprobs["top_logprobs"] == [{"a": -0.05, "token_id:1": -0.1}]
+
+
+@pytest.mark.parametrize("token_ids, text, offsets", [
+    ([0xE3, 0x88, 0x13, 0x41], "\ufffd\x13A", [0, 0, 1, 2]),  # bytes that make no character
+    ([0xE3, 0x88, 0xE3, 0x41], "\ufffd\ufffdA", [0, 0, 1, 2]),  # ... cut off by another's
+    ([0xFF, 0x41], "\ufffdA", [0, 1]),  # a byte that begins no character
+    ([0xE3, 0x88, 0x80, 0x41], "\u3200A", [0, 0, 0, 1]),  # one character's bytes
+    ([0xEF, 0xBF, 0xBD, 0x41], "\ufffdA", [0, 0, 0, 1]),  # U+FFFD itself, in UTF-8
+])
+def test_completion_text_offsets_point_at_the_characters_the_text_holds(token_ids, text,
+                                                                        offsets):
+    tokenizer = ByteTokenizer()
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
+                            include_usage=False, logprobs=0, token_text=str,
+                            tokenizer=tokenizer, context=BYTE_BOS)
+    entries = [TokenLogprobs(token_id, -1.0, ()) for token_id in token_ids]
+    assert tokenizer.decode(token_ids) == text
+    assert generation._completion_logprobs(entries, 0)["text_offset"] == offsets
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
 import uuid
@@ -153,9 +152,8 @@ class Server:
         generation = Generation(request_id, self.model_name, num_prompt_tokens=len(prompt),
                                 n=parsed.n, stop=parsed.stop, chat=chat,
                                 include_usage=parsed.include_usage, logprobs=parsed.logprobs,
-                                token_text=self._token_text, text_stream=None
-                                if self.info.tokenizer is None else functools.partial(
-                                    self.info.tokenizer.stream, context=prompt[-1]))
+                                token_text=self._token_text, tokenizer=self.info.tokenizer,
+                                context=prompt[-1])
         events = self._events(stream, generation, arrival)
         if parsed.stream:
             return StreamingResponse(self._sse(generation, events),

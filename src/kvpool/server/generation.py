@@ -9,13 +9,14 @@ its tokens' log-probabilities.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import abc
 from typing import NamedTuple
 
 from kvpool.engine import TokenLogprobs
-from kvpool.models.tokenizer import TextStream
+from kvpool.models.tokenizer import Tokenizer
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import Update
 from kvpool.server.metrics import ChoiceTimes, RequestTimes
@@ -40,8 +41,8 @@ class Generation:
     `num_prompt_tokens`: the prompt's length, for `usage`. `chat` selects the chat
     completion objects; `stop` are the request's stop strings.
     `logprobs`: the request's count of most likely tokens (None: no log-probabilities), shown
-    with `token_text(token_id)` as each token's text; `text_stream()` makes an incremental
-    decoder of a choice's ids (the tokenizer's `stream`; None: no tokenizer), which places
+    with `token_text(token_id)` as each token's text; `tokenizer` (None: the model has none)
+    decodes a choice's ids as they read after `context` (the prompt's last id), which places
     each token in the choice's text (completions' `text_offset`). `done` is True once every
     choice has ended (the engine may still be running the request when stop strings ended
     them: the caller aborts it). `token_times[i]`: when choice i got its first and its
@@ -50,8 +51,8 @@ class Generation:
 
     def __init__(self, request_id: str, model: str, *, num_prompt_tokens: int, n: int,
                  stop: tuple[str, ...], chat: bool, include_usage: bool, logprobs: int | None,
-                 token_text: abc.Callable[[int], str],
-                 text_stream: abc.Callable[[], TextStream] | None = None):
+                 token_text: abc.Callable[[int], str], tokenizer: Tokenizer | None = None,
+                 context: int | None = None):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.include_usage = include_usage
         self.logprobs, self.token_text = logprobs, token_text
@@ -61,8 +62,7 @@ class Generation:
         self._logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # all received
         self._num_logprobs_sent = [0] * n
         # completions: where each choice's tokens start in its text
-        self._offsets = [_Offsets(None if text_stream is None else text_stream())
-                         for _ in range(n)]
+        self._offsets = [_Offsets(tokenizer, context) for _ in range(n)]
         self.token_times: list[tuple[float, float] | None] = [None] * n
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
@@ -253,20 +253,38 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps would build one pe
 class _Offsets:
     """Where each token of a choice starts in its text, in characters: the length of what
     the tokens before it decode to, so the tokens holding the bytes of one character all
-    start where it does. 0 without a tokenizer (the text is empty)."""
+    start where it does, and a token after bytes that never made a character starts after
+    the U+FFFD they read as. 0 without a tokenizer (the text is empty)."""
 
-    def __init__(self, stream: TextStream | None):
-        self._stream, self._ids, self._length = stream, [], 0
+    def __init__(self, tokenizer: Tokenizer | None, context: int | None):
+        self._tokenizer, self._context = tokenizer, context
+        self._stream = None if tokenizer is None else tokenizer.stream(context=context)
+        self._ids, self._length = [], 0
 
     def of(self, token_ids: list[int]) -> list[int]:
         """The offsets of the choice's next tokens, `token_ids`."""
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._length)
+            offset = self._length
             if self._stream is not None:
                 self._ids.append(token_id)
-                self._length = len(self._stream.text(self._ids))
+                text = self._stream.text(self._ids)
+                # the stream held back bytes that this token may have shown to be invalid
+                if len(text) > offset and text[offset] == REPLACEMENT:
+                    offset = self._after_invalid_bytes(offset)
+                self._length = len(text)
+            offsets.append(offset)
         return offsets
+
+    def _after_invalid_bytes(self, length: int) -> int:
+        """Where the last token starts when what it adds to the text (after `length`
+        characters) begins with U+FFFD: after the U+FFFD that the ids before it end with, if
+        it added characters of its own; at `length` if it only ended their character."""
+        decode = functools.partial(self._tokenizer.decode, context=self._context)
+        before = len(decode(self._ids[:-1]))  # held-back bytes read as U+FFFD here
+        if before > length and len(decode(self._ids)) > before:
+            return before
+        return length
 
 
 def _json(value: object) -> bytes:
