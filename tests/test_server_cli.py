@@ -146,3 +146,12 @@ def test_serve_with_an_empty_api_key_is_one_line_with_exit_2(capsys):
     assert main(["serve", "--model", "tiny", "--api-key", "a-key", "--api-key", ""]) == 2
     assert capsys.readouterr().err == ("kvpool serve: error: api keys must be non-empty strings; "
                                        "key 2 of 2 is empty\n")
+
+
+def test_serve_with_an_api_key_holding_whitespace_is_one_line_with_exit_2(capsys,
+                                                                          monkeypatch):
+    monkeypatch.setattr("kvpool.server.app.Server", None)  # the engine must not start
+    argv = ["serve", "--model", "tiny", "--port", "0", "--api-key", " a key\n"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("kvpool serve: error: api keys must hold no whitespace "
+                                       "or control characters; key 1 of 1 holds U+0020\n")

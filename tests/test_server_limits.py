@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 from kvpool.cli.main import main
 from kvpool.cli.serve import API_KEY_ENV, add_arguments, api_keys
 from kvpool.engine import LLM
-from kvpool.server.auth import ApiKeyMiddleware, key_salt
+from kvpool.server.auth import ApiKeyMiddleware, check_keys, key_salt
 from kvpool.server.limits import ServerLimits
 from server_util import running_server
 
@@ -178,6 +178,23 @@ def test_keys_come_from_the_flag_or_else_the_environment(monkeypatch):
     assert api_keys(["flag"]) == ("flag",)
     monkeypatch.delenv(API_KEY_ENV)
     assert api_keys(None) == ()
+
+
+def test_keys_lose_the_whitespace_around_them(monkeypatch):
+    # a space after a comma, a newline as a file ends, a piece of spaces alone
+    monkeypatch.setenv(API_KEY_ENV, "alpha, beta\n,  ,")
+    assert api_keys(None) == ("alpha", "beta")
+    assert api_keys([" k1", "k2\r\n"]) == ("k1", "k2")
+
+
+@pytest.mark.parametrize("key, held", [
+    ("two words", "U+0020"), ("tab\there", "U+0009"), ("nul\x00", "U+0000"),
+    ("zero\u200bwidth", "U+200B")])
+def test_a_key_holding_whitespace_or_a_control_character_is_refused(key, held):
+    with pytest.raises(ValueError) as info:
+        check_keys((KEY_A, key))
+    assert str(info.value) == ("api keys must hold no whitespace or control characters; "
+                               f"key 2 of 2 holds {held}")
 
 
 def test_prefixes_are_isolated_per_key_and_per_salt(server):

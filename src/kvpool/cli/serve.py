@@ -6,7 +6,8 @@ for up to `--shutdown-timeout` seconds, ends the rest (a stream with an error ev
 exits 0.
 
 The API keys come from `--api-key` (repeatable) or, without it, KVPOOL_API_KEY (keys
-separated by commas); with none the server is open to whoever reaches its port.
+separated by commas), the whitespace around each one stripped; with none the server is open
+to whoever reaches its port.
 
 uvicorn runs on uvloop and parses HTTP with httptools where they are installed (the server
 extra brings both): they take less of the cores the server shares with the engine than
@@ -107,10 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def api_keys(flag_values: list[str] | None) -> tuple[str, ...]:
-    """The keys of `--api-key`, or else of KVPOOL_API_KEY (comma-separated); () for none."""
+    """The keys of `--api-key`, or else of KVPOOL_API_KEY (comma-separated, empty pieces
+    dropped), each without the whitespace around it ("a, b"; a key read from a file ends
+    with a newline); () for none."""
     if flag_values:
-        return tuple(flag_values)
-    return tuple(k for k in os.environ.get(API_KEY_ENV, "").split(",") if k)
+        return tuple(k.strip() for k in flag_values)
+    keys = (k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
+    return tuple(k for k in keys if k)
 
 
 def run(args: argparse.Namespace) -> int:

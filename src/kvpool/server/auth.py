@@ -18,8 +18,9 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def check_keys(keys: tuple[str, ...]) -> None:
-    """ValueError unless `keys` are one or more non-empty strings (naming the bad one by
-    its position: a key itself is a secret)."""
+    """ValueError unless `keys` are one or more non-empty strings without whitespace or
+    control characters (HTTP strips the whitespace around a header's value: a key ending in
+    a space could never match). The bad one is named by its position (a key is a secret)."""
     if not keys:
         raise ValueError("api keys: none given")
     for i, key in enumerate(keys):
@@ -27,6 +28,10 @@ def check_keys(keys: tuple[str, ...]) -> None:
             shown = "empty" if key == "" else f"a {type(key).__name__}"
             raise ValueError(f"api keys must be non-empty strings; key {i + 1} of "
                              f"{len(keys)} is {shown}")
+        bad = next((c for c in key if c.isspace() or not c.isprintable()), None)
+        if bad is not None:
+            raise ValueError(f"api keys must hold no whitespace or control characters; key "
+                             f"{i + 1} of {len(keys)} holds U+{ord(bad):04X}")
 
 
 class ApiKeyMiddleware:
