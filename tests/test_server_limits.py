@@ -187,6 +187,15 @@ def test_keys_lose_the_whitespace_around_them(monkeypatch):
     assert api_keys([" k1", "k2\r\n"]) == ("k1", "k2")
 
 
+def test_a_key_variable_of_commas_and_whitespace_alone_is_refused_not_read_as_no_key(
+        monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, " , ,")
+    with pytest.raises(ValueError, match=f"{API_KEY_ENV} holds no key, only commas"):
+        api_keys(None)
+    monkeypatch.setenv(API_KEY_ENV, "")  # set empty: no key, as unset
+    assert api_keys(None) == ()
+
+
 @pytest.mark.parametrize("key, held", [
     ("two words", "U+0020"), ("tab\there", "U+0009"), ("nul\x00", "U+0000"),
     ("zero\u200bwidth", "U+200B")])

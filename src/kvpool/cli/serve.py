@@ -110,11 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def api_keys(flag_values: list[str] | None) -> tuple[str, ...]:
     """The keys of `--api-key`, or else of KVPOOL_API_KEY (comma-separated, empty pieces
     dropped), each without the whitespace around it ("a, b"; a key read from a file ends
-    with a newline); () for none."""
+    with a newline); () for none. ValueError for a variable of commas and whitespace alone:
+    meant to hold keys, it would leave the server open."""
     if flag_values:
         return tuple(k.strip() for k in flag_values)
-    keys = (k.strip() for k in os.environ.get(API_KEY_ENV, "").split(","))
-    return tuple(k for k in keys if k)
+    value = os.environ.get(API_KEY_ENV, "")
+    keys = tuple(k for k in (k.strip() for k in value.split(",")) if k)
+    if value.strip() and not keys:
+        raise ValueError(f"{API_KEY_ENV} holds no key, only commas and whitespace; unset it "
+                         f"to serve without one")
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
