@@ -660,11 +660,12 @@ def test_generate_of_no_prompts_returns_no_outputs(checkpoint, device):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("where", ["sampler", "postprocess"])
+@pytest.mark.parametrize("where", ["update", "sampler", "postprocess"])
 def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
         checkpoint, prompts, expected, device, where, overlap):
-    # A Ctrl-C while a step samples, or hands out its tokens: its requests end with "error"
-    # and give their pages back; a request added later runs as if nothing happened.
+    # A Ctrl-C while a step records its tokens computed, samples, or hands out its tokens:
+    # its requests end with "error" and give their pages back; a request added later runs
+    # as if nothing happened.
     llm = _llm(checkpoint, device=device, overlap=overlap)
     first = llm.add_request(prompts[0], GREEDY)
     llm.step()
@@ -687,6 +688,30 @@ def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
     while llm.has_unfinished():
         outputs.update((o.request_id, o) for o in llm.step())
     assert _tokens([outputs[second]]) == expected[1:2]
+    _assert_drained(llm)
+
+
+def test_a_step_interrupted_while_it_records_its_tokens_fails_its_requests_and_goes_on(
+        checkpoint, prompts, expected, device):
+    # A Ctrl-C after the step recorded the first of its sequences computed, while it forks
+    # that one's second sample: every request of the step ends with "error", the half made
+    # sample too, and the engine goes on.
+    llm = _llm(checkpoint, device=device, overlap=False)
+    ids = [llm.add_request(prompts[0], SamplingParams(n=2, max_tokens=MAX_TOKENS)),
+           llm.add_request(prompts[1], GREEDY)]
+    real = llm.cache.fork
+
+    def interrupted(*args, **kwargs):
+        llm.cache.fork = real
+        raise KeyboardInterrupt
+
+    llm.cache.fork = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    llm.check()
+    assert llm.cache.sequences() == [] and not llm.has_unfinished()
+    assert not set(ids) & set(llm._requests)
+    assert _tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == expected[:2]
     _assert_drained(llm)
 
 

@@ -598,16 +598,16 @@ class LLM:
         """Record the batch as computed and queue the sampling of its tokens. Returns the
         step (None when every sequence of the batch finished while it ran: nothing of it is
         kept) and the requests whose sampling raised, finished with "error" now."""
-        seqs, logit_rows = self.scheduler.update(batch)
-        if all(seq.finished for seq in batch.seqs):
-            return None, []
         with self._failing_if_interrupted(batch.seqs):
+            seqs, logit_rows = self.scheduler.update(batch)
+            if all(seq.finished for seq in batch.seqs):
+                return None, []
             # forked samples read their parent's row; a sequence that finished reads none
             if logit_rows != list(range(len(logits))):
                 logits = logits[_on_device(logit_rows, logits.device)]
             seqs, tokens, finite, logprobs, failed = self._sample_each_request(logits, seqs)
             self.scheduler.add_placeholders(seqs)
-        return LaunchedStep.sampled(batch, seqs, tokens, finite, logprobs), failed
+            return LaunchedStep.sampled(batch, seqs, tokens, finite, logprobs), failed
 
     def _finish(self, step: LaunchedStep, start: float) -> list[Request]:
         """Read the step's tokens on the host, give each sequence its token (and logprobs)

@@ -394,13 +394,14 @@ class Scheduler:
         return seq
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        """A sequence is done: a running one's pages go back (committed ones stay cached), a
-        waiting one (preempted) leaves the queue. A token it was still sampling is dropped."""
-        if seq.status is SequenceStatus.RUNNING:
+        """A sequence is done: its pages go back (committed ones stay cached) and it leaves
+        its queue. A token it was still sampling is dropped. One that a Ctrl-C left half
+        made (a sample being forked: in no queue, maybe not in the cache) finishes too."""
+        if seq.seq_id in self.cache.sequences():
             self.cache.free_sequence(seq.seq_id)
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        if seq in queue:
+            queue.remove(seq)
         if seq.token_ids[-1] < 0:
             seq.token_ids.pop()
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
