@@ -715,6 +715,65 @@ def test_a_step_interrupted_while_it_records_its_tokens_fails_its_requests_and_g
     _assert_drained(llm)
 
 
+def _interrupt_preempting(llm):
+    """Make a Ctrl-C land in the step that grows four running sequences one by one (pages
+    run short): when the first, placed in no queue yet, has preempted the newest, and the
+    two between are not reached yet."""
+    real = llm.cache.can_append  # asked only of sequences grown one by one
+    calls = []
+
+    def can_append(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            llm.cache.can_append = real
+            assert not llm.scheduler.running and len(llm.scheduler.waiting) == 1
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    llm.cache.can_append = can_append
+
+
+def _preempting_llm(checkpoint, device):
+    """An engine whose four short prompts outgrow its pool in one step, all four running."""
+    return _llm(checkpoint, device=device, overlap=False, page_size=4, num_pages=16)
+
+
+def _short_prompts(prompts):
+    return sorted(prompts, key=len)[:4]
+
+
+def test_a_step_interrupted_while_preempting_loses_no_sequence(checkpoint, prompts, expected,
+                                                              device):
+    # Each running sequence goes back where the cache holds it: running, or preempted to
+    # wait first in line; every request then runs to its tokens.
+    llm = _preempting_llm(checkpoint, device)
+    short = _short_prompts(prompts)
+    ids = [llm.add_request(prompt, GREEDY) for prompt in short]
+    _interrupt_preempting(llm)
+    with pytest.raises(KeyboardInterrupt):
+        while llm.has_unfinished():
+            llm.step()
+    llm.check()
+    assert sorted(llm._requests) == sorted(ids)
+    outputs = {}
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o) for o in llm.step())
+    assert _tokens([outputs[i] for i in ids]) == [expected[prompts.index(p)] for p in short]
+    _assert_drained(llm)
+
+
+def test_generate_interrupted_while_preempting_aborts_its_requests(checkpoint, prompts,
+                                                                  expected, device):
+    llm = _preempting_llm(checkpoint, device)
+    short = _short_prompts(prompts)
+    _interrupt_preempting(llm)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(short, GREEDY, use_tqdm=False)
+    _assert_drained(llm)
+    assert _tokens(llm.generate(short, GREEDY, use_tqdm=False)) == [
+        expected[prompts.index(p)] for p in short]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_outputs_of_a_step_whose_on_step_raised_come_with_the_next_step(
         checkpoint, prompts, expected, device, overlap):

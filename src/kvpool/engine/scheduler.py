@@ -211,23 +211,28 @@ class Scheduler:
         cannot grow preempts the newest (itself, if it is the newest left). Returns the
         budget left."""
         budget = self.max_num_batched_tokens
+        before = list(self.running)
         queue, self.running = self.running, deque()
-        while queue and budget:
-            seq = queue.popleft()
-            if self._reached_max_tokens(seq):
-                self.running.append(seq)
-                continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            end = seq.num_computed_tokens + num_new
-            while not self._can_grow(seq, end):
-                self._preempt(queue.pop() if queue else seq)
-                if seq.status is SequenceStatus.WAITING:
-                    break
-            else:
-                self._grow(seq, end)
-                batch.add(seq, num_new, decode=self._is_decode(seq, num_new))
-                self.running.append(seq)
-                budget -= num_new
+        try:
+            while queue and budget:
+                seq = queue.popleft()
+                if self._reached_max_tokens(seq):
+                    self.running.append(seq)
+                    continue
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                end = seq.num_computed_tokens + num_new
+                while not self._can_grow(seq, end):
+                    self._preempt(queue.pop() if queue else seq)
+                    if seq.status is SequenceStatus.WAITING:
+                        break
+                else:
+                    self._grow(seq, end)
+                    batch.add(seq, num_new, decode=self._is_decode(seq, num_new))
+                    self.running.append(seq)
+                    budget -= num_new
+        except BaseException:  # a Ctrl-C half way: `queue` held sequences no queue holds
+            self._requeue(before)
+            raise
         self.running.extend(queue)
         return budget
 
@@ -350,6 +355,17 @@ class Scheduler:
         """Does the step compute just the token the sequence sampled last?"""
         return (num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
                 and seq.num_computed_tokens >= len(seq.request.prompt_token_ids))
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Put back `seqs`, the running sequences of a preemption loop cut short, as the
+        cache holds them: running (in their order) if it does, else preempted, first in the
+        waiting queue."""
+        held = set(self.cache.sequences())
+        preempted = [seq for seq in seqs if seq.seq_id not in held]
+        for seq in preempted:
+            seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        self.running = deque(seq for seq in seqs if seq.seq_id in held)
+        self.waiting = deque([*preempted, *(s for s in self.waiting if s not in preempted)])
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and put it at the front of the queue, to recompute."""
