@@ -810,15 +810,20 @@ def _raise_keyboard_interrupt(record):
     raise KeyboardInterrupt
 
 
-def test_a_prompt_whose_admission_raises_stays_queued(checkpoint, prompts, expected, device):
-    # A tier load that raises inside add_sequence (or a Ctrl-C there) must not lose the
-    # request: it waits, and runs once admission succeeds.
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_prompt_whose_admission_raises_stays_queued(checkpoint, prompts, expected, device,
+                                                      taken):
+    # A tier load that raises inside add_sequence, or a Ctrl-C there or just after the cache
+    # took the sequence (`taken`), must not lose the request: it waits, holding nothing,
+    # and runs once admission succeeds.
     llm = _llm(checkpoint, device=device, overlap=False)
     request_id = llm.add_request(prompts[0], GREEDY)
     real = llm.cache.add_sequence
 
     def failing(*args, **kwargs):
         llm.cache.add_sequence = real
+        if taken:
+            real(*args, **kwargs)
         raise KeyboardInterrupt
 
     llm.cache.add_sequence = failing

@@ -162,21 +162,25 @@ class Scheduler:
                                                        spare_pages=self.watermark_pages,
                                                        cache_salt=salt):
                 break
-            # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C)
-            # leaves it waiting, not lost
-            seq.num_computed_tokens = self.cache.add_sequence(
-                seq.seq_id, seq.token_ids, entering=entering, cache_salt=salt)
-            self.waiting.popleft()
+            # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C
+            # anywhere until it runs) leaves it waiting, holding nothing, not lost
+            try:
+                seq.num_computed_tokens = self.cache.add_sequence(
+                    seq.seq_id, seq.token_ids, entering=entering, cache_salt=salt)
+                if seq.request.prefilled is not None:
+                    self._load_prefilled(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self.waiting.popleft()
+            except BaseException:
+                self._unadmit(seq)
+                raise
             seats += self._seats(seq)
-            seq.status = SequenceStatus.RUNNING
             if seq.request.scheduled_time is None:
                 seq.request.num_cached_tokens = seq.num_computed_tokens
                 seq.request.scheduled_time = time.perf_counter()
-            if seq.request.prefilled is not None:
-                self._load_prefilled(seq)
             num_new = min(entering - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
-            self.running.append(seq)
             budget -= num_new
         return batch
 
@@ -355,6 +359,17 @@ class Scheduler:
         """Does the step compute just the token the sequence sampled last?"""
         return (num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
                 and seq.num_computed_tokens >= len(seq.request.prompt_token_ids))
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Undo the admission of the first waiting sequence, cut short (a load that raised,
+        a Ctrl-C): it waits first in line again, holding nothing in the cache."""
+        if seq.seq_id in self.cache.sequences():
+            self.cache.free_sequence(seq.seq_id)
+        if self.running and self.running[-1] is seq:
+            self.running.pop()
+        if not (self.waiting and self.waiting[0] is seq):
+            self.waiting.appendleft(seq)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
 
     def _requeue(self, seqs: list[Sequence]) -> None:
         """Put back `seqs`, the running sequences of a preemption loop cut short, as the
