@@ -257,6 +257,31 @@ def test_a_forward_interrupted_half_way_fails_its_requests_and_keeps_no_checkpoi
     _assert_drained(llm)
 
 
+def test_an_interrupt_handing_out_a_steps_tokens_fails_the_step_run_over_it_too(
+        checkpoint, prompts, expected, device):
+    """With overlap, the forward of the next step has run through the Mamba states of each
+    of its sequences before a Ctrl-C lands while the last step's tokens are handed out: the
+    requests of both steps fail (a prompt half prefilled too), and no checkpoint of those
+    states is kept; the same prompts later come out right."""
+    llm = _llm(checkpoint, device=device, overlap=True, max_num_batched_tokens=8)
+    ids = [llm.add_request(p, GREEDY) for p in (prompts[1], prompts[4])]  # 5 and 20 tokens
+    llm.step()  # launches the first prompt and the second's first 3 tokens
+    real = llm.scheduler.postprocess
+
+    def interrupted(*args, **kwargs):
+        llm.scheduler.postprocess = real
+        raise KeyboardInterrupt
+
+    llm.scheduler.postprocess = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()  # runs the second prompt's tokens [3, 10), then hands out the first step's
+    llm.check()
+    assert not llm.has_unfinished() and not set(ids) & set(llm._requests)
+    outputs = llm.generate([prompts[1], prompts[4]], GREEDY, use_tqdm=False)
+    assert _tokens(outputs) == [expected[1], expected[4]]
+    _assert_drained(llm)
+
+
 def test_checkpoint_slots_where_no_checkpoint_is_taken_are_refused_by_name(checkpoint):
     with pytest.raises(ValueError, match="mamba_checkpoint_slots=4 hold a hybrid model's "
                                          "prefix checkpoints, but prefix_caching is off"):

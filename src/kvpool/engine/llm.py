@@ -563,15 +563,17 @@ class LLM:
             self._first_step_time = start
         batch = self.scheduler.schedule()
         previous = self._in_flight
-        # A hybrid's forward that raises half way has run part of the batch through some
-        # Mamba layers, whose state slots it updated in place: no step could compute those
-        # tokens again. Its requests fail; a plain model's rewrite the same K/V next step.
+        # A hybrid's forward runs the batch through its Mamba layers, updating their state
+        # slots in place: until `_launch` records the batch, no step could compute those
+        # tokens again. So if anything raises in between (the forward half way, or with
+        # overlap the last step's finish) its requests fail; a plain model's rewrite the
+        # same K/V next step.
         with self._failing_if_interrupted(batch.seqs) if self.runner.has_states \
                 else nullcontext():
             logits = self._forward(batch, previous) if batch.seqs else None
-        self._in_flight = None
-        requests = self._finish(previous, start) if previous else []
-        launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
+            self._in_flight = None
+            requests = self._finish(previous, start) if previous else []
+            launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
         self._forget(failed)
         if launched is not None and not self.overlap:
             requests, launched = self._finish(launched, start), None
