@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Collection
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -32,7 +33,7 @@ from kvpool.cache import SequenceCache
 from kvpool.engine.handoff import write_prefilled
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
-from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong
+from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong, UnknownSequence
 
 
 def placeholder(row: int) -> int:
@@ -363,13 +364,17 @@ class Scheduler:
     def _unadmit(self, seq: Sequence) -> None:
         """Undo the admission of the first waiting sequence, cut short (a load that raised,
         a Ctrl-C): it waits first in line again, holding nothing in the cache."""
-        if seq.seq_id in self.cache.sequences():
-            self.cache.free_sequence(seq.seq_id)
+        self._free_if_held(seq)
         if self.running and self.running[-1] is seq:
             self.running.pop()
         if not (self.waiting and self.waiting[0] is seq):
             self.waiting.appendleft(seq)
         seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+
+    def _free_if_held(self, seq: Sequence) -> None:
+        """Give back the sequence's pages if the cache holds it (a waiting one it does not)."""
+        with suppress(UnknownSequence):
+            self.cache.free_sequence(seq.seq_id)
 
     def _requeue(self, seqs: list[Sequence]) -> None:
         """Put back `seqs`, the running sequences of a preemption loop cut short, as the
@@ -428,8 +433,7 @@ class Scheduler:
         """A sequence is done: its pages go back (committed ones stay cached) and it leaves
         its queue. A token it was still sampling is dropped. One that a Ctrl-C left half
         made (a sample being forked: in no queue, maybe not in the cache) finishes too."""
-        if seq.seq_id in self.cache.sequences():
-            self.cache.free_sequence(seq.seq_id)
+        self._free_if_held(seq)
         queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
         if seq in queue:
             queue.remove(seq)
