@@ -20,19 +20,22 @@ import transformers
 
 from kvpool.engine import LLM, SamplingParams
 from kvpool.models.loader import load_model
-from models_util import PagedRunner, make_hf_model, save_hf_model
+from models_util import CONFIGS, PagedRunner, make_hf_model, save_hf_model
+from test_qwen3_moe import MIXTRAL
 
 NUM_PROMPTS, MAX_TOKENS = 48, 32
 
 
 def _bf16_pair(name, folder):
-    save_hf_model(make_hf_model(name), folder)
+    save_hf_model(make_hf_model(name, configs={**CONFIGS, **MIXTRAL}), folder)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     return hf, load_model(folder, dtype=torch.bfloat16, device="cpu").model
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-rope-llama3-biases", "qwen3"])
+# Mixtral: its routing weights stay float32, each expert's output rounded once after the sum
+@pytest.mark.parametrize("name", ["llama", "llama-rope-llama3-biases", "qwen3",
+                                  "mixtral-window-8"])
 def test_bf16_prefill_logits_are_bit_identical_to_transformers(name, tmp_path):
     hf, ours = _bf16_pair(name, tmp_path)
     prompt = [random.Random(3).randrange(160) for _ in range(40)]

@@ -407,8 +407,8 @@ class MoEConfig:
     # DeepSeek, GLM-4.5 and Ernie 4.5 score experts in float32; Qwen3-MoE scores them in the
     # model's dtype and takes the softmax in float32
     router_in_float32: bool
-    # DeepSeek and GLM-4.5 weigh the experts' outputs in float32; the others in the model's
-    # dtype
+    # DeepSeek, GLM-4.5 and Mixtral weigh the experts' outputs in float32; the others in the
+    # model's dtype
     weights_in_float32: bool = False
     # the shape of `e_score_correction_bias`, added to the scores to choose the experts but
     # not to weigh them: V3's and GLM-4.5's `[experts]`, Ernie 4.5's `[1, experts]` (its
@@ -1413,11 +1413,14 @@ def _no_rope_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def _mixtral_moe(cfg: dict, num_layers: int) -> MoEConfig | None:
-    """Mixtral's experts: Qwen3-MoE's routing with the chosen weights renormalised, on every
-    layer, each expert `intermediate_size` wide."""
-    return _qwen3_moe({**cfg, "moe_intermediate_size": _int(cfg, "intermediate_size"),
-                       "norm_topk_prob": True, "decoder_sparse_step": 1,
-                       "mlp_only_layers": []}, num_layers)
+    """Mixtral's experts: Qwen3-MoE's routing with the chosen weights renormalised, 2 of 8 by
+    default, on every layer, each expert `intermediate_size` wide; the weights stay float32,
+    as transformers' router returns them."""
+    intermediate = _int(cfg, "intermediate_size")
+    moe = _qwen_moe({**cfg, "moe_intermediate_size": intermediate, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []},
+                    num_layers, MIXTRAL, (8, 2, intermediate), shared=0)
+    return moe and replace(moe, weights_in_float32=True)
 
 
 def _granite_moe(cfg: dict, num_layers: int) -> MoEConfig | None:

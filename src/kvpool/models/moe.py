@@ -37,8 +37,8 @@ class Router(nn.Module):
                                  torch.empty(moe.choice_bias_shape, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, hidden]` -> (weights `[T, top_k]`, float32 (DeepSeek, GLM-4.5) or x's
-        dtype, expert ids `[T, top_k]`)."""
+        """x `[T, hidden]` -> (weights `[T, top_k]`, float32 (DeepSeek, GLM-4.5, Mixtral) or
+        x's dtype, expert ids `[T, top_k]`)."""
         moe = self.moe
         bias = self.bias if moe.router_bias else None
         if moe.router_in_float32:
