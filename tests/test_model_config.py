@@ -3,6 +3,7 @@ they imply."""
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -205,6 +206,36 @@ def test_kv_heads_and_mlp_width_left_out_are_each_architectures_as_transformers_
     hf, ours = transformers.AutoConfig.from_pretrained(tmp_path), ModelConfig.from_hf(tmp_path)
     assert (ours.num_kv_heads, ours.intermediate_size) == (hf.num_key_value_heads,
                                                            hf.intermediate_size)
+
+
+# Every model_type kvpool reads, with the keys its config cannot leave out besides the sizes
+# (transformers' DeepSeek-V2 has no top-k of its own; a hybrid needs its state layers)
+MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16}
+MODEL_TYPES = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "qwen2_moe": {}, "mistral": {},
+    "phi3": {}, "smollm3": {}, "granite": {}, "granitemoe": {}, "granitemoeshared": {},
+    "olmo2": {}, "olmo3": {}, "seed_oss": {}, "arcee": {}, "ernie4_5": {}, "ernie4_5_moe": {},
+    "apertus": {}, "glm": {}, "glm4": {}, "glm4_moe": {}, "exaone4": {}, "mixtral": {},
+    "gemma2": {}, "gemma3_text": {}, "gpt_oss": {}, "deepseek_v2": {"num_experts_per_tok": 2},
+    "deepseek_v3": {}, "bamba": {**MAMBA, "attn_layer_indices": [1]},
+    "granitemoehybrid": {**MAMBA, "layer_types": ["mamba", "attention"] * 2},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"] * 2},
+}
+
+
+@pytest.mark.parametrize("model_type", list(MODEL_TYPES))
+def test_keys_left_out_read_as_transformers_defaults_them(transformers, tmp_path, model_type):
+    """head_dim, the tie, rope_theta, rms_norm_eps, the experts and top-k, ...: kvpool reads a
+    config of sizes alone as it reads transformers' whole config of it (token ids aside)."""
+    config = {"model_type": model_type, "vocab_size": 160, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, **MODEL_TYPES[model_type]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    written = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    written.pop("architectures", None)  # both name the architecture by the model_type
+    ours, theirs = ModelConfig.from_hf(tmp_path), ModelConfig.from_hf(written)
+    assert replace(ours, eos_token_ids=(), bos_token_id=None) == \
+        replace(theirs, eos_token_ids=(), bos_token_id=None)
 
 
 def test_kv_layout_names_the_presets_when_no_config_is_found(tmp_path):

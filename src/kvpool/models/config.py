@@ -129,14 +129,15 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
     "DeepseekV3ForCausalLM": {"num_local_experts": "n_routed_experts"},
 }
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
-# from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window and 4,096 positions (DeepSeek's:
-# _deepseek)
+# from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window, 4,096 positions, head_dim
+# hidden_size / num_attention_heads and an untied lm_head (DeepSeek's: _deepseek; the experts':
+# the MoE parsers)
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "intermediate_size": 11008},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
                          "num_key_value_heads": 32, "intermediate_size": 22016},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
-                         "num_key_value_heads": 32, "intermediate_size": 22016},
+                         "num_key_value_heads": 32, "intermediate_size": 22016, "head_dim": 128},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
                             "intermediate_size": 6144},
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
@@ -158,7 +159,8 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "Olmo2ForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     OLMO3: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
             "sliding_window": 4096},
-    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6},
+    "SmolLM3ForCausalLM": {"max_position_embeddings": 32768, "rope_theta": 2e6,
+                           "tie_word_embeddings": True},
     # Seed-OSS: q/k/v biased unless attention_bias is false, o only with attention_out_bias
     SEED_OSS: {"max_position_embeddings": 524288, "head_dim": 128, "attention_bias": True},
     ARCEE: {"rms_norm_eps": 1e-5, "hidden_act": "relu2"},  # an ungated MLP
@@ -185,9 +187,11 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
     GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
-             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+             "tie_word_embeddings": True},
     "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
-                          "rope_theta": 1e6, "rope_local_base_freq": 1e4},
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4, "head_dim": 256,
+                          "tie_word_embeddings": True},
     "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
     # sliding layers and full ones alternating from a sliding first; yarn 32x over a trained
     # context of 4,096 tokens, every frequency ramped (truncate false)
@@ -577,9 +581,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-            # Gemma ties its head to the embedding unless its config says otherwise
-            tie_word_embeddings=(_bool(cfg, "tie_word_embeddings")
-                                 if "tie_word_embeddings" in cfg or not is_gemma else True),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             # Qwen2's q/k/v have biases; Qwen2-MoE's unless its qkv_bias says otherwise
             qkv_bias=is_qwen2 or (attention_bias and arch in QKV_BIAS) or (
                 arch == QWEN2_MOE and _bool({"qkv_bias": True, **cfg}, "qkv_bias")),
