@@ -96,19 +96,52 @@ def test_batched_greedy_decode_on_scattered_latent_pages_matches_transformers(pa
     runner.cache.check()
 
 
-def with_an_extra_layer(folder):
-    """Add tensors of a layer past num_hidden_layers (as V3's multi-token-prediction module
-    ships) to the checkpoint in `folder`."""
+def with_an_extra_layer(folder, layer: int = 3):
+    """Add tensors of layer `layer`, past the 3 of num_hidden_layers (as V3's
+    multi-token-prediction module ships, in layer 3), to the checkpoint in `folder`."""
     weights = load_file(folder / "model.safetensors")
-    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    weights["model.layers.3.input_layernorm.weight"] = torch.ones(64)
+    weights[f"model.layers.{layer}.eh_proj.weight"] = torch.zeros(64, 128)
+    weights[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(64)
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def with_config(folder, **keys):
+    """Set `keys` in the config.json of the checkpoint in `folder` (None: leave it out)."""
+    config = {**json.loads((folder / "config.json").read_text()), **keys}
+    config = {key: value for key, value in config.items() if value is not None}
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
 def test_v3_loads_without_its_multi_token_prediction_layers(tmp_path, device):
     hf = make_hf_model("v3-rope-not-interleaved", configs=CONFIGS)
     model = load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device=device).model
+    assert len(model.model.layers) == 3
+
+
+def test_v3_refuses_tensors_of_a_layer_past_its_multi_token_prediction_layer(tmp_path, device):
+    hf = make_hf_model("v3-rope-not-interleaved", configs=CONFIGS)
+    with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.4\.eh_proj"):
+        load_model(with_an_extra_layer(save_hf_model(hf, tmp_path), layer=4), device=device)
+
+
+@pytest.mark.parametrize("keys", [{"num_nextn_predict_layers": 0},
+                                  {"num_nextn_predict_layers": None, "num_mtp_layers": 0}])
+def test_v3_of_no_multi_token_prediction_layers_refuses_a_layer_past_its_own(tmp_path, device,
+                                                                             keys):
+    folder = with_config(save_hf_model(make_hf_model("v3-rope-not-interleaved",
+                                                     configs=CONFIGS), tmp_path), **keys)
+    with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.3\.eh_proj"):
+        load_model(with_an_extra_layer(folder), device=device)
+
+
+def test_v3_skips_as_many_multi_token_prediction_layers_as_its_config_names(tmp_path, device):
+    folder = with_config(save_hf_model(make_hf_model("v3-rope-not-interleaved",
+                                                     configs=CONFIGS), tmp_path),
+                         num_nextn_predict_layers=2)
+    model = load_model(with_an_extra_layer(with_an_extra_layer(folder), layer=4),
+                       device=device).model
     assert len(model.model.layers) == 3
 
 

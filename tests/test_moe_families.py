@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from kvpool.engine import SamplingParams
-from kvpool.errors import ConfigError
+from kvpool.errors import CheckpointError, ConfigError
 from kvpool.models.config import ModelConfig
 from kvpool.models.loader import load_model, model_class
 from kvpool.models.moe import MoE
@@ -120,6 +120,13 @@ def test_glm4_moe_loads_without_its_multi_token_prediction_layer(tmp_path, devic
     hf = make_hf_model("glm4-moe", configs=CONFIGS)
     model = load_model(with_an_extra_layer(save_hf_model(hf, tmp_path)), device=device).model
     assert len(model.model.layers) == 3
+
+
+def test_glm4_moe_refuses_tensors_of_a_layer_past_its_multi_token_prediction_layer(tmp_path,
+                                                                                  device):
+    hf = make_hf_model("glm4-moe", configs=CONFIGS)
+    with pytest.raises(CheckpointError, match=r"unexpected weights: model\.layers\.4\.eh_proj"):
+        load_model(with_an_extra_layer(save_hf_model(hf, tmp_path), layer=4), device=device)
 
 
 def test_glm4_moe_reads_transformers_defaults():

@@ -124,9 +124,11 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # the layer_types of conf
 # use instead: the other name -> the one read here
 KEY_ALIASES: dict[str, dict[str, str]] = {
     ERNIE_MOE: {"num_experts": "moe_num_experts", "num_experts_per_tok": "moe_k"},
-    GLM4_MOE: {"num_local_experts": "n_routed_experts"},
+    GLM4_MOE: {"num_local_experts": "n_routed_experts",
+               "num_mtp_layers": "num_nextn_predict_layers"},
     "DeepseekV2ForCausalLM": {"num_experts": "n_routed_experts"},
-    "DeepseekV3ForCausalLM": {"num_local_experts": "n_routed_experts"},
+    "DeepseekV3ForCausalLM": {"num_local_experts": "n_routed_experts",
+                              "num_mtp_layers": "num_nextn_predict_layers"},
 }
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window, 4,096 positions, head_dim
@@ -513,6 +515,9 @@ class ModelConfig:
     multipliers: Multipliers = NO_MULTIPLIERS  # Granite's
     # GPT-OSS: a learned logit per query head joins its softmax (`self_attn.sinks`)
     attention_sinks: bool = False
+    # DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, which their checkpoints hold
+    # after the model's last layer and kvpool does not run
+    mtp_layers: int = 0
 
     @classmethod
     def from_hf(cls, source: dict | str | Path) -> ModelConfig:
@@ -616,6 +621,7 @@ class ModelConfig:
             if arch == EXAONE4 and sliding_window else (),
             multipliers=_granite_multipliers(cfg) if arch in GRANITES else NO_MULTIPLIERS,
             attention_sinks=arch == GPT_OSS,
+            mtp_layers=_mtp_layers(cfg) if arch == GLM4_MOE else 0,
         )
         rotated = config.rotary_dim
         if (rotated < 2 or rotated % 2) and set(config.attention_layers) - set(
@@ -1142,7 +1148,15 @@ def _deepseek(cfg: dict, arch: str) -> ModelConfig:
         mla=mla,
         moe=_deepseek_moe(cfg, v3, num_layers),
         fp8_weight_block=_fp8_weight_block(cfg, arch),
+        mtp_layers=_mtp_layers(cfg) if v3 else 0,
     )
+
+
+def _mtp_layers(cfg: dict) -> int:
+    """The multi-token-prediction layers of a DeepSeek-V3 or GLM-4.5 config (transformers'
+    default: one)."""
+    value = _optional_int(cfg, "num_nextn_predict_layers", minimum=0)
+    return 1 if value is None else value
 
 
 def _fp8_weight_block(cfg: dict, arch: str) -> tuple[int, int] | None:

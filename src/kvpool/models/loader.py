@@ -370,23 +370,22 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
     inv_freq buffers are skipped). With `fp8_weight_block` in the config, float8 weights are
     dequantized by their `weight_scale_inv` first; with `mxfp4_experts`, each expert weight of
     an MXFP4 stack from its own blocks only."""
-    params = model.state_dict()
-    block = model.config.fp8_weight_block
+    params, config = model.state_dict(), model.config
+    block = config.fp8_weight_block
     # DeepSeek-V3's and GLM-4.5's checkpoints carry their multi-token-prediction module as
-    # extra layers, Ernie 4.5's and Qwen3-Next's as modules named `mtp`.
-    extra_layers = model.config.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+    # the layers after the last, Ernie 4.5's and Qwen3-Next's as modules named `mtp`.
     found = _checkpoint_shapes(files, tied=model.lm_head is None,
-                               num_layers=model.config.num_layers if extra_layers else None,
-                               mtp=model.config.architecture in (
+                               mtp_layers=range(config.num_layers,
+                                                config.num_layers + config.mtp_layers),
+                               mtp=config.architecture in (
                                    "Ernie4_5_MoeForCausalLM", "Qwen3NextForCausalLM"))
     # weight name -> the file of its scale (without quantization, scales are unexpected)
     scales = {} if block is None else {name[:-len(SCALE_SUFFIX)]: found.pop(name)[1]
                                        for name in [n for n in found if n.endswith(SCALE_SUFFIX)]}
     # MXFP4 stack name -> the file of its scales
-    mxfp4 = _mxfp4_stacks(found) if model.config.mxfp4_experts else {}
+    mxfp4 = _mxfp4_stacks(found) if config.mxfp4_experts else {}
     # parameter name -> (the checkpoint tensor holding it, its piece there; None: all of it)
-    sources = _renamed(found) | _split_fused(found, model.config) | \
-        _split_interleaved(found, model.config)
+    sources = _renamed(found) | _split_fused(found, config) | _split_interleaved(found, config)
     _check_weights(model, found, files[0].parent)
     read = {sources.get(name, (name, None))[0] for name in found}
     if orphans := sorted(scales.keys() - read):
@@ -619,11 +618,11 @@ def _read_tensor(f, name: str, file: Path, index: Index) -> torch.Tensor:
         raise CheckpointError(f"tensor {name} of {file} cannot be read: {e}") from None
 
 
-def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = None,
+def _checkpoint_shapes(files: list[Path], tied: bool, mtp_layers: range = range(0),
                        mtp: bool = False) -> dict[str, tuple[tuple[int, ...], Path]]:
     """name -> (shape, file) of every tensor the model should load, read from headers only;
-    with `num_layers`, tensors of layers from `num_layers` on are not the model's; with
-    `mtp`, neither are tensors whose names hold "mtp" (as transformers leaves them)."""
+    tensors of the layers `mtp_layers` are not the model's, nor, with `mtp`, tensors whose
+    names hold "mtp" (as transformers leaves them)."""
     found = {}
     for file in files:
         with _open_safetensors(file) as f:
@@ -633,7 +632,7 @@ def _checkpoint_shapes(files: list[Path], tied: bool, num_layers: int | None = N
                     continue
                 if name.startswith(VISION_PARTS):  # kvpool runs the text decoder only
                     continue
-                if num_layers is not None and _layer_index(name) >= num_layers:
+                if _layer_index(name) in mtp_layers:
                     continue
                 if mtp and "mtp" in name:
                     continue
