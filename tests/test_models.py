@@ -207,6 +207,21 @@ def test_unexpected_weight_is_named(broken, device):
         load_model(broken, device=device)
 
 
+@pytest.mark.parametrize(("renamed", "name"), [
+    ("model.layers.0.attention_layernorm.weight", "model.layers.0.input_layernorm.weight"),
+    ("model.layers.1.feedforward_layernorm.weight",
+     "model.layers.1.post_attention_layernorm.weight"),
+])
+def test_a_weight_also_held_under_a_name_renamed_to_it_is_refused_naming_both(
+        broken, device, renamed, name):
+    tensors = load_file(broken / WEIGHTS)
+    tensors[renamed] = torch.full_like(tensors[name], 5.0)
+    save_file(tensors, broken / WEIGHTS)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"the checkpoint holds {name} twice: as {name} and as {renamed}")):
+        load_model(broken, device=device)
+
+
 def test_misshapen_weight_names_both_shapes(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.norm.weight"] = torch.ones(65)

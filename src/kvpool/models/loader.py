@@ -417,12 +417,17 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
 
 def _renamed(found: dict) -> dict[str, tuple[str, None]]:
     """Rename the RENAMED tensors of `found` to kvpool's parameter names; returns parameter
-    name -> (the checkpoint's name, None)."""
+    name -> (the checkpoint's name, None). CheckpointError for a parameter the checkpoint
+    holds under two names."""
     sources = {}
     for name in list(found):
         for pattern, template in RENAMED:
             if match := pattern.fullmatch(name):
                 ours = match.expand(template)
+                if ours in found:
+                    other = sources.get(ours, (ours,))[0]
+                    raise CheckpointError(f"the checkpoint holds {ours} twice: as {other} and "
+                                          f"as {name}")
                 found[ours] = found.pop(name)
                 sources[ours] = (name, None)
                 break
