@@ -387,6 +387,9 @@ def test_plan_command_takes_kv_cache_dtype(capsys):
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of .* got 'fp8'"),
     ({"kv_scales": (1.0, 1.0)}, "apply to fp8 pages"),
     ({"kv_cache_dtype": "fp8_e4m3", "kv_scales": (1.0, -2.0)}, "got -2.0"),
+    # fp8 is a KV page dtype, not one the models compute in
+    ({"dtype": torch.float8_e4m3fn}, "dtype torch.float8_e4m3fn is not one kvpool's models "
+                                     "compute in"),
 ])
 def test_engine_options_are_validated(options, message):
     with pytest.raises(ValueError, match=message):

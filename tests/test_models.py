@@ -222,6 +222,19 @@ def test_a_weight_also_held_under_a_name_renamed_to_it_is_refused_naming_both(
         load_model(broken, device=device)
 
 
+@pytest.mark.parametrize(("dtype", "error", "message"), [
+    (torch.float8_e4m3fn, ValueError, "dtype torch.float8_e4m3fn is not one kvpool's models "
+                                      "compute in (torch.float32, torch.float16, "
+                                      "torch.bfloat16)"),
+    (torch.int8, ValueError, "dtype torch.int8 is not one kvpool's models compute in"),
+    ("bfloat16", TypeError, "dtype must be a torch.dtype or None, got str 'bfloat16'"),
+])
+def test_a_dtype_models_do_not_compute_in_is_refused_before_anything_loads(tmp_path, dtype,
+                                                                           error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        load_model(tmp_path / "no-checkpoint-here", dtype=dtype, device="cpu")
+
+
 def test_misshapen_weight_names_both_shapes(broken, device):
     tensors = load_file(broken / WEIGHTS)
     tensors["model.norm.weight"] = torch.ones(65)

@@ -46,6 +46,19 @@ def exact_bytes(num_bytes: int) -> str:
     return f"{num_bytes:,} B" if rounded == f"{num_bytes} B" else f"{num_bytes:,} B ({rounded})"
 
 
+def check_model_dtype(dtype: object) -> None:
+    """TypeError unless `dtype` is None or a torch.dtype; ValueError unless it is one that
+    kvpool's models compute in (DTYPES)."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} "
+                        f"{dtype!r}")
+    if dtype not in DTYPES.values():
+        names = ", ".join(f"torch.{name}" for name in DTYPES)
+        raise ValueError(f"dtype {dtype} is not one kvpool's models compute in ({names})")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The name of `dtype` as DTYPES spells it, e.g. "bfloat16"."""
     return str(dtype).removeprefix("torch.")

@@ -11,7 +11,7 @@ import torch
 from kvpool.devices import check_device
 from kvpool.engine.params import SEED_LIMIT
 from kvpool.errors import OutOfPages
-from kvpool.formats import exact_bytes
+from kvpool.formats import check_model_dtype, exact_bytes
 from kvpool.kernels import MAX_DECODE_SPLITS, decode_scratch_bytes
 from kvpool.memory.fp8 import KV_CACHE_DTYPES, check_scale
 from kvpool.memory.layout import KVLayout
@@ -118,8 +118,7 @@ class EngineConfig:
             raise ValueError("overlap=True needs tensor_parallel_size 1: the workers take each "
                              "step's input ids from rank 0's message, not from the device")
         self._check_tier()
-        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or None, got {self.dtype!r}")
+        check_model_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvpool.devices import check_device
 from kvpool.errors import CheckpointError, ConfigError
+from kvpool.formats import check_model_dtype
 from kvpool.models.bamba import BambaForCausalLM
 from kvpool.models.config import PRESETS, ModelConfig, token_ids
 from kvpool.models.deepseek import DeepseekForCausalLM
@@ -171,9 +172,12 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
     cannot hold it) or the "tiny" preset onto `device`; with `tp`, this rank's part of it.
     dtype None: the config's (float32 if it states none, but for an MXFP4 GPT-OSS's
     bfloat16). `max_model_len`, the longest sequence it will run (None: the config's
-    context), picks LongRoPE's factors. Raises ValueError for a bad device, ConfigError for a
-    missing, malformed or unsupported config (or one that does not split across the ranks)
-    and CheckpointError for weights that do not match it."""
+    context), picks LongRoPE's factors. Raises TypeError for a dtype that is not a
+    torch.dtype, ValueError for one kvpool does not compute in (float32, float16 and
+    bfloat16 it does) or a bad device, ConfigError for a missing, malformed or unsupported
+    config (or one that does not split across the ranks) and CheckpointError for weights
+    that do not match it."""
+    check_model_dtype(dtype)
     device = check_device(device)
     if max_model_len is not None:
         check_int64("max_model_len", max_model_len, 1)
