@@ -280,10 +280,10 @@ class Geometry:
     def mamba_layout(self, *, dtype=None, tensor_parallel_size=1):
         return None
 
-    def count_parameters(self):
+    def count_parameters(self, tensor_parallel_size=1):
         return self.num_parameters
 
-    def count_float32_parameters(self):
+    def count_float32_parameters(self, tensor_parallel_size=1):
         return 0
 
     def estimate_activation_bytes(self, dtype, *, max_num_batched_tokens, max_num_seqs):
@@ -302,10 +302,17 @@ def test_plan_takes_any_model_geometry():
     assert plan.num_pages == 7808 // 512 - 1 == 14  # and the reserved page
 
 
-def test_a_rank_plans_for_its_share_of_the_parameters_rounded_up():
+class SplitGeometry(Geometry):
+    """`num_parameters` of which 3 every rank holds whole and the rest split evenly."""
+
+    def count_parameters(self, tensor_parallel_size=1):
+        return (self.num_parameters - 3) // tensor_parallel_size + 3
+
+
+def test_a_rank_plans_the_weights_its_geometry_counts_for_one_rank():
     layout = KVLayout(2, 1, 8, torch.float32, 4)
-    plan = plan_memory(Geometry(layout, 1001), 20_000, tensor_parallel_size=2)
-    assert plan.weight_bytes == 501 * 4
+    plan = plan_memory(SplitGeometry(layout, 1001), 20_000, tensor_parallel_size=2)
+    assert (plan.num_parameters, plan.weight_bytes) == (1001, (499 + 3) * 4)
 
 
 @pytest.mark.parametrize("source", ["Llama-3-8B", Path("config.json"), dict(SMALL), None])

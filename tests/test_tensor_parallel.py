@@ -21,6 +21,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from hybrid_util import BAMBA_CONFIGS
 from kvpool.cache import HOLE, KVCache
 from kvpool.cache.tiers import HostTier, PageKey
 from kvpool.cli.main import main
@@ -46,7 +47,9 @@ from models_util import (
     save_hf_model,
 )
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from test_families import CONFIGS as FAMILIES
 from test_gpt_oss import gpt_oss
+from test_granite_hybrid import CONFIGS as GRANITE_HYBRID
 from test_granite_moe import CONFIGS as GRANITE_MOE
 from test_moe_families import CONFIGS as MOE_FAMILIES
 from test_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
@@ -556,15 +559,54 @@ def test_a_dimension_that_does_not_split_names_itself(tmp_path, device):
 
 # --- planning ------------------------------------------------------------------------------
 
-def test_a_rank_plans_half_the_weights_and_half_the_kv_heads():
+def test_a_rank_plans_half_the_kv_heads_in_the_budget_its_weights_leave():
     model = ModelConfig.from_hf("Llama-3-8B")
     one = plan_memory(model, 80 * 2**30)
     rank = plan_memory(model, 80 * 2**30, tensor_parallel_size=2)
     assert rank.layout.num_kv_heads == 4 and one.layout.num_kv_heads == 8
     assert rank.layout.bytes_per_token * 2 == one.layout.bytes_per_token
-    assert rank.weight_bytes * 2 == one.weight_bytes
     assert rank.budget_bytes == one.budget_bytes + one.weight_bytes - rank.weight_bytes
     assert rank.num_pages == pages_within(rank.layout, rank.budget_bytes)
+
+
+# PARITY's models and others whose ranks hold whole tensors: row-parallel biases (Llama's,
+# Granite's, Seed-OSS's, the experts' and shared experts' down projections), an ungated MLP
+# (Arcee's), Qwen2-MoE's shared gate, MLA without q_lora_rank (V2-Lite) and with biases, and
+# hybrids' Mamba mixers (B/C groups fewer than the ranks: replicated)
+RANK_BYTES = {
+    **PARITY,
+    "llama-biases": CONFIGS["llama-rope-llama3-biases"],
+    "granite": CONFIGS["granite"],
+    "smollm3": CONFIGS["smollm3"],
+    "seed-oss": FAMILIES["seed-oss"],
+    "arcee": FAMILIES["arcee"],
+    "qwen2-moe": QWEN3_MOE_CONFIGS["qwen2-moe"],
+    "deepseek-v2-lite": DEEPSEEK_CONFIGS["v2-lite"],
+    "deepseek-v3-biases": DEEPSEEK_CONFIGS["v3-biases-norm-eps"],
+    "bamba": BAMBA_CONFIGS["bamba-biases-tied-two-attention"],
+    "granite-hybrid": GRANITE_HYBRID["granite-hybrid"],
+}
+
+
+@pytest.mark.parametrize("name", list(RANK_BYTES))
+def test_a_rank_plans_the_bytes_of_the_weights_it_loads(tmp_path, name):
+    """Split tensors' parts and replicated ones whole, float32 routers and sinks at 4 bytes:
+    the plan's weight bytes are those of rank 0's loaded tensors."""
+    folder = save_hf_model(make_hf_model(name, configs=RANK_BYTES), tmp_path)
+    loaded = load_model(folder, dtype=torch.bfloat16, device="cpu", tp=TensorParallel(0, RANKS))
+    held = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
+    plan = plan_memory(loaded.config, 2**40, dtype=torch.bfloat16, tensor_parallel_size=RANKS)
+    assert plan.weight_bytes == held
+
+
+@pytest.mark.parametrize(("preset", "ranks", "weight_bytes"), [
+    ("Llama-3-8B", 8, 2_008_031_232),  # norms and one KV head of 8 whole on every rank
+    ("Gemma-3-4B", 8, 1_015_274_496),  # 4 KV heads: one replicated on 2 ranks each
+    ("Qwen3-235B-A22B", 8, 58_959_617_024),  # and 94 routers of 128 experts
+])
+def test_a_rank_of_a_published_model_plans_what_its_part_holds(preset, ranks, weight_bytes):
+    plan = plan_memory(ModelConfig.from_hf(preset), 2**44, tensor_parallel_size=ranks)
+    assert plan.weight_bytes == weight_bytes
 
 
 def test_fewer_kv_heads_than_ranks_replicate_one_head_per_rank():
@@ -585,7 +627,8 @@ def test_kvpool_plan_shows_one_ranks_share(capsys):
     assert main(["plan", "Llama-3-8B", "--device-memory", "80GiB",
                  "--tensor-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "2 ranks: each holds 1/2 of the weights, 4 of 8 KV heads" in out
+    assert ("2 ranks: each holds its part of the weights (the replicated ones whole), 4 of 8 "
+            "KV heads") in out
     assert "KV bytes per token  65,536" in out
 
 

@@ -233,10 +233,10 @@ def _plan_rows(
         ]
     if plan.tensor_parallel_size > 1:
         rows.append(("tensor parallel", f"{plan.tensor_parallel_size} ranks: each holds "
-                                        f"1/{plan.tensor_parallel_size} of the weights, "
-                                        f"{layout.num_kv_heads} of {model.num_kv_heads} "
-                                        f"KV heads and the same pages; the rows below are "
-                                        f"one rank's"))
+                                        f"its part of the weights (the replicated ones "
+                                        f"whole), {layout.num_kv_heads} of "
+                                        f"{model.num_kv_heads} KV heads and the same pages; "
+                                        f"the rows below are one rank's"))
     rows += [
         ("KV layout", _layout_text(model, layout)),
         ("KV dtype", dtype_name(layout.dtype)),

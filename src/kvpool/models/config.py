@@ -24,6 +24,7 @@ from kvpool.models.hybrid_config import (
     MambaConfig,
 )
 from kvpool.models.layers import ACTIVATIONS, UNGATED_ACTIVATIONS
+from kvpool.models.parallel import TensorParallel
 from kvpool.numeric import INT64_MAX, check_float32, check_int64
 
 SUPPORTED_ARCHITECTURES = (
@@ -697,29 +698,35 @@ class ModelConfig:
                         kind="mla" if self.mla else "mha",
                         layer_windows=windows if any(windows) else ())
 
-    def count_parameters(self) -> int:
+    def count_parameters(self, tensor_parallel_size: int = 1) -> int:
         """Exact parameter count: embeddings; per layer its mixer (attention, Llama-family: q,
         k, v, o and their biases, Qwen3's q/k norms; DeepSeek: MLA's projections and norms; or
         a hybrid's Mamba2 mixer), the MLP (gated; MoE layers: routed and shared experts and
-        the router) and two RMSNorms (Gemma, GLM-4: four); the final norm; the lm_head unless tied
-        to the embeddings."""
+        the router) and two RMSNorms (Gemma, GLM-4: four); the final norm; the lm_head unless
+        tied to the embeddings. With `tensor_parallel_size` N, one rank's of N: its part of
+        each split tensor and the whole of each it replicates (kvpool.models.parallel)."""
+        tp = TensorParallel(0, tensor_parallel_size)
         hidden = self.hidden_size
-        attention = self._mla_parameters() if self.mla else self._attention_parameters()
+        attention = self._mla_parameters(tp) if self.mla else self._attention_parameters(tp)
         mixers = len(self.attention_layers) * attention
         if self.mamba:
-            mixers += len(self.mamba.layers) * self.mamba.count_parameters(hidden)
-        embeddings = self.vocab_size * hidden
-        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+            mixers += len(self.mamba.layers) * self.mamba.per_rank(tp.size).count_parameters(
+                hidden)
+        embeddings = len(tp.part(self.vocab_size, "vocab_size")) * hidden
+        lm_head = 0 if self.tie_word_embeddings else embeddings
         # Gemma and GLM-4 also norm the attention's and the MLP's outputs
         norms = 4 if self.gemma or self.architecture == GLM4 else 2
         return (embeddings + mixers + self.num_layers * norms * hidden
-                + self._mlp_parameters() + hidden + lm_head)
+                + self._mlp_parameters(tp) + hidden + lm_head)
 
-    def count_float32_parameters(self) -> int:
-        """Of `count_parameters`, those the model holds in float32 whatever its dtype:
-        GPT-OSS's sinks, and the routers that score in float32 (DeepSeek's, GLM-4.5's,
-        Ernie 4.5's) with their choice bias."""
-        sinks = len(self.attention_layers) * self.num_heads if self.attention_sinks else 0
+    def count_float32_parameters(self, tensor_parallel_size: int = 1) -> int:
+        """Of `count_parameters`, those the model (or one rank of `tensor_parallel_size`)
+        holds in float32 whatever its dtype: GPT-OSS's sinks (split by heads), and the
+        routers that score in float32 (DeepSeek's, GLM-4.5's, Ernie 4.5's) with their
+        choice bias (whole on every rank)."""
+        heads = len(TensorParallel(0, tensor_parallel_size).part(self.num_heads,
+                                                                 "num_attention_heads"))
+        sinks = len(self.attention_layers) * heads if self.attention_sinks else 0
         moe = self.moe
         if moe is None:
             return sinks
@@ -745,11 +752,15 @@ class ModelConfig:
         num_logits = min(max_num_seqs, max_num_batched_tokens)
         return max_num_batched_tokens * per_token + num_logits * self.vocab_size * 4
 
-    def _attention_parameters(self) -> int:
+    def _attention_parameters(self, tp: TensorParallel) -> int:
         """One layer's q, k, v and o projections, their biases, Qwen3's and Gemma 3's
-        per-head q/k norms or OLMo 2's across all heads, and GPT-OSS's sink per head."""
+        per-head q/k norms or OLMo 2's across all heads, and GPT-OSS's sink per head: those
+        of `tp`'s rank, whose query heads and KV heads (or one KV head, replicated, when
+        there are fewer than ranks) are its own and whose o bias and per-head norms are
+        whole."""
         hidden, head_dim = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        heads = len(tp.part(self.num_heads, "num_attention_heads"))
+        q, kv = heads * head_dim, len(tp.kv_part(self.num_kv_heads)) * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden
         if self.qkv_bias:
             attention += q + 2 * kv
@@ -760,16 +771,18 @@ class ModelConfig:
         if self.architecture in (OLMO2, OLMO3):
             attention += q + kv
         if self.attention_sinks:
-            attention += self.num_heads
+            attention += heads
         if self.architecture == QWEN3_NEXT:  # q_proj also emits a gate per query channel
             attention += (hidden + self.qkv_bias) * q
         return attention
 
-    def _mla_parameters(self) -> int:
+    def _mla_parameters(self, tp: TensorParallel) -> int:
         """One layer of DeepSeek's MLA: the query (directly, or down to q_lora_rank, normed,
         and up), the latent's projection and norm, kv_b_proj up to per-head keys and values,
-        o_proj."""
-        mla, hidden, heads = self.mla, self.hidden_size, self.num_heads
+        o_proj: those of `tp`'s rank, whose heads are its own and whose projections down to
+        q_lora_rank and the latent, their norms and o's bias are whole."""
+        mla, hidden = self.mla, self.hidden_size
+        heads = len(tp.part(self.num_heads, "num_attention_heads"))
         q_size = heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
             query = hidden * q_size
@@ -780,29 +793,38 @@ class ModelConfig:
         out = heads * mla.v_head_dim * hidden + self.o_bias * hidden
         return query + latent + kv_b + out
 
-    def _mlp_parameters(self) -> int:
+    def _mlp_parameters(self, tp: TensorParallel) -> int:
         """The MLPs of every layer: dense, except the MoE layers (DeepSeek's, Qwen3-MoE's):
         their routed experts, shared experts (if any) and router, with V3's router bias (a
-        buffer in transformers, but a tensor of the checkpoint like any weight)."""
+        buffer in transformers, but a tensor of the checkpoint like any weight). `tp`'s rank
+        holds its part of each MLP's intermediate features, and the down projections' biases,
+        xIELU's scalars, the routers and Qwen2-MoE's shared gate whole."""
         hidden, moe = self.hidden_size, self.moe
-        dense = _gated_mlp_parameters(hidden, self.intermediate_size, self.mlp_bias)
-        if self.hidden_act in UNGATED_ACTIVATIONS:  # no gate_proj; xIELU's alpha_p, alpha_n
-            dense -= hidden * self.intermediate_size + self.mlp_bias * self.intermediate_size
-            dense += 2 * (self.hidden_act == "xielu")
+        dense_layers = self.num_layers - (len(moe.layers) if moe else 0)
+        dense = 0
+        if dense_layers:
+            width = len(tp.part(self.intermediate_size, "intermediate_size"))
+            dense = _gated_mlp_parameters(hidden, width, self.mlp_bias)
+            if self.hidden_act in UNGATED_ACTIVATIONS:  # no gate_proj; xIELU's alpha_p, alpha_n
+                dense -= hidden * width + self.mlp_bias * width
+                dense += 2 * (self.hidden_act == "xielu")
         if moe is None:
-            return self.num_layers * dense
-        experts = moe.num_experts * _gated_mlp_parameters(hidden, moe.intermediate_size,
-                                                          moe.expert_bias)
-        shared = _gated_mlp_parameters(hidden, moe.shared_intermediate_size,
-                                       self.mlp_bias) if moe.shared_intermediate_size else 0
+            return dense_layers * dense
+        width = len(tp.part(moe.intermediate_size, "the experts' intermediate size"))
+        experts = moe.num_experts * _gated_mlp_parameters(hidden, width, moe.expert_bias)
+        shared = 0
+        if moe.shared_intermediate_size:
+            width = len(tp.part(moe.shared_intermediate_size,
+                                "the shared experts' intermediate size"))
+            shared = _gated_mlp_parameters(hidden, width, self.mlp_bias)
         shared += hidden if moe.shared_gate else 0
         router = moe.num_experts * (hidden + bool(moe.choice_bias_shape) + moe.router_bias)
-        moe_layers = len(moe.layers)
-        return (self.num_layers - moe_layers) * dense + moe_layers * (experts + shared + router)
+        return dense_layers * dense + len(moe.layers) * (experts + shared + router)
 
 
 def _gated_mlp_parameters(hidden: int, intermediate: int, bias: bool) -> int:
-    """A gated MLP: gate, up and down projections (and their biases)."""
+    """A gated MLP of `intermediate` features (a rank's part of them): gate, up and down
+    projections (and their biases, down's whole)."""
     return 3 * hidden * intermediate + bias * (2 * intermediate + hidden)
 
 

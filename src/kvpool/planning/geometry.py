@@ -35,10 +35,11 @@ class ModelGeometry(Protocol):
         """The state slots of the Mamba layers, one rank's of `tensor_parallel_size`; None
         for a model without them."""
 
-    def count_parameters(self) -> int:
-        """Parameters of the whole model."""
+    def count_parameters(self, tensor_parallel_size: int = 1) -> int:
+        """Parameters of the whole model, or of one rank of `tensor_parallel_size`: its part
+        of the split tensors and the whole of those every rank holds."""
 
-    def count_float32_parameters(self) -> int:
+    def count_float32_parameters(self, tensor_parallel_size: int = 1) -> int:
         """Of those, the parameters held in float32 whatever the weights' dtype."""
 
     def estimate_activation_bytes(self, dtype: torch.dtype, *, max_num_batched_tokens: int,

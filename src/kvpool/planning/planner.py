@@ -145,9 +145,11 @@ def plan_memory(
     no such sequence passes is full attention, as the engine keeps it. A model mixing full and
     windowed layers gets window pools unless not `free_out_of_window`, sized for `max_num_seqs`
     windows and one prompt of `max_model_len` tokens.
-    `tensor_parallel_size` N plans one rank of N: 1/N of the parameters, its share of the KV
-    heads and Mamba state, in `device_memory` of its own (read from `device`: a GPU of its
-    own, or on the CPU 1/N of the host's memory, which the N rank processes share)."""
+    `tensor_parallel_size` N plans one rank of N: its part of the split weights and the
+    whole of those every rank holds (norms, routers, MLA's latent projections, row-parallel
+    biases, KV heads fewer than the ranks), its share of the KV heads and Mamba state, in
+    `device_memory` of its own (read from `device`: a GPU of its own, or on the CPU 1/N of
+    the host's memory, which the N rank processes share)."""
     if not isinstance(model, ModelGeometry):
         raise TypeError(f"plan_memory takes a model geometry, got {type(model).__name__} "
                         f"{reprlib.repr(model)}; parse a preset, config.json, checkpoint folder "
@@ -167,9 +169,9 @@ def plan_memory(
     layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
                              max_model_len=max_model_len).per_rank(tensor_parallel_size)
     weights_dtype = model.weights_dtype(dtype)
-    num_parameters, num_float32 = model.count_parameters(), model.count_float32_parameters()
-    weight_bytes = (-(-(num_parameters - num_float32) // tensor_parallel_size)
-                    * weights_dtype.itemsize + -(-num_float32 // tensor_parallel_size) * 4)
+    rank_parameters = model.count_parameters(tensor_parallel_size)
+    rank_float32 = model.count_float32_parameters(tensor_parallel_size)
+    weight_bytes = (rank_parameters - rank_float32) * weights_dtype.itemsize + rank_float32 * 4
     if activation_bytes is None:
         activation_bytes = model.estimate_activation_bytes(
             weights_dtype, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -182,8 +184,8 @@ def plan_memory(
     ratio = mamba_memory_ratio if mamba else 0.0
     num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
     plan = MemoryPlan(
-        layout, num_parameters, weight_bytes, activation_bytes, reserved_bytes, device_name,
-        device_memory, in_use_bytes, memory_fraction, budget, num_pages=0,
+        layout, model.count_parameters(), weight_bytes, activation_bytes, reserved_bytes,
+        device_name, device_memory, in_use_bytes, memory_fraction, budget, num_pages=0,
         mamba_layout=mamba, num_state_slots=num_slots, mamba_memory_ratio=ratio,
         tensor_parallel_size=tensor_parallel_size,
     )
