@@ -133,14 +133,15 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
 }
 # transformers' defaults for the keys a config may leave out, where an architecture's differ
 # from rope_theta 1e4, rms_norm_eps 1e-6, no sliding window, 4,096 positions, head_dim
-# hidden_size / num_attention_heads and an untied lm_head (DeepSeek's: _deepseek; the experts':
-# the MoE parsers)
+# hidden_size / num_attention_heads, as many KV heads as heads and an untied lm_head
+# (DeepSeek's: _deepseek; the experts': the MoE parsers). Qwen2's and Qwen3's 32 KV heads are
+# left out: they divide only configs of 32 heads or more, and every published one states its own.
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "intermediate_size": 11008},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
-                         "num_key_value_heads": 32, "intermediate_size": 22016},
+                         "intermediate_size": 22016},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
-                         "num_key_value_heads": 32, "intermediate_size": 22016, "head_dim": 128},
+                         "intermediate_size": 22016, "head_dim": 128},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
                             "intermediate_size": 6144},
     "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
@@ -1405,6 +1406,8 @@ def _qwen_moe(cfg: dict, num_layers: int, arch: str, defaults: tuple[int, int, i
         raise ConfigError(f"config num_experts={given['num_experts']} and num_local_experts="
                           f"{given['num_local_experts']} disagree")
     num_experts = next(iter(given.values()), defaults[0])
+    if num_experts == 0 and arch not in (QWEN2_MOE, QWEN3_MOE, QWEN3_NEXT):  # theirs: dense
+        raise ConfigError(f"config {next(iter(given))!r} must be a positive integer, got 0")
     step = _int(cfg, "decoder_sparse_step", 1)
     dense = cfg.get("mlp_only_layers") or []
     if not (isinstance(dense, list) and all(_is_int(i) and 0 <= i < num_layers for i in dense)):
