@@ -19,8 +19,9 @@ from kvpool.cli.bench import (
     summary_rows,
     write_plot,
 )
-from kvpool.cli.main import CONTROL_PICTURES, main
+from kvpool.cli.main import main
 from kvpool.engine import LLM, EngineStats, SamplingParams
+from kvpool.formats import VISIBLE_CONTROLS
 
 TINY_VOCAB = 258
 # 8 short requests: 494 prompt tokens, 111 generated, 16 pages for the largest.
@@ -228,7 +229,7 @@ def test_generate_streams_the_same_text_as_the_engine(capsys):
     out = capsys.readouterr().out
     params = SamplingParams(max_tokens=12, temperature=0)
     text = LLM("tiny", num_pages=8).generate("Hello", params, use_tqdm=False)[0].outputs[0].text
-    assert text and out == text.translate(CONTROL_PICTURES) + "\n"
+    assert text and out == text.translate(VISIBLE_CONTROLS) + "\n"
     assert all(c.isprintable() for c in out[:-1])
 
 
@@ -241,7 +242,7 @@ def test_generate_on_fp8_pages_streams_the_engines_text_under_the_scales_given(c
     with LLM("tiny", num_pages=8, **fp8) as llm:
         text = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].text
         assert llm.cache.pool.kv_scales(0) == pytest.approx((0.02, 0.03))
-    assert capsys.readouterr().out == text.translate(CONTROL_PICTURES) + "\n"
+    assert capsys.readouterr().out == text.translate(VISIBLE_CONTROLS) + "\n"
 
 
 def test_generate_bad_model_is_one_line_with_exit_2(capsys):

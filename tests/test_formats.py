@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from kvpool.formats import DTYPES, dtype_name, format_bytes, format_table, parse_bytes
+from kvpool.formats import (
+    DTYPES,
+    VISIBLE_CONTROLS,
+    dtype_name,
+    format_bytes,
+    format_table,
+    parse_bytes,
+)
 
 GiB = 2**30
 
@@ -49,3 +56,26 @@ def test_dtype_names_round_trip():
 def test_table_pads_the_labels_to_one_width():
     assert format_table([("pages", "12"), ("KV budget", "1.00 GiB")]) == (
         "pages      12\nKV budget  1.00 GiB")
+
+
+# Text for the terminal
+
+
+def test_c0_controls_and_del_show_as_their_pictures_but_tab_and_newline_pass():
+    assert "a\x1b[2Jb\x00\x7f\t\n".translate(VISIBLE_CONTROLS) == "a\u241b[2Jb\u2400\u2421\t\n"
+
+
+def test_c1_controls_show_as_escapes():
+    assert "B\x9b2J C\x9d0;x\x9c \x80\x9f".translate(VISIBLE_CONTROLS) == \
+        "B\\x9b2J C\\x9d0;x\\x9c \\x80\\x9f"
+
+
+def test_bidirectional_embeddings_overrides_and_isolates_show_as_escapes():
+    text = "".join(map(chr, [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]))
+    assert text.translate(VISIBLE_CONTROLS) == ("\\u202a\\u202b\\u202c\\u202d\\u202e"
+                                                "\\u2066\\u2067\\u2068\\u2069")
+
+
+def test_the_characters_next_to_the_ranges_mapped_pass_unchanged():
+    text = "Grüße ~ \u00a0\u2029\u2065\u206a 日本"
+    assert text.translate(VISIBLE_CONTROLS) == text

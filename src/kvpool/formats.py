@@ -10,9 +10,14 @@ import torch
 
 # The dtypes a model's weights and KV cache may have, by the name config.json and --dtype use.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# C0 controls (but tab and newline) and DEL shown as their Unicode pictures, so that a random
-# model cannot send escape sequences to the terminal.
-CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
+# What a terminal acts on rather than shows, in visible forms (a str.translate table), so that
+# a random model cannot send escape sequences to the terminal nor reorder what it shows: the C0
+# controls (but tab and newline) and DEL as their Unicode pictures; the C1 controls (U+009B is
+# CSI, U+009D OSC to a terminal that reads them in UTF-8) and the bidirectional embeddings,
+# overrides and isolates as Python escapes, e.g. "\x9b", "\u202e".
+_ESCAPED = (*range(0x80, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+VISIBLE_CONTROLS = ({c: 0x2400 + c for c in range(32) if chr(c) not in "\t\n"} | {127: 0x2421}
+                    | {c: chr(c).encode("unicode_escape").decode() for c in _ESCAPED})
 _BYTE_UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,

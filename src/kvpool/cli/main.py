@@ -18,8 +18,8 @@ from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
 from kvpool.formats import (
-    CONTROL_PICTURES,
     DTYPES,
+    VISIBLE_CONTROLS,
     dtype_name,
     format_bytes,
     format_table,
@@ -147,7 +147,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 text = output.outputs[0].text
                 # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
                 if output.finished or not text.endswith("\ufffd"):
-                    sys.stdout.write(text[len(shown):].translate(CONTROL_PICTURES))
+                    sys.stdout.write(text[len(shown):].translate(VISIBLE_CONTROLS))
                     sys.stdout.flush()
                     shown = text
     print()

@@ -15,7 +15,7 @@ from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import InvalidPrompt, KVPoolError
-from kvpool.formats import CONTROL_PICTURES
+from kvpool.formats import VISIBLE_CONTROLS
 from kvpool.server import INSTALL_HINT, missing_modules
 
 RESET = "/reset"
@@ -119,7 +119,7 @@ def _stream(llm: LLM, prompt: list[int], params: SamplingParams, stdout: TextIO)
             text = output.outputs[0].text
             # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
             if output.finished or not text.endswith("\ufffd"):
-                stdout.write(text[len(shown):].translate(CONTROL_PICTURES))
+                stdout.write(text[len(shown):].translate(VISIBLE_CONTROLS))
                 stdout.flush()
                 shown = text
     stdout.write("\n")
