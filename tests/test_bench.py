@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from engine_probes import poison_sampling
 from kvpool.cli.bench import (
     OUTPUT_LEN,
     PROMPT_LEN,
@@ -21,6 +22,7 @@ from kvpool.cli.bench import (
 )
 from kvpool.cli.main import main
 from kvpool.engine import LLM, EngineStats, SamplingParams
+from kvpool.errors import StepFailed
 from kvpool.formats import VISIBLE_CONTROLS
 
 TINY_VOCAB = 258
@@ -37,6 +39,13 @@ def bench_table(capsys, *argv: str) -> dict[str, str]:
     assert main(["bench", *argv]) == 0
     lines = capsys.readouterr().out.splitlines()
     return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines if "  " in line)
+
+
+def poisoned_llm(*args, **kwargs) -> LLM:
+    """An LLM whose requests of max_tokens 7 fail in their first step (engine_probes)."""
+    llm = LLM(*args, **kwargs)
+    poison_sampling(llm)
+    return llm
 
 
 def number(text: str) -> float:
@@ -245,6 +254,36 @@ def test_generate_on_fp8_pages_streams_the_engines_text_under_the_scales_given(c
     assert capsys.readouterr().out == text.translate(VISIBLE_CONTROLS) + "\n"
 
 
+def test_generate_of_a_request_the_engine_fails_prints_its_error_and_exits_1(capsys,
+                                                                          monkeypatch):
+    import kvpool.cli.main
+
+    monkeypatch.setattr(kvpool.cli.main, "LLM", poisoned_llm)
+    assert main(["generate", "Hi", "--max-tokens", "7"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "\n"
+    assert captured.err == ("kvpool generate: error: request '0' failed while sampling: "
+                            "RuntimeError: injected\n")
+
+
+def test_bench_counts_failed_requests_in_a_row_of_their_own_and_exits_1(capsys, monkeypatch):
+    """With seed 2 the third of the 8 requests (87 prompt tokens, max_tokens 7) fails in its
+    first step: it has no first token, and its tokens stay out of the figures."""
+    import kvpool.cli.bench
+
+    monkeypatch.setattr(kvpool.cli.bench, "LLM", poisoned_llm)
+    assert main(["bench", *SMALL, "--seed", "2", "--no-plot"]) == 1
+    captured = capsys.readouterr()
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in captured.out.splitlines())
+    assert list(table) == [*ROWS[:2], "failed requests", *ROWS[2:]]
+    assert table["failed requests"] == "1 (not in the tokens, throughput, TTFT and TPOT)"
+    assert number(table["prompt tokens"]) == 379 - 87
+    assert table["generated tokens"] == f"{132 - 7}"
+    assert captured.err.splitlines()[-1] == ("kvpool bench: 1 of 8 requests failed; the first: "
+                                             "request '2' failed while sampling: RuntimeError: "
+                                             "injected")
+
+
 def test_generate_bad_model_is_one_line_with_exit_2(capsys):
     assert main(["generate", "--model", "no/such/folder", "Hi"]) == 2
     assert capsys.readouterr().err.startswith("kvpool generate: error: no config at")
@@ -320,6 +359,25 @@ def test_check_lengths_accepts_medians_that_fill_max_model_len_exactly():
 def test_tpot_is_the_time_per_output_token_after_the_first_and_none_for_one_token():
     assert RequestTiming(0.0, 0.2, 0.6, 5).tpot == pytest.approx(0.1)
     assert RequestTiming(0.0, 0.2, 0.2, 1).tpot is None
+
+
+def test_ttft_is_none_without_a_first_token():
+    assert RequestTiming(0.5, None, 0.7, 0, StepFailed("failed")).ttft is None
+    assert RequestTiming(0.5).ttft is None
+
+
+def test_summary_leaves_the_tokens_and_times_of_a_request_failed_part_way_out():
+    timings = [RequestTiming(0.0, 0.2, 0.6, 5),
+               RequestTiming(0.0, 0.1, 0.4, 4, StepFailed("request '1' failed"))]
+    requests = make_workload(Workload(2, PROMPT_LEN.with_median(4), OUTPUT_LEN.with_median(2)),
+                             TINY_VOCAB)
+    with LLM("tiny", num_pages=32) as llm:
+        rows = dict(summary_rows(llm, requests, BenchResult(timings, [llm.stats()], 1.0)))
+    assert rows["failed requests"] == "1 (not in the tokens, throughput, TTFT and TPOT)"
+    assert rows["TTFT p50 / p99"] == "200.0 / 200.0 ms"
+    assert rows["TPOT p50 / p99"] == "100.0 / 100.0 ms"
+    assert rows["generated tokens"] == "5" and rows["generated tok/s"] == "5.0"
+    assert number(rows["prompt tokens"]) == len(requests[0].prompt_token_ids)
 
 
 def test_summary_times_ttft_from_arrival_and_tpot_over_the_later_tokens():

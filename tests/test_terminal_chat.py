@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvpool.cli.main import build_parser, main
+from kvpool.engine import LLM
 
 pytest.importorskip("jinja2")
 
@@ -58,6 +60,28 @@ def test_a_turn_too_long_is_refused_alone_and_the_chat_goes_on():
     assert "(not sent: prompt of 5" in out and "over max_model_len 4096)" in out
     (first, _), (second, second_hits) = _hits(out)
     assert second > first and second_hits >= first // 16 * 16  # the history before it
+
+
+def test_a_failed_turn_is_reported_and_left_out_of_the_history(monkeypatch):
+    import kvpool.cli.terminal_chat
+
+    def nan_logits_once(*args, **kwargs) -> LLM:
+        """An LLM whose first forward's logits are NaN: the engine fails that request."""
+        llm = LLM(*args, **kwargs)
+        forward = llm._forward
+
+        def first(batch, previous):
+            del llm._forward  # back to the real method
+            return torch.full_like(forward(batch, previous), float("nan"))
+        llm._forward = first
+        return llm
+
+    monkeypatch.setattr(kvpool.cli.terminal_chat, "LLM", nan_logits_once)
+    out = _chat("hello there, model\nand a second question\n")
+    assert "\n(failed: request '0' failed: the model's logits for its token at position " in out
+    monkeypatch.undo()
+    alone = _hits(_chat("and a second question\n"))
+    assert _hits(out) == [(alone[0][0], 0)]  # the second turn, with no history before it
 
 
 def test_kvpool_chat_reads_stdin_until_it_ends(monkeypatch, capsys):

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.reply import request_error
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
-from kvpool.errors import check_int
+from kvpool.errors import KVPoolError, check_int
 from kvpool.formats import format_bytes, format_table
 
 DEFAULT_NUM_REQUESTS = 200
@@ -155,22 +156,32 @@ def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
 @dataclass(slots=True)
 class RequestTiming:
     """When one request arrived, got its first token and finished (seconds after the start),
-    and how many tokens it generated."""
+    how many tokens it generated, and why the engine failed it (finish reason "error"), if
+    it did."""
 
     arrival: float
     first_token: float | None = None
     finish: float | None = None
     num_output_tokens: int = 0
+    error: KVPoolError | None = None
 
     @property
-    def ttft(self) -> float:
-        """Time to first token (seconds)."""
+    def failed(self) -> bool:
+        """Whether the engine failed the request."""
+        return self.error is not None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (seconds); None without one, or for a failed request."""
+        if self.failed or self.first_token is None:
+            return None
         return self.first_token - self.arrival
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first (seconds); None for a single token."""
-        if self.num_output_tokens < 2:
+        """Time per output token after the first (seconds); None for a single token, or for
+        a failed request."""
+        if self.failed or self.num_output_tokens < 2:
             return None
         return (self.finish - self.first_token) / (self.num_output_tokens - 1)
 
@@ -212,6 +223,7 @@ def run_workload(llm: LLM, requests: list[BenchRequest], *,
                     timing.first_token = now
                 if output.finished:
                     timing.finish = now
+                    timing.error = request_error(output)
                     bar.update(1)
             rate = result.steps[-1].num_generated_tokens / now
             bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
@@ -231,27 +243,32 @@ def _add_arrived(llm: LLM, pending: deque[tuple[int, BenchRequest]],
 
 def summary_rows(llm: LLM, requests: list[BenchRequest],
                  result: BenchResult) -> list[tuple[str, str]]:
-    """(label, value) rows summarizing a run of `requests` on `llm`."""
+    """(label, value) rows summarizing a run of `requests` on `llm`. The tokens, throughput,
+    TTFT and TPOT are those of the requests that did not fail; failed ones get a row of
+    their own."""
     final = result.steps[-1]
     cache = llm.cache.stats()
-    num_prompt = sum(len(r.prompt_token_ids) for r in requests)
-    num_generated = sum(t.num_output_tokens for t in result.timings)
+    done = [(r, t) for r, t in zip(requests, result.timings, strict=True) if not t.failed]
+    num_failed = len(requests) - len(done)
+    num_prompt = sum(len(r.prompt_token_ids) for r, _ in done)
+    num_generated = sum(t.num_output_tokens for _, t in done)
     num_pages = cache.num_pages
     peak = max(s.num_used_pages for s in result.steps)
     wall = result.wall_time
-    tpots = [t.tpot for t in result.timings if t.tpot is not None]
     hit_rate = (f"{cache.prefix_hit_rate:.1%} ({cache.prefix_hit_tokens:,} of "
                 f"{cache.prefix_query_tokens:,} looked-up prompt tokens)"
                 if llm.cache.prefix_cache else "off")
     return [
         ("requests", f"{len(requests):,}"),
+        *([("failed requests", f"{num_failed:,} (not in the tokens, throughput, TTFT and TPOT)")]
+          if num_failed else []),
         ("prompt tokens", f"{num_prompt:,} ({final.num_prompt_tokens:,} computed by prefill)"),
         ("generated tokens", f"{num_generated:,}"),
         ("wall time", f"{wall:.2f} s ({final.num_steps:,} steps)"),
         ("generated tok/s", f"{num_generated / wall:,.1f}"),
         ("total tok/s", f"{(num_prompt + num_generated) / wall:,.1f}"),
         ("TTFT p50 / p99", _percentiles_ms([t.ttft for t in result.timings])),
-        ("TPOT p50 / p99", _percentiles_ms(tpots)),
+        ("TPOT p50 / p99", _percentiles_ms([t.tpot for t in result.timings])),
         ("peak pages used", f"{peak:,} ({peak / num_pages:.0%} of the pool)"),
         ("pool pages", _pool_summary(llm)),
         ("KV utilization", f"{np.mean([s.kv_utilization for s in result.steps]):.1%} "
@@ -283,8 +300,10 @@ def _tier_summary(llm: LLM) -> str:
             f"{e.num_tier_misses:,} missed, {e.num_tier_dropped:,} dropped ({option})")
 
 
-def _percentiles_ms(seconds: list[float]) -> str:
-    """"p50 / p99 ms" of durations in seconds; "n/a" when there are none."""
+def _percentiles_ms(seconds: list[float | None]) -> str:
+    """"p50 / p99 ms" of durations in seconds, None (no figure) left out; "n/a" when there
+    are none."""
+    seconds = [s for s in seconds if s is not None]
     if not seconds:
         return "n/a"
     p50, p99 = np.percentile(seconds, [50, 99]) * 1000
@@ -377,7 +396,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the workload, print the summary table and write the plot."""
+    """Run the workload, print the summary table and write the plot; 1 when the engine
+    failed a request (the first one's error on stderr)."""
     if args.url:
         return run_url(args)
     path = None if args.no_plot else args.plot or DEFAULT_PLOT
@@ -406,6 +426,11 @@ def run(args: argparse.Namespace) -> int:
     if plot:
         write_plot(result, path, f"kvpool bench: {args.model}, {len(requests)} requests, "
                                       f"{args.num_pages} pages of {args.page_size} tokens")
+    failed = [t.error for t in result.timings if t.failed]
+    if failed:
+        print(f"kvpool bench: {len(failed):,} of {len(requests):,} requests failed; the "
+              f"first: {failed[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import NamedTuple
 from kvpool.cli import bench, serve
 from kvpool.cli.kv_flags import add_kv_arguments, add_kv_dtype_argument, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.reply import request_error, stream_reply
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 from kvpool.cli.tier_flags import byte_size
@@ -19,7 +20,6 @@ from kvpool.engine.config import engine_device
 from kvpool.errors import KVPoolError
 from kvpool.formats import (
     DTYPES,
-    VISIBLE_CONTROLS,
     dtype_name,
     format_bytes,
     format_table,
@@ -134,23 +134,17 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Stream the text generated for the prompt to stdout as its tokens arrive."""
+    """Stream the text generated for the prompt to stdout as its tokens arrive; 1 when the
+    engine failed the request (the error on stderr)."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k)
     with LLM(args.model, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
              **kv_options(args), **step_options(args)) as llm:
-        llm.add_request(chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt,
-                        params)
-        shown = ""
-        while llm.has_unfinished():
-            for output in llm.step():
-                text = output.outputs[0].text
-                # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
-                if output.finished or not text.endswith("\ufffd"):
-                    sys.stdout.write(text[len(shown):].translate(VISIBLE_CONTROLS))
-                    sys.stdout.flush()
-                    shown = text
-    print()
+        prompt = chat_prompt(llm, args.model, args.prompt) if args.chat else args.prompt
+        error = request_error(stream_reply(llm, prompt, params, sys.stdout))
+    if error is not None:
+        print(f"kvpool generate: error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,11 +11,11 @@ from typing import TextIO
 
 from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
+from kvpool.cli.reply import request_error, stream_reply
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, SamplingParams
 from kvpool.errors import InvalidPrompt, KVPoolError
-from kvpool.formats import VISIBLE_CONTROLS
 from kvpool.server import INSTALL_HINT, missing_modules
 
 RESET = "/reset"
@@ -85,11 +85,15 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None,
         try:
             prompt = text_tokenizer.encode(template.render(turn),
                                            add_special_tokens=template.add_special_tokens)
-            reply = _stream(llm, prompt, params, stdout)
+            reply = stream_reply(llm, prompt, params, stdout)
         except (RequestError, KVPoolError, ValueError) as e:  # this turn only: chat on
             stdout.write(f"(not sent: {e})\n")
             continue
-        history = [*turn, ChatMessage("assistant", reply)]
+        error = request_error(reply)
+        if error is not None:  # the turn stays out of the history: chat on without it
+            stdout.write(f"(failed: {error})\n")
+            continue
+        history = [*turn, ChatMessage("assistant", reply.outputs[0].text)]
         after = llm.cache.stats()
         hits = after.prefix_hit_tokens - before.prefix_hit_tokens
         stdout.write(f"[{len(prompt)} prompt tokens, {hits} from the prefix cache "
@@ -109,18 +113,3 @@ def _turns(stdin: TextIO, stdout: TextIO):
         if line.strip():
             yield line.strip()
 
-
-def _stream(llm: LLM, prompt: list[int], params: SamplingParams, stdout: TextIO) -> str:
-    """Generate one reply, writing its text as it arrives; returns the whole text."""
-    llm.add_request(prompt, params)
-    shown = ""
-    while llm.has_unfinished():
-        for output in llm.step():
-            text = output.outputs[0].text
-            # A trailing U+FFFD may be a character whose bytes have not all arrived yet.
-            if output.finished or not text.endswith("\ufffd"):
-                stdout.write(text[len(shown):].translate(VISIBLE_CONTROLS))
-                stdout.flush()
-                shown = text
-    stdout.write("\n")
-    return shown
