@@ -6,10 +6,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvpool.cli.main import main
-from kvpool.models.config import PRESETS
+from kvpool.engine import LLM
+from kvpool.engine.config import EngineConfig
+from kvpool.models.config import PRESETS, ModelConfig
+from kvpool.planning import planner
 from models_util import make_hf_model, save_hf_model
+
+GiB = 2**30
 
 
 def plan_table(capsys, *argv: str) -> dict[str, str]:
@@ -66,6 +72,32 @@ def test_plan_reads_a_checkpoint_folder(capsys, tmp_path):
 def test_plan_without_device_memory_reads_this_machine(capsys):
     table = plan_table(capsys, "tiny", "--device", "cpu")
     assert "total RAM on cpu" in table["memory"]
+
+
+def test_plan_on_the_cpu_caps_the_kv_budget_as_the_engine_does(capsys, monkeypatch):
+    """16 GiB of RAM leave 14.37 GiB beside the tiny model; the engine takes 4 GiB of them,
+    its kv_cache_memory, and so does the plan."""
+    monkeypatch.setattr(planner, "host_memory", lambda: (16 * GiB, 16 * GiB))
+    table = plan_table(capsys, "tiny", "--device", "cpu")
+    assert table["KV budget"] == ("4.00 GiB (--kv-cache-memory, the engine's cap on the CPU, "
+                                  "of 14.37 GiB left)")
+    engine_pages = EngineConfig().plan_num_pages(ModelConfig.from_hf("tiny"),
+                                                 torch.device("cpu"), 4096)
+    assert table["pages"] == f"{engine_pages:,} (4.00 GiB)" == "131,071 (4.00 GiB)"
+
+
+def test_plan_kv_cache_memory_plans_the_pages_of_an_engine_with_that_cap(capsys, monkeypatch):
+    monkeypatch.setattr(planner, "host_memory", lambda: (16 * GiB, 16 * GiB))
+    table = plan_table(capsys, "tiny", "--device", "cpu", "--kv-cache-memory", "64MiB")
+    with LLM("tiny", device="cpu", kv_cache_memory=64 * 2**20) as llm:
+        assert table["pages"] == f"{llm.cache.stats().num_pages:,} (64.00 MiB)" == \
+            "2,047 (64.00 MiB)"
+
+
+def test_plan_of_given_memory_has_no_cap(capsys):
+    """Given memory may be a GPU's: the engine caps the CPU's alone."""
+    table = plan_table(capsys, "tiny", "--device-memory", "16GiB", "--kv-cache-memory", "64MiB")
+    assert table["KV budget"] == "14.37 GiB"
 
 
 def test_plan_names_memory_already_in_use_only_when_it_reads_the_device(capsys):
@@ -221,6 +253,8 @@ def test_plan_of_a_config_with_a_null_rms_norm_eps_uses_the_default(checkpoint, 
     (["bench", "--request-rate", "1e-300"],
      "request_rate 1e-300/s spreads 200 requests over 2e+302 s on average"),
     (["bench", "--request-rate", "nan"], "request_rate must be > 0 requests/s, got nan"),
+    (["plan", "tiny", "--kv-cache-memory", "0"],
+     f"--kv-cache-memory must be in [1, {2**63 - 1}], got 0"),
     (["bench", "--seed", str(2**64)], "seed must be an int in [0, 2**64)"),
     (["generate", "--seed", str(2**64), "hi"], "seed must be an int in [0, 2**64)"),
     (["bench", "--num-requests", str(10**20)],

@@ -4,6 +4,7 @@ adds its arguments to its argparse parser, and one that runs it and returns the 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -16,7 +17,7 @@ from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 from kvpool.cli.tier_flags import byte_size
 from kvpool.engine import LLM, SamplingParams
-from kvpool.engine.config import engine_device
+from kvpool.engine.config import DEFAULT_KV_CACHE_MEMORY, engine_device, kv_budget
 from kvpool.errors import KVPoolError
 from kvpool.formats import (
     DTYPES,
@@ -58,6 +59,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: read the device: its total memory, less what is in use)")
     memory.add_argument("--device", help="device to read when no --device-memory "
                                          "(default: cuda if available, else cpu)")
+    parser.add_argument("--kv-cache-memory", type=byte_size, default=DEFAULT_KV_CACHE_MEMORY,
+                        metavar="SIZE", help="the KV cache's cap when the device read is the "
+                                             "CPU, as the engine's kv_cache_memory (default: "
+                                             f"{format_bytes(DEFAULT_KV_CACHE_MEMORY)}, the "
+                                             f"engine's)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, metavar="FRACTION",
                         help="fraction of the device's total memory this model may use, "
                              "what is already in use included (default: 0.9)")
@@ -98,15 +104,24 @@ def run_plan(args: argparse.Namespace) -> int:
     if context_len > model.max_position_embeddings:  # as the engine refuses its max_model_len
         raise ValueError(f"context_len {context_len} exceeds the model's "
                          f"max_position_embeddings {model.max_position_embeddings}")
+    check_int64("--kv-cache-memory", args.kv_cache_memory, 1)
     device = None if args.device_memory is not None else engine_device(args.device)
-    plan = plan_memory(model, args.device_memory, memory_fraction=args.memory_fraction,
-                       page_size=args.page_size, dtype=DTYPES.get(args.dtype),
-                       device=device, mamba_memory_ratio=args.mamba_memory_ratio,
-                       kv_cache_dtype=args.kv_cache_dtype, free_out_of_window=not args.one_pool,
-                       max_num_seqs=args.max_num_seqs, max_model_len=context_len,
-                       tensor_parallel_size=args.tensor_parallel_size)
+    plan_with = functools.partial(
+        plan_memory, model, args.device_memory, memory_fraction=args.memory_fraction,
+        page_size=args.page_size, dtype=DTYPES.get(args.dtype), device=device,
+        mamba_memory_ratio=args.mamba_memory_ratio, kv_cache_dtype=args.kv_cache_dtype,
+        free_out_of_window=not args.one_pool, max_num_seqs=args.max_num_seqs,
+        max_model_len=context_len, tensor_parallel_size=args.tensor_parallel_size)
+    plan = uncapped = plan_with()
+    if device is not None:
+        # The engine caps its KV cache on the CPU: planned with the rest of the budget held
+        # back, the pages, pools and state slots are those of the capped budget.
+        excess = plan.budget_bytes - kv_budget(plan, device, args.kv_cache_memory)
+        if excess > 0:
+            plan = plan_with(reserved_bytes=excess)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
-    print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype)))
+    print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype,
+                                  uncapped.budget_bytes)))
     if plan.reason:
         print(f"kvpool plan: {args.model} does not fit: {plan.reason}", file=sys.stderr)
         return 1
@@ -201,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plan_rows(
-    name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype
+    name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype,
+    uncapped_budget: int,
 ) -> list[tuple[str, str]]:
-    """(label, value) rows describing `plan` for the model `name`."""
+    """(label, value) rows describing `plan` for the model `name`; `uncapped_budget` is the
+    KV budget (bytes) before the engine's cap on the CPU."""
     pages_per_seq, layout = plan.pages_per_sequence(context_len), plan.layout
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
@@ -216,7 +233,10 @@ def _plan_rows(
     ]
     if plan.in_use_bytes:
         rows.append(("already in use", format_bytes(plan.in_use_bytes)))
-    rows.append(("KV budget", format_bytes(plan.budget_bytes)))
+    cap = (f" (--kv-cache-memory, the engine's cap on the CPU, of "
+           f"{format_bytes(uncapped_budget)} left)" if uncapped_budget > plan.budget_bytes
+           else "")
+    rows.append(("KV budget", format_bytes(plan.budget_bytes) + cap))
     if plan.mamba_layout:
         rows += [
             ("state share", f"{plan.mamba_memory_ratio * 100:g}% of the budget"),

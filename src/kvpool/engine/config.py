@@ -22,6 +22,7 @@ from kvpool.numeric import check_int64, check_seconds
 from kvpool.planning.planner import MemoryPlan, plan_memory
 
 GiB = 2**30
+DEFAULT_KV_CACHE_MEMORY = 4 * GiB
 DEFAULT_DISK_TIER_MEMORY = 16 * GiB
 TIER_OPTIONS = ("host_tier_memory", "disk_tier", "redis_tier")
 
@@ -33,6 +34,14 @@ def engine_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return check_device(device)
+
+
+def kv_budget(plan: MemoryPlan, device: torch.device, kv_cache_memory: int) -> int:
+    """Bytes the plan leaves for an engine's KV cache on `device`: on the CPU at most
+    `kv_cache_memory`, as the host's RAM serves everything else too."""
+    if device.type == "cpu":
+        return min(kv_cache_memory, plan.budget_bytes)
+    return plan.budget_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +81,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.9
-    kv_cache_memory: int = 4 * GiB
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -238,12 +247,11 @@ class EngineConfig:
             max_model_len=max_model_len)
         # The workspace's page tables hold the longest sequence the pool can: at most the
         # pages the budget would hold without the workspace.
-        most_pages = max(self._budget(plan(reserved_bytes=graphs), device), 0) \
-            // layout.bytes_per_page
+        most_pages = max(kv_budget(plan(reserved_bytes=graphs), device,
+                                   self.kv_cache_memory), 0) // layout.bytes_per_page
         longest = self.longest_sequence(layout, max_model_len, most_pages)
         plan = plan(reserved_bytes=graphs + self.workspace_bytes(model, layout, longest))
-        budget = self._budget(plan, device)
-        budget -= state_bytes
+        budget = kv_budget(plan, device, self.kv_cache_memory) - state_bytes
         num_pages = pages_within(layout, budget)
         if num_pages == 0:
             states = f", after state slots of {exact_bytes(state_bytes)}," if state_bytes else ""
@@ -254,9 +262,3 @@ class EngineConfig:
                              f"{exact_bytes(need)} ({plan.reason or 'kv_cache_memory is too small'}"
                              f"); pass num_pages or a larger kv_cache_memory / memory_fraction")
         return num_pages
-
-    def _budget(self, plan: MemoryPlan, device: torch.device) -> int:
-        """Bytes the plan leaves for the KV cache; on the CPU at most kv_cache_memory."""
-        if device.type == "cpu":
-            return min(self.kv_cache_memory, plan.budget_bytes)
-        return plan.budget_bytes
