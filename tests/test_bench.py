@@ -180,6 +180,16 @@ def test_bench_errors_are_one_line_on_stderr_with_exit_2(capsys):
     assert len(err) == 2
 
 
+def test_bench_refuses_a_request_the_pool_could_never_hold_before_the_run(capsys):
+    """At 10 requests/s the second request (183 prompt tokens, max_tokens 2) arrives 15 ms
+    after the first, which fits: it is refused before the run starts, not at its arrival."""
+    assert main(["bench", *SMALL, "--request-rate", "10", "--num-pages", "10", "--no-plot"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("kvpool bench: error: prompt of 183 tokens + max_tokens 2: 184 "
+                            "tokens need 12 pages of 16 tokens; the pool has 10\n")
+
+
 def test_bench_refuses_a_plot_of_a_server_it_cannot_see(capsys, tmp_path):
     plot = tmp_path / "pool.png"
     assert main(["bench", "--url", "http://127.0.0.1:9", "--plot", str(plot)]) == 2

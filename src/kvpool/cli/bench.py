@@ -199,12 +199,16 @@ class BenchResult:
 def run_workload(llm: LLM, requests: list[BenchRequest], *,
                  show_progress: bool = True) -> BenchResult:
     """Add each request at its arrival time, step the engine until every request is done,
-    and time them. Progress (requests done, generated tok/s) goes to stderr."""
+    and time them. Progress (requests done, generated tok/s) goes to stderr. A request that
+    could never fit the pool (or max_model_len) raises before the run, as the engine would
+    at its arrival: a late one would end the run there, its measurements lost."""
+    for num_prompt, max_tokens in dict.fromkeys((len(r.prompt_token_ids), r.max_tokens)
+                                                for r in requests):
+        llm.scheduler.check_length(num_prompt, max_tokens)
     result = BenchResult([RequestTiming(r.arrival) for r in requests])
     pending = deque(enumerate(requests))
     index_of: dict[str, int] = {}
     start = time.perf_counter()
-    _add_arrived(llm, pending, index_of, 0.0)  # a request that can never fit fails here
     with tqdm(total=len(requests), unit="req", desc="bench", file=sys.stderr,
               disable=not show_progress) as bar:
         while pending or llm.has_unfinished():

@@ -102,12 +102,16 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Raise SequenceTooLong or OutOfPages if a sample of the request could never run,
-        even alone: its last token's KV is never needed, so it holds prompt + max_tokens - 1
-        tokens at most. More samples than max_num_seqs raise ValueError."""
-        num_prompt, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        even alone (`check_length`). More samples than max_num_seqs raise ValueError."""
         if request.params.n > self.max_num_seqs:
             raise ValueError(f"n={request.params.n} samples exceed max_num_seqs "
                              f"{self.max_num_seqs}")
+        self.check_length(len(request.prompt_token_ids), request.params.max_tokens)
+
+    def check_length(self, num_prompt: int, max_tokens: int) -> None:
+        """Raise SequenceTooLong or OutOfPages if a sequence of a prompt of `num_prompt`
+        tokens and `max_tokens` generated could never run, even alone: its last token's KV
+        is never needed, so it holds num_prompt + max_tokens - 1 tokens at most."""
         total = num_prompt + max_tokens
         if total > self.max_model_len:
             raise SequenceTooLong(
