@@ -198,6 +198,35 @@ def test_bench_refuses_a_plot_of_a_server_it_cannot_see(capsys, tmp_path):
     assert not plot.exists()
 
 
+@pytest.mark.parametrize(("variable", "flag", "sent"), [
+    (" alpha , beta", None, "alpha"), ("alpha", None, "alpha"), ("", None, None),
+    ("alpha,beta", "gamma", "gamma"),
+], ids=["two-keys", "one-key", "set-empty", "the-flag"])
+def test_bench_url_sends_the_first_key_of_kvpool_api_key_as_serve_reads_it(
+        capsys, monkeypatch, variable, flag, sent):
+    import kvpool.cli.http_bench
+
+    keys = []
+
+    async def bench_url(url, requests_for, *, api_key=None):
+        keys.append(api_key)
+        return "tiny", []
+
+    monkeypatch.setattr(kvpool.cli.http_bench, "bench_url", bench_url)
+    monkeypatch.setenv("KVPOOL_API_KEY", variable)
+    assert main(["bench", "--url", "http://127.0.0.1:9",
+                 *(["--api-key", flag] if flag else [])]) == 0
+    capsys.readouterr()
+    assert keys == [sent]
+
+
+def test_bench_url_refuses_a_kvpool_api_key_without_a_key(capsys, monkeypatch):
+    monkeypatch.setenv("KVPOOL_API_KEY", " , ")
+    assert main(["bench", "--url", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err == ("kvpool bench: error: KVPOOL_API_KEY holds no key, only "
+                                       "commas and whitespace; unset it to serve without one\n")
+
+
 @pytest.mark.parametrize(("name", "message"), [
     ("missing/pool.png", "--plot '{path}': no folder '{folder}/missing'"),
     ("pool", "--plot '{path}' is not the path of a .png file"),

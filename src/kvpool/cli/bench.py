@@ -23,6 +23,7 @@ from tqdm import tqdm
 from kvpool.cli.kv_flags import add_kv_arguments, kv_options
 from kvpool.cli.parallel_flag import add_tensor_parallel_argument
 from kvpool.cli.reply import request_error
+from kvpool.cli.serve import api_keys
 from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.tier_flags import add_tier_arguments, tier_options
 from kvpool.engine import LLM, EngineStats, SamplingParams
@@ -390,8 +391,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send the workload to a running `kvpool serve` at URL (e.g. "
                              "http://127.0.0.1:8000, or its API root .../v1) through HTTP "
                              "streaming instead; the engine options are the server's then")
-    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVPOOL_API_KEY"),
-                        help="with --url: the server's API key (default: $KVPOOL_API_KEY)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="with --url: the server's API key (default: the first key of "
+                             "$KVPOOL_API_KEY, comma-separated as `kvpool serve` reads it)")
     plot = parser.add_mutually_exclusive_group()
     plot.add_argument("--plot", metavar="PATH",
                       help=f"PNG of the pool over the engine's steps (default: {DEFAULT_PLOT}; "
@@ -446,6 +448,7 @@ def run_url(args: argparse.Namespace) -> int:
     if args.plot is not None:
         raise ValueError(f"--plot {args.plot!r}: the plot shows the pool over the engine's "
                          f"steps, which a run against --url cannot see")
+    keys = api_keys(None if args.api_key is None else [args.api_key])
     workload = Workload(args.num_requests, PROMPT_LEN.with_median(args.prompt_len),
                         OUTPUT_LEN.with_median(args.output_len),
                         request_rate=args.request_rate, seed=args.seed)
@@ -455,6 +458,6 @@ def run_url(args: argparse.Namespace) -> int:
         return make_workload(workload, vocab_size, max_model_len)
 
     model, rows = run_client(bench_url(args.url.rstrip("/"), requests_for,
-                                       api_key=args.api_key))
+                                       api_key=keys[0] if keys else None))
     print(format_table([("model", model), ("url", args.url), *rows]))
     return 0
