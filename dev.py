@@ -5,10 +5,13 @@
     python3 dev.py test [args]        # the test suite (one pytest-xdist worker per core)
     python3 dev.py gpu-check [args]   # the suite with CUDA visible, then benchmarks/gpu.py
     python3 dev.py <cmd> [args]       # any kvpool subcommand (plan, generate, ...)
+
+A kvpool subcommand runs in the folder dev.py was started from; the tests in the repository.
 """
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -188,16 +191,30 @@ def test_workers(args: list[str]) -> list[str]:
     return ["-n", str(cores), *WHOLE_MODULES]
 
 
+def run_to_the_end(cmd: list[str], cwd: Path | None = None) -> int:
+    """Run `cmd` and return its exit status (128 + N for one ended by signal N: 130 for
+    SIGINT, as a shell reports it). A terminal's Ctrl-C sends SIGINT to the child too, which
+    may take its time to stop (`kvpool serve` drains): this process ignores it meanwhile and
+    waits, rather than killing the child."""
+    child = subprocess.Popen(cmd, cwd=cwd)
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        status = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    return 128 - status if status < 0 else status
+
+
 def main() -> int:
     args = sys.argv[1:] or ["bench"]
     if args[0] == "gpu-check":
         return gpu_check(args[1:])
     ensure_venv()
-    if args[0] == "test":
-        cmd = [str(PY), "-m", "pytest", *test_workers(args[1:]), *args[1:]]
-    else:
-        cmd = [str(BIN / "kvpool"), *args]
-    return subprocess.call(cmd, cwd=ROOT)
+    if args[0] == "test":  # pytest finds its configuration and tests from the repository
+        return run_to_the_end([str(PY), "-m", "pytest", *test_workers(args[1:]), *args[1:]],
+                              cwd=ROOT)
+    # where the user is: a relative path given (a model, --plot, --disk-tier) is theirs
+    return run_to_the_end([str(BIN / "kvpool"), *args])
 
 
 if __name__ == "__main__":
