@@ -37,6 +37,17 @@ def test_plan_prints_the_plan_for_given_memory(capsys):
     assert table["tokens"] == "51,792"
 
 
+def test_plan_of_a_hybrid_holds_the_engines_state_slots_a_seat_and_a_checkpoint_each(capsys):
+    table = plan_table(capsys, "Bamba-9B", "--device-memory", "40GiB", "--context-len",
+                       "8192", "--max-num-seqs", "8")
+    assert table["state slots"] == "16 (1009.83 MiB)"  # and the pool's reserved one
+    assert table["sequences @ 8,192"] == "8 (512 pages each)"
+    assert table["checkpoints"] == "8 state slots left for the prefix cache"
+    shared = plan_table(capsys, "Bamba-9B", "--device-memory", "40GiB", "--mamba-memory-ratio",
+                        "0.5")
+    assert shared["state share"] == "50% of the budget"
+
+
 def test_plan_counts_sequences_at_the_models_max_position_embeddings(capsys):
     table = plan_table(capsys, "Llama-3-8B", "--device-memory", "24GiB")
     assert table["sequences @ 8,192"] == "6 (512 pages each)"

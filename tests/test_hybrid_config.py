@@ -111,7 +111,8 @@ def test_attention_only_plan_has_no_state_slots():
 
 def test_kvpool_plan_reports_state_slots_and_checkpoints(capsys):
     from kvpool.cli.main import main
-    assert main(["plan", "Bamba-9B", "--device-memory", "40GiB", "--context-len", "8192"]) == 0
+    assert main(["plan", "Bamba-9B", "--device-memory", "40GiB", "--context-len", "8192",
+                 "--mamba-memory-ratio", "0.5"]) == 0
     out = capsys.readouterr().out
     plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB)
     assert f"state slots           {plan.num_state_slots:,} (" in out

@@ -9,7 +9,7 @@ import torch
 
 from kvpool.engine.config import EngineConfig
 from kvpool.memory.layout import KVLayout
-from kvpool.memory.pool import MOST_PAGES
+from kvpool.memory.pool import MOST_PAGES, pages_within
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planning import planner
 from kvpool.planning.geometry import ModelGeometry
@@ -499,6 +499,17 @@ def test_a_hybrid_whose_state_slots_leave_no_page_says_so():
     assert plan.num_pages == 0 and plan.num_state_slots == 49
     assert plan.reason.startswith(f"the {exact_bytes(plan.budget_bytes - plan.state_bytes)} "
                                   f"left for the KV cache after 49 state slots")
+
+
+def test_a_hybrid_given_its_state_slots_takes_them_out_of_the_budget_before_the_pages():
+    bamba = ModelConfig.from_hf("Bamba-9B")
+    plan = plan_memory(bamba, 40 * GiB, num_state_slots=128)
+    slot = bamba.mamba_layout().bytes_per_slot
+    assert (plan.num_state_slots, plan.mamba_memory_ratio) == (128, 0.0)
+    assert plan.num_pages == pages_within(plan.layout, plan.budget_bytes - 129 * slot)
+    for bad, error in ((0, ValueError), (True, TypeError), (2**63, ValueError)):
+        with pytest.raises(error, match="num_state_slots"):
+            plan_memory(bamba, 40 * GiB, num_state_slots=bad)
 
 
 def test_a_hybrid_with_nothing_left_for_the_cache_says_no_state_slot_fits():

@@ -71,9 +71,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per page (default: 16)")
     parser.add_argument("--dtype", choices=list(DTYPES),
                         help="weights and KV dtype (default: the config's, else float32)")
-    parser.add_argument("--mamba-memory-ratio", type=float, default=0.5, metavar="RATIO",
+    parser.add_argument("--mamba-memory-ratio", type=float, metavar="RATIO",
                         help="hybrid models: share of the cache budget for Mamba state slots "
-                             "(default: 0.5)")
+                             "(default: the engine's slots, a seat of --max-num-seqs each and "
+                             "as many for prefix checkpoints)")
     add_kv_dtype_argument(parser)
     parser.add_argument("--context-len", type=int, metavar="TOKENS",
                         help="the longest sequence (the engine's max_model_len): tokens per "
@@ -109,7 +110,9 @@ def run_plan(args: argparse.Namespace) -> int:
     plan_with = functools.partial(
         plan_memory, model, args.device_memory, memory_fraction=args.memory_fraction,
         page_size=args.page_size, dtype=DTYPES.get(args.dtype), device=device,
-        mamba_memory_ratio=args.mamba_memory_ratio, kv_cache_dtype=args.kv_cache_dtype,
+        mamba_memory_ratio=0.5 if args.mamba_memory_ratio is None else args.mamba_memory_ratio,
+        num_state_slots=None if args.mamba_memory_ratio is not None else 2 * args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
         free_out_of_window=not args.one_pool, max_num_seqs=args.max_num_seqs,
         max_model_len=context_len, tensor_parallel_size=args.tensor_parallel_size)
     plan = uncapped = plan_with()
@@ -120,7 +123,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if excess > 0:
             plan = plan_with(reserved_bytes=excess)
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
-    print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype,
+    seats = None if args.mamba_memory_ratio is not None else args.max_num_seqs
+    print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype, seats,
                                   uncapped.budget_bytes)))
     if plan.reason:
         print(f"kvpool plan: {args.model} does not fit: {plan.reason}", file=sys.stderr)
@@ -217,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan_rows(
     name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype,
-    uncapped_budget: int,
+    seats: int | None, uncapped_budget: int,
 ) -> list[tuple[str, str]]:
-    """(label, value) rows describing `plan` for the model `name`; `uncapped_budget` is the
-    KV budget (bytes) before the engine's cap on the CPU."""
+    """(label, value) rows describing `plan` for the model `name`; `seats`: a hybrid's state
+    slots are the engine's, that many seats and as many checkpoints (None: a share of the
+    budget); `uncapped_budget` is the KV budget (bytes) before the engine's cap on the CPU."""
     pages_per_seq, layout = plan.pages_per_sequence(context_len), plan.layout
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
@@ -237,9 +242,15 @@ def _plan_rows(
            f"{format_bytes(uncapped_budget)} left)" if uncapped_budget > plan.budget_bytes
            else "")
     rows.append(("KV budget", format_bytes(plan.budget_bytes) + cap))
+    sequences = plan.max_sequences(context_len)
+    if plan.mamba_layout and seats is not None:
+        sequences = min(sequences, seats)
+        rows.append(("state share", f"{seats:,} seats (--max-num-seqs) and {seats:,} for "
+                                    f"prefix checkpoints, as the engine holds them"))
+    elif plan.mamba_layout:
+        rows.append(("state share", f"{plan.mamba_memory_ratio * 100:g}% of the budget"))
     if plan.mamba_layout:
         rows += [
-            ("state share", f"{plan.mamba_memory_ratio * 100:g}% of the budget"),
             ("state bytes per slot", f"{plan.mamba_layout.bytes_per_slot:,} "
                                      f"({format_bytes(plan.mamba_layout.bytes_per_slot)}, "
                                      f"{plan.mamba_layout.num_layers} Mamba layers)"),
@@ -270,17 +281,16 @@ def _plan_rows(
                       f"of every layer: {plan.num_pages:,}"),
             ("tokens", f"{plan.max_tokens:,}; one pool of every layer: "
                        f"{plan.num_pages * layout.page_size:,}"),
-            (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,}"),
+            (f"sequences @ {context_len:,}", f"{sequences:,}"),
         ]
     else:
         rows += [
             ("pages", f"{plan.num_pages:,} ({format_bytes(plan.kv_bytes)})"),
             ("tokens", f"{plan.max_tokens:,}"),
-            (f"sequences @ {context_len:,}", f"{plan.max_sequences(context_len):,} "
-                                              f"({pages_per_seq:,} pages each)"),
+            (f"sequences @ {context_len:,}", f"{sequences:,} ({pages_per_seq:,} pages each)"),
         ]
     if plan.mamba_layout:
-        rows.append(("checkpoints", f"{plan.max_checkpoints(context_len):,} state slots left "
+        rows.append(("checkpoints", f"{plan.num_state_slots - sequences:,} state slots left "
                                     f"for the prefix cache"))
     return rows
 

@@ -129,6 +129,7 @@ def plan_memory(
     reserved_bytes: int = 0,
     device: str | torch.device | None = None,
     mamba_memory_ratio: float = 0.5,
+    num_state_slots: int | None = None,
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     free_out_of_window: bool = True,
@@ -140,7 +141,9 @@ def plan_memory(
     of `device`. `dtype` None: the model's, for the weights and (unless `kv_cache_dtype` is
     "fp8_e4m3") the pages. `activation_bytes` None: the model's estimate for a forward of
     DEFAULT_MAX_NUM_BATCHED_TOKENS tokens of DEFAULT_MAX_NUM_SEQS sequences.
-    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots.
+    `mamba_memory_ratio` in (0, 1): a hybrid's share of the budget for state slots, unless
+    `num_state_slots` gives their count (the engine's: `max_num_seqs` seats and, with prefix
+    caching, as many checkpoint slots), taken out of the budget before the pages.
     `max_model_len`: the longest sequence, in tokens (None: max_position_embeddings); a window
     no such sequence passes is full attention, as the engine keeps it. A model mixing full and
     windowed layers gets window pools unless not `free_out_of_window`, sized for `max_num_seqs`
@@ -181,8 +184,11 @@ def plan_memory(
     usable = usable_bytes(device_memory, memory_fraction)
     budget = usable - in_use_bytes - weight_bytes - activation_bytes - reserved_bytes
     mamba = model.mamba_layout(dtype=dtype, tensor_parallel_size=tensor_parallel_size)
-    ratio = mamba_memory_ratio if mamba else 0.0
-    num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
+    ratio = mamba_memory_ratio if mamba and num_state_slots is None else 0.0
+    if num_state_slots is not None:
+        num_slots = check_int64("num_state_slots", num_state_slots, 1) * (mamba is not None)
+    else:
+        num_slots = slots_within(mamba, int(max(budget, 0) * ratio)) if mamba else 0
     plan = MemoryPlan(
         layout, model.count_parameters(), weight_bytes, activation_bytes, reserved_bytes,
         device_name, device_memory, in_use_bytes, memory_fraction, budget, num_pages=0,
