@@ -314,6 +314,18 @@ def test_sinks_strided_or_past_float32s_base_2_range_join_the_softmax_as_the_ref
     assert batch.attend(sinks=huge).abs().max() < 1e-30
 
 
+@pytest.mark.usefixtures("decode_path")
+def test_an_infinite_sink_takes_all_its_heads_weight_in_decode_and_prefill_rows():
+    # The kernels take an infinite sink as float32's largest; softmax over infinity is NaN.
+    batch = Batch(MIXED, heads=8, kv_heads=2, head_dim=64, page_size=4, dtype=torch.float32,
+                  device="cpu")
+    sinks = sinks_for(batch)
+    sinks[0] = math.inf
+    out = batch.attend(sinks=sinks)
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    assert relative_error(out[:, 1:], batch.reference(sinks=sinks)[:, 1:]) < 1e-5
+
+
 @pytest.mark.parametrize("sinks", [torch.zeros(4, dtype=torch.float64), torch.zeros(3),
                                    torch.zeros(1, 4), [0.0] * 4])
 def test_paged_attention_rejects_sinks_other_than_float32_per_head(sinks):
@@ -374,6 +386,17 @@ def test_paged_attention_refuses_caches_not_dense_in_head_dim(device):
                                          "in head_dim"):
         paged_attention(batch.q, strided, batch.v_cache, batch.page_tables, batch.seq_lens,
                         batch.cu_seqlens_q)
+
+
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(0, 16), (1, 0)])
+def test_paged_attention_refuses_no_kv_heads_or_an_empty_head_dim(device, kv_heads, head_dim):
+    cache = torch.zeros(2, 4, kv_heads, head_dim, device=device)
+    with pytest.raises(ValueError, match=r"num_kv_heads and head_dim must be at least 1; got "
+                                         rf"q \(1, 2, {head_dim}\)"):
+        paged_attention(torch.zeros(1, 2, head_dim, device=device), cache, cache.clone(),
+                        torch.zeros(1, 1, dtype=torch.int32, device=device),
+                        torch.ones(1, dtype=torch.int32, device=device),
+                        torch.tensor([0, 1], dtype=torch.int32, device=device))
 
 
 def test_paged_attention_refuses_page_tables_of_another_batch_size(device):
@@ -501,6 +524,25 @@ def test_write_kv_refuses_a_rotation_unlike_k_before_rotating_q_or_writing(devic
                  rotation=Rotation(q, cos, sin))
     assert torch.equal(q, before)
     assert not caches.any()
+
+
+def test_write_kv_refuses_a_cache_it_cannot_view_before_rotating_q_or_writing():
+    # Dense in head_dim (paged_attention reads it) but kv_heads outside page_size: no
+    # [slots, kv_heads, head_dim] view, and writing through a copy would drop the write. (On
+    # CUDA the Triton write kernel takes such caches.)
+    device = "cpu"
+    k_cache = torch.zeros(3, 4, 2, 8, device=device)
+    v_cache = torch.zeros(3, 2, 4, 8, device=device).transpose(1, 2)
+    q = torch.randn(2, 4, 8, device=device)
+    before = q.clone()
+    cos, sin = torch.rand(2, 1, 4, device=device), torch.rand(2, 1, 4, device=device)
+    ones = torch.ones(2, 2, 8, device=device)
+    with pytest.raises(ValueError, match=r"write_kv: v_cache \(3, 4, 2, 8\) of strides "
+                                         r"\(64, 8, 32, 1\) cannot be viewed"):
+        write_kv(k_cache, v_cache, torch.tensor([0, 5], device=device), ones, ones,
+                 rotation=Rotation(q, cos, sin))
+    assert torch.equal(q, before)
+    assert not k_cache.any() and not v_cache.any()
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, torch.ones(2)])
@@ -858,6 +900,15 @@ def test_bounds_below_the_batch_lengths_are_rejected(device):
         batch.attend(max_seq_len=63)
     with pytest.raises(ValueError, match="max_query_len 19 is below the batch's 20"):
         batch.attend(max_query_len=19)
+
+
+@pytest.mark.parametrize("bound", ["max_seq_len", "max_query_len"])
+@pytest.mark.parametrize("value", [64.5, 64.0, True])
+def test_bounds_that_are_not_ints_are_rejected_by_name(device, bound, value):
+    batch = Batch(MIXED, heads=4, kv_heads=4, head_dim=64, page_size=16,
+                  dtype=torch.float32, device=device)
+    with pytest.raises(TypeError, match=f"{bound} must be an int or None, got {value!r}"):
+        batch.attend(**{bound: value})
 
 
 # Backend choice.

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from kvpool.attention import paged_attention, write_kv
+from kvpool.attention import paged_attention, write_kv, write_latent
 from kvpool.cache import KVCache
 from kvpool.cache.tiers import HostTier
 from kvpool.cli.main import main
@@ -292,8 +292,7 @@ def test_a_scale_tensor_not_of_float32_is_refused_naming_it(device):
     k8, v8, k_scale, v_scale = fp8_pages(batch)
     wide = k_scale.double()
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
-    message = ("k_scale must be a number or a one-element float32 tensor, got torch.float64 of "
-               "shape ()")
+    message = "k_scale must be a number or a float32 tensor [], got torch.float64 of shape ()"
     with pytest.raises(ValueError, match=re.escape(f"paged_attention: {message}")):
         paged_attention(batch.q, k8, v8, *args, k_scale=wide, v_scale=v_scale)
     before = k8.view(torch.uint8).clone()
@@ -301,6 +300,74 @@ def test_a_scale_tensor_not_of_float32_is_refused_naming_it(device):
         write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
                  batch.values[0][:1], k_scale=wide, v_scale=v_scale)
     assert torch.equal(k8.view(torch.uint8), before)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1, 1, 1, 1)])
+def test_a_scale_tensor_of_one_element_but_not_0_d_is_refused_naming_its_shape(device, shape):
+    # A rank-5 scale broadcast the dequantized K/V up to rank 5: a wrong answer, no error.
+    batch = Batch([(5, 2)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                  device=device)
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    shaped = k_scale.reshape(shape)
+    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
+    message = f"k_scale must be a number or a float32 tensor [], got torch.float32 of shape {shape}"
+    with pytest.raises(ValueError, match=re.escape(f"paged_attention: {message}")):
+        paged_attention(batch.q, k8, v8, *args, k_scale=shaped, v_scale=v_scale)
+    before = k8.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=re.escape(f"write_kv: {message}")):
+        write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
+                 batch.values[0][:1], k_scale=shaped, v_scale=v_scale)
+    assert torch.equal(k8.view(torch.uint8), before)
+    latent_message = message.replace("k_scale", "scale")
+    with pytest.raises(ValueError, match=re.escape(f"write_latent: {latent_message}")):
+        write_latent(k8, torch.tensor([0], device=device), batch.keys[0][:1], scale=shaped)
+    assert torch.equal(k8.view(torch.uint8), before)
+
+
+@pytest.mark.parametrize("scale", [0.0, math.nan, "1.0"])
+def test_write_latent_refuses_a_scale_the_pool_would_not_hold(scale):
+    cache = torch.zeros(2, 4, 1, 16, dtype=FP8_DTYPE)
+    with pytest.raises((ValueError, TypeError), match="write_latent scale must be a positive "
+                                                      "finite number"):
+        write_latent(cache, torch.tensor([0]), torch.ones(1, 1, 16), scale=scale)
+    assert not cache.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, FP8_DTYPE, torch.float64])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_fp8_pages_refuse_q_not_float16_bfloat16_or_float32(backend, dtype):
+    # With a softcap an int32 q came back as int32 "attention" of zeros.
+    batch = Batch([(5, 1)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                  device="cpu")
+    k8, v8, k_scale, v_scale = fp8_pages(batch)
+    with pytest.raises(ValueError, match=re.escape(f"q over fp8 caches must be float16, "
+                                                   f"bfloat16 or float32, got {dtype}")):
+        paged_attention(batch.q.to(dtype), k8, v8, batch.page_tables, batch.seq_lens,
+                        batch.cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, softcap=30.0,
+                        backend=backend)
+
+
+@pytest.mark.parametrize("specs", [[(7, 1)], [(7, 3)]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("softcap", [None, SOFTCAP])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_float16_q_reads_fp8_pages_under_a_large_scale_as_float32_q_does(backend, softcap,
+                                                                           specs):
+    # 448 * 400 is past float16's 65504: K/V dequantized in float16 were inf, the output NaN.
+    batch = Batch(specs, heads=2, kv_heads=1, head_dim=16, page_size=4, dtype=torch.float32,
+                  device="cpu")
+    pages = torch.zeros(3, 4, 1, 16, dtype=FP8_DTYPE)
+    k8, v8 = pages, pages.clone()
+    slots = torch.arange(7)
+    k = torch.linspace(-448, 448, 7 * 16).view(7, 1, 16) * 400.0
+    write_kv(k8, v8, slots, k, k.flip(0), k_scale=400.0, v_scale=400.0)
+    q = batch.q.half() * 1e-4
+    args = torch.tensor([[0, 1]], dtype=torch.int32), batch.seq_lens, batch.cu_seqlens_q
+    out = paged_attention(q, k8, v8, *args, k_scale=400.0, v_scale=400.0, softcap=softcap,
+                          backend=backend)
+    expected = paged_attention(q.float(), k8, v8, *args, k_scale=400.0, v_scale=400.0,
+                               softcap=softcap, backend=backend)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, expected.half())
 
 
 # ---- cache: pages are bytes ------------------------------------------------------------------

@@ -6,8 +6,9 @@ on CUDA; Triton is optional and imported only when used).
 
 fp8 caches (float8_e4m3fn, kvpool.memory.fp8) come with a K and a V scale (floats or float32 tensors
 `[]`): write_kv quantizes under them, and every backend reads the pages dequantized. The torch
-reference dequantizes the gathered K/V into q's dtype (`float32(byte) * scale`); the kernels
-fold the scales into the scores and the output instead, which differs only by rounding.
+reference dequantizes the gathered K/V in float32 (`float32(byte) * scale`) and attends in
+float32; the kernels fold the scales into the scores and the output instead, which differs
+only by rounding.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ BACKENDS = ("torch", "cpu", "triton")
 # bytes (K and V), reused for every group: small enough to stay in cache, large enough that a
 # decode batch costs a handful of torch calls (benchmarks/attention.py).
 _DECODE_GROUP_BYTES = 8 << 20
+# The query dtypes every backend reads fp8 pages with (the kernels compute in float32).
+_FP8_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(slots=True)
@@ -98,17 +101,19 @@ def write_kv(k_cache, v_cache, slots, k, v, *, k_scale=None, v_scale=None,
         triton_write.write_kv(k_cache, v_cache, slots, k, v, k_scale=k_scale, v_scale=v_scale,
                               rotation=rotation)
         return
+    # Both views before rotating q: a cache that cannot be viewed must change nothing.
+    k_rows = _slot_rows("write_kv", "k_cache", k_cache)
+    v_rows = _slot_rows("write_kv", "v_cache", v_cache)
     if rotation is not None:
         q, cos, sin = rotation
         k = apply_rotary(k, cos, sin)
         q.copy_(apply_rotary(q, cos, sin))
     slots = slots.long()
     if fp8:  # index_copy_ has no fp8 kernel: copy the bytes
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_rows, v_rows = k_rows.view(torch.uint8), v_rows.view(torch.uint8)
         k, v = quantize(k, k_scale).view(torch.uint8), quantize(v, v_scale).view(torch.uint8)
-    # view, never reshape: a silent copy would drop the write.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    k_rows.index_copy_(0, slots, k)
+    v_rows.index_copy_(0, slots, v)
 
 
 def write_latent(cache, slots, latent, *, scale=None) -> None:
@@ -125,15 +130,29 @@ def write_latent(cache, slots, latent, *, scale=None) -> None:
     if fp8 != (scale is not None):
         need = "needs a scale" if fp8 else "takes no scale"
         raise ValueError(f"write_latent: a {cache.dtype} cache {need}; got scale {scale!r}")
+    if fp8:
+        _check_scale("write_latent", "scale", scale)
     if fp8 and not latent.dtype.is_floating_point:
         raise ValueError(f"write_latent expects a floating-point latent, got {latent.dtype}")
     if not fp8 and latent.dtype != cache.dtype:
         raise ValueError(f"write_latent expects latent in the cache's {cache.dtype}, "
                          f"got {latent.dtype}")
     _check_slots("write_latent", cache, slots)
+    rows = _slot_rows("write_latent", "cache", cache)
     if fp8:  # index_copy_ has no fp8 kernel: copy the bytes
-        cache, latent = cache.view(torch.uint8), quantize(latent, scale).view(torch.uint8)
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots.long(), latent)
+        rows, latent = rows.view(torch.uint8), quantize(latent, scale).view(torch.uint8)
+    rows.index_copy_(0, slots.long(), latent)
+
+
+def _slot_rows(caller: str, name: str, cache) -> torch.Tensor:
+    """`cache` as a view `[slots, kv_heads, head_dim]`, or ValueError naming its strides: a
+    copy (reshape) would silently drop the write."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        raise ValueError(f"{caller}: {name} {tuple(cache.shape)} of strides {cache.stride()} "
+                         f"cannot be viewed as [slots, kv_heads, head_dim]: its pages must be "
+                         f"dense in (page_size, kv_heads, head_dim)") from None
 
 
 def _check_slots(caller: str, cache, slots) -> None:
@@ -152,21 +171,26 @@ def _check_slots(caller: str, cache, slots) -> None:
 
 
 def _check_scales(name: str, k_cache, v_cache, k_scale, v_scale) -> bool:
-    """Whether the caches are fp8; ValueError unless fp8 caches have both scales, each a
-    positive normal float32 number or a one-element float32 tensor (its value unread: on
-    CUDA that would synchronise), and others none."""
+    """Whether the caches are fp8; ValueError unless fp8 caches have both scales (as
+    `_check_scale` takes them) and others none."""
     fp8 = is_fp8(k_cache.dtype)
     if fp8 != (k_scale is not None) or fp8 != (v_scale is not None):
         need = "need k_scale and v_scale" if fp8 else "take no k_scale or v_scale"
         raise ValueError(f"{name}: {k_cache.dtype} caches {need}; got k_scale {k_scale!r}, "
                          f"v_scale {v_scale!r}")
     for scale_name, scale in (("k_scale", k_scale), ("v_scale", v_scale)) if fp8 else ():
-        if not isinstance(scale, torch.Tensor):
-            check_scale(f"{name} {scale_name}", scale)
-        elif scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(f"{name}: {scale_name} must be a number or a one-element float32 "
-                             f"tensor, got {scale.dtype} of shape {tuple(scale.shape)}")
+        _check_scale(name, scale_name, scale)
     return fp8
+
+
+def _check_scale(caller: str, name: str, scale) -> None:
+    """Raise unless `scale` is a positive normal float32 number or a float32 tensor `[]` (its
+    value unread: on CUDA that would synchronise). Any other rank would broadcast K/V."""
+    if not isinstance(scale, torch.Tensor):
+        check_scale(f"{caller} {name}", scale)
+    elif scale.dim() != 0 or scale.dtype != torch.float32:
+        raise ValueError(f"{caller}: {name} must be a number or a float32 tensor [], got "
+                         f"{scale.dtype} of shape {tuple(scale.shape)}")
 
 
 def paged_attention(
@@ -188,11 +212,14 @@ def paged_attention(
     on CUDA trusts them and reads nothing back from the device. `workspace`
     (`kvpool.memory.workspace.Workspace` or anything with its `alloc(shape, dtype)` and
     `scope()`) provides the triton decode's scratch, taken back when the call returns. fp8
-    caches need `k_scale` and `v_scale`. Triton launches on the current CUDA device: for
-    tensors on another, call it under `kvpool.devices.made_current(q.device)`, as the engine
-    runs its steps.
+    caches need `k_scale` and `v_scale`, and q in float16, bfloat16 or float32. Triton
+    launches on the current CUDA device: for tensors on another, call it under
+    `kvpool.devices.made_current(q.device)`, as the engine runs its steps.
     """
     backend = _choose_backend(backend, q, k_cache.dtype)
+    for name, bound in (("max_seq_len", max_seq_len), ("max_query_len", max_query_len)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+            raise TypeError(f"paged_attention: {name} must be an int or None, got {bound!r}")
     _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, sliding_window)
     _check_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     if scale is None:
@@ -316,6 +343,8 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
         )
     elif k_cache.dtype != v_cache.dtype or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         problem = "k_cache and v_cache must share a dtype and be dense in head_dim"
+    elif k_cache.shape[2] == 0 or k_cache.shape[3] == 0:
+        problem = "num_kv_heads and head_dim must be at least 1"
     elif q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
         problem = "head_dim must match and num_heads must be a multiple of num_kv_heads"
     elif (
@@ -332,6 +361,8 @@ def _check_shapes(q, k_cache, v_cache, page_tables, seq_lens, cu_seqlens_q, wind
         problem = f"an empty batch has no query tokens, got {q.shape[0]}"
     elif not is_fp8(k_cache.dtype) and q.dtype != k_cache.dtype:
         problem = f"q must be in the caches' {k_cache.dtype}, got {q.dtype}"
+    elif is_fp8(k_cache.dtype) and q.dtype not in _FP8_Q_DTYPES:
+        problem = f"q over fp8 caches must be float16, bfloat16 or float32, got {q.dtype}"
     elif window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                  or not 1 <= window <= INT64_MAX):
         problem = f"sliding_window must be an int64 of at least 1 token, got {window!r}"
@@ -394,7 +425,9 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
     lo, hi = first - first_page * page_size, seq_len - first_page * page_size
     k = layer.k_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
     v = layer.v_cache.index_select(0, ids).flatten(0, 1)[lo:hi].transpose(0, 1)
-    if layer.k_scale is not None:
+    dtype = q.dtype
+    if layer.k_scale is not None:  # in float32, as the kernels: float16 K/V could overflow
+        q = q.float()
         k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
     mask = None
     if layer.window is not None or q_len != seq_len or _scored(layer):
@@ -408,7 +441,7 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
         sinks = None if layer.sinks is None else layer.sinks.view(k.shape[0], -1, 1, 1)
         out = _scored_attention(grouped, k[:, None], v[:, None], mask, layer.scale,
                                 layer.softcap, sinks)
-        return out.flatten(0, 1).transpose(0, 1)
+        return out.flatten(0, 1).transpose(0, 1).to(dtype)
     # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path, which repeats K/V for GQA.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -419,7 +452,7 @@ def _attend_sequence(layer: _Layer, q, pages, seq_len: int) -> torch.Tensor:
         scale=layer.scale,
         enable_gqa=True,
     )
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(dtype)
 
 
 def _decode_rows(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
@@ -448,13 +481,16 @@ def _decode(layer: _Layer, q, page_tables, lens: list[int]) -> torch.Tensor:
     # GQA without copying K/V: the query heads sharing a KV head become its query rows.
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(grouped)
+    if layer.k_scale is not None:  # in float32, as the kernels: float16 K/V could overflow
+        grouped = grouped.float()
     for i in range(0, batch, group):
         rows = slice(i, i + group)
         ids, visible = _visible_pages(page_tables[rows], lens[rows], firsts[rows], page_size)
         k = _gather(layer.k_cache, ids, k_buf, visible)
         v = _gather(layer.v_cache, ids, v_buf, visible)
         if layer.k_scale is not None:
-            k, v = dequantize(k, layer.k_scale, q.dtype), dequantize(v, layer.v_scale, q.dtype)
+            k = dequantize(k, layer.k_scale, grouped.dtype)
+            v = dequantize(v, layer.v_scale, grouped.dtype)
         mask = None if visible is None else visible[:, None, None, :]
         if not _scored(layer):
             out[rows] = F.scaled_dot_product_attention(
@@ -486,7 +522,8 @@ def _scored_attention(q, k, v, mask, scale: float, softcap: float | None,
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
-    sinks = sinks.expand(*scores.shape[:-1], 1)
+    # at most float32's largest, as the kernels take it: infinity less infinity would be NaN
+    sinks = sinks.clamp(max=FLOAT32_MAX).expand(*scores.shape[:-1], 1)
     weights = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
     return torch.matmul(weights, v.float()).to(q.dtype)
 
