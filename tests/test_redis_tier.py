@@ -257,8 +257,10 @@ def test_redis_unavailable_is_a_kvpool_error_and_a_connection_error():
 def test_a_key_that_is_not_a_page_key_is_a_miss_and_put_refuses_it(server, capacity_bytes,
                                                                     device):
     tier = bound(RedisTier(server.patient_url, capacity_bytes=capacity_bytes))
+    malformed = PageKey([1], ROOT_KEY, KEY.token_ids)  # its chain key not bytes
     assert tier.get(None) is None and (1, 2) not in tier
-    assert tier.stats().num_misses == 1
+    assert tier.get(malformed) is None and malformed not in tier
+    assert tier.stats().num_misses == 2
     with pytest.raises(TypeError, match=r"tier keys must be PageKeys, got tuple \(1, 2\)"):
         tier.put((1, 2), page(1, device))
     with pytest.raises(ValueError, match="does not hold the chain key"):

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from hybrid_util import BAMBA_CONFIGS
 from kvpool.cache import HOLE, KVCache
-from kvpool.cache.tiers import HostTier, PageKey
+from kvpool.cache.tiers import ROOT_KEY, HostTier, PageKey
 from kvpool.cli.main import main
 from kvpool.engine import LLM, SamplingParams, parallel
 from kvpool.engine.config import EngineConfig
@@ -369,8 +369,8 @@ def wait_until_delivered(pid: int, signum: int, timeout: float = 10.0) -> None:
 
 
 def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
-    """A tier entry (a page's id and key: page_size + 3 ints) may be wider than the largest
-    step: the step channel holds one all the same."""
+    """A tier entry (a page's id, two chain keys and page_size ids) may be wider than the
+    largest step: the step channel holds one all the same."""
     cpu_only(device)
     folder = cases("llama").folder
     options = dict(num_pages=4, page_size=64, max_num_seqs=1, max_num_batched_tokens=16,
@@ -380,7 +380,7 @@ def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
     expected = LLM(folder, **options).generate(prompts, greedy, use_tqdm=False)
     with LLM(folder, tensor_parallel_size=RANKS, **options) as llm:
         step = llm.runner.max_step  # a step message: its lengths and its metadata
-        assert 2 * step.num_seqs + 1 + step.size < options["page_size"] + 3
+        assert 2 * step.num_seqs + 1 + step.size < options["page_size"] + 1
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
         assert llm.stats().num_tier_stores > 0 and llm.stats().num_tier_loads > 0
     assert [o.outputs[0].token_ids for o in outputs] == \
@@ -695,7 +695,7 @@ def test_entries_past_one_message_go_in_several_messages_in_order():
 def test_a_worker_tier_that_lost_a_page_rank_0_fetched_raises():
     tier = HostTier(4)
     tier.bind("rank 1", (2, 3), torch.float32)
-    kept = PageKey.of(0, (5, 6))
+    kept = PageKey.of(ROOT_KEY, (5, 6))
     lost = PageKey.of(kept.chain_key, (7, 8))
     assert tier.store(kept, torch.ones(2, 3))
     [page] = parallel.fetch_pages(tier, [parallel.key_entry(kept)])

@@ -1,6 +1,7 @@
 """Tiers below the pool, alone and under KVCache, one rule per test, with exact page ids
 (a fresh allocator hands out ids ascending from 0; LIFO reuses the last freed first)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,6 @@ from kvpool.cache.tiers import (
     DiskTier,
     HostTier,
     PageKey,
-    chain_key,
     namespace_tag,
 )
 from kvpool.errors import OutOfMemory, OutOfPages
@@ -249,7 +249,7 @@ def test_key_collision_is_a_miss():
     key = PageKey.of(ROOT_KEY, [1, 2, 3, 4])
     tier.put(key, page(7))
     other_tokens = PageKey(key.chain_key, ROOT_KEY, (9, 9, 9, 9))
-    other_parent = PageKey(key.chain_key, 12345, key.token_ids)
+    other_parent = PageKey(key.chain_key, bytes(range(16)), key.token_ids)
     assert other_tokens not in tier and other_parent not in tier
     assert tier.get(other_tokens) is None and tier.get(other_parent) is None
     assert (tier.stats().num_hits, tier.stats().num_misses) == (0, 2)
@@ -313,7 +313,8 @@ def test_capacity_must_be_a_positive_int64(capacity, error, message, tmp_path):
 
 
 @pytest.mark.parametrize("kind", TIERS)
-@pytest.mark.parametrize("key", [None, "x", (1, 2), ROOT_KEY])
+@pytest.mark.parametrize("key", [None, "x", (1, 2), ROOT_KEY,
+                                 PageKey([1], ROOT_KEY, (1, 2))])  # its chain key unhashable
 def test_a_key_that_is_not_a_page_key_is_a_miss(kind, key, tmp_path):
     tier = bound(TIERS[kind](tmp_path))
     tier.put(keys(1)[0], page(1))
@@ -375,24 +376,60 @@ def test_pin_memory_needs_cuda():
 
 
 def test_chain_keys_are_the_same_in_every_process():
-    # chain_key is Python's hash of a tuple of ints, which hash randomization leaves alone
-    code = "print(hash((7, (1, 2, 3, 4))))"
+    code = ("from kvpool.cache.tiers import ROOT_KEY, PageKey; "
+            "print(PageKey.of(ROOT_KEY, [1, 2, 3, 4]).chain_key.hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "random"}).stdout
-    assert int(out) == chain_key(7, (1, 2, 3, 4))
+                         check=True, env=hashed_at_random()).stdout
+    assert bytes.fromhex(out) == PageKey.of(ROOT_KEY, [1, 2, 3, 4]).chain_key
+
+
+def hashed_at_random():
+    """The environment of a subprocess with its own hash seed, importing this kvpool."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONHASHSEED": "random",
+            "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+
+
+# Two first pages whose Python tuple hashes are equal (found by a birthday search on
+# CPython's 64-bit tuple hash), and a page to follow either.
+COLLIDING = ([110789, 78346, 8299, 92345, *range(1000, 1012)],
+             [5016, 123353, 43506, 0, *range(1000, 1012)])
+AFTER = list(range(11, 27))
+
+
+def test_pages_whose_tuple_hashes_collide_get_different_chain_keys():
+    first, second = (PageKey.of(ROOT_KEY, ids) for ids in COLLIDING)
+    assert hash(tuple(COLLIDING[0])) == hash(tuple(COLLIDING[1]))
+    assert first.chain_key != second.chain_key
+    assert (PageKey.of(first.chain_key, AFTER).chain_key
+            != PageKey.of(second.chain_key, AFTER).chain_key)
+
+
+def test_a_tier_never_serves_a_page_computed_after_another_prefix_whose_hash_collides(device):
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                      page_size=16)
+    cache = KVCache(layout, 4, device=device, prefix_caching=True, tier=HostTier(8))
+    cache.add_sequence("a", COLLIDING[0] + AFTER + [99])  # its pages go to the tier
+    cache.commit("a")
+    cache.free_sequence("a")
+    cache.add_sequence("x", num_tokens=4 * 16)
+    cache.free_sequence("x")
+    cache.add_sequence("b0", COLLIDING[1] + [1])  # the colliding first page, on the device
+    cache.commit("b0")
+    cache.free_sequence("b0")
+    assert cache.add_sequence("b", COLLIDING[1] + AFTER + [99]) == 16  # its own first page
+    assert cache.stats().num_tier_loads == 0
+    cache.check()
 
 
 def test_a_salted_roots_key_is_the_same_in_every_process():
     from kvpool.cache.prefix_cache import _salted_root, salt_key
 
     code = ("from kvpool.cache.prefix_cache import _salted_root, salt_key; "
-            "print(_salted_root(salt_key('alice')).base_key)")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONHASHSEED": "random",
-           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+            "print(_salted_root(salt_key('alice')).base_key.hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env=env).stdout
-    assert int(out) == _salted_root(salt_key("alice")).base_key
+                         check=True, env=hashed_at_random()).stdout
+    assert bytes.fromhex(out) == _salted_root(salt_key("alice")).base_key
 
 
 def test_an_unsalted_page_spelling_a_salt_never_loads_that_salts_pages_from_the_tier(device):
@@ -526,6 +563,36 @@ def test_a_record_whose_checked_header_nests_too_deep_is_a_miss(tmp_path):
                              + header)
     again = bound(DiskTier(tmp_path, 4))
     assert list(again) == [] and page_files(tmp_path) == []
+
+
+def test_a_record_of_format_version_1_is_a_miss(tmp_path, monkeypatch):
+    # Version 1 named pages by 64-bit tuple hashes, which collide on demand.
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(1)[0]
+    tier.put(k, page(1))
+    monkeypatch.setattr(tiers, "_FORMAT_VERSION", 1)
+    record = tiers.page_record("test", k, page(2))
+    monkeypatch.undo()
+    tier.path(k).write_bytes(record)
+    assert tier.get(k) is None
+    assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
+
+
+def test_a_record_whose_checked_header_claims_a_payload_of_the_wrong_length_is_a_miss(tmp_path):
+    # Header and payload CRC-32s are easy to forge: only the length of one page is read.
+    tier = bound(DiskTier(tmp_path, 4))
+    k = keys(1)[0]
+    tier.put(k, page(1))
+    record = tiers.page_record("test", k, page(1))
+    header_len = tiers._PREFIX.unpack(record[:tiers._PREFIX.size])[1]
+    header = json.loads(record[tiers._PREFIX.size:tiers._PREFIX.size + header_len])
+    payload = bytes(12)
+    header.update(payload_bytes=len(payload), payload_crc32=zlib.crc32(payload))
+    raw = json.dumps(header).encode()
+    tier.path(k).write_bytes(tiers._PREFIX.pack(tiers._MAGIC, len(raw), zlib.crc32(raw))
+                             + raw + payload)
+    assert tier.get(k) is None
+    assert (tier.stats().num_misses, tier.stats().num_corrupt) == (1, 1)
 
 
 def test_disk_tier_binds_past_a_page_file_gone_while_it_lists_them(tmp_path):

@@ -19,7 +19,7 @@ import torch
 from kvpool.cache.group import CacheStats, GroupManager, Plan
 from kvpool.cache.prefix_cache import NO_MATCH, NoPrefixCache, PrefixCache, PrefixMatch
 from kvpool.cache.tiers import PageKey, Tier, page_namespace
-from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.cache.tokens import TOKEN_BYTES
 from kvpool.errors import OutOfPages, UnknownSequence, check_int
 from kvpool.memory.allocator import PageAllocator
 from kvpool.memory.layout import KVLayout
@@ -334,8 +334,7 @@ class FullAttention(GroupManager):
         parent_key = self.prefix_cache.chain_key(match.node, match.depth)
         loaded = []
         for i in range(len(match.pages), self.hit_pages(n)):
-            key = PageKey.of(parent_key, unpack_tokens(token_ids[i * page_bytes:
-                                                                 (i + 1) * page_bytes]))
+            key = PageKey.of_packed(parent_key, token_ids[i * page_bytes:(i + 1) * page_bytes])
             data = self.tier.get(key)
             if data is None:
                 break

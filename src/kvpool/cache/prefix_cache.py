@@ -38,8 +38,8 @@ from itertools import pairwise
 from types import MappingProxyType
 from typing import NamedTuple
 
-from kvpool.cache.tiers import ROOT_KEY, PageKey, chain_key
-from kvpool.cache.tokens import TOKEN_BYTES, unpack_tokens
+from kvpool.cache.tiers import KEY_BYTES, ROOT_KEY, PageKey, chain_key
+from kvpool.cache.tokens import TOKEN_BYTES
 from kvpool.errors import InvalidPage, check_int
 from kvpool.memory.allocator import PageAllocator
 from kvpool.numeric import check_int64
@@ -58,10 +58,10 @@ class PrefixNode:
     # A leaf's children: the shared empty LEAF (most nodes are leaves; a dict each would
     # cost 64 bytes), replaced by a dict of its own when it gains a child (`adopt`).
     children: Mapping[bytes, PrefixNode] = field(default_factory=lambda: LEAF)
-    base_key: int | None = None  # chain key of the prefix before pages[0]; None: not known yet
+    base_key: bytes | None = None  # chain key of the prefix before pages[0]; None: not known yet
     # keys[i]: the chain key of the prefix through pages[i], for the first len(keys) pages;
     # computed when a tier asks (an empty tuple, shared, until then).
-    keys: list[int] | tuple[()] = ()
+    keys: list[bytes] | tuple[()] = ()
 
     def adopt(self, child: PrefixNode) -> None:
         """Make `child` a child of this node, under its key."""
@@ -198,7 +198,7 @@ class PrefixCache:
         """Evict every cached page no sequence holds; returns the freed page ids."""
         return self.allocator.evict(self.allocator.num_cached)
 
-    def chain_key(self, node: PrefixNode, depth: int) -> int:
+    def chain_key(self, node: PrefixNode, depth: int) -> bytes:
         """The chain key naming the prefix through the first `depth` pages of `node`."""
         unknown = []  # it and the nodes above it whose base keys are not known yet
         while node.base_key is None:  # a loop, as a path may be thousands of nodes deep
@@ -209,7 +209,7 @@ class PrefixCache:
             node = child
         return self._key(node, depth)
 
-    def _key(self, node: PrefixNode, depth: int) -> int:
+    def _key(self, node: PrefixNode, depth: int) -> bytes:
         """`chain_key` of a node whose base key is known."""
         if depth == 0:
             return node.base_key
@@ -218,7 +218,7 @@ class PrefixCache:
                 node.keys = []
             key = node.keys[-1] if node.keys else node.base_key
             for i in range(len(node.keys), depth):
-                key = chain_key(key, self._page_tokens(node, i))
+                key = chain_key(key, self._packed(node, i))
                 node.keys.append(key)
         return node.keys[depth - 1]
 
@@ -264,8 +264,9 @@ class PrefixCache:
                 break
         return node, depth
 
-    def _page_tokens(self, node: PrefixNode, i: int) -> tuple[int, ...]:
-        return unpack_tokens(node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes])
+    def _packed(self, node: PrefixNode, i: int) -> bytes:
+        """The packed ids of page i of `node`."""
+        return node.tokens[i * self._page_bytes:(i + 1) * self._page_bytes]
 
     def _evicted(self, pages: list[int]) -> None:
         """The allocator's eviction listener: run the hooks, then cut `pages` (coldest first,
@@ -297,7 +298,7 @@ class PrefixCache:
             node = self._node_of_page[page]
             listed[node] = k = listed.get(node, 0) + 1
             i = len(node.pages) - k
-            keys.append(PageKey.of(self.chain_key(node, i), self._page_tokens(node, i)))
+            keys.append(PageKey.of_packed(self.chain_key(node, i), self._packed(node, i)))
         return keys
 
     def _cut(self, leaf: PrefixNode, n: int) -> None:
@@ -388,7 +389,7 @@ class PrefixCache:
             if node.keys:
                 key = self.chain_key(node, 0)
                 for i, kept in enumerate(node.keys):
-                    key = chain_key(key, self._page_tokens(node, i))
+                    key = chain_key(key, self._packed(node, i))
                     assert kept == key, f"{where}: stale chain key of page {node.pages[i]}"
             assert len(node.keys) <= len(node.pages), (
                 f"{where} keeps {len(node.keys)} chain keys for {len(node.pages)} pages")
@@ -408,11 +409,11 @@ def salt_key(cache_salt: str | None) -> bytes:
 
 
 def _salted_root(salt: bytes) -> PrefixNode:
-    """A root for `salt` (not the unsalted b""); its chain key hashes the salt's bytes
-    inside a tuple of their own, a shape no page's flat tuple of ids has (a page may hold any
-    int32, -1 included), so no key below it equals an unsalted one but by chance. Hash
-    randomization spares nested tuples of ints too: every process derives the same key."""
-    return PrefixNode(salt, b"", [], None, base_key=hash((ROOT_KEY, (tuple(salt),))))
+    """A root for `salt` (not the unsalted b""); its chain key is a BLAKE2b digest of the
+    salt personalized apart from the pages' (`chain_key`), so no key below it equals an
+    unsalted one, nor one of another salt, but by a 128-bit collision."""
+    base_key = hashlib.blake2b(salt, digest_size=KEY_BYTES, person=b"kvpool salt").digest()
+    return PrefixNode(salt, b"", [], None, base_key=base_key)
 
 
 # The match of a prompt whose content is unknown, or of any prompt when caching is off

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kvpool.cache.tiers import PageKey, Tier, namespace_tag, page_record
+from kvpool.cache.tiers import PageKey, Tier, is_page_key, namespace_tag, page_record
 from kvpool.errors import KVPoolError
 from kvpool.numeric import check_int64, check_seconds
 
@@ -70,7 +70,7 @@ class RedisTier(Tier):
 
     def redis_key(self, key: PageKey) -> str:
         """The Redis key of the page stored under `key`."""
-        return f"{self.prefix}:{self._tag}:{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+        return f"{self.prefix}:{self._tag}:{key.chain_key.hex()}"
 
     def put(self, key: PageKey, data: torch.Tensor) -> None:
         """`Tier.put`; without `capacity_bytes`, the page is written and nothing indexed."""
@@ -85,7 +85,7 @@ class RedisTier(Tier):
         """A copy of the page another engine or this one stored under `key`, or None (a miss:
         never stored, evicted by Redis, unreadable, Redis unavailable, or `key` not a
         PageKey). Never raises."""
-        if type(key) is not PageKey:
+        if not is_page_key(key):
             self._counts.num_misses += 1
             return None
         try:
@@ -107,7 +107,7 @@ class RedisTier(Tier):
         """Whether the server holds a readable page for exactly this prefix (a value that
         fails its checks is deleted and counted, as on load); False for a key that is not a
         PageKey."""
-        if type(key) is not PageKey:
+        if not is_page_key(key):
             return False
         try:
             return self._read(key) is not None

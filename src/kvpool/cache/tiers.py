@@ -24,33 +24,43 @@ from typing import BinaryIO
 
 import torch
 
+from kvpool.cache.tokens import pack_tokens, unpack_tokens
 from kvpool.errors import OutOfMemory
 from kvpool.numeric import check_int64
 
-ROOT_KEY = 0  # chain key of the empty prefix
+KEY_BYTES = 16  # a chain key: a BLAKE2b digest of this many bytes
+ROOT_KEY = bytes(KEY_BYTES)  # chain key of the empty prefix
 
 
-def chain_key(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    """The chain key of a page holding `token_ids` below the prefix named `parent_key`: the
-    same in every process (hash randomization spares ints and tuples of ints)."""
-    return hash((parent_key, token_ids))
+def chain_key(parent_key: bytes, packed_ids: bytes) -> bytes:
+    """The chain key of a page holding the ids packed in `packed_ids` (`pack_tokens`) below
+    the prefix named `parent_key`: a 128-bit BLAKE2b digest of both, so that no two prefixes
+    can be made to share one, and the same in every process."""
+    return hashlib.blake2b(parent_key + packed_ids, digest_size=KEY_BYTES,
+                           person=b"kvpool page").digest()
 
 
 @dataclass(frozen=True, slots=True)
 class PageKey:
     """Names one page by its whole prefix: `chain_key` of the prefix through this page,
     `parent_key` of the prefix before it, and the page's `token_ids`, which every lookup
-    compares: a hash collision is a miss, never wrong KV."""
+    compares. A chain key is a cryptographic digest of the whole prefix: two prefixes never
+    share one but by a 128-bit collision, which no one can craft."""
 
-    chain_key: int
-    parent_key: int
+    chain_key: bytes
+    parent_key: bytes
     token_ids: tuple[int, ...]
 
     @classmethod
-    def of(cls, parent_key: int, token_ids: Sequence[int]) -> PageKey:
-        """The key of the page holding `token_ids` below the prefix named `parent_key`."""
-        tokens = tuple(token_ids)
-        return cls(chain_key(parent_key, tokens), parent_key, tokens)
+    def of(cls, parent_key: bytes, token_ids: Sequence[int]) -> PageKey:
+        """The key of the page holding `token_ids` below the prefix named `parent_key`.
+        TypeError or ValueError for an id that is not an int32."""
+        return cls.of_packed(parent_key, pack_tokens(list(token_ids)))
+
+    @classmethod
+    def of_packed(cls, parent_key: bytes, packed_ids: bytes) -> PageKey:
+        """`of` for ids packed by `pack_tokens`."""
+        return cls(chain_key(parent_key, packed_ids), parent_key, unpack_tokens(packed_ids))
 
 
 @dataclass(slots=True)
@@ -78,7 +88,7 @@ class Tier(ABC):
         self.namespace: str | None = None
         self.page_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
-        self._keys: OrderedDict[int, PageKey] = OrderedDict()  # least recently used first
+        self._keys: OrderedDict[bytes, PageKey] = OrderedDict()  # least recently used first
         self._counts = TierStats(capacity_pages)  # cumulative; stats() adds capacity and size
 
     def bind(self, namespace: str, page_shape: Sequence[int], dtype: torch.dtype) -> None:
@@ -111,7 +121,8 @@ class Tier(ABC):
         the least recently used page if the tier is full. ValueError for data of another
         shape or dtype, OSError if the storage fails; the index stays consistent. TypeError
         for a key that is not a PageKey or data that is not a tensor, ValueError for a key
-        whose chain key is not that of its parent key and token ids: nothing changed."""
+        whose chain key is not that of its parent key (a chain key) and token ids: nothing
+        changed."""
         self._check_put(key, data)
         victim = self._keys.get(key.chain_key)  # the page it replaces, or the coldest
         full = victim is None and len(self._keys) >= self.capacity_pages
@@ -131,9 +142,9 @@ class Tier(ABC):
         chain key would leave the index inconsistent)."""
         if type(key) is not PageKey:
             raise TypeError(f"tier keys must be PageKeys, got {type(key).__name__} {key!r}")
-        if key.chain_key != chain_key(key.parent_key, key.token_ids):
+        if not _well_formed(key):
             raise ValueError(f"{key} does not hold the chain key of its parent key and token "
-                             f"ids")
+                             f"ids (a parent key is a {KEY_BYTES}-byte chain key)")
         if self.namespace is None:
             raise ValueError("bind the tier to a namespace before storing pages")
         if not isinstance(data, torch.Tensor):
@@ -171,7 +182,7 @@ class Tier(ABC):
     def __contains__(self, key: PageKey) -> bool:
         """Whether the tier holds a page for exactly this prefix (False for a key that is
         not a PageKey)."""
-        return type(key) is PageKey and self._keys.get(key.chain_key) == key
+        return is_page_key(key) and self._keys.get(key.chain_key) == key
 
     def __len__(self) -> int:
         """Pages held."""
@@ -197,16 +208,18 @@ class Tier(ABC):
         assert len(self._keys) <= self.capacity_pages, (
             f"tier holds {len(self._keys)} pages, capacity {self.capacity_pages}")
         for ck, key in self._keys.items():
-            assert ck == key.chain_key == chain_key(key.parent_key, key.token_ids), (
+            assert ck == key.chain_key and _well_formed(key), (
                 f"key {key} filed under {ck}")
 
     def _page_of(self, record: bytes, key: PageKey) -> torch.Tensor | None:
         """The page data in `record` (a `page_record`); None, counted corrupt, unless it is
-        whole and holds `key`'s page of this tier's namespace, shape and dtype."""
+        whole and holds `key`'s page of this tier's namespace, shape and dtype (its payload
+        one page of bytes, whatever its header says)."""
         f = io.BytesIO(record)
         header = _read_header(f, self.namespace, self.page_shape, self.dtype)
         payload = bytearray(f.read())
-        if header != (key, len(payload), zlib.crc32(payload)):
+        if (header != (key, len(payload), zlib.crc32(payload))
+                or len(payload) != math.prod(self.page_shape) * self.dtype.itemsize):
             self._counts.num_corrupt += 1
             return None
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).view(self.page_shape)
@@ -240,7 +253,7 @@ class HostTier(Tier):
             raise ValueError("pin_memory=True needs CUDA, which is not available")
         self.pin_memory = pin_memory
         self.buffer: torch.Tensor | None = None  # [capacity_pages, *page shape]
-        self._slot_of: dict[int, int] = {}  # chain key -> slot in `buffer`
+        self._slot_of: dict[bytes, int] = {}  # chain key -> slot in `buffer`
         self._free_slots: list[int] = []  # made when bound; pop() takes slot 0 first
 
     @property
@@ -291,7 +304,7 @@ class HostTier(Tier):
 
 _MAGIC = b"KVPOOLPG"
 _PREFIX = struct.Struct("<8sII")
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: chain keys are BLAKE2b digests (1: Python's hash of a tuple)
 _TMP_PREFIX = ".kvpage-"
 STALE_WRITE_SECONDS = 60  # a temporary page file this old is an interrupted write's
 
@@ -319,7 +332,7 @@ class DiskTier(Tier):
 
     def path(self, key: PageKey) -> Path:
         """The file holding the page stored under `key`."""
-        return self.directory / f"{self._tag}-{key.chain_key & 0xFFFF_FFFF_FFFF_FFFF:016x}.kvpage"
+        return self.directory / f"{self._tag}-{key.chain_key.hex()}.kvpage"
 
     def _open(self, namespace: str, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._tag = namespace_tag(namespace)
@@ -380,6 +393,20 @@ class DiskTier(Tier):
             os.utime(path, ns=(self._last_use_ns, self._last_use_ns))
 
 
+def is_page_key(key: object) -> bool:
+    """Whether `key` is a PageKey whose chain key can be looked up (bytes)."""
+    return type(key) is PageKey and type(key.chain_key) is bytes
+
+
+def _well_formed(key: PageKey) -> bool:
+    """Whether `key`'s chain key is that of its parent key, a chain key, and token ids."""
+    try:
+        return (type(key.parent_key) is bytes and len(key.parent_key) == KEY_BYTES
+                and key.chain_key == chain_key(key.parent_key, pack_tokens(list(key.token_ids))))
+    except (TypeError, ValueError):  # ids that are not int32s
+        return False
+
+
 def _stamped(paths: Iterator[Path]) -> Iterator[tuple[int, Path]]:
     """Each of `paths` with its modification time, skipping those gone meanwhile (another
     process sharing the directory) or that cannot be read."""
@@ -405,7 +432,7 @@ def page_record(namespace: str, key: PageKey, data: torch.Tensor) -> bytes:
     payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     header = json.dumps({
         "version": _FORMAT_VERSION, "namespace": namespace,
-        "parent_key": key.parent_key, "token_ids": list(key.token_ids),
+        "parent_key": key.parent_key.hex(), "token_ids": list(key.token_ids),
         "shape": list(data.shape), "dtype": str(data.dtype),
         "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
     }).encode()
@@ -424,8 +451,10 @@ def _read_header(f: BinaryIO, namespace: str, page_shape: tuple[int, ...],
         if magic != _MAGIC or len(raw) != header_len or zlib.crc32(raw) != header_crc:
             return None
         header = json.loads(raw)
-        key = PageKey.of(header["parent_key"], header["token_ids"])
+        key = PageKey.of(bytes.fromhex(header["parent_key"]), header["token_ids"])
     except (struct.error, ValueError, KeyError, TypeError, RecursionError):  # nested JSON
+        return None
+    if len(key.parent_key) != KEY_BYTES:
         return None
     if (header.get("version") != _FORMAT_VERSION or header.get("namespace") != namespace
             or header.get("shape") != list(page_shape) or header.get("dtype") != str(dtype)):

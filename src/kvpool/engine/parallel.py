@@ -32,6 +32,7 @@ import functools
 import multiprocessing
 import queue
 import signal
+import struct
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvpool.cache import KVCache, StateSpec
-from kvpool.cache.tiers import HostTier, PageKey, Tier
+from kvpool.cache.tiers import KEY_BYTES, HostTier, PageKey, Tier
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.tiers import weights_fingerprint
@@ -62,6 +63,8 @@ HOST = "127.0.0.1"
 RUN, COPY, STOP, STORE, FETCH, LOAD = 1, 2, 3, 4, 5, 6  # the commands of a message
 # command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens, checkpoints
 HEADER = 11
+KEY_WORDS = KEY_BYTES // 8  # a tier chain key in messages: this many int64s
+_KEY_CODEC = struct.Struct(f"<{KEY_WORDS}q")
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits this long for its next step
 STARTUP_SECONDS = 120.0  # the least time the ranks wait for each other to start
 JOIN_SECONDS = 60.0  # how long close() waits for a worker to exit before killing it
@@ -112,8 +115,9 @@ class StepChannel:
     def __init__(self, group: dist.ProcessGroup, spec: WorkerSpec):
         self.group = group
         step = 2 * spec.max_step.num_seqs + 1 + spec.max_step.size + 3 * max_checkpoints(spec)
-        # and room for one tier entry at least: a stored page's id and key (page_size + 3)
-        self.buffer = torch.zeros(HEADER + max(step, spec.layout.page_size + 3),
+        # and room for one tier entry at least: a stored page's id and key
+        entry = 1 + 2 * KEY_WORDS + spec.layout.page_size
+        self.buffer = torch.zeros(HEADER + max(step, entry),
                                   dtype=torch.int64)
 
     def send_step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
@@ -556,16 +560,25 @@ def serve(runner: ModelRunner, channel: StepChannel) -> None:
 
 
 def key_entry(key: PageKey) -> list[int]:
-    """A tier key as message entries: chain key, parent key, token ids."""
-    return [key.chain_key, key.parent_key, *key.token_ids]
+    """A tier key as message entries: chain key and parent key (KEY_WORDS int64s each),
+    token ids."""
+    return [*_KEY_CODEC.unpack(key.chain_key), *_KEY_CODEC.unpack(key.parent_key),
+            *key.token_ids]
+
+
+def entry_key(entry: list[int]) -> PageKey:
+    """The tier key of message entries made by `key_entry`."""
+    return PageKey(_KEY_CODEC.pack(*entry[:KEY_WORDS]),
+                   _KEY_CODEC.pack(*entry[KEY_WORDS:2 * KEY_WORDS]),
+                   tuple(entry[2 * KEY_WORDS:]))
 
 
 def store_pages(tier: Tier, pool: KVPool, entries: list[list[int]]) -> None:
     """Store this rank's share of the pages rank 0 evicted to its tier (entries: page, key),
     under the same keys, into this rank's tier (a page it cannot keep is dropped, as there)."""
     data = pool.read_pages([page for page, *_ in entries])
-    for i, (_, chain, parent, *tokens) in enumerate(entries):
-        tier.store(PageKey(chain, parent, tuple(tokens)), data[:, :, i])
+    for i, (_, *key) in enumerate(entries):
+        tier.store(entry_key(key), data[:, :, i])
 
 
 def fetch_pages(tier: Tier, entries: list[list[int]]) -> list[torch.Tensor]:
@@ -573,8 +586,7 @@ def fetch_pages(tier: Tier, entries: list[list[int]]) -> list[torch.Tensor]:
     same order of tier operations, so both tiers keep the same pages. RuntimeError if this
     rank's tier lost one: the ranks would compute with different prefixes, so the engine
     stops (RankFailed)."""
-    fetched = [tier.get(PageKey(chain, parent, tuple(tokens)))
-               for chain, parent, *tokens in entries]
+    fetched = [tier.get(entry_key(key)) for key in entries]
     if any(data is None for data in fetched):
         raise RuntimeError(f"this rank's tier holds {sum(d is not None for d in fetched)} of "
                            f"the {len(entries)} pages rank 0 fetched from its own")
