@@ -897,6 +897,43 @@ def test_eviction_hooks_get_the_pages_and_their_keys_before_the_tree_drops_them(
     cache.check()
 
 
+def test_evicted_pages_leave_the_tree_even_when_an_eviction_hook_raises(device):
+    cache = make_cache(num_pages=4, prefix_caching=True, device=device)
+    for seq_id, tokens in (("a", prompt(9)), ("b", prompt(5, 100))):
+        cache.add_sequence(seq_id, tokens)
+        cache.commit(seq_id)
+        cache.free_sequence(seq_id)
+
+    def broken(pages, keys):
+        raise RuntimeError("out of memory")
+    cache.prefix_cache.evict_hooks.append(broken)
+    with pytest.raises(RuntimeError, match="out of memory"):  # hits b's page, evicts a's last
+        cache.add_sequence("c", prompt(4, 100) + prompt(5, 7))
+    s = cache.stats()
+    assert cache.sequences() == [] and (s.num_used_pages, s.num_cached_pages) == (0, 2)
+    assert [cache.allocator.refcount(p) for p in range(4)] == [0, 0, 0, 0]
+    cache.check()
+    cache.prefix_cache.evict_hooks.clear()
+    assert cache.add_sequence("a", prompt(9)) == 4  # its first page, still cached
+
+
+def test_an_add_that_fails_in_its_second_page_group_leaves_the_first_as_it_was(
+        monkeypatch, device):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                      page_size=PS, layer_windows=(None, 8))
+    cache = KVCache(layout, [8, 8], device=device, prefix_caching=True)  # two page groups
+    cache.add_sequence("a", prompt(9))
+    cache.commit("a")
+    before = snapshot(cache)
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(cache.groups[1], "add", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cache.add_sequence("b", prompt(9))
+    assert_unchanged(before, cache)
+
+
 def chain_keys(tokens):
     """The tier keys of the full pages of a prompt of `tokens`, chained from the root."""
     keys, parent = [], ROOT_KEY

@@ -60,6 +60,21 @@ def test_cached_prefix_of_230_tokens_with_checkpoints_every_64_gives_a_hit_of_19
     c.check()
 
 
+def test_an_add_whose_checkpoint_copy_fails_gives_back_its_slot_and_pages(monkeypatch, device):
+    c = cache(device=device)
+    tokens = list(range(230))
+    cached_then_freed(c, tokens)
+    free_slots, stats = c.states.num_free, c.stats()
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(c.states, "copy", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        c.add_sequence("b", tokens + [7])
+    assert (c.states.num_free, c.stats(), c.sequences()) == (free_slots, stats, [])
+    c.check()
+
+
 def test_a_checkpoint_past_the_kv_match_is_not_restored(device):
     """The same prompt again: its KV match stops short of the last token (112 of 128), so
     the checkpoint after all 128 tokens is out of reach and the one at 64 serves."""

@@ -703,6 +703,69 @@ def test_a_store_failing_with_any_error_drops_the_page_and_eviction_succeeds(mon
     cache.check()
 
 
+def test_evicted_pages_the_device_fails_to_read_are_dropped_and_eviction_succeeds(
+        monkeypatch, device):
+    tier = HostTier(8)
+    cache = make_cache(tier, device=device)
+    cache.add_sequence("a", prompt(9))
+    cache.commit("a")
+    cache.free_sequence("a")
+
+    def out_of_memory(pages):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(cache.pool, "read_pages", out_of_memory)
+    assert cache.add_sequence("x", num_tokens=16) == 0
+    s = cache.stats()
+    assert (s.num_evicted_pages, s.num_tier_stores) == (2, 0)
+    assert (len(tier), tier.stats().num_dropped) == (0, 2)
+    cache.check()
+
+
+def test_evicted_pages_go_to_the_tier_a_chunk_at_a_time(monkeypatch, device):
+    from kvpool.cache import pages
+
+    tier = HostTier(8)
+    cache = make_cache(tier, device=device)
+    cache.add_sequence("a", prompt(13))
+    fill(cache, "a", 100)
+    original = cache.pool.read_pages(cache.pages("a")[:3]).clone()
+    cache.commit("a")
+    cache.free_sequence("a")
+    monkeypatch.setattr(pages, "STORE_CHUNK_BYTES", 2 * LAYOUT.bytes_per_page)
+    reads, read = [], cache.pool.read_pages
+    monkeypatch.setattr(cache.pool, "read_pages", lambda ids: reads.append(ids) or read(ids))
+    cache.add_sequence("x", num_tokens=4 * PS)  # evicts a's three pages, the coldest first
+    assert reads == [[2, 1], [0]] and len(tier) == 3
+    cache.free_sequence("x")
+    assert cache.add_sequence("b", prompt(13)) == 12
+    assert torch.equal(read(cache.pages("b")[:3]), original)
+
+
+@pytest.mark.parametrize("fault", ["write", "listener"])
+def test_an_add_whose_tier_load_fails_gives_back_every_page_it_took(fault, monkeypatch, device):
+    tier = HostTier(8)
+    cache = make_cache(tier, device=device)
+    evict_prompt_to_tier(cache, prompt(9))
+    cache.add_sequence("c", prompt(5))  # its first page back on the device, the second not
+    cache.commit("c")
+    cache.free_sequence("c")
+    before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
+              cache.allocator.cached_pages())
+
+    def broken(*args):
+        raise RuntimeError("out of memory")
+    if fault == "write":
+        monkeypatch.setattr(cache.pool, "write_pages", broken)
+    else:
+        cache.page_groups[0].load_listeners.append(broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cache.add_sequence("b", prompt(9))  # a device hit, a tier hit, a new page
+    assert (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
+            cache.allocator.cached_pages()) == before
+    assert cache.sequences() == []
+    cache.check()
+
+
 def read_only_file_system(*args, **kwargs):
     raise PermissionError(13, "Read-only file system")
 

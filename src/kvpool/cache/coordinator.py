@@ -146,10 +146,17 @@ class KVCache:
             if not group.room(plan):
                 raise self._shortage(group, plan)
         hit = n
-        for group, plan in plans:
-            served = group.add(seq_id, n, salt, plan)
-            if served < hit:
-                hit = served
+        try:
+            for group, plan in plans:
+                served = group.add(seq_id, n, salt, plan)
+                if served < hit:
+                    hit = served
+        except BaseException:  # a fault of the device: the groups that took it give it back
+            for taken, _ in plans:
+                if taken is group:  # the one that raised, having given back what it took
+                    break
+                taken.free(seq_id)
+            raise
         if ids is None or self.prefix_cache is None:  # nothing shares by content
             self._seqs[seq_id] = _Sequence(n, None, salt)
         else:

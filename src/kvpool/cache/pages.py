@@ -27,6 +27,7 @@ from kvpool.memory.pool import KVPool
 from kvpool.numeric import int_tensor
 
 HOLE = -1  # the page-table entry of a page given back after it fell out of the window
+STORE_CHUNK_BYTES = 64 << 20  # evicted pages read at once on their way to a tier
 
 
 @dataclass(slots=True)
@@ -89,14 +90,21 @@ class FullAttention(GroupManager):
                     len(match.pages) * self.page_size, match.pages, (match, token_ids))
 
     def add(self, seq_id: Hashable, n: int, salt: bytes, plan: Plan) -> int:
+        """Raising (a fault of the device or a listener), it gives back every page it took."""
         need, (match, ids) = plan.need, plan.data
+        pages = match.pages
         loaded = [] if self.tier is None or ids is None else self._fetch_from_tier(ids, n, match)
-        if match.pages:
-            self.allocator.hold(match.pages)
-        pages = match.pages + self.allocator.allocate(need)
-        hit_pages = len(match.pages) + len(loaded)
-        if loaded:
-            self._load_from_tier(ids, pages, len(match.pages), loaded, salt)
+        if pages:
+            self.allocator.hold(pages)
+        matched = len(pages)
+        try:
+            pages = pages + self.allocator.allocate(need)
+            if loaded:
+                self._load_from_tier(ids, pages, matched, loaded, salt)
+        except BaseException:
+            self.allocator.drop(pages)  # the match's pages, and the new ones if allocated
+            raise
+        hit_pages = matched + len(loaded)
         hit = hit_pages * self.page_size
         if ids is not None and self.prefix_cache is not None:
             self._hit_tokens += hit
@@ -353,19 +361,17 @@ class FullAttention(GroupManager):
         self.pool.write_pages(pages[first:last], torch.stack([data for _, data in loaded], dim=2))
         for listener in self.load_listeners:
             listener(pages[first:last])
-        self._num_tier_loads += len(loaded)
         self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES], pages[:last],
                                  salt=salt)
+        self._num_tier_loads += len(loaded)
 
     def _evicted(self, pages: list[int], keys: Callable[[], list[PageKey]]) -> None:
         """The prefix cache's eviction hook: these cached pages, named by `keys()`, leave it
         and are about to be reused; copy them to the tier and scrub them. Eviction runs inside
-        calls that have passed their checks, and never fails: a page the tier cannot store is
-        lost, as without a tier."""
+        calls that have passed their checks: a page the tier cannot store is lost, as without
+        a tier."""
         if self.tier is not None:
-            data = self.pool.read_pages(pages)
-            for i, key in enumerate(keys()):
-                self._num_tier_stores += self.tier.store(key, data[:, :, i])
+            self._num_tier_stores += store_pages(self.tier, self.pool, pages, keys())
         self._scrub(pages)
 
     def _scrub(self, pages: list[int]) -> None:
@@ -416,6 +422,24 @@ class FullAttention(GroupManager):
             slots += range(pages[i] * ps + max(start - first, 0),
                            pages[i] * ps + min(end - first, ps))
         return slots
+
+
+def store_pages(tier: Tier, pool: KVPool, pages: list[int], keys: list[PageKey]) -> int:
+    """Store `pages` of `pool` to `tier` under `keys`, read STORE_CHUNK_BYTES at a time (the
+    copy on the device stays small); returns how many it stored. Never raises: a page that
+    cannot be read (the device out of memory) or stored is dropped and counted."""
+    chunk = max(1, STORE_CHUNK_BYTES // pool.layout.bytes_per_page)
+    stored = 0
+    for start in range(0, len(pages), chunk):
+        part = pages[start:start + chunk]
+        try:
+            data = pool.read_pages(part)
+        except Exception:  # noqa: BLE001 - any failure to read them loses the pages
+            tier.count_dropped(len(part))
+            continue
+        for i, key in enumerate(keys[start:start + chunk]):
+            stored += tier.store(key, data[:, :, i])
+    return stored
 
 
 class SlidingWindow(FullAttention):

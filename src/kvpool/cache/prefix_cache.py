@@ -15,9 +15,10 @@ its parent: the coldest cached page is the last page of a leaf.
 An evicted page leaves the tree at once: the allocator calls `_evicted` with the pages it
 takes, coldest first, before it hands them out. First the `evict_hooks` run with the pages
 and a function returning their tier keys, computed on the first call only (a tier stores the
-pages by them; a state cache drops what depended on the pages and never asks). Then each page
-is cut from the end of its leaf (a leaf left empty goes, and a salted root left with no
-child). No page is ever listed that the allocator has not marked as the tree's.
+pages by them; a state cache drops what depended on the pages and never asks). Then, even
+if a hook raised, each page is cut from the end of its leaf (a leaf left empty goes, and a
+salted root left with no child). No page is ever listed that the allocator has not marked as
+the tree's.
 
 A tier names a page by the chain key of its whole prefix (see tiers.py), computed only when
 a tier asks, and then kept with the node: naming the pages of a long run one after another
@@ -273,22 +274,24 @@ class PrefixCache:
         each the last page of a leaf once the pages before it in the list are cut) from the
         tree. Pages of one leaf listed one after another (as a sequence queues its pages tail
         first, they mostly are) are cut at once."""
-        if self.evict_hooks:
-            keys = functools.cache(functools.partial(self._evicted_keys, pages))
-            for hook in self.evict_hooks:
-                hook(pages, keys)
-        node_of_page = self._node_of_page
-        leaf, cut = None, 0
-        for page in pages:
-            node = node_of_page[page]
-            node_of_page[page] = None
-            if node is not leaf:
-                if cut:
-                    self._cut(leaf, cut)
-                leaf, cut = node, 0
-            cut += 1
-        if cut:
-            self._cut(leaf, cut)
+        try:
+            if self.evict_hooks:
+                keys = functools.cache(functools.partial(self._evicted_keys, pages))
+                for hook in self.evict_hooks:
+                    hook(pages, keys)
+        finally:  # even past a hook that raised: the allocator frees the pages all the same
+            node_of_page = self._node_of_page
+            leaf, cut = None, 0
+            for page in pages:
+                node = node_of_page[page]
+                node_of_page[page] = None
+                if node is not leaf:
+                    if cut:
+                        self._cut(leaf, cut)
+                    leaf, cut = node, 0
+                cut += 1
+            if cut:
+                self._cut(leaf, cut)
 
     def _evicted_keys(self, pages: list[int]) -> list[PageKey]:
         """The tier keys of `pages`, listed as `_evicted` takes them: the k-th page of a node

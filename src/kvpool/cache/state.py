@@ -193,7 +193,11 @@ class MambaState(GroupManager):
         checkpoint, ids = plan.data
         slot = self.states.allocate()
         if checkpoint is not None:
-            self.states.copy(checkpoint, slot)
+            try:
+                self.states.copy(checkpoint, slot)
+            except BaseException:  # a fault of the device: the slot goes back
+                self.states.free(slot)
+                raise
             self.checkpoints.touch(ids[:plan.hit * TOKEN_BYTES])
         self._seqs[seq_id] = _StateSlot(slot, n, ids is not None and not salt)
         return plan.hit

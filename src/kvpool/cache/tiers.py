@@ -73,7 +73,7 @@ class TierStats:
     num_hits: int = 0
     num_misses: int = 0
     num_evictions: int = 0  # pages dropped to make room (least recently used first)
-    num_dropped: int = 0  # pages `store` could not keep (a failed write)
+    num_dropped: int = 0  # pages `store` could not keep (a failed read or write)
     num_corrupt: int = 0  # stored pages that failed their checks on load, and were removed
 
 
@@ -163,6 +163,11 @@ class Tier(ABC):
             self._counts.num_dropped += 1
             return False
         return True
+
+    def count_dropped(self, n: int) -> None:
+        """Count `n` pages dropped before they reached `store` (their data could not be
+        read)."""
+        self._counts.num_dropped += n
 
     def get(self, key: PageKey) -> torch.Tensor | None:
         """A copy of the page stored under `key`, now the most recently used; None (a miss)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvpool.cache import KVCache, StateSpec
+from kvpool.cache.pages import store_pages
 from kvpool.cache.tiers import KEY_BYTES, HostTier, PageKey, Tier
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.runner import ModelRunner, StepLayout
@@ -551,7 +552,7 @@ def serve(runner: ModelRunner, channel: StepChannel) -> None:
             if command == COPY:
                 pools[pool].copy([src for src, _ in entries], [dst for _, dst in entries])
             elif command == STORE:
-                store_pages(runner.cache.tier, runner.cache.pool, entries)
+                store_entries(runner.cache.tier, runner.cache.pool, entries)
             elif command == FETCH:
                 fetched = fetch_pages(runner.cache.tier, entries)
             else:
@@ -573,12 +574,11 @@ def entry_key(entry: list[int]) -> PageKey:
                    tuple(entry[2 * KEY_WORDS:]))
 
 
-def store_pages(tier: Tier, pool: KVPool, entries: list[list[int]]) -> None:
+def store_entries(tier: Tier, pool: KVPool, entries: list[list[int]]) -> None:
     """Store this rank's share of the pages rank 0 evicted to its tier (entries: page, key),
     under the same keys, into this rank's tier (a page it cannot keep is dropped, as there)."""
-    data = pool.read_pages([page for page, *_ in entries])
-    for i, (_, *key) in enumerate(entries):
-        tier.store(entry_key(key), data[:, :, i])
+    store_pages(tier, pool, [page for page, *_ in entries],
+                [entry_key(key) for _, *key in entries])
 
 
 def fetch_pages(tier: Tier, entries: list[list[int]]) -> list[torch.Tensor]:
