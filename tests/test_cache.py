@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.cache.prefix_cache import PrefixCache
+from kvpool.cache.prefix_cache import PrefixCache, salt_key
 from kvpool.cache.tiers import ROOT_KEY, PageKey
 from kvpool.cache.tokens import pack_tokens
 from kvpool.errors import (
@@ -1120,6 +1120,22 @@ def test_arguments_that_are_no_page_range_or_sequence_are_typed_errors(device):
         with pytest.raises(TypeError, match=f"{next(iter(option))} must be a"):
             make_cache(device=device, **option)
     cache.check()
+
+
+def test_an_insert_under_a_new_salt_that_raises_adds_no_root():
+    allocator = PageAllocator(8)
+    index = PrefixCache(allocator, 2)
+    fresh = allocator.allocate(1)
+    for tokens, pages, error, message in (
+            ([7], fresh, ValueError, "token_ids hold 1 tokens, fewer than 1 full pages"),
+            ([7, 8], [5], InvalidPage, "cannot cache page 5: nobody holds it")):
+        with pytest.raises(error, match=message):
+            index.insert(pack_tokens(tokens), pages, salt=salt_key("alice"))
+        assert list(index._roots) == [b""]
+        index.check()
+    assert index.insert(pack_tokens([7, 8]), fresh, salt=salt_key("alice")) == 1
+    assert list(index._roots) == [b"", salt_key("alice")]
+    index.check()
 
 
 def test_the_prefix_index_refuses_bad_page_sizes_and_pages_and_changes_nothing():

@@ -137,10 +137,8 @@ class PrefixCache:
         page_bytes = self._page_bytes
         if num_cached:
             node, depth = self._cached_node(pages, num_cached)
-        else:
-            node, depth = self._roots.get(salt), 0
-            if node is None:
-                node = self._roots[salt] = _salted_root(salt)
+        else:  # a salt's root joins the tree with its first pages, once they pass the checks
+            node, depth = self._roots.get(salt) or _salted_root(salt), 0
         path: list[int] = []  # the tree's pages spelling its content past them
         node, depth = self._walk(token_ids, path, num_cached, len(pages), node, depth)
         for i, page in enumerate(path, num_cached):
@@ -169,6 +167,8 @@ class PrefixCache:
             node.pages += new_pages  # the run grows
             node.tokens += new_tokens
         else:
+            if node.parent is None:
+                self._roots.setdefault(node.key, node)
             node = PrefixNode(new_tokens[:page_bytes], new_tokens, new_pages, node, num_held)
             node.parent.adopt(node)
         for page in new_pages:
