@@ -947,6 +947,27 @@ def test_the_fingerprint_tells_apart_any_weight_and_the_config_but_not_a_reload(
     assert base not in changed and len(set(changed)) == 3
 
 
+@pytest.mark.parametrize("buffer", ["beta", "eps"])
+def test_the_fingerprint_tells_apart_models_that_differ_only_in_a_checkpoint_buffer(buffer):
+    """xIELU's beta and eps, like DeepSeek-V3's router correction bias, come from the
+    checkpoint but are buffers, not parameters."""
+    from kvpool.engine.tiers import weights_fingerprint
+    from kvpool.models.layers import XIELU
+
+    def fingerprint(changed=None):
+        model = XIELU(torch.float32)
+        model.config = "an xIELU"
+        with torch.no_grad():
+            for name, value in (("alpha_p", 0.8), ("alpha_n", 0.8), ("beta", 0.5),
+                                ("eps", -1e-6)):
+                getattr(model, name).fill_(value)
+            if changed is not None:
+                getattr(model, changed).mul_(2)
+        return weights_fingerprint(model)
+
+    assert fingerprint() == fingerprint() != fingerprint(buffer)
+
+
 def test_the_fingerprint_tells_apart_weights_swapped_within_a_row_or_a_column_and_a_dtype():
     """Swapping two weights of one row keeps its row sums, of one column its column sums:
     each is told apart by the other sums. The same values in another dtype are another

@@ -5,6 +5,7 @@ the layout, names what its stored pages are valid for."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import torch
 
@@ -38,13 +39,13 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """A string naming `model`'s architecture, config and weights, so that two engines share
     stored pages only when they run the same model: a hash of its config (`model.config`:
     RoPE, norms and activation shape the K it stores as much as the weights) and of every
-    parameter's name, shape, dtype and sums along each row and each column (of the
-    parameter as a matrix of its first dimension's rows), in float64 on its device. Any
-    changed weight moves two sums, short of changes made to cancel out; a model's weights
-    are read once, a chunk at a time."""
+    parameter's and buffer's (checkpoint values some models keep as buffers) name, shape,
+    dtype and sums along each row and each column (of the tensor as a matrix of its first
+    dimension's rows), in float64 on its device. Any changed weight moves two sums, short of
+    changes made to cancel out; a model's weights are read once, a chunk at a time."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr(model.config).encode())
-    for name, p in model.named_parameters():
+    for name, p in itertools.chain(model.named_parameters(), model.named_buffers()):
         digest.update(f"{name} {tuple(p.shape)} {p.dtype}".encode())
         for sums in _row_and_column_sums(p.detach()):
             digest.update(sums.cpu().numpy().tobytes())
