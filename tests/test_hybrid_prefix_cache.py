@@ -321,6 +321,29 @@ def test_state_batch_with_a_range_outside_the_tokens_held_is_refused(start, end,
     assert compute(c, "a", 0, 130) == [128]
 
 
+def test_state_batch_with_a_range_bound_that_is_not_an_int_is_refused(device):
+    c = cache(device=device)
+    c.add_sequence("a", list(range(130)))
+    free = c.states.num_free
+    with pytest.raises(TypeError, match="sequence 'a': the start and end of its range must "
+                                        "be ints, got bool False and bool True"):
+        c.state_batch(["a"], [False], [True])
+    assert c.states.num_free == free
+    c.check()
+
+
+def test_state_batch_listing_a_sequence_twice_is_refused(device):
+    c = cache(device=device)
+    c.add_sequence("a", list(range(130)))
+    free = c.states.num_free
+    with pytest.raises(ValueError, match="state_batch lists a sequence more than once"):
+        c.state_batch(["a", "a"], [0, 0], [130, 130])
+    assert c.states.num_free == free
+    c.commit("a")
+    c.check()
+    assert compute(c, "a", 0, 130) == [128]
+
+
 PAGE, INTERVAL, TRACK = 2, 4, 8
 
 

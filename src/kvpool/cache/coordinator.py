@@ -371,10 +371,12 @@ class KVCache:
         """The state slots of a step's sequences, in order, for the model. With the step's
         token ranges [starts[i], ends[i]) and prefix caching, also the checkpoints to save
         (a reserved slot each, added to the prefix cache at the sequence's next commit).
-        ValueError, changing nothing, for ranges that are not one per sequence within the
-        tokens it holds."""
+        ValueError, changing nothing, for a sequence listed twice or ranges that are not one
+        per sequence within the tokens it holds (TypeError for a bound that is not an int)."""
         state = self._state_group()
         seqs = [self._get(seq_id) for seq_id in seq_ids]
+        if len(set(seq_ids)) < len(seqs):
+            raise ValueError("state_batch lists a sequence more than once")
         _check_ranges(seq_ids, [seq.num_tokens for seq in seqs], starts, ends)
         return state.state_batch(seq_ids, [seq.token_ids for seq in seqs], starts, ends)
 
@@ -599,7 +601,7 @@ def _batch_counts(batch: int, num_tokens: Sequence[int] | None,
 def _check_ranges(seq_ids: Sequence[Hashable], num_tokens: list[int],
                   starts: Sequence[int] | None, ends: Sequence[int] | None) -> None:
     """Raise ValueError unless `starts` and `ends` are both None, or give each sequence a
-    range 0 <= start <= end <= the tokens it holds."""
+    range 0 <= start <= end <= the tokens it holds (TypeError for a bound not an int)."""
     if starts is None and ends is None:
         return
     if starts is None or ends is None or not len(starts) == len(ends) == len(seq_ids):
@@ -607,6 +609,10 @@ def _check_ranges(seq_ids: Sequence[Hashable], num_tokens: list[int],
         raise ValueError(f"starts and ends must each give one token index per sequence "
                          f"({len(seq_ids)}), got lengths {shown[0]} and {shown[1]}")
     for seq_id, n, start, end in zip(seq_ids, num_tokens, starts, ends, strict=True):
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= n):
+        if type(start) is not int or type(end) is not int:  # True is no token index
+            raise TypeError(f"sequence {seq_id!r}: the start and end of its range must be "
+                            f"ints, got {type(start).__name__} {start!r} and "
+                            f"{type(end).__name__} {end!r}")
+        if not 0 <= start <= end <= n:
             raise ValueError(f"sequence {seq_id!r} holds {n} tokens: its range must be "
                              f"0 <= start <= end <= {n}, got [{start}, {end})")
