@@ -7,6 +7,7 @@ per-rank planning; a dead or stuck worker fails the engine with an error naming 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -14,6 +15,7 @@ import queue
 import re
 import signal
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -679,7 +681,8 @@ def test_what_the_forkserver_imports_reaches_no_cuda_driver_and_starts_no_thread
 
 def test_entries_past_one_message_go_in_several_messages_in_order():
     """A COPY with more entries than the fixed-size buffer holds is sent in as many messages
-    as it needs, each full but the last, and the worker reads back every entry in order."""
+    as it needs, each full but the last and saying whether more follow, and the worker reads
+    back every entry in order."""
     channel = parallel.StepChannel(None, worker_spec("tiny"))
     room = (len(channel.buffer) - parallel.HEADER) // 2
     messages = []
@@ -687,9 +690,34 @@ def test_entries_past_one_message_go_in_several_messages_in_order():
         (int(channel.buffer[0]), *channel.entries()))
     entries = [[i, 100 + i] for i in range(2 * room + 1)]
     channel.send_entries(parallel.COPY, 1, entries)
-    assert [(command, pool, len(part)) for command, pool, part in messages] == \
-        [(parallel.COPY, 1, room), (parallel.COPY, 1, room), (parallel.COPY, 1, 1)]
-    assert [entry for *_, part in messages for entry in part] == entries
+    assert [(command, pool, len(part), more) for command, pool, part, more in messages] == \
+        [(parallel.COPY, 1, room, True), (parallel.COPY, 1, room, True),
+         (parallel.COPY, 1, 1, False)]
+    assert [entry for _, _, part, _ in messages for entry in part] == entries
+
+
+def test_a_worker_makes_the_copies_of_one_call_in_one_copy_however_many_messages_they_take():
+    """Rank 0 copies pages 0..room to 1..room+1 in one call, each page getting the old
+    content of the one before; sent in two messages, the worker's pool copies them at once
+    too, not the second message's copy after the first's had moved its source."""
+    spec = dataclasses.replace(worker_spec("tiny"), num_pages=12)
+    sender = parallel.StepChannel(None, spec)
+    room = (len(sender.buffer) - parallel.HEADER) // 2
+    messages = []
+    sender._broadcast = lambda: messages.append(sender.buffer.clone())
+    sender.send_entries(parallel.COPY, 0, [[i, i + 1] for i in range(room + 1)])
+    sender.send_stop()
+    assert (len(messages), room) == (3, 7)  # 2 of copies, then STOP
+    cache = KVCache(spec.layout, spec.num_pages, device=torch.device("cpu"))
+    pool = cache.kv_pools.pools[0]
+    for page in range(spec.num_pages):
+        pool.kv[:, :, page] = page
+    worker = parallel.StepChannel(None, spec)
+    received = iter(messages)
+    worker._broadcast = lambda: worker.buffer.copy_(next(received))
+    parallel.serve(types.SimpleNamespace(cache=cache), worker)
+    assert pool.kv[0, 0, :spec.num_pages, 0, 0, 0].tolist() == \
+        [0, *range(room + 1), *range(room + 2, spec.num_pages)]
 
 
 def test_a_worker_tier_that_lost_a_page_rank_0_fetched_raises():

@@ -59,6 +59,31 @@ def test_forked_samples_copy_their_state_on_every_rank(engine):
         assert [sample.token_ids for sample in output.outputs] == [expected] * 2
 
 
+@pytest.mark.parametrize("engine", ["bamba"], indirect=True)
+def test_a_checkpoint_saved_by_copy_then_restored_reaches_the_worker_in_that_order(engine,
+                                                                                  device):
+    """b's one-token row [15, 16) saves its checkpoint at 16 by a copy after its step; c
+    (b and 5 tokens), added then, restores it by a copy from that slot before the next step.
+    The worker repeats them in turn: one copy of both would restore the slot's old state."""
+    case, llm = engine
+    b = [(7 * i) % 150 + 1 for i in range(16)]
+    c = b + [3, 1, 4, 1, 5]
+    with LLM(case.folder, device=device, **{**ENGINE, "tensor_parallel_size": 1}) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate([b, c], GREEDY,
+                                                                  use_tqdm=False)]
+    hits = llm.cache.stats().prefix_hit_tokens
+    llm.add_request([9], GREEDY)  # one token: b's first step then prefills [0, 15)
+    first = llm.add_request(b, GREEDY)
+    llm.step()
+    llm.step()
+    second = llm.add_request(c, GREEDY)
+    outputs = {}
+    while llm.has_unfinished():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+    assert llm.cache.stats().prefix_hit_tokens - hits == 16
+    assert [outputs[first], outputs[second]] == expected
+
+
 def test_each_rank_state_slot_holds_its_share_of_the_mamba_heads(engine):
     case, llm = engine
     whole = llm.model_config.mamba

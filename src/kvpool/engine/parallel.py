@@ -62,7 +62,8 @@ from kvpool.threads import limit_threads
 
 HOST = "127.0.0.1"
 RUN, COPY, STOP, STORE, FETCH, LOAD = 1, 2, 3, 4, 5, 6  # the commands of a message
-# command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens, checkpoints
+# a RUN: command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens,
+# checkpoints; a COPY, STORE, FETCH or LOAD: command, entries, pool, width, more follow
 HEADER = 11
 KEY_WORDS = KEY_BYTES // 8  # a tier chain key in messages: this many int64s
 _KEY_CODEC = struct.Struct(f"<{KEY_WORDS}q")
@@ -142,12 +143,13 @@ class StepChannel:
         """Broadcast a COPY, STORE, FETCH or LOAD of mirrored pool `pool` (`mirrored_pools`):
         its entries, rows of one length (a copy's [src, dst], a stored page's [page, *its tier
         key], a fetched page's tier key, a loaded page's id), in as many messages as they
-        need."""
+        need, each saying whether more of them follow."""
         width = len(entries[0])
         room = (len(self.buffer) - HEADER) // width
         for first in range(0, len(entries), room):
             part = entries[first:first + room]
-            self.buffer[:4] = torch.tensor([command, len(part), pool, width])
+            more = first + room < len(entries)
+            self.buffer[:5] = torch.tensor([command, len(part), pool, width, more])
             self.buffer[HEADER:HEADER + len(part) * width] = torch.tensor(part).view(-1)
             self._broadcast()
 
@@ -175,11 +177,11 @@ class StepChannel:
                        for i in range(0, len(saves), 3)]
         return layout, host, self.buffer[start:start + layout.size], checkpoints
 
-    def entries(self) -> tuple[int, list[list[int]]]:
+    def entries(self) -> tuple[int, list[list[int]], bool]:
         """The mirrored pool and the entries of a COPY, STORE, FETCH or LOAD message just
-        received."""
-        n, pool, width = self.buffer[1:4].tolist()
-        return pool, self.buffer[HEADER:HEADER + n * width].view(n, width).tolist()
+        received, and whether more messages of the same entries follow."""
+        n, pool, width, more = self.buffer[1:5].tolist()
+        return pool, self.buffer[HEADER:HEADER + n * width].view(n, width).tolist(), bool(more)
 
     def _broadcast(self) -> None:
         dist.broadcast(self.buffer, src=0, group=self.group)
@@ -218,6 +220,7 @@ class TensorParallelGroup:
         self.channel: StepChannel | None = None
         self.closed = False
         self._pending: list[tuple[int, int, list[list[int]]]] = []  # (command, pool, entries)
+        self._written: set[int] = set()  # the destinations of the last pending record's copies
         if dist.is_initialized():  # the one default group is another's, this engine's or not
             raise ValueError("torch.distributed is initialized already (another tensor-"
                              "parallel engine in this process?): an engine of several ranks "
@@ -305,10 +308,19 @@ class TensorParallelGroup:
         self._record(LOAD, 0, [[page] for page in pages])
 
     def _record(self, command: int, pool: int, entries: list[list[int]]) -> None:
-        if self._pending and self._pending[-1][:2] == (command, pool):
+        """Pend `entries`, in the last pending record when it is of the same command and
+        pool and, for a COPY, when one copy of both gives what copying them in turn does:
+        none of the new copies reads or writes a page (slot) the pending ones write. A
+        chain (1->3, then 3->4) or two writes of one page stay records of their own."""
+        if self._pending and self._pending[-1][:2] == (command, pool) and (
+                command != COPY or self._written.isdisjoint(x for entry in entries
+                                                            for x in entry)):
             self._pending[-1][2].extend(entries)
         else:
             self._pending.append((command, pool, entries))
+            self._written = set()
+        if command == COPY:
+            self._written.update(dst for _, dst in entries)
 
     @contextmanager
     def step(self, layout: StepLayout, host: HostLengths, staged: torch.Tensor,
@@ -539,18 +551,23 @@ def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> 
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:
-    """Run rank 0's messages until STOP: copies into this rank's pools, pages stored to and
-    loaded from its tier, steps through its runner."""
+    """Run rank 0's messages until STOP: copies into this rank's pools (the messages of one
+    pending record as one copy, as rank 0's pool made them), pages stored to and loaded from
+    its tier, steps through its runner."""
     with torch.inference_mode():
         pools = mirrored_pools(runner.cache)
+        copies: list[list[int]] = []  # the entries of a COPY record, its messages so far
         fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched
         while (command := channel.receive()) != STOP:
             if command == RUN:
                 runner.forward(*channel.step())
                 continue
-            pool, entries = channel.entries()
+            pool, entries, more = channel.entries()
             if command == COPY:
-                pools[pool].copy([src for src, _ in entries], [dst for _, dst in entries])
+                copies += entries
+                if not more:
+                    pools[pool].copy([src for src, _ in copies], [dst for _, dst in copies])
+                    copies = []
             elif command == STORE:
                 store_entries(runner.cache.tier, runner.cache.pool, entries)
             elif command == FETCH:
