@@ -370,21 +370,24 @@ def wait_until_delivered(pid: int, signum: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_pages_wider_than_a_step_message_reach_the_workers_tier(cases, device):
+def test_tier_pages_wider_than_a_step_message_and_more_than_one_holds_reach_the_workers(
+        cases, device):
     """A tier entry (a page's id, two chain keys and page_size ids) may be wider than the
-    largest step: the step channel holds one all the same."""
+    largest step: the step channel holds one all the same, and a prompt's pages fetched from
+    the tier in a message each are each loaded into its page."""
     cpu_only(device)
     folder = cases("llama").folder
     options = dict(num_pages=4, page_size=64, max_num_seqs=1, max_num_batched_tokens=16,
                    host_tier_memory=2**26, device=device)
-    prompts = [[i + 1] * 66 for i in range(4)] + [[1] * 66]  # the first back from the tier
+    # the first back from the tier: 2 pages, in 2 FETCH messages
+    prompts = [[i + 1] * 130 for i in range(4)] + [[1] * 130]
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     expected = LLM(folder, **options).generate(prompts, greedy, use_tqdm=False)
     with LLM(folder, tensor_parallel_size=RANKS, **options) as llm:
         step = llm.runner.max_step  # a step message: its lengths and its metadata
         assert 2 * step.num_seqs + 1 + step.size < options["page_size"] + 1
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
-        assert llm.stats().num_tier_stores > 0 and llm.stats().num_tier_loads > 0
+        assert llm.stats().num_tier_stores > 0 and llm.stats().num_tier_loads == 2
     assert [o.outputs[0].token_ids for o in outputs] == \
         [o.outputs[0].token_ids for o in expected]
 

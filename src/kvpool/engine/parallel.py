@@ -553,11 +553,11 @@ def build_runner(tp: TensorParallel, spec: WorkerSpec, device: torch.device) -> 
 def serve(runner: ModelRunner, channel: StepChannel) -> None:
     """Run rank 0's messages until STOP: copies into this rank's pools (the messages of one
     pending record as one copy, as rank 0's pool made them), pages stored to and loaded from
-    its tier, steps through its runner."""
+    its tier (each loaded page the next one fetched), steps through its runner."""
     with torch.inference_mode():
         pools = mirrored_pools(runner.cache)
         copies: list[list[int]] = []  # the entries of a COPY record, its messages so far
-        fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched
+        fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched, to load
         while (command := channel.receive()) != STOP:
             if command == RUN:
                 runner.forward(*channel.step())
@@ -571,10 +571,11 @@ def serve(runner: ModelRunner, channel: StepChannel) -> None:
             elif command == STORE:
                 store_entries(runner.cache.tier, runner.cache.pool, entries)
             elif command == FETCH:
-                fetched = fetch_pages(runner.cache.tier, entries)
+                fetched += fetch_pages(runner.cache.tier, entries)
             else:
+                loaded, fetched = fetched[:len(entries)], fetched[len(entries):]
                 runner.cache.pool.write_pages([page for page, in entries],
-                                              torch.stack(fetched, dim=2))
+                                              torch.stack(loaded, dim=2))
 
 
 def key_entry(key: PageKey) -> list[int]:
