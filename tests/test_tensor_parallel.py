@@ -475,6 +475,27 @@ def test_a_worker_that_fails_to_build_its_part_fails_the_start_with_its_report(t
         group.close()
 
 
+def test_a_worker_stuck_building_its_part_fails_the_start_after_the_startup_timeout(
+        monkeypatch, device):
+    """A worker alive but never done building (here: stopped) fails `start` once the
+    startup timeout has passed, naming its rank, and the workers and the group are stopped."""
+    cpu_only(device)
+    spec = worker_spec("tiny")
+    group = parallel.TensorParallelGroup(RANKS, device, timeout=1.0)
+    try:
+        monkeypatch.setattr(parallel, "STARTUP_SECONDS", 0.5)
+        os.kill(group.workers[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailed, match=r"tensor-parallel rank\(s\) 1 did not finish "
+                                             r"loading within 1 s"):
+            group.start(spec, KVCache(spec.layout, spec.num_pages, device=device))
+        assert time.monotonic() - start < 10
+        assert not multiprocessing.active_children()
+        assert not torch.distributed.is_initialized()
+    finally:
+        group.close()
+
+
 # --- what does not split: refused before any process starts ----------------------------------
 
 def test_kv_heads_that_do_not_split_are_refused(device):

@@ -18,8 +18,9 @@ With a host tier each rank keeps its share of every page in a tier of its own: t
 0 stores to its tier and fetches from it travel the same way, keys and all, in rank 0's
 order, so every rank's tier holds the same pages.
 
-Failures: the model's collectives time out after `tensor_parallel_timeout` seconds; a worker
-waits for its next message without limit (the engine may idle). A worker that raises reports
+Failures: the model's collectives time out after `tensor_parallel_timeout` seconds, and the
+workers' start and build after the startup timeout; a worker waits for its next message
+without limit (the engine may idle). A worker that raises reports
 its error and exits. Before each step rank 0 checks that every worker is alive, and a step
 that fails names the rank that died or raised (RankFailed); the group is then stopped, since
 its ranks are out of step, and the engine refuses further steps. `close` stops the workers
@@ -267,12 +268,12 @@ class TensorParallelGroup:
         copies its pools make are sent to the workers before the next step."""
         for _ in self.workers:
             self.specs.put(spec)
-        self.channel = StepChannel(self.steps, spec)
         try:
             self._wait_ready()
         except BaseException:
-            self.close()
+            self.close()  # kills the workers: no channel yet, as they read none before ready
             raise
+        self.channel = StepChannel(self.steps, spec)
         for index, pool in enumerate(mirrored_pools(cache)):
             pool.listeners.append(functools.partial(self._record_copies, index))
         if cache.tier is not None:  # one page group: pool 0
@@ -281,11 +282,19 @@ class TensorParallelGroup:
             cache.page_groups[0].load_listeners.append(self._record_loads)
 
     def _wait_ready(self) -> None:
-        """Wait for every worker's report; a worker that fails or dies raises RankFailed."""
+        """Wait for every worker's report, for the startup timeout at most: a worker that
+        fails or dies raises RankFailed, and so do the workers still building by then (alive
+        but stuck: a hung read of the weights, a device that does not answer)."""
         waiting = set(range(1, self.tp.size))
+        seconds = startup_timeout(self.timeout).total_seconds()
+        deadline = time.monotonic() + seconds
         while waiting:
+            if time.monotonic() > deadline:
+                ranks = ", ".join(str(rank) for rank in sorted(waiting))
+                raise RankFailed(f"tensor-parallel rank(s) {ranks} did not finish loading "
+                                 f"within {seconds:g} s")
             try:
-                rank, error = self.reports.get(timeout=1.0)
+                rank, error = self.reports.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 self._check_alive("while loading")
                 continue
