@@ -341,3 +341,15 @@ def fresh_process_output(code: str) -> str:
         filter(None, [src, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, check=True).stdout.strip()
+
+
+def interrupt_once(owner, name: str) -> None:
+    """Make `owner.<name>` raise KeyboardInterrupt (a Ctrl-C) on its next call, then be
+    itself again."""
+    real = getattr(owner, name)
+
+    def interrupted(*args, **kwargs):
+        setattr(owner, name, real)
+        raise KeyboardInterrupt
+
+    setattr(owner, name, interrupted)

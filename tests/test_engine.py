@@ -23,6 +23,7 @@ from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import InvalidPrompt, OutOfPages, SequenceTooLong
 from kvpool.planning import planner
+from models_util import interrupt_once
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -669,14 +670,7 @@ def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
     llm = _llm(checkpoint, device=device, overlap=overlap)
     first = llm.add_request(prompts[0], GREEDY)
     llm.step()
-    owner = llm if where == "sampler" else llm.scheduler
-    real = getattr(owner, where)
-
-    def interrupted(*args, **kwargs):
-        setattr(owner, where, real)
-        raise KeyboardInterrupt
-
-    setattr(owner, where, interrupted)
+    interrupt_once(llm if where == "sampler" else llm.scheduler, where)
     with pytest.raises(KeyboardInterrupt):
         while llm.has_unfinished():
             llm.step()
@@ -699,13 +693,7 @@ def test_a_step_interrupted_while_it_records_its_tokens_fails_its_requests_and_g
     llm = _llm(checkpoint, device=device, overlap=False)
     ids = [llm.add_request(prompts[0], SamplingParams(n=2, max_tokens=MAX_TOKENS)),
            llm.add_request(prompts[1], GREEDY)]
-    real = llm.cache.fork
-
-    def interrupted(*args, **kwargs):
-        llm.cache.fork = real
-        raise KeyboardInterrupt
-
-    llm.cache.fork = interrupted
+    interrupt_once(llm.cache, "fork")
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     llm.check()

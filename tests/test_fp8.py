@@ -286,41 +286,28 @@ def test_fp8_caches_need_both_scales_and_other_caches_take_none(device):
                  batch.values[0][:1])
 
 
-def test_a_scale_tensor_not_of_float32_is_refused_naming_it(device):
-    batch = Batch([(5, 5)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
-                  device=device)
-    k8, v8, k_scale, v_scale = fp8_pages(batch)
-    wide = k_scale.double()
-    args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
-    message = "k_scale must be a number or a float32 tensor [], got torch.float64 of shape ()"
-    with pytest.raises(ValueError, match=re.escape(f"paged_attention: {message}")):
-        paged_attention(batch.q, k8, v8, *args, k_scale=wide, v_scale=v_scale)
-    before = k8.view(torch.uint8).clone()
-    with pytest.raises(ValueError, match=re.escape(f"write_kv: {message}")):
-        write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
-                 batch.values[0][:1], k_scale=wide, v_scale=v_scale)
-    assert torch.equal(k8.view(torch.uint8), before)
-
-
-@pytest.mark.parametrize("shape", [(1,), (1, 1, 1, 1, 1)])
-def test_a_scale_tensor_of_one_element_but_not_0_d_is_refused_naming_its_shape(device, shape):
-    # A rank-5 scale broadcast the dequantized K/V up to rank 5: a wrong answer, no error.
+@pytest.mark.parametrize(("change", "shown"), [
+    (lambda scale: scale.double(), "torch.float64 of shape ()"),
+    # a rank-5 scale broadcast the dequantized K/V up to rank 5: a wrong answer, no error
+    (lambda scale: scale.reshape(1), "torch.float32 of shape (1,)"),
+    (lambda scale: scale.reshape(1, 1, 1, 1, 1), "torch.float32 of shape (1, 1, 1, 1, 1)"),
+], ids=["float64", "rank-1", "rank-5"])
+def test_a_scale_tensor_not_float32_or_not_0_d_is_refused_naming_it(device, change, shown):
     batch = Batch([(5, 2)], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
                   device=device)
     k8, v8, k_scale, v_scale = fp8_pages(batch)
-    shaped = k_scale.reshape(shape)
+    bad = change(k_scale)
     args = batch.page_tables, batch.seq_lens, batch.cu_seqlens_q
-    message = f"k_scale must be a number or a float32 tensor [], got torch.float32 of shape {shape}"
+    message = f"k_scale must be a number or a float32 tensor [], got {shown}"
     with pytest.raises(ValueError, match=re.escape(f"paged_attention: {message}")):
-        paged_attention(batch.q, k8, v8, *args, k_scale=shaped, v_scale=v_scale)
+        paged_attention(batch.q, k8, v8, *args, k_scale=bad, v_scale=v_scale)
     before = k8.view(torch.uint8).clone()
     with pytest.raises(ValueError, match=re.escape(f"write_kv: {message}")):
         write_kv(k8, v8, torch.tensor([0], device=device), batch.keys[0][:1],
-                 batch.values[0][:1], k_scale=shaped, v_scale=v_scale)
-    assert torch.equal(k8.view(torch.uint8), before)
+                 batch.values[0][:1], k_scale=bad, v_scale=v_scale)
     latent_message = message.replace("k_scale", "scale")
     with pytest.raises(ValueError, match=re.escape(f"write_latent: {latent_message}")):
-        write_latent(k8, torch.tensor([0], device=device), batch.keys[0][:1], scale=shaped)
+        write_latent(k8, torch.tensor([0], device=device), batch.keys[0][:1], scale=bad)
     assert torch.equal(k8.view(torch.uint8), before)
 
 

@@ -14,7 +14,7 @@ from hybrid_util import make_bamba
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
 from kvpool.errors import OutOfPages
-from models_util import hf_greedy, save_hf_model
+from models_util import hf_greedy, interrupt_once, save_hf_model
 from test_numerics import cached_reference, file_digest
 
 MAX_TOKENS = 32
@@ -240,15 +240,9 @@ def test_a_forward_interrupted_half_way_fails_its_requests_and_keeps_no_checkpoi
     llm = _llm(checkpoint, device=device, overlap=overlap, max_num_batched_tokens=16,
                mamba_checkpoint_slots=8)
     mixer = [layer.mamba for layer in llm.model.model.layers if hasattr(layer, "mamba")][-1]
-    real = mixer.forward
-
-    def interrupted(*args, **kwargs):
-        mixer.forward = real
-        raise KeyboardInterrupt
-
     ids = [llm.add_request(p, GREEDY) for p in prompts[4:6]]  # 20 and 27 tokens: chunked
     llm.step()
-    mixer.forward = interrupted
+    interrupt_once(mixer, "forward")
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     llm.check()
@@ -266,13 +260,7 @@ def test_an_interrupt_handing_out_a_steps_tokens_fails_the_step_run_over_it_too(
     llm = _llm(checkpoint, device=device, overlap=True, max_num_batched_tokens=8)
     ids = [llm.add_request(p, GREEDY) for p in (prompts[1], prompts[4])]  # 5 and 20 tokens
     llm.step()  # launches the first prompt and the second's first 3 tokens
-    real = llm.scheduler.postprocess
-
-    def interrupted(*args, **kwargs):
-        llm.scheduler.postprocess = real
-        raise KeyboardInterrupt
-
-    llm.scheduler.postprocess = interrupted
+    interrupt_once(llm.scheduler, "postprocess")
     with pytest.raises(KeyboardInterrupt):
         llm.step()  # runs the second prompt's tokens [3, 10), then hands out the first step's
     llm.check()
