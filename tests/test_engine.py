@@ -685,6 +685,24 @@ def test_a_step_interrupted_half_way_fails_its_requests_and_the_engine_goes_on(
     _assert_drained(llm)
 
 
+def test_requests_an_interrupted_overlapped_step_finished_are_handed_out_by_the_next(
+        checkpoint, prompts, expected, device):
+    # With overlap a step finishes the last one's requests before it records its own: a
+    # Ctrl-C after that fails the step's requests, and the next call hands out the finished.
+    llm = _llm(checkpoint, device=device, overlap=True)
+    short = llm.add_request(prompts[0], SamplingParams(max_tokens=1, temperature=0,
+                                                       ignore_eos=True))
+    llm.add_request(prompts[1], GREEDY)
+    llm.step()  # launches both prefills; the short request's one token is still sampled
+    interrupt_once(llm.scheduler, "update")
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    outputs = {o.request_id: o for o in llm.step()}
+    assert outputs[short].finished and _tokens([outputs[short]]) == [expected[0][:1]]
+    llm.check()
+    _assert_drained(llm)
+
+
 def test_a_step_interrupted_while_it_records_its_tokens_fails_its_requests_and_goes_on(
         checkpoint, prompts, expected, device):
     # A Ctrl-C after the step recorded the first of its sequences computed, while it forks

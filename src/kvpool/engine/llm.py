@@ -572,13 +572,15 @@ class LLM:
                 else nullcontext():
             logits = self._forward(batch, previous) if batch.seqs else None
             self._in_flight = None
-            requests = self._finish(previous, start) if previous else []
+            # handed out by a later call if what follows raises
+            self._undelivered += self._finish(previous, start) if previous else []
             launched, failed = self._launch(batch, logits) if batch.seqs else (None, [])
         self._forget(failed)
         if launched is not None and not self.overlap:
-            requests, launched = self._finish(launched, start), None
+            self._undelivered += self._finish(launched, start)
+            launched = None
         self._in_flight = launched
-        advanced = self._undelivered + requests + failed
+        advanced = self._undelivered + failed
         self._undelivered = advanced
         self._report()  # last: an on_step that raises finds every step recorded
         self._undelivered = []
