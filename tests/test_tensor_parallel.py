@@ -241,6 +241,30 @@ def test_each_rank_stores_and_loads_its_share_of_a_page_in_its_host_tier(cases, 
         llm.check()
 
 
+def test_a_load_that_fails_on_rank_0_leaves_the_workers_next_load_right(cases, monkeypatch,
+                                                                       device):
+    """Rank 0's first load of the second run fails (a miss: computed again); the worker,
+    which fetched its share of those pages, must not write them into the next load's."""
+    cpu_only(device)
+    case = cases("llama")
+    with LLM(case.folder, device=device, host_tier_memory=2**16, **ENGINE) as llm:
+        llm.generate(case.batch, GREEDY, use_tqdm=False)
+        pool, loads = llm.cache.page_groups[0].pool, []
+        write_pages = pool.write_pages
+
+        def failing_once(pages, data):
+            loads.append(len(pages))
+            if len(loads) == 1:
+                raise RuntimeError("out of memory")
+            write_pages(pages, data)
+        monkeypatch.setattr(pool, "write_pages", failing_once)
+        with pytest.warns(RuntimeWarning, match="from the tier failed"):
+            outputs = llm.generate(case.batch, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == case.expected
+        assert len(loads) > 1
+        llm.check()
+
+
 # --- failures -------------------------------------------------------------------------------
 
 def test_a_killed_worker_fails_the_next_step_naming_its_rank(monkeypatch, device):

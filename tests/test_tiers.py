@@ -741,24 +741,49 @@ def test_evicted_pages_go_to_the_tier_a_chunk_at_a_time(monkeypatch, device):
     assert torch.equal(read(cache.pages("b")[:3]), original)
 
 
-@pytest.mark.parametrize("fault", ["write", "listener"])
-def test_an_add_whose_tier_load_fails_gives_back_every_page_it_took(fault, monkeypatch, device):
-    tier = HostTier(8)
-    cache = make_cache(tier, device=device)
+def cache_with_a_device_and_a_tier_hit(device):
+    """A cache where prompt(9) would find its first page on the device and its second in
+    the tier."""
+    cache = make_cache(HostTier(8), device=device)
     evict_prompt_to_tier(cache, prompt(9))
     cache.add_sequence("c", prompt(5))  # its first page back on the device, the second not
     cache.commit("c")
     cache.free_sequence("c")
-    before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
-              cache.allocator.cached_pages())
+    return cache
 
+
+def break_the_load(cache, fault, error, monkeypatch):
     def broken(*args):
-        raise RuntimeError("out of memory")
+        raise error
     if fault == "write":
         monkeypatch.setattr(cache.pool, "write_pages", broken)
     else:
         cache.page_groups[0].load_listeners.append(broken)
-    with pytest.raises(RuntimeError, match="out of memory"):
+
+
+@pytest.mark.parametrize("fault", ["write", "listener"])
+def test_a_tier_load_that_fails_is_a_miss_and_the_sequence_computes_those_tokens(
+        fault, monkeypatch, device):
+    cache = cache_with_a_device_and_a_tier_hit(device)
+    break_the_load(cache, fault, RuntimeError("out of memory"), monkeypatch)
+    with pytest.warns(RuntimeWarning, match="loading 1 prefix pages from the tier failed "
+                                            r"\(RuntimeError: out of memory\)"):
+        assert cache.add_sequence("b", prompt(9)) == 4  # the device's hit alone
+    assert cache.stats().num_tier_loads == 1  # c's load, not b's
+    assert len(cache.pages("b")) == 3
+    cache.commit("b")  # its pages, computed again, are cached as any others
+    cache.free_sequence("b")
+    cache.check()
+
+
+@pytest.mark.parametrize("fault", ["write", "listener"])
+def test_an_add_whose_tier_load_is_interrupted_gives_back_every_page_it_took(fault, monkeypatch,
+                                                                             device):
+    cache = cache_with_a_device_and_a_tier_hit(device)
+    before = (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
+              cache.allocator.cached_pages())
+    break_the_load(cache, fault, KeyboardInterrupt(), monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
         cache.add_sequence("b", prompt(9))  # a device hit, a tier hit, a new page
     assert (cache.stats(), [cache.allocator.refcount(p) for p in range(4)],
             cache.allocator.cached_pages()) == before

@@ -10,6 +10,7 @@ the other groups' sake, and their K/V here goes to the pool's reserved padding p
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -99,8 +100,8 @@ class FullAttention(GroupManager):
         matched = len(pages)
         try:
             pages = pages + self.allocator.allocate(need)
-            if loaded:
-                self._load_from_tier(ids, pages, matched, loaded, salt)
+            if loaded and not self._load_from_tier(ids, pages, matched, loaded, salt):
+                loaded = []  # a miss: its tokens are computed again
         except BaseException:
             self.allocator.drop(pages)  # the match's pages, and the new ones if allocated
             raise
@@ -354,16 +355,26 @@ class FullAttention(GroupManager):
         return loaded
 
     def _load_from_tier(self, token_ids: bytes, pages: list[int], first: int,
-                        loaded: list[tuple[PageKey, torch.Tensor]], salt: bytes) -> None:
+                        loaded: list[tuple[PageKey, torch.Tensor]], salt: bytes) -> bool:
         """Write the data of `loaded` into the fresh pages [first, first + len(loaded)) of a
-        new sequence and add them to the prefix cache after its device match."""
+        new sequence and add them to the prefix cache after its device match. False, with a
+        warning, if that raises (a fault of the device): the load is a miss, not a failure
+        of the request (a Ctrl-C still raises)."""
         last = first + len(loaded)
-        self.pool.write_pages(pages[first:last], torch.stack([data for _, data in loaded], dim=2))
-        for listener in self.load_listeners:
-            listener(pages[first:last])
-        self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES], pages[:last],
-                                 salt=salt)
+        try:
+            self.pool.write_pages(pages[first:last],
+                                  torch.stack([data for _, data in loaded], dim=2))
+            for listener in self.load_listeners:
+                listener(pages[first:last])
+            self.prefix_cache.insert(token_ids[:last * self.page_size * TOKEN_BYTES],
+                                     pages[:last], salt=salt)
+        except Exception as e:
+            warnings.warn(f"kvpool: loading {len(loaded)} prefix pages from the tier failed "
+                          f"({type(e).__name__}: {e}); they are computed again", RuntimeWarning,
+                          stacklevel=2)
+            return False
         self._num_tier_loads += len(loaded)
+        return True
 
     def _evicted(self, pages: list[int], keys: Callable[[], list[PageKey]]) -> None:
         """The prefix cache's eviction hook: these cached pages, named by `keys()`, leave it

@@ -320,8 +320,9 @@ class TensorParallelGroup:
         """Pend `entries`, in the last pending record when it is of the same command and
         pool and, for a COPY, when one copy of both gives what copying them in turn does:
         none of the new copies reads or writes a page (slot) the pending ones write. A
-        chain (1->3, then 3->4) or two writes of one page stay records of their own."""
-        if self._pending and self._pending[-1][:2] == (command, pool) and (
+        chain (1->3, then 3->4) or two writes of one page stay records of their own, and so
+        does each sequence's FETCH: one whose load failed is followed by no LOAD."""
+        if self._pending and self._pending[-1][:2] == (command, pool) and command != FETCH and (
                 command != COPY or self._written.isdisjoint(x for entry in entries
                                                             for x in entry)):
             self._pending[-1][2].extend(entries)
@@ -567,11 +568,13 @@ def serve(runner: ModelRunner, channel: StepChannel) -> None:
         pools = mirrored_pools(runner.cache)
         copies: list[list[int]] = []  # the entries of a COPY record, its messages so far
         fetched: list[torch.Tensor] = []  # this rank's share of pages rank 0 fetched, to load
+        more_fetched = False  # the last message was a FETCH whose record goes on
         while (command := channel.receive()) != STOP:
             if command == RUN:
                 runner.forward(*channel.step())
                 continue
             pool, entries, more = channel.entries()
+            continued, more_fetched = more_fetched, command == FETCH and more
             if command == COPY:
                 copies += entries
                 if not more:
@@ -579,8 +582,8 @@ def serve(runner: ModelRunner, channel: StepChannel) -> None:
                     copies = []
             elif command == STORE:
                 store_entries(runner.cache.tier, runner.cache.pool, entries)
-            elif command == FETCH:
-                fetched += fetch_pages(runner.cache.tier, entries)
+            elif command == FETCH:  # a record's first message drops what a failed load left
+                fetched = (fetched if continued else []) + fetch_pages(runner.cache.tier, entries)
             else:
                 loaded, fetched = fetched[:len(entries)], fetched[len(entries):]
                 runner.cache.pool.write_pages([page for page, in entries],
