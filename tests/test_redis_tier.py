@@ -204,6 +204,30 @@ def test_redis_maxmemory_eviction_shows_as_misses(device):
         s.stop()
 
 
+def test_a_full_server_refusing_a_store_leaves_the_pages_it_holds_loadable(device):
+    """Under Redis's default policy, noeviction, a full server answers a write with an
+    error: the page is dropped, and Redis, up and answering, is asked for the next load."""
+    s = RedisServer("--maxmemory", "2mb")
+    try:
+        tier = RedisTier(s.patient_url)
+        tier.bind("test", (64, 1024), torch.float32)  # 256 KiB pages
+        keys = [PageKey.of(ROOT_KEY, [i]) for i in range(24)]
+        stored = [tier.store(key, torch.full((64, 1024), float(i), device=device))
+                  for i, key in enumerate(keys)]
+        assert stored[:2] == [True, True] and not stored[-1]
+        s.client.delete(tier.redis_key(keys[1]))
+        s.client.lpush(tier.redis_key(keys[1]), b"x")  # a value of another type: a miss
+        assert tier.get(keys[1]) is None and tier.get(keys[0]) is not None
+        assert tier.num_errors == stored.count(False) + 1, stored
+    finally:
+        s.stop()
+
+
+def test_a_url_asking_for_decoded_replies_is_refused():
+    with pytest.raises(ValueError, match="decode_responses: pages are bytes"):
+        RedisTier("redis://127.0.0.1:6379/0?decode_responses=True")
+
+
 def test_redis_down_drops_stores_and_misses_loads_without_retrying(device, monkeypatch):
     s = RedisServer()
     tier = bound(RedisTier(s.url, timeout=0.2, retry_interval=5.0))

@@ -287,6 +287,20 @@ def test_host_tier_rejects_a_page_of_another_shape_and_changes_nothing():
     assert list(tier) == [k[0]] and torch.equal(tier.get(k[0]), page(1))
 
 
+def test_a_host_tier_put_whose_copy_fails_keeps_its_slot_free():
+    tier = bound(HostTier(2))
+    unreadable = page(0).to("meta")  # passes the checks; its copy raises
+    for i in range(3):
+        with pytest.raises(NotImplementedError):
+            tier.put(keys(3)[i], unreadable)
+        tier.check()
+    assert not tier.store(keys(3)[0], unreadable)  # eviction's path: dropped
+    tier.put(keys(3)[1], page(1))
+    tier.put(keys(3)[2], page(2))
+    assert len(tier) == 2
+    tier.check()
+
+
 def test_clear_empties_the_tier():
     tier = bound(HostTier(3))
     for i, k in enumerate(keys(3)):

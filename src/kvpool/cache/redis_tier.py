@@ -2,8 +2,10 @@
 prompt one replica computed, the next loads. Each page is one Redis string (the record
 `DiskTier` writes) under its namespace and chain key; a value that fails its checks is a miss,
 deleted and counted. Redis down or slow never fails the engine: every call has a timeout, a
-failed store is dropped, a failed load a miss, and after a failure the tier leaves Redis alone
-for `retry_interval` seconds (a dead server costs one timeout, not one per page)."""
+failed store is dropped, a failed load a miss, and after Redis could not be reached the tier
+leaves it alone for `retry_interval` seconds (a dead server costs one timeout, not one per
+page). A server bounded by `maxmemory` needs an eviction policy (such as allkeys-lru): under
+the default, noeviction, a full server refuses every store."""
 
 from __future__ import annotations
 
@@ -59,12 +61,16 @@ class RedisTier(Tier):
                 retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         except ValueError as e:
             raise ValueError(f"bad Redis URL {url!r}: {e}") from None
+        if self.client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(f"Redis URL {url!r} asks for decode_responses: pages are bytes, "
+                             f"never text")
         self.url = url
         self.capacity_bytes = capacity_bytes
         self.prefix = KEY_PREFIX if namespace is None else f"{KEY_PREFIX}:{namespace}"
         self.retry_interval = retry_interval
         self.num_errors = 0  # calls to Redis that failed (refused, timed out, server error)
         self._redis_error = redis.RedisError
+        self._unreachable = (redis.ConnectionError, redis.TimeoutError)
         self._tag = ""  # the bound namespace, hashed into every key
         self._retry_at = 0.0  # monotonic time before which Redis is not called
 
@@ -143,13 +149,15 @@ class RedisTier(Tier):
 
     def _call(self, command: str, *args):
         """One Redis command; raises RedisUnavailable without calling while Redis is backing
-        off after a failure, and starts the back-off on a failure."""
+        off after it could not be reached, and starts the back-off when it cannot be (an
+        error Redis answers, such as a full server refusing a write, starts none)."""
         if time.monotonic() < self._retry_at:
             raise RedisUnavailable(f"Redis at {self.url} failed less than "
                                    f"{self.retry_interval} s ago")
         try:
             return getattr(self.client, command)(*args)
-        except self._redis_error:
+        except self._redis_error as e:
             self.num_errors += 1
-            self._retry_at = time.monotonic() + self.retry_interval
+            if isinstance(e, self._unreachable):
+                self._retry_at = time.monotonic() + self.retry_interval
             raise

@@ -295,9 +295,9 @@ class HostTier(Tier):
         self._free_slots = list(range(self.capacity_pages - 1, -1, -1))
 
     def _write(self, key: PageKey, data: torch.Tensor) -> None:
-        slot = self._free_slots.pop()
+        slot = self._free_slots[-1]  # taken once the copy is in: one that raises keeps it free
         self.buffer[slot].copy_(data)
-        self._slot_of[key.chain_key] = slot
+        self._slot_of[key.chain_key] = self._free_slots.pop()
 
     def _read(self, key: PageKey) -> torch.Tensor:
         # A copy: the slot may be reused by the next put while the caller still holds it.
