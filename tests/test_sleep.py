@@ -83,6 +83,38 @@ def test_a_hundred_sleep_wake_cycles_leak_no_pool(checkpoint, prompts, expected,
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
 
 
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("stage", ["cache", "runner"])
+def test_a_wake_that_fails_leaves_the_engine_asleep_holding_no_pool(checkpoint, prompts,
+                                                                   expected, device, level,
+                                                                   stage, monkeypatch):
+    """The device out of memory while wake() builds the cache or captures the graphs."""
+    llm = _llm(checkpoint, device)
+    llm.sleep(level)
+    built, make_cache = [], llm._make_cache
+
+    def failing(*args):
+        raise RuntimeError("out of memory")
+
+    def make():
+        cache = make_cache()
+        built.append(weakref.ref(cache.kv_pools.pools[0].kv))
+        return cache
+    monkeypatch.setattr(llm, "_make_cache", failing if stage == "cache" else make)
+    if stage == "runner":
+        monkeypatch.setattr(llm, "_build_runner", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.wake()
+    gc.collect()
+    assert llm.sleeping and llm.cache is None and llm.runner is None
+    assert [pool for pool in built if pool() is not None] == []
+    assert next(llm.model.parameters()).device.type == ("cpu" if level == 2 else device.type)
+    monkeypatch.undo()
+    llm.wake()
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    llm.check()
+
+
 def test_sleep_with_requests_unfinished_is_refused_and_changes_nothing(checkpoint, prompts,
                                                                       expected, device):
     llm = _llm(checkpoint, device)

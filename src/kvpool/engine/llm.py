@@ -399,28 +399,38 @@ class LLM:
                                        f"unfinished: finish or abort them first")
             if self.cache.prefix_cache is not None:
                 self.cache.prefix_cache.clear()  # a tier takes the pages it evicts
-            pools = [weakref.ref(pool.kv) for pool in self.runner.kv.pools]
-            self.cache = self.scheduler.cache = self.runner = self.graphs = None
-            if any(pool() is not None for pool in pools):
-                gc.collect()  # a cache with an eviction hook (a tier) is a reference cycle
-            if level == 2:
-                self.model.to("cpu")
+            self._release(level)
             self._sleep_level = level
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Undo sleep(): the weights back on the device, a new pool with an empty prefix
         cache (pages in a tier load back as before), CUDA graphs captured again.
-        EngineStateError when awake."""
+        EngineStateError when awake; a wake that fails (the device out of memory) leaves the
+        engine asleep as it was, holding no pool, and raises."""
         with self._cut_in():
             if not self.sleeping:
                 raise EngineStateError("wake() while awake: only a sleeping engine wakes")
-            if self._sleep_level == 2:
-                self.model.to(self._device)
-            self.cache = self.scheduler.cache = self._make_cache()
-            self._build_runner()
+            try:
+                if self._sleep_level == 2:
+                    self.model.to(self._device)
+                self.cache = self.scheduler.cache = self._make_cache()
+                self._build_runner()
+            except BaseException:  # (the device out of memory) asleep as before the call
+                self._release(self._sleep_level)
+                raise
             self._sleep_level = 0
+
+    def _release(self, level: int) -> None:
+        """Drop the cache, its runner and CUDA graphs (if built), and at level 2 move the
+        weights to the host; their device memory goes back to the device."""
+        pools = [] if self.cache is None else [weakref.ref(p.kv) for p in self.cache.kv_pools.pools]
+        self.cache = self.scheduler.cache = self.runner = self.graphs = None
+        if any(pool() is not None for pool in pools):
+            gc.collect()  # a cache with an eviction hook (a tier) is a reference cycle
+        if level == 2:
+            self.model.to("cpu")
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _check_awake(self) -> None:
         if self.sleeping:
