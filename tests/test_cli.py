@@ -8,12 +8,14 @@ import sys
 import pytest
 import torch
 
+from hybrid_util import make_bamba
 from kvpool.cli.main import main
 from kvpool.engine import LLM
 from kvpool.engine.config import EngineConfig
 from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.planning import planner
 from models_util import make_hf_model, save_hf_model
+from test_windows import CONFIGS as WINDOW_CONFIGS
 
 GiB = 2**30
 
@@ -31,10 +33,12 @@ def test_plan_prints_the_plan_for_given_memory(capsys):
     assert table["parameters"] == "8.03 B (8,030,261,248)"
     assert table["weights"] == "14.96 GiB"
     assert table["memory"] == "24.00 GiB given x 90% = 21.60 GiB"
+    assert table["activations"] == "231.31 MiB (estimated peak of a 2,048-token step)"
+    assert table["workspace"] == "32.55 MiB (the engine's step metadata and decode scratch)"
     assert table["KV bytes per token"] == "131,072 (128.00 KiB)"
     assert table["KV bytes per page"] == "2,097,152 (2.00 MiB, 16 tokens)"
-    assert table["pages"] == "3,237 (6.32 GiB)"  # and the pool's reserved page, in the bytes
-    assert table["tokens"] == "51,792"
+    assert table["pages"] == "3,268 (6.38 GiB)"  # and the pool's reserved page, in the bytes
+    assert table["tokens"] == "52,288"
 
 
 def test_plan_of_a_hybrid_holds_the_engines_state_slots_a_seat_and_a_checkpoint_each(capsys):
@@ -55,7 +59,7 @@ def test_plan_counts_sequences_at_the_models_max_position_embeddings(capsys):
 
 def test_plan_counts_sequences_at_the_given_context_len(capsys):
     table = plan_table(capsys, "Llama-3-8B", "--device-memory", "24GiB", "--context-len", "4000")
-    assert table["sequences @ 4,000"] == "12 (250 pages each)"
+    assert table["sequences @ 4,000"] == "13 (250 pages each)"
 
 
 def test_plan_page_size_option(capsys):
@@ -103,6 +107,27 @@ def test_plan_kv_cache_memory_plans_the_pages_of_an_engine_with_that_cap(capsys,
     with LLM("tiny", device="cpu", kv_cache_memory=64 * 2**20) as llm:
         assert table["pages"] == f"{llm.cache.stats().num_pages:,} (64.00 MiB)" == \
             "2,047 (64.00 MiB)"
+
+
+@pytest.mark.parametrize("family", ["llama", "bamba", "gemma3"])
+def test_plan_on_the_cpu_gives_the_pages_and_state_slots_the_engine_builds(family, capsys,
+                                                                         monkeypatch, tmp_path):
+    """Uncapped (a kv_cache_memory above the budget): the activations of the engine's
+    largest step and its workspace held back, as the engine holds them."""
+    monkeypatch.setattr(planner, "host_memory", lambda: (GiB, GiB - 100 * 2**20))
+    model = {"llama": lambda: make_hf_model("llama"), "bamba": lambda: make_bamba("bamba"),
+             "gemma3": lambda: make_hf_model("gemma3", configs=WINDOW_CONFIGS)}[family]()
+    folder = str(save_hf_model(model, tmp_path))
+    table = plan_table(capsys, folder, "--device", "cpu", "--kv-cache-memory", "1GiB",
+                       "--context-len", "64")
+    with LLM(folder, device="cpu", kv_cache_memory=GiB, max_model_len=64) as llm:
+        pools = llm.cache.kv_pools.pools
+        pages = sum(pool.num_pages for pool in pools)
+        assert table["pages"].startswith(f"{pages:,} ")
+        if family == "bamba":
+            slots = llm.cache.state.states.num_slots
+            assert table["state slots"].startswith(f"{slots:,} ")
+    assert "--kv-cache-memory" not in table["KV budget"]
 
 
 def test_plan_of_given_memory_has_no_cap(capsys):
@@ -309,8 +334,8 @@ def test_plan_shows_mistrals_single_window_group(capsys):
 def test_plan_counts_a_window_of_pages_for_each_of_mistrals_sequences(capsys):
     table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
                        "32768")
-    assert table["pages"] == "4,036 (7.88 GiB)"
-    assert table["sequences @ 32,768"] == "15 (257 pages each)"  # 4,036 // 257
+    assert table["pages"] == "4,031 (7.88 GiB)"
+    assert table["sequences @ 32,768"] == "15 (257 pages each)"  # 4,031 // 257
     table = plan_table(capsys, "Mistral-7B", "--device-memory", "24GiB", "--context-len",
                        "32768", "--one-pool")
     assert table["sequences @ 32,768"] == "1 (2,048 pages each)"
@@ -351,9 +376,9 @@ def test_plan_of_gemma3_splits_the_budget_between_a_full_and_a_window_pool(capsy
     # the window pool: 32 windows of 65 pages and one 8,192-token prompt; the full pool the rest
     assert table["pool window 1,024"] == ("2,592 pages (4.59 GiB), 41,472 tokens, 65 pages a "
                                           "decoding sequence")
-    assert table["pool full attention"] == ("30,784 pages (9.39 GiB), 492,544 tokens, 512 "
+    assert table["pool full attention"] == ("31,471 pages (9.60 GiB), 503,536 tokens, 512 "
                                             "pages a decoding sequence")
-    assert table["tokens"] == "492,544; one pool of every layer: 107,808"
+    assert table["tokens"] == "503,536; one pool of every layer: 109,424"
     assert table["sequences @ 8,192"] == "39"
 
 
@@ -369,21 +394,21 @@ def test_plan_of_qwen3_with_layer_types_shows_each_pool(capsys, tmp_path):
                                           "36,864 bytes per token (36.00 KiB)")
     assert table["pool window 4,096"] == ("4,104 pages (6.76 GiB), 65,664 tokens, 257 pages "
                                           "a decoding sequence")
-    assert table["pool full attention"] == ("24,868 pages (13.66 GiB), 397,888 tokens, 2,048 "
+    assert table["pool full attention"] == ("25,116 pages (13.80 GiB), 401,856 tokens, 2,048 "
                                             "pages a decoding sequence")
-    assert table["tokens"] == "397,888; one pool of every layer: 148,720"
+    assert table["tokens"] == "401,856; one pool of every layer: 149,712"
 
 
 def test_a_window_pool_never_holds_more_tokens_than_the_full_pool(capsys, tmp_path):
     folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
     table = plan_table(capsys, folder, "--device-memory", "40GiB", "--context-len", "32768",
                        "--max-num-seqs", "32")  # 32 windows and a prompt would need 10,272 pages
-    assert table["pool window 4,096"].startswith("9,295 pages")
-    assert table["pool full attention"].startswith("9,295 pages")
+    assert table["pool window 4,096"].startswith("9,345 pages")
+    assert table["pool full attention"].startswith("9,345 pages")
 
 
 def test_plan_one_pool_keeps_every_page_of_a_mixed_model(capsys, tmp_path):
     folder = write_config(tmp_path, QWEN3_LAYER_TYPES)
     table = plan_table(capsys, folder, "--device-memory", "40GiB", "--one-pool")
-    assert table["pages"] == "9,295 (20.43 GiB)"
+    assert table["pages"] == "9,329 (20.50 GiB)"
     assert not any(label.startswith("pool ") for label in table)

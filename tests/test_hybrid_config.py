@@ -4,6 +4,7 @@ attention layers only, the state-slot layout, and memory planning split between 
 import pytest
 import torch
 
+from kvpool.engine.config import EngineConfig
 from kvpool.errors import ConfigError
 from kvpool.memory.state_pool import MambaLayout
 from kvpool.models.config import ModelConfig, read_hf_config
@@ -114,7 +115,8 @@ def test_kvpool_plan_reports_state_slots_and_checkpoints(capsys):
     assert main(["plan", "Bamba-9B", "--device-memory", "40GiB", "--context-len", "8192",
                  "--mamba-memory-ratio", "0.5"]) == 0
     out = capsys.readouterr().out
-    plan = plan_memory(ModelConfig.from_hf("Bamba-9B"), 40 * GiB)
+    plan = EngineConfig(max_model_len=8192).memory_plan(
+        ModelConfig.from_hf("Bamba-9B"), None, 8192, device_memory=40 * GiB)
     assert f"state slots           {plan.num_state_slots:,} (" in out
     assert f"checkpoints           {plan.max_checkpoints(8192):,} state slots left" in out
 

@@ -352,6 +352,19 @@ def test_plan_rejects_bytes_set_aside_below_0_or_past_int64(name, value):
         plan_memory(TINY, GiB, **{name: value})
 
 
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"dtype": torch.float8_e4m3fn}, ValueError, "not one kvpool's models compute in"),
+    ({"dtype": torch.float64}, ValueError, "not one kvpool's models compute in"),
+    ({"dtype": "bfloat16"}, TypeError, "dtype must be a torch.dtype or None"),
+    ({"max_model_len": 8193}, ValueError, "max_model_len 8193 exceeds the model's "
+                                          "max_position_embeddings 8192"),
+    ({"free_out_of_window": "no"}, TypeError, "free_out_of_window must be a bool, got str"),
+])
+def test_plan_refuses_what_the_engine_refuses(options, error, message):
+    with pytest.raises(error, match=message):
+        plan_memory(ModelConfig.from_hf("Llama-3-8B"), 24 * GiB, **options)
+
+
 def test_plan_rejects_a_page_size_below_one():
     with pytest.raises(ValueError, match=rf"page_size must be in \[1, {2**63 - 1}\], got 0"):
         plan_memory(TINY, GiB, page_size=0)

@@ -17,7 +17,12 @@ from kvpool.cli.step_flags import add_step_arguments, step_options
 from kvpool.cli.terminal_chat import add_chat_arguments, chat_prompt, run_chat
 from kvpool.cli.tier_flags import byte_size
 from kvpool.engine import LLM, SamplingParams
-from kvpool.engine.config import DEFAULT_KV_CACHE_MEMORY, engine_device, kv_budget
+from kvpool.engine.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    EngineConfig,
+    engine_device,
+    kv_budget,
+)
 from kvpool.errors import KVPoolError
 from kvpool.formats import (
     DTYPES,
@@ -31,9 +36,7 @@ from kvpool.models.config import PRESETS, ModelConfig
 from kvpool.numeric import check_int64
 from kvpool.planning.group_plan import GroupPlan
 from kvpool.planning.planner import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MemoryPlan,
-    plan_memory,
 )
 
 MAX_PORT = 65535  # 0 lets the system pick a free port
@@ -107,14 +110,17 @@ def run_plan(args: argparse.Namespace) -> int:
                          f"max_position_embeddings {model.max_position_embeddings}")
     check_int64("--kv-cache-memory", args.kv_cache_memory, 1)
     device = None if args.device_memory is not None else engine_device(args.device)
+    # The engine's own plan, from the options it would be given: the activations of its
+    # largest step, its workspace and (on CUDA) its decode graphs held back.
+    engine = EngineConfig(page_size=args.page_size, memory_fraction=args.memory_fraction,
+                          kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                          dtype=DTYPES.get(args.dtype), kv_cache_dtype=args.kv_cache_dtype,
+                          free_out_of_window=not args.one_pool,
+                          tensor_parallel_size=args.tensor_parallel_size)
     plan_with = functools.partial(
-        plan_memory, model, args.device_memory, memory_fraction=args.memory_fraction,
-        page_size=args.page_size, dtype=DTYPES.get(args.dtype), device=device,
+        engine.memory_plan, model, device, context_len, device_memory=args.device_memory,
         mamba_memory_ratio=0.5 if args.mamba_memory_ratio is None else args.mamba_memory_ratio,
-        num_state_slots=None if args.mamba_memory_ratio is not None else 2 * args.max_num_seqs,
-        kv_cache_dtype=args.kv_cache_dtype,
-        free_out_of_window=not args.one_pool, max_num_seqs=args.max_num_seqs,
-        max_model_len=context_len, tensor_parallel_size=args.tensor_parallel_size)
+        num_state_slots=None if args.mamba_memory_ratio is not None else 2 * args.max_num_seqs)
     plan = uncapped = plan_with()
     if device is not None:
         # The engine caps its KV cache on the CPU: planned with the rest of the budget held
@@ -125,7 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
     weights_dtype = model.weights_dtype(DTYPES.get(args.dtype))
     seats = None if args.mamba_memory_ratio is not None else args.max_num_seqs
     print(format_table(_plan_rows(args.model, model, plan, context_len, weights_dtype, seats,
-                                  uncapped.budget_bytes)))
+                                  uncapped, engine.max_num_batched_tokens)))
     if plan.reason:
         print(f"kvpool plan: {args.model} does not fit: {plan.reason}", file=sys.stderr)
         return 1
@@ -221,18 +227,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plan_rows(
     name: str, model: ModelConfig, plan: MemoryPlan, context_len: int, weights_dtype,
-    seats: int | None, uncapped_budget: int,
+    seats: int | None, uncapped: MemoryPlan, step_tokens: int,
 ) -> list[tuple[str, str]]:
     """(label, value) rows describing `plan` for the model `name`; `seats`: a hybrid's state
     slots are the engine's, that many seats and as many checkpoints (None: a share of the
-    budget); `uncapped_budget` is the KV budget (bytes) before the engine's cap on the CPU."""
+    budget); `uncapped` is the plan before the engine's cap on the CPU, whose reserved bytes
+    are the engine's workspace (and CUDA graphs); `step_tokens` the largest step's tokens."""
+    uncapped_budget = uncapped.budget_bytes
+    graphs = "" if plan.device in (None, "cpu") else ", CUDA graphs"
     pages_per_seq, layout = plan.pages_per_sequence(context_len), plan.layout
     rows = [
         ("model", f"{name} ({model.architecture}, {dtype_name(weights_dtype)})"),
         ("parameters", f"{_count(plan.num_parameters)} ({plan.num_parameters:,})"),
         ("weights", format_bytes(plan.weight_bytes) + _per_rank(plan)),
         ("activations", f"{format_bytes(plan.activation_bytes)} (estimated peak of a "
-                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS:,}-token forward)"),
+                        f"{step_tokens:,}-token step)"),
+        ("workspace", f"{format_bytes(uncapped.reserved_bytes)} (the engine's step metadata "
+                      f"and decode scratch{graphs})"),
         ("memory", f"{_memory_source(plan)} x {plan.memory_fraction * 100:g}% = "
                    f"{format_bytes(plan.usable_bytes)}"),
     ]

@@ -227,6 +227,34 @@ class EngineConfig:
         return model.estimate_activation_bytes(dtype, max_num_batched_tokens=self.max_num_seqs,
                                                max_num_seqs=self.max_num_seqs)
 
+    def memory_plan(self, model: ModelConfig, device: torch.device | None, max_model_len: int,
+                    *, reserved_bytes: int = 0, **options) -> MemoryPlan:
+        """This engine's plan of `device`'s memory (`plan_memory`, given `options` besides;
+        device None with `device_memory` among them: a device of that many bytes, uncapped):
+        the activations of its largest step, the decode CUDA graphs (on CUDA), the workspace
+        for the longest sequence the pool can hold and `reserved_bytes` held back."""
+        layout = self.kv_layout(model)
+        weights_dtype = model.weights_dtype(self.dtype)
+        activations = model.estimate_activation_bytes(
+            weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs)
+        if device is not None and device.type == "cuda":
+            reserved_bytes += self.cuda_graph_bytes(model, weights_dtype)
+        plan = functools.partial(
+            plan_memory, model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
+            page_size=layout.page_size, activation_bytes=activations, device=device,
+            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size,
+            max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            free_out_of_window=self.free_out_of_window, **options)
+        # The workspace's page tables hold the longest sequence the pool can: at most the
+        # pages the budget would hold without the workspace.
+        without = plan(reserved_bytes=reserved_bytes)
+        most_pages = max(without.budget_bytes if device is None else
+                         kv_budget(without, device, self.kv_cache_memory), 0)
+        longest = self.longest_sequence(layout, max_model_len,
+                                        most_pages // layout.bytes_per_page)
+        return plan(reserved_bytes=reserved_bytes + self.workspace_bytes(model, layout, longest))
+
     def plan_num_pages(self, model: ModelConfig, device: torch.device,
                        max_model_len: int, *, state_bytes: int = 0) -> int:
         """num_pages, or the pages this engine's share of `device` holds once the model is
@@ -235,22 +263,7 @@ class EngineConfig:
         if self.num_pages is not None:
             return self.num_pages
         layout = self.kv_layout(model)
-        weights_dtype = model.weights_dtype(self.dtype)
-        activations = model.estimate_activation_bytes(
-            weights_dtype, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs)
-        graphs = self.cuda_graph_bytes(model, weights_dtype) if device.type == "cuda" else 0
-        plan = functools.partial(
-            plan_memory, model, memory_fraction=self.memory_fraction, dtype=weights_dtype,
-            page_size=layout.page_size, activation_bytes=activations, device=device,
-            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size,
-            max_model_len=max_model_len)
-        # The workspace's page tables hold the longest sequence the pool can: at most the
-        # pages the budget would hold without the workspace.
-        most_pages = max(kv_budget(plan(reserved_bytes=graphs), device,
-                                   self.kv_cache_memory), 0) // layout.bytes_per_page
-        longest = self.longest_sequence(layout, max_model_len, most_pages)
-        plan = plan(reserved_bytes=graphs + self.workspace_bytes(model, layout, longest))
+        plan = self.memory_plan(model, device, max_model_len)
         budget = kv_budget(plan, device, self.kv_cache_memory) - state_bytes
         num_pages = pages_within(layout, budget)
         if num_pages == 0:

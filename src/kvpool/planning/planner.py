@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvpool.devices import check_device
-from kvpool.formats import exact_bytes, format_bytes
+from kvpool.formats import check_model_dtype, exact_bytes, format_bytes
 from kvpool.memory.layout import KVLayout
 from kvpool.memory.pool import RESERVED_PAGES, pages_within
 from kvpool.memory.state_pool import RESERVED_SLOTS, MambaLayout, slots_within
@@ -164,9 +164,16 @@ def plan_memory(
         check_int64("activation_bytes", activation_bytes, 0)
     check_int64("reserved_bytes", reserved_bytes, 0)
     check_int64("max_num_seqs", max_num_seqs, 1)
+    check_model_dtype(dtype)
     if max_model_len is None:
         max_model_len = model.max_position_embeddings
     check_int64("max_model_len", max_model_len, 1)
+    if max_model_len > model.max_position_embeddings:  # as the engine refuses it
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {model.max_position_embeddings}")
+    if not isinstance(free_out_of_window, bool):
+        raise TypeError(f"free_out_of_window must be a bool, got "
+                        f"{type(free_out_of_window).__name__} {free_out_of_window!r}")
     _check_share("memory_fraction", memory_fraction, "(0, 1]")
     _check_share("mamba_memory_ratio", mamba_memory_ratio, "(0, 1)")
     layout = model.kv_layout(dtype=dtype, page_size=page_size, kv_cache_dtype=kv_cache_dtype,
