@@ -128,6 +128,39 @@ def test_calibration_resumes_after_a_paused_block_that_raises():
     assert pool.scales[0].tolist() == pytest.approx([2 * 2 / 448, 2 / 448])
 
 
+def test_a_paused_block_inside_another_leaves_calibration_paused():
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
+    with pool.calibration_paused():
+        with pool.calibration_paused():
+            pass
+        pool.calibrate(0, torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    assert not pool.scales_ready and pool.scales[0].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("shape", [(3, 1), ()])
+def test_a_write_whose_slots_are_not_one_dimensional_is_refused_and_sets_no_scales(shape,
+                                                                                   device):
+    pool = KVPool(FP8_LAYOUT, 8, device=device)
+    slots = torch.zeros(shape, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=re.escape(f"slots must be one-dimensional [n], got "
+                                                   f"shape {tuple(shape)}")):
+        pool.write(0, slots, torch.ones(3, 2, 16, device=device),
+                   torch.ones(3, 2, 16, device=device))
+    pool.set_scales(0, 0.5, 0.5)  # the layer has none yet
+
+
+def test_a_write_that_fails_after_its_checks_sets_no_scales(monkeypatch):
+    pool = KVPool(FP8_LAYOUT, 8, device="cpu")
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(torch.Tensor, "index_copy_", out_of_memory)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.write(0, torch.tensor([0]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+    monkeypatch.undo()
+    pool.set_scales(0, 0.5, 0.5)
+
+
 def test_given_scales_are_used_for_every_layer_and_cannot_change(device):
     pool = KVPool(FP8_LAYOUT, 8, device=device, kv_scales=(0.5, 0.25))
     assert pool.scales.tolist() == [[0.5, 0.25], [0.5, 0.25]] and pool.scales_ready

@@ -114,30 +114,40 @@ class KVPool:
         if self._has_scales[layer]:
             raise ValueError(f"layer {layer} has its scales already "
                              f"({self.scales[layer].tolist()}); they cannot change")
-        self.scales[layer] = torch.tensor(checked)
-        self._has_scales[layer] = True
+        self._set_scales(layer, torch.tensor(checked))
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Take the layer's scales from the K and V (for "mla" the latent `k`) about to be
         written, if it has none yet and calibration is not paused (fp8 pages only). K/V of
         no token set none: they hold no value to size a scale by."""
         layer = self._layer(layer)
+        scales = self._new_scales(layer, k, v)
+        if scales is not None:
+            self._set_scales(layer, scales)
+
+    def _new_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor | None
+                    ) -> torch.Tensor | None:
+        """The scales `calibrate` would give the layer (one per plane), or None: it keeps
+        its own (or has none, and K/V of no token set none)."""
         if self.quantized and self._calibrating and not self._has_scales[layer]:
             planes = self._check_planes(k, v)
             if k.numel():
-                for plane, x in enumerate(planes):
-                    self.scales[layer, plane] = scale_of(x)
-                self._has_scales[layer] = True
+                return torch.stack([scale_of(x) for x in planes])
+        return None
+
+    def _set_scales(self, layer: int, scales: torch.Tensor) -> None:
+        self.scales[layer] = scales
+        self._has_scales[layer] = True
 
     @contextmanager
     def calibration_paused(self) -> Iterator[None]:
         """Within this block writes set no scales: for K/V of no real tokens (the padding of
         a CUDA graph capture)."""
-        self._calibrating = False
+        calibrating, self._calibrating = self._calibrating, False
         try:
             yield
         finally:
-            self._calibrating = True
+            self._calibrating = calibrating  # as it was: a block may sit in another
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +172,8 @@ class KVPool:
                 slots.dtype.is_floating_point or slots.dtype.is_complex):
             raise TypeError(f"slots must be an integer tensor, got "
                             f"{slots.dtype if isinstance(slots, torch.Tensor) else type(slots)}")
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be one-dimensional [n], got shape {tuple(slots.shape)}")
         planes = self._check_planes(k, v, len(slots))
         layer = self._layer(layer)
         flat = self.kv[layer].view(self.layout.num_planes, -1, self.layout.num_kv_heads,
@@ -169,14 +181,17 @@ class KVPool:
         slots = slots.to(device=self.device, dtype=torch.long)
         if slots.device.type == "cpu":  # before scales are set; on a GPU the check would sync
             _check_within(slots, flat.shape[1], "slots", IndexError)
-        if self.quantized:
-            self.calibrate(layer, k, v)
+        scales = None
+        if self.quantized:  # new scales are the layer's once the write is in
+            scales = self._new_scales(layer, k, v)
             # index_copy_ has no fp8 kernel: copy the bytes.
             flat = flat.view(torch.uint8)
-            planes = [quantize(x, scale).view(torch.uint8)
-                      for x, scale in zip(planes, self.scales[layer], strict=True)]
+            planes = [quantize(x, scale).view(torch.uint8) for x, scale in zip(
+                planes, self.scales[layer] if scales is None else scales, strict=True)]
         for plane, x in zip(flat, planes, strict=True):
             plane.index_copy_(0, slots, x.to(flat.dtype))
+        if scales is not None:
+            self._set_scales(layer, scales)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy pages src[i] -> dst[i] in every layer (copy-on-write, tier loads)."""
