@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from depth import examples
 from kvpool.engine import TokenLogprobs
 from kvpool.errors import CheckpointError
-from kvpool.models.tokenizer import BYTE_BOS, ByteTokenizer
+from kvpool.models.tokenizer import ByteTokenizer, HFTokenizer
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.detokenize import ChoiceText, StopMatcher
 from kvpool.server.engine_loop import RequestStream, Sample, Update
@@ -157,22 +157,57 @@ def test_completion_logprobs_name_a_token_without_text_by_its_id():
     assert logprobs["top_logprobs"] == [{"a": -0.05, "token_id:1": -0.1}]
 
 
+def byte_level_bpe(pieces: tuple[bytes, ...] = ()) -> HFTokenizer:
+    """A GPT-2-style byte-level BPE tokenizer (a `tokenizers` one): token b is byte b, then
+    one token for each of `pieces` from 256 on."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    char = {b: chr(b) for b in shown} | {
+        b: chr(0x100 + i) for i, b in enumerate(b for b in range(256) if b not in shown)}
+    vocab = {char[b]: b for b in range(256)} | {
+        "".join(char[b] for b in piece): 256 + i for i, piece in enumerate(pieces)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return HFTokenizer(tokenizer, None, ())
+
+
+def text_offsets(tokenizer, token_ids: list[int]) -> list[int]:
+    """The completion `text_offset` of a choice of `token_ids`, sent after the prompt "a"."""
+    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
+                            include_usage=False, logprobs=0, token_text=str,
+                            tokenizer=tokenizer, context=ord("a"))
+    entries = [TokenLogprobs(token_id, -1.0, ()) for token_id in token_ids]
+    return generation._completion_logprobs(entries, 0)["text_offset"]
+
+
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), byte_level_bpe()],
+                         ids=["bytes", "byte-level BPE"])
 @pytest.mark.parametrize("token_ids, text, offsets", [
     ([0xE3, 0x88, 0x13, 0x41], "\ufffd\x13A", [0, 0, 1, 2]),  # bytes that make no character
     ([0xE3, 0x88, 0xE3, 0x41], "\ufffd\ufffdA", [0, 0, 1, 2]),  # ... cut off by another's
     ([0xFF, 0x41], "\ufffdA", [0, 1]),  # a byte that begins no character
     ([0xE3, 0x88, 0x80, 0x41], "\u3200A", [0, 0, 0, 1]),  # one character's bytes
     ([0xEF, 0xBF, 0xBD, 0x41], "\ufffdA", [0, 0, 0, 1]),  # U+FFFD itself, in UTF-8
+    ([0xAD, 0xAA], "\ufffd\ufffd", [0, 1]),  # a run of bytes that begin no character
+    ([0xDE, 0xCF, 0x54], "\ufffd\ufffdT", [0, 1, 2]),  # a run of characters cut off
+    ([0x82, 0xED, 0xBF], "\ufffd" * 3, [0, 1, 2]),  # ED takes no BF after it
+    ([0xAD, 0xE3, 0x81, 0x82], "\ufffd\u3042", [0, 1, 1, 1]),  # a character after a run
 ])
-def test_completion_text_offsets_point_at_the_characters_the_text_holds(token_ids, text,
-                                                                        offsets):
-    tokenizer = ByteTokenizer()
-    generation = Generation("r", "m", num_prompt_tokens=1, n=1, stop=(), chat=False,
-                            include_usage=False, logprobs=0, token_text=str,
-                            tokenizer=tokenizer, context=BYTE_BOS)
-    entries = [TokenLogprobs(token_id, -1.0, ()) for token_id in token_ids]
+def test_completion_text_offsets_point_at_the_characters_the_text_holds(tokenizer, token_ids,
+                                                                        text, offsets):
     assert tokenizer.decode(token_ids) == text
-    assert generation._completion_logprobs(entries, 0)["text_offset"] == offsets
+    assert text_offsets(tokenizer, token_ids) == offsets
+
+
+@pytest.mark.parametrize("token_ids, text, offsets", [
+    ([0xE3, 256], "\u3042", [0, 0]),  # one character's bytes, split unevenly
+    ([0xE3, 0x81, 257], "\u3042A", [0, 0, 0]),  # a token ending a character, then one
+    ([0xAD, 256], "\ufffd" * 3, [0, 1]),  # a token of two bytes that begin no character
+])
+def test_completion_text_offsets_place_tokens_of_several_bytes_on_their_first(token_ids, text,
+                                                                              offsets):
+    tokenizer = byte_level_bpe((b"\x81\x82", b"\x82A"))
+    assert tokenizer.decode(token_ids) == text
+    assert text_offsets(tokenizer, token_ids) == offsets
 
 
 def test_text_that_may_begin_a_stop_string_is_held_back():

@@ -260,6 +260,7 @@ class _Offsets:
         self._tokenizer, self._context = tokenizer, context
         self._stream = None if tokenizer is None else tokenizer.stream(context=context)
         self._ids, self._length = [], 0
+        self._held = False  # whether the stream may be holding back bytes of the ids so far
 
     def of(self, token_ids: list[int]) -> list[int]:
         """The offsets of the choice's next tokens, `token_ids`."""
@@ -268,23 +269,27 @@ class _Offsets:
             offset = self._length
             if self._stream is not None:
                 self._ids.append(token_id)
+                if self._held:
+                    offset = self._after_held_bytes()
                 text = self._stream.text(self._ids)
-                # the stream held back bytes that this token may have shown to be invalid
-                if len(text) > offset and text[offset] == REPLACEMENT:
-                    offset = self._after_invalid_bytes(offset)
+                # A stream shows bytes that make no character yet as nothing (a tokenizers
+                # DecodeStream: a whole run of them) or, once invalid, as U+FFFD.
+                self._held = len(text) == self._length or text.endswith(REPLACEMENT)
                 self._length = len(text)
             offsets.append(offset)
         return offsets
 
-    def _after_invalid_bytes(self, length: int) -> int:
-        """Where the last token starts when what it adds to the text (after `length`
-        characters) begins with U+FFFD: after the U+FFFD that the ids before it end with, if
-        it added characters of its own; at `length` if it only ended their character."""
+    def _after_held_bytes(self) -> int:
+        """Where the last token starts when the stream may have held back bytes before it,
+        from the decoded text: those bytes end the text of the ids before it in U+FFFD (one
+        for a character not complete yet). The token joins that character, and starts on
+        it, when it changes that text, or when it adds none to it though it reads as some
+        alone (another byte of the character); else it starts after it."""
         decode = functools.partial(self._tokenizer.decode, context=self._context)
-        before = len(decode(self._ids[:-1]))  # held-back bytes read as U+FFFD here
-        if before > length and len(decode(self._ids)) > before:
-            return before
-        return length
+        before, after = decode(self._ids[:-1]), decode(self._ids)
+        joins = not after.startswith(before) or (
+            after == before and self._tokenizer.decode(self._ids[-1:]) != "")
+        return len(before) - (before.endswith(REPLACEMENT) and joins)
 
 
 def _json(value: object) -> bytes:
