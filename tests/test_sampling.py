@@ -65,7 +65,8 @@ def test_sampling_params_rejects_bad_types(kwargs):
 
 
 def test_sampling_params_stores_stop_token_ids_as_tuple():
-    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    p = SamplingParams(stop_token_ids=[3, 4, 3])
+    assert (p.stop_token_ids, p.stop_token_set) == ((3, 4, 3), frozenset({3, 4}))
 
 
 # ---- top-k / top-p -----------------------------------------------------------------------
@@ -274,6 +275,23 @@ def test_stop_token_stops():
     p = SamplingParams(stop_token_ids=(5,))
     assert stop_reason(5, 1, p, eos_token_ids=()) == "stop"
     assert stop_reason(4, 1, p, eos_token_ids=()) is None
+
+
+def test_a_sampled_token_is_looked_up_in_the_stop_ids_not_compared_with_each():
+    compared = []
+
+    class TokenId(int):  # records each comparison asked of it
+        def __eq__(self, other):
+            compared.append(other)
+            return int(self) == other
+
+        __hash__ = int.__hash__
+
+    p = SamplingParams(stop_token_ids=[TokenId(t) for t in range(1000)])
+    compared.clear()
+    assert stop_reason(5000, 1, p, eos_token_ids=()) is None
+    assert stop_reason(7, 1, p, eos_token_ids=()) == "stop"
+    assert compared == [7]  # the one id of the same hash
 
 
 def test_eos_stops_unless_ignore_eos():

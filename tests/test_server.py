@@ -504,6 +504,8 @@ BAD_REQUESTS = [
      "stop", None, "stop holds 17 strings; this server takes 16 at most"),
     ("a stop string too long", {"model": "tiny", "prompt": "x", "stop": "a" * 257}, 400,
      "stop", None, "a stop string of 257 characters passes this server's limit of 256"),
+    ("too many stop token ids", {"model": "tiny", "prompt": "x", "stop_token_ids": [5] * 257},
+     400, "stop_token_ids", None, "stop_token_ids holds 257 ids; this server takes 256 at most"),
     ("an empty cache_salt", {"model": "tiny", "prompt": "x", "cache_salt": ""}, 400,
      "cache_salt", None, "cache_salt must be a non-empty string, got ''"),
     ("a batch of two prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt", None,
@@ -611,11 +613,13 @@ def test_add_special_tokens_in_a_chat_overrides_the_templates_choice(client):
                      len(b"user: hi\nassistant:") + 1]
 
 
-def test_stop_strings_up_to_the_limits_are_taken(server):
+def test_stop_strings_and_stop_token_ids_up_to_the_limits_are_taken(server):
     limits = ServerLimits()
-    for stop in (["a"] * limits.max_stop_strings, "a" * limits.max_stop_length):
+    for stop in ({"stop": ["a"] * limits.max_stop_strings},
+                 {"stop": "a" * limits.max_stop_length},
+                 {"stop_token_ids": list(range(limits.max_stop_token_ids))}):
         response = httpx.post(f"{server.url}/v1/completions", json={
-            "model": "tiny", "prompt": "x", "max_tokens": 1, "stop": stop})
+            "model": "tiny", "prompt": "x", "max_tokens": 1, **stop})
         assert response.status_code == 200, response.text
 
 

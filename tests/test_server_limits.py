@@ -323,7 +323,8 @@ def test_the_serve_flags_default_to_the_server_limits_defaults():
     add_arguments(parser)
     args = parser.parse_args([])
     assert ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
-                        args.header_timeout, args.body_timeout) == ServerLimits()
+                        args.max_stop_token_ids, args.header_timeout,
+                        args.body_timeout) == ServerLimits()
 
 
 def test_bench_url_sends_the_api_key(server, capsys):

@@ -37,6 +37,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_BODY = "16MiB"
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_LENGTH = 256
+DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
 
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-length", type=int, default=DEFAULT_MAX_STOP_LENGTH,
                         metavar="CHARS", help=f"characters per stop string at most "
                                               f"(default: {DEFAULT_MAX_STOP_LENGTH})")
+    parser.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
+                        metavar="N", help=f"stop token ids per request at most "
+                                          f"(default: {DEFAULT_MAX_STOP_TOKEN_IDS})")
     parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
                         metavar="SECONDS", help=f"a connection whose request headers take "
                                                 f"longer is closed "
@@ -169,7 +173,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, make_llm) -> int:
 
     try:
         limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
-                              args.header_timeout, args.body_timeout)
+                              args.max_stop_token_ids, args.header_timeout, args.body_timeout)
         app = build_app(make_llm, model_name=args.model, max_waiting=args.max_waiting,
                         limits=limits, api_keys=api_keys(args.api_key),
                         open_paths=frozenset() if args.auth_all_routes else OPEN_PATHS,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.errors import check_int
 from kvpool.numeric import INT64_MAX, check_float32, check_int64
@@ -27,7 +27,9 @@ class SamplingParams:
     `logprobs` (None: off) asks for each generated token's log-probability and those of the
     `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS).
     Every field is checked here, type and range as the device holds it (float32, int64:
-    kvpool.numeric), so a request never fails mid-step.
+    kvpool.numeric), so a request never fails mid-step. `stop_token_set` holds the stop
+    token ids as a frozenset, for a test of each sampled token that takes the same time
+    however many there are.
     """
 
     max_tokens: int = 16
@@ -39,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_int64("max_tokens", self.max_tokens, 1)
@@ -60,6 +63,7 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int64("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         object.__setattr__(self, "stop_token_ids", tuple(stop))
+        object.__setattr__(self, "stop_token_set", frozenset(stop))
 
     @property
     def greedy(self) -> bool:

@@ -46,7 +46,7 @@ def stop_reason(
 ) -> str | None:
     """Why a sequence ends after sampling `token_id` as its `num_output_tokens`-th token:
     "stop" (a stop token, or EOS unless ignore_eos), "length" (max_tokens), or None."""
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    if token_id in params.stop_token_set or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
     if num_output_tokens >= params.max_tokens:
         return "length"

@@ -1,5 +1,5 @@
-"""What one client may ask of the server: request body size, stop strings, and how long
-it may take to send a request's headers and body.
+"""What one client may ask of the server: request body size, stop strings and stop token
+ids, and how long it may take to send a request's headers and body.
 
 A body is counted while it is read, so one over the limit is refused (413) before it is
 in memory, and read against a deadline, so a client that stalls mid-body (408) does not
@@ -23,17 +23,19 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """Limits of one request: body bytes, stop strings (count, and characters each), and
-    seconds to send the headers and, from then, the body."""
+    """Limits of one request: body bytes, stop strings (count, and characters each), stop
+    token ids (count), and seconds to send the headers and, from then, the body."""
 
     max_body_bytes: int = 16 * MiB
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    max_stop_token_ids: int = 256
     header_timeout: float = 10.0
     body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_stop_strings", "max_stop_length"):
+        for name in ("max_body_bytes", "max_stop_strings", "max_stop_length",
+                     "max_stop_token_ids"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")

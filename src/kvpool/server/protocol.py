@@ -176,11 +176,7 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
 def _request(fields: dict, model: str, limits: ServerLimits, *, prompt, messages, max_tokens,
              logprobs, add_special_tokens) -> GenerationRequest:
     stop = _stop(fields.get("stop"), limits)
-    stop_ids = fields.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-            _is_int(t) and 0 <= t <= INT64_MAX for t in stop_ids):
-        raise RequestError(f"stop_token_ids must be a list of token ids (ints in [0, 2**63)), "
-                           f"got {_show(stop_ids)}", param="stop_token_ids")
+    stop_ids = _stop_token_ids(fields.get("stop_token_ids") or [], limits)
     top_k = _int(fields, "top_k", 0, minimum=-1)
     n = _int(fields, "n", 1, minimum=1)
     options = fields.get("stream_options")
@@ -218,6 +214,19 @@ def _stop(value: object, limits: ServerLimits) -> tuple[str, ...]:
                                f"limit of {limits.max_stop_length}", param="stop")
         _check_text(s, "stop")
     return tuple(stop)
+
+
+def _stop_token_ids(value: object, limits: ServerLimits) -> list[int]:
+    """The stop token ids: a list of them, within the server's limit (the engine tests each
+    sampled token against them; the count is checked first, before the ids are read)."""
+    if isinstance(value, list) and len(value) > limits.max_stop_token_ids:
+        raise RequestError(f"stop_token_ids holds {len(value)} ids; this server takes "
+                           f"{limits.max_stop_token_ids} at most", param="stop_token_ids")
+    if not isinstance(value, list) or not all(
+            _is_int(t) and 0 <= t <= INT64_MAX for t in value):
+        raise RequestError(f"stop_token_ids must be a list of token ids (ints in [0, 2**63)), "
+                           f"got {_show(value)}", param="stop_token_ids")
+    return value
 
 
 def _cache_salt(value: object) -> str | None:
