@@ -4,6 +4,7 @@ prefill side, preemption on the decode side and aborts in flight; a prefill side
 refuses, dies or goes silent fails its requests with a clear error, never a hang."""
 
 import datetime
+import functools
 import os
 import random
 import re
@@ -610,3 +611,32 @@ def test_fp8_pages_need_the_same_kv_scales_given_to_both_sides():
     expected = _tokens(LLM("tiny", **given).generate([prompt], GREEDY, use_tqdm=False))
     with DisaggregatedLLM("tiny", prefill=given, decode=given) as llm:
         assert _tokens(llm.generate([prompt], GREEDY, use_tqdm=False)) == expected
+
+
+def test_a_disaggregated_servers_metrics_show_each_sides_pool_prefix_cache_and_tier():
+    pytest.importorskip("starlette", reason="the server extra is not installed")
+    import httpx
+
+    from server_util import metrics, running_server
+
+    # the prefill side's 12 pages hold one prompt of 40 tokens: the next one evicts its
+    # pages into the prefill side's tier, and the first, sent again, loads them back
+    make_llm = functools.partial(
+        DisaggregatedLLM, "tiny", decode={"device": "cpu", "page_size": 4, "num_pages": 40},
+        prefill={"device": "cpu", "page_size": 4, "num_pages": 12, "host_tier_memory": 2**22})
+    first, other = ([random.Random(seed).randrange(256) for _ in range(40)] for seed in (0, 1))
+    with running_server(make_llm) as server:
+        for prompt in (first, other, first):
+            response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+        values = metrics(server)
+    prefill, decode = (("side", "prefill"),), (("side", "decode"),)
+    assert values["kvpool_tier_stored_pages_total", prefill] > 0
+    assert values["kvpool_tier_loaded_pages_total", prefill] > 0
+    assert values["kvpool_prefix_cache_hits_total", prefill] > 0
+    assert values["kvpool_tier_stored_pages_total", decode] == 0  # the decode side has none
+    for side, num_pages in ((prefill, 12), (decode, 40)):
+        assert sum(values[f"kvpool_pages_{kind}", side] for kind in ("used", "cached", "free")
+                   ) == num_pages
+    assert ("kvpool_pages_used", ()) not in values

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.cache import CacheStats
+from kvpool.cli.http_bench import samples_by_name
 from kvpool.cli.main import main
 from kvpool.engine import LLM, EngineStats, SamplingParams
 from kvpool.server.engine_loop import Sample, Update
@@ -348,12 +348,9 @@ def test_metrics_record_each_value_where_it_belongs():
     engine = EngineStats(num_running=0, num_waiting=0, num_used_pages=1, num_cached_pages=3,
                          num_free_pages=20, kv_utilization=0.5, prefix_hit_rate=0.25,
                          num_preemptions=0, num_steps=7, num_prompt_tokens=9,
-                         num_generated_tokens=8, elapsed=1.0)
-    cache = CacheStats(num_pages=24, num_free_pages=20, num_cached_pages=3, num_used_pages=1,
-                       num_sequences=0, num_tokens=8, prefix_query_tokens=64,
-                       prefix_hit_tokens=16, num_evicted_pages=0, num_cow_copies=0,
-                       page_size=16)
-    text = server_metrics.render(EngineSnapshot(engine, cache)).decode()
+                         num_generated_tokens=8, elapsed=1.0, prefix_query_tokens=64,
+                         prefix_hit_tokens=16)
+    text = server_metrics.render([EngineSnapshot(engine)]).decode()
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for family in text_string_to_metric_families(text) for s in family.samples}
     assert values["kvpool_requests_total", (("finish_reason", "stop"),)] == 1
@@ -367,6 +364,24 @@ def test_metrics_record_each_value_where_it_belongs():
             values["kvpool_pages_free", ()]) == (1, 3, 20)
     assert values["kvpool_prefix_cache_queries_total", ()] == 64
     assert values["kvpool_prefix_cache_hits_total", ()] == 16
+
+
+def test_a_pairs_engines_are_labelled_by_side_and_bench_adds_them():
+    stats = [EngineStats(num_running=0, num_waiting=0, num_used_pages=1, num_cached_pages=3,
+                         num_free_pages=20, kv_utilization=0.5, prefix_hit_rate=0.25,
+                         num_preemptions=0, num_steps=steps, num_prompt_tokens=9,
+                         num_generated_tokens=8, elapsed=1.0, prefix_query_tokens=64,
+                         prefix_hit_tokens=hits) for steps, hits in ((3, 16), (7, 32))]
+    text = ServerMetrics().render([EngineSnapshot(stats[0], "prefill"),
+                                   EngineSnapshot(stats[1], "decode")]).decode()
+    values = {(s.name, tuple(s.labels.items())): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["kvpool_prefix_cache_hits_total", (("side", "prefill"),)] == 16
+    assert values["kvpool_prefix_cache_hits_total", (("side", "decode"),)] == 32
+    assert ("kvpool_prefix_cache_hits_total", ()) not in values
+    added = samples_by_name(text)
+    assert (added["kvpool_prefix_cache_hits_total"], added["kvpool_engine_steps_total"]) == (
+        48, 10)
 
 
 def test_time_per_output_token_is_observed_per_choice_from_its_own_tokens():

@@ -12,7 +12,7 @@ TPOT from there to the end over the generated tokens (from the usage chunk) less
 stream's events are decoded up to the first text and the last (the usage, or the server's
 error), not the deltas in between: on the default workload that took the client from
 0.70-0.72 s of CPU time to 0.58-0.60 s. The server's preemptions and prefix-cache counters
-are read from /metrics before and after.
+are read from /metrics before and after (a disaggregated server's two engines' added).
 """
 
 from __future__ import annotations
@@ -57,15 +57,21 @@ async def model_info(client: aiohttp.ClientSession) -> dict:
 
 
 async def scrape(client: aiohttp.ClientSession) -> dict[str, float]:
-    """The unlabelled samples of /metrics, by name."""
+    """The samples of /metrics by name (`samples_by_name`)."""
     async with client.get("metrics") as response:
         await _check(response)
-        text = await response.text()
+        return samples_by_name(await response.text())
+
+
+def samples_by_name(text: str) -> dict[str, float]:
+    """The samples of Prometheus `text` by name, those of one name added over their labels
+    (a disaggregated server's engine series have one per side)."""
     samples = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
+        if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+            name = name.partition("{")[0]
+            samples[name] = samples.get(name, 0.0) + float(value)
     return samples
 
 

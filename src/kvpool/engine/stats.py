@@ -32,6 +32,8 @@ class EngineStats:
     num_tier_loads: int = 0  # pages loaded back from the tier instead of computed
     num_tier_misses: int = 0  # tier lookups that found no page (or one that failed its checks)
     num_tier_dropped: int = 0  # evicted pages the tier could not keep (a failed write)
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # prompt tokens it served (prefix_hit_rate: of those looked up)
 
     @property
     def tokens_per_second(self) -> float:

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvpool.engine import LLM
+from kvpool.engine import LLM, DisaggregatedLLM
 from kvpool.errors import InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLong
 from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, check_keys, key_salt
 from kvpool.server.chat import ChatTemplate
@@ -118,10 +118,10 @@ class Server:
     async def metrics_text(self, request: Request) -> Response:
         """GET /metrics: Prometheus text, the engine read between two steps."""
         try:
-            snapshot = await self.engine.call(_snapshot)
+            snapshots = await self.engine.call(_snapshot)
         except EngineExited as e:
             return _error(_exited(e))
-        return Response(self.metrics.render(snapshot),
+        return Response(self.metrics.render(snapshots),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- generation --------------------------------------------------------------------
@@ -300,9 +300,13 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
     return app
 
 
-def _snapshot(llm: LLM) -> EngineSnapshot:
-    """The engine's and the cache's counters now (run in the engine process)."""
-    return EngineSnapshot(llm.stats(), llm.cache.stats())
+def _snapshot(llm: LLM | DisaggregatedLLM) -> list[EngineSnapshot]:
+    """The engine's counters now (run in the engine process); a disaggregated pair's, one
+    snapshot per side: each has its own pool, prefix cache and tier."""
+    if isinstance(llm, DisaggregatedLLM):
+        return [EngineSnapshot(llm.prefill_stats(), "prefill"),
+                EngineSnapshot(llm.stats(), "decode")]
+    return [EngineSnapshot(llm.stats())]
 
 
 def _failure(e: EngineFailure) -> RequestError:
