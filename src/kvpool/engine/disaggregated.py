@@ -238,6 +238,11 @@ class DisaggregatedLLM:
         limit on waiting sequences (the server's --max-waiting) holds for both sides."""
         return self.decode.stats()
 
+    def stats_by_side(self) -> dict[str | None, EngineStats]:
+        """Each engine's counters: "prefill" (`prefill_stats`) and "decode" (`stats`); each
+        has its own pool, prefix cache and tier."""
+        return {"prefill": self.prefill_stats(), "decode": self.stats()}
+
     def prefill_stats(self) -> EngineStats:
         """The prefill engine's counters (its prefix cache's hits among them), asked for now:
         waits `timeout` seconds at most for the answer; EngineDied once that side is gone."""

@@ -356,6 +356,11 @@ class LLM:
             self._check_awake()
             return self._stats()
 
+    def stats_by_side(self) -> dict[str | None, EngineStats]:
+        """`stats()` of each engine this object runs, by its side of a disaggregated pair
+        (DisaggregatedLLM: "prefill" and "decode"); one engine's under None."""
+        return {None: self.stats()}
+
     def _stats(self) -> EngineStats:
         cs = self.cache.stats()
         num_running, num_waiting = self._num_sequences()

@@ -302,11 +302,8 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
 
 def _snapshot(llm: LLM | DisaggregatedLLM) -> list[EngineSnapshot]:
     """The engine's counters now (run in the engine process); a disaggregated pair's, one
-    snapshot per side: each has its own pool, prefix cache and tier."""
-    if isinstance(llm, DisaggregatedLLM):
-        return [EngineSnapshot(llm.prefill_stats(), "prefill"),
-                EngineSnapshot(llm.stats(), "decode")]
-    return [EngineSnapshot(llm.stats())]
+    snapshot per side."""
+    return [EngineSnapshot(stats, side) for side, stats in llm.stats_by_side().items()]
 
 
 def _failure(e: EngineFailure) -> RequestError:
