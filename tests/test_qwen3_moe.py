@@ -131,6 +131,26 @@ def test_a_bf16_moe_block_equals_transformers_in_prefill_and_decode(bf16_pair, d
         torch.testing.assert_close(moe(x, static), expected)
 
 
+def test_a_float16_decode_step_stays_finite_where_an_expert_no_token_chose_overflows(
+        tmp_path, device):
+    # Expert 7 of the last layer is never chosen: its router logit is 0, and of each pair of
+    # experts (0, 1), (2, 3), (4, 5) one scores above 0 (their logits are opposite). Its
+    # weights are finite but its float16 output overflows, which transformers never
+    # computes; a decode step runs every expert on every token.
+    hf = make_hf_model("qwen3-moe", configs=CONFIGS)
+    with torch.no_grad():
+        moe = hf.model.layers[2].mlp
+        moe.gate.weight[1:6:2] = -moe.gate.weight[0:6:2]
+        moe.gate.weight[7] = 0.0
+        moe.experts.gate_up_proj[7] *= 30.0
+        moe.experts.down_proj[7] *= 300.0
+    model = load_model(save_hf_model(hf, tmp_path), device=device, dtype=torch.float16).model
+    hf = hf.to(device=device, dtype=torch.float16)
+    batch = prompts(model.config.vocab_size, lengths=(12,))
+    assert PagedRunner(model).greedy(batch, 4) == {
+        seq_id: hf_greedy(hf, prompt, 4) for seq_id, prompt in batch.items()}
+
+
 # --- through the engine ---
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -113,17 +113,19 @@ class MoE(nn.Module):
 
     def routed_static(self, x: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
-        """Every routed expert on every token, weighted by its routing weight (0 where the
-        token did not choose it), summed in float32. It costs
+        """Every routed expert on every token, weighted by its routing weight, summed in
+        float32; the experts a token did not choose add exactly 0 to it (masked, not weighted
+        by 0: an unchosen expert's float16 output may overflow, and inf * 0 is NaN). It costs
         num_experts / top_k times the chosen experts' FLOPs (64 / 6 for DeepSeek-V2-Lite), but
         a decode step is bound by reading the experts' weights, and once the batch holds
         more than about num_experts / top_k tokens it reads nearly all of them anyway (128 / 8
         for Qwen3-MoE)."""
         dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype,
                             device=x.device).scatter_(1, ids, weights)  # [T, experts]
+        chosen = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, ids, True)
         out = torch.zeros_like(x, dtype=torch.float32)
         for expert, mlp in enumerate(self.experts):
-            out += mlp(x) * dense[:, expert, None]
+            out += torch.where(chosen[:, expert, None], mlp(x) * dense[:, expert, None], 0)
         return out.to(x.dtype)
 
     def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor,
