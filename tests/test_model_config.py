@@ -470,6 +470,55 @@ def test_a_multimodal_config_ties_the_head_as_its_top_level_says_true_when_left_
     assert not ModelConfig.from_hf({**config, "tie_word_embeddings": False}).tie_word_embeddings
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_a_gemma_config_that_leaves_out_its_sizes_reads_as_transformers_defaults_them(
+        transformers, tmp_path, model_type):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    written = transformers.AutoConfig.from_pretrained(tmp_path).to_dict()
+    ours, theirs = ModelConfig.from_hf(tmp_path), ModelConfig.from_hf(written)
+    assert replace(ours, eos_token_ids=(), bos_token_id=None) == \
+        replace(theirs, eos_token_ids=(), bos_token_id=None)
+    assert (ours.vocab_size, ours.num_heads, ours.num_kv_heads) == (
+        written["vocab_size"], written["num_attention_heads"], written["num_key_value_heads"])
+
+
+# The text_config of google/gemma-3-4b-it, -12b-it and -27b-it as published: only the keys that
+# differ from transformers' defaults (no vocab_size; the 4B's no heads either)
+GEMMA3_ROPE = {"factor": 8.0, "rope_type": "linear"}
+GEMMA3_PUBLISHED = {
+    "gemma-3-4b-it": {"hidden_size": 2560, "intermediate_size": 10240,
+                      "model_type": "gemma3_text", "num_hidden_layers": 34,
+                      "rope_scaling": GEMMA3_ROPE, "sliding_window": 1024},
+    "gemma-3-12b-it": {"hidden_size": 3840, "intermediate_size": 15360,
+                       "model_type": "gemma3_text", "num_attention_heads": 16,
+                       "num_hidden_layers": 48, "num_key_value_heads": 8,
+                       "rope_scaling": GEMMA3_ROPE, "sliding_window": 1024},
+    "gemma-3-27b-it": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                       "model_type": "gemma3_text", "num_attention_heads": 32,
+                       "num_hidden_layers": 62, "num_key_value_heads": 16,
+                       "query_pre_attn_scalar": 168, "rope_scaling": GEMMA3_ROPE,
+                       "sliding_window": 1024},
+}
+
+
+@pytest.mark.parametrize("name", list(GEMMA3_PUBLISHED))
+def test_the_published_gemma3_multimodal_configs_read_as_transformers_reads_them(transformers,
+                                                                                name):
+    published = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
+                 "text_config": GEMMA3_PUBLISHED[name]}
+    hf = transformers.Gemma3Config(text_config=GEMMA3_PUBLISHED[name], dtype="bfloat16")
+    written = {**hf.to_dict(), "architectures": ["Gemma3ForConditionalGeneration"]}
+    del written["text_config"]["dtype"]  # null there, which save_pretrained leaves out
+    ours = ModelConfig.from_hf(published)
+    assert replace(ours, eos_token_ids=(), bos_token_id=None) == replace(
+        ModelConfig.from_hf(written), eos_token_ids=(), bos_token_id=None)
+    text, layout = hf.text_config, ours.kv_layout()
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (
+        text.num_hidden_layers, text.num_key_value_heads, text.head_dim, torch.bfloat16)
+    assert (ours.vocab_size, ours.num_heads) == (text.vocab_size, text.num_attention_heads)
+
+
 @pytest.mark.parametrize("architecture", ["Olmo3ForCausalLM", "Gemma2ForCausalLM",
                                           "GptOssForCausalLM"])
 def test_default_sliding_layers_without_a_window_are_refused_as_given_ones_are(architecture):

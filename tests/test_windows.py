@@ -5,6 +5,7 @@ configs are read."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -159,6 +160,13 @@ MULTIMODAL = {
         text_config=transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2),
         vision_config=transformers.SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
         boi_token_index=157, eoi_token_index=158, image_token_index=159),
+    # 8 heads and 4 KV heads: transformers' defaults
+    "gemma3-multimodal-default-heads": lambda: transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            **dict(GEMMA, num_attention_heads=8, num_key_value_heads=4),
+            sliding_window_pattern=2),
+        vision_config=transformers.SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
+        boi_token_index=157, eoi_token_index=158, image_token_index=159),
     # the head tied by the top level's tie_word_embeddings, as transformers ties it
     "mistral3-multimodal": lambda: transformers.Mistral3Config(
         text_config=transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
@@ -179,6 +187,21 @@ def test_a_multimodal_checkpoints_text_decoder_gives_its_logits_and_tokens(name,
     ours = PagedRunner(model).greedy(batch, MAX_TOKENS)
     for seq_id, prompt in batch.items():  # no image token comes out (it would want pixels)
         assert ours[seq_id] == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_a_multimodal_gemma3_checkpoint_leaving_out_its_heads_gives_transformers_logits(
+        tmp_path, device):
+    # the heads left out of the text_config, as google/gemma-3-4b-it's config leaves them out
+    hf = make_hf_model("gemma3-multimodal-default-heads", configs=MULTIMODAL).to(device)
+    folder = save_hf_model(hf, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        del config["text_config"][key]
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(folder, device=device).model
+    assert (model.config.num_heads, model.config.num_kv_heads) == (8, 4)
+    batch = prompts(157)
+    assert_logits_match(hf, batch, PagedRunner(model).step(batch, all_logits=True))
 
 
 # --- reading the configs ---
@@ -227,7 +250,7 @@ def test_layer_types_of_the_wrong_length_are_a_config_error():
 def gemma3(**overrides) -> dict:
     return {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
             "intermediate_size": 8, "num_hidden_layers": 7, "num_attention_heads": 2,
-            "head_dim": 4, **overrides}
+            "num_key_value_heads": 1, "head_dim": 4, **overrides}
 
 
 def test_gemma3_defaults_window_five_layers_in_six_and_ties_the_head():

@@ -136,6 +136,9 @@ KEY_ALIASES: dict[str, dict[str, str]] = {
 # hidden_size / num_attention_heads, as many KV heads as heads and an untied lm_head
 # (DeepSeek's: _deepseek; the experts': the MoE parsers). Qwen2's and Qwen3's 32 KV heads are
 # left out: they divide only configs of 32 heads or more, and every published one states its own.
+# Gemma 2's and Gemma 3's sizes when left out: transformers' (those of Gemma 2 2B)
+GEMMA_SIZES = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}
 ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "intermediate_size": 11008},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096,
@@ -190,12 +193,13 @@ ARCHITECTURE_DEFAULTS: dict[str, dict[str, Any]] = {
     EXAONE4: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 4096,
               "sliding_window_pattern": 4},
     # Gemma 2 caps attention scores and logits unless its config sets the caps to null
-    GEMMA2: {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256,
-             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    GEMMA2: {**GEMMA_SIZES, "vocab_size": 256000, "max_position_embeddings": 8192,
+             "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+             "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+    # the published Gemma 3 4B-27B configs leave out vocab_size, and the 4B's its heads too
+    GEMMA3: {**GEMMA_SIZES, "vocab_size": 262208, "max_position_embeddings": 131072,
+             "sliding_window": 4096, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
              "tie_word_embeddings": True},
-    "Gemma3ForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
-                          "rope_theta": 1e6, "rope_local_base_freq": 1e4, "head_dim": 256,
-                          "tie_word_embeddings": True},
     "BambaForCausalLM": {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5},
     # sliding layers and full ones alternating from a sliding first; yarn 32x over a trained
     # context of 4,096 tokens, every frequency ramped (truncate false)
