@@ -470,6 +470,26 @@ def test_a_multimodal_config_ties_the_head_as_its_top_level_says_true_when_left_
     assert not ModelConfig.from_hf({**config, "tie_word_embeddings": False}).tie_word_embeddings
 
 
+@pytest.mark.parametrize("text_config", ["Ministral3Config", "LlamaConfig"])
+def test_a_mistral3_multimodal_config_whose_text_decoder_is_not_mistral_is_refused_by_name(
+        transformers, text_config):
+    # transformers runs the decoder its text_config's model_type names: Ministral 3's scales
+    # its queries by position, which a Mistral decoder would silently leave out
+    text = getattr(transformers, text_config)(**SMALL)
+    config = {**transformers.Mistral3Config(text_config=text).to_dict(),
+              "architectures": ["Mistral3ForConditionalGeneration"]}
+    with pytest.raises(ConfigError, match=f"Mistral3ForConditionalGeneration with a text_config "
+                                          f"of model_type '{text.model_type}' is not "
+                                          f"supported; kvpool runs it with a 'mistral' "
+                                          f"text_config only"):
+        ModelConfig.from_hf(config)
+
+
+def test_a_mistral3_multimodal_text_config_without_a_model_type_is_read_as_mistral():
+    config = {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": SMALL}
+    assert ModelConfig.from_hf(config).architecture == "MistralForCausalLM"
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_a_gemma_config_that_leaves_out_its_sizes_reads_as_transformers_defaults_them(
         transformers, tmp_path, model_type):

@@ -167,6 +167,13 @@ MULTIMODAL = {
             sliding_window_pattern=2),
         vision_config=transformers.SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
         boi_token_index=157, eoi_token_index=158, image_token_index=159),
+    # a final logit softcap binding on these weights (logits reach ~12), which transformers'
+    # Gemma3ForConditionalGeneration leaves unapplied
+    "gemma3-multimodal-final-softcap": lambda: transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**GEMMA, sliding_window_pattern=2,
+                                                  final_logit_softcapping=3.0),
+        vision_config=transformers.SiglipVisionConfig(**VISION), mm_tokens_per_image=4,
+        boi_token_index=157, eoi_token_index=158, image_token_index=159),
     # the head tied by the top level's tie_word_embeddings, as transformers ties it
     "mistral3-multimodal": lambda: transformers.Mistral3Config(
         text_config=transformers.MistralConfig(**SMALL, sliding_window=WINDOW),
@@ -176,7 +183,9 @@ MULTIMODAL = {
 
 
 @pytest.mark.parametrize(("name", "architecture"), [
-    ("gemma3-multimodal", "Gemma3ForCausalLM"), ("mistral3-multimodal", "MistralForCausalLM")])
+    ("gemma3-multimodal", "Gemma3ForCausalLM"),
+    ("gemma3-multimodal-final-softcap", "Gemma3ForCausalLM"),
+    ("mistral3-multimodal", "MistralForCausalLM")])
 def test_a_multimodal_checkpoints_text_decoder_gives_its_logits_and_tokens(name, architecture,
                                                                            tmp_path, device):
     hf = make_hf_model(name, configs=MULTIMODAL).to(device)

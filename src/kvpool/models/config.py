@@ -95,6 +95,14 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Image-and-text checkpoints whose text decoder kvpool runs (the vision encoder is not loaded)
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
               "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# ... the text_config model_type that transformers builds that decoder from, where it builds
+# whatever the model_type names ("mistral" where left out; Ministral 3's "ministral3" scales
+# its queries by position, which kvpool does not); Gemma 3's text_config is a Gemma 3 one
+# whatever it names
+MULTIMODAL_TEXT_TYPES = {"Mistral3ForConditionalGeneration": "mistral"}
+# ... and the text_config keys transformers' multimodal class leaves unapplied: Gemma 3's
+# final logit softcap (only its Gemma3ForCausalLM caps)
+MULTIMODAL_UNAPPLIED = {"Gemma3ForConditionalGeneration": {"final_logit_softcapping": None}}
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
@@ -870,7 +878,9 @@ def _text_decoder(cfg: dict) -> dict:
     """The config of the text decoder of a MULTIMODAL checkpoint: its `text_config`, taking
     the dtype and token ids the top level gives and it does not, and the top level's
     `tie_word_embeddings`, which transformers ties the head by (true where the top level
-    leaves it out, both multimodal configs' default); any other config as it is."""
+    leaves it out, both multimodal configs' default), less what the multimodal class leaves
+    unapplied (MULTIMODAL_UNAPPLIED); any other config as it is. A text_config of another
+    model_type than MULTIMODAL_TEXT_TYPES names is a ConfigError."""
     archs = cfg.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in MULTIMODAL:
@@ -878,10 +888,16 @@ def _text_decoder(cfg: dict) -> dict:
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"config of {arch} has no 'text_config' object")
+    model_type = MULTIMODAL_TEXT_TYPES.get(arch)
+    if model_type is not None and text.get("model_type", model_type) != model_type:
+        raise ConfigError(f"{arch} with a text_config of model_type {text['model_type']!r} is "
+                          f"not supported; kvpool runs it with a {model_type!r} text_config "
+                          f"only")
     inherited = {key: cfg[key] for key in ("dtype", "torch_dtype", "bos_token_id",
                                            "eos_token_id") if key in cfg}
     tied = cfg.get("tie_word_embeddings", True)
-    return {**inherited, **text, "tie_word_embeddings": tied, "architectures": [MULTIMODAL[arch]]}
+    return {**inherited, **text, "tie_word_embeddings": tied,
+            **MULTIMODAL_UNAPPLIED.get(arch, {}), "architectures": [MULTIMODAL[arch]]}
 
 
 def _architecture(cfg: dict) -> str:
