@@ -75,3 +75,34 @@ def unpicklable_result(llm: LLM):
     def result():
         return llm
     return result
+
+
+def fail_an_update_after_a_finish(llm: LLM) -> None:
+    """Make the scheduler's update of a step's batch raise RuntimeError("injected") once, in
+    the first step that finished a request before it (with overlap: the last step's tokens,
+    read before this step's batch is recorded)."""
+    scheduler, finish, update = llm.scheduler, llm._finish, llm.scheduler.update
+    armed = []
+
+    def finishing(step, start):
+        requests = finish(step, start)
+        if any(request.finished for request in requests):
+            armed.append(True)
+            del llm._finish  # back to the real method
+        return requests
+
+    def updating(batch):
+        if armed:
+            del scheduler.update
+            raise RuntimeError("injected")
+        return update(batch)
+    llm._finish, scheduler.update = finishing, updating
+
+
+def raise_in_the_next_on_step(llm: LLM) -> None:
+    """Make the engine's on_step raise RuntimeError("injected") after its next step, once."""
+    def on_step(record):
+        llm.on_step = None
+        raise RuntimeError("injected")
+    llm.on_step = on_step
+

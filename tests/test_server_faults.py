@@ -1,7 +1,8 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
-an exception inside a step fails the requests in flight with 500 and the server serves on;
-an engine process that dies fails its requests, and later ones get 503; a call into the
-engine that does not pickle fails its caller alone."""
+an exception inside a step fails the requests in flight with 500 (not those it finished) and
+the server serves on; an engine process that dies
+fails its requests, and later ones get 503; a call into the engine that does not pickle
+fails its caller alone."""
 
 import asyncio
 import concurrent.futures
@@ -19,10 +20,13 @@ import pytest
 from engine_probes import (
     check_cache,
     exit_engine,
+    fail_an_update_after_a_finish,
     fail_next_forward,
     heal_sampling,
     num_steps,
+    overlapping,
     poison_sampling,
+    raise_in_the_next_on_step,
     unpicklable_result,
     used_pages,
 )
@@ -145,6 +149,44 @@ def test_an_engine_failure_mid_stream_ends_the_stream_with_an_error_event(server
     server.wait_idle()
     server.on_engine(check_cache)
     assert server.on_engine(num_steps) - steps < LONG["max_tokens"]  # ended there, not run on
+
+
+def test_a_request_whose_steps_on_step_raised_is_answered_and_the_server_serves_on(server):
+    """The LLM hands a step's requests to the next step when its on_step raised: the one
+    finished there is answered as it ended, not failed."""
+    client = server.client()
+    server.on_engine(raise_in_the_next_on_step)
+    finished = client.completions.create(model="tiny", prompt="Hello", max_tokens=1)
+    assert finished.choices[0].finish_reason == "length"
+    assert finished.usage.completion_tokens == 1
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices
+    server.wait_idle()
+    server.on_engine(check_cache)
+    assert server.on_engine(used_pages) == 0
+
+
+def test_a_step_that_raises_after_finishing_a_request_fails_only_the_others(device):
+    """With overlap a step finishes the last step's requests before it records its own
+    batch; a fault there fails the batch's requests, and the finished one is answered."""
+    with running_server(partial(LLM, "tiny", num_pages=64, max_num_seqs=4, device=device,
+                                overlap=True)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=LONG) as running:
+        assert server.on_engine(overlapping)
+        lines = running.iter_lines()
+        next(lines)  # the first chunk: the request runs
+        server.on_engine(fail_an_update_after_a_finish)
+        finished = http.post("/v1/completions", json={**LONG, "stream": False, "max_tokens": 1})
+        rest = [line for line in lines if line]
+        assert finished.status_code == 200
+        assert finished.json()["usage"]["completion_tokens"] == 1
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "internal_error"
+        assert error["message"].endswith("interrupted by RuntimeError: injected")
+        assert server.client().completions.create(model="tiny", prompt="x", max_tokens=2).choices
+        server.wait_idle()
+        server.on_engine(check_cache)
+        assert server.on_engine(used_pages) == 0
 
 
 def test_a_call_that_does_not_pickle_fails_its_caller_and_the_engine_serves_on(server):

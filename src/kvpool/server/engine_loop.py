@@ -16,7 +16,8 @@ and text deltas keep that message cheap to pickle on both sides: at 100 requests
 message as NamedTuples with whole texts took 1.1 ms to pickle and 0.7 ms to unpickle, as
 tuples with deltas 0.1 ms each. The event loop reads it when the pipe is readable and hands
 each request an Update. An exception inside a step fails the requests in flight (their
-streams get an EngineFailure) and the engine goes on serving.
+streams get an EngineFailure), but not those the step finished (the next step() hands them
+out), and the engine goes on serving.
 """
 
 from __future__ import annotations
@@ -503,13 +504,38 @@ class _Engine:
             outputs = self.llm.step()
         except Exception as e:
             logger.exception("a step failed; the requests in flight fail with it")
-            self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
+            self._interrupted(f"the engine failed: {type(e).__name__}: {e}")
             return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Send the news of a step's outputs, and fail the requests the LLM failed (each
+        alone: its client gets the message). The output of a request no longer tracked
+        (failed or aborted before) is dropped."""
+        outputs = [output for output in outputs if output.request_id in self._requests]
         failed = [output for output in outputs if output.error is not None]
         self._send("news", [self._news(output) for output in outputs if output.error is None])
-        for output in failed:  # that request alone: its client gets the message
-            self._requests.pop(output.request_id, None)
+        for output in failed:
+            del self._requests[output.request_id]
             self._send("failed", [output.request_id], f"the request failed: {output.error}")
+
+    def _interrupted(self, message: str) -> None:
+        """A step raised: abort the requests the LLM still runs or queues and fail them with
+        `message`, as generate does (a fault that recurs, a forward out of memory, would
+        else fail every step while they wait). Those it holds no more, the step ended: the
+        next step() hands out the ones it finished (it runs nothing now, every request
+        aborted), and the others, failed by the LLM in the step, fail with `message`."""
+        aborted = [request_id for request_id in self._requests
+                   if self.llm.abort(request_id) is not None]
+        for request_id in aborted:
+            del self._requests[request_id]
+        try:
+            self._deliver(self.llm.step())
+        except Exception:  # a second fault: the requests it holds back are lost to it
+            logger.exception("a step failed again")
+        failed = aborted + list(self._requests)
+        self._requests.clear()
+        self._send("failed", failed, message)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              cache_salt: str | None) -> None:
@@ -530,14 +556,6 @@ class _Engine:
         output = self.llm.abort(request_id)
         if output is not None and request_id in self._requests:
             self._send("news", [self._news(output)])
-
-    def _fail_all(self, message: str) -> None:
-        """Abort every request in flight and tell the server they failed."""
-        request_ids = list(self._requests)
-        self._requests.clear()
-        for request_id in request_ids:
-            self.llm.abort(request_id)
-        self._send("failed", request_ids, message)
 
     def _news(self, output: RequestOutput) -> tuple:
         """What the server needs of an output, as plain tuples (see RequestStream.receive);
