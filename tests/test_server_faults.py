@@ -1,11 +1,12 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
 an exception inside a step fails the requests in flight with 500 (not those it finished) and
 the server serves on; an engine process that dies
-fails its requests, and later ones get 503; a call into the engine that does not pickle
-fails its caller alone."""
+fails its requests, and later ones get 503; a call into the engine that does not pickle or
+unpickle fails its caller alone."""
 
 import asyncio
 import concurrent.futures
+import importlib
 import json
 import multiprocessing.forkserver
 import os
@@ -199,6 +200,20 @@ def test_a_call_whose_result_does_not_pickle_fails_its_caller_and_the_engine_ser
     with pytest.raises(RuntimeError, match="the engine's reply does not pickle"):
         server.on_engine(unpicklable_result)
     assert server.on_engine(used_pages) == 0
+
+
+def test_a_call_the_engine_cannot_unpickle_fails_its_caller_and_the_engine_serves_on(
+        server, tmp_path, monkeypatch):
+    """A function of a module imported after the engine process started, from a folder its
+    path lacks: it pickles here, by name, and cannot be unpickled there."""
+    (tmp_path / "probe_of_a_late_module.py").write_text("def steps(llm):\n    return 0\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    late = importlib.import_module("probe_of_a_late_module")
+    with pytest.raises(RuntimeError, match="the engine cannot unpickle the call's function: "
+                                           "ModuleNotFoundError: No module named "
+                                           "'probe_of_a_late_module'"):
+        server.on_engine(late.steps)
+    assert server.engine.alive and server.on_engine(used_pages) == 0
 
 
 def test_a_terminals_ctrl_c_reaches_the_server_and_not_its_engine_process(server):

@@ -17,7 +17,8 @@ message as NamedTuples with whole texts took 1.1 ms to pickle and 0.7 ms to unpi
 tuples with deltas 0.1 ms each. The event loop reads it when the pipe is readable and hands
 each request an Update. An exception inside a step fails the requests in flight (their
 streams get an EngineFailure), but not those the step finished (the next step() hands them
-out), and the engine goes on serving.
+out), and the engine goes on serving. A call's function is pickled apart
+from the command, so that one the engine cannot unpickle fails that call alone.
 """
 
 from __future__ import annotations
@@ -288,8 +289,9 @@ class EngineLoop:
 
     async def call(self, fn: abc.Callable[[LLM], Any]) -> Any:
         """Run `fn(llm)` in the engine between two steps; return its result. `fn` and its
-        result must pickle."""
-        return await self._submit("call", fn)
+        result must pickle, and `fn` unpickle in the engine process (else the call raises,
+        and the engine goes on)."""
+        return await self._submit("call", pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL))
 
     async def drain(self, timeout: float) -> None:
         """Take no new request, let those in flight finish for up to `timeout` seconds, then
@@ -319,7 +321,7 @@ class EngineLoop:
         if self._closed.done():
             raise EngineExited("the engine process has exited")
         call_id, self._next_call = self._next_call, self._next_call + 1
-        self._command(kind, call_id, *args)  # a call that does not pickle raises here
+        self._command(kind, call_id, *args)  # what does not pickle raises here
         future = self._loop.create_future()
         self._calls[call_id] = future
         try:
@@ -493,11 +495,21 @@ class _Engine:
         else:  # add or call: the server waits for the reply
             call_id, *rest = args
             try:
-                result = self._add(*rest) if kind == "add" else rest[0](self.llm)
+                result = self._add(*rest) if kind == "add" else self._call(*rest)
             except Exception as e:  # the caller gets it (a refusal, or a failed check)
                 self._send("reply", call_id, None, e)
             else:
                 self._send("reply", call_id, result, None)
+
+    def _call(self, fn: bytes) -> Any:
+        """Run a call's function (pickled alone, so that one that does not unpickle here,
+        say a function of a module this process cannot import, fails its caller alone)."""
+        try:
+            fn = pickle.loads(fn)
+        except Exception as e:
+            raise RuntimeError(f"the engine cannot unpickle the call's function: "
+                               f"{type(e).__name__}: {e}") from None
+        return fn(self.llm)
 
     def _step(self) -> None:
         try:
