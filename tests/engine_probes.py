@@ -106,3 +106,18 @@ def raise_in_the_next_on_step(llm: LLM) -> None:
         raise RuntimeError("injected")
     llm.on_step = on_step
 
+
+def hang_in_the_next_forward(entered: str, llm: LLM) -> None:
+    """Make the engine's next forward never return (a device or a collective that hangs),
+    in a process that ignores SIGTERM; it writes the file `entered` once inside."""
+    import pathlib
+    import signal
+    import threading
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def forward(batch, previous):
+        pathlib.Path(entered).touch()
+        threading.Event().wait()
+    llm._forward = forward
+

@@ -2,7 +2,7 @@
 an exception inside a step fails the requests in flight with 500 (not those it finished) and
 the server serves on; an engine process that dies
 fails its requests, and later ones get 503; a call into the engine that does not pickle or
-unpickle fails its caller alone."""
+unpickle fails its caller alone; a shutdown ends an engine whose step never returns."""
 
 import asyncio
 import concurrent.futures
@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from functools import partial
 
 import httpx
@@ -23,6 +24,7 @@ from engine_probes import (
     exit_engine,
     fail_an_update_after_a_finish,
     fail_next_forward,
+    hang_in_the_next_forward,
     heal_sampling,
     num_steps,
     overlapping,
@@ -33,6 +35,7 @@ from engine_probes import (
 )
 from kvpool.engine import LLM, SamplingParams
 from kvpool.engine.parallel import process_context
+from kvpool.server import engine_loop
 from kvpool.server.engine_loop import (
     EngineExited,
     EngineLoop,
@@ -40,7 +43,7 @@ from kvpool.server.engine_loop import (
     _Engine,
     forkserver_ended,
 )
-from server_util import metrics, running_server
+from server_util import RunningServer, metrics, running_server
 
 LONG = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
         "stream": True}
@@ -230,6 +233,33 @@ def test_a_call_in_flight_when_the_engine_process_dies_and_every_later_one_raise
             with pytest.raises(EngineExited, match="the engine process has exited"):
                 call.result(10)
         assert not server.engine.alive
+
+
+def test_a_shutdown_ends_an_engine_whose_step_never_returns(device, tmp_path, monkeypatch,
+                                                            caplog):
+    """Told to stop, the engine ends between two steps: one that never leaves its step (and
+    ignores SIGTERM here) is terminated, then killed, and the server exits."""
+    monkeypatch.setattr(engine_loop, "STOP_SECONDS", 0.2)
+    entered = tmp_path / "entered"
+    server = RunningServer(partial(LLM, "tiny", num_pages=64, device=device),
+                           shutdown_timeout=0.1)
+    server.start()
+    try:
+        server.on_engine(partial(hang_in_the_next_forward, str(entered)))
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG) as response:
+            deadline = time.monotonic() + 30
+            while not entered.exists():
+                assert time.monotonic() < deadline, "the engine did not start its step in 30 s"
+                time.sleep(0.02)
+            server.stop()
+            assert not server._thread.is_alive(), "the server still runs 30 s after its stop"
+            assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+        assert server.engine._process.exitcode == -signal.SIGKILL
+        assert [r.message for r in caplog.records if r.name == engine_loop.__name__] == [
+            "the engine process still ran 0.2 s after it was told to stop (in a step that "
+            "does not return?): killed"]
+    finally:
+        server.engine._process.kill()  # on a failure: it would hang this process's exit
 
 
 def test_an_engine_that_cannot_be_built_raises_its_error_and_leaves_no_process():

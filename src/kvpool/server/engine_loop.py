@@ -47,6 +47,8 @@ from kvpool.models.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
+# How long stopping waits for the engine process to end by itself, then once terminated.
+STOP_SECONDS = 10.0
 
 
 class ServerBusy(Exception):
@@ -308,13 +310,29 @@ class EngineLoop:
                 self._command("abort", request_id)
 
     async def stop(self) -> None:
-        """Take no new request, abort those in flight, and end the engine process."""
+        """Take no new request, abort those in flight, and end the engine process. The
+        engine reads the command between two steps: a process still running STOP_SECONDS
+        later (in a step that does not return: a device or a collective that hangs) is
+        terminated, and killed if it still runs STOP_SECONDS after that."""
         if not self._stopping:
             self._stopping = True
             self._command("stop")
             self._outbox.put(None)  # the writer thread ends
+        if not await self._ended():
+            self._process.terminate()
+            how = "terminated"
+            if not await self._ended():
+                self._process.kill()
+                how = "killed"
+            await asyncio.to_thread(self._process.join)
+            logger.error("the engine process still ran %g s after it was told to stop (in a "
+                         "step that does not return?): %s", STOP_SECONDS, how)
         await self._closed
-        await asyncio.to_thread(self._process.join)
+
+    async def _ended(self) -> bool:
+        """Wait STOP_SECONDS at most for the engine process to end; whether it has."""
+        await asyncio.to_thread(self._process.join, STOP_SECONDS)
+        return self._process.exitcode is not None
 
     async def _submit(self, kind: str, *args: Any) -> Any:
         """Send a command that the engine answers; its result or exception comes back."""

@@ -5,7 +5,9 @@ On shutdown (SIGTERM, SIGINT) it stops taking connections, lets the requests in 
 finish for up to `shutdown_timeout` seconds, then ends the rest as the app answers a
 stopping engine: a stream gets an error event and `[DONE]`, a whole request a JSON 503.
 Only then does uvicorn close the connections and run the app's lifespan shutdown (which
-stops the engine process), so no handler is cancelled mid-response.
+stops the engine process), so no handler is cancelled mid-response. The engine stops between
+two steps: a process still in its step STOP_SECONDS later (a step that never returns) is
+terminated, then killed (EngineLoop.stop), so that shutdown always ends.
 """
 
 from __future__ import annotations
