@@ -4,7 +4,10 @@ engine process, which imports it to unpickle them, does not load the test's HTTP
 
 from __future__ import annotations
 
+import contextlib
+
 from kvpool.engine import LLM
+from kvpool.errors import EngineDied
 
 
 def has_unfinished(llm: LLM) -> bool:
@@ -121,3 +124,15 @@ def hang_in_the_next_forward(entered: str, llm: LLM) -> None:
         threading.Event().wait()
     llm._forward = forward
 
+
+def prefill_pid(llm) -> int:
+    """The process id of a DisaggregatedLLM's prefill side."""
+    return llm._process.pid
+
+
+def notice_the_prefill_side_exited(llm) -> None:
+    """Wait until a DisaggregatedLLM's prefill process has exited, and have the pair see it
+    (as a step would), without raising."""
+    llm._process.wait()
+    with contextlib.suppress(EngineDied):
+        llm.prefill_stats()

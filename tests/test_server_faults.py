@@ -1,6 +1,6 @@
 """Admission control and engine faults: a full waiting queue answers 503 with Retry-After;
 an exception inside a step fails the requests in flight with 500 (not those it finished) and
-the server serves on; an engine process that dies
+the server serves on; an engine process that dies, or a disaggregated engine's prefill side,
 fails its requests, and later ones get 503; a call into the engine that does not pickle or
 unpickle fails its caller alone; a shutdown ends an engine whose step never returns."""
 
@@ -26,14 +26,16 @@ from engine_probes import (
     fail_next_forward,
     hang_in_the_next_forward,
     heal_sampling,
+    notice_the_prefill_side_exited,
     num_steps,
     overlapping,
     poison_sampling,
+    prefill_pid,
     raise_in_the_next_on_step,
     unpicklable_result,
     used_pages,
 )
-from kvpool.engine import LLM, SamplingParams
+from kvpool.engine import LLM, DisaggregatedLLM, SamplingParams
 from kvpool.engine.parallel import process_context
 from kvpool.server import engine_loop
 from kvpool.server.engine_loop import (
@@ -304,6 +306,46 @@ def test_an_engine_process_that_dies_fails_its_requests_and_later_ones_get_503(d
         assert response.json()["error"] == {
             "message": "the engine process has exited", "type": "server_error",
             "param": None, "code": "engine_exited"}
+
+
+EXITED = {"message": "the engine process has exited", "type": "server_error", "param": None,
+          "code": "engine_exited"}
+
+
+@pytest.mark.parametrize("when", ["idle", "running"])
+def test_a_disaggregated_engine_whose_prefill_side_died_answers_503_as_exited(device, when):
+    """A DisaggregatedLLM whose prefill side died serves nothing again: once the server sees
+    it (a request failing with it, or refused), the engine process ends, and every later
+    request and /health get 503 engine_exited, as if the engine process had died."""
+    sides = {"num_pages": 64, "device": device}
+    with running_server(partial(DisaggregatedLLM, "tiny", prefill=sides, decode=sides)) \
+            as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        pid = server.on_engine(prefill_pid)
+        if when == "idle":  # the request it fails is the first to see it
+            os.kill(pid, signal.SIGKILL)
+            failed = http.post("/v1/completions", json=body)
+            assert failed.status_code == 500
+            assert "the prefill engine is gone" in failed.json()["error"]["message"]
+        else:  # a request running on the decode side goes on until a new one is refused
+            with http.stream("POST", "/v1/completions", json=LONG) as running:
+                lines = running.iter_lines()
+                next(lines)  # the first chunk: the request runs on the decode side
+                os.kill(pid, signal.SIGKILL)
+                server.on_engine(notice_the_prefill_side_exited)
+                refused = http.post("/v1/completions", json=body)
+                rest = [line for line in lines if line]
+            assert refused.status_code == 503 and "retry-after" not in refused.headers
+            assert refused.json()["error"]["code"] == "engine_exited"
+            assert "the prefill engine is gone" in refused.json()["error"]["message"]
+            assert json.loads(rest[-2].removeprefix("data: ")) == {"error": {
+                **INTERNAL, "message": "the engine process exited"}}
+        later = http.post("/v1/completions", json=body)
+        health = http.get("/health")
+        for response in (later, health):
+            assert response.status_code == 503 and response.json()["error"] == EXITED
+        assert not server.engine.alive
 
 
 def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):

@@ -5,8 +5,9 @@ GET /v1/models, /health and /metrics. Every refusal is an OpenAI error body (JSO
 a bad request (naming the field and the numbers), 401 without a valid API key (when the
 server has keys), 404/405 for an unknown route, 408 and 413 for a body too slow or too
 large (see limits.py), 503 with Retry-After when the waiting queue is full or the server is
-stopping, 503 without it once the engine process has exited (/health then answers 503 too),
-500 when the engine failed while running the request.
+stopping, 503 without it once the engine process has exited or its engine can serve no more
+(a DisaggregatedLLM's prefill side is gone: /health then answers 503 too), 500 when the engine
+failed while running the request.
 
 With `prefix_isolation="per-key"`, each API key is a cache salt of its own (combined with
 a request's `cache_salt`), so clients of different keys never share cached prefix pages.
@@ -29,7 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpool.engine import LLM, DisaggregatedLLM
-from kvpool.errors import InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLong
+from kvpool.errors import EngineDied, InvalidPrompt, KVPoolError, OutOfPages, SequenceTooLong
 from kvpool.server.auth import OPEN_PATHS, ApiKeyMiddleware, check_keys, key_salt
 from kvpool.server.chat import ChatTemplate
 from kvpool.server.engine_loop import (
@@ -110,7 +111,8 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 while the server and its engine run, 503 once the engine process
-        has exited (a supervisor should restart the server)."""
+        has exited (a supervisor should restart the server). A DisaggregatedLLM whose
+        prefill side is gone ends its engine process once a request sees it."""
         if not self.engine.alive:
             return _error(_exited(EngineExited("the engine process has exited")))
         return Response(status_code=200)
@@ -193,7 +195,7 @@ class Server:
         except asyncio.CancelledError:  # the client left while the engine took it
             self.engine.abort(request_id)
             raise
-        except EngineExited as e:
+        except (EngineExited, EngineDied) as e:  # EngineDied: the engine process then ends
             raise _exited(e) from None
         except ServerBusy as e:
             raise RequestError(str(e), status=503, type="server_busy",
@@ -319,8 +321,9 @@ def _too_long(why: Exception | str, parsed: GenerationRequest) -> RequestError:
                         code="context_length_exceeded")
 
 
-def _exited(e: EngineExited) -> RequestError:
-    """The error of a request to a server whose engine has exited: no retry will help."""
+def _exited(e: EngineExited | EngineDied) -> RequestError:
+    """The error of a request to a server whose engine has exited (or is gone, and exits):
+    no retry will help."""
     return RequestError(str(e), status=503, type="server_error", code="engine_exited")
 
 

@@ -17,7 +17,8 @@ message as NamedTuples with whole texts took 1.1 ms to pickle and 0.7 ms to unpi
 tuples with deltas 0.1 ms each. The event loop reads it when the pipe is readable and hands
 each request an Update. An exception inside a step fails the requests in flight (their
 streams get an EngineFailure), but not those the step finished (the next step() hands them
-out), and the engine goes on serving. A call's function is pickled apart
+out), and the engine goes on serving; an engine that can serve no more (EngineDied: a side of
+a DisaggregatedLLM is gone) ends its loop and process. A call's function is pickled apart
 from the command, so that one the engine cannot unpickle fails that call alone.
 """
 
@@ -41,7 +42,7 @@ import torch
 
 from kvpool.engine import LLM, RequestOutput, SamplingParams, TokenLogprobs
 from kvpool.engine.parallel import process_context
-from kvpool.errors import OutOfPages
+from kvpool.errors import EngineDied, OutOfPages
 from kvpool.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -497,10 +498,12 @@ class _Engine:
                 self._step()
 
     def _run_commands(self, commands: Connection, *, block: bool) -> None:
-        """Run the commands queued; when `block`, wait for the first one."""
+        """Run the commands queued (until one ends the loop: those after it are left to
+        the server, which fails them when the process has exited); when `block`, wait for
+        the first one."""
         if block:
             self._run(*commands.recv())
-        while commands.poll():
+        while not self._stopping and commands.poll():
             self._run(*commands.recv())
 
     def _run(self, kind: str, *args: Any) -> None:
@@ -516,6 +519,7 @@ class _Engine:
                 result = self._add(*rest) if kind == "add" else self._call(*rest)
             except Exception as e:  # the caller gets it (a refusal, or a failed check)
                 self._send("reply", call_id, None, e)
+                self._end_if_gone(e)
             else:
                 self._send("reply", call_id, result, None)
 
@@ -548,6 +552,8 @@ class _Engine:
         for output in failed:
             del self._requests[output.request_id]
             self._send("failed", [output.request_id], f"the request failed: {output.error}")
+        for output in failed:
+            self._end_if_gone(output.error)
 
     def _interrupted(self, message: str) -> None:
         """A step raised: abort the requests the LLM still runs or queues and fail them with
@@ -567,12 +573,18 @@ class _Engine:
         self._requests.clear()
         self._send("failed", failed, message)
 
+    def _end_if_gone(self, error: BaseException) -> None:
+        """End the loop if `error` says that the engine can serve no more (EngineDied: a
+        side of a DisaggregatedLLM is gone): the process exits, so that the server answers
+        503 engine_exited from then on and /health says so."""
+        if isinstance(error, EngineDied) and not self._stopping:
+            logger.error("the engine can serve no more (%s); its process ends", error)
+            self._stopping = True
+
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              cache_salt: str | None) -> None:
         """Queue a request unless more than max_waiting sequences would then wait for a
         seat: those beyond the seats left free by the running ones."""
-        if self._stopping:
-            raise EngineStopped("the server is shutting down")
         stats = self.llm.stats()
         free_seats = max(0, self.llm.config.max_num_seqs - stats.num_running)
         if stats.num_waiting + params.n - free_seats > self.max_waiting:
