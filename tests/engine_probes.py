@@ -130,6 +130,11 @@ def prefill_pid(llm) -> int:
     return llm._process.pid
 
 
+def worker_pid(llm) -> int:
+    """The process id of a tensor-parallel engine's first worker (rank 1)."""
+    return llm.peers.workers[0].pid
+
+
 def notice_the_prefill_side_exited(llm) -> None:
     """Wait until a DisaggregatedLLM's prefill process has exited, and have the pair see it
     (as a step would), without raising."""

@@ -34,6 +34,7 @@ from engine_probes import (
     raise_in_the_next_on_step,
     unpicklable_result,
     used_pages,
+    worker_pid,
 )
 from kvpool.engine import LLM, DisaggregatedLLM, SamplingParams
 from kvpool.engine.parallel import process_context
@@ -346,6 +347,24 @@ def test_a_disaggregated_engine_whose_prefill_side_died_answers_503_as_exited(de
         for response in (later, health):
             assert response.status_code == 503 and response.json()["error"] == EXITED
         assert not server.engine.alive
+
+
+def test_a_tensor_parallel_engine_whose_worker_died_answers_503_as_exited():
+    """The step that finds a rank dead fails the request it ran (500); the engine runs no
+    further step, so its process ends and every later request and /health get 503. (Two
+    ranks on the CPU, over gloo.)"""
+    with running_server(partial(LLM, "tiny", num_pages=64, device="cpu",
+                                tensor_parallel_size=2)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        os.kill(server.on_engine(worker_pid), signal.SIGKILL)
+        failed = http.post("/v1/completions", json=body)
+        assert failed.status_code == 500 and "rank 1" in failed.json()["error"]["message"]
+        later = http.post("/v1/completions", json=body)
+        health = http.get("/health")
+        for response in (later, health):
+            assert response.status_code == 503 and response.json()["error"] == EXITED
 
 
 def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch):

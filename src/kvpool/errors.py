@@ -58,9 +58,9 @@ class EngineDied(KVPoolError, RuntimeError):
     within its timeout; the requests waiting on it failed."""
 
 
-class RankFailed(KVPoolError, RuntimeError):
+class RankFailed(EngineDied):
     """A rank of a tensor-parallel engine died or raised: the message names it. The engine's
-    ranks are out of step, so it runs no further step."""
+    ranks are out of step, so it runs no further step: an engine that died."""
 
 
 class ConfigError(KVPoolError, ValueError):

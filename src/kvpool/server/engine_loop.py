@@ -539,6 +539,7 @@ class _Engine:
         except Exception as e:
             logger.exception("a step failed; the requests in flight fail with it")
             self._interrupted(f"the engine failed: {type(e).__name__}: {e}")
+            self._end_if_gone(e)
             return
         self._deliver(outputs)
 
@@ -575,8 +576,9 @@ class _Engine:
 
     def _end_if_gone(self, error: BaseException) -> None:
         """End the loop if `error` says that the engine can serve no more (EngineDied: a
-        side of a DisaggregatedLLM is gone): the process exits, so that the server answers
-        503 engine_exited from then on and /health says so."""
+        side of a DisaggregatedLLM is gone, or a tensor-parallel rank, RankFailed): the
+        process exits, so that the server answers 503 engine_exited from then on and
+        /health says so."""
         if isinstance(error, EngineDied) and not self._stopping:
             logger.error("the engine can serve no more (%s); its process ends", error)
             self._stopping = True
