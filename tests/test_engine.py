@@ -622,6 +622,20 @@ def test_largest_seeds_generate_with_n_samples(checkpoint, prompts, device):
     _assert_drained(llm)
 
 
+def test_an_int_temperature_past_int64_samples_alone_and_after_its_neighbour_finishes(
+        checkpoint, prompts, device):
+    """10**20 is finite in float32: accepted, it samples every token whether its batch holds
+    a float temperature (until that request finishes) or not."""
+    llm = _llm(checkpoint, device=device)
+    hot = SamplingParams(max_tokens=6, temperature=10**20, ignore_eos=True)
+    mild = SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True)
+    for batch in ([hot], [hot, mild]):
+        outputs = llm.generate(prompts[:len(batch)], batch, use_tqdm=False)
+        assert [(o.error, len(o.outputs[0].token_ids)) for o in outputs] == [
+            (None, p.max_tokens) for p in batch]
+    _assert_drained(llm)
+
+
 def test_generate_with_a_bad_second_request_queues_nothing(checkpoint, prompts, device):
     llm = _llm(checkpoint, max_num_seqs=2, device=device)
     with pytest.raises(ValueError, match="n=3 samples exceed max_num_seqs 2"):

@@ -69,6 +69,12 @@ def test_sampling_params_stores_stop_token_ids_as_tuple():
     assert (p.stop_token_ids, p.stop_token_set) == ((3, 4, 3), frozenset({3, 4}))
 
 
+def test_sampling_params_stores_int_temperatures_and_top_p_as_floats():
+    params = SamplingParams(temperature=10**20, top_p=1)
+    assert (params.temperature, params.top_p) == (1e20, 1.0)
+    assert type(params.temperature) is float and type(params.top_p) is float
+
+
 # ---- top-k / top-p -----------------------------------------------------------------------
 
 def test_top_k_keeps_the_k_largest_logits():
@@ -255,6 +261,19 @@ def test_temperature_mixes_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 1.0, 0.5]] * 2)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=1)]
     assert _sample(logits, params) == [1, 1]
+
+
+@pytest.mark.parametrize("temperature", [2**63, 10**20])
+@pytest.mark.parametrize("beside", [[], [0.7]], ids=["alone", "beside_a_float"])
+def test_int_temperatures_finite_in_float32_sample_alone_or_beside_a_float(temperature,
+                                                                          beside):
+    """An int temperature past int64 (finite in float32) samples whatever else is in the
+    batch: its row's tensors never take the dtype of the values."""
+    params = [SamplingParams(temperature=temperature)] + [SamplingParams(temperature=t)
+                                                          for t in beside]
+    logits = torch.randn(len(params), 16, generator=torch.Generator().manual_seed(0))
+    tokens = _sample(logits, params)
+    assert all(0 <= token < 16 for token in tokens)
 
 
 def test_sampled_tokens_stay_on_the_logits_device_as_int64():

@@ -27,9 +27,10 @@ class SamplingParams:
     `logprobs` (None: off) asks for each generated token's log-probability and those of the
     `logprobs` most likely tokens at its position (0 to MAX_LOGPROBS).
     Every field is checked here, type and range as the device holds it (float32, int64:
-    kvpool.numeric), so a request never fails mid-step. `stop_token_set` holds the stop
-    token ids as a frozenset, for a test of each sampled token that takes the same time
-    however many there are.
+    kvpool.numeric), so a request never fails mid-step; `temperature` and `top_p` are kept
+    as floats (an int given is converted), `stop_token_ids` as a tuple and `stop_token_set`
+    as a frozenset, for a test of each sampled token that takes the same time however many
+    there are.
     """
 
     max_tokens: int = 16
@@ -49,9 +50,9 @@ class SamplingParams:
         check_int64("n", self.n, 1)
         if self.seed is not None:
             check_int("seed", self.seed, 0, SEED_LIMIT - 1)  # the sampler keys 64-bit seeds
-        check_float32("temperature", self.temperature, low=0.0)
+        temperature = check_float32("temperature", self.temperature, low=0.0)
         # A top_p that is 0 in float32 still keeps the most likely token (see sampling).
-        check_float32("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
+        top_p = check_float32("top_p", self.top_p, low=0.0, high=1.0, open_low=True)
         stop = self.stop_token_ids
         if not isinstance(stop, (tuple, list)) or not all(
                 _is_int(t) and 0 <= t <= INT64_MAX for t in stop):
@@ -62,6 +63,9 @@ class SamplingParams:
                             f"({type(self.ignore_eos).__name__})")
         if self.logprobs is not None:
             check_int64("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        # the checked values, so that an int (10**20: finite in float32) is held as a float
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         object.__setattr__(self, "stop_token_set", frozenset(stop))
 

@@ -163,18 +163,21 @@ class Sampler:
             return tokens
         device = logits.device
         # Greedy rows are sampled at temperature 1 too (no per-row split) and then replaced.
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy,
-                                                                                 strict=True)])
+        # dtypes given: inferred, they would follow the values (int64 for int temperatures)
+        temperature = torch.tensor([1.0 if g else p.temperature
+                                    for p, g in zip(params, greedy, strict=True)],
+                                   dtype=torch.float32)
         scaled = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            top_k = torch.tensor([p.top_k for p in params]).to(device, non_blocking=True)
-            top_p = torch.tensor([p.top_p for p in params]).to(device, non_blocking=True)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            scaled = apply_top_k_top_p(scaled, top_k.to(device, non_blocking=True),
+                                       top_p.to(device, non_blocking=True))
         seeds = [self.seed if p.seed is None else p.seed for p in params]
         # Seeded and unseeded rows live in separate stream spaces (low bit of the stream).
         tagged = [2 * s + (p.seed is not None) for p, s in zip(params, streams, strict=True)]
         keys = row_keys(seeds, tagged, positions).to(device, non_blocking=True)
         probs = scaled.softmax(dim=-1)
         sampled = (probs / exponential_noise(keys, logits.shape[-1])).argmax(dim=-1)
-        greedy_rows = torch.tensor(greedy).to(device, non_blocking=True)
+        greedy_rows = torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True)
         return torch.where(greedy_rows, tokens, sampled)
