@@ -170,9 +170,10 @@ class Scheduler:
             # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C
             # anywhere until it runs) leaves it waiting, holding nothing, not lost
             try:
-                seq.num_computed_tokens = self.cache.add_sequence(
-                    seq.seq_id, seq.token_ids, entering=entering, cache_salt=salt)
-                if seq.request.prefilled is not None:
+                hit = self.cache.add_sequence(seq.seq_id, seq.token_ids, entering=entering,
+                                              cache_salt=salt)
+                seq.num_computed_tokens = hit
+                if seq.request.prefilled is not None:  # past the hit: not counted as cached
                     self._load_prefilled(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -182,7 +183,7 @@ class Scheduler:
                 raise
             seats += self._seats(seq)
             if seq.request.scheduled_time is None:
-                seq.request.num_cached_tokens = seq.num_computed_tokens
+                seq.request.num_cached_tokens = hit
                 seq.request.scheduled_time = time.perf_counter()
             num_new = min(entering - seq.num_computed_tokens, budget)
             batch.add(seq, num_new, decode=False)
