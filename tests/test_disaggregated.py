@@ -3,7 +3,6 @@ decode engine, and greedy tokens are one engine's, with prefix hits, chunked pre
 prefill side, preemption on the decode side and aborts in flight; a prefill side that
 refuses, dies or goes silent fails its requests with a clear error, never a hang."""
 
-import datetime
 import functools
 import os
 import random
@@ -12,7 +11,6 @@ import signal
 import threading
 
 import pytest
-import torch.distributed as dist
 
 from hybrid_util import make_bamba
 from kvpool.engine import disaggregated
@@ -23,6 +21,13 @@ from kvpool.engine.params import SamplingParams
 from kvpool.errors import EngineDied, InvalidPrompt, OutOfPages, SequenceTooLong, StepFailed
 from kvpool.server.engine_loop import ServerBusy, _Engine
 from models_util import make_hf_model, phi3_longrope, save_hf_model
+from net_util import (
+    assert_private_while_open,
+    beyond_loopback,
+    gloo_default_device_beyond_loopback,
+    listening_addresses,
+    record_private_directories,
+)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PAGE_SIZE = 4
@@ -442,21 +447,21 @@ def test_closing_with_prompts_on_the_prefill_side_ends_it_quietly(lone_llm, prom
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_decode_side_closing_before_the_group_connects_ends_the_prefill_side_quietly():
+def test_a_decode_side_closing_before_the_group_connects_ends_the_prefill_side_quietly(
+        tmp_path):
     """Closed as soon as it started, the decode side may drop its group while the prefill
     side still connects its own: the prefill side ends as told, without saying it died. Here
     the decode side never joins, so the prefill side's connect fails (after 0.5 s) every
     time; the prefill side runs in a thread of this process."""
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=5),
-                          wait_for_workers=False)
+    path = str(tmp_path / "store")  # the group's store, which the decode side never joins
     down, up = os.pipe(), os.pipe()
     decode, prefill = disaggregated._Channel(up[0], down[1]), disaggregated._Channel(down[0], up[1])
     raised = []
 
     def prefill_side():
         try:
-            disaggregated._prefill_main("tiny", {"device": "cpu", "num_pages": 16}, store.port,
-                                        0.5, prefill)
+            disaggregated._prefill_main("tiny", {"device": "cpu", "num_pages": 16}, path, 0.5,
+                                        prefill)
         except BaseException as e:
             raised.append(e)
 
@@ -471,6 +476,23 @@ def test_a_decode_side_closing_before_the_group_connects_ends_the_prefill_side_q
     for channel in (decode, prefill):
         channel.close_reader()
         channel.close_writer()
+
+
+def test_no_socket_of_the_pair_listens_beyond_this_machine(checkpoint, monkeypatch):
+    """The group meets at a store file in a directory of this user's alone, removed at close,
+    and its gloo sockets listen on the loopback interface, even where gloo's default device
+    is another interface."""
+    gloo_default_device_beyond_loopback(monkeypatch)
+    directories = record_private_directories(monkeypatch, disaggregated)
+    with DisaggregatedLLM(checkpoint, prefill={**PREFILL, "device": "cpu"},
+                          decode={**DECODE, "device": "cpu"}) as llm:
+        [output] = llm.generate(list(range(1, 30)), GREEDY, use_tqdm=False)
+        assert output.error is None
+        listening = listening_addresses([os.getpid(), llm._process.pid])
+        assert listening and not beyond_loopback(listening)
+        [directory] = directories
+        assert_private_while_open(directory)
+    assert not os.path.exists(directory.name)
 
 
 def test_a_hybrid_models_state_travels_with_its_pages(tmp_path, prompts, device):

@@ -48,6 +48,13 @@ from models_util import (
     phi3_longrope,
     save_hf_model,
 )
+from net_util import (
+    assert_private_while_open,
+    beyond_loopback,
+    gloo_default_device_beyond_loopback,
+    listening_addresses,
+    record_private_directories,
+)
 from test_deepseek import CONFIGS as DEEPSEEK_CONFIGS
 from test_families import CONFIGS as FAMILIES
 from test_gpt_oss import gpt_oss
@@ -283,6 +290,23 @@ def test_a_killed_worker_fails_the_next_step_naming_its_rank(monkeypatch, device
         with pytest.raises(RankFailed, match="rank 1"):  # and every step after it
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not multiprocessing.active_children()
+
+
+def test_no_socket_of_the_group_listens_beyond_this_machine(monkeypatch, device):
+    """The ranks meet at a store file in a directory of this user's alone, removed at close,
+    and the group's gloo sockets listen on the loopback interface, even where gloo's default
+    device is another interface."""
+    cpu_only(device)
+    gloo_default_device_beyond_loopback(monkeypatch)
+    directories = record_private_directories(monkeypatch, parallel)
+    with LLM("tiny", num_pages=32, device=device, tensor_parallel_size=RANKS) as llm:
+        [output] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert output.error is None
+        listening = listening_addresses([os.getpid()] + [w.pid for w in llm.peers.workers])
+        assert listening and not beyond_loopback(listening)
+        [directory] = directories
+        assert_private_while_open(directory)
+    assert not os.path.exists(directory.name)
 
 
 def test_a_worker_that_fails_before_joining_the_group_fails_the_engine_at_once(device):

@@ -3,11 +3,12 @@
 The decode engine runs in the caller's process; the prefill engine in a child process. A
 request's prompt but its last token is prefilled on the prefill side (which keeps its own
 prefix cache), and its KV pages (and a hybrid model's Mamba state after those tokens) go to
-the decode side in one batch over torch.distributed (gloo; pages on a GPU travel through the
-host). The decode side admits the request with those pages written past its own prefix hit
-(and the state in its slot), computes the last prompt token, samples and decodes: sampling
-(seeds, n samples, logprobs) happens on the decode side alone, as in one engine, so greedy
-tokens are one engine's.
+the decode side in one batch over torch.distributed (gloo, in a group reachable from this
+machine only: kvpool.engine.rendezvous; pages on a GPU travel through the host). The decode
+side admits the request with those pages written past its own prefix hit (and the state in
+its slot), computes the last prompt token, samples and decodes: sampling (seeds, n samples,
+logprobs) happens on the decode side alone, as in one engine, so greedy tokens are one
+engine's.
 
 Control messages (requests, aborts, errors, heartbeats) travel over a pair of pipes; page
 data over the process group. Commands to the prefill side are written by a thread of their
@@ -29,6 +30,7 @@ import pickle
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -43,6 +45,7 @@ from kvpool.engine.config import EngineConfig
 from kvpool.engine.handoff import PrefilledKV
 from kvpool.engine.llm import LLM, Prompt, _per_prompt
 from kvpool.engine.params import SamplingParams
+from kvpool.engine.rendezvous import file_store, loopback_gloo, private_directory, store_path
 from kvpool.engine.request import CompletionOutput, RequestOutput
 from kvpool.engine.stats import EngineStats
 from kvpool.errors import EngineDied, KVPoolError, OutOfPages, SequenceTooLong, StepFailed
@@ -96,16 +99,16 @@ class DisaggregatedLLM:
                              "page (and hybrids), on one rank; this decode engine's cache "
                              "(full and window pools, pages given back out of the window, or "
                              "tensor parallelism) takes none yet")
-        self._store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout))
+        directory = private_directory()  # the group's store, removed when the pair stops
+        self._store = file_store(store_path(directory), 2, datetime.timedelta(seconds=timeout))
         self._process, self._conn = _start_prefill_process()
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # its commands
         writer = threading.Thread(target=_write, args=(self._outbox, self._conn),
                                   name="kvpool-prefill-commands", daemon=True)
         writer.start()
         self._finalizer = weakref.finalize(self, _stop, self._process, self._conn,
-                                           self._outbox, writer)
-        self._send(str(model), prefill, self._store.port, timeout)
+                                           self._outbox, writer, directory)
+        self._send(str(model), prefill, store_path(directory), timeout)
         self._group = None
         self._dead: str | None = None  # why the prefill side is gone
         # handoff key -> id of each request the prefill side has: a key of its own per
@@ -390,8 +393,8 @@ class DisaggregatedLLM:
                 f"request {request_id!r} failed: the prefill engine is gone ({reason})"))
         if kill:
             self._process.kill()
-        # Let go of the group's connections and the store's server first: the prefill
-        # process, told to close, may wait on them as it exits.
+        # Let go of the group's connections first: the prefill process, told to close, may
+        # wait on them as it exits.
         self._group = self._store = None
         self._finalizer()
 
@@ -449,15 +452,15 @@ def prefill_process() -> None:
     os._exit(0)
 
 
-def _prefill_main(model: str, options: dict, port: int, timeout: float,
+def _prefill_main(model: str, options: dict, store_file: str, timeout: float,
                   conn: _Channel) -> None:
     """The prefill process: load the engine, join the group, serve prefills until told to
-    close or the pipe breaks; a raise is reported before the process ends."""
+    close or the pipe breaks; a raise is reported before the process ends. `store_file`: the
+    path of the group's store."""
     try:
         llm = LLM(model, **options)
         pool = llm.runner.kv.pools[0]
-        store = dist.TCPStore("127.0.0.1", port, 2, False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = file_store(store_file, 2, datetime.timedelta(seconds=timeout))
         conn.send(("ready", tuple(pool.kv[:, :, 0].shape), str(pool.kv.dtype),
                    llm.takes_prefilled))  # its KV is read whole
         if conn.recv() != ("join",):
@@ -541,9 +544,9 @@ def _send_kv(llm: LLM, group, conn: _Channel, request_id: str):
 
 
 def _process_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroupGloo:
-    """A two-rank gloo group of its own (no global torch.distributed state); a send or
-    receive raises once the peer is gone or `timeout` seconds pass."""
-    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
+    """A two-rank gloo group of its own (no global torch.distributed state) on the loopback
+    interface; a send or receive raises once the peer is gone or `timeout` seconds pass."""
+    return loopback_gloo(store, rank, 2, datetime.timedelta(seconds=timeout))
 
 
 def _write(outbox: queue.SimpleQueue, conn: _Channel) -> None:
@@ -555,10 +558,11 @@ def _write(outbox: queue.SimpleQueue, conn: _Channel) -> None:
 
 
 def _stop(process: subprocess.Popen, conn: _Channel, outbox: queue.SimpleQueue,
-          writer: threading.Thread) -> None:
+          writer: threading.Thread, directory: tempfile.TemporaryDirectory) -> None:
     """Ask the prefill process to close (after the commands queued before), then kill it if
-    it lingers. Its messages are read no more: a send of its fails, which ends it too (it may
-    be waiting to send while its pipe is full)."""
+    it lingers, and remove the group's store `directory`. Its messages are read no more: a
+    send of its fails, which ends it too (it may be waiting to send while its pipe is
+    full)."""
     outbox.put(pickle.dumps(("close",)))
     outbox.put(None)
     conn.close_reader()
@@ -569,6 +573,7 @@ def _stop(process: subprocess.Popen, conn: _Channel, outbox: queue.SimpleQueue,
         process.wait()
     writer.join()  # its last send is done, or failed once the process was gone
     conn.close_writer()
+    directory.cleanup()
 
 
 def _same_rope(prefill: dict, decode: LLM) -> None:

@@ -4,9 +4,10 @@ one scheduler.
 Rank 0 is the LLM's process: the scheduler, the allocator and the prefix cache run there only.
 It starts N-1 worker processes (torch.multiprocessing, forked by a forkserver that imported
 the engine once: `process_context`), one per device (rank r on cuda:r, or all on the CPU),
-joined in one torch.distributed process group: NCCL on CUDA, gloo on the CPU. Every rank
-holds its part of the weights and a pool of its share of the KV heads with the same number
-of pages, so a page id means the same page everywhere.
+joined in one torch.distributed process group: NCCL on CUDA, gloo on the CPU (meeting at a
+store file of this user's alone, gloo on the loopback interface: kvpool.engine.rendezvous).
+Every rank holds its part of the weights and a pool of its share of the KV heads with the
+same number of pages, so a page id means the same page everywhere.
 
 Each step rank 0 broadcasts one message on a gloo group: the step's layout, the host copies of
 its lengths and the flat int64 metadata its runner packed (`StepChannel`). Every worker puts it
@@ -49,6 +50,7 @@ from kvpool.cache import KVCache, StateSpec
 from kvpool.cache.pages import store_pages
 from kvpool.cache.tiers import KEY_BYTES, HostTier, PageKey, Tier
 from kvpool.engine.config import EngineConfig
+from kvpool.engine.rendezvous import GLOO, file_store, private_directory, store_path
 from kvpool.engine.runner import ModelRunner, StepLayout
 from kvpool.engine.tiers import weights_fingerprint
 from kvpool.errors import RankFailed
@@ -61,7 +63,6 @@ from kvpool.models import load_model
 from kvpool.models.parallel import ONE_RANK, TensorParallel
 from kvpool.threads import limit_threads
 
-HOST = "127.0.0.1"
 RUN, COPY, STOP, STORE, FETCH, LOAD = 1, 2, 3, 4, 5, 6  # the commands of a message
 # a RUN: command, the 6 StepLayout fields, max_seq_len, max_query_len, has seq_lens,
 # checkpoints; a COPY, STORE, FETCH or LOAD: command, entries, pool, width, more follow
@@ -101,10 +102,10 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class GroupAddress:
-    """Where a worker joins the group: rank 0's store at `port`, `size` ranks, the
+    """Where a worker joins the group: the path of rank 0's `store`, `size` ranks, the
     collectives' `timeout` (seconds), the devices' type."""
 
-    port: int
+    store: str
     size: int
     timeout: float
     device_type: str
@@ -226,9 +227,9 @@ class TensorParallelGroup:
             raise ValueError("torch.distributed is initialized already (another tensor-"
                              "parallel engine in this process?): an engine of several ranks "
                              "needs a process of its own, or close() the other first")
-        store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False,
-                              timeout=startup_timeout(timeout))
-        address = GroupAddress(store.port, size, timeout, device.type)
+        self._directory = private_directory()  # the group's store, removed at close
+        store = file_store(store_path(self._directory), size, startup_timeout(timeout))
+        address = GroupAddress(store_path(self._directory), size, timeout, device.type)
         context = process_context()
         self.specs = context.Queue()  # what to build, one WorkerSpec per worker
         self.reports = context.Queue()  # (rank, None) when built, (rank, error) on failure
@@ -246,7 +247,7 @@ class TensorParallelGroup:
             raise
         self.tp = TensorParallel(0, size, collectives)
 
-    def _wait_connected(self, store: dist.TCPStore) -> None:
+    def _wait_connected(self, store: dist.Store) -> None:
         """Wait until every worker has reached the store (it then joins the group at once),
         watching them meanwhile: one that fails or dies first raises RankFailed now, where
         the group's own wait would hang until its startup timeout."""
@@ -390,7 +391,7 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         """Stop the workers (a STOP message, then a kill for any that does not exit within
-        JOIN_SECONDS) and the process group. Safe to call twice."""
+        JOIN_SECONDS) and the process group, and remove its store. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
@@ -408,6 +409,7 @@ class TensorParallelGroup:
                 worker.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._directory.cleanup()
 
 
 class MirroredPool(NamedTuple):
@@ -493,16 +495,17 @@ def startup_timeout(timeout: float) -> datetime.timedelta:
 def join_group(rank: int, address: GroupAddress,
                store: dist.Store) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Join the process group as `rank`; returns its two groups: the model's collectives
-    (NCCL on CUDA, gloo on the CPU) and the step messages (gloo). Both fail after the
-    address's timeout, except a worker's wait for its next step message, which has no
-    practical limit (the engine may idle); rank 0's sending of it has the timeout, so a
-    worker that stops reading fails the step instead of hanging it."""
-    backend = "nccl" if address.device_type == "cuda" else "gloo"
+    (NCCL on CUDA, gloo on the CPU) and the step messages (gloo); gloo is rendezvous.GLOO,
+    on the loopback interface. Both fail after the address's timeout, except a worker's wait
+    for its next step message, which has no practical limit (the engine may idle); rank 0's
+    sending of it has the timeout, so a worker that stops reading fails the step instead of
+    hanging it."""
+    backend = "nccl" if address.device_type == "cuda" else GLOO
     timeout = datetime.timedelta(seconds=address.timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=address.size,
                             timeout=startup_timeout(address.timeout))
     collectives = dist.new_group(backend=backend, timeout=timeout)
-    return collectives, dist.new_group(backend="gloo",
+    return collectives, dist.new_group(backend=GLOO,
                                        timeout=timeout if rank == 0 else IDLE_TIMEOUT)
 
 
@@ -519,8 +522,7 @@ def run_worker(rank: int, address: GroupAddress, specs, reports) -> None:
         if address.device_type == "cuda":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-        store = dist.TCPStore(HOST, address.port, address.size, is_master=False,
-                              timeout=startup_timeout(address.timeout))
+        store = file_store(address.store, address.size, startup_timeout(address.timeout))
         store.set(connected_key(rank), "1")
         collectives, steps = join_group(rank, address, store)
         spec = receive_spec(specs)
