@@ -88,6 +88,38 @@ def test_a_request_whose_sampling_fails_finishes_with_error_and_the_other_finish
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_whose_admission_fails_finishes_with_error_and_the_others_run(overlap,
+                                                                              monkeypatch):
+    """A fault of one request's admission (a device fault copying its state or loading the
+    KV handed over, raised every time it is tried) fails that request alone."""
+    llm = engine(overlap)
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    add_sequence = llm.cache.add_sequence
+
+    def failing_for_the_second(seq_id, token_ids=None, **options):
+        if token_ids is not None and list(token_ids) == prompts[1]:
+            raise RuntimeError("out of memory")
+        return add_sequence(seq_id, token_ids, **options)
+    monkeypatch.setattr(llm.cache, "add_sequence", failing_for_the_second)
+    ids = [llm.add_request(prompt, params) for prompt in prompts]
+    final = {}
+    while llm.has_unfinished():
+        for output in llm.step():
+            llm.check()
+            final[output.request_id] = output
+    failed = final[ids[1]]
+    assert isinstance(failed.error, StepFailed)
+    assert str(failed.error) == (f"request {ids[1]!r} failed: its admission raised "
+                                 f"RuntimeError: out of memory")
+    assert (failed.outputs[0].finish_reason, failed.outputs[0].token_ids) == ("error", [])
+    assert [final[ids[i]].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    monkeypatch.undo()
+    assert_nothing_leaks(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_the_engine_steps_on_after_a_failed_request_and_serves_new_ones(overlap):
     llm = engine(overlap)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -578,6 +578,8 @@ class LLM:
         if self._first_step_time is None:
             self._first_step_time = start
         batch = self.scheduler.schedule()
+        self._forget(batch.failed)
+        self._undelivered += batch.failed  # handed out by a later call if what follows raises
         previous = self._in_flight
         # A hybrid's forward runs the batch through its Mamba layers, updating their state
         # slots in place: until `_launch` records the batch, no step could compute those

@@ -33,7 +33,7 @@ from kvpool.cache import SequenceCache
 from kvpool.engine.handoff import write_prefilled
 from kvpool.engine.request import Request, Sequence, SequenceStatus
 from kvpool.engine.sampling import stop_reason
-from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong, UnknownSequence
+from kvpool.errors import KVPoolError, OutOfPages, SequenceTooLong, StepFailed, UnknownSequence
 
 
 def placeholder(row: int) -> int:
@@ -52,6 +52,7 @@ class ScheduledBatch:
     ends: list[int] = field(default_factory=list)
     sampled: list[bool] = field(default_factory=list)
     num_decode_tokens: int = 0  # tokens of sequences that grew by their last sampled token
+    failed: list[Request] = field(default_factory=list)  # failed being admitted: finished
 
     def add(self, seq: Sequence, num_new_tokens: int, *, decode: bool) -> None:
         """Schedule the next `num_new_tokens` uncomputed tokens of `seq`."""
@@ -167,8 +168,9 @@ class Scheduler:
                                                        spare_pages=self.watermark_pages,
                                                        cache_salt=salt):
                 break
-            # added before it leaves the queue: a load from a tier that raises (or a Ctrl-C
-            # anywhere until it runs) leaves it waiting, holding nothing, not lost
+            # added before it leaves the queue: a Ctrl-C anywhere until it runs leaves it
+            # waiting, holding nothing, not lost; a fault of its own admission (a device
+            # fault copying its state, or the KV another engine handed over) fails it alone
             try:
                 hit = self.cache.add_sequence(seq.seq_id, seq.token_ids, entering=entering,
                                               cache_salt=salt)
@@ -178,6 +180,13 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 self.waiting.popleft()
+            except Exception as e:
+                self._unadmit(seq)
+                self.fail(seq.request, StepFailed(
+                    f"request {seq.request.request_id!r} failed: its admission raised "
+                    f"{type(e).__name__}: {e}"))
+                batch.failed.append(seq.request)
+                continue
             except BaseException:
                 self._unadmit(seq)
                 raise
