@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from packaging.version import Version
 from safetensors.torch import load_file
-from tokenizers import pre_tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
 
 from hybrid_util import HybridRunner, make_bamba
 from kvpool import LLM, SamplingParams
@@ -582,6 +582,89 @@ def test_a_conversion_of_another_conversion_version_is_not_read(tmp_path, monkey
     monkeypatch.setattr(kvgguf, "CONVERSION_VERSION", kvgguf.CONVERSION_VERSION + 1)
     assert load_model(tmp_path / "tiny.gguf", device="cpu").config.rope_theta == 10000.0
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+# CONVERSION_VERSION with a digest of what its conversions of CONVERSION_FILES' files hold
+# (`_conversion_digest`). A change to what kvpool writes into a conversion changes the digest
+# and must bump the version too, or the cache keeps serving conversions an older kvpool wrote.
+CONVERSION = (5, "a2c764c1cce612d6")
+BYTE_TOKENS = ["<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "Ġ1", "12", "123",
+               "ab", "Ġab"]
+# Texts whose tokens and decoding the digest holds: digits, punctuation, spaces and line
+# breaks for the pre-tokenizers, the whitespace after special tokens for Phi-3's.
+DIGEST_TEXTS = [" 1234 ab, 12!?", "ab ab\n\n  1\t2", "<|user|>\nhi<|end|>\n<|assistant|>\n",
+                "</s> hi<|endoftext|> hi", "hi  hi"]
+
+
+def _phi3_vocabulary(writer: gguf.GGUFWriter) -> None:
+    """PHI3_TOKENS as a Phi-3 file's SentencePiece vocabulary (its special tokens rstrip)."""
+    writer.add_name("Phi-3 Mini 4k Instruct")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * 5 + [3] * 4)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(PHI3_TOKENS) - 259)])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def _fix_values(path: Path) -> None:
+    """Give the tensors of the F32 GGUF file at `path` (but rope_freqs) values that no random
+    generator's version moves."""
+    reader = gguf.GGUFReader(path, "r+")
+    for tensor in reader.tensors:
+        if tensor.name != kvgguf.ROPE_FREQS:
+            tensor.data[...] = (np.arange(tensor.data.size) % 61 - 30).reshape(
+                tensor.data.shape) / 32
+    reader.data.flush()
+
+
+CONVERSION_FILES = {
+    # a byte-level vocabulary split by llama.cpp's default pre-tokenizer, Llama 3.1's scaling
+    "default": lambda path: write_gguf(
+        path, tokens=BYTE_TOKENS, rope_freqs=np.arange(1, 33) / 4,
+        more=lambda w: w.add_token_merges(["Ġ 1", "1 2", "12 3", "a b", "Ġ ab"])),
+    "phi3": lambda path: write_gguf(path, tokens=PHI3_TOKENS, more=_phi3_vocabulary),
+}
+
+
+def _conversion_digest(folder: Path) -> str:
+    """A digest of what the conversion in `folder` holds as kvpool writes it, not as the
+    installed libraries format it: config.json and tokenizer_config.json as canonical JSON,
+    the weights' names, shapes and values, and what tokenizer.json does (its vocabulary, its
+    added tokens and their flags, how it tokenizes and decodes DIGEST_TEXTS)."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json"):
+        text = json.dumps(json.loads((folder / name).read_text()), sort_keys=True)
+        digest.update(text.encode())
+    for name, tensor in sorted(load_file(folder / "model.safetensors").items()):
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        digest.update(tensor.numpy().tobytes())
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    added = [(i, t.content, t.special, t.lstrip, t.rstrip, t.normalized, t.single_word)
+             for i, t in sorted(tokenizer.get_added_tokens_decoder().items())]
+    ids = [tokenizer.encode(text).ids for text in DIGEST_TEXTS]
+    decoded = [tokenizer.decode(i, skip_special_tokens=False) for i in ids]
+    digest.update(json.dumps([sorted(tokenizer.get_vocab().items()), added, ids,
+                              decoded]).encode())
+    return digest.hexdigest()
+
+
+def test_what_a_conversion_holds_changes_only_with_the_conversion_version(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    digests = []
+    for name, write in CONVERSION_FILES.items():
+        path = tmp_path / f"{name}.gguf"
+        write(path)
+        _fix_values(path)
+        load_model(path, device="cpu")
+        digests.append(_conversion_digest(kvgguf.conversion_folder(path)))
+    digest = hashlib.sha256(" ".join(digests).encode()).hexdigest()[:16]
+    assert (kvgguf.CONVERSION_VERSION, digest) == CONVERSION, (
+        f"conversions of CONVERSION_VERSION {kvgguf.CONVERSION_VERSION} (models/gguf.py) hold "
+        f"{digest}; CONVERSION records {CONVERSION}. Where what a conversion holds changed, "
+        f"bump CONVERSION_VERSION (or the cache serves conversions an older kvpool wrote); "
+        f"then record the version and the digest in CONVERSION")
 
 
 def test_an_incomplete_folder_at_the_conversions_name_is_replaced(tmp_path, monkeypatch):

@@ -34,8 +34,9 @@ from kvpool.models.tokenizer import HFTokenizer
 CACHE_ENV = "KVPOOL_GGUF_CACHE"  # a folder: keep converted GGUF files there
 # Bumped whenever a change to how kvpool reads GGUF files changes what a conversion holds: each
 # conversion's folder is named by it, so one written under another version is never read
-# (those named by the file's digest alone, before versions, count as version 1).
-CONVERSION_VERSION = 4
+# (those named by the file's digest alone, before versions, count as version 1). A test
+# (tests/test_gguf.py, CONVERSION) records a digest of what this version's conversions hold.
+CONVERSION_VERSION = 5
 CONVERSION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json",
                     "model.safetensors")
 # A conversion's temporary folder untouched this long (seconds) is an interrupted one's: a
