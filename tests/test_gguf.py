@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import importlib.util
 import json
@@ -66,7 +67,8 @@ TOKENS = ["<s>", "</s>", *(chr(c) for c in range(ord("a"), ord("z") + 1)), "Ġ",
 TEMPLATE = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
 # The offsets of a block's float16 scales, for types the gguf package cannot quantize (random
 # bytes elsewhere are valid quants; random scales may be NaN).
-K_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+K_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+            T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 
 
 def _llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -160,6 +162,45 @@ def test_every_supported_type_loads_the_values_the_gguf_package_dequantizes(tmp_
                        unpermute_rotary(_expected(*written["blk.0.attn_q.weight"]), HEADS))
     assert torch.equal(params[attention + "k_proj.weight"],
                        unpermute_rotary(_expected(*written["blk.0.attn_k.weight"]), KV_HEADS))
+
+
+class _KQuantWriter(gguf.GGUFWriter):
+    """A GGUFWriter that stores each matrix as llama-quantize stores a file of type `kind`
+    whose type needs rows a multiple of 256 wide (Q2_K to Q6_K, IQ4_XS): as `kind` where
+    they are, else as its fallback (convert_incompatible_tensor in llama.cpp's
+    src/llama-quant.cpp: IQ4_NL for Q2_K, Q3_K and IQ4_XS)."""
+
+    def __init__(self, path: Path, arch: str, kind):
+        super().__init__(path, arch)
+        self.kind, self.rng = kind, np.random.default_rng(0)
+
+    def add_tensor(self, name, tensor, raw_shape=None, raw_dtype=None, tensor_endianess=None):
+        if raw_dtype is None and tensor.ndim == 2:
+            raw_dtype = self.kind if tensor.shape[1] % 256 == 0 else T.IQ4_NL
+            tensor = _quantize(tensor, raw_dtype, self.rng)
+        super().add_tensor(name, tensor, raw_shape, raw_dtype, tensor_endianess)
+
+
+# Rows 96 wide, as SmolLM2-135M's 576 not a multiple of 256; ffn_down's 256
+LLAMA_96 = {"llama-96": lambda: transformers.LlamaConfig(
+    **{**SMALL, "hidden_size": 96, "intermediate_size": 256})}
+
+
+@pytest.mark.parametrize("kind", [T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_a_k_quant_file_with_iq4_nl_where_rows_are_not_256_wide_gives_transformers_logits(
+        tmp_path, kind):
+    # llama.cpp's Q2_K, Q3_K and IQ4_XS files of SmolLM2, Qwen2.5-0.5B, ... hold IQ4_NL
+    hf = make_hf_model("llama-96", configs=LLAMA_96)
+    path = tmp_path / f"{kind.name}.gguf"
+    _gguf_of(hf, path, "llama", writer_class=functools.partial(_KQuantWriter, kind=kind))
+    types = {tensor.name: tensor.tensor_type for tensor in gguf.GGUFReader(path).tensors}
+    assert (types["blk.0.ffn_down.weight"], types["blk.0.attn_q.weight"],
+            types["token_embd.weight"]) == (kind, T.IQ4_NL, T.IQ4_NL)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = load_model(path, device="cpu").model
+    batch = prompts(hf.config.vocab_size)
+    assert_logits_match(theirs, batch, PagedRunner(ours).step(batch, all_logits=True))
 
 
 def test_unpermute_rotary_undoes_llama_cpp_row_order():
@@ -859,10 +900,11 @@ def test_a_rope_freqs_tensor_of_a_type_kvpool_cannot_dequantize_is_refused_namin
 
 
 def _writer(path: Path, arch: str, config, block_count: int | None = None,
-            head_count_kv: int | None = None) -> gguf.GGUFWriter:
-    """A GGUFWriter of `arch` with the sizes every converted file states, from `config`
-    (`block_count` and `head_count_kv` in place of its layers and KV heads where given)."""
-    writer = gguf.GGUFWriter(path, arch)
+            head_count_kv: int | None = None, writer_class=gguf.GGUFWriter) -> gguf.GGUFWriter:
+    """A GGUFWriter of `arch` (a `writer_class`) with the sizes every converted file states,
+    from `config` (`block_count` and `head_count_kv` in place of its layers and KV heads where
+    given)."""
+    writer = writer_class(path, arch)
     writer.add_block_count(block_count or config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -942,16 +984,17 @@ def _assert_conversion_matches(hf, path: Path, monkeypatch, device="cpu") -> Pat
     return conversions[0]
 
 
-def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False) -> None:
+def _gguf_of(hf, path: Path, arch: str, merges=("a b",), squeeze: bool = False,
+             writer_class=gguf.GGUFWriter) -> None:
     """The file llama.cpp's converter writes for a transformers Qwen, Mixtral, Granite,
     Granite MoE or OLMo 2 model (tensors named by the gguf package's map, each layer's
     experts stacked, Granite MoE's stacked gate and up rows split apart, q/k rows reordered
-    for `llama` and `granite`, Granite's multipliers as its scales), in float32, with a
-    vocabulary of placeholder tokens."""
+    for `llama` and `granite`, Granite's multipliers as its scales), in float32 (or as a
+    `writer_class` stores them), with a vocabulary of placeholder tokens."""
     config = hf.config
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer = _writer(path, arch, config)
+    writer = _writer(path, arch, config, writer_class=writer_class)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])

