@@ -437,6 +437,30 @@ def test_an_unsupported_tensor_type_is_refused_naming_it(tmp_path):
         load_model(tmp_path / "ternary.gguf", device="cpu")
 
 
+@pytest.mark.parametrize(("kind", "message"), [
+    (31, r"Q4_0_4_4, type id 31 \(blk\.0\.attn_q\.weight\); supported: .*\. Q4_0_4_4: Q4_0 or "
+         r"IQ4_NL with its rows interleaved for ARM, which llama\.cpp has removed from GGUF "
+         r"files: use a Q4_0 or IQ4_NL file of the model"),
+    (99, r"type id 99 \(blk\.0\.attn_q\.weight\); supported: .*\. The installed gguf package "
+         r"knows no tensor type of id 99: a newer one may \(pip install -U gguf\)"),
+], ids=["removed-Q4_0_4_4", "unknown"])
+def test_a_tensor_type_id_the_gguf_package_does_not_know_is_refused_naming_tensor_and_id(
+        tmp_path, monkeypatch, kind, message):
+    write_gguf(tmp_path / "bad.gguf", T.Q4_0)
+    reader = gguf.GGUFReader(tmp_path / "bad.gguf", "r+")
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    tensor.field.parts[4][0] = kind  # its type id (Q4_0_4_4's blocks are Q4_0's, interleaved)
+    reader.data.flush()
+    del reader, tensor
+    message = "bad.gguf holds tensor types kvpool cannot dequantize: " + message
+    with pytest.raises(CheckpointError, match=message):
+        load_config(tmp_path / "bad.gguf")
+    monkeypatch.setenv(kvgguf.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path / "bad.gguf", device="cpu")
+    assert _files(tmp_path / "cache") == []
+
+
 def test_a_non_llama_architecture_is_refused_naming_it(tmp_path):
     write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(ConfigError, match="GGUF architecture 'gpt2' is not supported"):

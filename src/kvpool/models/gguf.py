@@ -55,6 +55,11 @@ PACKAGED_MODELS = {
 # experts' as published.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+# Tensor type ids llama.cpp has removed from GGUF files (ggml.h), which the gguf package no
+# longer knows: Q4_0 and IQ4_NL with rows interleaved for ARM, which llama.cpp now
+# interleaves itself as it loads a Q4_0 or IQ4_NL file.
+REMOVED_TYPES = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8",
+                 36: "IQ4_NL_4_4", 37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
 # general.architecture -> kvpool's
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
@@ -445,11 +450,7 @@ class GGUFCheckpoint:
             if tensor.tensor_type.name not in SUPPORTED_TYPES:
                 unsupported.setdefault(tensor.tensor_type.name, []).append(tensor.name)
         if unsupported:
-            found = "; ".join(f"{kind} ({', '.join(names[:3])}"
-                              f"{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
-                              for kind, names in unsupported.items())
-            raise CheckpointError(f"{self.path.name} holds tensor types kvpool cannot "
-                                  f"dequantize: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
+            raise _unsupported_types(self.path.name, unsupported)
         shapes, fused, halves = {}, self._fused_rows(), {}
         arch = self.meta.get("general.architecture")
         one_row = ONE_ROW.get(arch, ())
@@ -1199,14 +1200,33 @@ def _read(path: Path, mtime_ns: int, size: int):
 
 def _open(path: Path):
     """The gguf package's reader of the file at `path`; CheckpointError for a file it cannot
-    read or a big-endian one."""
+    read, a big-endian one, or one holding tensor type ids the package does not know (naming
+    the tensors and ids)."""
     try:
-        from gguf import GGUFEndian, GGUFReader
+        from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader
     except ImportError:
         raise ConfigError("reading .gguf checkpoints needs the gguf package: "
                           "pip install 'kvpool[gguf]'") from None
+
+    class Reader(GGUFReader):
+        # GGUFReader takes each tensor's type id as a GGMLQuantizationType (in _build_tensors,
+        # from the tensor-info table it has parsed), and refuses one it does not know with a
+        # ValueError that names neither the tensor nor the id.
+        def _build_tensors(self, start_offs, fields):
+            known = {kind.value for kind in GGMLQuantizationType}
+            unknown = {}
+            for field in fields:  # a tensor's name, dimensions, type id and offset
+                kind = int(field.parts[4][0])
+                if kind not in known:
+                    unknown.setdefault(kind, []).append(field.name)
+            if unknown:
+                raise _unknown_types(path.name, unknown)
+            super()._build_tensors(start_offs, fields)
+
     try:
-        reader = GGUFReader(path)
+        reader = Reader(path)
+    except CheckpointError:  # the unknown type ids' (a ValueError too), as it is
+        raise
     # the reader raises what numpy and struct raise on a file cut short in its metadata
     except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as e:
         raise CheckpointError(f"{path} is not a readable GGUF file: {type(e).__name__}: "
@@ -1214,3 +1234,33 @@ def _open(path: Path):
     if reader.endianess == GGUFEndian.BIG:  # numpy's dequantization reads host-order values
         raise CheckpointError(f"{path} is a big-endian GGUF file, which kvpool does not read")
     return reader
+
+
+def _unsupported_types(file: str, found: dict[str, list[str]],
+                       advice: str = "") -> CheckpointError:
+    """The error for GGUF file `file` holding tensors of types kvpool cannot dequantize:
+    `found`, each type -> its tensors' names (the first three named), then `advice`."""
+    listed = "; ".join(f"{kind} ({', '.join(names[:3])}"
+                       f"{f' and {len(names) - 3} more' if len(names) > 3 else ''})"
+                       for kind, names in found.items())
+    return CheckpointError(f"{file} holds tensor types kvpool cannot dequantize: {listed}; "
+                           f"supported: {', '.join(SUPPORTED_TYPES)}{advice}")
+
+
+def _unknown_types(file: str, found: dict[int, list[str]]) -> CheckpointError:
+    """The error for GGUF file `file` holding tensors of type ids the gguf package does not
+    know: `found`, each id -> its tensors' names; REMOVED_TYPES by name, a newer gguf
+    package suggested for the others."""
+    removed = [REMOVED_TYPES[kind] for kind in found if kind in REMOVED_TYPES]
+    others = [str(kind) for kind in found if kind not in REMOVED_TYPES]
+    advice = ""
+    if removed:
+        advice += (f". {', '.join(removed)}: Q4_0 or IQ4_NL with its rows interleaved for "
+                   f"ARM, which llama.cpp has removed from GGUF files: use a Q4_0 or IQ4_NL "
+                   f"file of the model (llama.cpp interleaves its rows as it loads it)")
+    if others:
+        advice += (f". The installed gguf package knows no tensor type of id "
+                   f"{', '.join(others)}: a newer one may (pip install -U gguf)")
+    return _unsupported_types(file, {
+        f"{REMOVED_TYPES[kind]}, type id {kind}" if kind in REMOVED_TYPES
+        else f"type id {kind}": names for kind, names in found.items()}, advice)
