@@ -571,15 +571,20 @@ def test_a_file_refused_with_caching_on_is_refused_as_without_and_leaves_nothing
     assert _files(tmp_path / "cache") == []
 
 
+def _write_norm_value(path: Path, value: float) -> None:
+    """Write `value` into one element of blk.0.ffn_norm.weight (post_attention_layernorm's)
+    of the F32 GGUF file at `path`."""
+    reader = gguf.GGUFReader(path, "r+")
+    norm = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight")
+    norm.data[3] = value
+    reader.data.flush()
+
+
 @pytest.mark.parametrize("value", [np.nan, -np.inf], ids=["nan", "infinity"])
 def test_a_file_of_non_finite_weights_is_refused_naming_it_and_leaves_nothing_cached(
         tmp_path, monkeypatch, value):
     write_gguf(tmp_path / "bad.gguf")
-    reader = gguf.GGUFReader(tmp_path / "bad.gguf", "r+")
-    norm = next(t for t in reader.tensors if t.name == "blk.0.ffn_norm.weight")
-    norm.data[3] = value
-    reader.data.flush()
-    del reader, norm
+    _write_norm_value(tmp_path / "bad.gguf", value)
     message = (r"weight model.layers.0.post_attention_layernorm.weight in bad.gguf holds 1 NaN "
                rf"or infinite value\(s\) of {HIDDEN} \(as torch.float32\)")
     with pytest.raises(CheckpointError, match=message):
@@ -588,6 +593,22 @@ def test_a_file_of_non_finite_weights_is_refused_naming_it_and_leaves_nothing_ca
     with pytest.raises(CheckpointError, match=message):  # the file named, not a conversion
         load_model(tmp_path / "bad.gguf", device="cpu")
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_weight_that_overflows_float16_is_named_in_the_gguf_file_through_its_conversion_too(
+        tmp_path, monkeypatch):
+    write_gguf(tmp_path / "big.gguf")
+    _write_norm_value(tmp_path / "big.gguf", 1e6)  # finite in float32, infinite in float16
+    message = (r"^weight model.layers.0.post_attention_layernorm.weight in big.gguf holds 1 NaN "
+               rf"or infinite value\(s\) of {HIDDEN} \(as torch.float16\)")
+    # the file itself; then, with the cache, converting it (to float32, which holds the value:
+    # the conversion is written) and reading its conversion
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):
+        if cache is not None:
+            monkeypatch.setenv(kvgguf.CACHE_ENV, str(cache))
+        with pytest.raises(CheckpointError, match=message):
+            load_model(tmp_path / "big.gguf", device="cpu", dtype=torch.float16)
+    assert len(list((tmp_path / "cache").iterdir())) == 1
 
 
 def test_load_config_and_kvpool_plan_read_a_gguf_file_without_converting_it(tmp_path,

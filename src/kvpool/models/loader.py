@@ -32,6 +32,7 @@ from kvpool.models.gguf import (
     GGUFCheckpoint,
     conversion_folder,
     conversion_problem,
+    gguf_path,
     gguf_source,
     write_conversion,
 )
@@ -188,6 +189,7 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
             return load_gguf(source, dtype=dtype, device=device, tp=tp,
                              max_model_len=max_model_len)
         source = folder
+    weights_of = gguf_path(model)  # the GGUF file whose conversion loads here, if any
     model = source or model  # a GGUF file's cached conversion is a checkpoint folder
     config = load_config(model)
     if max_model_len is not None:
@@ -209,7 +211,7 @@ def load_model(model: str | Path, *, dtype: torch.dtype | None = None,
         tokenizer = HFTokenizer.from_file(tokenizer_file, config.bos_token_id,
                                           config.eos_token_ids)
     net = model_class(config)(config, dtype=config.weights_dtype(dtype), device=device, tp=tp)
-    load_weights(net, files)
+    load_weights(net, files, weights_of)
     return LoadedModel(net.eval(), config, tokenizer)
 
 
@@ -368,12 +370,15 @@ def _index_file_names(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
+def load_weights(model: torch.nn.Module, files: list[Path],
+                 weights_of: Path | None = None) -> None:
     """Copy the checkpoint's tensors (the model's tensor-parallel part of each) into the model
     by name, after checking that names and shapes match exactly (a tied lm_head and rotary
     inv_freq buffers are skipped). With `fp8_weight_block` in the config, float8 weights are
     dequantized by their `weight_scale_inv` first; with `mxfp4_experts`, each expert weight of
-    an MXFP4 stack from its own blocks only."""
+    an MXFP4 stack from its own blocks only. A weight's values that are not finite (in the
+    model's dtype) are named in `weights_of` where given (the GGUF file that `files` are the
+    conversion of), else in their own file."""
     params, config = model.state_dict(), model.config
     block = config.fp8_weight_block
     # DeepSeek-V3's and GLM-4.5's checkpoints carry their multi-token-prediction module as
@@ -416,7 +421,7 @@ def load_weights(model: torch.nn.Module, files: list[Path]) -> None:
                     if tensor.dtype == torch.float8_e4m3fn:
                         raise CheckpointError(f"weight {source} in {file.name} is float8 "
                                               f"with no {source}{SCALE_SUFFIX}")
-                    _copy_finite(params[name], tensor, name, file)
+                    _copy_finite(params[name], tensor, name, weights_of or file)
 
 
 def _renamed(found: dict) -> dict[str, tuple[str, None]]:
