@@ -134,16 +134,27 @@ def test_serve_on_a_host_or_port_it_cannot_bind_is_one_line_with_exit_2_before_t
         "kvpool serve: error: cannot listen on 999.1.1.1:8000: ")
 
 
+@pytest.fixture
+def taken_port():
+    """A port another socket listens on: an option error must come before the port's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield str(taken.getsockname()[1])
+
+
 def test_serve_with_prefix_isolation_per_key_but_no_key_is_one_line_with_exit_2(
-        capsys, monkeypatch):
+        capsys, monkeypatch, taken_port):
     monkeypatch.delenv("KVPOOL_API_KEY", raising=False)
-    assert main(["serve", "--model", "tiny", "--prefix-isolation", "per-key"]) == 2
+    assert main(["serve", "--model", "tiny", "--port", taken_port, "--prefix-isolation",
+                 "per-key"]) == 2
     assert capsys.readouterr().err == \
         "kvpool serve: error: prefix isolation per key needs API keys\n"
 
 
-def test_serve_with_an_empty_api_key_is_one_line_with_exit_2(capsys):
-    assert main(["serve", "--model", "tiny", "--api-key", "a-key", "--api-key", ""]) == 2
+def test_serve_with_an_empty_api_key_is_one_line_with_exit_2(capsys, taken_port):
+    assert main(["serve", "--model", "tiny", "--port", taken_port, "--api-key", "a-key",
+                 "--api-key", ""]) == 2
     assert capsys.readouterr().err == ("kvpool serve: error: api keys must be non-empty strings; "
                                        "key 2 of 2 is empty\n")
 

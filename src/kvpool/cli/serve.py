@@ -154,6 +154,17 @@ def run(args: argparse.Namespace) -> int:
                                      prefill={**options, **tier_options(args)}, decode=options)
     else:
         make_llm = functools.partial(LLM, args.model, **options, **tier_options(args))
+    from kvpool.server.app import check_access
+    from kvpool.server.limits import ServerLimits
+
+    try:  # checked before the port is taken and the engine built: the error names the option
+        limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
+                              args.max_stop_token_ids, args.header_timeout, args.body_timeout)
+        keys = api_keys(args.api_key)
+        check_access(keys, args.prefix_isolation)
+    except ValueError as e:
+        print(f"kvpool serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         sock = bound_socket(args.host, args.port)
     except OSError as e:
@@ -161,21 +172,18 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     with forkserver_ended():  # the one that starts the engine processes, once they end
-        return _serve(args, sock, make_llm)
+        return _serve(args, sock, make_llm, limits, keys)
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, make_llm) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, make_llm, limits, keys) -> int:
     """Build the app on `sock` and serve until SIGTERM or SIGINT; 2 for an invalid option."""
     from kvpool.server.app import build_app
     from kvpool.server.auth import OPEN_PATHS
-    from kvpool.server.limits import ServerLimits
     from kvpool.server.listener import DrainingServer
 
     try:
-        limits = ServerLimits(args.max_body_size, args.max_stop_strings, args.max_stop_length,
-                              args.max_stop_token_ids, args.header_timeout, args.body_timeout)
         app = build_app(make_llm, model_name=args.model, max_waiting=args.max_waiting,
-                        limits=limits, api_keys=api_keys(args.api_key),
+                        limits=limits, api_keys=keys,
                         open_paths=frozenset() if args.auth_all_routes else OPEN_PATHS,
                         prefix_isolation=args.prefix_isolation)
     except ValueError as e:
@@ -188,7 +196,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, make_llm) -> int:
         signal.signal(sig, lambda *_: None)
     port = sock.getsockname()[1]  # the one the system picked for --port 0
     print(f"kvpool serve: {args.model} on http://{args.host}:{port}/v1", file=sys.stderr)
-    if not api_keys(args.api_key) and args.host not in LOOPBACK_HOSTS:
+    if not keys and args.host not in LOOPBACK_HOSTS:
         print(f"kvpool serve: warning: no API key; whoever reaches {args.host}:{port} "
               f"can use the server (--api-key)", file=sys.stderr)
     DrainingServer(app, host=args.host, port=args.port,

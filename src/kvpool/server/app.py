@@ -253,6 +253,19 @@ class Server:
             yield b"".join(generation.final_chunks())
 
 
+def check_access(api_keys: tuple[str, ...], prefix_isolation: str) -> None:
+    """ValueError unless the keys and the prefix isolation are ones `build_app` serves
+    (checked there before the engine starts: Starlette builds its middleware at the first
+    request)."""
+    if prefix_isolation not in PREFIX_ISOLATION:
+        raise ValueError(f"prefix_isolation must be one of {PREFIX_ISOLATION}, "
+                         f"got {prefix_isolation!r}")
+    if prefix_isolation == "per-key" and not api_keys:
+        raise ValueError("prefix isolation per key needs API keys")
+    if api_keys:
+        check_keys(tuple(api_keys))
+
+
 def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
               chat_template: ChatTemplate | None = None, max_waiting: int = 1024,
               limits: ServerLimits | None = None, api_keys: tuple[str, ...] = (),
@@ -264,13 +277,7 @@ def build_app(make_llm: abc.Callable[[], LLM], *, model_name: str,
     shuts down. `make_llm` must pickle, e.g. functools.partial(LLM, "tiny", num_pages=64).
     With `api_keys`, every path but `open_paths` needs one; `prefix_isolation` "per-key"
     (which needs keys) salts the prefix cache by key. `app.state.server` is the Server."""
-    if prefix_isolation not in PREFIX_ISOLATION:
-        raise ValueError(f"prefix_isolation must be one of {PREFIX_ISOLATION}, "
-                         f"got {prefix_isolation!r}")
-    if prefix_isolation == "per-key" and not api_keys:
-        raise ValueError("prefix isolation per key needs API keys")
-    if api_keys:  # checked now: Starlette builds its middleware at the first request
-        check_keys(tuple(api_keys))
+    check_access(api_keys, prefix_isolation)
     middleware = [Middleware(ApiKeyMiddleware, keys=tuple(api_keys), open_paths=open_paths)] \
         if api_keys else []
     server = Server(make_llm, model_name=model_name,
