@@ -85,8 +85,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "pool holds beside its windows; a window it never passes is "
                              "full attention (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
-                        help="models mixing full and windowed layers: sequences whose windows "
-                             "the window pool holds (default: 64, the engine's)")
+                        help="the engine's --max-num-seqs: the sequences of its largest step "
+                             "(their activations are held back), a hybrid's state slots, and "
+                             "for models mixing full and windowed layers the windows the "
+                             "window pool holds (default: 64, the engine's)")
     add_tensor_parallel_argument(parser)
     parser.add_argument("--one-pool", action="store_true",
                         help="windowed models: plan one pool that keeps every page (the "
