@@ -318,6 +318,15 @@ def test_a_drain_lets_requests_in_flight_finish_and_refuses_new_ones_on_open_con
     assert not stopper.is_alive()
 
 
+@pytest.mark.parametrize("timeout", ["header_timeout", "body_timeout"])
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (float("inf"), ValueError),
+                                              (float("nan"), ValueError), (True, TypeError),
+                                              ("30", TypeError)])
+def test_a_timeout_that_is_not_seconds_up_to_a_year_is_refused(timeout, value, error):
+    with pytest.raises(error, match=f"{timeout} must be a number of seconds"):
+        ServerLimits(**{timeout: value})
+
+
 def test_the_serve_flags_default_to_the_server_limits_defaults():
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
 
+from kvpool.numeric import check_seconds
 from kvpool.server.protocol import RequestError
 
 MiB = 1 << 20
@@ -39,10 +40,8 @@ class ServerLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("header_timeout", "body_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        for name in ("header_timeout", "body_timeout"):  # (0, a year]: a timer's range
+            object.__setattr__(self, name, check_seconds(name, getattr(self, name)))
 
 
 async def read_json(request: Request, limits: ServerLimits) -> object:
