@@ -943,11 +943,15 @@ def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, pro
     assert _tokens(llm.generate([prompts[1]], GREEDY, use_tqdm=False)) == [expected[1]]
 
 
-def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompts, device):
+def test_add_request_hold_request_resume_request_and_step_are_refused_while_generate_runs(
+        checkpoint, prompts, device):
+    # a held request would run in generate's steps, its output handed out by nobody
     refusals = []
+    meddling = (lambda: llm.add_request(prompts[1]), lambda: llm.hold_request(prompts[1]),
+                lambda: llm.resume_request("0", None), lambda: llm.step())
 
     def meddle(record):
-        for call in (lambda: llm.add_request(prompts[1]), llm.step):
+        for call in meddling:
             with pytest.raises(RuntimeError, match="generate") as error:
                 call()
             refusals.append(str(error.value))
@@ -955,7 +959,7 @@ def test_add_request_and_step_are_refused_while_generate_runs(checkpoint, prompt
     llm = _llm(checkpoint, on_step=meddle, device=device)
     (output,) = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
-    assert len(refusals) == 2 * llm.stats().num_steps
+    assert len(refusals) == len(meddling) * llm.stats().num_steps
     _assert_drained(llm)
 
 

@@ -285,12 +285,16 @@ class LLM:
         `cache_salt`, the prompt shares cached prefix pages only with prompts of the same
         salt (neither reads nor reveals those of others)."""
         with self._cut_in():
-            if self._generating:
-                raise RuntimeError("add_request() while generate() runs: generate serves only "
-                                   "its own requests")
+            self._refuse_while_generating("add_request")
             request = self._checked_request(prompt, sampling_params, request_id, cache_salt)
             self._add(request)
             return request.request_id
+
+    def _refuse_while_generating(self, call: str) -> None:
+        """generate serves only its own requests: no other may be queued while it runs."""
+        if self._generating:
+            raise RuntimeError(f"{call}() while generate() runs: generate serves only its own "
+                               f"requests")
 
     def step(self) -> list[RequestOutput]:
         """Run one step (one forward); returns the requests that got new tokens, or failed
@@ -469,6 +473,7 @@ class LLM:
         checks it, unfinished (abort and fail_request work), but queued only once
         `resume_request` brings its KV. Returns its id and the prompt's token ids."""
         with self._cut_in():
+            self._refuse_while_generating("hold_request")
             request = self._checked_request(prompt, sampling_params, request_id, cache_salt)
             self._requests[request.request_id] = request
             return request.request_id, list(request.prompt_token_ids)
@@ -493,6 +498,7 @@ class LLM:
                              "pages given back out of the window, or tensor_parallel_size "
                              f"{self.config.tensor_parallel_size}) takes none")
         with self._cut_in():
+            self._refuse_while_generating("resume_request")
             request = self._requests.get(request_id)
             if request is None or request.seqs:
                 raise ValueError(f"request {request_id!r} is not held (unknown, finished, or "
