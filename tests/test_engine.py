@@ -18,10 +18,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 
+from engine_probes import raise_in_the_next_on_step
 from kvpool.engine import llm as llm_module
 from kvpool.engine.llm import LLM
 from kvpool.engine.params import SamplingParams
-from kvpool.errors import InvalidPrompt, OutOfPages, SequenceTooLong
+from kvpool.errors import InvalidPrompt, OutOfPages, SequenceTooLong, StepFailed
 from kvpool.planning import planner
 from models_util import interrupt_once
 
@@ -926,6 +927,71 @@ def test_a_sleep_from_another_thread_waits_for_the_step_that_checked_it_was_awak
     assert [output.request_id for output in llm.step()] == ["0"]
     sleepers[0].join()
     assert llm.sleeping
+
+
+def _in_another_thread(call):
+    """Run `call` in another thread and wait for it (a hang fails the test); its result."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(call()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"{call} still waits after 60 s"
+    return results[0]
+
+
+def _finish_from(finish, llm, request_id):
+    """`llm.abort` or `llm.fail_request` of the request: its final output."""
+    if finish == "abort":
+        return llm.abort(request_id)
+    return llm.fail_request(request_id, StepFailed("failed from another thread"))
+
+
+@pytest.mark.parametrize(("finish", "reason"), [("abort", "abort"), ("fail_request", "error")])
+def test_a_request_finished_from_another_thread_as_a_step_ends_comes_back_finished_once(
+        checkpoint, prompts, device, finish, reason):
+    # The other thread takes the engine the moment the step lets go of it: the step's
+    # outputs were built before, as the step left the request (running, every sample).
+    llm = _llm(checkpoint, device=device, overlap=False)  # the first step hands out its own
+    request_id = llm.add_request(prompts[0], SamplingParams(max_tokens=5, n=2))
+    step, finals = llm._step, []
+
+    def step_then_finish(*args):
+        outputs = step(*args)
+        finals.append(_in_another_thread(lambda: _finish_from(finish, llm, request_id)))
+        return outputs
+
+    llm._step = step_then_finish
+    (output,) = llm.step()
+    assert not output.finished
+    assert [c.finish_reason for c in output.outputs] == [None, None]
+    assert finals[0].finished
+    assert [c.finish_reason for c in finals[0].outputs] == [reason] * 2
+    assert llm.step() == []
+    _assert_drained(llm)
+
+
+@pytest.mark.parametrize("finish", ["abort", "fail_request"])
+def test_a_request_held_back_by_a_raising_on_step_and_finished_then_comes_back_once(
+        checkpoint, prompts, device, finish):
+    llm = _llm(checkpoint, device=device, overlap=False)
+    request_id = llm.add_request(prompts[0], GREEDY)
+    raise_in_the_next_on_step(llm)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.step()
+    final = _in_another_thread(lambda: _finish_from(finish, llm, request_id))
+    assert final.finished
+    assert llm.step() == []  # abort or fail_request handed it out, not the step
+    _assert_drained(llm)
+
+
+def test_a_request_aborted_from_on_step_comes_back_from_abort_only(checkpoint, prompts, device):
+    finals = []
+    llm = _llm(checkpoint, device=device, overlap=False,
+               on_step=lambda record: finals.append(llm.abort("0")))
+    llm.add_request(prompts[0], GREEDY, "0")
+    other = llm.add_request(prompts[1], GREEDY)
+    assert [o.request_id for o in llm.step()] == [other]
+    assert finals[0].finished and finals[0].outputs[0].finish_reason == "abort"
 
 
 def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, prompts,

@@ -257,7 +257,7 @@ class LLM:
         with tqdm(total=total, initial=total - len(pending), unit="req", desc="generate",
                   disable=not use_tqdm) as bar:
             while pending:
-                self._step()
+                self._step(self._step_locked)
                 unfinished = [r for r in pending if not r.finished]
                 if use_tqdm and len(unfinished) < len(pending):
                     bar.update(len(pending) - len(unfinished))
@@ -298,22 +298,36 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one step (one forward); returns the requests that got new tokens, or failed
-        in it (finish reason "error": only they; the others go on). If `on_step` raised
-        in the step before, its requests come back from this one too."""
+        in it (finish reason "error": only they; the others go on), as they stood when the
+        step ended. If `on_step` raised in the step before, its requests come back from this
+        one too; a request that `abort` or `fail_request` handed out meanwhile does not."""
+        return self._step(self._step_outputs)
+
+    def _step_outputs(self) -> list[RequestOutput]:
+        """step()'s step, under the lock (where generate cannot begin meanwhile): the outputs
+        of the requests that advanced, built before another thread's abort can change them."""
         if self._generating:
             raise RuntimeError("step() while generate() runs: generate steps the engine itself")
-        return [self._output(r) for r in self._step()]
+        return [self._output(r) for r in self._step_locked()]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel an unfinished request: its samples finish with "abort" and their pages
-        come back at once. Returns its final output; None for an unknown or finished id.
-        Safe from `on_step` and from another thread (it waits for the step in progress)."""
+        come back at once. Returns its final output (no step returns it after); None for an
+        unknown or finished id. Safe from `on_step` and from another thread (it waits for
+        the step in progress)."""
         with self._cut_in():
             request = self._requests.pop(request_id, None)
             if request is None:
                 return None
             self.scheduler.abort(request)
-            return self._output(request)
+            return self._final_output(request)
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        """The output of a request abort or fail_request just finished, which hands it out:
+        dropped from those a step whose on_step raised kept for the next step (or that the
+        step whose on_step calls this returns), so no step hands it out again."""
+        self._undelivered = [r for r in self._undelivered if r is not request]
+        return self._output(request)
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's workers and its process group; it runs no step
@@ -520,7 +534,7 @@ class LLM:
             if request is None:
                 return None
             self.scheduler.fail(request, error)
-            return self._output(request)
+            return self._final_output(request)
 
     def read_prefilled(self, request_id: str) -> PrefilledKV:
         """A copy of the KV of the computed tokens of a request's first sample (after the
@@ -550,16 +564,16 @@ class LLM:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _step(self) -> list[Request]:
-        """Schedule, run the forward, sample; returns the requests that advanced. Waits
-        first while another thread waits to add or abort."""
+    def _step(self, run: abc.Callable[[], list]) -> list:
+        """Wait while another thread waits to add or abort, then `run` the step under the
+        lock (`_step_locked`, or step()'s `_step_outputs`) and return what it returns."""
         with self._turns:
             self._turns.wait_for(lambda: self._num_waiting == 0)
         # One inference mode for the whole step; buffers a step writes in place were
         # allocated at setup, outside it.
         with self._lock, torch.inference_mode(), made_current(self._device):
             self._check_awake()  # here, under the lock: another thread may sleep() meanwhile
-            return self._step_locked()
+            return run()
 
     @contextmanager
     def _cut_in(self) -> abc.Iterator[None]:
@@ -604,10 +618,9 @@ class LLM:
             self._undelivered += self._finish(launched, start)
             launched = None
         self._in_flight = launched
-        advanced = self._undelivered + failed
-        self._undelivered = advanced
+        self._undelivered += failed
         self._report()  # last: an on_step that raises finds every step recorded
-        self._undelivered = []
+        advanced, self._undelivered = self._undelivered, []  # less what on_step aborted
         return list(dict.fromkeys(advanced))
 
     def _forward(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> torch.Tensor:
