@@ -5,10 +5,12 @@ samples sharing pages; abort; refused requests; stats."""
 import collections
 import contextlib
 import copy
+import inspect
 import itertools
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 
@@ -992,6 +994,82 @@ def test_a_request_aborted_from_on_step_comes_back_from_abort_only(checkpoint, p
     other = llm.add_request(prompts[1], GREEDY)
     assert [o.request_id for o in llm.step()] == [other]
     assert finals[0].finished and finals[0].outputs[0].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("interrupted", ["call", "step"])
+def test_a_ctrl_c_anywhere_in_a_call_or_step_holds_up_no_call_or_step_after_it(
+        checkpoint, prompts, device, interrupted):
+    # A KeyboardInterrupt raised at each point in turn where a Ctrl-C can land in a call
+    # (`stats()`) or in a step's taking its turn (before the step proper): as a function of
+    # the engine, or one it calls (contextlib's, threading's), begins, and as a call of a C
+    # function there returns. Before, one there could lose a count of the waiting calls or
+    # leave a lock held, and every later step waited forever.
+    llm = _llm(checkpoint, device=device)
+    llm.add_request(prompts[0], SamplingParams(max_tokens=150, ignore_eos=True))
+    if interrupted == "call":
+        run, is_engine = llm.stats, lambda code: code.co_filename == llm_module.__file__
+    else:
+        run, is_engine = llm.step, lambda code: code is LLM._step.__code__
+
+    def interrupted_at(point):
+        """Run `run` with a KeyboardInterrupt at its `point`-th such point; whether it was
+        interrupted (False: it has fewer)."""
+        count = 0
+
+        def profile(frame, kind, arg):
+            nonlocal count
+            begins = kind == "call" and not frame.f_code.co_flags & inspect.CO_GENERATOR
+            if not (begins or kind == "c_return"):  # a generator resuming checks for none
+                return
+            if is_engine(frame.f_code) or frame.f_back and is_engine(frame.f_back.f_code):
+                count += 1
+                if count == point:
+                    raise KeyboardInterrupt
+
+        sys.setprofile(profile)
+        try:
+            run()
+        except KeyboardInterrupt:
+            return True
+        finally:
+            sys.setprofile(None)
+        return False
+
+    point = 1
+    while interrupted_at(point):
+        _in_another_thread(llm.step)
+        _in_another_thread(llm.stats)
+        llm.check()
+        point += 1
+    assert point > 1
+    llm.abort("0")
+    _assert_drained(llm)
+
+
+def test_calls_from_two_threads_back_to_back_delay_the_steps_but_never_hold_them_off(
+        checkpoint, prompts, expected, device):
+    llm = _llm(checkpoint, device=device)
+    done, calls = threading.Event(), [0, 0]
+
+    def call_back_to_back(i):
+        while not done.is_set():
+            llm.stats()
+            calls[i] += 1
+
+    callers = [threading.Thread(target=call_back_to_back, args=(i,), daemon=True)
+               for i in range(2)]
+    for caller in callers:
+        caller.start()
+    try:
+        outputs = _in_another_thread(lambda: llm.generate(prompts[:2], GREEDY, use_tqdm=False))
+    finally:
+        done.set()
+    for caller in callers:
+        caller.join(60)
+        assert not caller.is_alive()
+    assert _tokens(outputs) == expected[:2]
+    assert all(calls)
+    _assert_drained(llm)
 
 
 def test_generate_refuses_while_step_api_requests_are_unfinished(checkpoint, prompts,

@@ -86,6 +86,15 @@ class LLM:
     workers it spawns (kvpool.engine.parallel), each holding its share of every pool (a full
     and a window pool, a hybrid's state slots); `close()` (or leaving a `with` block, or the
     interpreter's exit) stops them. Then the tier may be a host tier only, one per rank.
+
+    Threads: one thread steps (`step` or `generate`); `add_request`, `abort`, `fail_request`,
+    `hold_request`, `resume_request`, `read_prefilled`, `stats`, `check`, `sleep` and `wake`
+    are safe from another thread and from `on_step`. Each waits for the step in progress (not
+    its own, from `on_step`), and a step waits for the calls that came before it, no others:
+    neither does a stepping loop hold off a call, nor do calls back to back from any number
+    of threads hold off the steps (see `_cut_in`). A Ctrl-C in one of them fails that call
+    alone. `step` returns its requests as its step left them, and a request that `abort` or
+    `fail_request` finished comes back finished from that call alone, never from a step.
     """
 
     def __init__(self, model: str | Path, *,
@@ -143,9 +152,12 @@ class LLM:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # One step, abort or add at a time; re-entrant so that on_step may abort.
         self._lock = threading.RLock()
-        # Calls from outside the stepping loop waiting for the lock (see _cut_in).
-        self._num_waiting = 0
-        self._turns = threading.Condition()
+        # Turns between the steps and the calls from other threads (see _cut_in): each step
+        # and call holds a lock of its own, its turn, from when it comes until it is done.
+        self._arrivals = threading.Lock()  # held to come: to join or read the two below
+        self._step_turn = threading.RLock()  # that of the step that came last
+        self._call_turns: set[threading.RLock] = set()  # those of the calls waiting or running
+        self._stepping = threading.RLock()  # steps from several threads come one at a time
         self._generating = False
         self._next_request_id = 0
         self._num_steps = self._num_prompt_tokens = self._num_generated_tokens = 0
@@ -565,30 +577,49 @@ class LLM:
     # ---- internals ---------------------------------------------------------------------
 
     def _step(self, run: abc.Callable[[], list]) -> list:
-        """Wait while another thread waits to add or abort, then `run` the step under the
-        lock (`_step_locked`, or step()'s `_step_outputs`) and return what it returns."""
-        with self._turns:
-            self._turns.wait_for(lambda: self._num_waiting == 0)
-        # One inference mode for the whole step; buffers a step writes in place were
-        # allocated at setup, outside it.
-        with self._lock, torch.inference_mode(), made_current(self._device):
-            self._check_awake()  # here, under the lock: another thread may sleep() meanwhile
-            return run()
+        """Take a step's turn (see _cut_in), then `run` the step under the lock
+        (`_step_locked`, or step()'s `_step_outputs`) and return what it returns."""
+        turn = threading.RLock()
+        with self._stepping, turn:
+            with self._arrivals:
+                self._step_turn = turn
+                calls = list(self._call_turns)
+            for call in calls:  # the calls that came before this step go first
+                with call:
+                    pass
+            # One inference mode for the whole step; buffers a step writes in place were
+            # allocated at setup, outside it.
+            with self._lock, torch.inference_mode(), made_current(self._device):
+                self._check_awake()  # here, under the lock: another thread may sleep() meanwhile
+                return run()
 
     @contextmanager
     def _cut_in(self) -> abc.Iterator[None]:
-        """Hold the engine for a call made outside the stepping loop. The lock alone is not
-        fair: a thread stepping in a loop takes it back at once, and an abort from another
-        thread could wait out the whole generation. So steps wait while such a call waits."""
-        with self._turns:
-            self._num_waiting += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._turns:
-                self._num_waiting -= 1
-                self._turns.notify_all()
+        """Hold the engine for a call made outside the stepping loop (or from on_step).
+        The lock alone is not fair: a thread stepping in a loop takes it back at once, and an
+        abort from another thread could wait out the whole generation. So calls and steps
+        take turns in the order they come (`_arrivals` orders them): a step waits for the
+        calls that came before it (`_step`), and a call for the step that came before it.
+        Calls back to back, from any number of threads, delay a step but never hold it off.
+        A turn is an RLock, passed at once by its own thread (a call from on_step passes its
+        step's; a step of a second stepping thread waits for `_stepping` before it comes, so
+        such a call never waits for it), and `with` gives it back however the call or step
+        ends: a Ctrl-C anywhere in one holds up no other, as nothing is counted that an
+        interrupt could leave uncounted. (One that lands
+        in contextlib's own code as the call takes or gives back the lock leaves this
+        generator suspended, holding both, until the interrupt's traceback is freed.)"""
+        turn = threading.RLock()
+        with turn:
+            try:
+                with self._arrivals:
+                    self._call_turns.add(turn)
+                    step = self._step_turn
+                with step:  # until the step that came before this call is done
+                    pass
+                with self._lock:
+                    yield
+            finally:
+                self._call_turns.discard(turn)
 
     def _step_locked(self) -> list[Request]:
         """Launch a step and finish one: without overlap the same step; with it, the step
