@@ -241,6 +241,12 @@ class DisaggregatedLLM:
         limit on waiting sequences (the server's --max-waiting) holds for both sides."""
         return self.decode.stats()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the pair can still serve: False once the prefill side is gone (its
+        process exited, seen now, or found dead before) or the decode engine is not alive."""
+        return self._dead is None and self._process.poll() is None and self.decode.alive
+
     def stats_by_side(self) -> dict[str | None, EngineStats]:
         """Each engine's counters: "prefill" (`prefill_stats`) and "decode" (`stats`); each
         has its own pool, prefix cache and tier."""

@@ -386,6 +386,12 @@ class LLM:
             self._check_awake()
             return self._stats()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine can still step: False once a tensor-parallel rank died or
+        failed (every step would raise RankFailed). Reads no device."""
+        return self.peers.alive
+
     def stats_by_side(self) -> dict[str | None, EngineStats]:
         """`stats()` of each engine this object runs, by its side of a disaggregated pair
         (DisaggregatedLLM: "prefill" and "decode"); one engine's under None."""

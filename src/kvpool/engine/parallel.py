@@ -194,6 +194,7 @@ class NoPeers:
     tensor-parallel worker (rank 0 sends the steps). Nothing to send or stop."""
 
     tp = ONE_RANK
+    alive = True  # no other process to lose
 
     def start(self, spec: WorkerSpec, cache: KVCache) -> None:
         pass
@@ -388,6 +389,13 @@ class TensorParallelGroup:
             return RankFailed(f"tensor-parallel rank(s) {ranks} alive but a collective got no "
                               f"answer within {self.timeout:g} s: {error}")
         return RankFailed(f"tensor-parallel rank 0 failed: {type(error).__name__}: {error}")
+
+    @property
+    def alive(self) -> bool:
+        """Whether every rank can still step: False once one failed (`failure`) or a worker
+        process exited, and after close()."""
+        return self.failure is None and not self.closed and all(
+            worker.is_alive() for worker in self.workers)
 
     def close(self) -> None:
         """Stop the workers (a STOP message, then a kill for any that does not exit within

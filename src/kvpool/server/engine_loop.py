@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 # How long stopping waits for the engine process to end by itself, then once terminated.
 STOP_SECONDS = 10.0
+# How often an idle engine checks that it can still serve (LLM.alive).
+IDLE_CHECK_SECONDS = 1.0
 
 
 class ServerBusy(Exception):
@@ -491,18 +493,21 @@ class _Engine:
 
     def run(self, commands: Connection) -> None:
         while not self._stopping:
-            busy = self.llm.has_unfinished()
-            if not busy or commands.poll():
-                self._run_commands(commands, block=not busy)
+            if commands.poll(0 if self.llm.has_unfinished() else IDLE_CHECK_SECONDS):
+                self._run_commands(commands)
+            elif not self.llm.has_unfinished() and not self.llm.alive:
+                # idle, so no request would meet it: a part of the engine that died (a
+                # tensor-parallel rank, a disaggregated pair's prefill side) ends it now
+                logger.error("the engine can serve no more (a part of it died while idle); "
+                             "its process ends")
+                self._stopping = True
             if self.llm.has_unfinished() and not self._stopping:
                 self._step()
 
-    def _run_commands(self, commands: Connection, *, block: bool) -> None:
-        """Run the commands queued (until one ends the loop: those after it are left to
-        the server, which fails them when the process has exited); when `block`, wait for
-        the first one."""
-        if block:
-            self._run(*commands.recv())
+    def _run_commands(self, commands: Connection) -> None:
+        """Run the commands queued, at least one (until one ends the loop: those after it
+        are left to the server, which fails them when the process has exited)."""
+        self._run(*commands.recv())
         while not self._stopping and commands.poll():
             self._run(*commands.recv())
 
