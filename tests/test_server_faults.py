@@ -333,8 +333,11 @@ def test_a_disaggregated_engine_whose_prefill_side_died_answers_503_as_exited(de
         body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2}
         assert http.post("/v1/completions", json=body).status_code == 200
         pid = server.on_engine(prefill_pid)
-        if when == "idle":  # no request meets it: the idle engine sees it
+        if when == "idle":  # no request meets it: a scrape, or the idle engine, sees it
             os.kill(pid, signal.SIGKILL)
+            scrape = http.get("/metrics")
+            assert scrape.status_code == 503 and scrape.json()["error"]["code"] == \
+                "engine_exited"
             until_exited(server, http)
         else:  # a request running on the decode side goes on until a new one is refused
             with http.stream("POST", "/v1/completions", json=LONG) as running:

@@ -121,7 +121,7 @@ class Server:
         """GET /metrics: Prometheus text, the engine read between two steps."""
         try:
             snapshots = await self.engine.call(_snapshot)
-        except EngineExited as e:
+        except (EngineExited, EngineDied) as e:  # EngineDied: the engine process then ends
             return _error(_exited(e))
         return Response(self.metrics.render(snapshots),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
