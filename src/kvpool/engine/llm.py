@@ -591,8 +591,7 @@ class LLM:
                 self._step_turn = turn
                 calls = list(self._call_turns)
             for call in calls:  # the calls that came before this step go first
-                with call:
-                    pass
+                _wait_for(call)
             # One inference mode for the whole step; buffers a step writes in place were
             # allocated at setup, outside it.
             with self._lock, torch.inference_mode(), made_current(self._device):
@@ -620,8 +619,7 @@ class LLM:
                 with self._arrivals:
                     self._call_turns.add(turn)
                     step = self._step_turn
-                with step:  # until the step that came before this call is done
-                    pass
+                _wait_for(step)  # the step that came before this call goes first
                 with self._lock:
                     yield
             finally:
@@ -930,3 +928,10 @@ class Sampled(NamedTuple):
     finite: torch.Tensor
     logprobs: SampledLogprobs | None
     failed: list[Request]
+
+
+def _wait_for(turn: threading.RLock) -> None:
+    """Return once the holder of `turn` (a step's or a call's) is done with it: take it and
+    give it back at once (at once too for this thread's own turn, an RLock)."""
+    with turn:
+        return
